@@ -1,0 +1,133 @@
+"""The contract every per-layer KV cache and every cache method implements.
+
+A *layer cache* is an immutable pytree (arrays are leaves, configuration is static metadata);
+every operation returns a new cache, so caches thread through `jax.jit`, `lax.scan` and `vmap`.
+A *cache method* is a frozen configuration that allocates layer caches with static shapes.
+
+Stored K/V layout is `[batch, kv_heads, tokens, head_dim]`; rows are compact: the valid tokens
+of row `b` sit in slots `[0, lengths[b])` (prompts of different lengths are right-aligned to
+slot 0, whatever padding the caller used). Keys are stored after RoPE at their original
+positions unless a method documents otherwise.
+"""
+
+import dataclasses
+from typing import Protocol, runtime_checkable
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCacheShape:
+  """What a cache method needs to know about the model it serves."""
+
+  num_layers: int
+  num_kv_heads: int
+  num_query_heads: int
+  head_dim: int
+  sliding_window: int | None = None
+
+  def __post_init__(self):
+    if self.num_query_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_query_heads={self.num_query_heads} must be a multiple of "
+          f"num_kv_heads={self.num_kv_heads}"
+      )
+
+  @property
+  def group_size(self) -> int:
+    return self.num_query_heads // self.num_kv_heads
+
+
+@runtime_checkable
+class LayerCache(Protocol):
+  """One decoder layer's cache."""
+
+  def ingest(
+      self,
+      keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated, compact rows
+      values: jax.Array,  # [batch, kv_heads, prompt, head_dim]
+      queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
+      lengths: jax.Array,  # int32 [batch]
+  ) -> "LayerCache":
+    """Stores a prompt (selection methods score tokens with `queries` here)."""
+    ...
+
+  def append(
+      self,
+      keys: jax.Array,  # [batch, kv_heads, head_dim]
+      values: jax.Array,  # [batch, kv_heads, head_dim]
+  ) -> "LayerCache":
+    """Stores one decode step's K/V after each row's last token."""
+    ...
+
+  def attend(
+      self,
+      queries: jax.Array,  # [batch, kv_heads, group, head_dim]
+      *,
+      sm_scale: float,
+  ) -> jax.Array:  # [batch, kv_heads, group, head_dim] float32
+    """Attention of one query position per row over everything the cache holds."""
+    ...
+
+  @property
+  def nbytes(self) -> int:
+    """Bytes of every array the cache really stores (codes, scales, indices, padding)."""
+    ...
+
+  @property
+  def stored_elements(self) -> int:
+    """K and V elements the cache represents at capacity (for effective bits per element)."""
+    ...
+
+
+class CacheMethod(Protocol):
+  """A frozen configuration that allocates one layer cache per decoder layer."""
+
+  def allocate(
+      self,
+      shape: ModelCacheShape,
+      layer: int,
+      *,
+      batch: int,
+      prompt_len: int,
+      max_new_tokens: int,
+      dtype,
+  ) -> LayerCache:
+    ...
+
+
+def allocate_model_cache(
+    method: CacheMethod,
+    shape: ModelCacheShape,
+    *,
+    batch: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    dtype,
+) -> tuple[LayerCache, ...]:
+  """One layer cache per decoder layer (layers may differ in static shape)."""
+  for name, value in (("batch", batch), ("prompt_len", prompt_len)):
+    if value < 1:
+      raise ValueError(f"{name}={value} must be >= 1")
+  if max_new_tokens < 0:
+    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+  return tuple(
+      method.allocate(
+          shape,
+          layer,
+          batch=batch,
+          prompt_len=prompt_len,
+          max_new_tokens=max_new_tokens,
+          dtype=dtype,
+      )
+      for layer in range(shape.num_layers)
+  )
+
+
+def tree_nbytes(tree) -> int:
+  """Bytes of all array leaves of a pytree."""
+  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def model_cache_nbytes(caches) -> int:
+  return sum(cache.nbytes for cache in caches)

@@ -1,0 +1,117 @@
+"""The full-precision cache: every token's K/V as computed (the baseline of every comparison)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import attention_dispatch
+from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
+from kvjax.method_registry import register_method
+from kvjax.compact_rows import write_token_at_lengths, zero_past_lengths
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DenseLayerCache:
+  keys: jax.Array  # [batch, kv_heads, capacity, head_dim]
+  values: jax.Array  # [batch, kv_heads, capacity, head_dim]
+  lengths: jax.Array  # int32 [batch]
+  implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+
+  @classmethod
+  def zeros(cls, *, batch, kv_heads, capacity, head_dim, dtype, implementation="auto"):
+    shape = (batch, kv_heads, capacity, head_dim)
+    return cls(
+        keys=jnp.zeros(shape, dtype),
+        values=jnp.zeros(shape, dtype),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        implementation=implementation,
+    )
+
+  @property
+  def capacity(self) -> int:
+    return self.keys.shape[2]
+
+  def ingest(self, keys, values, queries, lengths):
+    del queries  # a dense cache keeps every token
+    prompt_len = keys.shape[2]
+    if prompt_len > self.capacity:
+      raise ValueError(f"prompt of {prompt_len} tokens exceeds cache capacity {self.capacity}")
+    lengths = lengths.astype(jnp.int32)
+    return dataclasses.replace(
+        self,
+        keys=self.keys.at[:, :, :prompt_len].set(zero_past_lengths(keys, lengths).astype(self.keys.dtype)),
+        values=self.values.at[:, :, :prompt_len].set(
+            zero_past_lengths(values, lengths).astype(self.values.dtype)
+        ),
+        lengths=lengths,
+    )
+
+  def append(self, keys, values):
+    return dataclasses.replace(
+        self,
+        keys=write_token_at_lengths(self.keys, keys, self.lengths),
+        values=write_token_at_lengths(self.values, values, self.lengths),
+        lengths=self.lengths + 1,
+    )
+
+  def attend(self, queries, *, sm_scale):
+    out, _ = attention_dispatch.decode_attention(
+        queries,
+        self.keys,
+        self.values,
+        self.lengths,
+        sm_scale=sm_scale,
+        implementation=self.implementation,
+    )
+    return out
+
+  @property
+  def nbytes(self) -> int:
+    return tree_nbytes(self)
+
+  @property
+  def stored_elements(self) -> int:
+    return self.keys.size + self.values.size
+
+
+@register_method("full", kind="storage")
+@dataclasses.dataclass(frozen=True)
+class FullCache:
+  """Cache method `full`: every token in the cache dtype.
+
+  For a model with a sliding window shorter than the capacity, the full cache is the window's
+  ring buffer (`SlidingWindowLayerCache`): exactly what the model attends to, nothing more.
+  """
+
+  implementation: str = "auto"
+
+  def __post_init__(self):
+    attention_dispatch.check_implementation(self.implementation)
+
+  def allocate_storage(self, *, batch, kv_heads, capacity, head_dim, dtype) -> "DenseLayerCache":
+    """A cache of `capacity` slots (what selection methods store their survivors in)."""
+    return DenseLayerCache.zeros(
+        batch=batch, kv_heads=kv_heads, capacity=capacity, head_dim=head_dim, dtype=dtype,
+        implementation=self.implementation,
+    )
+
+  def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
+    del layer
+    capacity = prompt_len + max_new_tokens
+    if shape.sliding_window is not None and shape.sliding_window < capacity:
+      from kvjax.sliding_window_cache import SlidingWindowLayerCache
+
+      return SlidingWindowLayerCache.zeros(
+          batch=batch,
+          kv_heads=shape.num_kv_heads,
+          window=shape.sliding_window,
+          head_dim=shape.head_dim,
+          dtype=dtype,
+          implementation=self.implementation,
+      )
+    return self.allocate_storage(
+        batch=batch, kv_heads=shape.num_kv_heads, capacity=capacity, head_dim=shape.head_dim,
+        dtype=dtype,
+    )

@@ -1,0 +1,217 @@
+"""Generation: one jitted prefill, then decoding in a `lax.scan` inside jit.
+
+No Python loop per token and no host round-trip while decoding: stop tokens are handled on
+device (finished rows emit `pad_token_id` and stop changing).
+"""
+
+import collections
+import dataclasses
+import time
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache_protocol import CacheMethod, allocate_model_cache, model_cache_nbytes
+from kvjax.decoder_protocol import CachedDecoder
+from kvjax.dense_cache import FullCache
+from kvjax.prompt_batch import compact_padded_batch, pack_prompts
+from kvjax.sampling import SamplingConfig, sample_next_token
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+  tokens: np.ndarray  # int32 [batch, max_new_tokens]; pad after a row's stop token
+  num_generated: np.ndarray  # int32 [batch]: tokens up to and including the stop token
+  prompt_lengths: np.ndarray  # int32 [batch]
+  cache_bytes: int  # bytes the caches hold after decoding
+  compile_s: float
+  prefill_s: float
+  decode_s: float
+
+  @property
+  def decode_tokens_per_s(self) -> float:
+    steps = self.tokens.shape[0] * max(self.tokens.shape[1] - 1, 0)
+    return steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+  def token_lists(self) -> list[list[int]]:
+    return [row[:n].tolist() for row, n in zip(self.tokens, self.num_generated)]
+
+
+@partial(jax.jit, static_argnames=("decoder", "cache_method", "max_new_tokens", "cache_dtype"))
+def prefill(
+    decoder: CachedDecoder,
+    params: Any,
+    tokens: jax.Array,  # int32 [batch, prompt], right-padded
+    lengths: jax.Array,  # int32 [batch]
+    *,
+    cache_method: CacheMethod,
+    max_new_tokens: int,
+    cache_dtype,
+) -> tuple[jax.Array, tuple]:
+  """Allocates the caches and ingests the prompts: (last-token logits [batch, vocab], caches)."""
+  caches = allocate_model_cache(
+      cache_method,
+      decoder.cache_shape,
+      batch=tokens.shape[0],
+      prompt_len=tokens.shape[1],
+      max_new_tokens=max_new_tokens,
+      dtype=cache_dtype,
+  )
+  return decoder.prefill(params, tokens, lengths, caches)
+
+
+@partial(
+    jax.jit,
+    static_argnames=("decoder", "max_new_tokens", "sampling", "stop_token_ids", "pad_token_id"),
+)
+def decode(
+    decoder: CachedDecoder,
+    params: Any,
+    logits: jax.Array,  # [batch, vocab]: logits of the first new token
+    caches: tuple,
+    lengths: jax.Array,  # int32 [batch]: prompt lengths (position of the first new token)
+    key: jax.Array,
+    *,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    stop_token_ids: tuple[int, ...],
+    pad_token_id: int,
+) -> tuple[jax.Array, jax.Array, tuple]:
+  """(tokens [batch, max_new_tokens], num_generated [batch], caches)."""
+  stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
+
+  def choose(logits, finished, key):
+    token = sample_next_token(logits, key, sampling)
+    token = jnp.where(finished, pad_token_id, token)
+    return token, finished | jnp.isin(token, stop_ids)
+
+  def step(carry, key):
+    logits, caches, position, finished, count = carry
+    token, now_finished = choose(logits, finished, key)
+    count = count + (~finished).astype(jnp.int32)
+    logits, caches = decoder.decode_step(params, token, position, caches)
+    return (logits, caches, position + 1, now_finished, count), token
+
+  batch = logits.shape[0]
+  keys = jax.random.split(key, max_new_tokens)
+  carry = (logits, caches, lengths, jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32))
+  (logits, caches, _, finished, count), tokens = jax.lax.scan(step, carry, keys[:-1])
+  last, _ = choose(logits, finished, keys[-1])
+  count = count + (~finished).astype(jnp.int32)
+  tokens = jnp.concatenate([tokens.T, last[:, None]], axis=1)
+  return tokens, count, caches
+
+
+def _as_compact_batch(prompts, attention_mask, pad_token_id):
+  if attention_mask is not None:
+    return compact_padded_batch(np.asarray(prompts), attention_mask, pad_token_id=pad_token_id)
+  if isinstance(prompts, (np.ndarray, jax.Array)):
+    tokens = np.asarray(prompts, np.int32)
+    if tokens.ndim != 2:
+      raise ValueError(f"prompts array must be [batch, tokens]; got shape {tokens.shape}")
+    return tokens, np.full((tokens.shape[0],), tokens.shape[1], np.int32)
+  return pack_prompts(prompts, pad_token_id=pad_token_id)
+
+
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+_MAX_COMPILED = 16
+
+
+def _signature(tree) -> tuple:
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves)
+
+
+def _compiled_executables(decoder, params, tokens, lengths, key, prefill_static, decode_static):
+  """Ahead-of-time compiled prefill and decode, memoised on everything that shapes them."""
+  signature = (
+      decoder,
+      _signature(params),
+      tokens.shape,
+      _signature(key),
+      tuple(sorted((k, v) for k, v in prefill_static.items() if k != "cache_dtype")),
+      jnp.dtype(prefill_static["cache_dtype"]).name,
+      tuple(sorted(decode_static.items())),
+  )
+  if signature not in _COMPILED:
+    prefill_compiled = prefill.lower(decoder, params, tokens, lengths, **prefill_static).compile()
+    logits_shape, caches_shape = jax.eval_shape(
+        lambda: prefill(decoder, params, tokens, lengths, **prefill_static)
+    )
+    decode_compiled = decode.lower(
+        decoder, params, logits_shape, caches_shape, lengths, key, **decode_static
+    ).compile()
+    _COMPILED[signature] = (prefill_compiled, decode_compiled)
+    if len(_COMPILED) > _MAX_COMPILED:
+      _COMPILED.popitem(last=False)
+  _COMPILED.move_to_end(signature)
+  return _COMPILED[signature]
+
+
+def _timed(fn, *args, **kwargs):
+  start = time.perf_counter()
+  out = jax.block_until_ready(fn(*args, **kwargs))
+  return out, time.perf_counter() - start
+
+
+def generate(
+    decoder: CachedDecoder,
+    params: Any,
+    prompts: Sequence[Sequence[int]] | np.ndarray,
+    *,
+    max_new_tokens: int,
+    attention_mask: np.ndarray | None = None,
+    cache_method: CacheMethod = FullCache(),
+    cache_dtype=jnp.bfloat16,
+    sampling: SamplingConfig = SamplingConfig(),
+    stop_token_ids: Sequence[int] = (),
+    pad_token_id: int = 0,
+    key: jax.Array | None = None,
+    max_cache_tokens: int | None = None,
+) -> GenerateResult:
+  """Generates up to `max_new_tokens` tokens for each prompt.
+
+  `prompts`: token lists of any lengths, or a `[batch, tokens]` array (with a Hugging Face
+  style `attention_mask` when it is left- or right-padded). `key` is required when sampling.
+  `max_cache_tokens` (e.g. the model's context length) bounds prompt + new tokens.
+  Compilation happens ahead of time, so `compile_s` and the run times are measured apart.
+  """
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+  if not sampling.greedy and key is None:
+    raise ValueError("key is required when sampling (temperature > 0)")
+  key = jax.random.key(0) if key is None else key
+  tokens, lengths = _as_compact_batch(prompts, attention_mask, pad_token_id)
+  if max_cache_tokens is not None and tokens.shape[1] + max_new_tokens > max_cache_tokens:
+    raise ValueError(
+        f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+        f"max_cache_tokens={max_cache_tokens}"
+    )
+  prefill_static = dict(cache_method=cache_method, max_new_tokens=max_new_tokens, cache_dtype=cache_dtype)
+  decode_static = dict(
+      max_new_tokens=max_new_tokens,
+      sampling=sampling,
+      stop_token_ids=tuple(int(t) for t in stop_token_ids),
+      pad_token_id=pad_token_id,
+  )
+  compile_start = time.perf_counter()
+  prefill_compiled, decode_compiled = _compiled_executables(
+      decoder, params, tokens, lengths, key, prefill_static, decode_static
+  )
+  compile_s = time.perf_counter() - compile_start
+
+  (logits, caches), prefill_s = _timed(prefill_compiled, params, tokens, lengths)
+  (out_tokens, count, caches), decode_s = _timed(decode_compiled, params, logits, caches, lengths, key)
+  return GenerateResult(
+      tokens=np.asarray(out_tokens),
+      num_generated=np.asarray(count),
+      prompt_lengths=lengths,
+      cache_bytes=model_cache_nbytes(caches),
+      compile_s=compile_s,
+      prefill_s=prefill_s,
+      decode_s=decode_s,
+  )

@@ -1,0 +1,45 @@
+"""Turning prompts of different lengths into the compact (right-padded) rows caches store."""
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def pack_prompts(
+    prompts: Sequence[Sequence[int]], *, pad_token_id: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+  """Ragged token lists -> (tokens int32 [batch, longest] right-padded, lengths int32 [batch])."""
+  if len(prompts) == 0:
+    raise ValueError("prompts must hold at least one prompt")
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  if lengths.min() < 1:
+    raise ValueError(f"every prompt needs at least one token; got lengths {lengths.tolist()}")
+  tokens = np.full((len(prompts), lengths.max()), pad_token_id, np.int32)
+  for row, prompt in enumerate(prompts):
+    tokens[row, : len(prompt)] = prompt
+  return tokens, lengths
+
+
+def compact_padded_batch(
+    tokens: np.ndarray,  # int [batch, tokens], left- or right-padded
+    attention_mask: np.ndarray,  # {0, 1} [batch, tokens]; 1 marks real tokens
+    *,
+    pad_token_id: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+  """A padded batch with a Hugging Face style mask -> compact rows and their lengths.
+
+  Real tokens of each row must be contiguous (left padding, right padding, or none).
+  """
+  tokens = np.asarray(tokens)
+  mask = np.asarray(attention_mask).astype(bool)
+  if tokens.shape != mask.shape or tokens.ndim != 2:
+    raise ValueError(
+        f"tokens {tokens.shape} and attention_mask {mask.shape} must both be [batch, tokens]"
+    )
+  rows = []
+  for row, (ids, keep) in enumerate(zip(tokens, mask)):
+    real = np.flatnonzero(keep)
+    if real.size == 0 or real[-1] - real[0] + 1 != real.size:
+      raise ValueError(f"attention_mask row {row} must mark one contiguous, non-empty run of tokens")
+    rows.append(ids[real].tolist())
+  return pack_prompts(rows, pad_token_id=pad_token_id)

@@ -1,0 +1,88 @@
+"""Ring-buffer cache of a sliding-window model (Mistral): only the last `window` tokens exist.
+
+Token at position p lives in slot `p % window`. Keys are stored rotated at their original
+positions, and attention does not depend on slot order, so the ring needs no re-ordering.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import attention_dispatch
+from kvjax.cache_protocol import tree_nbytes
+from kvjax.compact_rows import write_token_at_lengths
+
+
+def ring_source_positions(lengths: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
+  """For each ring slot, the prompt position it holds after ingesting `lengths` tokens.
+
+  Returns `(positions [batch, window], valid [batch, window])`: slot s holds the latest
+  position p < length with p % window == s.
+  """
+  slots = jnp.arange(window)[None, :]
+  last = lengths[:, None] - 1
+  positions = last - jnp.mod(last - slots, window)
+  return jnp.maximum(positions, 0), positions >= 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlidingWindowLayerCache:
+  keys: jax.Array  # [batch, kv_heads, window, head_dim]
+  values: jax.Array  # [batch, kv_heads, window, head_dim]
+  lengths: jax.Array  # int32 [batch]: tokens seen so far (may exceed the window)
+  implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+
+  @classmethod
+  def zeros(cls, *, batch, kv_heads, window, head_dim, dtype, implementation="auto"):
+    shape = (batch, kv_heads, window, head_dim)
+    return cls(
+        keys=jnp.zeros(shape, dtype),
+        values=jnp.zeros(shape, dtype),
+        lengths=jnp.zeros((batch,), jnp.int32),
+        implementation=implementation,
+    )
+
+  @property
+  def window(self) -> int:
+    return self.keys.shape[2]
+
+  def ingest(self, keys, values, queries, lengths):
+    del queries
+    lengths = lengths.astype(jnp.int32)
+    positions, valid = ring_source_positions(lengths, self.window)
+
+    def gather(x):
+      taken = jnp.take_along_axis(x, positions[:, None, :, None], axis=2)
+      return jnp.where(valid[:, None, :, None], taken, 0).astype(self.keys.dtype)
+
+    return dataclasses.replace(self, keys=gather(keys), values=gather(values), lengths=lengths)
+
+  def append(self, keys, values):
+    slot = jnp.mod(self.lengths, self.window)
+    return dataclasses.replace(
+        self,
+        keys=write_token_at_lengths(self.keys, keys, slot),
+        values=write_token_at_lengths(self.values, values, slot),
+        lengths=self.lengths + 1,
+    )
+
+  def attend(self, queries, *, sm_scale):
+    out, _ = attention_dispatch.decode_attention(
+        queries,
+        self.keys,
+        self.values,
+        jnp.minimum(self.lengths, self.window),
+        sm_scale=sm_scale,
+        implementation=self.implementation,
+    )
+    return out
+
+  @property
+  def nbytes(self) -> int:
+    return tree_nbytes(self)
+
+  @property
+  def stored_elements(self) -> int:
+    return self.keys.size + self.values.size

@@ -1,0 +1,1 @@
+"""Flax NNX Llama-family decoders (Llama, SmolLM, Mistral) and offline weight/tokenizer loading."""

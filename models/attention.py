@@ -1,0 +1,66 @@
+"""Grouped-query self-attention whose K/V live in a kvjax layer cache passed in and returned."""
+
+import jax
+import jax.numpy as jnp
+from einops import rearrange
+from flax import nnx
+
+from kvjax.prefill_attention import causal_prompt_attention
+from models.config import DecoderConfig
+from models.rope import apply_rope, rope_inverse_frequencies
+
+
+class CachedAttention(nnx.Module):
+  def __init__(self, config: DecoderConfig, *, dtype, rngs: nnx.Rngs):
+    self.num_heads = config.num_heads
+    self.num_kv_heads = config.num_kv_heads
+    self.head_dim = config.head_dim
+    self.sliding_window = config.sliding_window
+    self.sm_scale = config.head_dim**-0.5
+    self.rope = (config.head_dim, config.rope_theta, config.rope_scaling)
+    linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    self.q_proj = linear(config.hidden_size, config.num_heads * config.head_dim)
+    self.k_proj = linear(config.hidden_size, config.num_kv_heads * config.head_dim)
+    self.v_proj = linear(config.hidden_size, config.num_kv_heads * config.head_dim)
+    self.o_proj = linear(config.num_heads * config.head_dim, config.hidden_size)
+
+  def _project(self, x, positions):
+    inv_freq = rope_inverse_frequencies(*self.rope)  # a trace-time constant
+    q = self.q_proj(x).reshape(*x.shape[:2], self.num_heads, self.head_dim)
+    k = self.k_proj(x).reshape(*x.shape[:2], self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x).reshape(*x.shape[:2], self.num_kv_heads, self.head_dim)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    # Query head h*group + g reads KV head h (the grouping of the reference implementation).
+    q = rearrange(q, "b t (h g) d -> b h g t d", h=self.num_kv_heads)
+    k = rearrange(k, "b t h d -> b h t d")
+    v = rearrange(v, "b t h d -> b h t d")
+    return q, k, v
+
+  def _output(self, attended, dtype):  # attended: [b, h, g, t, d]
+    return self.o_proj(rearrange(attended, "b h g t d -> b t (h g d)").astype(dtype))
+
+  def prefill(
+      self,
+      x: jax.Array,  # [batch, prompt, hidden]
+      lengths: jax.Array,  # int32 [batch]; rows are compact (padding after the length)
+      cache,
+  ):
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+    q, k, v = self._project(x, positions)
+    attended = causal_prompt_attention(
+        q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window
+    )
+    cache = cache.ingest(k, v, q, lengths)
+    return self._output(attended, x.dtype), cache
+
+  def decode(
+      self,
+      x: jax.Array,  # [batch, 1, hidden]
+      positions: jax.Array,  # int32 [batch]
+      cache,
+  ):
+    q, k, v = self._project(x, positions[:, None])
+    cache = cache.append(k[:, :, 0], v[:, :, 0])
+    attended = cache.attend(q[:, :, :, 0], sm_scale=self.sm_scale)
+    return self._output(attended[:, :, :, None], x.dtype), cache

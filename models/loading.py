@@ -1,0 +1,43 @@
+"""One call from a model name or path to a ready decoder, its parameters and its tokenizer."""
+
+import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+
+from models.config import DecoderConfig
+from models.nnx_decoder import NNXCachedDecoder, split_decoder
+from models.registry import load_tokenizer, read_checkpoint, resolve_model_path
+from models.tokenizer import Tokenizer
+from models.weights import decoder_from_tensors
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+  name: str
+  config: DecoderConfig
+  decoder: NNXCachedDecoder
+  params: nnx.State
+  tokenizer: Tokenizer
+
+  @property
+  def stop_token_ids(self) -> tuple[int, ...]:
+    return tuple(sorted(set(self.tokenizer.stop_ids) | set(self.config.eos_token_ids)))
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype=jnp.float32) -> LoadedModel:
+  """Loads a GGUF file, a Hugging Face checkpoint directory, or a short name (`smollm2-135m`)."""
+  path = resolve_model_path(name_or_path)
+  checkpoint = read_checkpoint(name_or_path)
+  config = DecoderConfig.from_hf_dict(checkpoint.config)
+  model = decoder_from_tensors(config, checkpoint.tensors, dtype=dtype, source=str(path))
+  decoder, params = split_decoder(model)
+  return LoadedModel(
+      name=str(name_or_path),
+      config=config,
+      decoder=decoder,
+      params=params,
+      tokenizer=load_tokenizer(name_or_path),
+  )

@@ -1,0 +1,30 @@
+"""Adapts an NNX `Decoder` to kvjax's pure `CachedDecoder` protocol (graphdef static, state as params)."""
+
+import dataclasses
+
+from flax import nnx
+
+from kvjax.cache_protocol import ModelCacheShape
+from models.decoder import Decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class NNXCachedDecoder:
+  graphdef: nnx.GraphDef
+  cache_shape: ModelCacheShape
+
+  def prefill(self, params, tokens, lengths, caches):
+    return nnx.merge(self.graphdef, params).prefill(tokens, lengths, caches)
+
+  def prefill_all_logits(self, params, tokens, lengths, caches):
+    """Like `prefill`, with logits at every prompt position [batch, prompt, vocab]."""
+    return nnx.merge(self.graphdef, params).prefill(tokens, lengths, caches, all_logits=True)
+
+  def decode_step(self, params, tokens, positions, caches):
+    return nnx.merge(self.graphdef, params).decode_step(tokens, positions, caches)
+
+
+def split_decoder(model: Decoder) -> tuple[NNXCachedDecoder, nnx.State]:
+  """(the pure decoder for kvjax.generate, its parameters)."""
+  graphdef, params = nnx.split(model)
+  return NNXCachedDecoder(graphdef, model.cache_shape), params
