@@ -11,9 +11,11 @@ positions unless a method documents otherwise.
 """
 
 import dataclasses
+import math
 from typing import Protocol, runtime_checkable
 
 import jax
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +127,11 @@ def allocate_model_cache(
 
 
 def tree_nbytes(tree) -> int:
-  """Bytes of all array leaves of a pytree."""
-  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(tree))
+  """Bytes of all array leaves of a pytree (concrete arrays or `jax.eval_shape` structs)."""
+  return sum(
+      math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+      for leaf in jax.tree_util.tree_leaves(tree)
+  )
 
 
 def model_cache_nbytes(caches) -> int:

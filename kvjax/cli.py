@@ -80,10 +80,98 @@ def run_generate(args) -> int:
   return 0
 
 
+DEFAULT_COMPARE_METHODS = (
+    "full",
+    "kivi:bits=4",
+    "kivi:bits=2",
+    "gear:bits=2",
+    "streaming:ratio=0.25",
+    "snapkv:ratio=0.25",
+    "pyramidkv:ratio=0.25",
+    "pyramidkv:ratio=0.25+kivi:bits=4",
+)
+
+
+def _add_compare(subparsers):
+  p = subparsers.add_parser(
+      "compare", help="measure cache methods against the full cache (memory, quality, speed)"
+  )
+  p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file or HF directory")
+  p.add_argument(
+      "--methods", nargs="+", default=None,
+      help="method specs, e.g. full kivi:bits=2 snapkv:budget=256 pyramidkv:budget=256+kivi:bits=4 "
+      f"(default: {' '.join(DEFAULT_COMPARE_METHODS)}; those not registered are skipped)",
+  )
+  p.add_argument("--tasks", default="ppl,kl,passkey,speed", help="comma list of ppl,kl,passkey,passkey_agnostic,speed")
+  p.add_argument("--context-len", type=int, default=1024)
+  p.add_argument("--continuation-len", type=int, default=256)
+  p.add_argument("--text", default=None, help="UTF-8 text file (default: CPython pydoc topics)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--num-samples", type=int, default=2, help="text windows, and needles per depth")
+  p.add_argument("--cache-dtype", default="bfloat16", help="bfloat16|float16|float32")
+  p.add_argument("--implementation", default="auto", help="attention: auto|pallas|reference|interpret")
+  p.add_argument("--out", default="results/compare", help="output directory")
+  p.set_defaults(run=run_compare)
+
+
+def run_compare(args) -> int:
+  import pathlib
+  import platform
+  import time
+
+  import jax
+
+  from kvjax.eval.compare import CompareConfig, compare_methods
+  from kvjax.eval.report import format_table, write_results
+  from kvjax.eval.text_corpus import load_text
+  from kvjax.method_registry import METHODS
+  from kvjax.method_spec import parse_method_spec
+
+  start = time.perf_counter()
+  config = CompareConfig(
+      tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+      context_len=args.context_len,
+      continuation_len=args.continuation_len,
+      num_samples=args.num_samples,
+      seed=args.seed,
+      cache_dtype=args.cache_dtype,
+      implementation=args.implementation,
+  )
+  if args.methods is None:
+    specs = [s for s in DEFAULT_COMPARE_METHODS if all(p.split(":")[0] in METHODS for p in s.split("+"))]
+  else:
+    specs = args.methods
+  for spec in specs:  # every spec is checked before the model loads
+    parse_method_spec(spec, implementation=args.implementation)
+  text = load_text(args.text)
+  from models.loading import load_model
+
+  loaded = load_model(args.model)
+  records = compare_methods(
+      loaded.decoder, loaded.params, loaded.tokenizer, specs, text=text, config=config,
+      pad_token_id=loaded.stop_token_ids[0] if loaded.stop_token_ids else 0,
+      max_context=loaded.config.max_position_embeddings,
+  )
+  wall = time.perf_counter() - start
+  machine = f"{platform.machine()} {platform.processor() or ''} ({jax.devices()[0].device_kind}, {jax.default_backend()})"
+  header = (
+      f"model {args.model}, context {config.context_len} tokens, continuation {config.continuation_len}, "
+      f"{config.num_samples} samples, cache dtype {config.cache_dtype}, seed {config.seed}; "
+      f"{machine}; jax {jax.__version__}; wall {wall:.0f}s"
+  )
+  out = pathlib.Path(args.out)
+  write_results(records, out, header=header)
+  print(header)
+  print(format_table(records))
+  print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'quality_vs_memory.png'}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="kvjax", description=__doc__)
   subparsers = parser.add_subparsers(dest="command", required=True)
   _add_generate(subparsers)
+  _add_compare(subparsers)
   return parser
 
 

@@ -1,7 +1,8 @@
-"""Generation: one jitted prefill, then decoding in a `lax.scan` inside jit.
+"""Generation: one jitted prefill, then decoding in a `lax.while_loop` inside jit.
 
 No Python loop per token and no host round-trip while decoding: stop tokens are handled on
-device (finished rows emit `pad_token_id` and stop changing).
+device (finished rows emit `pad_token_id` and stop changing; the loop ends when all rows
+have stopped).
 """
 
 import collections
@@ -31,11 +32,13 @@ class GenerateResult:
   compile_s: float
   prefill_s: float
   decode_s: float
+  decode_steps: int  # decode forward passes run (fewer than max_new_tokens - 1 if all rows stopped)
 
   @property
   def decode_tokens_per_s(self) -> float:
-    steps = self.tokens.shape[0] * max(self.tokens.shape[1] - 1, 0)
-    return steps / self.decode_s if self.decode_s > 0 else float("nan")
+    """Tokens decoded per second, summed over the batch (every row runs every step)."""
+    tokens = self.tokens.shape[0] * self.decode_steps
+    return tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
   def token_lists(self) -> list[list[int]]:
     return [row[:n].tolist() for row, n in zip(self.tokens, self.num_generated)]
@@ -80,30 +83,40 @@ def decode(
     sampling: SamplingConfig,
     stop_token_ids: tuple[int, ...],
     pad_token_id: int,
-) -> tuple[jax.Array, jax.Array, tuple]:
-  """(tokens [batch, max_new_tokens], num_generated [batch], caches)."""
+) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
+  """(tokens [batch, max_new_tokens], num_generated [batch], caches, decode steps run).
+
+  A `while_loop` on device: it ends after `max_new_tokens` tokens or as soon as every row
+  has emitted a stop token, whichever comes first.
+  """
   stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
-
-  def choose(logits, finished, key):
-    token = sample_next_token(logits, key, sampling)
-    token = jnp.where(finished, pad_token_id, token)
-    return token, finished | jnp.isin(token, stop_ids)
-
-  def step(carry, key):
-    logits, caches, position, finished, count = carry
-    token, now_finished = choose(logits, finished, key)
-    count = count + (~finished).astype(jnp.int32)
-    logits, caches = decoder.decode_step(params, token, position, caches)
-    return (logits, caches, position + 1, now_finished, count), token
-
   batch = logits.shape[0]
   keys = jax.random.split(key, max_new_tokens)
-  carry = (logits, caches, lengths, jnp.zeros((batch,), bool), jnp.zeros((batch,), jnp.int32))
-  (logits, caches, _, finished, count), tokens = jax.lax.scan(step, carry, keys[:-1])
-  last, _ = choose(logits, finished, keys[-1])
-  count = count + (~finished).astype(jnp.int32)
-  tokens = jnp.concatenate([tokens.T, last[:, None]], axis=1)
-  return tokens, count, caches
+
+  def choose(index, logits, finished, tokens, count):
+    token = sample_next_token(logits, keys[index], sampling)
+    token = jnp.where(finished, pad_token_id, token)
+    tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, index, axis=1)
+    count = count + (~finished).astype(jnp.int32)
+    return token, finished | jnp.isin(token, stop_ids), tokens, count
+
+  def more(state):
+    index, _, _, finished, _, _ = state
+    return (index < max_new_tokens - 1) & ~jnp.all(finished)
+
+  def step(state):
+    index, logits, caches, finished, tokens, count = state
+    token, finished, tokens, count = choose(index, logits, finished, tokens, count)
+    logits, caches = decoder.decode_step(params, token, lengths + index, caches)
+    return index + 1, logits, caches, finished, tokens, count
+
+  state = (
+      jnp.int32(0), logits, caches, jnp.zeros((batch,), bool),
+      jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32), jnp.zeros((batch,), jnp.int32),
+  )
+  steps, logits, caches, finished, tokens, count = jax.lax.while_loop(more, step, state)
+  _, _, tokens, count = choose(steps, logits, finished, tokens, count)
+  return tokens, count, caches, steps
 
 
 def _as_compact_batch(prompts, attention_mask, pad_token_id):
@@ -123,7 +136,7 @@ _MAX_COMPILED = 16
 
 def _signature(tree) -> tuple:
   leaves, treedef = jax.tree_util.tree_flatten(tree)
-  return treedef, tuple((np.shape(x), np.result_type(x)) for x in leaves)
+  return treedef, tuple((jnp.shape(x), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
 
 
 def _compiled_executables(decoder, params, tokens, lengths, key, prefill_static, decode_static):
@@ -205,7 +218,9 @@ def generate(
   compile_s = time.perf_counter() - compile_start
 
   (logits, caches), prefill_s = _timed(prefill_compiled, params, tokens, lengths)
-  (out_tokens, count, caches), decode_s = _timed(decode_compiled, params, logits, caches, lengths, key)
+  (out_tokens, count, caches, steps), decode_s = _timed(
+      decode_compiled, params, logits, caches, lengths, key
+  )
   return GenerateResult(
       tokens=np.asarray(out_tokens),
       num_generated=np.asarray(count),
@@ -214,4 +229,5 @@ def generate(
       compile_s=compile_s,
       prefill_s=prefill_s,
       decode_s=decode_s,
+      decode_steps=int(steps),
   )

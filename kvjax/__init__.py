@@ -1,0 +1,44 @@
+"""kvjax: KV-cache compression for decoder LLMs in JAX, with Pallas decode kernels.
+
+    import kvjax
+    method = kvjax.parse_method_spec("pyramidkv:budget=256+kivi:bits=4")
+    result = kvjax.generate(decoder, params, prompts, max_new_tokens=64, cache_method=method)
+
+`decoder` is anything implementing `kvjax.CachedDecoder` (the bundled Flax models in `models`
+do: `models.loading.load_model("smollm2-135m")`).
+"""
+
+from kvjax.cache_protocol import (
+    CacheMethod,
+    LayerCache,
+    ModelCacheShape,
+    allocate_model_cache,
+    model_cache_nbytes,
+)
+from kvjax.decoder_protocol import CachedDecoder
+from kvjax.dense_cache import DenseLayerCache, FullCache
+from kvjax.generate import GenerateResult, decode, generate, prefill
+from kvjax.method_registry import METHODS
+from kvjax.method_spec import describe_method, parse_method_spec
+from kvjax.sampling import SamplingConfig
+from kvjax.sliding_window_cache import SlidingWindowLayerCache
+
+__all__ = [
+    "CacheMethod",
+    "CachedDecoder",
+    "DenseLayerCache",
+    "FullCache",
+    "GenerateResult",
+    "LayerCache",
+    "METHODS",
+    "ModelCacheShape",
+    "SamplingConfig",
+    "SlidingWindowLayerCache",
+    "allocate_model_cache",
+    "decode",
+    "describe_method",
+    "generate",
+    "model_cache_nbytes",
+    "parse_method_spec",
+    "prefill",
+]

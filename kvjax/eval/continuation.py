@@ -1,0 +1,61 @@
+"""Continuation scoring through a compressed cache: perplexity and KL to the full cache.
+
+The context's cache is built (and compressed) by the method at prefill; the continuation is
+then teacher-forced one decode step at a time through that cache, as generation would use it.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.generate import prefill
+from kvjax.teacher_forcing import teacher_force
+
+
+def sample_text_windows(
+    token_ids: np.ndarray, *, window: int, count: int, seed: int
+) -> np.ndarray:  # int32 [count, window]
+  """`count` non-overlapping windows of `window` tokens at seeded random offsets."""
+  slots = len(token_ids) // window
+  if slots < count:
+    raise ValueError(
+        f"the text has {len(token_ids)} tokens: too short for {count} windows of {window} tokens "
+        "(lower --num-samples or --context-len, or give a longer --text)"
+    )
+  chosen = np.sort(np.random.default_rng(seed).choice(slots, size=count, replace=False))
+  return np.stack([token_ids[s * window : (s + 1) * window] for s in chosen]).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContinuationScores:
+  logprobs: np.ndarray  # float32 [samples, continuation, vocab]
+  targets: np.ndarray  # int32 [samples, continuation]
+
+  @property
+  def target_logprobs(self) -> np.ndarray:  # [samples, continuation]
+    return np.take_along_axis(self.logprobs, self.targets[..., None], axis=-1)[..., 0]
+
+  @property
+  def perplexity(self) -> float:
+    return float(np.exp(-self.target_logprobs.mean()))
+
+  def kl_from(self, reference: "ContinuationScores") -> float:
+    """Mean over positions of KL(reference || self) of the next-token distributions."""
+    p_log = reference.logprobs.astype(np.float64)
+    q_log = self.logprobs.astype(np.float64)
+    return float(np.mean(np.sum(np.exp(p_log) * (p_log - q_log), axis=-1)))
+
+
+def score_continuation(
+    decoder, params, cache_method, windows: np.ndarray, *, context_len: int, cache_dtype=jnp.bfloat16
+) -> ContinuationScores:
+  """Compress the first `context_len` tokens of each window, score the rest through the cache."""
+  context, continuation = windows[:, :context_len], windows[:, context_len:]
+  lengths = np.full((windows.shape[0],), context_len, np.int32)
+  logits, caches = prefill(
+      decoder, params, context, lengths,
+      cache_method=cache_method, max_new_tokens=continuation.shape[1], cache_dtype=cache_dtype,
+  )
+  logprobs, _, _ = teacher_force(decoder, params, logits, caches, lengths, continuation)
+  return ContinuationScores(np.asarray(logprobs, np.float32), continuation)

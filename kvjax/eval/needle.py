@@ -1,0 +1,115 @@
+"""Needle retrieval: a 5-digit number hidden at a depth of a filler context, asked for at the end.
+
+The wording is RULER's single needle (DESIGN.md): on SmolLM2-135M the full cache finds it at
+every depth at 1k-2k tokens, so a loss is the compression's doing. Two settings:
+- query-aware: the question is part of the prompt whose cache is compressed (SnapKV's setting);
+- query-agnostic: the context is compressed first and the question is fed afterwards through
+  the compressed cache (the setting of a reused cache).
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.generate import decode, prefill
+from kvjax.prompt_batch import pack_prompts
+from kvjax.sampling import SamplingConfig
+from kvjax.teacher_forcing import teacher_force
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+INSTRUCTION = (
+    "A special magic number is hidden within the following text. Make sure to memorize it. "
+    "I will quiz you about the number afterwards.\n"
+)
+NEEDLE = "One of the special magic numbers for apple is: {key}. "
+QUESTION = "\nWhat is the special magic number for apple mentioned in the provided text?"
+ANSWER_PREFIX = "The special magic number for apple mentioned in the provided text is"
+DEPTHS = (0.1, 0.5, 0.9)
+ANSWER_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class NeedlePrompt:
+  context_ids: list[int]  # chat prefix + instruction + filler with the needle
+  question_ids: list[int]  # question + end of turn + the started answer
+  key: str
+  depth: float
+
+
+def _filler_units_for(tokenizer, context_len: int, overhead: int) -> int:
+  per_unit = len(tokenizer.encode(FILLER * 16)) / 16
+  return max(1, int((context_len - overhead) / per_unit))
+
+
+def build_needle_prompts(
+    tokenizer, *, context_len: int, num_samples: int, seed: int, depths=DEPTHS
+) -> list[NeedlePrompt]:
+  """`num_samples` prompts per depth of about `context_len` tokens, keys drawn from `seed`."""
+  rng = np.random.default_rng(seed)
+  chat = tokenizer.apply_chat_template(
+      [{"role": "user", "content": "\x00"}], add_generation_prompt=True
+  )
+  chat_prefix, chat_suffix = chat.split("\x00")
+  question_text = QUESTION + chat_suffix + ANSWER_PREFIX
+  overhead = len(tokenizer.encode(chat_prefix + INSTRUCTION + NEEDLE.format(key="12345")))
+  overhead += len(tokenizer.encode(question_text))
+  units = _filler_units_for(tokenizer, context_len, overhead)
+  prompts = []
+  for depth in depths:
+    for _ in range(num_samples):
+      key = str(rng.integers(10000, 100000))
+      before = int(round(units * depth))
+      haystack = FILLER * before + NEEDLE.format(key=key) + FILLER * (units - before)
+      prompts.append(NeedlePrompt(
+          context_ids=tokenizer.encode(chat_prefix + INSTRUCTION + haystack.rstrip()),
+          question_ids=tokenizer.encode(question_text),
+          key=key,
+          depth=depth,
+      ))
+  return prompts
+
+
+def answer_has_key(answer: str, key: str) -> bool:
+  """The first number in the answer is the key (digits may come with spaces or a colon)."""
+  digits = re.findall(r"\d+", answer.replace(" ", ""))
+  return bool(digits) and digits[0] == key
+
+
+def run_needle(
+    decoder, params, tokenizer, cache_method, prompts: list[NeedlePrompt], *,
+    query_aware: bool, cache_dtype=jnp.bfloat16, pad_token_id: int = 0,
+) -> dict:
+  """Greedy answers for all prompts in one batch; accuracy overall and per depth."""
+  greedy = SamplingConfig()
+  if query_aware:
+    tokens, lengths = pack_prompts([p.context_ids + p.question_ids for p in prompts], pad_token_id=pad_token_id)
+    logits, caches = prefill(
+        decoder, params, tokens, lengths,
+        cache_method=cache_method, max_new_tokens=ANSWER_TOKENS, cache_dtype=cache_dtype,
+    )
+  else:
+    question_len = len(prompts[0].question_ids)
+    if any(len(p.question_ids) != question_len for p in prompts):
+      raise ValueError("query-agnostic needle prompts must share one question")
+    tokens, lengths = pack_prompts([p.context_ids for p in prompts], pad_token_id=pad_token_id)
+    logits, caches = prefill(
+        decoder, params, tokens, lengths,
+        cache_method=cache_method, max_new_tokens=question_len + ANSWER_TOKENS, cache_dtype=cache_dtype,
+    )
+    question = np.array([p.question_ids for p in prompts], np.int32)
+    _, logits, caches = teacher_force(decoder, params, logits, caches, lengths, question)
+    lengths = lengths + question_len
+  answers, _, _, _ = decode(
+      decoder, params, logits, caches, lengths, jax.random.key(0),
+      max_new_tokens=ANSWER_TOKENS, sampling=greedy, stop_token_ids=(), pad_token_id=pad_token_id,
+  )
+  texts = [tokenizer.decode(np.asarray(row).tolist()) for row in answers]
+  hits = [answer_has_key(text, p.key) for text, p in zip(texts, prompts)]
+  by_depth = {}
+  for depth in sorted({p.depth for p in prompts}):
+    depth_hits = [h for h, p in zip(hits, prompts) if p.depth == depth]
+    by_depth[str(depth)] = sum(depth_hits) / len(depth_hits)
+  return dict(accuracy=sum(hits) / len(hits), by_depth=by_depth, answers=texts)

@@ -1,0 +1,37 @@
+"""Feeding known tokens through a (compressed) cache one decode step at a time.
+
+This is how evaluation scores a continuation *through the compressed cache*, and how a
+question is appended after a context was compressed (the query-agnostic setting).
+"""
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.decoder_protocol import CachedDecoder
+
+
+@partial(jax.jit, static_argnames=("decoder",))
+def teacher_force(
+    decoder: CachedDecoder,
+    params: Any,
+    first_logits: jax.Array,  # [batch, vocab]: prediction for forced[:, 0]
+    caches: tuple,
+    lengths: jax.Array,  # int32 [batch]: position of forced[:, 0]
+    forced: jax.Array,  # int32 [batch, steps]
+) -> tuple[jax.Array, jax.Array, tuple]:
+  """Returns (log-probs [batch, steps, vocab] of each forced token's prediction,
+  logits [batch, vocab] predicting the token after the last forced one, caches)."""
+
+  def step(carry, token):
+    logits, caches, position = carry
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logits, caches = decoder.decode_step(params, token, position, caches)
+    return (logits, caches, position + 1), logprobs
+
+  (logits, caches, _), logprobs = jax.lax.scan(
+      step, (first_logits, caches, lengths), forced.T
+  )
+  return jnp.moveaxis(logprobs, 0, 1), logits, caches

@@ -1,0 +1,22 @@
+import jax
+import numpy as np
+import pytest
+
+from kvjax.prefill_attention import causal_prompt_attention
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_chunked_prompt_attention_equals_masked_softmax(window, chunk):
+  b, h, g, t, d = 2, 2, 3, 11, 8
+  q = jax.random.normal(jax.random.key(0), (b, h, g, t, d))
+  k = jax.random.normal(jax.random.key(1), (b, h, t, d))
+  v = jax.random.normal(jax.random.key(2), (b, h, t, d))
+  got = causal_prompt_attention(q, k, v, sm_scale=0.3, sliding_window=window, query_chunk=chunk)
+  scores = np.einsum("bhgqd,bhkd->bhgqk", q, k) * 0.3
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  visible = (j <= i) & ((i - j < window) if window else True)
+  scores = np.where(visible, scores, -np.inf)
+  p = np.exp(scores - scores.max(-1, keepdims=True))
+  expected = np.einsum("bhgqk,bhkd->bhgqd", p / p.sum(-1, keepdims=True), v)
+  np.testing.assert_allclose(got, expected, atol=1e-5)

@@ -1,0 +1,38 @@
+import numpy as np
+import pytest
+
+from kvjax.prompt_batch import compact_padded_batch, pack_prompts
+
+
+def test_pack_prompts_right_pads():
+  tokens, lengths = pack_prompts([[5, 6, 7], [8]], pad_token_id=0)
+  np.testing.assert_array_equal(tokens, [[5, 6, 7], [8, 0, 0]])
+  np.testing.assert_array_equal(lengths, [3, 1])
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_compact_padded_batch_accepts_either_padding_side(side):
+  real = [[1, 2, 3, 4], [9, 8]]
+  width = 4
+  tokens = np.zeros((2, width), int)
+  mask = np.zeros((2, width), int)
+  for row, ids in enumerate(real):
+    span = slice(width - len(ids), width) if side == "left" else slice(0, len(ids))
+    tokens[row, span] = ids
+    mask[row, span] = 1
+  compact, lengths = compact_padded_batch(tokens, mask)
+  np.testing.assert_array_equal(compact, [[1, 2, 3, 4], [9, 8, 0, 0]])
+  np.testing.assert_array_equal(lengths, [4, 2])
+
+
+@pytest.mark.parametrize(
+    "mask", [[[1, 0, 1]], [[0, 0, 0]]], ids=["holes", "empty"]
+)
+def test_compact_padded_batch_rejects_bad_masks(mask):
+  with pytest.raises(ValueError, match="attention_mask row 0"):
+    compact_padded_batch(np.ones((1, 3), int), np.array(mask))
+
+
+def test_empty_prompt_rejected():
+  with pytest.raises(ValueError, match="at least one token"):
+    pack_prompts([[1], []])
