@@ -7,6 +7,7 @@ permuted by llama.cpp's converter to suit its RoPE kernel.
 """
 
 import dataclasses
+import functools
 import pathlib
 import re
 
@@ -75,13 +76,22 @@ class GGUFFile:
       raise CheckpointError(f"{self.path}: GGUF metadata {key!r} is unreadable: {error}") from error
 
 
+@functools.lru_cache(maxsize=2)
+def _read_gguf(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+  """Parsing the metadata takes seconds: the checkpoint and the tokenizer share one parse.
+  `mtime_ns` and `size` are in the key so a rewritten file is parsed again."""
+  del mtime_ns, size
+  return gguf.GGUFReader(path)
+
+
 def open_gguf(path: str | pathlib.Path) -> GGUFFile:
   """The GGUF file at `path`, or a CheckpointError when it is missing or not readable as GGUF."""
   path = pathlib.Path(path)
   if not path.is_file():
     raise CheckpointError(f"{path}: no such GGUF file")
   try:
-    return GGUFFile(path, gguf.GGUFReader(path))
+    stat = path.stat()
+    return GGUFFile(path, _read_gguf(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
   except _READER_ERRORS as error:
     raise CheckpointError(
         f"{path}: not a readable GGUF file (truncated, corrupt, or another format): {error}"
