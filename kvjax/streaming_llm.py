@@ -1,0 +1,223 @@
+"""StreamingLLM: attention sinks + a window of the most recent tokens, evicting while decoding.
+
+The cache holds `budget` slots per KV head (fewer if the whole prompt plus the new tokens fit):
+slots [0, sinks) hold the first `sinks` tokens for ever, slots [sinks, budget) are a ring
+buffer where token p >= sinks lives in slot sinks + (p - sinks) % window, window = budget -
+sinks. Ingest keeps the sinks and the last `window` prompt tokens; every append overwrites the
+oldest non-sink token once the ring is full. Memory is `budget` tokens whatever the length.
+
+Positions (`positions=`):
+  - "original" (default): keys keep the RoPE rotation of their original position, as the model
+    computed them; the query is at its original position too.
+  - "in_cache": the authors' scheme, where attention sees cached tokens at their in-cache
+    positions 0..n-1 and the query at n-1. Recent tokens and the query all shift by the same
+    amount (the number of evicted tokens), which leaves their relative distances unchanged, so
+    only the sinks move: at attend time the sink keys are rotated forward by the number of
+    evicted tokens. This needs the model's RoPE frequencies, so `rope_theta` must be given
+    (plain RoPE, Hugging Face "rotate half" layout; no Llama-3 frequency scaling).
+Prefill attention is the model's own (full causal attention at original positions) either way.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import attention_dispatch
+from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
+from kvjax.compact_rows import write_token_at_lengths
+from kvjax.dense_cache import FullCache
+from kvjax.method_registry import register_method
+from kvjax.selection.budgets import (
+    DEFAULT_BUDGET,
+    check_budget_or_ratio,
+    check_full_attention_model,
+    prompt_budget,
+)
+from kvjax.sliding_window_cache import ring_source_positions
+
+POSITION_MODES = ("original", "in_cache")
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:  # float32 [head_dim // 2]
+  exponents = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
+  return (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
+
+
+def rotate_by_positions(
+    x: jax.Array,  # [batch, heads, tokens, head_dim], rotate-half RoPE layout
+    shift: jax.Array,  # int32 [batch]: positions to rotate forward by
+    inv_freq: np.ndarray,  # float32 [head_dim // 2]
+) -> jax.Array:  # float32, same shape
+  """RoPE rotation by `shift` positions: a key rotated at p becomes the key rotated at p + shift."""
+  angles = shift.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [batch, d/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, None, None, :]
+  x32 = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated_half = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  return x32 * jnp.cos(angles) + rotated_half * jnp.sin(angles)
+
+
+def streaming_source_positions(
+    lengths: jax.Array,  # int32 [batch]: tokens seen
+    *,
+    sinks: int,
+    window: int,
+) -> tuple[jax.Array, jax.Array]:
+  """For each slot, the token position it holds: `(positions [batch, sinks + window], valid)`."""
+  sink_positions = jnp.broadcast_to(jnp.arange(sinks), (lengths.shape[0], sinks))
+  sink_valid = sink_positions < lengths[:, None]
+  if window == 0:
+    return sink_positions, sink_valid
+  ring_positions, ring_valid = ring_source_positions(jnp.maximum(lengths - sinks, 0), window)
+  return (
+      jnp.concatenate([sink_positions, ring_positions + sinks], axis=1),
+      jnp.concatenate([sink_valid, ring_valid], axis=1),
+  )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StreamingLayerCache:
+  keys: jax.Array  # [batch, kv_heads, sinks + window, head_dim]
+  values: jax.Array  # [batch, kv_heads, sinks + window, head_dim]
+  lengths: jax.Array  # int32 [batch]: tokens seen so far (may exceed the slots)
+  sinks: int = dataclasses.field(metadata=dict(static=True))
+  rope_theta: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+  implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+
+  @classmethod
+  def zeros(cls, *, batch, kv_heads, sinks, window, head_dim, dtype, rope_theta=None,
+            implementation="auto"):
+    shape = (batch, kv_heads, sinks + window, head_dim)
+    return cls(
+        keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype),
+        lengths=jnp.zeros((batch,), jnp.int32), sinks=sinks, rope_theta=rope_theta,
+        implementation=implementation,
+    )
+
+  @property
+  def slots(self) -> int:
+    return self.keys.shape[2]
+
+  @property
+  def window(self) -> int:
+    return self.slots - self.sinks
+
+  def ingest(self, keys, values, queries, lengths):
+    del queries  # the choice depends on positions only
+    lengths = lengths.astype(jnp.int32)
+    positions, valid = streaming_source_positions(lengths, sinks=self.sinks, window=self.window)
+    gather_at = jnp.clip(positions, 0, keys.shape[2] - 1)[:, None, :, None]
+
+    def gather(x):
+      taken = jnp.take_along_axis(x, gather_at, axis=2)
+      return jnp.where(valid[:, None, :, None], taken, 0).astype(self.keys.dtype)
+
+    return dataclasses.replace(self, keys=gather(keys), values=gather(values), lengths=lengths)
+
+  def append(self, keys, values):
+    # Sinks fill first; after them the ring overwrites its oldest token. When the slots can
+    # hold every token ever seen (window may then be 0) this is a plain append.
+    ring_slot = self.sinks + jnp.mod(self.lengths - self.sinks, max(self.window, 1))
+    slot = jnp.where(self.lengths < self.sinks, self.lengths, ring_slot)
+    return dataclasses.replace(
+        self,
+        keys=write_token_at_lengths(self.keys, keys, slot),
+        values=write_token_at_lengths(self.values, values, slot),
+        lengths=self.lengths + 1,
+    )
+
+  def attend(self, queries, *, sm_scale):
+    keys = self.keys
+    if self.rope_theta is not None and self.sinks > 0:
+      # In-cache positions: only the sinks move, forward by the number of evicted tokens.
+      evicted = jnp.maximum(self.lengths - self.slots, 0)
+      inv_freq = rope_inverse_frequencies(keys.shape[-1], self.rope_theta)
+      moved_sinks = rotate_by_positions(keys[:, :, : self.sinks], evicted, inv_freq)
+      keys = keys.at[:, :, : self.sinks].set(moved_sinks.astype(keys.dtype))
+    out, _ = attention_dispatch.decode_attention(
+        queries, keys, self.values, jnp.minimum(self.lengths, self.slots),
+        sm_scale=sm_scale, implementation=self.implementation,
+    )
+    return out
+
+  @property
+  def nbytes(self) -> int:
+    return tree_nbytes(self)
+
+  @property
+  def stored_elements(self) -> int:
+    return self.keys.size + self.values.size
+
+
+@register_method("streaming", kind="selection")
+@dataclasses.dataclass(frozen=True)
+class StreamingLLM:
+  """Cache method `streaming`: `sinks` first tokens + the most recent tokens (module docstring).
+
+  `budget`: tokens each KV head holds, sinks included (default 1024 when neither `budget` nor
+  `ratio` is given), at prefill and during decoding alike; `ratio`: that budget as a fraction
+  of the padded (static) prompt length. `positions`: "original" | "in_cache" (the latter
+  needs `rope_theta`, the model's RoPE base). Stores its own sink + ring buffer: composing it
+  with a codec storage is not supported.
+  """
+
+  budget: int | None = None
+  ratio: float | None = None
+  sinks: int = 4
+  positions: str = "original"
+  rope_theta: float | None = None
+  implementation: str = "auto"
+  storage: Any = FullCache()
+
+  def __post_init__(self):
+    if self.sinks < 0:
+      raise ValueError(f"streaming: sinks={self.sinks} must be >= 0")
+    check_budget_or_ratio(
+        "streaming", self.budget, self.ratio, minimum=self.sinks + 1,
+        minimum_what="sinks + a window of 1",
+    )
+    if self.positions not in POSITION_MODES:
+      raise ValueError(
+          f"streaming: positions={self.positions!r}; allowed: {', '.join(POSITION_MODES)}"
+      )
+    if self.positions == "in_cache" and (self.rope_theta is None or self.rope_theta <= 0):
+      raise ValueError(
+          "streaming: positions=in_cache re-rotates keys and needs rope_theta=<the model's RoPE "
+          f"base, e.g. 10000.0> (got rope_theta={self.rope_theta})"
+      )
+    if self.positions == "original" and self.rope_theta is not None:
+      raise ValueError("streaming: rope_theta is only used with positions=in_cache")
+    attention_dispatch.check_implementation(self.implementation)
+    if type(self.storage) is not FullCache:
+      raise ValueError(
+          f"streaming: storage {getattr(self.storage, 'method_name', self.storage)!r} is not "
+          "supported: StreamingLLM evicts while decoding from its own sink + ring buffer, which "
+          "codec storages do not implement; use streaming alone"
+      )
+
+  def slots(self, prompt_len: int, max_new_tokens: int) -> int:
+    """Token slots per KV head: the budget, or fewer when prompt + new tokens fit in less."""
+    if self.ratio is None:
+      budget = DEFAULT_BUDGET if self.budget is None else self.budget
+    else:
+      budget = prompt_budget(
+          "streaming", None, self.ratio, prompt_len, minimum=self.sinks + 1,
+          minimum_what="sinks + a window of 1",
+      )
+    return min(budget, prompt_len + max_new_tokens)
+
+  def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
+    del layer
+    slots = self.slots(prompt_len, max_new_tokens)
+    check_full_attention_model(shape, "streaming", slots)
+    sinks = min(self.sinks, slots)
+    return StreamingLayerCache.zeros(
+        batch=batch, kv_heads=shape.num_kv_heads, sinks=sinks, window=slots - sinks,
+        head_dim=shape.head_dim, dtype=dtype,
+        rope_theta=self.rope_theta if self.positions == "in_cache" else None,
+        implementation=self.implementation,
+    )

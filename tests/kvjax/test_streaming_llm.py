@@ -1,0 +1,144 @@
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.cache_protocol import ModelCacheShape
+from kvjax.method_spec import parse_method_spec
+from kvjax.streaming_llm import StreamingLLM
+from tests.kvjax.test_snapkv import run_generate, softmax
+
+B, H, G, D = 2, 2, 2, 8
+SHAPE = ModelCacheShape(num_layers=1, num_kv_heads=H, num_query_heads=H * G, head_dim=D)
+THETA = 10000.0
+
+
+def numpy_rope(x, positions, theta=THETA):  # x [..., tokens, D], positions [tokens]
+  inv_freq = 1.0 / theta ** (np.arange(0, x.shape[-1], 2) / x.shape[-1])
+  angles = np.asarray(positions, np.float64)[:, None] * inv_freq
+  angles = np.concatenate([angles, angles], -1)
+  half = x.shape[-1] // 2
+  rotated_half = np.concatenate([-x[..., half:], x[..., :half]], -1)
+  return x * np.cos(angles) + rotated_half * np.sin(angles)
+
+
+def numpy_streaming_kept(total, sinks, window):
+  """Positions a StreamingLLM cache holds after seeing `total` tokens, in sequence order."""
+  sink_positions = np.arange(min(sinks, total))
+  return np.concatenate([sink_positions, np.arange(max(sinks, total - window), total)])
+
+
+def run_stream(method, lengths, prompt_len, steps, seed=0):
+  """Ingest prompts of `lengths` (unrotated `raw` keys, rotated at their positions), then append."""
+  rng = np.random.default_rng(seed)
+  total = prompt_len + steps
+  raw_keys = rng.normal(size=(B, H, total, D))
+  values = rng.normal(size=(B, H, total, D))
+  # Token t of row b: prompt tokens at [0, length), decode step i at position length + i.
+  rotated = numpy_rope(raw_keys, np.arange(total))
+  cache = method.allocate(
+      SHAPE, 0, batch=B, prompt_len=prompt_len, max_new_tokens=steps, dtype=jnp.float32
+  )
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  prompt = np.s_[:, :, :prompt_len]
+  cache = cache.ingest(f32(rotated[prompt]), f32(values[prompt]), None, jnp.asarray(lengths))
+  for step in range(steps):
+    positions = np.asarray(lengths) + step
+    rows = np.arange(B)
+    cache = cache.append(f32(rotated[rows, :, positions]), f32(values[rows, :, positions]))
+  return cache, raw_keys, rotated, values
+
+
+@pytest.mark.parametrize("steps", [0, 3, 9])
+def test_cache_holds_the_sinks_and_the_most_recent_tokens_while_decoding(steps):
+  lengths = np.array([20, 9], np.int32)
+  cache, _, rotated, values = run_stream(StreamingLLM(budget=10, sinks=3), lengths, 20, steps)
+  assert cache.keys.shape == (B, H, 10, D)  # the budget, whatever the length
+  np.testing.assert_array_equal(cache.lengths, lengths + steps)
+  rng = np.random.default_rng(1)
+  q = rng.normal(size=(B, H, G, D))
+  out = np.asarray(cache.attend(jnp.asarray(q, jnp.float32), sm_scale=0.5))
+  for b in range(B):
+    total = lengths[b] + steps
+    kept = numpy_streaming_kept(total, 3, 7)
+    held = min(total, 10)
+    assert len(kept) == held
+    # Slots are a ring: compare as sets of tokens (attention does not depend on slot order).
+    stored = np.asarray(cache.keys[b, :, :held])
+    order = np.argsort(stored[0, :, 0])
+    expected = rotated[b][:, kept]
+    expected_order = np.argsort(expected[0, :, 0])
+    np.testing.assert_allclose(stored[:, order], expected[:, expected_order], atol=1e-6)
+    for h in range(H):
+      reference = softmax(q[b, h] @ rotated[b, h, kept].T * 0.5) @ values[b, h, kept]
+      np.testing.assert_allclose(out[b, h], reference, atol=1e-5)
+
+
+def test_in_cache_positions_equal_rotating_raw_keys_at_their_cache_index():
+  lengths = np.array([20, 9], np.int32)
+  steps = 6
+  method = StreamingLLM(budget=10, sinks=3, positions="in_cache", rope_theta=THETA)
+  cache, raw_keys, rotated, values = run_stream(method, lengths, 20, steps)
+  original, _, _, _ = run_stream(StreamingLLM(budget=10, sinks=3), lengths, 20, steps)
+  rng = np.random.default_rng(2)
+  raw_q = rng.normal(size=(B, H, G, D))
+  q_at_original = np.stack(
+      [numpy_rope(raw_q[b][:, :, None], [lengths[b] + steps - 1])[:, :, 0] for b in range(B)]
+  )
+  out = np.asarray(cache.attend(jnp.asarray(q_at_original, jnp.float32), sm_scale=0.5))
+  out_original = np.asarray(original.attend(jnp.asarray(q_at_original, jnp.float32), sm_scale=0.5))
+  for b in range(B):
+    kept = numpy_streaming_kept(lengths[b] + steps, 3, 7)
+    in_cache = np.arange(len(kept))  # the authors' scheme: keys at 0..n-1, the query at n-1
+    k = numpy_rope(raw_keys[b][:, kept], in_cache)
+    q = numpy_rope(raw_q[b][:, :, None], [len(kept) - 1])[:, :, 0]
+    for h in range(H):
+      reference = softmax(q[h] @ k[h].T * 0.5) @ values[b, h, kept]
+      np.testing.assert_allclose(out[b, h], reference, atol=1e-5)
+  # Row 0 has evicted tokens, so its sinks moved; row 1 (15 tokens) also; both differ from
+  # the original-position variant. Before any eviction the two variants agree.
+  assert not np.allclose(out, out_original, atol=1e-4)
+  short = np.array([5, 4], np.int32)
+  early, *_ = run_stream(method, short, 5, 2)
+  early_original, *_ = run_stream(StreamingLLM(budget=10, sinks=3), short, 5, 2)
+  q = jnp.asarray(rng.normal(size=(B, H, G, D)), jnp.float32)
+  np.testing.assert_allclose(
+      early.attend(q, sm_scale=0.5), early_original.attend(q, sm_scale=0.5), atol=1e-6
+  )
+
+
+def test_slots_are_the_budget_or_less_when_everything_fits():
+  method = StreamingLLM(budget=64)
+  assert method.slots(prompt_len=100, max_new_tokens=10) == 64
+  assert method.slots(prompt_len=20, max_new_tokens=10) == 30  # nothing will ever be evicted
+  assert StreamingLLM(ratio=0.25).slots(prompt_len=100, max_new_tokens=10) == 25
+  assert StreamingLLM().slots(prompt_len=5000, max_new_tokens=10) == 1024
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(budget=4), r"streaming: budget=4 is smaller than sinks \+ a window of 1 = 5"),
+        (dict(ratio=0.0), r"ratio=0.0 must be in \(0, 1\]"),
+        (dict(positions="relative"), "positions='relative'; allowed: original, in_cache"),
+        (dict(positions="in_cache"), "positions=in_cache re-rotates keys and needs rope_theta"),
+        (dict(rope_theta=1e4), "rope_theta is only used with positions=in_cache"),
+        (dict(sinks=-1), "sinks=-1 must be >= 0"),
+    ],
+)
+def test_bad_configurations_raise_clearly(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    StreamingLLM(**kwargs)
+
+
+def test_codec_storage_is_refused_clearly():
+  pytest.importorskip("kvjax.kivi_cache")
+  with pytest.raises(ValueError, match="streaming: storage 'kivi' is not supported"):
+    parse_method_spec("streaming:budget=64+kivi:bits=4")
+
+
+def test_generate_batch_of_two_lengths_evicting_while_decoding():
+  method = parse_method_spec("streaming:budget=16,sinks=2")
+  # Row 0 (37 tokens) is cut at prefill; row 1 (22 tokens) starts evicting during decoding.
+  result = run_generate(method, max_new_tokens=4)
+  assert result.tokens.shape == (2, 4)
+  assert result.cache_bytes == 2 * (2 * 2 * 2 * 16 * 16 * 4 + 2 * 4)
