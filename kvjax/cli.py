@@ -167,11 +167,54 @@ def run_compare(args) -> int:
   return 0
 
 
+def _add_razor_profile(subparsers):
+  p = subparsers.add_parser(
+      "razor-profile",
+      help="detect a model's retrieval heads for RazorAttention (data-free) and save the profile",
+  )
+  p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file or HF directory")
+  p.add_argument("--output", required=True, help="profile JSON to write (use with razor:profile=PATH)")
+  p.add_argument("--block-len", type=int, default=2500, help="random tokens per repeat")
+  p.add_argument("--repeats", type=int, default=4)
+  p.add_argument("--induction-ratio", type=float, default=0.14)
+  p.add_argument("--echo-ratio", type=float, default=0.01)
+  p.add_argument("--seed", type=int, default=0)
+  p.set_defaults(run=run_razor_profile)
+
+
+def run_razor_profile(args) -> int:
+  from kvjax.retrieval_heads import compute_head_profile
+  from models.loading import load_model
+
+  loaded = load_model(args.model)
+  config = loaded.config
+  block_len = args.block_len
+  # Repeats of one block must fit in the model's context (BOS included).
+  if args.repeats * block_len + 1 > config.max_position_embeddings:
+    block_len = (config.max_position_embeddings - 1) // args.repeats
+    print(f"block length lowered to {block_len} to fit the model's context", file=sys.stderr)
+  profile = compute_head_profile(
+      loaded.decoder, loaded.params, vocab_size=config.vocab_size, block_len=block_len,
+      repeats=args.repeats, seed=args.seed, induction_ratio=args.induction_ratio,
+      echo_ratio=args.echo_ratio, bos_token_id=config.bos_token_id,
+      max_positions=config.max_position_embeddings, model_name=args.model,
+  )
+  profile.save(args.output)
+  for layer, head in profile.retrieval_heads:
+    print(
+        f"layer {layer:3d} kv head {head}: induction {profile.induction_scores[layer][head]:.3f} "
+        f"echo {profile.echo_scores[layer][head]:.3f}"
+    )
+  print(f"{len(profile.retrieval_heads)} retrieval heads; wrote {args.output}")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="kvjax", description=__doc__)
   subparsers = parser.add_subparsers(dest="command", required=True)
   _add_generate(subparsers)
   _add_compare(subparsers)
+  _add_razor_profile(subparsers)
   return parser
 
 

@@ -75,6 +75,8 @@ def parse_method_spec(spec: str, *, implementation: str = "auto"):
   if not selections:
     return storage
   selection_cls, selection_kwargs = selections[0]
+  if storage is None and "storage" in {f.name for f in dataclasses.fields(selection_cls)}:
+    storage = build(METHODS["full"], {})  # carries the implementation override
   return build(selection_cls, selection_kwargs, **({"storage": storage} if storage else {}))
 
 
