@@ -1,0 +1,157 @@
+"""Chooses how decode attention over a cache segment is computed: Pallas kernel or jnp reference.
+
+implementation:
+  "auto"       the Pallas kernel of the current backend (Triton lowering on GPU, Mosaic on TPU),
+               the jnp reference on CPU;
+  "pallas"     the current backend's kernel (ValueError on CPU: use "interpret");
+  "reference"  the jnp reference;
+  "interpret"  a kernel in Pallas interpret mode (runs on CPU; tests): the GPU kernel, or the
+               TPU kernel with kernel_backend="tpu".
+Where a kernel does not support a shape, the reference runs instead, with a one-time warning.
+Every result is (out f32 [B, H, G, D], lse f32 [B, H, G]); a row with length 0 gives out 0 and
+lse -inf, so segments merge with `merge_attention_partials`.
+"""
+
+import warnings
+from typing import Any, Literal
+
+import jax
+
+from pallas_kernels import (
+  decode_attention_tpu,
+  decode_attention_triton,
+  quantized_decode_attention_tpu,
+  quantized_decode_attention_triton,
+)
+from pallas_kernels.decode_attention_reference import decode_attention_reference
+from pallas_kernels.quantized_decode_attention_reference import (
+  check_quantized_inputs,
+  quantized_decode_attention_reference,
+)
+
+Implementation = Literal["auto", "pallas", "reference", "interpret"]
+IMPLEMENTATIONS = ("auto", "pallas", "reference", "interpret")
+KERNEL_BACKENDS = ("gpu", "tpu")
+
+_warned: set[str] = set()
+
+
+def check_implementation(implementation: str) -> None:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(
+        f"implementation={implementation!r} is not supported; allowed: {', '.join(IMPLEMENTATIONS)}"
+    )
+
+
+def _check_kernel_backend(kernel_backend: str | None) -> None:
+  if kernel_backend is not None and kernel_backend not in KERNEL_BACKENDS:
+    raise ValueError(
+        f"kernel_backend={kernel_backend!r} is not supported; allowed: None, "
+        f"{', '.join(KERNEL_BACKENDS)}")
+
+
+def _choose(implementation: str, kernel_backend: str | None) -> tuple[str, bool]:
+  """(kernel family "gpu" | "tpu" | "reference", interpret?) for this call."""
+  check_implementation(implementation)
+  _check_kernel_backend(kernel_backend)
+  if implementation == "reference":
+    return "reference", False
+  if implementation == "interpret":
+    return kernel_backend or "gpu", True
+  platform = jax.default_backend()
+  family = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform)
+  if kernel_backend is not None and family is not None and kernel_backend != family:
+    raise ValueError(
+        f"kernel_backend={kernel_backend!r} cannot run compiled on the {platform!r} backend; "
+        "use implementation='interpret' to run it on another backend")
+  if family is None:
+    if implementation == "pallas":
+      raise ValueError(
+          f"implementation='pallas' needs a GPU or TPU backend, this is {platform!r}; allowed "
+          "here: 'auto', 'reference', 'interpret'")
+    return "reference", False
+  return family, False
+
+
+def _warn_fallback_once(kernel: str, reason: str) -> None:
+  key = f"{kernel}: {reason}"
+  if key not in _warned:
+    _warned.add(key)
+    warnings.warn(f"{kernel} does not support {reason}; using the jnp reference instead",
+                  RuntimeWarning, stacklevel=3)
+
+
+def decode_attention(
+    queries: jax.Array,  # [batch, kv_heads, group, head_dim]
+    keys: jax.Array,  # [batch, kv_heads, tokens, head_dim]
+    values: jax.Array,
+    lengths: jax.Array,  # int32 [batch]
+    *,
+    sm_scale: float,
+    implementation: Implementation = "auto",
+    kernel_backend: str | None = None,
+    kernel_config: dict[str, Any] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """(out, lse) of one query position over the valid slots of a full-precision segment.
+
+  kernel_config: optional kernel settings (block_tokens, num_splits, and on GPU num_warps,
+  num_stages).
+  """
+  family, interpret = _choose(implementation, kernel_backend)
+  if family != "reference":
+    module = decode_attention_triton if family == "gpu" else decode_attention_tpu
+    reason = module.unsupported_reason(queries, keys)
+    if reason is None:
+      kernel = (decode_attention_triton.decode_attention_gpu if family == "gpu"
+                else decode_attention_tpu.decode_attention_tpu)
+      return kernel(queries, keys, values, lengths, sm_scale=sm_scale, interpret=interpret,
+                    **(kernel_config or {}))
+    _warn_fallback_once(f"the {family} decode-attention kernel", reason)
+  return decode_attention_reference(queries, keys, values, lengths, sm_scale=sm_scale)
+
+
+def quantized_decode_attention(
+    queries: jax.Array,  # [B, H, G, D]
+    k_codes: jax.Array,  # uint32 [B, H, T, D*bits/32]
+    k_scale: jax.Array,  # [B, H, T/group_size, D]
+    k_min: jax.Array,
+    v_codes: jax.Array,  # uint32 [B, H, T, D*bits/32]
+    v_scale: jax.Array,  # [B, H, T, D/group_size]
+    v_min: jax.Array,
+    lengths: jax.Array,  # int32 [B]
+    *,
+    bits: int,
+    group_size: int,
+    sm_scale: float,
+    lowrank=None,
+    outliers=None,
+    block: int = 64,
+    implementation: Implementation = "auto",
+    kernel_backend: str | None = None,
+    kernel_config: dict[str, Any] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """(out, lse) of one query position over a KIVI/GEAR quantized segment (fused dequantize).
+
+  Storage layout: see `pallas_kernels.quantized_decode_attention_reference`. Configuration
+  errors raise ValueError before anything is traced.
+  """
+  family, interpret = _choose(implementation, kernel_backend)
+  check_quantized_inputs(
+      queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, bits=bits,
+      group_size=group_size, lowrank=lowrank, outliers=outliers, block=block)
+  common = dict(bits=bits, group_size=group_size, sm_scale=sm_scale, lowrank=lowrank,
+                outliers=outliers, block=block)
+  arrays = (queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths)
+  if family != "reference":
+    module = (quantized_decode_attention_triton if family == "gpu"
+              else quantized_decode_attention_tpu)
+    reason = module.unsupported_reason(
+        queries, k_codes, k_scale, v_scale, bits=bits, group_size=group_size, lowrank=lowrank,
+        outliers=outliers, block=block)
+    if reason is None:
+      kernel = (quantized_decode_attention_triton.quantized_decode_attention_gpu
+                if family == "gpu"
+                else quantized_decode_attention_tpu.quantized_decode_attention_tpu)
+      return kernel(*arrays, interpret=interpret, **common, **(kernel_config or {}))
+    _warn_fallback_once(f"the {family} quantized decode-attention kernel", reason)
+  return quantized_decode_attention_reference(*arrays, **common)

@@ -1,0 +1,410 @@
+"""KIVI: a 2/4/8-bit quantized KV cache with a full-precision residual window.
+
+Storage of one layer (`KiviLayerCache`):
+  - a quantized segment (`QuantizedKV`) of `quantized_capacity` tokens in the pinned format of
+    `pallas_kernels.quantized_decode_attention_reference`: keys per channel over groups of
+    `group_size` tokens, values per token over groups of `group_size` channels, codes packed
+    into uint32 words, scales/minimums in the cache dtype at their true granularity;
+  - a full-precision window of `window` (KIVI's residual R) slots holding each row's most
+    recent tokens, fewer than `window` of them between operations.
+
+Segment schedule. The K and V of a token always live in the same segment, and the segment
+holds whole blocks of `window` tokens:
+  - ingest of a row of length L: its first L - (L mod R) tokens are quantized, the last L mod R
+    go to the window;
+  - append: the token goes to the window; when the window then holds R tokens, the whole block
+    is quantized, written after the row's quantized tokens, and the window is emptied.
+Deviation from the paper: KIVI keeps exactly the last R *values* in full precision (the oldest
+value is quantized as the R+1-th arrives) while keys flush in blocks of R. Here values follow
+the keys' block schedule, so between flushes the window holds 0..R-1 values (on average fewer
+in full precision than the paper, never more), one length per segment suffices, and the
+quantized segment keeps the pinned block layout the kernels read.
+
+Rows of a batch flush at different steps. Under jit nothing branches on traced values per row:
+each append encodes the window's block (inside one `lax.cond` on "any row flushes", so steps
+without a flush skip the arithmetic) and writes it with a single scatter whose rows that do not
+flush point past the end of the storage and are dropped (in place inside a scan carry).
+
+Attention never dequantizes the whole context: the quantized segment goes through
+`attention_dispatch.quantized_decode_attention` (score/value decomposition over the codes), the
+window through `attention_dispatch.decode_attention`, and the two partial results are merged by
+log-sum-exp.
+
+GEAR (`kvjax.gear_cache`) reuses this cache with a codec that adds sparse outliers and low-rank
+factors per block.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import attention_dispatch
+from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
+from kvjax.compact_rows import write_token_at_lengths
+from kvjax.method_registry import register_method
+from kvjax.quantization.group_quantization import (
+    check_quantization_config,
+    dequantize_keys,
+    dequantize_values,
+    quantize_keys_per_channel,
+    quantize_values_per_token,
+)
+from pallas_kernels.decode_attention_reference import merge_attention_partials
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedKV:
+  """A quantized K/V segment of T tokens (T a multiple of the codec's window).
+
+  Every array has the token-like axis at position 2, at its own granularity, so a block of
+  tokens maps to a contiguous range of rows of each array.
+  """
+
+  k_codes: jax.Array  # uint32 [B, H, T, D*bits/32]
+  k_scale: jax.Array  # [B, H, T/group_size, D]
+  k_min: jax.Array  # [B, H, T/group_size, D]
+  v_codes: jax.Array  # uint32 [B, H, T, D*bits/32]
+  v_scale: jax.Array  # [B, H, T, D/group_size]
+  v_min: jax.Array  # [B, H, T, D/group_size]
+  # GEAR only: (k_a [B,H,T,r], k_b [B,H,T/block,D,r], v_a, v_b)
+  lowrank: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None
+  # GEAR only: (k_index int32 [B,H,T/block,s], k_value [B,H,T/block,s], v_index, v_value)
+  outliers: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None
+
+  @property
+  def tokens(self) -> int:
+    return self.k_codes.shape[2]
+
+
+@dataclasses.dataclass(frozen=True)
+class KiviCodec:
+  """How a block of tokens is compressed: group-wise quantization only (KIVI)."""
+
+  bits: int
+  group_size: int
+  window: int  # tokens per flushed block: KIVI's residual R
+
+  def check_head_dim(self, head_dim: int) -> None:
+    check_quantization_config(bits=self.bits, group_size=self.group_size, head_dim=head_dim)
+
+  def encode(
+      self,
+      keys: jax.Array,  # [B, H, T, D], T % window == 0
+      values: jax.Array,  # [B, H, T, D]
+      dtype,  # storage dtype of scales, minimums (and GEAR's factors and outliers)
+  ) -> QuantizedKV:
+    k = quantize_keys_per_channel(keys, bits=self.bits, group_size=self.group_size, dtype=dtype)
+    v = quantize_values_per_token(values, bits=self.bits, group_size=self.group_size, dtype=dtype)
+    return QuantizedKV(k.codes, k.scale, k.minimum, v.codes, v.scale, v.minimum)
+
+  def decode(self, segment: QuantizedKV) -> tuple[jax.Array, jax.Array]:
+    """Materialised (K_hat, V_hat) float32 [B, H, T, D]: tests and analysis, never attention."""
+    keys = dequantize_keys(
+        segment.k_codes, segment.k_scale, segment.k_min, bits=self.bits, group_size=self.group_size
+    )
+    values = dequantize_values(
+        segment.v_codes, segment.v_scale, segment.v_min, bits=self.bits, group_size=self.group_size
+    )
+    return keys, values
+
+
+def _write_blocks(
+    storage: QuantizedKV,  # [B, H, capacity-granular rows, ...]
+    block: QuantizedKV,  # one block of `window` tokens per row
+    *,
+    start_tokens: jax.Array,  # int32 [B]: first token of the block (a multiple of window)
+    write: jax.Array,  # bool [B]: rows that flush
+    window: int,
+) -> QuantizedKV:
+  """`storage[b, :, rows of block b] = block[b]` for the rows in `write`: one scatter per array."""
+  batch = start_tokens.shape[0]
+  batch_index = jnp.arange(batch)[:, None]
+
+  def write_array(stored, new):  # stored [B, H, rows, ...], new [B, H, rows_per_block, ...]
+    rows_per_block = new.shape[2]
+    first_row = (start_tokens // window) * rows_per_block
+    # Rows that do not flush write past the end, and mode="drop" discards them.
+    first_row = jnp.where(write, first_row, stored.shape[2])
+    row_index = first_row[:, None] + jnp.arange(rows_per_block)  # [B, rows_per_block]
+    # Advanced indices on axes 0 and 2 around a slice put their broadcast shape first.
+    update = jnp.moveaxis(new, 2, 1).astype(stored.dtype)  # [B, rows_per_block, H, ...]
+    return stored.at[batch_index, :, row_index].set(update, mode="drop")
+
+  return jax.tree_util.tree_map(write_array, storage, block)
+
+
+def _zero_rows_past(
+    segment: QuantizedKV,  # T tokens
+    kept_tokens: jax.Array,  # int32 [B], multiples of every array's tokens-per-row
+) -> QuantizedKV:
+  """Zeroes every array's rows that hold tokens at or past `kept_tokens[b]`."""
+  tokens = segment.tokens
+
+  def zero(array):
+    rows = array.shape[2]
+    first_token = jnp.arange(rows) * (tokens // rows)
+    keep = first_token[None, :] < kept_tokens[:, None]  # [B, rows]
+    keep = keep.reshape(keep.shape[0], 1, rows, *([1] * (array.ndim - 3)))
+    return jnp.where(keep, array, jnp.zeros((), array.dtype))
+
+  return jax.tree_util.tree_map(zero, segment)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KiviLayerCache:
+  """One layer's quantized segment + full-precision window (see the module docstring)."""
+
+  segment: QuantizedKV  # [B, H, quantized_capacity tokens, ...]
+  window_keys: jax.Array  # [B, H, window, D] cache dtype
+  window_values: jax.Array  # [B, H, window, D]
+  quantized_lengths: jax.Array  # int32 [B]: tokens in the segment, a multiple of window
+  window_lengths: jax.Array  # int32 [B]: tokens in the window, in [0, window)
+  codec: KiviCodec = dataclasses.field(metadata=dict(static=True))
+  implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+
+  @classmethod
+  def zeros(cls, *, codec, batch, kv_heads, capacity, head_dim, dtype, implementation="auto"):
+    """A cache that holds at least `capacity` tokens per row."""
+    codec.check_head_dim(head_dim)
+    quantized_capacity = capacity // codec.window * codec.window
+    segment_shapes = jax.eval_shape(
+        lambda keys, values: codec.encode(keys, values, dtype),
+        *[jax.ShapeDtypeStruct((batch, kv_heads, quantized_capacity, head_dim), dtype)] * 2,
+    )
+    window_shape = (batch, kv_heads, codec.window, head_dim)
+    return cls(
+        segment=jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), segment_shapes),
+        window_keys=jnp.zeros(window_shape, dtype),
+        window_values=jnp.zeros(window_shape, dtype),
+        quantized_lengths=jnp.zeros((batch,), jnp.int32),
+        window_lengths=jnp.zeros((batch,), jnp.int32),
+        codec=codec,
+        implementation=implementation,
+    )
+
+  @property
+  def window(self) -> int:
+    return self.codec.window
+
+  @property
+  def quantized_capacity(self) -> int:
+    return self.segment.tokens
+
+  @property
+  def capacity(self) -> int:
+    """Most tokens a row can hold (the window is flushed as soon as it fills)."""
+    return self.quantized_capacity + self.window - 1
+
+  @property
+  def dtype(self):
+    return self.window_keys.dtype
+
+  @property
+  def lengths(self) -> jax.Array:  # int32 [B]
+    return self.quantized_lengths + self.window_lengths
+
+  def ingest(self, keys, values, queries, lengths):
+    del queries  # a codec stores every token it is given
+    batch, kv_heads, prompt_len, head_dim = keys.shape
+    if prompt_len > self.capacity:
+      raise ValueError(f"prompt of {prompt_len} tokens exceeds cache capacity {self.capacity}")
+    window = self.window
+    lengths = lengths.astype(jnp.int32)
+    # Quantize what the cache would hold in its dtype, so ingesting a prompt and streaming the
+    # same tokens through the window give the same codes.
+    keys = keys.astype(self.dtype)
+    values = values.astype(self.dtype)
+    quantized_lengths = lengths - lengths % window
+    window_lengths = lengths % window
+
+    segment = self.segment
+    full_block_tokens = prompt_len // window * window
+    if full_block_tokens:  # static: some row may have a whole block to quantize
+      encoded = self.codec.encode(
+          keys[:, :, :full_block_tokens], values[:, :, :full_block_tokens], self.dtype
+      )
+      encoded = _zero_rows_past(encoded, quantized_lengths)
+      segment = jax.tree_util.tree_map(
+          lambda stored, new: stored.at[:, :, : new.shape[2]].set(new.astype(stored.dtype)),
+          segment,
+          encoded,
+      )
+
+    # The window takes tokens [quantized_length, length) of each row, slot 0 onward.
+    token_index = jnp.minimum(quantized_lengths[:, None] + jnp.arange(window), prompt_len - 1)
+    token_index = jnp.broadcast_to(
+        token_index[:, None, :, None], (batch, kv_heads, window, head_dim)
+    )
+    in_window = (jnp.arange(window)[None, :] < window_lengths[:, None])[:, None, :, None]
+
+    def gather_window(x):  # [B, H, prompt, D] -> [B, H, window, D], zero past the window length
+      gathered = jnp.take_along_axis(x, token_index, axis=2)
+      return jnp.where(in_window, gathered, jnp.zeros((), x.dtype))
+
+    return dataclasses.replace(
+        self,
+        segment=segment,
+        window_keys=gather_window(keys),
+        window_values=gather_window(values),
+        quantized_lengths=quantized_lengths,
+        window_lengths=window_lengths,
+    )
+
+  def append(self, keys, values):
+    window = self.window
+    window_keys = write_token_at_lengths(self.window_keys, keys, self.window_lengths)
+    window_values = write_token_at_lengths(self.window_values, values, self.window_lengths)
+    window_lengths = self.window_lengths + 1
+    # Rows whose window just filled. A cache smaller than one block (static) never flushes:
+    # it holds at most window - 1 tokens, and appending past that is a capacity error.
+    flush = (window_lengths == window) & (self.quantized_capacity > 0)  # bool [B]
+
+    segment = self.segment
+    if self.quantized_capacity:
+      def encode_window():
+        return self.codec.encode(window_keys, window_values, self.dtype)
+
+      block_shapes = jax.eval_shape(encode_window)
+      block = jax.lax.cond(
+          jnp.any(flush),
+          encode_window,
+          lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), block_shapes),
+      )
+      segment = _write_blocks(
+          segment, block, start_tokens=self.quantized_lengths, write=flush, window=window
+      )
+
+    emptied = flush[:, None, None, None]
+    return dataclasses.replace(
+        self,
+        segment=segment,
+        window_keys=jnp.where(emptied, jnp.zeros((), self.dtype), window_keys),
+        window_values=jnp.where(emptied, jnp.zeros((), self.dtype), window_values),
+        quantized_lengths=self.quantized_lengths + jnp.where(flush, window, 0),
+        window_lengths=jnp.where(flush, 0, window_lengths),
+    )
+
+  def attend(self, queries, *, sm_scale):
+    partials = []
+    if self.quantized_capacity:
+      segment = self.segment
+      partials.append(
+          attention_dispatch.quantized_decode_attention(
+              queries,
+              segment.k_codes,
+              segment.k_scale,
+              segment.k_min,
+              segment.v_codes,
+              segment.v_scale,
+              segment.v_min,
+              self.quantized_lengths,
+              bits=self.codec.bits,
+              group_size=self.codec.group_size,
+              sm_scale=sm_scale,
+              lowrank=segment.lowrank,
+              outliers=segment.outliers,
+              block=self.window,
+              implementation=self.implementation,
+          )
+      )
+    partials.append(
+        attention_dispatch.decode_attention(
+            queries,
+            self.window_keys,
+            self.window_values,
+            self.window_lengths,
+            sm_scale=sm_scale,
+            implementation=self.implementation,
+        )
+    )
+    out, _ = merge_attention_partials(partials)
+    return out
+
+  def dequantized(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(K, V float32 [B, H, quantized_capacity + window, D], lengths): every slot materialised.
+
+    Row b's tokens are slots [0, quantized_lengths[b]) then the window's [0, window_lengths[b])
+    at slots quantized_capacity onward. Tests and analysis only; attention never does this.
+    """
+    keys, values = self.codec.decode(self.segment)
+    return (
+        jnp.concatenate([keys, self.window_keys.astype(jnp.float32)], axis=2),
+        jnp.concatenate([values, self.window_values.astype(jnp.float32)], axis=2),
+        self.lengths,
+    )
+
+  @property
+  def nbytes(self) -> int:
+    """Codes, scales, minimums, GEAR factors and outliers, the window and the lengths."""
+    return tree_nbytes(self)
+
+  @property
+  def stored_elements(self) -> int:
+    batch, kv_heads, _, head_dim = self.window_keys.shape
+    return 2 * batch * kv_heads * (self.quantized_capacity + self.window) * head_dim
+
+  @property
+  def bits_per_element(self) -> float:
+    return 8 * self.nbytes / self.stored_elements
+
+
+def check_window(name: str, window: int, group_size: int) -> None:
+  if not isinstance(window, int) or window < 1:
+    raise ValueError(f"{name}={window!r} must be a positive int")
+  if window % group_size:
+    raise ValueError(
+        f"{name}={window} must be a multiple of group_size={group_size} (keys are quantized "
+        f"over groups of group_size tokens within each flushed block)"
+    )
+
+
+def check_no_sliding_window(method: str, shape: ModelCacheShape, capacity: int) -> None:
+  """A quantized cache attends to every token it holds; a sliding-window model must not."""
+  if shape.sliding_window is not None and shape.sliding_window < capacity:
+    raise ValueError(
+        f"{method}: the model attends within a sliding window of {shape.sliding_window} tokens "
+        f"but prompt + max_new_tokens = {capacity}; {method} keeps every token, which would "
+        "attend beyond the window. Use `full` (a ring buffer) or a shorter generation."
+    )
+
+
+@register_method("kivi", kind="storage")
+@dataclasses.dataclass(frozen=True)
+class Kivi:
+  """Cache method `kivi`: `bits`-bit KIVI with a full-precision window of `residual` tokens.
+
+  Authors' defaults: bits=2 (bits=4 recommended for GQA models), group_size=32, residual=128.
+  """
+
+  bits: int = 2
+  group_size: int = 32
+  residual: int = 128
+  implementation: str = "auto"
+
+  def __post_init__(self):
+    check_quantization_config(bits=self.bits, group_size=self.group_size)
+    check_window("residual", self.residual, self.group_size)
+    attention_dispatch.check_implementation(self.implementation)
+
+  @property
+  def codec(self) -> KiviCodec:
+    return KiviCodec(bits=self.bits, group_size=self.group_size, window=self.residual)
+
+  def allocate_storage(self, *, batch, kv_heads, capacity, head_dim, dtype) -> KiviLayerCache:
+    """A cache holding `capacity` tokens per row (what selection methods store survivors in)."""
+    return KiviLayerCache.zeros(
+        codec=self.codec, batch=batch, kv_heads=kv_heads, capacity=capacity, head_dim=head_dim,
+        dtype=dtype, implementation=self.implementation,
+    )
+
+  def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
+    del layer
+    capacity = prompt_len + max_new_tokens
+    check_no_sliding_window(self.method_name, shape, capacity)
+    return self.allocate_storage(
+        batch=batch, kv_heads=shape.num_kv_heads, capacity=capacity, head_dim=shape.head_dim,
+        dtype=dtype,
+    )

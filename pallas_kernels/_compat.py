@@ -1,0 +1,67 @@
+"""Version shims for the Pallas APIs the kernels use (jax 0.11.x and 0.12.x).
+
+Names moved between releases (`TritonCompilerParams` -> `triton.CompilerParams`,
+`TPUCompilerParams` -> `tpu.CompilerParams`, `InterpretParams` appearing), so every kernel
+builds its compiler parameters here and nowhere else.
+"""
+
+import functools
+
+import jax
+
+
+@functools.cache
+def _triton_module():
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
+  return plgpu
+
+
+@functools.cache
+def _tpu_module():
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  return pltpu
+
+
+def triton_load(ref, *, mask=None, other=None):
+  """Masked load through the Triton lowering's `load` (masked lanes read no memory)."""
+  return _triton_module().load(ref, mask=mask, other=other)
+
+
+def triton_compiler_params(num_warps: int, num_stages: int):
+  plgpu = _triton_module()
+  params_class = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+  return params_class(num_warps=num_warps, num_stages=num_stages)
+
+
+def tpu_compiler_params(dimension_semantics: tuple[str, ...]):
+  pltpu = _tpu_module()
+  params_class = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
+  return params_class(dimension_semantics=dimension_semantics)
+
+
+def tpu_interpret_params():
+  """What `pallas_call(interpret=...)` takes to run a TPU kernel on CPU."""
+  params_class = getattr(_tpu_module(), "InterpretParams", None)
+  return params_class() if params_class is not None else True
+
+
+def prefetch_scalar_grid_spec(**kwargs):
+  return _tpu_module().PrefetchScalarGridSpec(**kwargs)
+
+
+def tpu_vmem_scratch(shape, dtype):
+  pltpu = _tpu_module()
+  vmem = getattr(pltpu, "VMEM", None)
+  if vmem is None:  # older spelling
+    vmem = pltpu.TPUMemorySpace.VMEM
+  return vmem(shape, dtype)
+
+
+def gpu_multiprocessor_count(default: int = 132) -> int:
+  """SM count of the first GPU (used to size the flash-decoding split), or `default`."""
+  try:
+    device = jax.devices()[0]
+    count = getattr(device, "core_count", None)
+    return int(count) if count else default
+  except Exception:  # pylint: disable=broad-except
+    return default

@@ -1,0 +1,158 @@
+"""TPU decode attention over a full-precision K/V segment: Pallas with the Mosaic lowering.
+
+Grid (batch, kv_heads, splits, blocks): the first three are parallel (the sequence split is
+flash-decoding across cores), the last walks one split's blocks with an online softmax held in
+VMEM scratch. Lengths are scalar-prefetched into SMEM; the K/V index maps clamp the block index
+to the row's last valid block, so steps past the length repeat the previous block index and
+Pallas issues no DMA for them, and their compute is skipped with `pl.when`. The last step of a
+split writes its normalised output and log-sum-exp; `merge_split_partials` combines splits.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
+
+SUBLANES = 8  # query rows are padded to the f32 sublane tile
+
+
+def unsupported_reason(queries, keys) -> str | None:
+  head_dim = queries.shape[3]
+  if head_dim % 64 != 0:
+    return f"head_dim={head_dim} (must be a multiple of 64)"
+  if keys.dtype not in (jnp.float32, jnp.bfloat16):
+    return f"cache dtype {keys.dtype}"
+  return None
+
+
+def tile_rows(group: int) -> int:
+  return -(-group // SUBLANES) * SUBLANES
+
+
+def clamped_block_index(row, split, step, lengths_ref, *, plan: SplitPlan):
+  """Block to fetch at this grid step: the step's own block, or the row's last valid block
+  once the step is past the length (same index as the previous step: no DMA)."""
+  block = split * plan.blocks_per_split + step
+  last_valid = jnp.maximum((lengths_ref[row] + plan.block_tokens - 1) // plan.block_tokens - 1, 0)
+  return jnp.minimum(block, last_valid)
+
+
+def online_softmax_update(scores, values, valid_tokens, max_ref, sum_ref, acc_ref):
+  """One block's update of the (max, sum, acc) scratch; scores [rows, T], values [T, D]."""
+  scores = jnp.where(valid_tokens[None, :], scores, -jnp.inf)
+  previous_max = max_ref[...]  # [rows, 1]
+  new_max = jnp.maximum(previous_max, scores.max(axis=1, keepdims=True))
+  correction = jnp.exp(previous_max - new_max)  # 0 on the first block (max was -inf)
+  probs = jnp.exp(scores - new_max)
+  sum_ref[...] = sum_ref[...] * correction + probs.sum(axis=1, keepdims=True)
+  max_ref[...] = new_max
+  # Slots past the length may hold anything (NaN included): zero them so 0 * NaN cannot leak.
+  values = jnp.where(valid_tokens[:, None], values, jnp.zeros_like(values))
+  acc_ref[...] = acc_ref[...] * correction + jax.lax.dot_general(
+      probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
+      preferred_element_type=jnp.float32)
+  return probs, correction
+
+
+def finalize(max_ref, sum_ref, acc, out_ref, lse_ref):
+  total = sum_ref[...]  # [rows, 1]
+  nonempty = total > 0
+  safe_total = jnp.where(nonempty, total, 1.0)
+  out_ref[...] = jnp.where(nonempty, acc / safe_total, 0.0).astype(out_ref.dtype)
+  lse_ref[...] = jnp.where(nonempty, max_ref[...] + jnp.log(safe_total), -jnp.inf)
+
+
+def _decode_kernel(lengths_ref, queries_ref, keys_ref, values_ref, *rest, plan: SplitPlan):
+  out_ref, lse_ref, max_ref, sum_ref, acc_ref = rest[-5:]
+  row, split, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  block = plan.block_tokens
+
+  @pl.when(step == 0)
+  def _init():
+    max_ref[...] = jnp.full(max_ref.shape, -jnp.inf, jnp.float32)
+    sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  length = lengths_ref[row]
+  first = (split * plan.blocks_per_split + step) * block
+
+  @pl.when(first < length)
+  def _attend():
+    valid = first + jax.lax.broadcasted_iota(jnp.int32, (block,), 0) < length
+    scores = jax.lax.dot_general(
+        queries_ref[...], keys_ref[...], (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32)  # [rows, block]
+    online_softmax_update(scores, values_ref[...], valid, max_ref, sum_ref, acc_ref)
+
+  @pl.when(step == plan.blocks_per_split - 1)
+  def _write():
+    finalize(max_ref, sum_ref, acc_ref[...], out_ref, lse_ref)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "block_tokens", "num_splits", "interpret"))
+def decode_attention_partials_tpu(
+    queries, keys, values, lengths, initial_partials=None, *, sm_scale: float,
+    block_tokens: int = 512, num_splits: int | None = 2, interpret: bool = False,
+):
+  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows])."""
+  batch, kv_heads, group, head_dim = queries.shape
+  tokens = keys.shape[2]
+  rows = tile_rows(group)
+  block_tokens = min(block_tokens, -(-tokens // SUBLANES) * SUBLANES)
+  plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, target_programs=1)
+  scaled_queries = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, keys.dtype)
+  kv_index = lambda b, h, s, i, lengths_ref: (
+      b, h, clamped_block_index(b, s, i, lengths_ref, plan=plan), 0)
+  in_specs = [
+      pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s, i, lengths_ref: (b, h, 0, 0)),
+      pl.BlockSpec((None, None, block_tokens, head_dim), kv_index),
+      pl.BlockSpec((None, None, block_tokens, head_dim), kv_index),
+  ]
+  out_specs = [
+      pl.BlockSpec((None, None, None, rows, head_dim),
+                   lambda b, h, s, i, lengths_ref: (b, h, s, 0, 0)),
+      pl.BlockSpec((None, None, None, rows, 1), lambda b, h, s, i, lengths_ref: (b, h, s, 0, 0)),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, 1), jnp.float32),
+  ]
+  args = [scaled_queries, keys, values]
+  aliases = {}
+  if initial_partials is not None:
+    in_specs += out_specs
+    # Operand numbering counts the scalar-prefetch operand first.
+    aliases = {1 + len(args): 0, 2 + len(args): 1}
+    args += [initial_partials[0], initial_partials[1][..., None]]
+  grid_spec = _compat.prefetch_scalar_grid_spec(
+      num_scalar_prefetch=1,
+      grid=(batch, kv_heads, plan.num_splits, plan.blocks_per_split),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      scratch_shapes=[_compat.tpu_vmem_scratch((rows, 1), jnp.float32),
+                      _compat.tpu_vmem_scratch((rows, 1), jnp.float32),
+                      _compat.tpu_vmem_scratch((rows, head_dim), jnp.float32)],
+  )
+  out, lse = pl.pallas_call(
+      functools.partial(_decode_kernel, plan=plan),
+      grid_spec=grid_spec,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=_compat.tpu_compiler_params(
+          ("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=_compat.tpu_interpret_params() if interpret else False,
+      name="decode_attention_tpu",
+  )(lengths.astype(jnp.int32), *args)
+  return out, lse[..., 0]
+
+
+def decode_attention_tpu(queries, keys, values, lengths, *, sm_scale: float, **config):
+  """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as `decode_attention_reference`."""
+  out, lse = decode_attention_partials_tpu(queries, keys, values, lengths, sm_scale=sm_scale,
+                                           **config)
+  return merge_split_partials(out, lse, queries.shape[2])

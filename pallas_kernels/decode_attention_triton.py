@@ -1,0 +1,177 @@
+"""GPU decode attention over a full-precision K/V segment: Pallas with the Triton lowering.
+
+One query position per row; all query heads of a KV head (GQA/MQA group) are one tile of
+`rows` (the group padded to 16, the smallest tensor-core tile), so K and V are read once per
+KV head. The sequence is split across `num_splits` parallel programs (flash-decoding); each
+walks its blocks with an online softmax, stops at the row's length (blocks past it are never
+loaded: the loop's trip count comes from the length), and writes a normalised partial output
+and its log-sum-exp; `merge_split_partials` combines them.
+
+The Triton lowering is deprecated in favour of Mosaic GPU (jax >= 0.11 emits a
+DeprecationWarning when it lowers the kernel); `decode_attention_gpu` is the one entry point a
+Mosaic GPU kernel would replace.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
+
+TILE_ROWS = 16  # smallest M of a tensor-core dot in Triton
+# Default flash-decoding split: enough programs for ~16 per SM, so rows of unequal length and the
+# last wave balance out (H100 run 1: 32 splits beat 9 by 10-15% at batch 8 x 8 KV heads).
+TARGET_PROGRAMS_PER_SM = 16
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def unsupported_reason(queries, keys) -> str | None:
+  """Why this kernel cannot take these shapes (None if it can)."""
+  group, head_dim = queries.shape[2], queries.shape[3]
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    return f"head_dim={head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
+  if group > 64:
+    return f"query group {group} > 64"
+  if keys.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    return f"cache dtype {keys.dtype}"
+  return None
+
+
+def tile_rows(group: int) -> int:
+  return max(TILE_ROWS, 1 << (group - 1).bit_length())
+
+
+def _dot_nt(a, b):
+  """a [M, K] . b [N, K]^T in float32 (tf32 tensor cores for f32 operands on GPU)."""
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_nn(a, b):
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _decode_kernel(
+    lengths_ref,  # int32 [] (this row's length)
+    queries_ref,  # [rows, D], pre-scaled by sm_scale, cache dtype
+    keys_ref,  # [T, D] (this row and KV head)
+    values_ref,  # [T, D]
+    *rest,  # (unused aliased output buffers,) out_ref [rows, D] f32, lse_ref [rows] f32
+    plan: SplitPlan,
+    tokens: int,
+):
+  out_ref, lse_ref = rest[-2:]
+  block = plan.block_tokens
+  split = pl.program_id(2)
+  start = split * plan.split_tokens
+  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_ref[()]), tokens)
+  num_blocks = (jnp.maximum(end - start, 0) + block - 1) // block
+  queries = queries_ref[...]
+  rows, head_dim = queries.shape
+  offsets = jnp.arange(block, dtype=jnp.int32)
+
+  def body(i, carry):
+    running_max, running_sum, acc = carry
+    first = start + i * block
+    valid = first + offsets < end  # [block]; masked lanes read no memory
+    keys = _compat.triton_load(
+        keys_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0)
+    scores = _dot_nt(queries, keys)  # [rows, block]
+    scores = jnp.where(valid[None, :], scores, -jnp.inf)
+    # Every iterated block has a valid token, so new_max is finite from the first step on.
+    new_max = jnp.maximum(running_max, scores.max(axis=1))
+    correction = jnp.exp(running_max - new_max)
+    probs = jnp.exp(scores - new_max[:, None])
+    values = _compat.triton_load(
+        values_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0)
+    acc = acc * correction[:, None] + _dot_nn(probs.astype(values.dtype), values)
+    return new_max, running_sum * correction + probs.sum(axis=1), acc
+
+  init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+          jnp.zeros((rows, head_dim), jnp.float32))
+  running_max, running_sum, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+  nonempty = running_sum > 0
+  safe_sum = jnp.where(nonempty, running_sum, 1.0)
+  out_ref[...] = jnp.where(nonempty[:, None], acc / safe_sum[:, None], 0.0)
+  lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "block_tokens", "num_splits", "num_warps", "num_stages",
+                     "interpret"))
+def decode_attention_partials_triton(
+    queries: jax.Array,  # [B, H, G, D]
+    keys: jax.Array,  # [B, H, T, D]
+    values: jax.Array,  # [B, H, T, D]
+    lengths: jax.Array,  # int32 [B]
+    initial_partials: tuple[jax.Array, jax.Array] | None = None,
+    *,
+    sm_scale: float,
+    block_tokens: int = 64,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]).
+
+  `initial_partials`, if given, are the output buffers' starting contents (aliased): tests fill
+  them with NaN to prove that the kernel writes every element.
+  """
+  batch, kv_heads, group, head_dim = queries.shape
+  tokens = keys.shape[2]
+  rows = tile_rows(group)
+  target_programs = TARGET_PROGRAMS_PER_SM * _compat.gpu_multiprocessor_count()
+  plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, target_programs)
+  scaled_queries = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, keys.dtype)
+  row_spec = lambda *block: pl.BlockSpec(block, lambda b, h, s: (b, h) + (0,) * (len(block) - 2))
+  in_specs = [
+      pl.BlockSpec((None,), lambda b, h, s: (b,)),
+      row_spec(None, None, rows, head_dim),
+      row_spec(None, None, tokens, head_dim),
+      row_spec(None, None, tokens, head_dim),
+  ]
+  out_specs = [
+      pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+      pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows), jnp.float32),
+  ]
+  args = [lengths.astype(jnp.int32), scaled_queries, keys, values]
+  aliases = {}
+  if initial_partials is not None:
+    in_specs += out_specs
+    aliases = {len(args): 0, len(args) + 1: 1}
+    args += list(initial_partials)
+  kernel = functools.partial(_decode_kernel, plan=plan, tokens=tokens)
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=(batch, kv_heads, plan.num_splits),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=_compat.triton_compiler_params(num_warps, num_stages),
+      interpret=interpret,
+      name="decode_attention_triton",
+  )(*args)
+  return out, lse
+
+
+def decode_attention_triton(queries, keys, values, lengths, *, sm_scale: float, **config):
+  """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as `decode_attention_reference`."""
+  out, lse = decode_attention_partials_triton(queries, keys, values, lengths, sm_scale=sm_scale,
+                                              **config)
+  return merge_split_partials(out, lse, queries.shape[2])
+
+
+def decode_attention_gpu(queries, keys, values, lengths, *, sm_scale: float, interpret=False,
+                         **config):
+  """The GPU decode-attention kernel (today the Triton lowering; Mosaic GPU would go here)."""
+  return decode_attention_triton(queries, keys, values, lengths, sm_scale=sm_scale,
+                                 interpret=interpret, **config)

@@ -1,0 +1,540 @@
+"""GPU fused dequantize-attention for decoding over a KIVI / GEAR quantized segment (Pallas,
+Triton lowering).
+
+Structure (same as `decode_attention_triton`): grid (batch, kv_heads, splits); each program
+walks its share of the row's valid blocks with an online softmax and writes a normalised
+partial output and its log-sum-exp. Per block of `block_tokens` tokens it reads
+
+  k_codes / v_codes  uint32 [block, D*bits/32]   (planar-packed, `bit_packing`)
+  k_scale / k_min    [block/group_size, D]       (keys: per channel, per token group)
+  v_scale / v_min    [block, D/group_size]       (values: per token, per channel group)
+
+and dequantizes on chip: the n = 32/bits bit fields of the words are shifted out as a
+[block, n, W] tensor whose row-major flattening IS natural channel order (planar layout:
+field k holds channels [k*W, (k+1)*W)), converted to float with the 2^23 "magic number"
+(OR the code into the mantissa of 2^23, subtract 2^23: two integer ops and one float add
+instead of a slow int-to-float conversion), scaled, and fed to tensor-core dots. Scales stay
+at their stored granularity in memory and are broadcast in registers.
+
+Two variants (`variant=`): "reshape" (default) as just described, one dot for K and one for
+V per block; "planar" keeps the bit fields apart and joins them with `stack` (no layout
+conversion, channels in a fixed permutation applied to q and the output), folds the key scales
+into q per key group and the value scales into p per channel group, so nothing is dequantized
+element by element. On H100 "planar" measured slower (many small dots and barriers per token);
+see benchmarks/KERNEL_NOTES.md.
+
+GEAR terms are fused (per GEAR block, so `block_tokens == block`):
+  low rank:  scores += (q B_k[j]) A_k[t]^T ;  acc += (p A_v) B_v[j]^T   (rank-r broadcasts)
+  outliers:  scores += (q gathered at the outlier channels * value) scattered to the outlier
+             tokens;  acc += (p gathered at the outlier tokens * value) scattered to channels,
+             gathers and scatters being dots with one-hot [s, block] / [s, D] matrices.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.bit_packing import check_bits
+from pallas_kernels.decode_attention_triton import (
+  TARGET_PROGRAMS_PER_SM,
+  _dot_nn,
+  _dot_nt,
+  tile_rows,
+)
+from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
+from pallas_kernels.splits import (
+  SplitPlan,
+  is_power_of_two,
+  merge_split_partials,
+  next_power_of_two,
+  pad_query_group,
+  plan_splits,
+)
+
+MAGIC_2_23 = 0x4B000000  # float32 bits of 2^23: OR-ing an integer < 2^23 in gives 2^23 + int
+
+
+def unpack_to_float(words: jax.Array, bits: int) -> jax.Array:
+  """uint32 [rows, W] planar words -> float32 codes [rows, W * 32 // bits] in natural order."""
+  rows, width = words.shape
+  per_word = 32 // bits
+  shifts = jnp.arange(per_word, dtype=jnp.uint32) * jnp.uint32(bits)
+  fields = jnp.right_shift(words[:, None, :], shifts[None, :, None]) & jnp.uint32(2**bits - 1)
+  fields = fields.reshape(rows, per_word * width)
+  return jax.lax.bitcast_convert_type(fields | jnp.uint32(MAGIC_2_23), jnp.float32) - 8388608.0
+
+
+def _broadcast_rows(stats: jax.Array, repeat: int) -> jax.Array:
+  """[n, C] -> [n * repeat, C], each row repeated `repeat` times (register broadcast)."""
+  if repeat == 1:
+    return stats
+  n, width = stats.shape
+  return jnp.broadcast_to(stats[:, None, :], (n, repeat, width)).reshape(n * repeat, width)
+
+
+def _broadcast_columns(stats: jax.Array, repeat: int) -> jax.Array:
+  """[R, n] -> [R, n * repeat], each column repeated `repeat` times."""
+  if repeat == 1:
+    return stats
+  rows, n = stats.shape
+  return jnp.broadcast_to(stats[:, :, None], (rows, n, repeat)).reshape(rows, n * repeat)
+
+
+def unsupported_reason(queries, k_codes, k_scale, v_scale, *, bits, group_size, lowrank,
+                       outliers, block) -> str | None:
+  """Why this kernel cannot take these shapes (None if it can)."""
+  head_dim = queries.shape[3]
+  if head_dim not in (64, 128, 256):
+    return f"head_dim={head_dim} (supported: 64, 128, 256)"
+  if queries.shape[2] > 64:
+    return f"query group {queries.shape[2]} > 64"
+  if not is_power_of_two(group_size) or group_size > 256:
+    return f"group_size={group_size} (must be a power of two <= 256)"
+  if (lowrank is not None or outliers is not None) and (
+      not is_power_of_two(block) or block < 16 or block > 256):
+    return f"GEAR block={block} (must be a power of two in [16, 256])"
+  if k_scale.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+    return f"scale dtype {k_scale.dtype}"
+  return None
+
+
+def _quantized_decode_kernel(
+    lengths_ref, queries_ref, k_codes_ref, k_scale_ref, k_min_ref, v_codes_ref, v_scale_ref,
+    v_min_ref, *rest, plan: SplitPlan, tokens: int, bits: int, group_size: int,
+    has_lowrank: bool, has_outliers: bool,
+):
+  out_ref, lse_ref = rest[-2:]
+  extra = list(rest[:-2])
+  if has_lowrank:
+    k_a_ref, k_b_ref, v_a_ref, v_b_ref = extra[:4]
+    extra = extra[4:]
+  if has_outliers:
+    k_index_ref, k_value_ref, v_index_ref, v_value_ref = extra[:4]
+
+  block = plan.block_tokens
+  key_groups = block // group_size  # key quantization groups per block
+  split = pl.program_id(2)
+  start = split * plan.split_tokens
+  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_ref[()]), tokens)
+  num_blocks = (jnp.maximum(end - start, 0) + block - 1) // block
+  queries = queries_ref[...]  # [rows, D] compute dtype, pre-scaled
+  compute_dtype = queries.dtype
+  rows, head_dim = queries.shape
+  value_group = group_size  # channels per value quantization group
+  offsets = jnp.arange(block, dtype=jnp.int32)
+  group_offsets = jnp.arange(key_groups, dtype=jnp.int32)
+  channel_ids = jnp.arange(head_dim, dtype=jnp.int32)
+  log2_head_dim = int(math.log2(head_dim))
+
+  def load_rows(ref, first, count, valid):
+    return _compat.triton_load(ref.at[pl.ds(first, count), :], mask=valid[:, None], other=0)
+
+  def body(i, carry):
+    running_max, running_sum, acc = carry
+    first = start + i * block
+    valid = first + offsets < end  # [block]; masked lanes read no memory
+    first_group = first // group_size
+    group_valid = (first_group + group_offsets) * group_size < end
+
+    # Keys: K[t, d] = code * k_scale[t // G, d] + k_min[t // G, d], dequantized in registers.
+    k_code = unpack_to_float(load_rows(k_codes_ref, first, block, valid), bits)
+    k_scale = load_rows(k_scale_ref, first_group, key_groups, group_valid).astype(jnp.float32)
+    k_min = load_rows(k_min_ref, first_group, key_groups, group_valid).astype(jnp.float32)
+    keys = k_code * _broadcast_rows(k_scale, group_size) + _broadcast_rows(k_min, group_size)
+    scores = _dot_nt(queries, keys.astype(compute_dtype))  # [rows, block]
+
+    if has_lowrank or has_outliers:
+      gear_block = first // block  # block_tokens == GEAR block
+    if has_lowrank:
+      queries_f32 = queries.astype(jnp.float32)
+      k_b = k_b_ref[gear_block].astype(jnp.float32)  # [D, r]
+      k_a = load_rows(k_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
+      q_b = jnp.sum(queries_f32[:, :, None] * k_b[None, :, :], axis=1)  # [rows, r]
+      scores = scores + jnp.sum(q_b[:, None, :] * k_a[None, :, :], axis=2)
+    if has_outliers:
+      k_index = k_index_ref[gear_block]  # [s] flat t_local * D + d
+      k_value = k_value_ref[gear_block].astype(jnp.float32)
+      k_channel_hot = (jnp.bitwise_and(k_index, head_dim - 1)[:, None] == channel_ids[None, :])
+      q_at_outlier = _dot_nt(queries, k_channel_hot.astype(compute_dtype))  # [rows, s]
+      k_token_hot = (jnp.right_shift(k_index, log2_head_dim)[:, None] == offsets[None, :])
+      scores = scores + _dot_nn((q_at_outlier * k_value[None, :]).astype(compute_dtype),
+                                k_token_hot.astype(compute_dtype))
+
+    scores = jnp.where(valid[None, :], scores, -jnp.inf)
+    # Every iterated block has a valid token, so new_max is finite from the first step on.
+    new_max = jnp.maximum(running_max, scores.max(axis=1))
+    correction = jnp.exp(running_max - new_max)
+    probs = jnp.exp(scores - new_max[:, None])  # [rows, block]
+    running_sum = running_sum * correction + probs.sum(axis=1)
+
+    # Values: V[t, d] = code * v_scale[t, d // G] + v_min[t, d // G].
+    v_code = unpack_to_float(load_rows(v_codes_ref, first, block, valid), bits)
+    v_scale = load_rows(v_scale_ref, first, block, valid).astype(jnp.float32)
+    v_min = load_rows(v_min_ref, first, block, valid).astype(jnp.float32)
+    values = (v_code * _broadcast_columns(v_scale, value_group)
+              + _broadcast_columns(v_min, value_group))
+    probs_c = probs.astype(compute_dtype)
+    update = _dot_nn(probs_c, values.astype(compute_dtype))  # [rows, D]
+    if has_lowrank:
+      v_a = load_rows(v_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
+      v_b = v_b_ref[gear_block].astype(jnp.float32)  # [D, r]
+      p_a = jnp.sum(probs[:, :, None] * v_a[None, :, :], axis=1)  # [rows, r]
+      update = update + jnp.sum(p_a[:, None, :] * v_b[None, :, :], axis=2)
+    if has_outliers:
+      v_index = v_index_ref[gear_block]
+      v_value = v_value_ref[gear_block].astype(jnp.float32)
+      v_token_hot = (jnp.right_shift(v_index, log2_head_dim)[:, None] == offsets[None, :])
+      p_at_outlier = _dot_nt(probs_c, v_token_hot.astype(compute_dtype))  # [rows, s]
+      v_channel_hot = (jnp.bitwise_and(v_index, head_dim - 1)[:, None] == channel_ids[None, :])
+      update = update + _dot_nn((p_at_outlier * v_value[None, :]).astype(compute_dtype),
+                                v_channel_hot.astype(compute_dtype))
+    return new_max, running_sum, acc * correction[:, None] + update
+
+  init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+          jnp.zeros((rows, head_dim), jnp.float32))
+  running_max, running_sum, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+  nonempty = running_sum > 0
+  safe_sum = jnp.where(nonempty, running_sum, 1.0)
+  out_ref[...] = jnp.where(nonempty[:, None], acc / safe_sum[:, None], 0.0)
+  lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+
+
+def join_fields(fields: list) -> jax.Array:
+  """Joins n = 2^k tensors [R, W] into one [R, n*W] with a tree of `stack(axis=-1)` + merge.
+
+  Each join adds a per-thread minor dimension in Triton, so this is a register renaming, not a
+  layout conversion (unlike a reshape of a broadcast [R, n, W]). The resulting channel order is
+  a fixed permutation (`joined_channel_order`), applied to the queries/outputs instead.
+  Works on jnp and numpy arrays alike.
+  """
+  stack = jnp.stack if isinstance(fields[0], jax.Array) else np.stack
+  while len(fields) > 1:
+    fields = [stack([fields[2 * i], fields[2 * i + 1]], axis=-1).reshape(fields[0].shape[0], -1)
+              for i in range(len(fields) // 2)]
+  return fields[0]
+
+
+def joined_channel_order(first_field: int, num_fields: int, width: int):
+  """numpy int32 [num_fields * width]: channel at each position of `join_fields` over the bit
+  fields first_field .. first_field + num_fields - 1 (field k holds channels [k*W, (k+1)*W))."""
+  fields = [np.arange(k * width, (k + 1) * width, dtype=np.int32)[None, :]
+            for k in range(first_field, first_field + num_fields)]
+  return join_fields(fields)[0]
+
+
+def channel_orders(head_dim: int, bits: int, value_group: int):
+  """(key order [D], value order [D]): keys join all fields; values join the fields of each
+  channel group, groups side by side, so a group's channels are contiguous positions."""
+  fields = 32 // bits
+  width = head_dim // fields
+  key_order = joined_channel_order(0, fields, width)
+  per_group = value_group // width
+  value_order = np.concatenate([
+      joined_channel_order(group * per_group, per_group, width)
+      for group in range(head_dim // value_group)])
+  return key_order, value_order
+
+
+def _unpack_field(words, bits, field):
+  """Bit field `field` of uint32 words as exact float32 codes (magic-number conversion)."""
+  code = jnp.right_shift(words, jnp.uint32(bits * field)) & jnp.uint32(2**bits - 1)
+  return jax.lax.bitcast_convert_type(code | jnp.uint32(MAGIC_2_23), jnp.float32) - 8388608.0
+
+
+def _planar_kernel(
+    lengths_ref, key_order_ref, value_order_ref, queries_ref, k_codes_ref, k_scale_ref,
+    k_min_ref, v_codes_ref, v_scale_ref, v_min_ref, *rest, plan: SplitPlan, tokens: int,
+    bits: int, group_size: int, unroll: int, gear_block: int, has_lowrank: bool,
+    has_outliers: bool,
+):
+  """One fori step = `unroll` key groups of `group_size` tokens (see module doc, "planar")."""
+  out_ref, lse_ref = rest[-2:]
+  extra = list(rest[:-2])
+  if has_lowrank:
+    k_a_ref, k_b_ref, v_a_ref, v_b_ref = extra[:4]
+    extra = extra[4:]
+  if has_outliers:
+    k_index_ref, k_value_ref, v_index_ref, v_value_ref = extra[:4]
+
+  block = group_size  # tokens per sub-step: one key quantization group (one scale row)
+  fields = 32 // bits
+  split = pl.program_id(2)
+  start = split * plan.split_tokens
+  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_ref[()]), tokens)
+  num_steps = (jnp.maximum(end - start, 0) + plan.block_tokens - 1) // plan.block_tokens
+  queries = queries_ref[...].astype(jnp.float32)  # [rows, D], key channel order, pre-scaled
+  rows, head_dim = queries.shape
+  compute_dtype = queries_ref.dtype
+  value_group = group_size
+  num_value_groups = head_dim // value_group
+  fields_per_value_group = value_group * fields // head_dim
+  key_order = key_order_ref[...]  # [D] int32
+  offsets = jnp.arange(block, dtype=jnp.int32)
+  last_key_group = tokens // group_size - 1
+  log2_head_dim = int(math.log2(head_dim))
+
+  def sub_step(first, carry):
+    running_max, running_sum, accs = carry
+    valid = first + offsets < end  # [block]; masked lanes read no memory
+    key_group = jnp.minimum(first // group_size, last_key_group)
+
+    # Scores: (q * k_scale[g]) . codes^T + q . k_min[g]: no per-element dequantization.
+    k_words = _compat.triton_load(k_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None],
+                                  other=0)
+    k_code = join_fields([_unpack_field(k_words, bits, f) for f in range(fields)])  # [block, D]
+    k_scale = k_scale_ref[key_group, key_order].astype(jnp.float32)  # [D], key channel order
+    k_min = k_min_ref[key_group, key_order].astype(jnp.float32)
+    scaled_queries = (queries * k_scale[None, :]).astype(compute_dtype)
+    scores = _dot_nt(scaled_queries, k_code.astype(compute_dtype))  # [rows, block]
+    scores = scores + jnp.sum(queries * k_min[None, :], axis=1)[:, None]
+
+    if has_lowrank or has_outliers:
+      gear_index = first // gear_block
+      offset_in_gear_block = first - gear_index * gear_block
+      gear_index = jnp.minimum(gear_index, tokens // gear_block - 1)  # unroll tail: stay in bounds
+      offset_in_gear_block = first - gear_index * gear_block
+    if has_lowrank:
+      k_b = k_b_ref[gear_index, key_order, :].astype(jnp.float32)  # [D, r], key order
+      k_a = _compat.triton_load(k_a_ref.at[pl.ds(first, block), :], mask=valid[:, None],
+                                other=0).astype(jnp.float32)  # [block, r]
+      q_b = jnp.sum(queries[:, :, None] * k_b[None, :, :], axis=1)  # [rows, r]
+      scores = scores + jnp.sum(q_b[:, None, :] * k_a[None, :, :], axis=2)
+    if has_outliers:
+      k_index = k_index_ref[gear_index, :]  # [s]: t_local * D + d
+      k_value = k_value_ref[gear_index, :].astype(jnp.float32)
+      k_channel_hot = jnp.bitwise_and(k_index, head_dim - 1)[:, None] == key_order[None, :]
+      q_at_outlier = _dot_nt(queries_ref[...], k_channel_hot.astype(compute_dtype))  # [rows, s]
+      k_token = jnp.right_shift(k_index, log2_head_dim) - offset_in_gear_block
+      k_token_hot = k_token[:, None] == offsets[None, :]  # [s, block]
+      scores = scores + _dot_nn((q_at_outlier * k_value[None, :]).astype(compute_dtype),
+                                k_token_hot.astype(compute_dtype))
+
+    scores = jnp.where(valid[None, :], scores, -jnp.inf)
+    new_max = jnp.maximum(running_max, scores.max(axis=1))
+    # A sub-step past `end` (unroll tail) keeps max -inf only if nothing came before, which
+    # cannot happen: the first sub-step of the first step always has a valid token.
+    correction = jnp.exp(running_max - new_max)
+    probs = jnp.exp(scores - new_max[:, None])  # [rows, block]
+    running_sum = running_sum * correction + probs.sum(axis=1)
+    probs_c = probs.astype(compute_dtype)
+
+    # Values, per channel group c: sum_t (p_t * v_scale[t, c]) codes[t, group c]
+    #                               + sum_t p_t * v_min[t, c].
+    v_words = _compat.triton_load(v_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None],
+                                  other=0)
+    if has_lowrank:
+      v_a = _compat.triton_load(v_a_ref.at[pl.ds(first, block), :], mask=valid[:, None],
+                                other=0).astype(jnp.float32)
+      p_a = jnp.sum(probs[:, :, None] * v_a[None, :, :], axis=1)  # [rows, r]
+    if has_outliers:
+      v_index = v_index_ref[gear_index, :]
+      v_value = v_value_ref[gear_index, :].astype(jnp.float32)
+      v_token = jnp.right_shift(v_index, log2_head_dim) - offset_in_gear_block
+      v_token_hot = (v_token[:, None] == offsets[None, :]).astype(compute_dtype)  # [s, block]
+      weighted = _dot_nt(probs_c, v_token_hot) * v_value[None, :]  # [rows, s]
+      v_channel = jnp.bitwise_and(v_index, head_dim - 1)
+    new_accs = []
+    for c in range(num_value_groups):
+      v_scale = _compat.triton_load(v_scale_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid,
+                                    other=0).astype(jnp.float32)  # [block]
+      v_min = _compat.triton_load(v_min_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid,
+                                  other=0).astype(jnp.float32)
+      first_field = c * fields_per_value_group
+      v_code = join_fields([_unpack_field(v_words, bits, f)
+                            for f in range(first_field, first_field + fields_per_value_group)])
+      update = _dot_nn((probs * v_scale[None, :]).astype(compute_dtype),
+                       v_code.astype(compute_dtype))  # [rows, value_group]
+      update = update + jnp.sum(probs * v_min[None, :], axis=1)[:, None]
+      if has_lowrank or has_outliers:
+        group_order = value_order_ref[pl.ds(c * value_group, value_group)]  # [value_group]
+      if has_lowrank:
+        v_b = v_b_ref[gear_index, group_order, :].astype(jnp.float32)  # [value_group, r]
+        update = update + jnp.sum(p_a[:, None, :] * v_b[None, :, :], axis=2)
+      if has_outliers:
+        channel_hot = (v_channel[:, None] == group_order[None, :]).astype(compute_dtype)
+        update = update + _dot_nn(weighted.astype(compute_dtype), channel_hot)
+      new_accs.append(accs[c] * correction[:, None] + update)
+    return new_max, running_sum, tuple(new_accs)
+
+  def body(i, carry):
+    for u in range(unroll):
+      carry = sub_step(start + (i * unroll + u) * block, carry)
+    return carry
+
+  init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+          tuple(jnp.zeros((rows, value_group), jnp.float32) for _ in range(num_value_groups)))
+  running_max, running_sum, accs = jax.lax.fori_loop(0, num_steps, body, init)
+  nonempty = running_sum > 0
+  safe_sum = jnp.where(nonempty, running_sum, 1.0)
+  for c in range(num_value_groups):
+    out_ref[:, pl.ds(c * value_group, value_group)] = jnp.where(
+        nonempty[:, None], accs[c] / safe_sum[:, None], 0.0)
+  lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+
+
+def _pad_last(array: jax.Array, size: int) -> jax.Array:
+  if array.shape[-1] == size:
+    return array
+  pad = [(0, 0)] * (array.ndim - 1) + [(0, size - array.shape[-1])]
+  return jnp.pad(array, pad)
+
+
+def compute_dtype_for(scale_dtype):
+  """bf16/f16 caches use 16-bit tensor-core operands; f32 caches use f32 (tf32 on GPU)."""
+  return scale_dtype if scale_dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+
+
+VARIANTS = ("planar", "reshape")
+
+
+def output_channel_order(head_dim: int, bits: int, group_size: int, variant: str):
+  """numpy int32 [D]: channel at each position of the partial outputs' last axis."""
+  if variant == "reshape":
+    return np.arange(head_dim, dtype=np.int32)
+  return channel_orders(head_dim, bits, group_size)[1]
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("bits", "group_size", "sm_scale", "block", "block_tokens", "num_splits",
+                     "num_warps", "num_stages", "interpret", "variant", "unroll"))
+def quantized_decode_attention_partials_triton(
+    queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths,
+    initial_partials=None, *, bits: int, group_size: int, sm_scale: float, lowrank=None,
+    outliers=None, block: int = 64, block_tokens: int | None = None,
+    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
+    interpret: bool = False, variant: str = "reshape", unroll: int = 2,
+):
+  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]); see module doc.
+
+  The partial outputs' channels are in `output_channel_order(...)` order (merge the splits
+  first, then un-permute the small merged array). `initial_partials` (optional) are the output
+  buffers' starting contents (aliased), so tests can poison them.
+
+  variant "reshape" (default, the faster one measured on H100): `block_tokens` (default 128)
+  per step, K and V fully dequantized in registers through a broadcast + reshape, one dot each.
+  variant "planar": one key group of `group_size` tokens per sub-step, `unroll` sub-steps per
+  loop step, scales folded into q / p, bit fields joined without layout conversion, one dot
+  per value channel group (slower on H100: see benchmarks/KERNEL_NOTES.md).
+  """
+  check_bits(bits)
+  if variant not in VARIANTS:
+    raise ValueError(f"variant={variant!r} is not supported; allowed: {', '.join(VARIANTS)}")
+  sizes = check_quantized_inputs(
+      queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, bits=bits,
+      group_size=group_size, lowrank=lowrank, outliers=outliers, block=block)
+  batch, kv_heads, group, head_dim, tokens = sizes[:5]
+  gear = lowrank is not None or outliers is not None
+  if variant == "planar":
+    step_tokens = group_size * unroll
+  elif gear:
+    step_tokens = block  # one GEAR block (one low-rank factor, one outlier list) per step
+  else:
+    step_tokens = max(block_tokens or max(128, group_size), group_size)
+  rows = tile_rows(group)
+  target_programs = TARGET_PROGRAMS_PER_SM * _compat.gpu_multiprocessor_count()
+  plan = plan_splits(tokens, step_tokens, batch * kv_heads, num_splits, target_programs)
+  compute_dtype = compute_dtype_for(k_scale.dtype)
+  scaled_queries = queries.astype(jnp.float32) * sm_scale
+  prefix = []
+  if variant == "planar":
+    key_order, value_order = channel_orders(head_dim, bits, group_size)
+    scaled_queries = scaled_queries[..., key_order]  # the kernel's key channel order
+    prefix = [jnp.asarray(key_order), jnp.asarray(value_order)]
+  scaled_queries = pad_query_group(scaled_queries, rows, compute_dtype)
+
+  def row_spec(array):  # this (row, KV head)'s whole slab; the kernel slices blocks itself
+    trailing = array.shape[2:]
+    return pl.BlockSpec((None, None) + trailing,
+                        lambda b, h, s: (b, h) + (0,) * len(trailing))
+
+  args = [scaled_queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min]
+  if lowrank is not None:
+    # Triton tensors need power-of-two sizes: zero-pad the rank (copies only if needed).
+    rank = next_power_of_two(sizes.rank)
+    args += [_pad_last(x, rank) for x in lowrank]
+  if outliers is not None:
+    # Zero-valued padding entries (index 0) add nothing; the one-hot dots need s >= 16.
+    count = max(16, next_power_of_two(sizes.outliers_per_block))
+    k_index, k_value, v_index, v_value = outliers
+    args += [_pad_last(k_index.astype(jnp.int32), count), _pad_last(k_value, count),
+             _pad_last(v_index.astype(jnp.int32), count), _pad_last(v_value, count)]
+  in_specs = ([pl.BlockSpec((None,), lambda b, h, s: (b,))]
+              + [pl.BlockSpec((head_dim,), lambda b, h, s: (0,)) for _ in prefix]
+              + [row_spec(x) for x in args])
+  args = [lengths.astype(jnp.int32)] + prefix + args
+  out_specs = [
+      pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+      pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows), jnp.float32),
+  ]
+  aliases = {}
+  if initial_partials is not None:
+    in_specs += out_specs
+    aliases = {len(args): 0, len(args) + 1: 1}
+    args += list(initial_partials)
+  if variant == "planar":
+    kernel = functools.partial(
+        _planar_kernel, plan=plan, tokens=tokens, bits=bits, group_size=group_size,
+        unroll=unroll, gear_block=block, has_lowrank=lowrank is not None,
+        has_outliers=outliers is not None)
+  else:
+    kernel = functools.partial(
+        _quantized_decode_kernel, plan=plan, tokens=tokens, bits=bits, group_size=group_size,
+        has_lowrank=lowrank is not None, has_outliers=outliers is not None)
+  return pl.pallas_call(
+      kernel,
+      grid=(batch, kv_heads, plan.num_splits),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=_compat.triton_compiler_params(num_warps, num_stages),
+      interpret=interpret,
+      name=f"quantized_decode_attention_{bits}bit_triton",
+  )(*args)
+
+
+def planar_supported(head_dim: int, bits: int, group_size: int) -> bool:
+  """The planar variant needs whole bit fields per value group and >= 16-wide dots."""
+  width = head_dim * bits // 32
+  return group_size >= 16 and group_size % width == 0
+
+
+def quantized_decode_attention_triton(
+    queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, *, bits, group_size,
+    sm_scale, lowrank=None, outliers=None, block=64, variant="reshape", **config):
+  """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the reference.
+
+  variant "planar" falls back to "reshape" where `planar_supported` is False.
+  """
+  if variant == "planar" and not planar_supported(queries.shape[3], bits, group_size):
+    variant = "reshape"
+  out, lse = quantized_decode_attention_partials_triton(
+      queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, bits=bits,
+      group_size=group_size, sm_scale=sm_scale, lowrank=lowrank, outliers=outliers,
+      block=block, variant=variant, **config)
+  out, lse = merge_split_partials(out, lse, queries.shape[2])
+  order = output_channel_order(queries.shape[3], bits, group_size, variant)
+  if variant != "reshape":
+    out = out[..., _inverse_permutation(order)]
+  return out, lse
+
+
+def _inverse_permutation(order):
+  inverse = np.empty_like(order)
+  inverse[order] = np.arange(len(order), dtype=order.dtype)
+  return inverse
+
+
+def quantized_decode_attention_gpu(*args, interpret=False, **kwargs):
+  """The GPU quantized decode kernel (today the Triton lowering; Mosaic GPU would go here)."""
+  return quantized_decode_attention_triton(*args, interpret=interpret, **kwargs)

@@ -1,0 +1,69 @@
+"""Flash-decoding bookkeeping shared by the kernels: how the sequence is split across parallel
+programs, padding the query group to the kernels' row count, and the log-sum-exp merge."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SplitPlan(NamedTuple):
+  block_tokens: int  # tokens per inner-loop step (a power of two)
+  num_splits: int  # parallel programs along the sequence per (row, KV head)
+  blocks_per_split: int
+
+  @property
+  def split_tokens(self) -> int:
+    return self.block_tokens * self.blocks_per_split
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def next_power_of_two(n: int) -> int:
+  return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def is_power_of_two(n: int) -> bool:
+  return n >= 1 and (n & (n - 1)) == 0
+
+
+def plan_splits(
+    tokens: int, block_tokens: int, rows_times_heads: int, num_splits: int | None,
+    target_programs: int,
+) -> SplitPlan:
+  """Splits `tokens` into `num_splits` ranges of whole blocks (None: enough to reach about
+  `target_programs` programs in all). Trailing empty splits are dropped."""
+  total_blocks = cdiv(tokens, block_tokens)
+  if num_splits is None:
+    num_splits = cdiv(target_programs, rows_times_heads)
+  num_splits = max(1, min(int(num_splits), total_blocks))
+  blocks_per_split = cdiv(total_blocks, num_splits)
+  num_splits = cdiv(total_blocks, blocks_per_split)
+  return SplitPlan(block_tokens, num_splits, blocks_per_split)
+
+
+def pad_query_group(queries: jax.Array, rows: int, dtype) -> jax.Array:
+  """[B,H,G,D] -> [B,H,rows,D] in `dtype`, zero rows appended (their outputs are dropped)."""
+  group = queries.shape[2]
+  queries = queries.astype(dtype)
+  if rows == group:
+    return queries
+  return jnp.pad(queries, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+
+
+def merge_split_partials(
+    out_partials: jax.Array,  # f32 [B, H, S, rows, D]: each split's normalised output
+    lse_partials: jax.Array,  # f32 [B, H, S, rows]: each split's log-sum-exp (-inf if empty)
+    group: int,
+) -> tuple[jax.Array, jax.Array]:
+  """Exact merge over the splits, keeping the first `group` rows: (out [B,H,G,D], lse [B,H,G])."""
+  out_partials = out_partials[:, :, :, :group]
+  lse_partials = lse_partials[:, :, :, :group]
+  total = jax.nn.logsumexp(lse_partials, axis=2)  # -inf where every split is empty
+  safe_total = jnp.where(jnp.isfinite(total), total, 0.0)
+  weights = jnp.where(
+      jnp.isfinite(lse_partials), jnp.exp(lse_partials - safe_total[:, :, None]), 0.0)
+  out = jnp.einsum("bhsg,bhsgd->bhgd", weights, out_partials)
+  return out, total

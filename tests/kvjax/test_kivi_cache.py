@@ -1,0 +1,282 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax.cache_protocol import ModelCacheShape
+from kvjax.dense_cache import FullCache
+from kvjax.generate import generate, prefill
+from kvjax.kivi_cache import Kivi, KiviLayerCache
+from kvjax.method_spec import describe_method, parse_method_spec
+from kvjax.teacher_forcing import teacher_force
+from models.config import DecoderConfig
+from models.nnx_decoder import split_decoder
+from models.weights import random_decoder
+
+B, H, G, D = 2, 2, 3, 32
+
+# head_dim 32, so the authors' group size of 32 channels fits.
+TINY_CONFIG = DecoderConfig(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=1,  # one layer keeps compilation short; the layer loop is the model's business
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    max_position_embeddings=256,
+)
+
+
+@functools.cache
+def tiny_decoder():
+  return split_decoder(random_decoder(TINY_CONFIG, seed=1))
+
+
+def _random(seed, *shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+@jax.jit
+def _ingest(cache, keys, values, lengths):
+  return cache.ingest(keys, values, None, lengths)
+
+
+@jax.jit
+def _append(cache, keys, values):
+  return cache.append(keys, values)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def _attend(cache, queries, sm_scale):
+  return cache.attend(queries, sm_scale=sm_scale)
+
+
+@jax.jit
+def _dequantized(cache):
+  return cache.dequantized()
+
+
+def explicit_attention(cache: KiviLayerCache, queries, sm_scale):
+  """Softmax attention over the explicitly dequantized K/V of every valid slot (numpy)."""
+  keys, values, _ = (np.asarray(x) for x in _dequantized(cache))
+  quantized_lengths = np.asarray(cache.quantized_lengths)
+  window_lengths = np.asarray(cache.window_lengths)
+  capacity = cache.quantized_capacity
+  out = np.zeros(queries.shape, np.float32)
+  for row in range(queries.shape[0]):
+    slots = np.r_[0 : quantized_lengths[row], capacity : capacity + window_lengths[row]]
+    if not slots.size:
+      continue  # an empty row attends to nothing: out 0
+    scores = np.einsum("hgd,htd->hgt", np.asarray(queries[row]), keys[row][:, slots]) * sm_scale
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    out[row] = np.einsum("hgt,htd->hgd", probs, values[row][:, slots])
+  return out
+
+
+# One cache capacity and prompt shape for the streaming and attention tests, so the jitted
+# ingest of a configuration compiles once.
+CAPACITY, PROMPT = 48, 44
+
+
+def assert_streaming_equals_ingesting(method, *, dtype, start_lengths, steps, exact=True):
+  """Appends one token per step to an ingested prefix; after every step the cache equals the
+  cache that ingests each row's tokens so far at once."""
+  keys = _random(0, B, H, PROMPT, D, dtype=dtype)
+  values = _random(1, B, H, PROMPT, D, dtype=dtype)
+  start_lengths = np.asarray(start_lengths, np.int32)
+  empty = method.allocate_storage(batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D, dtype=dtype)
+  # One prompt shape for every ingest: one compilation (the lengths say what is real).
+  streamed = _ingest(empty, keys, values, jnp.asarray(start_lengths))
+  rows = np.arange(B)
+  for step in range(steps):
+    position = start_lengths + step
+    streamed = _append(streamed, keys[rows, :, position], values[rows, :, position])
+    at_once = _ingest(empty, keys, values, jnp.asarray(position + 1))
+    np.testing.assert_array_equal(streamed.lengths, position + 1)
+    pairs = zip(
+        jax.tree_util.tree_leaves_with_path(streamed), jax.tree_util.tree_leaves(at_once),
+        strict=True,
+    )
+    for (path, leaf), other in pairs:
+      leaf, other = np.asarray(leaf), np.asarray(other)
+      message = f"step {step}: {jax.tree_util.keystr(path)}"
+      if exact or not np.issubdtype(leaf.dtype, np.floating):  # codes, indices: always exact
+        np.testing.assert_array_equal(leaf, other, err_msg=message)
+      else:
+        np.testing.assert_allclose(leaf, other, atol=1e-3, rtol=1e-3, err_msg=message)
+  return streamed
+
+
+def test_spec_strings_parse_to_kivi_and_round_trip():
+  method = parse_method_spec("kivi:bits=2,group_size=32,residual=128")
+  assert method == Kivi(bits=2, group_size=32, residual=128) == Kivi()
+  assert parse_method_spec("kivi:bits=4") == Kivi(bits=4)
+  assert describe_method(Kivi(bits=4, residual=64)) == "kivi:bits=4,residual=64"
+  assert parse_method_spec(describe_method(Kivi(bits=8, group_size=16))) == Kivi(8, 16)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(bits=3), "bits=3 is not supported; allowed: 2, 4, 8"),
+        (dict(group_size=0), "group_size=0 must be a positive int"),
+        (dict(residual=48), "residual=48 must be a multiple of group_size=32"),
+        (dict(residual=0), "residual=0 must be a positive int"),
+        (dict(implementation="cuda"), "implementation='cuda'"),
+    ],
+)
+def test_bad_configurations_raise_clear_errors(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    Kivi(**kwargs)
+
+
+def test_head_dim_checks_raise_before_tracing():
+  with pytest.raises(ValueError, match="bits=3"):
+    parse_method_spec("kivi:bits=3")
+  with pytest.raises(ValueError, match="group_size=64 must divide head_dim=32"):
+    Kivi(group_size=64).allocate_storage(batch=1, kv_heads=1, capacity=64, head_dim=32,
+                                         dtype=jnp.float32)
+  decoder, params = tiny_decoder()
+  with pytest.raises(ValueError, match="group_size=64 must divide head_dim=32"):
+    generate(decoder, params, [[1, 2, 3]], max_new_tokens=2,
+             cache_method=Kivi(group_size=64, residual=64), cache_dtype=jnp.float32)
+
+
+def test_sliding_window_models_are_refused():
+  shape = ModelCacheShape(num_layers=1, num_kv_heads=H, num_query_heads=H * G, head_dim=D,
+                          sliding_window=16)
+  with pytest.raises(ValueError, match="sliding window of 16 tokens"):
+    Kivi(group_size=8, residual=16).allocate(shape, 0, batch=B, prompt_len=20,
+                                             max_new_tokens=4, dtype=jnp.float32)
+
+
+def test_storage_is_codes_and_true_granularity_stats_and_nbytes_counts_everything():
+  method = Kivi(bits=2, group_size=8, residual=16)
+  cache = method.allocate_storage(batch=B, kv_heads=H, capacity=70, head_dim=D,
+                                  dtype=jnp.bfloat16)
+  assert cache.quantized_capacity == 64 and cache.capacity == 79
+  segment = cache.segment
+  assert segment.k_codes.dtype == segment.v_codes.dtype == jnp.uint32
+  assert segment.k_codes.shape == segment.v_codes.shape == (B, H, 64, D * 2 // 32)
+  assert segment.k_scale.shape == segment.k_min.shape == (B, H, 64 // 8, D)
+  assert segment.v_scale.shape == segment.v_min.shape == (B, H, 64, D // 8)
+  assert segment.k_scale.dtype == jnp.bfloat16
+  assert segment.lowrank is None and segment.outliers is None
+  codes = 2 * B * H * 64 * (D // 16) * 4
+  stats = 2 * B * H * (64 // 8) * D * 2 + 2 * B * H * 64 * (D // 8) * 2
+  window = 2 * B * H * 16 * D * 2
+  assert cache.nbytes == codes + stats + window + 2 * B * 4
+  assert cache.stored_elements == 2 * B * H * (64 + 16) * D
+  assert cache.bits_per_element == pytest.approx(8 * cache.nbytes / cache.stored_elements)
+  # At the authors' settings and a long context: ~2 bits of codes + ~1 bit of stats per
+  # element for each of K and V, far below bfloat16's 16.
+  long = Kivi().allocate_storage(batch=1, kv_heads=1, capacity=4096, head_dim=64,
+                                 dtype=jnp.bfloat16)
+  assert 3.0 < long.bits_per_element < 3.6
+
+
+def test_streaming_tokens_one_by_one_equals_ingesting_them_at_once_across_flushes():
+  # Rows start mid-window and cross two window boundaries each, at different steps.
+  assert_streaming_equals_ingesting(
+      Kivi(bits=2, group_size=8, residual=16), dtype=jnp.bfloat16, start_lengths=[3, 14],
+      steps=30,
+  )
+
+
+def test_a_cache_smaller_than_one_block_keeps_everything_in_the_window():
+  method = Kivi(bits=4, group_size=8, residual=64)
+  cache = method.allocate_storage(batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D,
+                                  dtype=jnp.float32)
+  assert cache.quantized_capacity == 0
+  keys, values = _random(0, B, H, PROMPT, D), _random(1, B, H, PROMPT, D)
+  cache = _ingest(cache, keys, values, jnp.asarray([1, 40], jnp.int32))
+  cache = _append(cache, keys[:, :, 40], values[:, :, 40])
+  np.testing.assert_array_equal(cache.window_lengths, [2, 41])
+  queries = _random(5, B, H, G, D)
+  np.testing.assert_allclose(
+      _attend(cache, queries, 0.2), explicit_attention(cache, queries, 0.2), atol=1e-5
+  )
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    bits=st.sampled_from([2, 4, 8]),
+    lengths=st.tuples(st.integers(0, PROMPT), st.integers(1, PROMPT)),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_attention_through_the_decomposition_equals_attention_over_dequantized_kv(
+    bits, lengths, seed
+):
+  # allocate_storage + ingest of compact rows is also how a selection method stores survivors.
+  # (Appending is covered by the streaming test: it gives the same cache as ingesting.)
+  method = Kivi(bits=bits, group_size=8, residual=16)
+  cache = method.allocate_storage(batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D,
+                                  dtype=jnp.bfloat16)
+  keys = _random(seed, B, H, PROMPT, D) * 2 + 1
+  values = _random(seed + 1, B, H, PROMPT, D)
+  cache = _ingest(cache, keys, values, jnp.asarray(lengths, jnp.int32))
+  queries = _random(seed + 20, B, H, G, D)
+  got = np.asarray(_attend(cache, queries, 0.3))
+  expected = explicit_attention(cache, queries, 0.3)
+  np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def _forced_logprobs(method, tokens, lengths, forced):
+  decoder, params = tiny_decoder()
+  logits, caches = prefill(decoder, params, tokens, lengths, cache_method=method,
+                           max_new_tokens=forced.shape[1], cache_dtype=jnp.float32)
+  logprobs, _, caches = teacher_force(decoder, params, logits, caches, lengths, forced)
+  return np.asarray(logprobs), caches
+
+
+def test_kivi8_in_the_model_is_close_to_the_full_cache():
+  decoder, params = tiny_decoder()
+  rng = np.random.default_rng(0)
+  lengths = np.array([37, 22], np.int32)
+  tokens = rng.integers(1, 64, size=(B, 37)).astype(np.int32)
+  forced = rng.integers(1, 64, size=(B, 20)).astype(np.int32)
+  method = parse_method_spec("kivi:bits=8,group_size=16,residual=16")
+  # Both rows flush a block while decoding, at different steps (row 1 reaches 32 tokens after
+  # 10 steps, row 0 reaches 48 after 11), inside jit + lax.scan.
+  full, _ = _forced_logprobs(FullCache(), tokens, lengths, forced)
+  kivi, caches = _forced_logprobs(method, tokens, lengths, forced)
+  assert isinstance(caches[0], KiviLayerCache)
+  np.testing.assert_array_equal(caches[0].quantized_lengths, [48, 32])
+  np.testing.assert_array_equal(caches[0].window_lengths, [9, 10])
+  # 8-bit steps are 1/255 of each group's range: log-probs move by ~1e-3 (at most a few 1e-2
+  # on this random model, whose log-probs reach -8), 16x less than at 4 bits.
+  np.testing.assert_allclose(kivi, full, atol=0.05)
+  assert np.median(np.abs(kivi - full)) < 0.01
+
+  prompts = [tokens[0].tolist(), tokens[1, :22].tolist()]
+  expected = generate(decoder, params, prompts, max_new_tokens=12, cache_dtype=jnp.float32)
+  result = generate(decoder, params, prompts, max_new_tokens=12, cache_method=method,
+                    cache_dtype=jnp.float32)
+  np.testing.assert_array_equal(result.tokens, expected.tokens)
+  assert result.cache_bytes < expected.cache_bytes
+
+
+def test_composes_with_a_token_selection_policy():
+  """The selection decides which prompt tokens survive, KIVI how they are stored."""
+  rng = np.random.default_rng(1)
+  lengths = np.array([37, 30], np.int32)
+  tokens = rng.integers(1, 64, size=(B, 37)).astype(np.int32)
+  forced = rng.integers(1, 64, size=(B, 12)).astype(np.int32)
+  selection = "snapkv:budget=20,window=4,kernel=3"
+  dense, _ = _forced_logprobs(parse_method_spec(selection), tokens, lengths, forced)
+  quantized, caches = _forced_logprobs(
+      parse_method_spec(selection + "+kivi:bits=8,group_size=16,residual=16"), tokens, lengths,
+      forced,
+  )
+  storage = caches[0].storage
+  assert isinstance(storage, KiviLayerCache)
+  # 20 kept tokens + 12 appended, stored as two quantized blocks of 16 and an empty window.
+  np.testing.assert_array_equal(storage.quantized_lengths, [32, 32])
+  np.testing.assert_array_equal(storage.window_lengths, [0, 0])
+  np.testing.assert_allclose(quantized, dense, atol=0.05)

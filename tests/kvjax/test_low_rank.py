@@ -1,0 +1,72 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvjax.quantization.low_rank import check_rank, power_iteration_low_rank
+
+
+def _residual_like(seed, rows, columns, decay):
+  """Random matrix with singular values falling like decay**i (decay 1: a flat spectrum)."""
+  rng = np.random.default_rng(seed)
+  u, _ = np.linalg.qr(rng.normal(size=(rows, rows)))
+  v, _ = np.linalg.qr(rng.normal(size=(columns, columns)))
+  size = min(rows, columns)
+  singular = decay ** np.arange(size) * rng.uniform(0.5, 2.0)
+  return (u[:, :size] * singular) @ v[:, :size].T
+
+
+_power_iteration = jax.jit(power_iteration_low_rank, static_argnums=1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.sampled_from([(16, 8), (64, 32)]),
+    rank=st.sampled_from([1, 2, 4]),
+    decay=st.sampled_from([1.0, 0.9, 0.6]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_power_iteration_reduces_the_residual_close_to_a_truncated_svd(shape, rank, decay, seed):
+  matrix = _residual_like(seed, *shape, decay).astype(np.float32)
+  factors = _power_iteration(jnp.asarray(matrix), rank)
+  a, b = np.asarray(factors.a), np.asarray(factors.b)
+  assert a.shape == (shape[0], rank) and b.shape == (shape[1], rank)
+  np.testing.assert_allclose(a.T @ a, np.eye(rank), atol=1e-5)  # orthonormal columns
+  error = np.linalg.norm(matrix - a @ b.T)
+  singular = np.linalg.svd(matrix, compute_uv=False)
+  svd_error = np.sqrt(np.sum(singular[rank:] ** 2))
+  assert error < np.linalg.norm(matrix)
+  assert error <= 1.25 * svd_error + 1e-5
+
+
+def test_batched_factors_equal_per_matrix_factors_and_are_deterministic():
+  matrices = np.stack([_residual_like(s, 16, 8, 0.8) for s in range(3)]).astype(np.float32)
+  batched = power_iteration_low_rank(jnp.asarray(matrices), 2)
+  again = power_iteration_low_rank(jnp.asarray(matrices), 2)
+  np.testing.assert_array_equal(batched.a, again.a)
+  for i, matrix in enumerate(matrices):
+    single = power_iteration_low_rank(jnp.asarray(matrix), 2)
+    np.testing.assert_allclose(
+        np.asarray(batched.a[i] @ batched.b[i].T), np.asarray(single.a @ single.b.T), atol=1e-5
+    )
+
+
+def test_zero_residual_gives_zero_product_and_no_nans():
+  factors = power_iteration_low_rank(jnp.zeros((2, 16, 8)), 2)
+  product = np.asarray(jnp.einsum("...mr,...nr->...mn", factors.a, factors.b))
+  assert np.all(np.isfinite(product)) and np.all(product == 0)
+
+
+@pytest.mark.parametrize(
+    "rank, kwargs, message",
+    [
+        (-1, {}, "rank=-1 must be a non-negative int"),
+        (16, dict(head_dim=16), "rank=16 must be < head_dim=16"),
+        (9, dict(head_dim=64, block=8), "rank=9 must be <= block=8"),
+    ],
+)
+def test_bad_ranks_raise(rank, kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    check_rank(rank, **kwargs)
