@@ -147,19 +147,23 @@ def run_compare(args) -> int:
   from models.loading import load_model
 
   loaded = load_model(args.model)
+  out = pathlib.Path(args.out)
+  machine = f"{platform.machine()} {platform.processor() or ''} ({jax.devices()[0].device_kind}, {jax.default_backend()})"
+
+  def header_after(seconds):
+    return (
+        f"model {args.model}, context {config.context_len} tokens, continuation {config.continuation_len}, "
+        f"{config.num_samples} samples, cache dtype {config.cache_dtype}, seed {config.seed}; "
+        f"{machine}; jax {jax.__version__}; wall {seconds:.0f}s"
+    )
+
   records = compare_methods(
       loaded.decoder, loaded.params, loaded.tokenizer, specs, text=text, config=config,
       pad_token_id=loaded.stop_token_ids[0] if loaded.stop_token_ids else 0,
       max_context=loaded.config.max_position_embeddings,
+      on_record=lambda so_far: write_results(so_far, out, header=header_after(time.perf_counter() - start) + " (partial)"),
   )
-  wall = time.perf_counter() - start
-  machine = f"{platform.machine()} {platform.processor() or ''} ({jax.devices()[0].device_kind}, {jax.default_backend()})"
-  header = (
-      f"model {args.model}, context {config.context_len} tokens, continuation {config.continuation_len}, "
-      f"{config.num_samples} samples, cache dtype {config.cache_dtype}, seed {config.seed}; "
-      f"{machine}; jax {jax.__version__}; wall {wall:.0f}s"
-  )
-  out = pathlib.Path(args.out)
+  header = header_after(time.perf_counter() - start)
   write_results(records, out, header=header)
   print(header)
   print(format_table(records))

@@ -39,11 +39,12 @@ class CompareConfig:
 
 def compare_methods(
     decoder, params, tokenizer, method_specs: list, *, text: str, config: CompareConfig,
-    pad_token_id: int = 0, max_context: int | None = None,
+    pad_token_id: int = 0, max_context: int | None = None, on_record=None,
 ) -> list[dict]:
   """One record per method (the full cache first: every number is relative to it).
 
-  `method_specs`: spec strings (`kivi:bits=2`) or cache method objects.
+  `method_specs`: spec strings (`kivi:bits=2`) or cache method objects. `on_record(records)` is
+  called after each method with the records so far (to save partial results of long runs).
   """
   methods = [
       parse_method_spec(s, implementation=config.implementation) if isinstance(s, str) else s
@@ -112,4 +113,6 @@ def compare_methods(
         )
         record.update(prefill_s=run.prefill_s, decode_tokens_per_s=run.decode_tokens_per_s, compile_s=run.compile_s)
     records.append(record)
+    if on_record is not None:
+      on_record(records)
   return records

@@ -1,0 +1,426 @@
+"""Decode-attention kernels vs XLA: time per call, bytes read, achieved bandwidth.
+
+Default sizes (the issue's): batch 8, 8 KV heads, 4 query heads per KV head, head_dim 128,
+bf16 cache, contexts 8k / 32k / 128k, every row full. Measured in one run:
+
+  copy       device-to-device elementwise copy (x + 1 over 1 GiB): the bandwidth ceiling,
+             bytes = read + written;
+  xla_bf16   bf16 full-cache decode attention by XLA (einsum, f32 accumulation) - the baseline;
+  xla_dpa    jax.nn.dot_product_attention (XLA) on a [B, T, H, D] bf16 cache;
+  pallas_bf16  the full-precision Pallas kernel on the bf16 cache;
+  kivi2 / kivi4  the fused dequantize-attention kernel on 2/4-bit codes (group 32, bf16 stats);
+  gear2      the same with GEAR terms fused (rank 4, 2% outliers, block 64).
+
+Time per call: a jitted lax.fori_loop runs the op `--iters` times back to back (each call's
+query depends on the previous output, so nothing is hoisted), the wall time of the whole loop
+after block_until_ready is divided by the count; the median of `--repeats` such loops is
+reported, after a warm-up. Bytes: what the op must read (codes, scales, minimums, factors,
+outliers of the valid tokens; K and V for bf16); bandwidth = bytes / time. Each kernel's output
+is also checked against the jnp reference (relative L2 error) on the same inputs.
+
+  python benchmarks/decode_attention.py --out bench.json          # GPU (or TPU)
+  python benchmarks/decode_attention.py --small --out small.json  # CPU, interpret mode, tiny
+"""
+
+import argparse
+import functools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import attention_dispatch
+from pallas_kernels.decode_attention_reference import decode_attention_reference
+from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
+from pallas_kernels.random_inputs import random_quantized_segment
+
+
+def time_op(op, args, *, iters: int, repeats: int) -> float:
+  """Median seconds per call of op(queries, *rest) -> (out, lse), run `iters` times in a loop."""
+
+  @jax.jit
+  def loop(queries, *rest):
+    def body(_, q):
+      out, _ = op(q, *rest)
+      # A tiny data dependency on the previous output: calls run in order, none is hoisted.
+      return (q.astype(jnp.float32) + 1e-6 * out).astype(q.dtype)
+    return jax.lax.fori_loop(0, iters, body, queries)
+
+  jax.block_until_ready(loop(*args))  # compile + warm-up
+  jax.block_until_ready(loop(*args))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(loop(*args))
+    samples.append((time.perf_counter() - start) / iters)
+  return statistics.median(samples)
+
+
+def copy_bandwidth(*, nbytes: int, iters: int, repeats: int) -> dict:
+  words = jax.random.bits(jax.random.key(7), (nbytes // 4,), jnp.uint32)
+
+  @jax.jit
+  def loop(x):
+    return jax.lax.fori_loop(0, iters, lambda _, y: y + jnp.uint32(1), x)
+
+  jax.block_until_ready(loop(words))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(loop(words))
+    samples.append((time.perf_counter() - start) / iters)
+  seconds = statistics.median(samples)
+  moved = 2 * nbytes
+  return {"name": "copy", "seconds": seconds, "bytes": moved, "gbps": moved / seconds / 1e9}
+
+
+def xla_bf16_attention(queries, keys, values, lengths, *, sm_scale):
+  """The baseline: full-cache decode attention as XLA does it (bf16 operands, f32 accumulate)."""
+  scores = jnp.einsum("bhgd,bhtd->bhgt", queries.astype(keys.dtype), keys,
+                      preferred_element_type=jnp.float32) * sm_scale
+  valid = jnp.arange(keys.shape[2])[None, :] < lengths[:, None]
+  scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  probs = jnp.exp(scores - lse[..., None]).astype(values.dtype)
+  out = jnp.einsum("bhgt,bhtd->bhgd", probs, values, preferred_element_type=jnp.float32)
+  return out, lse
+
+
+def xla_dpa_attention(queries, keys_bthd, values_bthd, lengths, *, sm_scale):
+  """jax.nn.dot_product_attention (XLA implementation) on a [B, T, H, D] cache."""
+  batch, kv_heads, group, head_dim = queries.shape
+  q = queries.reshape(batch, 1, kv_heads * group, head_dim).astype(keys_bthd.dtype)
+  out = jax.nn.dot_product_attention(
+      q, keys_bthd, values_bthd, scale=sm_scale, key_value_seq_lengths=lengths,
+      implementation="xla")
+  out = out.reshape(batch, kv_heads, group, head_dim).astype(jnp.float32)
+  return out, jnp.zeros((batch, kv_heads, group), jnp.float32)
+
+
+def _quantized_reference(queries, segment, lengths, **kwargs):
+  # GEAR arrays come in as arguments (a closure would make them compile-time constants).
+  return quantized_decode_attention_reference(
+      queries, *segment[:6], lengths, lowrank=segment.lowrank, outliers=segment.outliers,
+      **kwargs)
+
+
+def relative_error(out, ref) -> float:
+  out = np.asarray(out, np.float64)
+  ref = np.asarray(ref, np.float64)
+  if not np.all(np.isfinite(out)):
+    return float("nan")
+  return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def quantized_bytes(segment, lengths, tokens) -> int:
+  """Bytes of every stored array the kernel reads for the valid tokens (rows may differ)."""
+  fraction = float(np.sum(np.asarray(lengths))) / (len(lengths) * tokens)
+  arrays = [x for x in segment[:6]]
+  if segment.lowrank is not None:
+    arrays += list(segment.lowrank)
+  if segment.outliers is not None:
+    arrays += list(segment.outliers)
+  return int(sum(x.size * x.dtype.itemsize for x in arrays) * fraction)
+
+
+def check_grid(args) -> list[dict]:
+  """Kernel vs reference on fresh random inputs over the shape grid, with poisoned outputs."""
+  from pallas_kernels import (
+    decode_attention_tpu,
+    decode_attention_triton,
+    quantized_decode_attention_tpu,
+    quantized_decode_attention_triton,
+  )
+  on_tpu = jax.default_backend() == "tpu"
+  interpret = args.small
+  results = []
+  batch, tokens = 3, 960  # capacity: a multiple of group 32 and GEAR block 64, not of 256
+  rng = np.random.default_rng(0)
+  cases = []
+  for head_dim in (64, 128):
+    for group in (1, 4, 8):
+      for bits in (2, 4, 8):
+        for gear in (False, True):
+          dtype = jnp.bfloat16 if (bits + group + gear) % 2 == 0 else jnp.float32
+          cases.append((head_dim, group, bits, gear, dtype))
+  if args.small:
+    cases = cases[::9]
+  for head_dim, group, bits, gear, dtype in cases:
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    keys_split = jax.random.split(key, 4)
+    lengths = jnp.asarray([tokens, int(rng.integers(1, tokens)), 0], jnp.int32)
+    queries = jax.random.normal(keys_split[0], (batch, 2, group, head_dim), jnp.float32)
+    sm_scale = 1.0 / math.sqrt(head_dim)
+    segment = random_quantized_segment(
+        keys_split[1], batch, 2, tokens, head_dim, bits=bits, group_size=32, dtype=dtype,
+        rank=3 if gear else 0, outliers_per_block=40 if gear else 0)
+    kwargs = dict(bits=bits, group_size=32, sm_scale=sm_scale, lowrank=segment.lowrank,
+                  outliers=segment.outliers)
+    name = f"quantized D={head_dim} G={group} bits={bits} gear={gear} {jnp.dtype(dtype).name}"
+    row = {"name": name}
+    try:
+      ref_out, ref_lse = quantized_decode_attention_reference(queries, *segment[:6], lengths,
+                                                              **kwargs)
+      module = quantized_decode_attention_tpu if on_tpu else quantized_decode_attention_triton
+      partials_fn = (module.quantized_decode_attention_partials_tpu if on_tpu
+                     else module.quantized_decode_attention_partials_triton)
+      splits = 3
+      rows = (decode_attention_tpu.tile_rows(group) if on_tpu
+              else decode_attention_triton.tile_rows(group))
+      poison = (jnp.full((batch, 2, splits, rows, head_dim), jnp.nan, jnp.float32),
+                jnp.full((batch, 2, splits, rows), jnp.nan, jnp.float32))
+      variant = {} if on_tpu else {"variant": args.check_variant}
+      out_p, lse_p = partials_fn(queries, *segment[:6], lengths, poison, num_splits=splits,
+                                 interpret=interpret, **variant, **kwargs)
+      from pallas_kernels.splits import merge_split_partials
+      out, lse = merge_split_partials(out_p, lse_p, group)
+      if not on_tpu:  # the planar GPU kernel's outputs come in its channel order
+        order = quantized_decode_attention_triton.output_channel_order(
+            head_dim, bits, 32, args.check_variant)
+        out = out[..., np.argsort(order)]
+      row["unwritten"] = int(np.isnan(np.asarray(out_p)).sum()
+                             + np.isnan(np.asarray(lse_p)).sum())
+      row["relative_error"] = relative_error(out, ref_out)
+      finite = np.isfinite(np.asarray(ref_lse))
+      lse_error = np.abs(np.asarray(lse)[finite] - np.asarray(ref_lse)[finite])
+      row["lse_max_abs_error"] = float(np.max(lse_error))
+      row["empty_row_ok"] = bool(np.all(np.asarray(out)[2] == 0)
+                                 and np.all(np.isneginf(np.asarray(lse)[2])))
+    except Exception as e:  # keep going: report every case
+      row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+    results.append(row)
+    print("  check", row, flush=True)
+  for head_dim in (64, 128):
+    for group in (1, 4, 8):
+      dtype = jnp.bfloat16 if group != 4 else jnp.float32
+      key = jax.random.key(int(rng.integers(1 << 30)))
+      keys_split = jax.random.split(key, 3)
+      lengths = jnp.asarray([1000, int(rng.integers(1, 1000)), 0], jnp.int32)
+      queries = jax.random.normal(keys_split[0], (batch, 2, group, head_dim), jnp.float32)
+      shape = (batch, 2, 1000, head_dim)
+      keys = jax.random.normal(keys_split[1], shape, jnp.float32).astype(dtype)
+      values = jax.random.normal(keys_split[2], shape, jnp.float32).astype(dtype)
+      name = f"full D={head_dim} G={group} {jnp.dtype(dtype).name}"
+      row = {"name": name}
+      try:
+        ref_out, _ = decode_attention_reference(queries, keys, values, lengths, sm_scale=0.1)
+        out, lse = attention_dispatch.decode_attention(
+            queries, keys, values, lengths, sm_scale=0.1,
+            implementation="interpret" if interpret else "pallas")
+        row["relative_error"] = relative_error(out, ref_out)
+      except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+      results.append(row)
+      print("  check", row, flush=True)
+  return results
+
+
+def sweep(args) -> tuple[dict, dict]:
+  """Times kernel settings at 32k (kivi2 and bf16); returns the best of each."""
+  batch, kv_heads, group, head_dim = args.batch, args.kv_heads, args.group, args.head_dim
+  tokens = args.sweep_context
+  sm_scale = 1.0 / math.sqrt(head_dim)
+  keys_split = jax.random.split(jax.random.key(11), 4)
+  queries = jax.random.normal(keys_split[0], (batch, kv_heads, group, head_dim))
+  queries = queries.astype(jnp.bfloat16)
+  lengths = jnp.full((batch,), tokens, jnp.int32)
+  segment = random_quantized_segment(keys_split[1], batch, kv_heads, tokens, head_dim, bits=2,
+                                     group_size=args.group_size, dtype=jnp.bfloat16)
+  best_quantized, best_full = ({}, float("inf")), ({}, float("inf"))
+  quantized_configs = [dict(variant="reshape", block_tokens=128, num_warps=4, num_stages=3,
+                            num_splits=32),
+                       dict(variant="planar", unroll=2, num_warps=4, num_stages=2, num_splits=8)]
+  for unroll, num_warps, num_stages in [(1, 4, 2), (2, 4, 2), (4, 4, 2), (1, 8, 2), (2, 8, 2),
+                                        (4, 8, 2), (2, 4, 3), (4, 4, 3)]:
+    quantized_configs.append(dict(variant="planar", unroll=unroll, num_warps=num_warps,
+                                  num_stages=num_stages))
+  for config in quantized_configs:
+    op = lambda q, s, lens, config=config: attention_dispatch.quantized_decode_attention(
+        q, *s[:6], lens, bits=2, group_size=args.group_size, sm_scale=sm_scale,
+        implementation="pallas", kernel_config=config)
+    try:
+      seconds = time_op(op, (queries, segment, lengths), iters=args.iters, repeats=3)
+    except Exception as e:  # a setting that fails to compile is reported, not fatal
+      print(f"  sweep kivi2 {config}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    print(f"  sweep kivi2 {config}: {seconds * 1e6:.1f} us", flush=True)
+    if seconds < best_quantized[1]:
+      best_quantized = (config, seconds)
+  del segment
+  shape = (batch, kv_heads, tokens, head_dim)
+  keys = jax.random.normal(keys_split[2], shape).astype(jnp.bfloat16)
+  values = jax.random.normal(keys_split[3], shape).astype(jnp.bfloat16)
+  for block_tokens in (32, 64):
+    for num_stages in (2,):
+      config = dict(block_tokens=block_tokens, num_warps=4, num_stages=num_stages)
+      op = lambda q, k, v, lens, config=config: attention_dispatch.decode_attention(
+          q, k, v, lens, sm_scale=sm_scale, implementation="pallas", kernel_config=config)
+      try:
+        seconds = time_op(op, (queries, keys, values, lengths), iters=args.iters, repeats=3)
+      except Exception as e:  # a setting that fails to compile is reported, not fatal
+        print(f"  sweep bf16 {config}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      print(f"  sweep bf16 {config}: {seconds * 1e6:.1f} us", flush=True)
+      if seconds < best_full[1]:
+        best_full = (config, seconds)
+  print(f"best kivi2 config {best_quantized}, best bf16 config {best_full}", flush=True)
+  return best_quantized[0], best_full[0]
+
+
+def run(args) -> dict:
+  backend = jax.default_backend()
+  implementation = "interpret" if args.small else "pallas"
+  batch, kv_heads, group, head_dim = args.batch, args.kv_heads, args.group, args.head_dim
+  sm_scale = 1.0 / math.sqrt(head_dim)
+  dtype = jnp.bfloat16
+  results = {
+      "device": str(jax.devices()[0].device_kind), "backend": backend,
+      "jax_version": jax.__version__, "implementation": implementation,
+      "sizes": {"batch": batch, "kv_heads": kv_heads, "group": group, "head_dim": head_dim,
+                "cache_dtype": "bfloat16", "group_size": args.group_size},
+      "iters": args.iters, "repeats": args.repeats, "rows": [],
+  }
+  copy = copy_bandwidth(nbytes=args.copy_bytes, iters=args.iters, repeats=args.repeats)
+  results["copy"] = copy
+  print(f"device {results['device']} ({backend}), jax {jax.__version__}")
+  print(f"copy: {copy['gbps']:.0f} GB/s (read + write of {args.copy_bytes / 2**30:.2f} GiB)",
+        flush=True)
+  kernel_config = json.loads(args.kernel_config) if args.kernel_config else {}
+  full_kernel_config = json.loads(args.full_kernel_config) if args.full_kernel_config else {}
+  if args.check:
+    results["check"] = check_grid(args)
+  if args.sweep and not args.small:
+    kernel_config, full_kernel_config = sweep(args)
+  results["kernel_config"], results["full_kernel_config"] = kernel_config, full_kernel_config
+
+  for tokens in args.contexts:
+    key = jax.random.key(tokens)
+    keys_split = jax.random.split(key, 8)
+    queries = jax.random.normal(keys_split[0], (batch, kv_heads, group, head_dim),
+                                jnp.float32).astype(dtype)
+    lengths = jnp.full((batch,), tokens, jnp.int32)
+    shape = (batch, kv_heads, tokens, head_dim)
+    keys = jax.random.normal(keys_split[1], shape, jnp.float32).astype(dtype)
+    values = jax.random.normal(keys_split[2], shape, jnp.float32).astype(dtype)
+    bf16_bytes = 2 * keys.size * keys.dtype.itemsize
+    rows = []
+
+    def record(name, op, op_args, nbytes, reference=None, tokens=tokens, rows=rows):
+      seconds = time_op(op, op_args, iters=args.iters, repeats=args.repeats)
+      row = {"context": tokens, "name": name, "seconds": seconds, "bytes": nbytes,
+             "gbps": nbytes / seconds / 1e9,
+             "fraction_of_copy": nbytes / seconds / 1e9 / copy["gbps"]}
+      if reference is not None:
+        out, _ = jax.jit(op)(*op_args)
+        row["relative_error"] = relative_error(out, reference)
+      rows.append(row)
+      print(f"  {tokens:>7} {name:<12} {seconds * 1e6:9.1f} us  {nbytes / 1e6:9.1f} MB  "
+            f"{row['gbps']:7.0f} GB/s  {100 * row['fraction_of_copy']:5.1f}% of copy"
+            + (f"  rel.err {row['relative_error']:.2e}" if "relative_error" in row else ""),
+            flush=True)
+      return row
+
+    reference_full, _ = jax.jit(functools.partial(
+        decode_attention_reference, sm_scale=sm_scale))(queries, keys, values, lengths)
+    record("xla_bf16", functools.partial(xla_bf16_attention, sm_scale=sm_scale),
+           (queries, keys, values, lengths), bf16_bytes, reference_full)
+    if not args.small:
+      keys_bthd, values_bthd = (jnp.swapaxes(x, 1, 2) for x in (keys, values))
+      record("xla_dpa", functools.partial(xla_dpa_attention, sm_scale=sm_scale),
+             (queries, keys_bthd, values_bthd, lengths), bf16_bytes)
+      del keys_bthd, values_bthd
+    record("pallas_bf16", functools.partial(
+        attention_dispatch.decode_attention, sm_scale=sm_scale, implementation=implementation,
+        kernel_config=full_kernel_config),
+           (queries, keys, values, lengths), bf16_bytes, reference_full)
+    del keys, values, reference_full
+
+    variants = [("kivi2", 2, 0, 0), ("kivi4", 4, 0, 0)]
+    if args.gear:
+      variants.append(("gear2", 2, 4, max(1, int(0.02 * 64 * head_dim))))
+    for name, bits, rank, outliers in variants:
+      segment = random_quantized_segment(
+          keys_split[3 + bits], batch, kv_heads, tokens, head_dim, bits=bits,
+          group_size=args.group_size if not rank else 64, dtype=dtype, rank=rank,
+          outliers_per_block=outliers)
+      group_size = args.group_size if not rank else 64
+      quant_kwargs = dict(bits=bits, group_size=group_size, sm_scale=sm_scale)
+      reference, _ = jax.jit(functools.partial(_quantized_reference, **quant_kwargs))(
+          queries, segment, lengths)
+
+      def op(q, segment, lengths, bits=bits, group_size=group_size):
+        # GEAR arrays come in as arguments (a closure would make them compile-time constants).
+        return attention_dispatch.quantized_decode_attention(
+            q, *segment[:6], lengths, bits=bits, group_size=group_size, sm_scale=sm_scale,
+            lowrank=segment.lowrank, outliers=segment.outliers, implementation=implementation,
+            kernel_config=kernel_config)
+
+      record(name, op, (queries, segment, lengths),
+             quantized_bytes(segment, lengths, tokens), reference)
+      del segment, reference
+
+    baseline = next(r for r in rows if r["name"] == "xla_bf16")["seconds"]
+    for row in rows:
+      row["speedup_vs_xla_bf16"] = baseline / row["seconds"]
+    results["rows"] += rows
+
+  print()
+  print(f"device {results['device']}, jax {jax.__version__}, copy ceiling "
+        f"{copy['gbps']:.0f} GB/s; time = median per call")
+  print(f"{'context':>8} {'op':<12} {'us/call':>9} {'MB read':>9} {'GB/s':>7} "
+        f"{'%copy':>6} {'x XLA bf16':>10} {'rel.err':>9}")
+  for row in results["rows"]:
+    err = row.get("relative_error")
+    print(f"{row['context']:>8} {row['name']:<12} {row['seconds'] * 1e6:9.1f} "
+          f"{row['bytes'] / 1e6:9.1f} {row['gbps']:7.0f} {100 * row['fraction_of_copy']:6.1f} "
+          f"{row['speedup_vs_xla_bf16']:10.2f} " + (f"{err:9.2e}" if err is not None else ""))
+  return results
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--small", action="store_true",
+                      help="tiny sizes, kernels in interpret mode (CPU smoke run)")
+  parser.add_argument("--out", help="write the results as JSON here")
+  parser.add_argument("--contexts", type=int, nargs="+")
+  parser.add_argument("--iters", type=int)
+  parser.add_argument("--repeats", type=int)
+  parser.add_argument("--no-gear", dest="gear", action="store_false")
+  parser.add_argument("--group-size", type=int, default=32)
+  parser.add_argument("--kernel-config", help="JSON dict of quantized-kernel settings "
+                      "(block_tokens, num_warps, num_stages, num_splits)")
+  parser.add_argument("--full-kernel-config", help="JSON dict of full-precision kernel settings")
+  parser.add_argument("--check", action="store_true",
+                      help="first check kernels against the references over a shape grid")
+  parser.add_argument("--check-variant", default="reshape", choices=["reshape", "planar"],
+                      help="which GPU quantized-kernel variant --check runs")
+  parser.add_argument("--sweep", action="store_true",
+                      help="time kernel settings at --sweep-context and use the best")
+  parser.add_argument("--sweep-context", type=int, default=32768)
+  args = parser.parse_args()
+  if args.small:
+    args.batch, args.kv_heads, args.group, args.head_dim = 2, 2, 4, 64
+    args.contexts = args.contexts or [256, 512]
+    args.iters, args.repeats = args.iters or 2, args.repeats or 3
+    args.copy_bytes = 1 << 22
+  else:
+    args.batch, args.kv_heads, args.group, args.head_dim = 8, 8, 4, 128
+    args.contexts = args.contexts or [8192, 32768, 131072]
+    args.iters, args.repeats = args.iters or 20, args.repeats or 7
+    args.copy_bytes = 1 << 30
+  results = run(args)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,56 @@
+"""Shared checks for the kernel tests: how kernels run here, and how close is close enough.
+
+Kernels run in Pallas interpret mode on CPU. With KVJAX_NATIVE_KERNELS=1 on a machine with a
+GPU (TPU), the GPU (TPU) kernels run compiled instead, so the same tests check the real thing.
+"""
+
+import os
+
+import jax
+import numpy as np
+
+NATIVE = os.environ.get("KVJAX_NATIVE_KERNELS", "0") == "1"
+
+
+def triton_interpret() -> bool:
+  """interpret= for the GPU (Triton) kernels in this test run."""
+  return not (NATIVE and jax.default_backend() == "gpu")
+
+
+def tpu_interpret() -> bool:
+  return not (NATIVE and jax.default_backend() == "tpu")
+
+
+def relative_tolerance(dtype, interpret: bool) -> float:
+  """Relative L2 error allowed against the f32 reference.
+
+  f32 operands: exact f32 arithmetic in interpret mode; tf32 tensor cores on GPU (~3e-4).
+  bf16 operands (bf16 caches: K/V, or codes x bf16 scaled queries / probabilities): ~4e-3.
+  """
+  if np.dtype(dtype) == np.float32:
+    return 2e-5 if interpret else 3e-3
+  return 2e-2
+
+
+def assert_matches_reference(out, lse, ref_out, ref_lse, *, rtol: float):
+  """out within rtol (relative L2) of the reference, lse close, every element finite where the
+  reference is, and empty rows exactly (0, -inf). NaN never passes."""
+  out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+  ref_out, ref_lse = np.asarray(ref_out, np.float64), np.asarray(ref_lse, np.float64)
+  assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+  assert np.all(np.isfinite(out)), "non-finite output"
+  assert not np.any(np.isnan(lse)), "NaN log-sum-exp"
+  np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+  empty = np.isneginf(ref_lse)
+  assert np.all(out[empty] == 0.0), "rows with no valid slot must give 0"
+  error = np.linalg.norm(out - ref_out) / max(np.linalg.norm(ref_out), 1e-30)
+  assert error < rtol, f"relative error {error:.3g} >= {rtol:.3g}"
+  finite = ~empty
+  lse_error = np.max(np.abs(lse[finite] - ref_lse[finite]), initial=0.0)
+  assert lse_error < max(10 * rtol, 1e-4), f"lse error {lse_error:.3g}"
+
+
+def assert_all_written(out_partials, lse_partials):
+  """Partials were poisoned with NaN before the call: every element must have been written."""
+  assert not np.any(np.isnan(np.asarray(out_partials))), "unwritten output partial"
+  assert not np.any(np.isnan(np.asarray(lse_partials))), "unwritten lse partial"
