@@ -52,6 +52,7 @@ def time_op(op, args, *, iters: int, repeats: int) -> float:
       out, _ = op(q, *rest)
       # A tiny data dependency on the previous output: calls run in order, none is hoisted.
       return (q.astype(jnp.float32) + 1e-6 * out).astype(q.dtype)
+
     return jax.lax.fori_loop(0, iters, body, queries)
 
   jax.block_until_ready(loop(*args))  # compile + warm-up
@@ -84,8 +85,12 @@ def copy_bandwidth(*, nbytes: int, iters: int, repeats: int) -> dict:
 
 def xla_bf16_attention(queries, keys, values, lengths, *, sm_scale):
   """The baseline: full-cache decode attention as XLA does it (bf16 operands, f32 accumulate)."""
-  scores = jnp.einsum("bhgd,bhtd->bhgt", queries.astype(keys.dtype), keys,
-                      preferred_element_type=jnp.float32) * sm_scale
+  scores = (
+    jnp.einsum(
+      "bhgd,bhtd->bhgt", queries.astype(keys.dtype), keys, preferred_element_type=jnp.float32
+    )
+    * sm_scale
+  )
   valid = jnp.arange(keys.shape[2])[None, :] < lengths[:, None]
   scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
   lse = jax.nn.logsumexp(scores, axis=-1)
@@ -99,8 +104,8 @@ def xla_dpa_attention(queries, keys_bthd, values_bthd, lengths, *, sm_scale):
   batch, kv_heads, group, head_dim = queries.shape
   q = queries.reshape(batch, 1, kv_heads * group, head_dim).astype(keys_bthd.dtype)
   out = jax.nn.dot_product_attention(
-      q, keys_bthd, values_bthd, scale=sm_scale, key_value_seq_lengths=lengths,
-      implementation="xla")
+    q, keys_bthd, values_bthd, scale=sm_scale, key_value_seq_lengths=lengths, implementation="xla"
+  )
   out = out.reshape(batch, kv_heads, group, head_dim).astype(jnp.float32)
   return out, jnp.zeros((batch, kv_heads, group), jnp.float32)
 
@@ -108,8 +113,8 @@ def xla_dpa_attention(queries, keys_bthd, values_bthd, lengths, *, sm_scale):
 def _quantized_reference(queries, segment, lengths, **kwargs):
   # GEAR arrays come in as arguments (a closure would make them compile-time constants).
   return quantized_decode_attention_reference(
-      queries, *segment[:6], lengths, lowrank=segment.lowrank, outliers=segment.outliers,
-      **kwargs)
+    queries, *segment[:6], lengths, lowrank=segment.lowrank, outliers=segment.outliers, **kwargs
+  )
 
 
 def relative_error(out, ref) -> float:
@@ -139,6 +144,7 @@ def check_grid(args) -> list[dict]:
     quantized_decode_attention_tpu,
     quantized_decode_attention_triton,
   )
+
   on_tpu = jax.default_backend() == "tpu"
   interpret = args.small
   results = []
@@ -160,40 +166,73 @@ def check_grid(args) -> list[dict]:
     queries = jax.random.normal(keys_split[0], (batch, 2, group, head_dim), jnp.float32)
     sm_scale = 1.0 / math.sqrt(head_dim)
     segment = random_quantized_segment(
-        keys_split[1], batch, 2, tokens, head_dim, bits=bits, group_size=32, dtype=dtype,
-        rank=3 if gear else 0, outliers_per_block=40 if gear else 0)
-    kwargs = dict(bits=bits, group_size=32, sm_scale=sm_scale, lowrank=segment.lowrank,
-                  outliers=segment.outliers)
+      keys_split[1],
+      batch,
+      2,
+      tokens,
+      head_dim,
+      bits=bits,
+      group_size=32,
+      dtype=dtype,
+      rank=3 if gear else 0,
+      outliers_per_block=40 if gear else 0,
+    )
+    kwargs = dict(
+      bits=bits,
+      group_size=32,
+      sm_scale=sm_scale,
+      lowrank=segment.lowrank,
+      outliers=segment.outliers,
+    )
     name = f"quantized D={head_dim} G={group} bits={bits} gear={gear} {jnp.dtype(dtype).name}"
     row = {"name": name}
     try:
-      ref_out, ref_lse = quantized_decode_attention_reference(queries, *segment[:6], lengths,
-                                                              **kwargs)
+      ref_out, ref_lse = quantized_decode_attention_reference(
+        queries, *segment[:6], lengths, **kwargs
+      )
       module = quantized_decode_attention_tpu if on_tpu else quantized_decode_attention_triton
-      partials_fn = (module.quantized_decode_attention_partials_tpu if on_tpu
-                     else module.quantized_decode_attention_partials_triton)
+      partials_fn = (
+        module.quantized_decode_attention_partials_tpu
+        if on_tpu
+        else module.quantized_decode_attention_partials_triton
+      )
       splits = 3
-      rows = (decode_attention_tpu.tile_rows(group) if on_tpu
-              else decode_attention_triton.tile_rows(group))
-      poison = (jnp.full((batch, 2, splits, rows, head_dim), jnp.nan, jnp.float32),
-                jnp.full((batch, 2, splits, rows), jnp.nan, jnp.float32))
+      rows = (
+        decode_attention_tpu.tile_rows(group)
+        if on_tpu
+        else decode_attention_triton.tile_rows(group)
+      )
+      poison = (
+        jnp.full((batch, 2, splits, rows, head_dim), jnp.nan, jnp.float32),
+        jnp.full((batch, 2, splits, rows), jnp.nan, jnp.float32),
+      )
       variant = {} if on_tpu else {"variant": args.check_variant}
-      out_p, lse_p = partials_fn(queries, *segment[:6], lengths, poison, num_splits=splits,
-                                 interpret=interpret, **variant, **kwargs)
+      out_p, lse_p = partials_fn(
+        queries,
+        *segment[:6],
+        lengths,
+        poison,
+        num_splits=splits,
+        interpret=interpret,
+        **variant,
+        **kwargs,
+      )
       from pallas_kernels.splits import merge_split_partials
+
       out, lse = merge_split_partials(out_p, lse_p, group)
       if not on_tpu:  # the planar GPU kernel's outputs come in its channel order
         order = quantized_decode_attention_triton.output_channel_order(
-            head_dim, bits, 32, args.check_variant)
+          head_dim, bits, 32, args.check_variant
+        )
         out = out[..., np.argsort(order)]
-      row["unwritten"] = int(np.isnan(np.asarray(out_p)).sum()
-                             + np.isnan(np.asarray(lse_p)).sum())
+      row["unwritten"] = int(np.isnan(np.asarray(out_p)).sum() + np.isnan(np.asarray(lse_p)).sum())
       row["relative_error"] = relative_error(out, ref_out)
       finite = np.isfinite(np.asarray(ref_lse))
       lse_error = np.abs(np.asarray(lse)[finite] - np.asarray(ref_lse)[finite])
       row["lse_max_abs_error"] = float(np.max(lse_error))
-      row["empty_row_ok"] = bool(np.all(np.asarray(out)[2] == 0)
-                                 and np.all(np.isneginf(np.asarray(lse)[2])))
+      row["empty_row_ok"] = bool(
+        np.all(np.asarray(out)[2] == 0) and np.all(np.isneginf(np.asarray(lse)[2]))
+      )
     except Exception as e:  # keep going: report every case
       row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
     results.append(row)
@@ -213,8 +252,13 @@ def check_grid(args) -> list[dict]:
       try:
         ref_out, _ = decode_attention_reference(queries, keys, values, lengths, sm_scale=0.1)
         out, lse = attention_dispatch.decode_attention(
-            queries, keys, values, lengths, sm_scale=0.1,
-            implementation="interpret" if interpret else "pallas")
+          queries,
+          keys,
+          values,
+          lengths,
+          sm_scale=0.1,
+          implementation="interpret" if interpret else "pallas",
+        )
         row["relative_error"] = relative_error(out, ref_out)
       except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
@@ -232,20 +276,45 @@ def sweep(args) -> tuple[dict, dict]:
   queries = jax.random.normal(keys_split[0], (batch, kv_heads, group, head_dim))
   queries = queries.astype(jnp.bfloat16)
   lengths = jnp.full((batch,), tokens, jnp.int32)
-  segment = random_quantized_segment(keys_split[1], batch, kv_heads, tokens, head_dim, bits=2,
-                                     group_size=args.group_size, dtype=jnp.bfloat16)
+  segment = random_quantized_segment(
+    keys_split[1],
+    batch,
+    kv_heads,
+    tokens,
+    head_dim,
+    bits=2,
+    group_size=args.group_size,
+    dtype=jnp.bfloat16,
+  )
   best_quantized, best_full = ({}, float("inf")), ({}, float("inf"))
-  quantized_configs = [dict(variant="reshape", block_tokens=128, num_warps=4, num_stages=3,
-                            num_splits=32),
-                       dict(variant="planar", unroll=2, num_warps=4, num_stages=2, num_splits=8)]
-  for unroll, num_warps, num_stages in [(1, 4, 2), (2, 4, 2), (4, 4, 2), (1, 8, 2), (2, 8, 2),
-                                        (4, 8, 2), (2, 4, 3), (4, 4, 3)]:
-    quantized_configs.append(dict(variant="planar", unroll=unroll, num_warps=num_warps,
-                                  num_stages=num_stages))
+  quantized_configs = [
+    dict(variant="reshape", block_tokens=128, num_warps=4, num_stages=3, num_splits=32),
+    dict(variant="planar", unroll=2, num_warps=4, num_stages=2, num_splits=8),
+  ]
+  for unroll, num_warps, num_stages in [
+    (1, 4, 2),
+    (2, 4, 2),
+    (4, 4, 2),
+    (1, 8, 2),
+    (2, 8, 2),
+    (4, 8, 2),
+    (2, 4, 3),
+    (4, 4, 3),
+  ]:
+    quantized_configs.append(
+      dict(variant="planar", unroll=unroll, num_warps=num_warps, num_stages=num_stages)
+    )
   for config in quantized_configs:
     op = lambda q, s, lens, config=config: attention_dispatch.quantized_decode_attention(
-        q, *s[:6], lens, bits=2, group_size=args.group_size, sm_scale=sm_scale,
-        implementation="pallas", kernel_config=config)
+      q,
+      *s[:6],
+      lens,
+      bits=2,
+      group_size=args.group_size,
+      sm_scale=sm_scale,
+      implementation="pallas",
+      kernel_config=config,
+    )
     try:
       seconds = time_op(op, (queries, segment, lengths), iters=args.iters, repeats=3)
     except Exception as e:  # a setting that fails to compile is reported, not fatal
@@ -262,7 +331,8 @@ def sweep(args) -> tuple[dict, dict]:
     for num_stages in (2,):
       config = dict(block_tokens=block_tokens, num_warps=4, num_stages=num_stages)
       op = lambda q, k, v, lens, config=config: attention_dispatch.decode_attention(
-          q, k, v, lens, sm_scale=sm_scale, implementation="pallas", kernel_config=config)
+        q, k, v, lens, sm_scale=sm_scale, implementation="pallas", kernel_config=config
+      )
       try:
         seconds = time_op(op, (queries, keys, values, lengths), iters=args.iters, repeats=3)
       except Exception as e:  # a setting that fails to compile is reported, not fatal
@@ -282,17 +352,28 @@ def run(args) -> dict:
   sm_scale = 1.0 / math.sqrt(head_dim)
   dtype = jnp.bfloat16
   results = {
-      "device": str(jax.devices()[0].device_kind), "backend": backend,
-      "jax_version": jax.__version__, "implementation": implementation,
-      "sizes": {"batch": batch, "kv_heads": kv_heads, "group": group, "head_dim": head_dim,
-                "cache_dtype": "bfloat16", "group_size": args.group_size},
-      "iters": args.iters, "repeats": args.repeats, "rows": [],
+    "device": str(jax.devices()[0].device_kind),
+    "backend": backend,
+    "jax_version": jax.__version__,
+    "implementation": implementation,
+    "sizes": {
+      "batch": batch,
+      "kv_heads": kv_heads,
+      "group": group,
+      "head_dim": head_dim,
+      "cache_dtype": "bfloat16",
+      "group_size": args.group_size,
+    },
+    "iters": args.iters,
+    "repeats": args.repeats,
+    "rows": [],
   }
   copy = copy_bandwidth(nbytes=args.copy_bytes, iters=args.iters, repeats=args.repeats)
   results["copy"] = copy
   print(f"device {results['device']} ({backend}), jax {jax.__version__}")
-  print(f"copy: {copy['gbps']:.0f} GB/s (read + write of {args.copy_bytes / 2**30:.2f} GiB)",
-        flush=True)
+  print(
+    f"copy: {copy['gbps']:.0f} GB/s (read + write of {args.copy_bytes / 2**30:.2f} GiB)", flush=True
+  )
   kernel_config = json.loads(args.kernel_config) if args.kernel_config else {}
   full_kernel_config = json.loads(args.full_kernel_config) if args.full_kernel_config else {}
   if args.check:
@@ -304,8 +385,9 @@ def run(args) -> dict:
   for tokens in args.contexts:
     key = jax.random.key(tokens)
     keys_split = jax.random.split(key, 8)
-    queries = jax.random.normal(keys_split[0], (batch, kv_heads, group, head_dim),
-                                jnp.float32).astype(dtype)
+    queries = jax.random.normal(
+      keys_split[0], (batch, kv_heads, group, head_dim), jnp.float32
+    ).astype(dtype)
     lengths = jnp.full((batch,), tokens, jnp.int32)
     shape = (batch, kv_heads, tokens, head_dim)
     keys = jax.random.normal(keys_split[1], shape, jnp.float32).astype(dtype)
@@ -315,32 +397,57 @@ def run(args) -> dict:
 
     def record(name, op, op_args, nbytes, reference=None, tokens=tokens, rows=rows):
       seconds = time_op(op, op_args, iters=args.iters, repeats=args.repeats)
-      row = {"context": tokens, "name": name, "seconds": seconds, "bytes": nbytes,
-             "gbps": nbytes / seconds / 1e9,
-             "fraction_of_copy": nbytes / seconds / 1e9 / copy["gbps"]}
+      row = {
+        "context": tokens,
+        "name": name,
+        "seconds": seconds,
+        "bytes": nbytes,
+        "gbps": nbytes / seconds / 1e9,
+        "fraction_of_copy": nbytes / seconds / 1e9 / copy["gbps"],
+      }
       if reference is not None:
         out, _ = jax.jit(op)(*op_args)
         row["relative_error"] = relative_error(out, reference)
       rows.append(row)
-      print(f"  {tokens:>7} {name:<12} {seconds * 1e6:9.1f} us  {nbytes / 1e6:9.1f} MB  "
-            f"{row['gbps']:7.0f} GB/s  {100 * row['fraction_of_copy']:5.1f}% of copy"
-            + (f"  rel.err {row['relative_error']:.2e}" if "relative_error" in row else ""),
-            flush=True)
+      print(
+        f"  {tokens:>7} {name:<12} {seconds * 1e6:9.1f} us  {nbytes / 1e6:9.1f} MB  "
+        f"{row['gbps']:7.0f} GB/s  {100 * row['fraction_of_copy']:5.1f}% of copy"
+        + (f"  rel.err {row['relative_error']:.2e}" if "relative_error" in row else ""),
+        flush=True,
+      )
       return row
 
-    reference_full, _ = jax.jit(functools.partial(
-        decode_attention_reference, sm_scale=sm_scale))(queries, keys, values, lengths)
-    record("xla_bf16", functools.partial(xla_bf16_attention, sm_scale=sm_scale),
-           (queries, keys, values, lengths), bf16_bytes, reference_full)
+    reference_full, _ = jax.jit(functools.partial(decode_attention_reference, sm_scale=sm_scale))(
+      queries, keys, values, lengths
+    )
+    record(
+      "xla_bf16",
+      functools.partial(xla_bf16_attention, sm_scale=sm_scale),
+      (queries, keys, values, lengths),
+      bf16_bytes,
+      reference_full,
+    )
     if not args.small:
       keys_bthd, values_bthd = (jnp.swapaxes(x, 1, 2) for x in (keys, values))
-      record("xla_dpa", functools.partial(xla_dpa_attention, sm_scale=sm_scale),
-             (queries, keys_bthd, values_bthd, lengths), bf16_bytes)
+      record(
+        "xla_dpa",
+        functools.partial(xla_dpa_attention, sm_scale=sm_scale),
+        (queries, keys_bthd, values_bthd, lengths),
+        bf16_bytes,
+      )
       del keys_bthd, values_bthd
-    record("pallas_bf16", functools.partial(
-        attention_dispatch.decode_attention, sm_scale=sm_scale, implementation=implementation,
-        kernel_config=full_kernel_config),
-           (queries, keys, values, lengths), bf16_bytes, reference_full)
+    record(
+      "pallas_bf16",
+      functools.partial(
+        attention_dispatch.decode_attention,
+        sm_scale=sm_scale,
+        implementation=implementation,
+        kernel_config=full_kernel_config,
+      ),
+      (queries, keys, values, lengths),
+      bf16_bytes,
+      reference_full,
+    )
     del keys, values, reference_full
 
     variants = [("kivi2", 2, 0, 0), ("kivi4", 4, 0, 0)]
@@ -348,23 +455,41 @@ def run(args) -> dict:
       variants.append(("gear2", 2, 4, max(1, int(0.02 * 64 * head_dim))))
     for name, bits, rank, outliers in variants:
       segment = random_quantized_segment(
-          keys_split[3 + bits], batch, kv_heads, tokens, head_dim, bits=bits,
-          group_size=args.group_size if not rank else 64, dtype=dtype, rank=rank,
-          outliers_per_block=outliers)
+        keys_split[3 + bits],
+        batch,
+        kv_heads,
+        tokens,
+        head_dim,
+        bits=bits,
+        group_size=args.group_size if not rank else 64,
+        dtype=dtype,
+        rank=rank,
+        outliers_per_block=outliers,
+      )
       group_size = args.group_size if not rank else 64
       quant_kwargs = dict(bits=bits, group_size=group_size, sm_scale=sm_scale)
       reference, _ = jax.jit(functools.partial(_quantized_reference, **quant_kwargs))(
-          queries, segment, lengths)
+        queries, segment, lengths
+      )
 
       def op(q, segment, lengths, bits=bits, group_size=group_size):
         # GEAR arrays come in as arguments (a closure would make them compile-time constants).
         return attention_dispatch.quantized_decode_attention(
-            q, *segment[:6], lengths, bits=bits, group_size=group_size, sm_scale=sm_scale,
-            lowrank=segment.lowrank, outliers=segment.outliers, implementation=implementation,
-            kernel_config=kernel_config)
+          q,
+          *segment[:6],
+          lengths,
+          bits=bits,
+          group_size=group_size,
+          sm_scale=sm_scale,
+          lowrank=segment.lowrank,
+          outliers=segment.outliers,
+          implementation=implementation,
+          kernel_config=kernel_config,
+        )
 
-      record(name, op, (queries, segment, lengths),
-             quantized_bytes(segment, lengths, tokens), reference)
+      record(
+        name, op, (queries, segment, lengths), quantized_bytes(segment, lengths, tokens), reference
+      )
       del segment, reference
 
     baseline = next(r for r in rows if r["name"] == "xla_bf16")["seconds"]
@@ -373,37 +498,54 @@ def run(args) -> dict:
     results["rows"] += rows
 
   print()
-  print(f"device {results['device']}, jax {jax.__version__}, copy ceiling "
-        f"{copy['gbps']:.0f} GB/s; time = median per call")
-  print(f"{'context':>8} {'op':<12} {'us/call':>9} {'MB read':>9} {'GB/s':>7} "
-        f"{'%copy':>6} {'x XLA bf16':>10} {'rel.err':>9}")
+  print(
+    f"device {results['device']}, jax {jax.__version__}, copy ceiling "
+    f"{copy['gbps']:.0f} GB/s; time = median per call"
+  )
+  print(
+    f"{'context':>8} {'op':<12} {'us/call':>9} {'MB read':>9} {'GB/s':>7} "
+    f"{'%copy':>6} {'x XLA bf16':>10} {'rel.err':>9}"
+  )
   for row in results["rows"]:
     err = row.get("relative_error")
-    print(f"{row['context']:>8} {row['name']:<12} {row['seconds'] * 1e6:9.1f} "
-          f"{row['bytes'] / 1e6:9.1f} {row['gbps']:7.0f} {100 * row['fraction_of_copy']:6.1f} "
-          f"{row['speedup_vs_xla_bf16']:10.2f} " + (f"{err:9.2e}" if err is not None else ""))
+    print(
+      f"{row['context']:>8} {row['name']:<12} {row['seconds'] * 1e6:9.1f} "
+      f"{row['bytes'] / 1e6:9.1f} {row['gbps']:7.0f} {100 * row['fraction_of_copy']:6.1f} "
+      f"{row['speedup_vs_xla_bf16']:10.2f} " + (f"{err:9.2e}" if err is not None else "")
+    )
   return results
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--small", action="store_true",
-                      help="tiny sizes, kernels in interpret mode (CPU smoke run)")
+  parser.add_argument(
+    "--small", action="store_true", help="tiny sizes, kernels in interpret mode (CPU smoke run)"
+  )
   parser.add_argument("--out", help="write the results as JSON here")
   parser.add_argument("--contexts", type=int, nargs="+")
   parser.add_argument("--iters", type=int)
   parser.add_argument("--repeats", type=int)
   parser.add_argument("--no-gear", dest="gear", action="store_false")
   parser.add_argument("--group-size", type=int, default=32)
-  parser.add_argument("--kernel-config", help="JSON dict of quantized-kernel settings "
-                      "(block_tokens, num_warps, num_stages, num_splits)")
+  parser.add_argument(
+    "--kernel-config",
+    help="JSON dict of quantized-kernel settings (block_tokens, num_warps, num_stages, num_splits)",
+  )
   parser.add_argument("--full-kernel-config", help="JSON dict of full-precision kernel settings")
-  parser.add_argument("--check", action="store_true",
-                      help="first check kernels against the references over a shape grid")
-  parser.add_argument("--check-variant", default="reshape", choices=["reshape", "planar"],
-                      help="which GPU quantized-kernel variant --check runs")
-  parser.add_argument("--sweep", action="store_true",
-                      help="time kernel settings at --sweep-context and use the best")
+  parser.add_argument(
+    "--check",
+    action="store_true",
+    help="first check kernels against the references over a shape grid",
+  )
+  parser.add_argument(
+    "--check-variant",
+    default="reshape",
+    choices=["reshape", "planar"],
+    help="which GPU quantized-kernel variant --check runs",
+  )
+  parser.add_argument(
+    "--sweep", action="store_true", help="time kernel settings at --sweep-context and use the best"
+  )
   parser.add_argument("--sweep-context", type=int, default=32768)
   args = parser.parse_args()
   if args.small:

@@ -34,12 +34,16 @@ def pydoc_prompt_ids(tokenizer, prompt_len: int) -> list[int]:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   parser.add_argument("--model", default="smollm2-135m")
   parser.add_argument("--prompt-len", type=int, default=1000)
   parser.add_argument("--new-tokens", type=int, default=128)
   parser.add_argument("--method", default="full")
-  parser.add_argument("--cache-dtype", default="float32", help="float32 matches the transformers baseline")
+  parser.add_argument(
+    "--cache-dtype", default="float32", help="float32 matches the transformers baseline"
+  )
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default=str(HERE / "results" / "generate_speed.json"))
   args = parser.parse_args()
@@ -50,36 +54,59 @@ def main():
   method = parse_method_spec(args.method)
   prompt = pydoc_prompt_ids(loaded.tokenizer, args.prompt_len)
   runs = [
-      generate(
-          loaded.decoder, loaded.params, [prompt], max_new_tokens=args.new_tokens,
-          cache_method=method, cache_dtype=jnp.dtype(args.cache_dtype),
-      )
-      for _ in range(args.repeats)
+    generate(
+      loaded.decoder,
+      loaded.params,
+      [prompt],
+      max_new_tokens=args.new_tokens,
+      cache_method=method,
+      cache_dtype=jnp.dtype(args.cache_dtype),
+    )
+    for _ in range(args.repeats)
   ]
   median = lambda xs: sorted(xs)[len(xs) // 2]
   record = dict(
-      model=args.model, method=args.method, prompt_tokens=args.prompt_len, new_tokens=args.new_tokens,
-      cache_dtype=args.cache_dtype, load_s=load_s, compile_s=runs[0].compile_s,
-      prefill_s=median([r.prefill_s for r in runs]),
-      decode_tokens_per_s=median([r.decode_tokens_per_s for r in runs]),
-      all_prefill_s=[r.prefill_s for r in runs],
-      all_decode_tokens_per_s=[r.decode_tokens_per_s for r in runs],
-      cache_bytes=runs[0].cache_bytes, generated_ids=runs[0].tokens[0].tolist(),
-      jax_version=jax.__version__, backend=jax.default_backend(),
-      device=jax.devices()[0].device_kind, cpus=os.cpu_count(), machine=platform.processor(),
+    model=args.model,
+    method=args.method,
+    prompt_tokens=args.prompt_len,
+    new_tokens=args.new_tokens,
+    cache_dtype=args.cache_dtype,
+    load_s=load_s,
+    compile_s=runs[0].compile_s,
+    prefill_s=median([r.prefill_s for r in runs]),
+    decode_tokens_per_s=median([r.decode_tokens_per_s for r in runs]),
+    all_prefill_s=[r.prefill_s for r in runs],
+    all_decode_tokens_per_s=[r.decode_tokens_per_s for r in runs],
+    cache_bytes=runs[0].cache_bytes,
+    generated_ids=runs[0].tokens[0].tolist(),
+    jax_version=jax.__version__,
+    backend=jax.default_backend(),
+    device=jax.devices()[0].device_kind,
+    cpus=os.cpu_count(),
+    machine=platform.processor(),
   )
   baseline_path = HERE / "results" / "transformers_decode_baseline.json"
   if baseline_path.exists():
     baseline = json.loads(baseline_path.read_text())
     record["transformers_decode_tokens_per_s"] = baseline["decode_tokens_per_s"]
     record["transformers_prefill_s"] = baseline["prefill_s"]
-    record["decode_speedup_vs_transformers"] = record["decode_tokens_per_s"] / baseline["decode_tokens_per_s"]
-    record["same_greedy_tokens_as_transformers"] = baseline.get("generated_ids") == record["generated_ids"]
+    record["decode_speedup_vs_transformers"] = (
+      record["decode_tokens_per_s"] / baseline["decode_tokens_per_s"]
+    )
+    record["same_greedy_tokens_as_transformers"] = (
+      baseline.get("generated_ids") == record["generated_ids"]
+    )
   pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
   pathlib.Path(args.out).write_text(json.dumps(record, indent=2))
-  for key in ("compile_s", "prefill_s", "decode_tokens_per_s", "transformers_prefill_s",
-              "transformers_decode_tokens_per_s", "decode_speedup_vs_transformers",
-              "same_greedy_tokens_as_transformers"):
+  for key in (
+    "compile_s",
+    "prefill_s",
+    "decode_tokens_per_s",
+    "transformers_prefill_s",
+    "transformers_decode_tokens_per_s",
+    "decode_speedup_vs_transformers",
+    "same_greedy_tokens_as_transformers",
+  ):
     if key in record:
       print(f"{key:36s} {record[key]}")
 

@@ -1,6 +1,6 @@
 """Generate with the embedded SmolLM2 under several KV-cache methods and compare their bytes.
 
-    python examples/compressed_generation.py
+python examples/compressed_generation.py
 """
 
 import jax.numpy as jnp
@@ -18,13 +18,19 @@ def main():
     if not all(part.split(":")[0] in kvjax.METHODS for part in spec.split("+")):
       continue
     result = kvjax.generate(
-        model.decoder, model.params, [prompt_ids], max_new_tokens=48,
-        cache_method=kvjax.parse_method_spec(spec), cache_dtype=jnp.bfloat16,
-        stop_token_ids=model.stop_token_ids,
+      model.decoder,
+      model.params,
+      [prompt_ids],
+      max_new_tokens=48,
+      cache_method=kvjax.parse_method_spec(spec),
+      cache_dtype=jnp.bfloat16,
+      stop_token_ids=model.stop_token_ids,
     )
     text = model.tokenizer.decode(result.token_lists()[0])
-    print(f"--- {spec}: {result.cache_bytes / 1024:.0f} KiB cache, "
-          f"{result.decode_tokens_per_s:.1f} tok/s\n{text}\n")
+    print(
+      f"--- {spec}: {result.cache_bytes / 1024:.0f} KiB cache, "
+      f"{result.decode_tokens_per_s:.1f} tok/s\n{text}\n"
+    )
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ VOCAB, HEADS, KV_HEADS, DIM = 32, 4, 2, 16
 
 @dataclasses.dataclass(frozen=True)
 class ToyDecoder:
-  cache_shape = kvjax.ModelCacheShape(num_layers=1, num_kv_heads=KV_HEADS, num_query_heads=HEADS, head_dim=DIM)
+  cache_shape = kvjax.ModelCacheShape(
+    num_layers=1, num_kv_heads=KV_HEADS, num_query_heads=HEADS, head_dim=DIM
+  )
 
   def _qkv(self, params, tokens):  # tokens [batch, t]
     x = params["embed"][tokens]
@@ -48,18 +50,22 @@ def main():
   keys = jax.random.split(jax.random.key(0), 5)
   group = HEADS // KV_HEADS
   params = dict(
-      embed=jax.random.normal(keys[0], (VOCAB, DIM)),
-      wq=jax.random.normal(keys[1], (DIM, KV_HEADS, group, DIM)) * 0.3,
-      wk=jax.random.normal(keys[2], (DIM, KV_HEADS, DIM)) * 0.3,
-      wv=jax.random.normal(keys[3], (DIM, KV_HEADS, DIM)) * 0.3,
-      wo=jax.random.normal(keys[4], (KV_HEADS, group, DIM, VOCAB)) * 0.3,
+    embed=jax.random.normal(keys[0], (VOCAB, DIM)),
+    wq=jax.random.normal(keys[1], (DIM, KV_HEADS, group, DIM)) * 0.3,
+    wk=jax.random.normal(keys[2], (DIM, KV_HEADS, DIM)) * 0.3,
+    wv=jax.random.normal(keys[3], (DIM, KV_HEADS, DIM)) * 0.3,
+    wo=jax.random.normal(keys[4], (KV_HEADS, group, DIM, VOCAB)) * 0.3,
   )
   for spec in ("full", "kivi:bits=4,group_size=16,residual=16"):
     if spec.split(":")[0] not in kvjax.METHODS:
       continue
     result = kvjax.generate(
-        ToyDecoder(), params, [[1, 2, 3, 4, 5, 6, 7, 8] * 6, [9, 10, 11]], max_new_tokens=8,
-        cache_method=kvjax.parse_method_spec(spec), cache_dtype=jnp.float32,
+      ToyDecoder(),
+      params,
+      [[1, 2, 3, 4, 5, 6, 7, 8] * 6, [9, 10, 11]],
+      max_new_tokens=8,
+      cache_method=kvjax.parse_method_spec(spec),
+      cache_dtype=jnp.float32,
     )
     print(spec, result.tokens.tolist(), f"{result.cache_bytes} bytes")
 

@@ -9,11 +9,11 @@ do: `models.loading.load_model("smollm2-135m")`).
 """
 
 from kvjax.cache_protocol import (
-    CacheMethod,
-    LayerCache,
-    ModelCacheShape,
-    allocate_model_cache,
-    model_cache_nbytes,
+  CacheMethod,
+  LayerCache,
+  ModelCacheShape,
+  allocate_model_cache,
+  model_cache_nbytes,
 )
 from kvjax.decoder_protocol import CachedDecoder
 from kvjax.dense_cache import DenseLayerCache, FullCache
@@ -24,21 +24,21 @@ from kvjax.sampling import SamplingConfig
 from kvjax.sliding_window_cache import SlidingWindowLayerCache
 
 __all__ = [
-    "CacheMethod",
-    "CachedDecoder",
-    "DenseLayerCache",
-    "FullCache",
-    "GenerateResult",
-    "LayerCache",
-    "METHODS",
-    "ModelCacheShape",
-    "SamplingConfig",
-    "SlidingWindowLayerCache",
-    "allocate_model_cache",
-    "decode",
-    "describe_method",
-    "generate",
-    "model_cache_nbytes",
-    "parse_method_spec",
-    "prefill",
+  "CacheMethod",
+  "CachedDecoder",
+  "DenseLayerCache",
+  "FullCache",
+  "GenerateResult",
+  "LayerCache",
+  "METHODS",
+  "ModelCacheShape",
+  "SamplingConfig",
+  "SlidingWindowLayerCache",
+  "allocate_model_cache",
+  "decode",
+  "describe_method",
+  "generate",
+  "model_cache_nbytes",
+  "parse_method_spec",
+  "prefill",
 ]

@@ -39,15 +39,16 @@ _warned: set[str] = set()
 def check_implementation(implementation: str) -> None:
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
-        f"implementation={implementation!r} is not supported; allowed: {', '.join(IMPLEMENTATIONS)}"
+      f"implementation={implementation!r} is not supported; allowed: {', '.join(IMPLEMENTATIONS)}"
     )
 
 
 def _check_kernel_backend(kernel_backend: str | None) -> None:
   if kernel_backend is not None and kernel_backend not in KERNEL_BACKENDS:
     raise ValueError(
-        f"kernel_backend={kernel_backend!r} is not supported; allowed: None, "
-        f"{', '.join(KERNEL_BACKENDS)}")
+      f"kernel_backend={kernel_backend!r} is not supported; allowed: None, "
+      f"{', '.join(KERNEL_BACKENDS)}"
+    )
 
 
 def _choose(implementation: str, kernel_backend: str | None) -> tuple[str, bool]:
@@ -62,13 +63,15 @@ def _choose(implementation: str, kernel_backend: str | None) -> tuple[str, bool]
   family = {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform)
   if kernel_backend is not None and family is not None and kernel_backend != family:
     raise ValueError(
-        f"kernel_backend={kernel_backend!r} cannot run compiled on the {platform!r} backend; "
-        "use implementation='interpret' to run it on another backend")
+      f"kernel_backend={kernel_backend!r} cannot run compiled on the {platform!r} backend; "
+      "use implementation='interpret' to run it on another backend"
+    )
   if family is None:
     if implementation == "pallas":
       raise ValueError(
-          f"implementation='pallas' needs a GPU or TPU backend, this is {platform!r}; allowed "
-          "here: 'auto', 'reference', 'interpret'")
+        f"implementation='pallas' needs a GPU or TPU backend, this is {platform!r}; allowed "
+        "here: 'auto', 'reference', 'interpret'"
+      )
     return "reference", False
   return family, False
 
@@ -77,20 +80,23 @@ def _warn_fallback_once(kernel: str, reason: str) -> None:
   key = f"{kernel}: {reason}"
   if key not in _warned:
     _warned.add(key)
-    warnings.warn(f"{kernel} does not support {reason}; using the jnp reference instead",
-                  RuntimeWarning, stacklevel=3)
+    warnings.warn(
+      f"{kernel} does not support {reason}; using the jnp reference instead",
+      RuntimeWarning,
+      stacklevel=3,
+    )
 
 
 def decode_attention(
-    queries: jax.Array,  # [batch, kv_heads, group, head_dim]
-    keys: jax.Array,  # [batch, kv_heads, tokens, head_dim]
-    values: jax.Array,
-    lengths: jax.Array,  # int32 [batch]
-    *,
-    sm_scale: float,
-    implementation: Implementation = "auto",
-    kernel_backend: str | None = None,
-    kernel_config: dict[str, Any] | None = None,
+  queries: jax.Array,  # [batch, kv_heads, group, head_dim]
+  keys: jax.Array,  # [batch, kv_heads, tokens, head_dim]
+  values: jax.Array,
+  lengths: jax.Array,  # int32 [batch]
+  *,
+  sm_scale: float,
+  implementation: Implementation = "auto",
+  kernel_backend: str | None = None,
+  kernel_config: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of one query position over the valid slots of a full-precision segment.
 
@@ -102,33 +108,43 @@ def decode_attention(
     module = decode_attention_triton if family == "gpu" else decode_attention_tpu
     reason = module.unsupported_reason(queries, keys)
     if reason is None:
-      kernel = (decode_attention_triton.decode_attention_gpu if family == "gpu"
-                else decode_attention_tpu.decode_attention_tpu)
-      return kernel(queries, keys, values, lengths, sm_scale=sm_scale, interpret=interpret,
-                    **(kernel_config or {}))
+      kernel = (
+        decode_attention_triton.decode_attention_gpu
+        if family == "gpu"
+        else decode_attention_tpu.decode_attention_tpu
+      )
+      return kernel(
+        queries,
+        keys,
+        values,
+        lengths,
+        sm_scale=sm_scale,
+        interpret=interpret,
+        **(kernel_config or {}),
+      )
     _warn_fallback_once(f"the {family} decode-attention kernel", reason)
   return decode_attention_reference(queries, keys, values, lengths, sm_scale=sm_scale)
 
 
 def quantized_decode_attention(
-    queries: jax.Array,  # [B, H, G, D]
-    k_codes: jax.Array,  # uint32 [B, H, T, D*bits/32]
-    k_scale: jax.Array,  # [B, H, T/group_size, D]
-    k_min: jax.Array,
-    v_codes: jax.Array,  # uint32 [B, H, T, D*bits/32]
-    v_scale: jax.Array,  # [B, H, T, D/group_size]
-    v_min: jax.Array,
-    lengths: jax.Array,  # int32 [B]
-    *,
-    bits: int,
-    group_size: int,
-    sm_scale: float,
-    lowrank=None,
-    outliers=None,
-    block: int = 64,
-    implementation: Implementation = "auto",
-    kernel_backend: str | None = None,
-    kernel_config: dict[str, Any] | None = None,
+  queries: jax.Array,  # [B, H, G, D]
+  k_codes: jax.Array,  # uint32 [B, H, T, D*bits/32]
+  k_scale: jax.Array,  # [B, H, T/group_size, D]
+  k_min: jax.Array,
+  v_codes: jax.Array,  # uint32 [B, H, T, D*bits/32]
+  v_scale: jax.Array,  # [B, H, T, D/group_size]
+  v_min: jax.Array,
+  lengths: jax.Array,  # int32 [B]
+  *,
+  bits: int,
+  group_size: int,
+  sm_scale: float,
+  lowrank=None,
+  outliers=None,
+  block: int = 64,
+  implementation: Implementation = "auto",
+  kernel_backend: str | None = None,
+  kernel_config: dict[str, Any] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of one query position over a KIVI/GEAR quantized segment (fused dequantize).
 
@@ -137,21 +153,50 @@ def quantized_decode_attention(
   """
   family, interpret = _choose(implementation, kernel_backend)
   check_quantized_inputs(
-      queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, bits=bits,
-      group_size=group_size, lowrank=lowrank, outliers=outliers, block=block)
-  common = dict(bits=bits, group_size=group_size, sm_scale=sm_scale, lowrank=lowrank,
-                outliers=outliers, block=block)
+    queries,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    lengths,
+    bits=bits,
+    group_size=group_size,
+    lowrank=lowrank,
+    outliers=outliers,
+    block=block,
+  )
+  common = dict(
+    bits=bits,
+    group_size=group_size,
+    sm_scale=sm_scale,
+    lowrank=lowrank,
+    outliers=outliers,
+    block=block,
+  )
   arrays = (queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths)
   if family != "reference":
-    module = (quantized_decode_attention_triton if family == "gpu"
-              else quantized_decode_attention_tpu)
+    module = (
+      quantized_decode_attention_triton if family == "gpu" else quantized_decode_attention_tpu
+    )
     reason = module.unsupported_reason(
-        queries, k_codes, k_scale, v_scale, bits=bits, group_size=group_size, lowrank=lowrank,
-        outliers=outliers, block=block)
+      queries,
+      k_codes,
+      k_scale,
+      v_scale,
+      bits=bits,
+      group_size=group_size,
+      lowrank=lowrank,
+      outliers=outliers,
+      block=block,
+    )
     if reason is None:
-      kernel = (quantized_decode_attention_triton.quantized_decode_attention_gpu
-                if family == "gpu"
-                else quantized_decode_attention_tpu.quantized_decode_attention_tpu)
+      kernel = (
+        quantized_decode_attention_triton.quantized_decode_attention_gpu
+        if family == "gpu"
+        else quantized_decode_attention_tpu.quantized_decode_attention_tpu
+      )
       return kernel(*arrays, interpret=interpret, **common, **(kernel_config or {}))
     _warn_fallback_once(f"the {family} quantized decode-attention kernel", reason)
   return quantized_decode_attention_reference(*arrays, **common)

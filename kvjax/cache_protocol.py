@@ -31,8 +31,8 @@ class ModelCacheShape:
   def __post_init__(self):
     if self.num_query_heads % self.num_kv_heads:
       raise ValueError(
-          f"num_query_heads={self.num_query_heads} must be a multiple of "
-          f"num_kv_heads={self.num_kv_heads}"
+        f"num_query_heads={self.num_query_heads} must be a multiple of "
+        f"num_kv_heads={self.num_kv_heads}"
       )
 
   @property
@@ -45,28 +45,28 @@ class LayerCache(Protocol):
   """One decoder layer's cache."""
 
   def ingest(
-      self,
-      keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated, compact rows
-      values: jax.Array,  # [batch, kv_heads, prompt, head_dim]
-      queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
-      lengths: jax.Array,  # int32 [batch]
+    self,
+    keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated, compact rows
+    values: jax.Array,  # [batch, kv_heads, prompt, head_dim]
+    queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
+    lengths: jax.Array,  # int32 [batch]
   ) -> "LayerCache":
     """Stores a prompt (selection methods score tokens with `queries` here)."""
     ...
 
   def append(
-      self,
-      keys: jax.Array,  # [batch, kv_heads, head_dim]
-      values: jax.Array,  # [batch, kv_heads, head_dim]
+    self,
+    keys: jax.Array,  # [batch, kv_heads, head_dim]
+    values: jax.Array,  # [batch, kv_heads, head_dim]
   ) -> "LayerCache":
     """Stores one decode step's K/V after each row's last token."""
     ...
 
   def attend(
-      self,
-      queries: jax.Array,  # [batch, kv_heads, group, head_dim]
-      *,
-      sm_scale: float,
+    self,
+    queries: jax.Array,  # [batch, kv_heads, group, head_dim]
+    *,
+    sm_scale: float,
   ) -> jax.Array:  # [batch, kv_heads, group, head_dim] float32
     """Attention of one query position per row over everything the cache holds."""
     ...
@@ -86,26 +86,25 @@ class CacheMethod(Protocol):
   """A frozen configuration that allocates one layer cache per decoder layer."""
 
   def allocate(
-      self,
-      shape: ModelCacheShape,
-      layer: int,
-      *,
-      batch: int,
-      prompt_len: int,
-      max_new_tokens: int,
-      dtype,
-  ) -> LayerCache:
-    ...
-
-
-def allocate_model_cache(
-    method: CacheMethod,
+    self,
     shape: ModelCacheShape,
+    layer: int,
     *,
     batch: int,
     prompt_len: int,
     max_new_tokens: int,
     dtype,
+  ) -> LayerCache: ...
+
+
+def allocate_model_cache(
+  method: CacheMethod,
+  shape: ModelCacheShape,
+  *,
+  batch: int,
+  prompt_len: int,
+  max_new_tokens: int,
+  dtype,
 ) -> tuple[LayerCache, ...]:
   """One layer cache per decoder layer (layers may differ in static shape)."""
   for name, value in (("batch", batch), ("prompt_len", prompt_len)):
@@ -114,23 +113,23 @@ def allocate_model_cache(
   if max_new_tokens < 0:
     raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
   return tuple(
-      method.allocate(
-          shape,
-          layer,
-          batch=batch,
-          prompt_len=prompt_len,
-          max_new_tokens=max_new_tokens,
-          dtype=dtype,
-      )
-      for layer in range(shape.num_layers)
+    method.allocate(
+      shape,
+      layer,
+      batch=batch,
+      prompt_len=prompt_len,
+      max_new_tokens=max_new_tokens,
+      dtype=dtype,
+    )
+    for layer in range(shape.num_layers)
   )
 
 
 def tree_nbytes(tree) -> int:
   """Bytes of all array leaves of a pytree (concrete arrays or `jax.eval_shape` structs)."""
   return sum(
-      math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
-      for leaf in jax.tree_util.tree_leaves(tree)
+    math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+    for leaf in jax.tree_util.tree_leaves(tree)
   )
 
 

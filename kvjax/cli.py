@@ -13,12 +13,16 @@ def _add_generate(subparsers):
   p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file or HF directory")
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-  p.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+  p.add_argument(
+    "--temperature", type=float, default=None, help="sample at this temperature (default: greedy)"
+  )
   p.add_argument("--top-k", type=int, default=None)
   p.add_argument("--top-p", type=float, default=None)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--method", default="full", help="cache method spec, e.g. full, kivi:bits=4")
-  p.add_argument("--implementation", default="auto", help="attention: auto|pallas|reference|interpret")
+  p.add_argument(
+    "--implementation", default="auto", help="attention: auto|pallas|reference|interpret"
+  )
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(run=run_generate)
 
@@ -34,82 +38,92 @@ def run_generate(args) -> int:
   cache_method = parse_method_spec(args.method, implementation=args.implementation)
   if args.temperature is None and (args.top_k is not None or args.top_p is not None):
     raise SystemExit("error: --top-k/--top-p need --temperature (greedy decoding otherwise)")
-  sampling = SamplingConfig(
-      temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p
-  )
+  sampling = SamplingConfig(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p)
   loaded = load_model(args.model)
   text = args.prompt
   if not args.raw:
     text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}])
   prompt_ids = loaded.tokenizer.encode(text)
   result = generate(
-      loaded.decoder,
-      loaded.params,
-      [prompt_ids],
-      max_new_tokens=args.max_new_tokens,
-      cache_method=cache_method,
-      sampling=sampling,
-      stop_token_ids=loaded.stop_token_ids,
-      pad_token_id=loaded.stop_token_ids[0] if loaded.stop_token_ids else 0,
-      key=jax.random.key(args.seed),
-      max_cache_tokens=loaded.config.max_position_embeddings,
+    loaded.decoder,
+    loaded.params,
+    [prompt_ids],
+    max_new_tokens=args.max_new_tokens,
+    cache_method=cache_method,
+    sampling=sampling,
+    stop_token_ids=loaded.stop_token_ids,
+    pad_token_id=loaded.stop_token_ids[0] if loaded.stop_token_ids else 0,
+    key=jax.random.key(args.seed),
+    max_cache_tokens=loaded.config.max_position_embeddings,
   )
   output_ids = result.token_lists()[0]
   out_text = loaded.tokenizer.decode(output_ids)
   if args.json:
-    print(json.dumps(dict(
-        prompt_ids=prompt_ids,
-        output_ids=output_ids,
-        text=out_text,
-        prefill_s=result.prefill_s,
-        decode_s=result.decode_s,
-        decode_tokens_per_s=result.decode_tokens_per_s,
-        compile_s=result.compile_s,
-        model=args.model,
-        method=args.method,
-        cache_bytes=result.cache_bytes,
-    )))
+    print(
+      json.dumps(
+        dict(
+          prompt_ids=prompt_ids,
+          output_ids=output_ids,
+          text=out_text,
+          prefill_s=result.prefill_s,
+          decode_s=result.decode_s,
+          decode_tokens_per_s=result.decode_tokens_per_s,
+          compile_s=result.compile_s,
+          model=args.model,
+          method=args.method,
+          cache_bytes=result.cache_bytes,
+        )
+      )
+    )
   else:
     print(out_text)
     print(
-        f"[{len(prompt_ids)} prompt tokens, {len(output_ids)} new; compile {result.compile_s:.2f}s, "
-        f"prefill {result.prefill_s:.3f}s, decode {result.decode_tokens_per_s:.1f} tok/s, "
-        f"cache {result.cache_bytes / 2**20:.2f} MiB]",
-        file=sys.stderr,
+      f"[{len(prompt_ids)} prompt tokens, {len(output_ids)} new; compile {result.compile_s:.2f}s, "
+      f"prefill {result.prefill_s:.3f}s, decode {result.decode_tokens_per_s:.1f} tok/s, "
+      f"cache {result.cache_bytes / 2**20:.2f} MiB]",
+      file=sys.stderr,
     )
   return 0
 
 
 DEFAULT_COMPARE_METHODS = (
-    "full",
-    "kivi:bits=4",
-    "kivi:bits=2",
-    "gear:bits=2",
-    "streaming:ratio=0.25",
-    "snapkv:ratio=0.25",
-    "pyramidkv:ratio=0.25",
-    "pyramidkv:ratio=0.25+kivi:bits=4",
+  "full",
+  "kivi:bits=4",
+  "kivi:bits=2",
+  "gear:bits=2",
+  "streaming:ratio=0.25",
+  "snapkv:ratio=0.25",
+  "pyramidkv:ratio=0.25",
+  "pyramidkv:ratio=0.25+kivi:bits=4",
 )
 
 
 def _add_compare(subparsers):
   p = subparsers.add_parser(
-      "compare", help="measure cache methods against the full cache (memory, quality, speed)"
+    "compare", help="measure cache methods against the full cache (memory, quality, speed)"
   )
   p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file or HF directory")
   p.add_argument(
-      "--methods", nargs="+", default=None,
-      help="method specs, e.g. full kivi:bits=2 snapkv:budget=256 pyramidkv:budget=256+kivi:bits=4 "
-      f"(default: {' '.join(DEFAULT_COMPARE_METHODS)}; those not registered are skipped)",
+    "--methods",
+    nargs="+",
+    default=None,
+    help="method specs, e.g. full kivi:bits=2 snapkv:budget=256 pyramidkv:budget=256+kivi:bits=4 "
+    f"(default: {' '.join(DEFAULT_COMPARE_METHODS)}; those not registered are skipped)",
   )
-  p.add_argument("--tasks", default="ppl,kl,passkey,speed", help="comma list of ppl,kl,passkey,passkey_agnostic,speed")
+  p.add_argument(
+    "--tasks",
+    default="ppl,kl,passkey,speed",
+    help="comma list of ppl,kl,passkey,passkey_agnostic,speed",
+  )
   p.add_argument("--context-len", type=int, default=1024)
   p.add_argument("--continuation-len", type=int, default=256)
   p.add_argument("--text", default=None, help="UTF-8 text file (default: CPython pydoc topics)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--num-samples", type=int, default=2, help="text windows, and needles per depth")
   p.add_argument("--cache-dtype", default="bfloat16", help="bfloat16|float16|float32")
-  p.add_argument("--implementation", default="auto", help="attention: auto|pallas|reference|interpret")
+  p.add_argument(
+    "--implementation", default="auto", help="attention: auto|pallas|reference|interpret"
+  )
   p.add_argument("--out", default="results/compare", help="output directory")
   p.set_defaults(run=run_compare)
 
@@ -129,16 +143,18 @@ def run_compare(args) -> int:
 
   start = time.perf_counter()
   config = CompareConfig(
-      tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
-      context_len=args.context_len,
-      continuation_len=args.continuation_len,
-      num_samples=args.num_samples,
-      seed=args.seed,
-      cache_dtype=args.cache_dtype,
-      implementation=args.implementation,
+    tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+    context_len=args.context_len,
+    continuation_len=args.continuation_len,
+    num_samples=args.num_samples,
+    seed=args.seed,
+    cache_dtype=args.cache_dtype,
+    implementation=args.implementation,
   )
   if args.methods is None:
-    specs = [s for s in DEFAULT_COMPARE_METHODS if all(p.split(":")[0] in METHODS for p in s.split("+"))]
+    specs = [
+      s for s in DEFAULT_COMPARE_METHODS if all(p.split(":")[0] in METHODS for p in s.split("+"))
+    ]
   else:
     specs = args.methods
   for spec in specs:  # every spec is checked before the model loads
@@ -148,20 +164,29 @@ def run_compare(args) -> int:
 
   loaded = load_model(args.model)
   out = pathlib.Path(args.out)
-  machine = f"{platform.machine()} {platform.processor() or ''} ({jax.devices()[0].device_kind}, {jax.default_backend()})"
+  device = f"{jax.devices()[0].device_kind}, {jax.default_backend()}"
+  machine = f"{platform.machine()} {platform.processor() or ''} ({device})"
 
   def header_after(seconds):
     return (
-        f"model {args.model}, context {config.context_len} tokens, continuation {config.continuation_len}, "
-        f"{config.num_samples} samples, cache dtype {config.cache_dtype}, seed {config.seed}; "
-        f"{machine}; jax {jax.__version__}; wall {seconds:.0f}s"
+      f"model {args.model}, context {config.context_len} tokens, "
+      f"continuation {config.continuation_len}, "
+      f"{config.num_samples} samples, cache dtype {config.cache_dtype}, seed {config.seed}; "
+      f"{machine}; jax {jax.__version__}; wall {seconds:.0f}s"
     )
 
   records = compare_methods(
-      loaded.decoder, loaded.params, loaded.tokenizer, specs, text=text, config=config,
-      pad_token_id=loaded.stop_token_ids[0] if loaded.stop_token_ids else 0,
-      max_context=loaded.config.max_position_embeddings,
-      on_record=lambda so_far: write_results(so_far, out, header=header_after(time.perf_counter() - start) + " (partial)"),
+    loaded.decoder,
+    loaded.params,
+    loaded.tokenizer,
+    specs,
+    text=text,
+    config=config,
+    pad_token_id=loaded.stop_token_ids[0] if loaded.stop_token_ids else 0,
+    max_context=loaded.config.max_position_embeddings,
+    on_record=lambda so_far: write_results(
+      so_far, out, header=header_after(time.perf_counter() - start) + " (partial)"
+    ),
   )
   header = header_after(time.perf_counter() - start)
   write_results(records, out, header=header)
@@ -173,11 +198,13 @@ def run_compare(args) -> int:
 
 def _add_razor_profile(subparsers):
   p = subparsers.add_parser(
-      "razor-profile",
-      help="detect a model's retrieval heads for RazorAttention (data-free) and save the profile",
+    "razor-profile",
+    help="detect a model's retrieval heads for RazorAttention (data-free) and save the profile",
   )
   p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file or HF directory")
-  p.add_argument("--output", required=True, help="profile JSON to write (use with razor:profile=PATH)")
+  p.add_argument(
+    "--output", required=True, help="profile JSON to write (use with razor:profile=PATH)"
+  )
   p.add_argument("--block-len", type=int, default=2500, help="random tokens per repeat")
   p.add_argument("--repeats", type=int, default=4)
   p.add_argument("--induction-ratio", type=float, default=0.14)
@@ -198,16 +225,23 @@ def run_razor_profile(args) -> int:
     block_len = (config.max_position_embeddings - 1) // args.repeats
     print(f"block length lowered to {block_len} to fit the model's context", file=sys.stderr)
   profile = compute_head_profile(
-      loaded.decoder, loaded.params, vocab_size=config.vocab_size, block_len=block_len,
-      repeats=args.repeats, seed=args.seed, induction_ratio=args.induction_ratio,
-      echo_ratio=args.echo_ratio, bos_token_id=config.bos_token_id,
-      max_positions=config.max_position_embeddings, model_name=args.model,
+    loaded.decoder,
+    loaded.params,
+    vocab_size=config.vocab_size,
+    block_len=block_len,
+    repeats=args.repeats,
+    seed=args.seed,
+    induction_ratio=args.induction_ratio,
+    echo_ratio=args.echo_ratio,
+    bos_token_id=config.bos_token_id,
+    max_positions=config.max_position_embeddings,
+    model_name=args.model,
   )
   profile.save(args.output)
   for layer, head in profile.retrieval_heads:
     print(
-        f"layer {layer:3d} kv head {head}: induction {profile.induction_scores[layer][head]:.3f} "
-        f"echo {profile.echo_scores[layer][head]:.3f}"
+      f"layer {layer:3d} kv head {head}: induction {profile.induction_scores[layer][head]:.3f} "
+      f"echo {profile.echo_scores[layer][head]:.3f}"
     )
   print(f"{len(profile.retrieval_heads)} retrieval heads; wrote {args.output}")
   return 0

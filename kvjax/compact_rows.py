@@ -5,9 +5,9 @@ import jax.numpy as jnp
 
 
 def write_token_at_lengths(
-    stored: jax.Array,  # [batch, heads, capacity, ...]
-    token: jax.Array,  # [batch, heads, ...]
-    lengths: jax.Array,  # int32 [batch]: slot written in each row
+  stored: jax.Array,  # [batch, heads, capacity, ...]
+  token: jax.Array,  # [batch, heads, ...]
+  lengths: jax.Array,  # int32 [batch]: slot written in each row
 ) -> jax.Array:
   """`stored[b, :, lengths[b]] = token[b]` as one scatter (in place inside a scan carry)."""
   batch_index = jnp.arange(stored.shape[0])
@@ -15,8 +15,8 @@ def write_token_at_lengths(
 
 
 def zero_past_lengths(
-    x: jax.Array,  # [batch, heads, tokens, ...]
-    lengths: jax.Array,  # int32 [batch]
+  x: jax.Array,  # [batch, heads, tokens, ...]
+  lengths: jax.Array,  # int32 [batch]
 ) -> jax.Array:
   """Zeroes the slots past each row's length, so padding never leaks into stored data."""
   valid = jnp.arange(x.shape[2])[None, :] < lengths[:, None]

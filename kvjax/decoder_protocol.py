@@ -18,19 +18,19 @@ class CachedDecoder(Protocol):
   def cache_shape(self) -> ModelCacheShape: ...
 
   def prefill(
-      self,
-      params: Any,
-      tokens: jax.Array,  # int32 [batch, prompt], right-padded (compact rows)
-      lengths: jax.Array,  # int32 [batch]
-      caches: tuple,  # freshly allocated layer caches
+    self,
+    params: Any,
+    tokens: jax.Array,  # int32 [batch, prompt], right-padded (compact rows)
+    lengths: jax.Array,  # int32 [batch]
+    caches: tuple,  # freshly allocated layer caches
   ) -> tuple[jax.Array, tuple]:  # logits at each row's last prompt token [batch, vocab]
     ...
 
   def decode_step(
-      self,
-      params: Any,
-      tokens: jax.Array,  # int32 [batch]
-      positions: jax.Array,  # int32 [batch]
-      caches: tuple,
+    self,
+    params: Any,
+    tokens: jax.Array,  # int32 [batch]
+    positions: jax.Array,  # int32 [batch]
+    caches: tuple,
   ) -> tuple[jax.Array, tuple]:  # next-token logits [batch, vocab]
     ...

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
-from kvjax.method_registry import register_method
 from kvjax.compact_rows import write_token_at_lengths, zero_past_lengths
+from kvjax.method_registry import register_method
 
 
 @jax.tree_util.register_dataclass
@@ -23,10 +23,10 @@ class DenseLayerCache:
   def zeros(cls, *, batch, kv_heads, capacity, head_dim, dtype, implementation="auto"):
     shape = (batch, kv_heads, capacity, head_dim)
     return cls(
-        keys=jnp.zeros(shape, dtype),
-        values=jnp.zeros(shape, dtype),
-        lengths=jnp.zeros((batch,), jnp.int32),
-        implementation=implementation,
+      keys=jnp.zeros(shape, dtype),
+      values=jnp.zeros(shape, dtype),
+      lengths=jnp.zeros((batch,), jnp.int32),
+      implementation=implementation,
     )
 
   @property
@@ -40,30 +40,32 @@ class DenseLayerCache:
       raise ValueError(f"prompt of {prompt_len} tokens exceeds cache capacity {self.capacity}")
     lengths = lengths.astype(jnp.int32)
     return dataclasses.replace(
-        self,
-        keys=self.keys.at[:, :, :prompt_len].set(zero_past_lengths(keys, lengths).astype(self.keys.dtype)),
-        values=self.values.at[:, :, :prompt_len].set(
-            zero_past_lengths(values, lengths).astype(self.values.dtype)
-        ),
-        lengths=lengths,
+      self,
+      keys=self.keys.at[:, :, :prompt_len].set(
+        zero_past_lengths(keys, lengths).astype(self.keys.dtype)
+      ),
+      values=self.values.at[:, :, :prompt_len].set(
+        zero_past_lengths(values, lengths).astype(self.values.dtype)
+      ),
+      lengths=lengths,
     )
 
   def append(self, keys, values):
     return dataclasses.replace(
-        self,
-        keys=write_token_at_lengths(self.keys, keys, self.lengths),
-        values=write_token_at_lengths(self.values, values, self.lengths),
-        lengths=self.lengths + 1,
+      self,
+      keys=write_token_at_lengths(self.keys, keys, self.lengths),
+      values=write_token_at_lengths(self.values, values, self.lengths),
+      lengths=self.lengths + 1,
     )
 
   def attend(self, queries, *, sm_scale):
     out, _ = attention_dispatch.decode_attention(
-        queries,
-        self.keys,
-        self.values,
-        self.lengths,
-        sm_scale=sm_scale,
-        implementation=self.implementation,
+      queries,
+      self.keys,
+      self.values,
+      self.lengths,
+      sm_scale=sm_scale,
+      implementation=self.implementation,
     )
     return out
 
@@ -93,8 +95,12 @@ class FullCache:
   def allocate_storage(self, *, batch, kv_heads, capacity, head_dim, dtype) -> "DenseLayerCache":
     """A cache of `capacity` slots (what selection methods store their survivors in)."""
     return DenseLayerCache.zeros(
-        batch=batch, kv_heads=kv_heads, capacity=capacity, head_dim=head_dim, dtype=dtype,
-        implementation=self.implementation,
+      batch=batch,
+      kv_heads=kv_heads,
+      capacity=capacity,
+      head_dim=head_dim,
+      dtype=dtype,
+      implementation=self.implementation,
     )
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
@@ -104,14 +110,17 @@ class FullCache:
       from kvjax.sliding_window_cache import SlidingWindowLayerCache
 
       return SlidingWindowLayerCache.zeros(
-          batch=batch,
-          kv_heads=shape.num_kv_heads,
-          window=shape.sliding_window,
-          head_dim=shape.head_dim,
-          dtype=dtype,
-          implementation=self.implementation,
+        batch=batch,
+        kv_heads=shape.num_kv_heads,
+        window=shape.sliding_window,
+        head_dim=shape.head_dim,
+        dtype=dtype,
+        implementation=self.implementation,
       )
     return self.allocate_storage(
-        batch=batch, kv_heads=shape.num_kv_heads, capacity=capacity, head_dim=shape.head_dim,
-        dtype=dtype,
+      batch=batch,
+      kv_heads=shape.num_kv_heads,
+      capacity=capacity,
+      head_dim=shape.head_dim,
+      dtype=dtype,
     )

@@ -32,28 +32,28 @@ import jax.numpy as jnp
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape
 from kvjax.kivi_cache import (
-    KiviCodec,
-    KiviLayerCache,
-    QuantizedKV,
-    check_no_sliding_window,
-    check_window,
+  KiviCodec,
+  KiviLayerCache,
+  QuantizedKV,
+  check_no_sliding_window,
+  check_window,
 )
 from kvjax.method_registry import register_method
 from kvjax.quantization.group_quantization import (
-    GroupQuantized,
-    check_quantization_config,
-    dequantize_keys,
-    dequantize_values,
-    quantize_keys_per_channel,
-    quantize_values_per_token,
-    round_to_dtype,
+  GroupQuantized,
+  check_quantization_config,
+  dequantize_keys,
+  dequantize_values,
+  quantize_keys_per_channel,
+  quantize_values_per_token,
+  round_to_dtype,
 )
 from kvjax.quantization.low_rank import check_rank, power_iteration_low_rank
 from kvjax.quantization.outliers import (
-    check_outlier_fraction,
-    extract_outliers,
-    outlier_count_per_side,
-    scatter_outliers,
+  check_outlier_fraction,
+  extract_outliers,
+  outlier_count_per_side,
+  scatter_outliers,
 )
 
 
@@ -92,18 +92,18 @@ class GearCodec(KiviCodec):
     exclude = outliers = None
     if self.outliers_per_side:
       outliers = extract_outliers(
-          x.reshape(batch, kv_heads, blocks, block_elements), self.outliers_per_side
+        x.reshape(batch, kv_heads, blocks, block_elements), self.outliers_per_side
       )
       exclude = outliers.mask.reshape(x.shape)
     quantized = quantize(
-        x, bits=self.bits, group_size=self.group_size, dtype=dtype, exclude=exclude
+      x, bits=self.bits, group_size=self.group_size, dtype=dtype, exclude=exclude
     )
     dequantized = dequantize(*quantized, bits=self.bits, group_size=self.group_size)
     residual = x - dequantized
     outlier_index = outlier_value = None
     if outliers is not None:
       dequantized_at_outliers = jnp.take_along_axis(
-          dequantized.reshape(batch, kv_heads, blocks, block_elements), outliers.indices, axis=-1
+        dequantized.reshape(batch, kv_heads, blocks, block_elements), outliers.indices, axis=-1
       )
       outlier_index = outliers.indices
       # What is stored (rounded to dtype) is what the low-rank part must complement.
@@ -114,9 +114,9 @@ class GearCodec(KiviCodec):
     lowrank_a = lowrank_b = None
     if self.rank:
       factors = power_iteration_low_rank(
-          residual.reshape(batch, kv_heads, blocks, self.block, head_dim),
-          self.rank,
-          iterations=self.iterations,
+        residual.reshape(batch, kv_heads, blocks, self.block, head_dim),
+        self.rank,
+        iterations=self.iterations,
       )
       lowrank_a = factors.a.reshape(batch, kv_heads, tokens, self.rank).astype(dtype)
       lowrank_b = factors.b.astype(dtype)  # [B, H, blocks, D, r]
@@ -126,14 +126,14 @@ class GearCodec(KiviCodec):
     k = self._compress(keys, quantize_keys_per_channel, dequantize_keys, dtype)
     v = self._compress(values, quantize_values_per_token, dequantize_values, dtype)
     return QuantizedKV(
-        *k.quantized,
-        *v.quantized,
-        lowrank=(k.lowrank_a, k.lowrank_b, v.lowrank_a, v.lowrank_b) if self.rank else None,
-        outliers=(
-            (k.outlier_index, k.outlier_value, v.outlier_index, v.outlier_value)
-            if self.outliers_per_side
-            else None
-        ),
+      *k.quantized,
+      *v.quantized,
+      lowrank=(k.lowrank_a, k.lowrank_b, v.lowrank_a, v.lowrank_b) if self.rank else None,
+      outliers=(
+        (k.outlier_index, k.outlier_value, v.outlier_index, v.outlier_value)
+        if self.outliers_per_side
+        else None
+      ),
     )
 
   def decode(self, segment: QuantizedKV) -> tuple[jax.Array, jax.Array]:
@@ -155,8 +155,8 @@ class GearCodec(KiviCodec):
     k_a, k_b, v_a, v_b = segment.lowrank or (None,) * 4
     k_index, k_value, v_index, v_value = segment.outliers or (None,) * 4
     return (
-        add_terms(keys, k_a, k_b, k_index, k_value),
-        add_terms(values, v_a, v_b, v_index, v_value),
+      add_terms(keys, k_a, k_b, k_index, k_value),
+      add_terms(values, v_a, v_b, v_index, v_value),
     )
 
 
@@ -192,19 +192,24 @@ class Gear:
 
   def codec_for_head_dim(self, head_dim: int) -> GearCodec:
     return GearCodec(
-        bits=self.bits,
-        group_size=self.group_size,
-        window=self.block,
-        rank=self.rank,
-        outliers_per_side=outlier_count_per_side(self.outliers, self.block * head_dim),
-        iterations=self.iterations,
+      bits=self.bits,
+      group_size=self.group_size,
+      window=self.block,
+      rank=self.rank,
+      outliers_per_side=outlier_count_per_side(self.outliers, self.block * head_dim),
+      iterations=self.iterations,
     )
 
   def allocate_storage(self, *, batch, kv_heads, capacity, head_dim, dtype) -> GearLayerCache:
     """A cache holding `capacity` tokens per row (what selection methods store survivors in)."""
     return GearLayerCache.zeros(
-        codec=self.codec_for_head_dim(head_dim), batch=batch, kv_heads=kv_heads, capacity=capacity,
-        head_dim=head_dim, dtype=dtype, implementation=self.implementation,
+      codec=self.codec_for_head_dim(head_dim),
+      batch=batch,
+      kv_heads=kv_heads,
+      capacity=capacity,
+      head_dim=head_dim,
+      dtype=dtype,
+      implementation=self.implementation,
     )
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
@@ -212,6 +217,9 @@ class Gear:
     capacity = prompt_len + max_new_tokens
     check_no_sliding_window(self.method_name, shape, capacity)
     return self.allocate_storage(
-        batch=batch, kv_heads=shape.num_kv_heads, capacity=capacity, head_dim=shape.head_dim,
-        dtype=dtype,
+      batch=batch,
+      kv_heads=shape.num_kv_heads,
+      capacity=capacity,
+      head_dim=shape.head_dim,
+      dtype=dtype,
     )

@@ -46,43 +46,43 @@ class GenerateResult:
 
 @partial(jax.jit, static_argnames=("decoder", "cache_method", "max_new_tokens", "cache_dtype"))
 def prefill(
-    decoder: CachedDecoder,
-    params: Any,
-    tokens: jax.Array,  # int32 [batch, prompt], right-padded
-    lengths: jax.Array,  # int32 [batch]
-    *,
-    cache_method: CacheMethod,
-    max_new_tokens: int,
-    cache_dtype,
+  decoder: CachedDecoder,
+  params: Any,
+  tokens: jax.Array,  # int32 [batch, prompt], right-padded
+  lengths: jax.Array,  # int32 [batch]
+  *,
+  cache_method: CacheMethod,
+  max_new_tokens: int,
+  cache_dtype,
 ) -> tuple[jax.Array, tuple]:
   """Allocates the caches and ingests the prompts: (last-token logits [batch, vocab], caches)."""
   caches = allocate_model_cache(
-      cache_method,
-      decoder.cache_shape,
-      batch=tokens.shape[0],
-      prompt_len=tokens.shape[1],
-      max_new_tokens=max_new_tokens,
-      dtype=cache_dtype,
+    cache_method,
+    decoder.cache_shape,
+    batch=tokens.shape[0],
+    prompt_len=tokens.shape[1],
+    max_new_tokens=max_new_tokens,
+    dtype=cache_dtype,
   )
   return decoder.prefill(params, tokens, lengths, caches)
 
 
 @partial(
-    jax.jit,
-    static_argnames=("decoder", "max_new_tokens", "sampling", "stop_token_ids", "pad_token_id"),
+  jax.jit,
+  static_argnames=("decoder", "max_new_tokens", "sampling", "stop_token_ids", "pad_token_id"),
 )
 def decode(
-    decoder: CachedDecoder,
-    params: Any,
-    logits: jax.Array,  # [batch, vocab]: logits of the first new token
-    caches: tuple,
-    lengths: jax.Array,  # int32 [batch]: prompt lengths (position of the first new token)
-    key: jax.Array,
-    *,
-    max_new_tokens: int,
-    sampling: SamplingConfig,
-    stop_token_ids: tuple[int, ...],
-    pad_token_id: int,
+  decoder: CachedDecoder,
+  params: Any,
+  logits: jax.Array,  # [batch, vocab]: logits of the first new token
+  caches: tuple,
+  lengths: jax.Array,  # int32 [batch]: prompt lengths (position of the first new token)
+  key: jax.Array,
+  *,
+  max_new_tokens: int,
+  sampling: SamplingConfig,
+  stop_token_ids: tuple[int, ...],
+  pad_token_id: int,
 ) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
   """(tokens [batch, max_new_tokens], num_generated [batch], caches, decode steps run).
 
@@ -111,8 +111,12 @@ def decode(
     return index + 1, logits, caches, finished, tokens, count
 
   state = (
-      jnp.int32(0), logits, caches, jnp.zeros((batch,), bool),
-      jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32), jnp.zeros((batch,), jnp.int32),
+    jnp.int32(0),
+    logits,
+    caches,
+    jnp.zeros((batch,), bool),
+    jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32),
+    jnp.zeros((batch,), jnp.int32),
   )
   steps, logits, caches, finished, tokens, count = jax.lax.while_loop(more, step, state)
   _, _, tokens, count = choose(steps, logits, finished, tokens, count)
@@ -142,21 +146,21 @@ def _signature(tree) -> tuple:
 def _compiled_executables(decoder, params, tokens, lengths, key, prefill_static, decode_static):
   """Ahead-of-time compiled prefill and decode, memoised on everything that shapes them."""
   signature = (
-      decoder,
-      _signature(params),
-      tokens.shape,
-      _signature(key),
-      tuple(sorted((k, v) for k, v in prefill_static.items() if k != "cache_dtype")),
-      jnp.dtype(prefill_static["cache_dtype"]).name,
-      tuple(sorted(decode_static.items())),
+    decoder,
+    _signature(params),
+    tokens.shape,
+    _signature(key),
+    tuple(sorted((k, v) for k, v in prefill_static.items() if k != "cache_dtype")),
+    jnp.dtype(prefill_static["cache_dtype"]).name,
+    tuple(sorted(decode_static.items())),
   )
   if signature not in _COMPILED:
     prefill_compiled = prefill.lower(decoder, params, tokens, lengths, **prefill_static).compile()
     logits_shape, caches_shape = jax.eval_shape(
-        lambda: prefill(decoder, params, tokens, lengths, **prefill_static)
+      lambda: prefill(decoder, params, tokens, lengths, **prefill_static)
     )
     decode_compiled = decode.lower(
-        decoder, params, logits_shape, caches_shape, lengths, key, **decode_static
+      decoder, params, logits_shape, caches_shape, lengths, key, **decode_static
     ).compile()
     _COMPILED[signature] = (prefill_compiled, decode_compiled)
     if len(_COMPILED) > _MAX_COMPILED:
@@ -172,19 +176,19 @@ def _timed(fn, *args, **kwargs):
 
 
 def generate(
-    decoder: CachedDecoder,
-    params: Any,
-    prompts: Sequence[Sequence[int]] | np.ndarray,
-    *,
-    max_new_tokens: int,
-    attention_mask: np.ndarray | None = None,
-    cache_method: CacheMethod = FullCache(),
-    cache_dtype=jnp.bfloat16,
-    sampling: SamplingConfig = SamplingConfig(),
-    stop_token_ids: Sequence[int] = (),
-    pad_token_id: int = 0,
-    key: jax.Array | None = None,
-    max_cache_tokens: int | None = None,
+  decoder: CachedDecoder,
+  params: Any,
+  prompts: Sequence[Sequence[int]] | np.ndarray,
+  *,
+  max_new_tokens: int,
+  attention_mask: np.ndarray | None = None,
+  cache_method: CacheMethod = FullCache(),
+  cache_dtype=jnp.bfloat16,
+  sampling: SamplingConfig = SamplingConfig(),
+  stop_token_ids: Sequence[int] = (),
+  pad_token_id: int = 0,
+  key: jax.Array | None = None,
+  max_cache_tokens: int | None = None,
 ) -> GenerateResult:
   """Generates up to `max_new_tokens` tokens for each prompt.
 
@@ -201,33 +205,35 @@ def generate(
   tokens, lengths = _as_compact_batch(prompts, attention_mask, pad_token_id)
   if max_cache_tokens is not None and tokens.shape[1] + max_new_tokens > max_cache_tokens:
     raise ValueError(
-        f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-        f"max_cache_tokens={max_cache_tokens}"
+      f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+      f"max_cache_tokens={max_cache_tokens}"
     )
-  prefill_static = dict(cache_method=cache_method, max_new_tokens=max_new_tokens, cache_dtype=cache_dtype)
+  prefill_static = dict(
+    cache_method=cache_method, max_new_tokens=max_new_tokens, cache_dtype=cache_dtype
+  )
   decode_static = dict(
-      max_new_tokens=max_new_tokens,
-      sampling=sampling,
-      stop_token_ids=tuple(int(t) for t in stop_token_ids),
-      pad_token_id=pad_token_id,
+    max_new_tokens=max_new_tokens,
+    sampling=sampling,
+    stop_token_ids=tuple(int(t) for t in stop_token_ids),
+    pad_token_id=pad_token_id,
   )
   compile_start = time.perf_counter()
   prefill_compiled, decode_compiled = _compiled_executables(
-      decoder, params, tokens, lengths, key, prefill_static, decode_static
+    decoder, params, tokens, lengths, key, prefill_static, decode_static
   )
   compile_s = time.perf_counter() - compile_start
 
   (logits, caches), prefill_s = _timed(prefill_compiled, params, tokens, lengths)
   (out_tokens, count, caches, steps), decode_s = _timed(
-      decode_compiled, params, logits, caches, lengths, key
+    decode_compiled, params, logits, caches, lengths, key
   )
   return GenerateResult(
-      tokens=np.asarray(out_tokens),
-      num_generated=np.asarray(count),
-      prompt_lengths=lengths,
-      cache_bytes=model_cache_nbytes(caches),
-      compile_s=compile_s,
-      prefill_s=prefill_s,
-      decode_s=decode_s,
-      decode_steps=int(steps),
+    tokens=np.asarray(out_tokens),
+    num_generated=np.asarray(count),
+    prompt_lengths=lengths,
+    cache_bytes=model_cache_nbytes(caches),
+    compile_s=compile_s,
+    prefill_s=prefill_s,
+    decode_s=decode_s,
+    decode_steps=int(steps),
   )

@@ -27,16 +27,16 @@ from kvjax.selection.window_attention_scores import accumulated_prompt_attention
 
 
 def h2o_token_scores(
-    keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated
-    queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
-    lengths: jax.Array,  # int32 [batch]
-    *,
-    gqa_reduce: str,
-    sm_scale: float,
-    query_chunk: int,
+  keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated
+  queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
+  lengths: jax.Array,  # int32 [batch]
+  *,
+  gqa_reduce: str,
+  sm_scale: float,
+  query_chunk: int,
 ) -> jax.Array:  # float32 [batch, kv_heads, prompt]
   accumulated = accumulated_prompt_attention(
-      queries, keys, lengths, sm_scale=sm_scale, query_chunk=query_chunk
+    queries, keys, lengths, sm_scale=sm_scale, query_chunk=query_chunk
   )
   return reduce_query_group(accumulated, gqa_reduce)
 
@@ -53,8 +53,12 @@ class HeavyHitterSelector:
 
   def kept_indices(self, keys, queries, lengths):
     scores = h2o_token_scores(
-        keys, queries, lengths, gqa_reduce=self.gqa_reduce, sm_scale=self.sm_scale,
-        query_chunk=self.query_chunk,
+      keys,
+      queries,
+      lengths,
+      gqa_reduce=self.gqa_reduce,
+      sm_scale=self.sm_scale,
+      query_chunk=self.query_chunk,
     )
     return keep_top_tokens_and_window(scores, lengths, budget=self.budget, window=self.window)
 
@@ -83,25 +87,34 @@ class H2O:
     if self.query_chunk < 1:
       raise ValueError(f"h2o: query_chunk={self.query_chunk} must be >= 1")
     check_budget_or_ratio(
-        "h2o", self.budget, self.ratio, minimum=self.window, minimum_what="window"
+      "h2o", self.budget, self.ratio, minimum=self.window, minimum_what="window"
     )
     check_gqa_reduce("h2o", self.gqa_reduce)
     check_storage_method("h2o", self.storage)
 
   def prompt_budget(self, prompt_len: int) -> int:
     return prompt_budget(
-        "h2o", self.budget, self.ratio, prompt_len, minimum=self.window, minimum_what="window"
+      "h2o", self.budget, self.ratio, prompt_len, minimum=self.window, minimum_what="window"
     )
 
   def selector(self, shape: ModelCacheShape, prompt_len: int) -> HeavyHitterSelector:
     return HeavyHitterSelector(
-        budget=self.prompt_budget(prompt_len), window=self.window, gqa_reduce=self.gqa_reduce,
-        sm_scale=shape.head_dim**-0.5, query_chunk=self.query_chunk,
+      budget=self.prompt_budget(prompt_len),
+      window=self.window,
+      gqa_reduce=self.gqa_reduce,
+      sm_scale=shape.head_dim**-0.5,
+      query_chunk=self.query_chunk,
     )
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
     del layer
     return allocate_selected_cache(
-        "h2o", self.storage, shape, self.selector(shape, prompt_len),
-        batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens, dtype=dtype,
+      "h2o",
+      self.storage,
+      shape,
+      self.selector(shape, prompt_len),
+      batch=batch,
+      prompt_len=prompt_len,
+      max_new_tokens=max_new_tokens,
+      dtype=dtype,
     )

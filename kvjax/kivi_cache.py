@@ -44,11 +44,11 @@ from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
 from kvjax.compact_rows import write_token_at_lengths
 from kvjax.method_registry import register_method
 from kvjax.quantization.group_quantization import (
-    check_quantization_config,
-    dequantize_keys,
-    dequantize_values,
-    quantize_keys_per_channel,
-    quantize_values_per_token,
+  check_quantization_config,
+  dequantize_keys,
+  dequantize_values,
+  quantize_keys_per_channel,
+  quantize_values_per_token,
 )
 from pallas_kernels.decode_attention_reference import merge_attention_partials
 
@@ -90,10 +90,10 @@ class KiviCodec:
     check_quantization_config(bits=self.bits, group_size=self.group_size, head_dim=head_dim)
 
   def encode(
-      self,
-      keys: jax.Array,  # [B, H, T, D], T % window == 0
-      values: jax.Array,  # [B, H, T, D]
-      dtype,  # storage dtype of scales, minimums (and GEAR's factors and outliers)
+    self,
+    keys: jax.Array,  # [B, H, T, D], T % window == 0
+    values: jax.Array,  # [B, H, T, D]
+    dtype,  # storage dtype of scales, minimums (and GEAR's factors and outliers)
   ) -> QuantizedKV:
     k = quantize_keys_per_channel(keys, bits=self.bits, group_size=self.group_size, dtype=dtype)
     v = quantize_values_per_token(values, bits=self.bits, group_size=self.group_size, dtype=dtype)
@@ -102,21 +102,21 @@ class KiviCodec:
   def decode(self, segment: QuantizedKV) -> tuple[jax.Array, jax.Array]:
     """Materialised (K_hat, V_hat) float32 [B, H, T, D]: tests and analysis, never attention."""
     keys = dequantize_keys(
-        segment.k_codes, segment.k_scale, segment.k_min, bits=self.bits, group_size=self.group_size
+      segment.k_codes, segment.k_scale, segment.k_min, bits=self.bits, group_size=self.group_size
     )
     values = dequantize_values(
-        segment.v_codes, segment.v_scale, segment.v_min, bits=self.bits, group_size=self.group_size
+      segment.v_codes, segment.v_scale, segment.v_min, bits=self.bits, group_size=self.group_size
     )
     return keys, values
 
 
 def _write_blocks(
-    storage: QuantizedKV,  # [B, H, capacity-granular rows, ...]
-    block: QuantizedKV,  # one block of `window` tokens per row
-    *,
-    start_tokens: jax.Array,  # int32 [B]: first token of the block (a multiple of window)
-    write: jax.Array,  # bool [B]: rows that flush
-    window: int,
+  storage: QuantizedKV,  # [B, H, capacity-granular rows, ...]
+  block: QuantizedKV,  # one block of `window` tokens per row
+  *,
+  start_tokens: jax.Array,  # int32 [B]: first token of the block (a multiple of window)
+  write: jax.Array,  # bool [B]: rows that flush
+  window: int,
 ) -> QuantizedKV:
   """`storage[b, :, rows of block b] = block[b]` for the rows in `write`: one scatter per array."""
   batch = start_tokens.shape[0]
@@ -136,8 +136,8 @@ def _write_blocks(
 
 
 def _zero_rows_past(
-    segment: QuantizedKV,  # T tokens
-    kept_tokens: jax.Array,  # int32 [B], multiples of every array's tokens-per-row
+  segment: QuantizedKV,  # T tokens
+  kept_tokens: jax.Array,  # int32 [B], multiples of every array's tokens-per-row
 ) -> QuantizedKV:
   """Zeroes every array's rows that hold tokens at or past `kept_tokens[b]`."""
   tokens = segment.tokens
@@ -171,18 +171,18 @@ class KiviLayerCache:
     codec.check_head_dim(head_dim)
     quantized_capacity = capacity // codec.window * codec.window
     segment_shapes = jax.eval_shape(
-        lambda keys, values: codec.encode(keys, values, dtype),
-        *[jax.ShapeDtypeStruct((batch, kv_heads, quantized_capacity, head_dim), dtype)] * 2,
+      lambda keys, values: codec.encode(keys, values, dtype),
+      *[jax.ShapeDtypeStruct((batch, kv_heads, quantized_capacity, head_dim), dtype)] * 2,
     )
     window_shape = (batch, kv_heads, codec.window, head_dim)
     return cls(
-        segment=jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), segment_shapes),
-        window_keys=jnp.zeros(window_shape, dtype),
-        window_values=jnp.zeros(window_shape, dtype),
-        quantized_lengths=jnp.zeros((batch,), jnp.int32),
-        window_lengths=jnp.zeros((batch,), jnp.int32),
-        codec=codec,
-        implementation=implementation,
+      segment=jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), segment_shapes),
+      window_keys=jnp.zeros(window_shape, dtype),
+      window_values=jnp.zeros(window_shape, dtype),
+      quantized_lengths=jnp.zeros((batch,), jnp.int32),
+      window_lengths=jnp.zeros((batch,), jnp.int32),
+      codec=codec,
+      implementation=implementation,
     )
 
   @property
@@ -224,19 +224,19 @@ class KiviLayerCache:
     full_block_tokens = prompt_len // window * window
     if full_block_tokens:  # static: some row may have a whole block to quantize
       encoded = self.codec.encode(
-          keys[:, :, :full_block_tokens], values[:, :, :full_block_tokens], self.dtype
+        keys[:, :, :full_block_tokens], values[:, :, :full_block_tokens], self.dtype
       )
       encoded = _zero_rows_past(encoded, quantized_lengths)
       segment = jax.tree_util.tree_map(
-          lambda stored, new: stored.at[:, :, : new.shape[2]].set(new.astype(stored.dtype)),
-          segment,
-          encoded,
+        lambda stored, new: stored.at[:, :, : new.shape[2]].set(new.astype(stored.dtype)),
+        segment,
+        encoded,
       )
 
     # The window takes tokens [quantized_length, length) of each row, slot 0 onward.
     token_index = jnp.minimum(quantized_lengths[:, None] + jnp.arange(window), prompt_len - 1)
     token_index = jnp.broadcast_to(
-        token_index[:, None, :, None], (batch, kv_heads, window, head_dim)
+      token_index[:, None, :, None], (batch, kv_heads, window, head_dim)
     )
     in_window = (jnp.arange(window)[None, :] < window_lengths[:, None])[:, None, :, None]
 
@@ -245,12 +245,12 @@ class KiviLayerCache:
       return jnp.where(in_window, gathered, jnp.zeros((), x.dtype))
 
     return dataclasses.replace(
-        self,
-        segment=segment,
-        window_keys=gather_window(keys),
-        window_values=gather_window(values),
-        quantized_lengths=quantized_lengths,
-        window_lengths=window_lengths,
+      self,
+      segment=segment,
+      window_keys=gather_window(keys),
+      window_values=gather_window(values),
+      quantized_lengths=quantized_lengths,
+      window_lengths=window_lengths,
     )
 
   def append(self, keys, values):
@@ -264,27 +264,28 @@ class KiviLayerCache:
 
     segment = self.segment
     if self.quantized_capacity:
+
       def encode_window():
         return self.codec.encode(window_keys, window_values, self.dtype)
 
       block_shapes = jax.eval_shape(encode_window)
       block = jax.lax.cond(
-          jnp.any(flush),
-          encode_window,
-          lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), block_shapes),
+        jnp.any(flush),
+        encode_window,
+        lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), block_shapes),
       )
       segment = _write_blocks(
-          segment, block, start_tokens=self.quantized_lengths, write=flush, window=window
+        segment, block, start_tokens=self.quantized_lengths, write=flush, window=window
       )
 
     emptied = flush[:, None, None, None]
     return dataclasses.replace(
-        self,
-        segment=segment,
-        window_keys=jnp.where(emptied, jnp.zeros((), self.dtype), window_keys),
-        window_values=jnp.where(emptied, jnp.zeros((), self.dtype), window_values),
-        quantized_lengths=self.quantized_lengths + jnp.where(flush, window, 0),
-        window_lengths=jnp.where(flush, 0, window_lengths),
+      self,
+      segment=segment,
+      window_keys=jnp.where(emptied, jnp.zeros((), self.dtype), window_keys),
+      window_values=jnp.where(emptied, jnp.zeros((), self.dtype), window_values),
+      quantized_lengths=self.quantized_lengths + jnp.where(flush, window, 0),
+      window_lengths=jnp.where(flush, 0, window_lengths),
     )
 
   def attend(self, queries, *, sm_scale):
@@ -292,33 +293,33 @@ class KiviLayerCache:
     if self.quantized_capacity:
       segment = self.segment
       partials.append(
-          attention_dispatch.quantized_decode_attention(
-              queries,
-              segment.k_codes,
-              segment.k_scale,
-              segment.k_min,
-              segment.v_codes,
-              segment.v_scale,
-              segment.v_min,
-              self.quantized_lengths,
-              bits=self.codec.bits,
-              group_size=self.codec.group_size,
-              sm_scale=sm_scale,
-              lowrank=segment.lowrank,
-              outliers=segment.outliers,
-              block=self.window,
-              implementation=self.implementation,
-          )
+        attention_dispatch.quantized_decode_attention(
+          queries,
+          segment.k_codes,
+          segment.k_scale,
+          segment.k_min,
+          segment.v_codes,
+          segment.v_scale,
+          segment.v_min,
+          self.quantized_lengths,
+          bits=self.codec.bits,
+          group_size=self.codec.group_size,
+          sm_scale=sm_scale,
+          lowrank=segment.lowrank,
+          outliers=segment.outliers,
+          block=self.window,
+          implementation=self.implementation,
+        )
       )
     partials.append(
-        attention_dispatch.decode_attention(
-            queries,
-            self.window_keys,
-            self.window_values,
-            self.window_lengths,
-            sm_scale=sm_scale,
-            implementation=self.implementation,
-        )
+      attention_dispatch.decode_attention(
+        queries,
+        self.window_keys,
+        self.window_values,
+        self.window_lengths,
+        sm_scale=sm_scale,
+        implementation=self.implementation,
+      )
     )
     out, _ = merge_attention_partials(partials)
     return out
@@ -331,9 +332,9 @@ class KiviLayerCache:
     """
     keys, values = self.codec.decode(self.segment)
     return (
-        jnp.concatenate([keys, self.window_keys.astype(jnp.float32)], axis=2),
-        jnp.concatenate([values, self.window_values.astype(jnp.float32)], axis=2),
-        self.lengths,
+      jnp.concatenate([keys, self.window_keys.astype(jnp.float32)], axis=2),
+      jnp.concatenate([values, self.window_values.astype(jnp.float32)], axis=2),
+      self.lengths,
     )
 
   @property
@@ -356,8 +357,8 @@ def check_window(name: str, window: int, group_size: int) -> None:
     raise ValueError(f"{name}={window!r} must be a positive int")
   if window % group_size:
     raise ValueError(
-        f"{name}={window} must be a multiple of group_size={group_size} (keys are quantized "
-        f"over groups of group_size tokens within each flushed block)"
+      f"{name}={window} must be a multiple of group_size={group_size} (keys are quantized "
+      f"over groups of group_size tokens within each flushed block)"
     )
 
 
@@ -365,9 +366,9 @@ def check_no_sliding_window(method: str, shape: ModelCacheShape, capacity: int) 
   """A quantized cache attends to every token it holds; a sliding-window model must not."""
   if shape.sliding_window is not None and shape.sliding_window < capacity:
     raise ValueError(
-        f"{method}: the model attends within a sliding window of {shape.sliding_window} tokens "
-        f"but prompt + max_new_tokens = {capacity}; {method} keeps every token, which would "
-        "attend beyond the window. Use `full` (a ring buffer) or a shorter generation."
+      f"{method}: the model attends within a sliding window of {shape.sliding_window} tokens "
+      f"but prompt + max_new_tokens = {capacity}; {method} keeps every token, which would "
+      "attend beyond the window. Use `full` (a ring buffer) or a shorter generation."
     )
 
 
@@ -396,8 +397,13 @@ class Kivi:
   def allocate_storage(self, *, batch, kv_heads, capacity, head_dim, dtype) -> KiviLayerCache:
     """A cache holding `capacity` tokens per row (what selection methods store survivors in)."""
     return KiviLayerCache.zeros(
-        codec=self.codec, batch=batch, kv_heads=kv_heads, capacity=capacity, head_dim=head_dim,
-        dtype=dtype, implementation=self.implementation,
+      codec=self.codec,
+      batch=batch,
+      kv_heads=kv_heads,
+      capacity=capacity,
+      head_dim=head_dim,
+      dtype=dtype,
+      implementation=self.implementation,
     )
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
@@ -405,6 +411,9 @@ class Kivi:
     capacity = prompt_len + max_new_tokens
     check_no_sliding_window(self.method_name, shape, capacity)
     return self.allocate_storage(
-        batch=batch, kv_heads=shape.num_kv_heads, capacity=capacity, head_dim=shape.head_dim,
-        dtype=dtype,
+      batch=batch,
+      kv_heads=shape.num_kv_heads,
+      capacity=capacity,
+      head_dim=shape.head_dim,
+      dtype=dtype,
     )

@@ -4,7 +4,8 @@ METHODS: dict[str, type] = {}
 
 
 def register_method(name: str, *, kind: str):
-  """`kind`: "storage" (full, kivi, gear: how kept tokens are stored) or "selection" (which survive)."""
+  """`kind`: "storage" (full, kivi, gear: how kept tokens are stored) or "selection"
+  (snapkv, pyramidkv, ...: which tokens survive)."""
   if kind not in ("storage", "selection"):
     raise ValueError(f"kind={kind!r}; allowed: storage, selection")
 

@@ -13,7 +13,9 @@ from kvjax.method_registry import METHODS
 
 
 def _coerce(method: str, name: str, raw: str, annotation):
-  options = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+  options = (
+    typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+  )
   if raw.lower() == "none" and type(None) in options:
     return None
   for option in options:
@@ -38,15 +40,20 @@ def _parse_one(part: str):
     raise ValueError(f"unknown cache method {name!r}; available: {', '.join(sorted(METHODS))}")
   cls = METHODS[name]
   hints = typing.get_type_hints(cls)
-  fields = {f.name for f in dataclasses.fields(cls) if f.init and f.name not in ("storage", "implementation")}
+  fields = {
+    f.name
+    for f in dataclasses.fields(cls)
+    if f.init and f.name not in ("storage", "implementation")
+  }
   kwargs = {}
   for item in filter(None, (s.strip() for s in arg_text.split(","))):
     key, eq, raw = item.partition("=")
     key = key.strip().replace("-", "_")
     if not eq or key not in fields:
       raise ValueError(
-          f"{name}: unknown parameter {item!r}; allowed: " + ("(none)" if not fields else "")
-          + ", ".join(f"{f}=<{getattr(hints[f], '__name__', hints[f])}>" for f in sorted(fields))
+        f"{name}: unknown parameter {item!r}; allowed: "
+        + ("(none)" if not fields else "")
+        + ", ".join(f"{f}=<{getattr(hints[f], '__name__', hints[f])}>" for f in sorted(fields))
       )
     kwargs[key] = _coerce(name, key, raw.strip(), hints[key])
   return cls, kwargs
@@ -62,8 +69,8 @@ def parse_method_spec(spec: str, *, implementation: str = "auto"):
   selections = [p for p in parsed if p[0].method_kind == "selection"]
   if len(storages) > 1 or len(selections) > 1:
     raise ValueError(
-        f"{spec!r}: compose at most one selection method and one storage method with '+' "
-        "(e.g. pyramidkv:budget=256+kivi:bits=4)"
+      f"{spec!r}: compose at most one selection method and one storage method with '+' "
+      "(e.g. pyramidkv:budget=256+kivi:bits=4)"
     )
 
   def build(cls, kwargs, **extra):
@@ -86,11 +93,9 @@ def describe_method(method) -> str:
   storage = getattr(method, "storage", None)
   for m in (method, storage) if storage is not None else (method,):
     params = [
-        f"{f.name}={getattr(m, f.name)}"
-        for f in dataclasses.fields(m)
-        if f.init
-        and f.name not in ("storage", "implementation")
-        and getattr(m, f.name) != f.default
+      f"{f.name}={getattr(m, f.name)}"
+      for f in dataclasses.fields(m)
+      if f.init and f.name not in ("storage", "implementation") and getattr(m, f.name) != f.default
     ]
     parts.append(m.method_name + (":" + ",".join(params) if params else ""))
   if storage is not None and storage.method_name == "full":

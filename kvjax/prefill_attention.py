@@ -9,13 +9,13 @@ import jax.numpy as jnp
 
 
 def causal_prompt_attention(
-    queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim]
-    keys: jax.Array,  # [batch, kv_heads, prompt, head_dim]
-    values: jax.Array,  # [batch, kv_heads, prompt, head_dim]
-    *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    query_chunk: int = 512,
+  queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim]
+  keys: jax.Array,  # [batch, kv_heads, prompt, head_dim]
+  values: jax.Array,  # [batch, kv_heads, prompt, head_dim]
+  *,
+  sm_scale: float,
+  sliding_window: int | None = None,
+  query_chunk: int = 512,
 ) -> jax.Array:  # [batch, kv_heads, group, prompt, head_dim], queries' dtype
   """Softmax attention where query i sees keys j <= i (and i - j < sliding_window).
 

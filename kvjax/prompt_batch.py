@@ -6,7 +6,7 @@ import numpy as np
 
 
 def pack_prompts(
-    prompts: Sequence[Sequence[int]], *, pad_token_id: int = 0
+  prompts: Sequence[Sequence[int]], *, pad_token_id: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
   """Ragged token lists -> (tokens int32 [batch, longest] right-padded, lengths int32 [batch])."""
   if len(prompts) == 0:
@@ -21,10 +21,10 @@ def pack_prompts(
 
 
 def compact_padded_batch(
-    tokens: np.ndarray,  # int [batch, tokens], left- or right-padded
-    attention_mask: np.ndarray,  # {0, 1} [batch, tokens]; 1 marks real tokens
-    *,
-    pad_token_id: int = 0,
+  tokens: np.ndarray,  # int [batch, tokens], left- or right-padded
+  attention_mask: np.ndarray,  # {0, 1} [batch, tokens]; 1 marks real tokens
+  *,
+  pad_token_id: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
   """A padded batch with a Hugging Face style mask -> compact rows and their lengths.
 
@@ -34,12 +34,14 @@ def compact_padded_batch(
   mask = np.asarray(attention_mask).astype(bool)
   if tokens.shape != mask.shape or tokens.ndim != 2:
     raise ValueError(
-        f"tokens {tokens.shape} and attention_mask {mask.shape} must both be [batch, tokens]"
+      f"tokens {tokens.shape} and attention_mask {mask.shape} must both be [batch, tokens]"
     )
   rows = []
   for row, (ids, keep) in enumerate(zip(tokens, mask)):
     real = np.flatnonzero(keep)
     if real.size == 0 or real[-1] - real[0] + 1 != real.size:
-      raise ValueError(f"attention_mask row {row} must mark one contiguous, non-empty run of tokens")
+      raise ValueError(
+        f"attention_mask row {row} must mark one contiguous, non-empty run of tokens"
+      )
     rows.append(ids[real].tolist())
   return pack_prompts(rows, pad_token_id=pad_token_id)

@@ -26,7 +26,7 @@ from kvjax.snapkv import ObservationWindowSelector, check_snapkv_fields
 
 
 def pyramid_layer_budgets(
-    budget: int, *, window: int, num_layers: int, prompt_len: int, beta: int = 20
+  budget: int, *, window: int, num_layers: int, prompt_len: int, beta: int = 20
 ) -> tuple[int, ...]:
   """Prompt tokens each layer keeps per KV head (window included), layer 0 first."""
   if budget >= prompt_len:
@@ -65,30 +65,49 @@ class PyramidKV:
 
   def __post_init__(self):
     check_snapkv_fields(
-        "pyramidkv", self.budget, self.ratio, self.window, self.kernel, self.pooling,
-        self.gqa_reduce, self.storage,
+      "pyramidkv",
+      self.budget,
+      self.ratio,
+      self.window,
+      self.kernel,
+      self.pooling,
+      self.gqa_reduce,
+      self.storage,
     )
     if self.beta < 1:
       raise ValueError(f"pyramidkv: beta={self.beta} must be >= 1")
 
   def layer_budgets(self, num_layers: int, prompt_len: int) -> tuple[int, ...]:
     average = prompt_budget(
-        "pyramidkv", self.budget, self.ratio, prompt_len, minimum=self.window,
-        minimum_what="window",
+      "pyramidkv",
+      self.budget,
+      self.ratio,
+      prompt_len,
+      minimum=self.window,
+      minimum_what="window",
     )
     return pyramid_layer_budgets(
-        average, window=self.window, num_layers=num_layers, prompt_len=prompt_len, beta=self.beta
+      average, window=self.window, num_layers=num_layers, prompt_len=prompt_len, beta=self.beta
     )
 
   def selector(self, shape: ModelCacheShape, layer: int, prompt_len: int):
     return ObservationWindowSelector(
-        budget=self.layer_budgets(shape.num_layers, prompt_len)[layer], window=self.window,
-        kernel=self.kernel, pooling=self.pooling, gqa_reduce=self.gqa_reduce,
-        sm_scale=shape.head_dim**-0.5,
+      budget=self.layer_budgets(shape.num_layers, prompt_len)[layer],
+      window=self.window,
+      kernel=self.kernel,
+      pooling=self.pooling,
+      gqa_reduce=self.gqa_reduce,
+      sm_scale=shape.head_dim**-0.5,
     )
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
     return allocate_selected_cache(
-        "pyramidkv", self.storage, shape, self.selector(shape, layer, prompt_len),
-        batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens, dtype=dtype,
+      "pyramidkv",
+      self.storage,
+      shape,
+      self.selector(shape, layer, prompt_len),
+      batch=batch,
+      prompt_len=prompt_len,
+      max_new_tokens=max_new_tokens,
+      dtype=dtype,
     )

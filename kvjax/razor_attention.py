@@ -37,10 +37,10 @@ from kvjax.dense_cache import DenseLayerCache, FullCache
 from kvjax.method_registry import register_method
 from kvjax.retrieval_heads import HeadProfile
 from kvjax.selection.budgets import (
-    check_budget_or_ratio,
-    check_full_attention_model,
-    check_storage_method,
-    prompt_budget,
+  check_budget_or_ratio,
+  check_full_attention_model,
+  check_storage_method,
+  prompt_budget,
 )
 from pallas_kernels.decode_attention_reference import merge_attention_partials
 
@@ -50,13 +50,13 @@ RAZOR_DEFAULT_BUDGET = 260
 
 
 def compress_local_heads(
-    keys: jax.Array,  # [batch, heads, prompt, head_dim]
-    values: jax.Array,  # [batch, heads, prompt, head_dim]
-    lengths: jax.Array,  # int32 [batch]
-    *,
-    sinks: int,
-    window: int,
-    compensation_in_storage: bool,
+  keys: jax.Array,  # [batch, heads, prompt, head_dim]
+  values: jax.Array,  # [batch, heads, prompt, head_dim]
+  lengths: jax.Array,  # int32 [batch]
+  *,
+  sinks: int,
+  window: int,
+  compensation_in_storage: bool,
 ) -> dict[str, jax.Array]:
   """Sinks + (compensation token) + window of each row, and the compensation token itself.
 
@@ -82,28 +82,28 @@ def compress_local_heads(
   denominator = jnp.maximum(dropped_counts, 1).astype(jnp.float32)[:, None, None]
   compensation_keys = jnp.einsum("bhtd,bt->bhd", keys.astype(jnp.float32), dropped) / denominator
   compensation_values = (
-      jnp.einsum("bhtd,bt->bhd", values.astype(jnp.float32), dropped) / denominator
+    jnp.einsum("bhtd,bt->bhd", values.astype(jnp.float32), dropped) / denominator
   )
   if compensation_in_storage:
     put = lambda kept, token: kept.at[:, :, sinks].set(
-        jnp.where(compressed[:, None, None], token.astype(kept.dtype), kept[:, :, sinks])
+      jnp.where(compressed[:, None, None], token.astype(kept.dtype), kept[:, :, sinks])
     )
     kept_keys = put(kept_keys, compensation_keys)
     kept_values = put(kept_values, compensation_values)
   kept_lengths = jnp.where(compressed, slots.shape[1], jnp.minimum(lengths, slots.shape[1]))
   return dict(
-      kept_keys=kept_keys,
-      kept_values=kept_values,
-      kept_lengths=kept_lengths.astype(jnp.int32),
-      compensation_keys=compensation_keys,
-      compensation_values=compensation_values,
-      dropped_counts=dropped_counts,
+    kept_keys=kept_keys,
+    kept_values=kept_values,
+    kept_lengths=kept_lengths.astype(jnp.int32),
+    compensation_keys=compensation_keys,
+    compensation_values=compensation_values,
+    dropped_counts=dropped_counts,
   )
 
 
 def supports_lse(storage_cache) -> bool:
   return isinstance(storage_cache, DenseLayerCache) or callable(
-      getattr(storage_cache, "attend_with_lse", None)
+    getattr(storage_cache, "attend_with_lse", None)
   )
 
 
@@ -111,8 +111,12 @@ def attend_with_lse(storage_cache, queries, *, sm_scale):
   """(out, lse [batch, heads, group]) of a storage cache, for merging with another segment."""
   if isinstance(storage_cache, DenseLayerCache):
     return attention_dispatch.decode_attention(
-        queries, storage_cache.keys, storage_cache.values, storage_cache.lengths,
-        sm_scale=sm_scale, implementation=storage_cache.implementation,
+      queries,
+      storage_cache.keys,
+      storage_cache.values,
+      storage_cache.lengths,
+      sm_scale=sm_scale,
+      implementation=storage_cache.implementation,
     )
   return storage_cache.attend_with_lse(queries, sm_scale=sm_scale)
 
@@ -139,7 +143,8 @@ class RazorLayerCache:
     del queries  # the split is fixed by the head profile
     lengths = lengths.astype(jnp.int32)
     (retrieval_keys, local_keys), (retrieval_values, local_values) = (
-        self._split(keys), self._split(values)
+      self._split(keys),
+      self._split(values),
     )
     updates = {}
     if self.retrieval is not None:
@@ -149,25 +154,28 @@ class RazorLayerCache:
         updates["local"] = self.local.ingest(local_keys, local_values, None, lengths)
       else:
         part = compress_local_heads(
-            local_keys, local_values, lengths, sinks=self.sinks, window=self.window,
-            compensation_in_storage=self.compensation == "mean",
+          local_keys,
+          local_values,
+          lengths,
+          sinks=self.sinks,
+          window=self.window,
+          compensation_in_storage=self.compensation == "mean",
         )
         updates["local"] = self.local.ingest(
-            part["kept_keys"], part["kept_values"], None, part["kept_lengths"]
+          part["kept_keys"], part["kept_values"], None, part["kept_lengths"]
         )
         if self.compensation == "weighted":
           updates.update(
-              compensation_keys=part["compensation_keys"].astype(self.compensation_keys.dtype),
-              compensation_values=part["compensation_values"].astype(
-                  self.compensation_values.dtype
-              ),
-              dropped_counts=part["dropped_counts"],
+            compensation_keys=part["compensation_keys"].astype(self.compensation_keys.dtype),
+            compensation_values=part["compensation_values"].astype(self.compensation_values.dtype),
+            dropped_counts=part["dropped_counts"],
           )
     return dataclasses.replace(self, **updates)
 
   def append(self, keys, values):
     (retrieval_keys, local_keys), (retrieval_values, local_values) = (
-        self._split(keys), self._split(values)
+      self._split(keys),
+      self._split(values),
     )
     updates = {}
     if self.retrieval is not None:
@@ -181,15 +189,18 @@ class RazorLayerCache:
       return self.local.attend(queries, sm_scale=sm_scale)
     out, lse = attend_with_lse(self.local, queries, sm_scale=sm_scale)
     # The compensation token as one segment whose logit counts its n tokens: s + log n.
-    logits = jnp.einsum(
+    logits = (
+      jnp.einsum(
         "bhgd,bhd->bhg", queries.astype(jnp.float32), self.compensation_keys.astype(jnp.float32)
-    ) * sm_scale
+      )
+      * sm_scale
+    )
     counts = self.dropped_counts[:, None, None]
     compensation_lse = jnp.where(
-        counts > 0, logits + jnp.log(jnp.maximum(counts, 1).astype(jnp.float32)), -jnp.inf
+      counts > 0, logits + jnp.log(jnp.maximum(counts, 1).astype(jnp.float32)), -jnp.inf
     )
     compensation_out = jnp.broadcast_to(
-        self.compensation_values.astype(jnp.float32)[:, :, None, :], out.shape
+      self.compensation_values.astype(jnp.float32)[:, :, None, :], out.shape
     )
     merged, _ = merge_attention_partials([(out, lse), (compensation_out, compensation_lse)])
     return merged
@@ -227,8 +238,8 @@ def _load_profile(profile) -> HeadProfile:
     return profile
   if profile is None:
     raise ValueError(
-        "razor: profile=<head profile JSON> is required; compute it once per model with "
-        "`kvjax razor-profile` (kvjax.retrieval_heads.compute_head_profile)"
+      "razor: profile=<head profile JSON> is required; compute it once per model with "
+      "`kvjax razor-profile` (kvjax.retrieval_heads.compute_head_profile)"
     )
   if not isinstance(profile, (str, os.PathLike)):
     raise ValueError(f"razor: profile={profile!r} must be a file path or a HeadProfile")
@@ -258,12 +269,15 @@ class RazorAttention:
     if self.sinks < 0:
       raise ValueError(f"razor: sinks={self.sinks} must be >= 0")
     check_budget_or_ratio(
-        "razor", self.budget, self.ratio, minimum=self.sinks + 2,
-        minimum_what="sinks + a window of 1 + the compensation token",
+      "razor",
+      self.budget,
+      self.ratio,
+      minimum=self.sinks + 2,
+      minimum_what="sinks + a window of 1 + the compensation token",
     )
     if self.compensation not in COMPENSATIONS:
       raise ValueError(
-          f"razor: compensation={self.compensation!r}; allowed: {', '.join(COMPENSATIONS)}"
+        f"razor: compensation={self.compensation!r}; allowed: {', '.join(COMPENSATIONS)}"
       )
     check_storage_method("razor", self.storage)
     object.__setattr__(self, "head_profile", _load_profile(self.profile))
@@ -273,8 +287,12 @@ class RazorAttention:
     if budget is None and self.ratio is None:
       budget = RAZOR_DEFAULT_BUDGET
     return prompt_budget(
-        "razor", budget, self.ratio, prompt_len, minimum=self.sinks + 2,
-        minimum_what="sinks + a window of 1 + the compensation token",
+      "razor",
+      budget,
+      self.ratio,
+      prompt_len,
+      minimum=self.sinks + 2,
+      minimum_what="sinks + a window of 1 + the compensation token",
     )
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
@@ -293,28 +311,31 @@ class RazorAttention:
       if not heads:
         return None
       return self.storage.allocate_storage(
-          batch=batch, kv_heads=len(heads), capacity=capacity, head_dim=shape.head_dim,
-          dtype=dtype,
+        batch=batch,
+        kv_heads=len(heads),
+        capacity=capacity,
+        head_dim=shape.head_dim,
+        dtype=dtype,
       )
 
     local = storage(local_heads, local_prompt_slots + max_new_tokens)
     if weighted and local is not None and not supports_lse(local):
       raise ValueError(
-          f"razor: compensation=weighted needs a storage that reports its log-sum-exp (full, "
-          f"or a cache with attend_with_lse); {type(local).__name__} does not: use "
-          "compensation=mean with this storage"
+        f"razor: compensation=weighted needs a storage that reports its log-sum-exp (full, "
+        f"or a cache with attend_with_lse); {type(local).__name__} does not: use "
+        "compensation=mean with this storage"
       )
     compensation_shape = (batch, len(local_heads), shape.head_dim)
     with_compensation = weighted and local is not None
     return RazorLayerCache(
-        retrieval=storage(retrieval_heads, prompt_len + max_new_tokens),
-        local=local,
-        compensation_keys=jnp.zeros(compensation_shape, dtype) if with_compensation else None,
-        compensation_values=jnp.zeros(compensation_shape, dtype) if with_compensation else None,
-        dropped_counts=jnp.zeros((batch,), jnp.int32) if with_compensation else None,
-        retrieval_heads=retrieval_heads,
-        local_heads=local_heads,
-        sinks=self.sinks,
-        window=kept - self.sinks - 1 if compress else None,
-        compensation=self.compensation,
+      retrieval=storage(retrieval_heads, prompt_len + max_new_tokens),
+      local=local,
+      compensation_keys=jnp.zeros(compensation_shape, dtype) if with_compensation else None,
+      compensation_values=jnp.zeros(compensation_shape, dtype) if with_compensation else None,
+      dropped_counts=jnp.zeros((batch,), jnp.int32) if with_compensation else None,
+      retrieval_heads=retrieval_heads,
+      local_heads=local_heads,
+      sinks=self.sinks,
+      window=kept - self.sinks - 1 if compress else None,
+      compensation=self.compensation,
     )

@@ -33,14 +33,14 @@ PROFILE_VERSION = 1
 
 
 def echo_induction_scores(
-    queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
-    keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated
-    lengths: jax.Array,  # int32 [batch]
-    *,
-    block_len: int,
-    prefix_len: int,
-    sm_scale: float,
-    query_chunk: int = 256,
+  queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
+  keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated
+  lengths: jax.Array,  # int32 [batch]
+  *,
+  block_len: int,
+  prefix_len: int,
+  sm_scale: float,
+  query_chunk: int = 256,
 ) -> tuple[jax.Array, jax.Array]:  # (echo, induction) float32 [batch, kv_heads, group]
   """Mean echo and induction attention of each query head over the queries of repeats 2..R.
 
@@ -50,9 +50,7 @@ def echo_induction_scores(
   prompt_len = keys.shape[2]
   chunk = min(query_chunk, prompt_len)
   num_chunks = -(-prompt_len // chunk)
-  padded_queries = jnp.pad(
-      queries, ((0, 0),) * 3 + ((0, num_chunks * chunk - prompt_len), (0, 0))
-  )
+  padded_queries = jnp.pad(queries, ((0, 0),) * 3 + ((0, num_chunks * chunk - prompt_len), (0, 0)))
   keys32 = keys.astype(jnp.float32)
   key_positions = jnp.arange(prompt_len)
 
@@ -67,22 +65,22 @@ def echo_induction_scores(
     # Same token k repeats back, and the token right after that earlier occurrence.
     echo_target = (distance > 0) & (distance % block_len == 0) & (key_positions >= prefix_len)
     induction_target = (
-        (distance > 0) & ((distance + 1) % block_len == 0) & (key_positions >= prefix_len + 1)
+      (distance > 0) & ((distance + 1) % block_len == 0) & (key_positions >= prefix_len + 1)
     )
     echo_mass = jnp.einsum("bhgct,ct->bhgc", probs, echo_target.astype(jnp.float32))
     induction_mass = jnp.einsum("bhgct,ct->bhgc", probs, induction_target.astype(jnp.float32))
     scored = (query_positions[None, :] - prefix_len >= block_len) & (
-        query_positions[None, :] < lengths[:, None]
+      query_positions[None, :] < lengths[:, None]
     )  # [batch, chunk]: queries in repeats 2..R of a real row
     weight = scored[:, None, None, :].astype(jnp.float32)
     return (
-        echo_total + (echo_mass * weight).sum(-1),
-        induction_total + (induction_mass * weight).sum(-1),
+      echo_total + (echo_mass * weight).sum(-1),
+      induction_total + (induction_mass * weight).sum(-1),
     ), None
 
   zeros = jnp.zeros(queries.shape[:3], jnp.float32)
   (echo_total, induction_total), _ = jax.lax.scan(
-      add_chunk, (zeros, zeros), jnp.arange(num_chunks) * chunk
+    add_chunk, (zeros, zeros), jnp.arange(num_chunks) * chunk
   )
   num_scored = jnp.maximum(lengths - prefix_len - block_len, 1).astype(jnp.float32)
   return echo_total / num_scored[:, None, None], induction_total / num_scored[:, None, None]
@@ -103,8 +101,13 @@ class HeadScoreProbeLayerCache:
   def ingest(self, keys, values, queries, lengths):
     del values
     echo, induction = echo_induction_scores(
-        queries, keys, lengths.astype(jnp.int32), block_len=self.block_len,
-        prefix_len=self.prefix_len, sm_scale=self.sm_scale, query_chunk=self.query_chunk,
+      queries,
+      keys,
+      lengths.astype(jnp.int32),
+      block_len=self.block_len,
+      prefix_len=self.prefix_len,
+      sm_scale=self.sm_scale,
+      query_chunk=self.query_chunk,
     )
     return dataclasses.replace(self, echo=echo, induction=induction)
 
@@ -135,10 +138,12 @@ class HeadScoreProbe:
     del layer, prompt_len, max_new_tokens, dtype
     scores_shape = (batch, shape.num_kv_heads, shape.group_size)
     return HeadScoreProbeLayerCache(
-        echo=jnp.zeros(scores_shape, jnp.float32),
-        induction=jnp.zeros(scores_shape, jnp.float32),
-        block_len=self.block_len, prefix_len=self.prefix_len, sm_scale=shape.head_dim**-0.5,
-        query_chunk=self.query_chunk,
+      echo=jnp.zeros(scores_shape, jnp.float32),
+      induction=jnp.zeros(scores_shape, jnp.float32),
+      block_len=self.block_len,
+      prefix_len=self.prefix_len,
+      sm_scale=shape.head_dim**-0.5,
+      query_chunk=self.query_chunk,
     )
 
 
@@ -147,11 +152,11 @@ def _top_count(ratio: float, total: int) -> int:
 
 
 def select_retrieval_heads(
-    induction_scores: np.ndarray,  # [layers, kv_heads]
-    echo_scores: np.ndarray,  # [layers, kv_heads]
-    *,
-    induction_ratio: float,
-    echo_ratio: float,
+  induction_scores: np.ndarray,  # [layers, kv_heads]
+  echo_scores: np.ndarray,  # [layers, kv_heads]
+  *,
+  induction_ratio: float,
+  echo_ratio: float,
 ) -> tuple[tuple[int, int], ...]:
   """(layer, kv_head) pairs, sorted: top ceil(ratio x heads) by induction, union top by echo."""
   induction_scores = np.asarray(induction_scores, np.float64)
@@ -207,47 +212,47 @@ class HeadProfile:
     for layer, head in self.retrieval_heads:
       if not (0 <= layer < self.num_layers and 0 <= head < self.num_kv_heads):
         raise ValueError(
-            f"head profile: retrieval head (layer={layer}, kv_head={head}) is outside "
-            f"num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}"
+          f"head profile: retrieval head (layer={layer}, kv_head={head}) is outside "
+          f"num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}"
         )
 
   @classmethod
   def from_scores(
-      cls,
-      shape: ModelCacheShape,
-      induction_scores: np.ndarray,  # [layers, kv_heads]
-      echo_scores: np.ndarray,  # [layers, kv_heads]
-      *,
-      induction_ratio: float = 0.14,
-      echo_ratio: float = 0.01,
-      detection: dict | None = None,
-      model_name: str = "",
+    cls,
+    shape: ModelCacheShape,
+    induction_scores: np.ndarray,  # [layers, kv_heads]
+    echo_scores: np.ndarray,  # [layers, kv_heads]
+    *,
+    induction_ratio: float = 0.14,
+    echo_ratio: float = 0.01,
+    detection: dict | None = None,
+    model_name: str = "",
   ) -> "HeadProfile":
     _check_ratio("induction_ratio", induction_ratio)
     _check_ratio("echo_ratio", echo_ratio)
     induction_scores = np.asarray(induction_scores, np.float64)
     echo_scores = np.asarray(echo_scores, np.float64)
     return cls(
-        num_layers=shape.num_layers,
-        num_kv_heads=shape.num_kv_heads,
-        num_query_heads=shape.num_query_heads,
-        head_dim=shape.head_dim,
-        induction_scores=tuple(tuple(float(s) for s in row) for row in induction_scores),
-        echo_scores=tuple(tuple(float(s) for s in row) for row in echo_scores),
-        retrieval_heads=select_retrieval_heads(
-            induction_scores, echo_scores, induction_ratio=induction_ratio, echo_ratio=echo_ratio
-        ),
-        induction_ratio=float(induction_ratio),
-        echo_ratio=float(echo_ratio),
-        detection=_frozen(detection or {}),
-        model_name=model_name,
+      num_layers=shape.num_layers,
+      num_kv_heads=shape.num_kv_heads,
+      num_query_heads=shape.num_query_heads,
+      head_dim=shape.head_dim,
+      induction_scores=tuple(tuple(float(s) for s in row) for row in induction_scores),
+      echo_scores=tuple(tuple(float(s) for s in row) for row in echo_scores),
+      retrieval_heads=select_retrieval_heads(
+        induction_scores, echo_scores, induction_ratio=induction_ratio, echo_ratio=echo_ratio
+      ),
+      induction_ratio=float(induction_ratio),
+      echo_ratio=float(echo_ratio),
+      detection=_frozen(detection or {}),
+      model_name=model_name,
     )
 
   def __repr__(self) -> str:  # the scores are long; describe_method prints this
     name = f"{self.model_name}: " if self.model_name else ""
     return (
-        f"HeadProfile({name}{self.num_layers} layers x {self.num_kv_heads} KV heads, "
-        f"{len(self.retrieval_heads)} retrieval heads)"
+      f"HeadProfile({name}{self.num_layers} layers x {self.num_kv_heads} KV heads, "
+      f"{len(self.retrieval_heads)} retrieval heads)"
     )
 
   def retrieval_heads_of_layer(self, layer: int) -> tuple[int, ...]:
@@ -260,24 +265,27 @@ class HeadProfile:
     if mine != theirs:
       describe = "num_layers={}, num_kv_heads={}, num_query_heads={}, head_dim={}".format
       raise ValueError(
-          f"{source} was computed for another model ({describe(*mine)}); this model has "
-          f"{describe(*theirs)}. Compute a profile for this model (kvjax razor-profile)."
+        f"{source} was computed for another model ({describe(*mine)}); this model has "
+        f"{describe(*theirs)}. Compute a profile for this model (kvjax razor-profile)."
       )
 
   def to_json_dict(self) -> dict:
     return dict(
-        format=PROFILE_FORMAT,
-        version=PROFILE_VERSION,
-        model=dict(
-            name=self.model_name, num_layers=self.num_layers, num_kv_heads=self.num_kv_heads,
-            num_query_heads=self.num_query_heads, head_dim=self.head_dim,
-        ),
-        induction_ratio=self.induction_ratio,
-        echo_ratio=self.echo_ratio,
-        detection=dict(self.detection),
-        induction_scores=[list(row) for row in self.induction_scores],
-        echo_scores=[list(row) for row in self.echo_scores],
-        retrieval_heads=[list(pair) for pair in self.retrieval_heads],
+      format=PROFILE_FORMAT,
+      version=PROFILE_VERSION,
+      model=dict(
+        name=self.model_name,
+        num_layers=self.num_layers,
+        num_kv_heads=self.num_kv_heads,
+        num_query_heads=self.num_query_heads,
+        head_dim=self.head_dim,
+      ),
+      induction_ratio=self.induction_ratio,
+      echo_ratio=self.echo_ratio,
+      detection=dict(self.detection),
+      induction_scores=[list(row) for row in self.induction_scores],
+      echo_scores=[list(row) for row in self.echo_scores],
+      retrieval_heads=[list(pair) for pair in self.retrieval_heads],
     )
 
   @classmethod
@@ -286,25 +294,25 @@ class HeadProfile:
       raise ValueError(f"{source}: not a kvjax head profile (expected format={PROFILE_FORMAT!r})")
     if data.get("version") != PROFILE_VERSION:
       raise ValueError(
-          f"{source}: head profile version {data.get('version')!r}; this kvjax reads version "
-          f"{PROFILE_VERSION}"
+        f"{source}: head profile version {data.get('version')!r}; this kvjax reads version "
+        f"{PROFILE_VERSION}"
       )
     try:
       model = data["model"]
       return cls(
-          num_layers=int(model["num_layers"]),
-          num_kv_heads=int(model["num_kv_heads"]),
-          num_query_heads=int(model["num_query_heads"]),
-          head_dim=int(model["head_dim"]),
-          induction_scores=tuple(tuple(float(s) for s in row) for row in data["induction_scores"]),
-          echo_scores=tuple(tuple(float(s) for s in row) for row in data["echo_scores"]),
-          retrieval_heads=tuple(
-              sorted((int(layer), int(head)) for layer, head in data["retrieval_heads"])
-          ),
-          induction_ratio=float(data["induction_ratio"]),
-          echo_ratio=float(data["echo_ratio"]),
-          detection=_frozen(data.get("detection", {})),
-          model_name=str(model.get("name", "")),
+        num_layers=int(model["num_layers"]),
+        num_kv_heads=int(model["num_kv_heads"]),
+        num_query_heads=int(model["num_query_heads"]),
+        head_dim=int(model["head_dim"]),
+        induction_scores=tuple(tuple(float(s) for s in row) for row in data["induction_scores"]),
+        echo_scores=tuple(tuple(float(s) for s in row) for row in data["echo_scores"]),
+        retrieval_heads=tuple(
+          sorted((int(layer), int(head)) for layer, head in data["retrieval_heads"])
+        ),
+        induction_ratio=float(data["induction_ratio"]),
+        echo_ratio=float(data["echo_ratio"]),
+        detection=_frozen(data.get("detection", {})),
+        model_name=str(model.get("name", "")),
       )
     except (KeyError, TypeError, ValueError) as error:
       raise ValueError(f"{source}: malformed head profile ({error})") from error
@@ -321,8 +329,8 @@ class HeadProfile:
         data = json.load(f)
     except FileNotFoundError as error:
       raise ValueError(
-          f"head profile {os.fspath(path)!r} does not exist; compute it once per model with "
-          "`kvjax razor-profile`"
+        f"head profile {os.fspath(path)!r} does not exist; compute it once per model with "
+        "`kvjax razor-profile`"
       ) from error
     except json.JSONDecodeError as error:
       raise ValueError(f"head profile {os.fspath(path)!r} is not valid JSON ({error})") from error
@@ -330,20 +338,20 @@ class HeadProfile:
 
 
 def probe_tokens(
-    *,
-    vocab_size: int,
-    block_len: int,
-    repeats: int,
-    batch: int = 1,
-    seed: int = 0,
-    bos_token_id: int | None = None,
-    token_range: tuple[int, int] | None = None,
+  *,
+  vocab_size: int,
+  block_len: int,
+  repeats: int,
+  batch: int = 1,
+  seed: int = 0,
+  bos_token_id: int | None = None,
+  token_range: tuple[int, int] | None = None,
 ) -> np.ndarray:  # int32 [batch, (bos) + block_len * repeats]
   """Random blocks from a mid-vocabulary range (default: the middle half), each repeated."""
   low, high = token_range if token_range is not None else (vocab_size // 4, 3 * vocab_size // 4)
   if not 0 <= low < high <= vocab_size or high - low < 2:
     raise ValueError(
-        f"token_range=({low}, {high}) must hold at least 2 ids within [0, vocab_size={vocab_size}]"
+      f"token_range=({low}, {high}) must hold at least 2 ids within [0, vocab_size={vocab_size}]"
     )
   blocks = np.random.default_rng(seed).integers(low, high, size=(batch, block_len))
   tokens = np.tile(blocks, (1, repeats))
@@ -353,21 +361,21 @@ def probe_tokens(
 
 
 def compute_head_profile(
-    decoder,
-    params,
-    *,
-    vocab_size: int,
-    block_len: int = 2500,
-    repeats: int = 4,
-    seed: int = 0,
-    induction_ratio: float = 0.14,
-    echo_ratio: float = 0.01,
-    batch: int = 1,
-    bos_token_id: int | None = None,
-    token_range: tuple[int, int] | None = None,
-    query_chunk: int = 256,
-    max_positions: int | None = None,
-    model_name: str = "",
+  decoder,
+  params,
+  *,
+  vocab_size: int,
+  block_len: int = 2500,
+  repeats: int = 4,
+  seed: int = 0,
+  induction_ratio: float = 0.14,
+  echo_ratio: float = 0.01,
+  batch: int = 1,
+  bos_token_id: int | None = None,
+  token_range: tuple[int, int] | None = None,
+  query_chunk: int = 256,
+  max_positions: int | None = None,
+  model_name: str = "",
 ) -> HeadProfile:
   """Scores every KV head of `decoder` (any `CachedDecoder`) on a random repeated block.
 
@@ -388,29 +396,46 @@ def compute_head_profile(
   probe_len = prefix_len + block_len * repeats
   if max_positions is not None and probe_len > max_positions:
     raise ValueError(
-        f"probe of {probe_len} tokens (block_len={block_len} x repeats={repeats}"
-        f"{' + BOS' if prefix_len else ''}) exceeds the model's context of {max_positions}; "
-        "lower block_len or repeats"
+      f"probe of {probe_len} tokens (block_len={block_len} x repeats={repeats}"
+      f"{' + BOS' if prefix_len else ''}) exceeds the model's context of {max_positions}; "
+      "lower block_len or repeats"
     )
   tokens = probe_tokens(
-      vocab_size=vocab_size, block_len=block_len, repeats=repeats, batch=batch, seed=seed,
-      bos_token_id=bos_token_id, token_range=token_range,
+    vocab_size=vocab_size,
+    block_len=block_len,
+    repeats=repeats,
+    batch=batch,
+    seed=seed,
+    bos_token_id=bos_token_id,
+    token_range=token_range,
   )
   lengths = np.full((batch,), probe_len, np.int32)
   probe = HeadScoreProbe(block_len=block_len, prefix_len=prefix_len, query_chunk=query_chunk)
   _, caches = prefill(
-      decoder, params, jnp.asarray(tokens), jnp.asarray(lengths),
-      cache_method=probe, max_new_tokens=0, cache_dtype=jnp.float32,
+    decoder,
+    params,
+    jnp.asarray(tokens),
+    jnp.asarray(lengths),
+    cache_method=probe,
+    max_new_tokens=0,
+    cache_dtype=jnp.float32,
   )
   # [layers, batch, kv_heads, group] -> mean over rows, then max over each KV head's group.
   echo = np.stack([np.asarray(c.echo) for c in caches]).mean(axis=1).max(axis=-1)
   induction = np.stack([np.asarray(c.induction) for c in caches]).mean(axis=1).max(axis=-1)
   return HeadProfile.from_scores(
-      decoder.cache_shape, induction, echo,
-      induction_ratio=induction_ratio, echo_ratio=echo_ratio,
-      detection=dict(
-          block_len=block_len, repeats=repeats, seed=seed, batch=batch,
-          bos=bos_token_id is not None, token_range=list(token_range) if token_range else None,
-      ),
-      model_name=model_name,
+    decoder.cache_shape,
+    induction,
+    echo,
+    induction_ratio=induction_ratio,
+    echo_ratio=echo_ratio,
+    detection=dict(
+      block_len=block_len,
+      repeats=repeats,
+      seed=seed,
+      batch=batch,
+      bos=bos_token_id is not None,
+      token_range=list(token_range) if token_range else None,
+    ),
+    model_name=model_name,
   )

@@ -45,9 +45,9 @@ def filter_top_p(logits: jax.Array, p: float) -> jax.Array:  # [batch, vocab]
 
 
 def sample_next_token(
-    logits: jax.Array,  # float [batch, vocab]
-    key: jax.Array,
-    config: SamplingConfig,
+  logits: jax.Array,  # float [batch, vocab]
+  key: jax.Array,
+  config: SamplingConfig,
 ) -> jax.Array:  # int32 [batch]
   if config.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)

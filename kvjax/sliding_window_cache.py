@@ -38,10 +38,10 @@ class SlidingWindowLayerCache:
   def zeros(cls, *, batch, kv_heads, window, head_dim, dtype, implementation="auto"):
     shape = (batch, kv_heads, window, head_dim)
     return cls(
-        keys=jnp.zeros(shape, dtype),
-        values=jnp.zeros(shape, dtype),
-        lengths=jnp.zeros((batch,), jnp.int32),
-        implementation=implementation,
+      keys=jnp.zeros(shape, dtype),
+      values=jnp.zeros(shape, dtype),
+      lengths=jnp.zeros((batch,), jnp.int32),
+      implementation=implementation,
     )
 
   @property
@@ -62,20 +62,20 @@ class SlidingWindowLayerCache:
   def append(self, keys, values):
     slot = jnp.mod(self.lengths, self.window)
     return dataclasses.replace(
-        self,
-        keys=write_token_at_lengths(self.keys, keys, slot),
-        values=write_token_at_lengths(self.values, values, slot),
-        lengths=self.lengths + 1,
+      self,
+      keys=write_token_at_lengths(self.keys, keys, slot),
+      values=write_token_at_lengths(self.values, values, slot),
+      lengths=self.lengths + 1,
     )
 
   def attend(self, queries, *, sm_scale):
     out, _ = attention_dispatch.decode_attention(
-        queries,
-        self.keys,
-        self.values,
-        jnp.minimum(self.lengths, self.window),
-        sm_scale=sm_scale,
-        implementation=self.implementation,
+      queries,
+      self.keys,
+      self.values,
+      jnp.minimum(self.lengths, self.window),
+      sm_scale=sm_scale,
+      implementation=self.implementation,
     )
     return out
 

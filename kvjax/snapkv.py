@@ -21,10 +21,10 @@ from kvjax.dense_cache import FullCache
 from kvjax.method_registry import register_method
 from kvjax.selection.budgets import check_budget_or_ratio, check_storage_method, prompt_budget
 from kvjax.selection.pooling import (
-    check_gqa_reduce,
-    check_pooling,
-    pool_scores,
-    reduce_query_group,
+  check_gqa_reduce,
+  check_pooling,
+  pool_scores,
+  reduce_query_group,
 )
 from kvjax.selection.selected_cache import allocate_selected_cache
 from kvjax.selection.token_choice import keep_top_tokens_and_window
@@ -32,15 +32,15 @@ from kvjax.selection.window_attention_scores import observation_window_attention
 
 
 def snapkv_token_scores(
-    keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated
-    queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
-    lengths: jax.Array,  # int32 [batch]
-    *,
-    window: int,
-    kernel: int,
-    pooling: str,
-    gqa_reduce: str,
-    sm_scale: float,
+  keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated
+  queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
+  lengths: jax.Array,  # int32 [batch]
+  *,
+  window: int,
+  kernel: int,
+  pooling: str,
+  gqa_reduce: str,
+  sm_scale: float,
 ) -> jax.Array:  # float32 [batch, kv_heads, prompt]; meaningful before each row's window
   summed = observation_window_attention(queries, keys, lengths, window=window, sm_scale=sm_scale)
   pooled = pool_scores(summed, lengths - window, kernel=kernel, pooling=pooling)
@@ -60,8 +60,14 @@ class ObservationWindowSelector:
 
   def kept_indices(self, keys, queries, lengths):
     scores = snapkv_token_scores(
-        keys, queries, lengths, window=self.window, kernel=self.kernel, pooling=self.pooling,
-        gqa_reduce=self.gqa_reduce, sm_scale=self.sm_scale,
+      keys,
+      queries,
+      lengths,
+      window=self.window,
+      kernel=self.kernel,
+      pooling=self.pooling,
+      gqa_reduce=self.gqa_reduce,
+      sm_scale=self.sm_scale,
     )
     return keep_top_tokens_and_window(scores, lengths, budget=self.budget, window=self.window)
 
@@ -97,25 +103,40 @@ class SnapKV:
 
   def __post_init__(self):
     check_snapkv_fields(
-        "snapkv", self.budget, self.ratio, self.window, self.kernel, self.pooling,
-        self.gqa_reduce, self.storage,
+      "snapkv",
+      self.budget,
+      self.ratio,
+      self.window,
+      self.kernel,
+      self.pooling,
+      self.gqa_reduce,
+      self.storage,
     )
 
   def prompt_budget(self, prompt_len: int) -> int:
     return prompt_budget(
-        "snapkv", self.budget, self.ratio, prompt_len, minimum=self.window, minimum_what="window"
+      "snapkv", self.budget, self.ratio, prompt_len, minimum=self.window, minimum_what="window"
     )
 
   def selector(self, shape: ModelCacheShape, prompt_len: int) -> ObservationWindowSelector:
     return ObservationWindowSelector(
-        budget=self.prompt_budget(prompt_len), window=self.window, kernel=self.kernel,
-        pooling=self.pooling, gqa_reduce=self.gqa_reduce, sm_scale=shape.head_dim**-0.5,
+      budget=self.prompt_budget(prompt_len),
+      window=self.window,
+      kernel=self.kernel,
+      pooling=self.pooling,
+      gqa_reduce=self.gqa_reduce,
+      sm_scale=shape.head_dim**-0.5,
     )
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
     del layer  # every layer keeps the same budget
     return allocate_selected_cache(
-        "snapkv", self.storage, shape, self.selector(shape, prompt_len),
-        batch=batch, prompt_len=prompt_len, max_new_tokens=max_new_tokens, dtype=dtype,
+      "snapkv",
+      self.storage,
+      shape,
+      self.selector(shape, prompt_len),
+      batch=batch,
+      prompt_len=prompt_len,
+      max_new_tokens=max_new_tokens,
+      dtype=dtype,
     )
-

@@ -23,48 +23,29 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
 from kvjax.compact_rows import write_token_at_lengths
 from kvjax.dense_cache import FullCache
 from kvjax.method_registry import register_method
+from kvjax.rope import rope_inverse_frequencies, rotate_by_positions
 from kvjax.selection.budgets import (
-    DEFAULT_BUDGET,
-    check_budget_or_ratio,
-    check_full_attention_model,
-    prompt_budget,
+  DEFAULT_BUDGET,
+  check_budget_or_ratio,
+  check_full_attention_model,
+  prompt_budget,
 )
 from kvjax.sliding_window_cache import ring_source_positions
 
 POSITION_MODES = ("original", "in_cache")
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:  # float32 [head_dim // 2]
-  exponents = np.arange(0, head_dim, 2).astype(np.float32) / np.float32(head_dim)
-  return (np.float32(1.0) / (np.float32(theta) ** exponents)).astype(np.float32)
-
-
-def rotate_by_positions(
-    x: jax.Array,  # [batch, heads, tokens, head_dim], rotate-half RoPE layout
-    shift: jax.Array,  # int32 [batch]: positions to rotate forward by
-    inv_freq: np.ndarray,  # float32 [head_dim // 2]
-) -> jax.Array:  # float32, same shape
-  """RoPE rotation by `shift` positions: a key rotated at p becomes the key rotated at p + shift."""
-  angles = shift.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [batch, d/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, None, None, :]
-  x32 = x.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  rotated_half = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-  return x32 * jnp.cos(angles) + rotated_half * jnp.sin(angles)
-
-
 def streaming_source_positions(
-    lengths: jax.Array,  # int32 [batch]: tokens seen
-    *,
-    sinks: int,
-    window: int,
+  lengths: jax.Array,  # int32 [batch]: tokens seen
+  *,
+  sinks: int,
+  window: int,
 ) -> tuple[jax.Array, jax.Array]:
   """For each slot, the token position it holds: `(positions [batch, sinks + window], valid)`."""
   sink_positions = jnp.broadcast_to(jnp.arange(sinks), (lengths.shape[0], sinks))
@@ -73,8 +54,8 @@ def streaming_source_positions(
     return sink_positions, sink_valid
   ring_positions, ring_valid = ring_source_positions(jnp.maximum(lengths - sinks, 0), window)
   return (
-      jnp.concatenate([sink_positions, ring_positions + sinks], axis=1),
-      jnp.concatenate([sink_valid, ring_valid], axis=1),
+    jnp.concatenate([sink_positions, ring_positions + sinks], axis=1),
+    jnp.concatenate([sink_valid, ring_valid], axis=1),
   )
 
 
@@ -89,13 +70,17 @@ class StreamingLayerCache:
   implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
 
   @classmethod
-  def zeros(cls, *, batch, kv_heads, sinks, window, head_dim, dtype, rope_theta=None,
-            implementation="auto"):
+  def zeros(
+    cls, *, batch, kv_heads, sinks, window, head_dim, dtype, rope_theta=None, implementation="auto"
+  ):
     shape = (batch, kv_heads, sinks + window, head_dim)
     return cls(
-        keys=jnp.zeros(shape, dtype), values=jnp.zeros(shape, dtype),
-        lengths=jnp.zeros((batch,), jnp.int32), sinks=sinks, rope_theta=rope_theta,
-        implementation=implementation,
+      keys=jnp.zeros(shape, dtype),
+      values=jnp.zeros(shape, dtype),
+      lengths=jnp.zeros((batch,), jnp.int32),
+      sinks=sinks,
+      rope_theta=rope_theta,
+      implementation=implementation,
     )
 
   @property
@@ -124,10 +109,10 @@ class StreamingLayerCache:
     ring_slot = self.sinks + jnp.mod(self.lengths - self.sinks, max(self.window, 1))
     slot = jnp.where(self.lengths < self.sinks, self.lengths, ring_slot)
     return dataclasses.replace(
-        self,
-        keys=write_token_at_lengths(self.keys, keys, slot),
-        values=write_token_at_lengths(self.values, values, slot),
-        lengths=self.lengths + 1,
+      self,
+      keys=write_token_at_lengths(self.keys, keys, slot),
+      values=write_token_at_lengths(self.values, values, slot),
+      lengths=self.lengths + 1,
     )
 
   def attend(self, queries, *, sm_scale):
@@ -139,8 +124,12 @@ class StreamingLayerCache:
       moved_sinks = rotate_by_positions(keys[:, :, : self.sinks], evicted, inv_freq)
       keys = keys.at[:, :, : self.sinks].set(moved_sinks.astype(keys.dtype))
     out, _ = attention_dispatch.decode_attention(
-        queries, keys, self.values, jnp.minimum(self.lengths, self.slots),
-        sm_scale=sm_scale, implementation=self.implementation,
+      queries,
+      keys,
+      self.values,
+      jnp.minimum(self.lengths, self.slots),
+      sm_scale=sm_scale,
+      implementation=self.implementation,
     )
     return out
 
@@ -177,26 +166,29 @@ class StreamingLLM:
     if self.sinks < 0:
       raise ValueError(f"streaming: sinks={self.sinks} must be >= 0")
     check_budget_or_ratio(
-        "streaming", self.budget, self.ratio, minimum=self.sinks + 1,
-        minimum_what="sinks + a window of 1",
+      "streaming",
+      self.budget,
+      self.ratio,
+      minimum=self.sinks + 1,
+      minimum_what="sinks + a window of 1",
     )
     if self.positions not in POSITION_MODES:
       raise ValueError(
-          f"streaming: positions={self.positions!r}; allowed: {', '.join(POSITION_MODES)}"
+        f"streaming: positions={self.positions!r}; allowed: {', '.join(POSITION_MODES)}"
       )
     if self.positions == "in_cache" and (self.rope_theta is None or self.rope_theta <= 0):
       raise ValueError(
-          "streaming: positions=in_cache re-rotates keys and needs rope_theta=<the model's RoPE "
-          f"base, e.g. 10000.0> (got rope_theta={self.rope_theta})"
+        "streaming: positions=in_cache re-rotates keys and needs rope_theta=<the model's RoPE "
+        f"base, e.g. 10000.0> (got rope_theta={self.rope_theta})"
       )
     if self.positions == "original" and self.rope_theta is not None:
       raise ValueError("streaming: rope_theta is only used with positions=in_cache")
     attention_dispatch.check_implementation(self.implementation)
     if type(self.storage) is not FullCache:
       raise ValueError(
-          f"streaming: storage {getattr(self.storage, 'method_name', self.storage)!r} is not "
-          "supported: StreamingLLM evicts while decoding from its own sink + ring buffer, which "
-          "codec storages do not implement; use streaming alone"
+        f"streaming: storage {getattr(self.storage, 'method_name', self.storage)!r} is not "
+        "supported: StreamingLLM evicts while decoding from its own sink + ring buffer, which "
+        "codec storages do not implement; use streaming alone"
       )
 
   def slots(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -205,8 +197,12 @@ class StreamingLLM:
       budget = DEFAULT_BUDGET if self.budget is None else self.budget
     else:
       budget = prompt_budget(
-          "streaming", None, self.ratio, prompt_len, minimum=self.sinks + 1,
-          minimum_what="sinks + a window of 1",
+        "streaming",
+        None,
+        self.ratio,
+        prompt_len,
+        minimum=self.sinks + 1,
+        minimum_what="sinks + a window of 1",
       )
     return min(budget, prompt_len + max_new_tokens)
 
@@ -216,8 +212,12 @@ class StreamingLLM:
     check_full_attention_model(shape, "streaming", slots)
     sinks = min(self.sinks, slots)
     return StreamingLayerCache.zeros(
-        batch=batch, kv_heads=shape.num_kv_heads, sinks=sinks, window=slots - sinks,
-        head_dim=shape.head_dim, dtype=dtype,
-        rope_theta=self.rope_theta if self.positions == "in_cache" else None,
-        implementation=self.implementation,
+      batch=batch,
+      kv_heads=shape.num_kv_heads,
+      sinks=sinks,
+      window=slots - sinks,
+      head_dim=shape.head_dim,
+      dtype=dtype,
+      rope_theta=self.rope_theta if self.positions == "in_cache" else None,
+      implementation=self.implementation,
     )

@@ -15,12 +15,12 @@ from kvjax.decoder_protocol import CachedDecoder
 
 @partial(jax.jit, static_argnames=("decoder",))
 def teacher_force(
-    decoder: CachedDecoder,
-    params: Any,
-    first_logits: jax.Array,  # [batch, vocab]: prediction for forced[:, 0]
-    caches: tuple,
-    lengths: jax.Array,  # int32 [batch]: position of forced[:, 0]
-    forced: jax.Array,  # int32 [batch, steps]
+  decoder: CachedDecoder,
+  params: Any,
+  first_logits: jax.Array,  # [batch, vocab]: prediction for forced[:, 0]
+  caches: tuple,
+  lengths: jax.Array,  # int32 [batch]: position of forced[:, 0]
+  forced: jax.Array,  # int32 [batch, steps]
 ) -> tuple[jax.Array, jax.Array, tuple]:
   """Returns (log-probs [batch, steps, vocab] of each forced token's prediction,
   logits [batch, vocab] predicting the token after the last forced one, caches)."""
@@ -31,7 +31,5 @@ def teacher_force(
     logits, caches = decoder.decode_step(params, token, position, caches)
     return (logits, caches, position + 1), logprobs
 
-  (logits, caches, _), logprobs = jax.lax.scan(
-      step, (first_logits, caches, lengths), forced.T
-  )
+  (logits, caches, _), logprobs = jax.lax.scan(step, (first_logits, caches, lengths), forced.T)
   return jnp.moveaxis(logprobs, 0, 1), logits, caches

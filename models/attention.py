@@ -6,8 +6,8 @@ from einops import rearrange
 from flax import nnx
 
 from kvjax.prefill_attention import causal_prompt_attention
+from kvjax.rope import apply_rope, rope_inverse_frequencies
 from models.config import DecoderConfig
-from models.rope import apply_rope, rope_inverse_frequencies
 
 
 class CachedAttention(nnx.Module):
@@ -18,7 +18,9 @@ class CachedAttention(nnx.Module):
     self.sliding_window = config.sliding_window
     self.sm_scale = config.head_dim**-0.5
     self.rope = (config.head_dim, config.rope_theta, config.rope_scaling)
-    linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    linear = lambda i, o: nnx.Linear(
+      i, o, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
+    )
     self.q_proj = linear(config.hidden_size, config.num_heads * config.head_dim)
     self.k_proj = linear(config.hidden_size, config.num_kv_heads * config.head_dim)
     self.v_proj = linear(config.hidden_size, config.num_kv_heads * config.head_dim)
@@ -41,24 +43,24 @@ class CachedAttention(nnx.Module):
     return self.o_proj(rearrange(attended, "b h g t d -> b t (h g d)").astype(dtype))
 
   def prefill(
-      self,
-      x: jax.Array,  # [batch, prompt, hidden]
-      lengths: jax.Array,  # int32 [batch]; rows are compact (padding after the length)
-      cache,
+    self,
+    x: jax.Array,  # [batch, prompt, hidden]
+    lengths: jax.Array,  # int32 [batch]; rows are compact (padding after the length)
+    cache,
   ):
     positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
     q, k, v = self._project(x, positions)
     attended = causal_prompt_attention(
-        q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window
+      q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window
     )
     cache = cache.ingest(k, v, q, lengths)
     return self._output(attended, x.dtype), cache
 
   def decode(
-      self,
-      x: jax.Array,  # [batch, 1, hidden]
-      positions: jax.Array,  # int32 [batch]
-      cache,
+    self,
+    x: jax.Array,  # [batch, 1, hidden]
+    positions: jax.Array,  # int32 [batch]
+    cache,
   ):
     q, k, v = self._project(x, positions[:, None])
     cache = cache.append(k[:, :, 0], v[:, :, 0])

@@ -42,23 +42,23 @@ def expected_tensor_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
   q_rows = config.num_heads * config.head_dim
   kv_rows = config.num_kv_heads * config.head_dim
   shapes = {
-      "model.embed_tokens.weight": (config.vocab_size, hidden),
-      "model.norm.weight": (hidden,),
+    "model.embed_tokens.weight": (config.vocab_size, hidden),
+    "model.norm.weight": (hidden,),
   }
   if not config.tie_word_embeddings:
     shapes["lm_head.weight"] = (config.vocab_size, hidden)
   for layer in range(config.num_layers):
     prefix = f"model.layers.{layer}"
     shapes |= {
-        f"{prefix}.input_layernorm.weight": (hidden,),
-        f"{prefix}.self_attn.q_proj.weight": (q_rows, hidden),
-        f"{prefix}.self_attn.k_proj.weight": (kv_rows, hidden),
-        f"{prefix}.self_attn.v_proj.weight": (kv_rows, hidden),
-        f"{prefix}.self_attn.o_proj.weight": (hidden, q_rows),
-        f"{prefix}.post_attention_layernorm.weight": (hidden,),
-        f"{prefix}.mlp.gate_proj.weight": (config.intermediate_size, hidden),
-        f"{prefix}.mlp.up_proj.weight": (config.intermediate_size, hidden),
-        f"{prefix}.mlp.down_proj.weight": (hidden, config.intermediate_size),
+      f"{prefix}.input_layernorm.weight": (hidden,),
+      f"{prefix}.self_attn.q_proj.weight": (q_rows, hidden),
+      f"{prefix}.self_attn.k_proj.weight": (kv_rows, hidden),
+      f"{prefix}.self_attn.v_proj.weight": (kv_rows, hidden),
+      f"{prefix}.self_attn.o_proj.weight": (hidden, q_rows),
+      f"{prefix}.post_attention_layernorm.weight": (hidden,),
+      f"{prefix}.mlp.gate_proj.weight": (config.intermediate_size, hidden),
+      f"{prefix}.mlp.up_proj.weight": (config.intermediate_size, hidden),
+      f"{prefix}.mlp.down_proj.weight": (hidden, config.intermediate_size),
     }
   return shapes
 
@@ -71,7 +71,7 @@ def describe_names(names: list[str]) -> str:
 
 
 def check_tensors(
-    config: DecoderConfig, tensors: dict[str, np.ndarray], source: pathlib.Path
+  config: DecoderConfig, tensors: dict[str, np.ndarray], source: pathlib.Path
 ) -> None:
   """Raises a CheckpointError naming `source` unless `tensors` are exactly what `config` needs."""
   expected = expected_tensor_shapes(config)
@@ -81,12 +81,12 @@ def check_tensors(
   unexpected = [name for name in tensors if name not in expected]
   if unexpected:
     raise CheckpointError(
-        f"{source}: tensors {describe_names(unexpected)} have no place in a "
-        f"{config.model_type} decoder with {config.num_layers} layers"
+      f"{source}: tensors {describe_names(unexpected)} have no place in a "
+      f"{config.model_type} decoder with {config.num_layers} layers"
     )
   for name, shape in expected.items():
     actual = tuple(tensors[name].shape)
     if actual != shape:
       raise CheckpointError(
-          f"{source}: tensor {name!r} has shape {actual}, but the config implies {shape}"
+        f"{source}: tensor {name!r} has shape {actual}, but the config implies {shape}"
       )

@@ -4,18 +4,10 @@ import dataclasses
 import json
 import os
 
+from kvjax.rope import RopeScaling
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-  """Llama-3 frequency scaling (`rope_type="llama3"`)."""
-
-  factor: float
-  low_freq_factor: float
-  high_freq_factor: float
-  original_max_position_embeddings: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,11 +32,12 @@ class DecoderConfig:
   def __post_init__(self):
     if self.model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(
-          f"model_type={self.model_type!r} is not supported; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        f"model_type={self.model_type!r} is not supported; "
+        f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
       )
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
-          f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
+        f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
       )
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
@@ -58,7 +51,7 @@ class DecoderConfig:
     model_type = config.get("model_type", "llama")
     if model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(
-          f"model_type={model_type!r} is not supported; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        f"model_type={model_type!r} is not supported; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
       )
     for flag in ("attention_bias", "mlp_bias"):
       if config.get(flag):
@@ -77,22 +70,22 @@ class DecoderConfig:
     rope_theta = rope_parameters.get("rope_theta", config.get("rope_theta", 10000.0))
     rope_scaling = config.get("rope_scaling") or (rope_parameters or None)
     return cls(
-        vocab_size=config["vocab_size"],
-        hidden_size=config["hidden_size"],
-        intermediate_size=config["intermediate_size"],
-        num_layers=config["num_hidden_layers"],
-        num_heads=num_heads,
-        num_kv_heads=config.get("num_key_value_heads") or num_heads,
-        head_dim=head_dim,
-        rms_norm_eps=config.get("rms_norm_eps", 1e-5),
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling_from_hf(rope_scaling),
-        tie_word_embeddings=config.get("tie_word_embeddings", False),
-        sliding_window=sliding_window,
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
-        bos_token_id=config.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        model_type=model_type,
+      vocab_size=config["vocab_size"],
+      hidden_size=config["hidden_size"],
+      intermediate_size=config["intermediate_size"],
+      num_layers=config["num_hidden_layers"],
+      num_heads=num_heads,
+      num_kv_heads=config.get("num_key_value_heads") or num_heads,
+      head_dim=head_dim,
+      rms_norm_eps=config.get("rms_norm_eps", 1e-5),
+      rope_theta=rope_theta,
+      rope_scaling=rope_scaling_from_hf(rope_scaling),
+      tie_word_embeddings=config.get("tie_word_embeddings", False),
+      sliding_window=sliding_window,
+      max_position_embeddings=config.get("max_position_embeddings", 4096),
+      bos_token_id=config.get("bos_token_id"),
+      eos_token_ids=eos_ids,
+      model_type=model_type,
     )
 
   @classmethod
@@ -107,13 +100,14 @@ def rope_scaling_from_hf(rope_scaling: dict | None) -> RopeScaling | None:
   rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
   if rope_type not in SUPPORTED_ROPE_TYPES:
     raise ValueError(
-        f"rope_scaling type {rope_type!r} is not supported; allowed: {', '.join(SUPPORTED_ROPE_TYPES)}"
+      f"rope_scaling type {rope_type!r} is not supported; "
+      f"allowed: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
   if rope_type == "default":
     return None
   return RopeScaling(
-      factor=float(rope_scaling["factor"]),
-      low_freq_factor=float(rope_scaling["low_freq_factor"]),
-      high_freq_factor=float(rope_scaling["high_freq_factor"]),
-      original_max_position_embeddings=int(rope_scaling["original_max_position_embeddings"]),
+    factor=float(rope_scaling["factor"]),
+    low_freq_factor=float(rope_scaling["low_freq_factor"]),
+    high_freq_factor=float(rope_scaling["high_freq_factor"]),
+    original_max_position_embeddings=int(rope_scaling["original_max_position_embeddings"]),
   )

@@ -14,7 +14,9 @@ class DecoderLayer(nnx.Module):
   def __init__(self, config: DecoderConfig, *, dtype, rngs: nnx.Rngs):
     self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
     self.self_attn = CachedAttention(config, dtype=dtype, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+    self.post_attention_layernorm = RMSNorm(
+      config.hidden_size, eps=config.rms_norm_eps, dtype=dtype
+    )
     self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
 
   def _finish(self, x, attended):
@@ -36,26 +38,30 @@ class Decoder(nnx.Module):
   def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
     self.config = config
     self.embed_tokens = nnx.Embed(
-        config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
+      config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
     )
     self.layers = nnx.List(
-        [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)]
+      [DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)]
     )
     self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
     if not config.tie_word_embeddings:
       self.lm_head = nnx.Linear(
-          config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, param_dtype=dtype,
-          rngs=rngs,
+        config.hidden_size,
+        config.vocab_size,
+        use_bias=False,
+        dtype=dtype,
+        param_dtype=dtype,
+        rngs=rngs,
       )
 
   @property
   def cache_shape(self) -> ModelCacheShape:
     return ModelCacheShape(
-        num_layers=self.config.num_layers,
-        num_kv_heads=self.config.num_kv_heads,
-        num_query_heads=self.config.num_heads,
-        head_dim=self.config.head_dim,
-        sliding_window=self.config.sliding_window,
+      num_layers=self.config.num_layers,
+      num_kv_heads=self.config.num_kv_heads,
+      num_query_heads=self.config.num_heads,
+      head_dim=self.config.head_dim,
+      sliding_window=self.config.sliding_window,
     )
 
   def _logits(self, hidden):
@@ -65,14 +71,14 @@ class Decoder(nnx.Module):
     return self.lm_head(hidden).astype(jnp.float32)
 
   def prefill(
-      self,
-      tokens: jax.Array,  # int32 [batch, prompt], right-padded
-      lengths: jax.Array,  # int32 [batch]
-      caches: tuple,
-      *,
-      all_logits: bool = False,
+    self,
+    tokens: jax.Array,  # int32 [batch, prompt], right-padded
+    lengths: jax.Array,  # int32 [batch]
+    caches: tuple,
+    *,
+    all_logits: bool = False,
   ) -> tuple[jax.Array, tuple]:
-    """Returns logits at each row's last prompt token [batch, vocab] (or all [batch, prompt, vocab])."""
+    """Logits at each row's last prompt token [batch, vocab] (all: [batch, prompt, vocab])."""
     x = self.embed_tokens(tokens)
     new_caches = []
     for layer, cache in zip(self.layers, caches):
@@ -83,10 +89,10 @@ class Decoder(nnx.Module):
     return self._logits(x), tuple(new_caches)
 
   def decode_step(
-      self,
-      tokens: jax.Array,  # int32 [batch]
-      positions: jax.Array,  # int32 [batch]
-      caches: tuple,
+    self,
+    tokens: jax.Array,  # int32 [batch]
+    positions: jax.Array,  # int32 [batch]
+    caches: tuple,
   ) -> tuple[jax.Array, tuple]:
     """Logits [batch, vocab] of the next token after `tokens` at `positions`."""
     x = self.embed_tokens(tokens[:, None])

@@ -21,30 +21,30 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral")
 
 # The types gguf.quants can dequantize that this reader promises to handle (and tests).
 SUPPORTED_TENSOR_TYPES = (
-    gguf.GGMLQuantizationType.F32,
-    gguf.GGMLQuantizationType.F16,
-    gguf.GGMLQuantizationType.BF16,
-    gguf.GGMLQuantizationType.Q8_0,
-    gguf.GGMLQuantizationType.Q4_0,
-    gguf.GGMLQuantizationType.Q4_1,
+  gguf.GGMLQuantizationType.F32,
+  gguf.GGMLQuantizationType.F16,
+  gguf.GGMLQuantizationType.BF16,
+  gguf.GGMLQuantizationType.Q8_0,
+  gguf.GGMLQuantizationType.Q4_0,
+  gguf.GGMLQuantizationType.Q4_1,
 )
 
 _GLOBAL_TENSOR_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
+  "token_embd.weight": "model.embed_tokens.weight",
+  "output_norm.weight": "model.norm.weight",
+  "output.weight": "lm_head.weight",
 }
 
 _LAYER_TENSOR_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+  "attn_norm": "input_layernorm",
+  "attn_q": "self_attn.q_proj",
+  "attn_k": "self_attn.k_proj",
+  "attn_v": "self_attn.v_proj",
+  "attn_output": "self_attn.o_proj",
+  "ffn_norm": "post_attention_layernorm",
+  "ffn_gate": "mlp.gate_proj",
+  "ffn_up": "mlp.up_proj",
+  "ffn_down": "mlp.down_proj",
 }
 
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
@@ -94,7 +94,7 @@ def open_gguf(path: str | pathlib.Path) -> GGUFFile:
     return GGUFFile(path, _read_gguf(str(path.resolve()), stat.st_mtime_ns, stat.st_size))
   except _READER_ERRORS as error:
     raise CheckpointError(
-        f"{path}: not a readable GGUF file (truncated, corrupt, or another format): {error}"
+      f"{path}: not a readable GGUF file (truncated, corrupt, or another format): {error}"
     ) from error
 
 
@@ -111,8 +111,8 @@ def read_gguf_checkpoint(path: str | pathlib.Path) -> Checkpoint:
     if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
       supported = ", ".join(kind.name for kind in SUPPORTED_TENSOR_TYPES)
       raise CheckpointError(
-          f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which kvjax cannot "
-          f"dequantize; supported types: {supported}"
+        f"{path}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which kvjax cannot "
+        f"dequantize; supported types: {supported}"
       )
   tensors = {hf_names[name]: dequantize(tensor) for name, tensor in gguf_tensors.items()}
   check_tensors(decoder, tensors, path)
@@ -130,8 +130,8 @@ def gguf_config(gguf_file: GGUFFile, tensor_names: tuple[str, ...]) -> dict:
   architecture = gguf_file.value("general.architecture")
   if architecture not in SUPPORTED_ARCHITECTURES:
     raise CheckpointError(
-        f"{path}: GGUF architecture {architecture!r} is not supported; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+      f"{path}: GGUF architecture {architecture!r} is not supported; "
+      f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
   value = lambda key, default=_REQUIRED: gguf_file.value(f"{architecture}.{key}", default)
 
@@ -140,15 +140,15 @@ def gguf_config(gguf_file: GGUFFile, tensor_names: tuple[str, ...]) -> dict:
   num_kv_heads = value("attention.head_count_kv", num_heads)
   if isinstance(num_kv_heads, list):
     raise CheckpointError(
-        f"{path}: per-layer KV head counts ({architecture}.attention.head_count_kv is a list) "
-        "are not supported; kvjax needs one KV head count for all layers"
+      f"{path}: per-layer KV head counts ({architecture}.attention.head_count_kv is a list) "
+      "are not supported; kvjax needs one KV head count for all layers"
     )
   head_dim = value("attention.key_length", hidden_size // num_heads)
   for key in ("attention.value_length", "rope.dimension_count"):
     if value(key, head_dim) != head_dim:
       raise CheckpointError(
-          f"{path}: {architecture}.{key} = {value(key)} differs from the head size {head_dim}; "
-          "kvjax supports only values and RoPE spanning the whole head"
+        f"{path}: {architecture}.{key} = {value(key)} differs from the head size {head_dim}; "
+        "kvjax supports only values and RoPE spanning the whole head"
       )
   # llama.cpp stores Llama-3 RoPE scaling as a `rope_freqs` factor tensor whose parameters
   # cannot be recovered exactly, and marks other scalings in metadata; running such a model with
@@ -156,9 +156,9 @@ def gguf_config(gguf_file: GGUFFile, tensor_names: tuple[str, ...]) -> dict:
   scaling = value("rope.scaling.type", "none")
   if scaling != "none" or "rope_freqs.weight" in tensor_names:
     raise CheckpointError(
-        f"{path}: RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs factors'}) is not "
-        "supported in GGUF files; supported: none (load the Hugging Face directory for llama3 "
-        "scaling)"
+      f"{path}: RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs factors'}) is not "
+      "supported in GGUF files; supported: none (load the Hugging Face directory for llama3 "
+      "scaling)"
     )
 
   vocab_size = value("vocab_size", None)
@@ -166,29 +166,29 @@ def gguf_config(gguf_file: GGUFFile, tensor_names: tuple[str, ...]) -> dict:
     tokens = gguf_file.reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
       raise CheckpointError(
-          f"{path}: GGUF metadata has neither {architecture}.vocab_size nor tokenizer.ggml.tokens, "
-          "so the vocabulary size is unknown"
+        f"{path}: GGUF metadata has neither {architecture}.vocab_size nor tokenizer.ggml.tokens, "
+        "so the vocabulary size is unknown"
       )
     vocab_size = len(tokens.data)
 
   return {
-      "model_type": "mistral" if architecture == "mistral" else "llama",
-      "hidden_size": hidden_size,
-      "intermediate_size": value("feed_forward_length"),
-      "num_hidden_layers": value("block_count"),
-      "num_attention_heads": num_heads,
-      "num_key_value_heads": num_kv_heads,
-      "head_dim": head_dim,
-      "rms_norm_eps": value("attention.layer_norm_rms_epsilon"),
-      "rope_theta": value("rope.freq_base", 10000.0),
-      "rope_scaling": None,
-      "vocab_size": vocab_size,
-      "max_position_embeddings": value("context_length"),
-      # llama.cpp writes output.weight only when the LM head is not the embedding matrix.
-      "tie_word_embeddings": "output.weight" not in tensor_names,
-      "bos_token_id": gguf_file.value("tokenizer.ggml.bos_token_id", None),
-      "eos_token_id": gguf_file.value("tokenizer.ggml.eos_token_id", None),
-      "sliding_window": value("attention.sliding_window", None),
+    "model_type": "mistral" if architecture == "mistral" else "llama",
+    "hidden_size": hidden_size,
+    "intermediate_size": value("feed_forward_length"),
+    "num_hidden_layers": value("block_count"),
+    "num_attention_heads": num_heads,
+    "num_key_value_heads": num_kv_heads,
+    "head_dim": head_dim,
+    "rms_norm_eps": value("attention.layer_norm_rms_epsilon"),
+    "rope_theta": value("rope.freq_base", 10000.0),
+    "rope_scaling": None,
+    "vocab_size": vocab_size,
+    "max_position_embeddings": value("context_length"),
+    # llama.cpp writes output.weight only when the LM head is not the embedding matrix.
+    "tie_word_embeddings": "output.weight" not in tensor_names,
+    "bos_token_id": gguf_file.value("tokenizer.ggml.bos_token_id", None),
+    "eos_token_id": gguf_file.value("tokenizer.ggml.eos_token_id", None),
+    "sliding_window": value("attention.sliding_window", None),
   }
 
 
@@ -206,8 +206,8 @@ def hf_tensor_names(gguf_names: tuple[str, ...], path: pathlib.Path) -> dict[str
       unknown.append(name)
   if unknown:
     raise CheckpointError(
-        f"{path}: tensors {describe_names(unknown)} have no counterpart in a Llama/Mistral decoder "
-        "(biases, extra norms or adapters are not supported)"
+      f"{path}: tensors {describe_names(unknown)} have no counterpart in a Llama/Mistral decoder "
+      "(biases, extra norms or adapters are not supported)"
     )
   return mapped
 
@@ -232,5 +232,5 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
   rows, columns = weight.shape
   half_head = rows // num_heads // 2
   return np.ascontiguousarray(
-      weight.reshape(num_heads, half_head, 2, columns).swapaxes(1, 2).reshape(rows, columns)
+    weight.reshape(num_heads, half_head, 2, columns).swapaxes(1, 2).reshape(rows, columns)
   )

@@ -10,11 +10,11 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from models.checkpoint import (
-    Checkpoint,
-    check_tensors,
-    decoder_config,
-    describe_names,
-    expected_tensor_shapes,
+  Checkpoint,
+  check_tensors,
+  decoder_config,
+  describe_names,
+  expected_tensor_shapes,
 )
 from models.checkpoint_errors import CheckpointError
 
@@ -71,7 +71,7 @@ def hf_config(raw: dict) -> dict:
   rope_parameters = config.pop("rope_parameters", None) or {}
   config.setdefault("rope_theta", rope_parameters.get("rope_theta", 10000.0))
   scaling = config.get("rope_scaling") or {
-      key: value for key, value in rope_parameters.items() if key != "rope_theta"
+    key: value for key, value in rope_parameters.items() if key != "rope_theta"
   }
   rope_type = scaling.get("rope_type", scaling.get("type", "default"))
   config["rope_scaling"] = None if rope_type == "default" else {**scaling, "rope_type": rope_type}
@@ -100,8 +100,8 @@ def safetensors_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
       raise CheckpointError(f"{single_path}: not a readable safetensors file: {error}") from error
 
   raise CheckpointError(
-      f"{directory}: found neither {SINGLE_FILE} nor {INDEX_FILE}; kvjax reads weights only from "
-      "safetensors (pytorch_model.bin is not supported)"
+    f"{directory}: found neither {SINGLE_FILE} nor {INDEX_FILE}; kvjax reads weights only from "
+    "safetensors (pytorch_model.bin is not supported)"
   )
 
 
@@ -113,8 +113,7 @@ def read_safetensors(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarr
       absent = [name for name in names if name not in stored]
       if absent:
         raise CheckpointError(
-            f"{path}: the shard index assigns {describe_names(absent)} here, "
-            "but the file lacks them"
+          f"{path}: the shard index assigns {describe_names(absent)} here, but the file lacks them"
         )
       return {name: file.get_tensor(name).astype(np.float32) for name in names}
   except (SafetensorError, OSError, TypeError) as error:

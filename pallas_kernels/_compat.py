@@ -13,12 +13,14 @@ import jax
 @functools.cache
 def _triton_module():
   from jax.experimental.pallas import triton as plgpu  # pylint: disable=g-import-not-at-top
+
   return plgpu
 
 
 @functools.cache
 def _tpu_module():
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+
   return pltpu
 
 

@@ -33,8 +33,8 @@ def packed_width(length: int, bits: int) -> int:
   per_word = codes_per_word(bits)
   if length % per_word != 0:
     raise ValueError(
-        f"the packed axis has {length} codes, which is not a multiple of {per_word} "
-        f"(= 32 // bits for bits={bits}); pad it or choose other bits"
+      f"the packed axis has {length} codes, which is not a multiple of {per_word} "
+      f"(= 32 // bits for bits={bits}); pad it or choose other bits"
     )
   return length // per_word
 
@@ -50,7 +50,7 @@ def pack_codes(codes: jax.Array, bits: int) -> jax.Array:
   codes_u32 = codes.astype(jnp.uint32) & mask
   packed = jnp.zeros(codes.shape[:-1] + (words,), jnp.uint32)
   for field in range(per_word):
-    slice_codes = codes_u32[..., field * words:(field + 1) * words]
+    slice_codes = codes_u32[..., field * words : (field + 1) * words]
     packed = packed | (slice_codes << jnp.uint32(bits * field))
   return packed
 
@@ -63,7 +63,7 @@ def unpack_codes(packed: jax.Array, bits: int) -> jax.Array:
   per_word = 32 // bits
   mask = jnp.uint32((1 << bits) - 1)
   fields = [
-      (jax.lax.shift_right_logical(packed, jnp.uint32(bits * field)) & mask)
-      for field in range(per_word)
+    (jax.lax.shift_right_logical(packed, jnp.uint32(bits * field)) & mask)
+    for field in range(per_word)
   ]
   return jnp.concatenate(fields, axis=-1).astype(jnp.uint8)

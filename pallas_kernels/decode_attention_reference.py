@@ -5,12 +5,12 @@ import jax.numpy as jnp
 
 
 def decode_attention_reference(
-    queries: jax.Array,  # [batch, kv_heads, group, head_dim]
-    keys: jax.Array,  # [batch, kv_heads, tokens, head_dim]
-    values: jax.Array,  # [batch, kv_heads, tokens, head_dim]
-    lengths: jax.Array,  # int32 [batch]: slots [0, length) are valid
-    *,
-    sm_scale: float,
+  queries: jax.Array,  # [batch, kv_heads, group, head_dim]
+  keys: jax.Array,  # [batch, kv_heads, tokens, head_dim]
+  values: jax.Array,  # [batch, kv_heads, tokens, head_dim]
+  lengths: jax.Array,  # int32 [batch]: slots [0, length) are valid
+  *,
+  sm_scale: float,
 ) -> tuple[jax.Array, jax.Array]:
   """Attention of one query position per row over the valid slots of a segment.
 
@@ -19,9 +19,9 @@ def decode_attention_reference(
   `lse` being the natural log-sum-exp of the scaled scores, so partial results over disjoint
   segments merge exactly (`merge_attention_partials`). A row with length 0 gives out 0, lse -inf.
   """
-  scores = jnp.einsum(
-      "bhgd,bhtd->bhgt", queries.astype(jnp.float32), keys.astype(jnp.float32)
-  ) * sm_scale
+  scores = (
+    jnp.einsum("bhgd,bhtd->bhgt", queries.astype(jnp.float32), keys.astype(jnp.float32)) * sm_scale
+  )
   valid = jnp.arange(keys.shape[2])[None, :] < lengths[:, None]  # [batch, tokens]
   scores = jnp.where(valid[:, None, None, :], scores, -jnp.inf)
   lse = jax.nn.logsumexp(scores, axis=-1)
@@ -34,7 +34,7 @@ def decode_attention_reference(
 
 
 def merge_attention_partials(
-    partials: list[tuple[jax.Array, jax.Array]],
+  partials: list[tuple[jax.Array, jax.Array]],
 ) -> tuple[jax.Array, jax.Array]:
   """Exact softmax attention over the union of disjoint segments from their (out, lse) pairs."""
   lses = jnp.stack([lse for _, lse in partials])  # [parts, batch, kv_heads, group]

@@ -53,8 +53,8 @@ def online_softmax_update(scores, values, valid_tokens, max_ref, sum_ref, acc_re
   # Slots past the length may hold anything (NaN included): zero them so 0 * NaN cannot leak.
   values = jnp.where(valid_tokens[:, None], values, jnp.zeros_like(values))
   acc_ref[...] = acc_ref[...] * correction + jax.lax.dot_general(
-      probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
-      preferred_element_type=jnp.float32)
+    probs.astype(values.dtype), values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+  )
   return probs, correction
 
 
@@ -84,8 +84,8 @@ def _decode_kernel(lengths_ref, queries_ref, keys_ref, values_ref, *rest, plan: 
   def _attend():
     valid = first + jax.lax.broadcasted_iota(jnp.int32, (block,), 0) < length
     scores = jax.lax.dot_general(
-        queries_ref[...], keys_ref[...], (((1,), (1,)), ((), ())),
-        preferred_element_type=jnp.float32)  # [rows, block]
+      queries_ref[...], keys_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    )  # [rows, block]
     online_softmax_update(scores, values_ref[...], valid, max_ref, sum_ref, acc_ref)
 
   @pl.when(step == plan.blocks_per_split - 1)
@@ -93,11 +93,18 @@ def _decode_kernel(lengths_ref, queries_ref, keys_ref, values_ref, *rest, plan: 
     finalize(max_ref, sum_ref, acc_ref[...], out_ref, lse_ref)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "block_tokens", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_tokens", "num_splits", "interpret"))
 def decode_attention_partials_tpu(
-    queries, keys, values, lengths, initial_partials=None, *, sm_scale: float,
-    block_tokens: int = 512, num_splits: int | None = 2, interpret: bool = False,
+  queries,
+  keys,
+  values,
+  lengths,
+  initial_partials=None,
+  *,
+  sm_scale: float,
+  block_tokens: int = 512,
+  num_splits: int | None = 2,
+  interpret: bool = False,
 ):
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows])."""
   batch, kv_heads, group, head_dim = queries.shape
@@ -107,20 +114,25 @@ def decode_attention_partials_tpu(
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, target_programs=1)
   scaled_queries = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, keys.dtype)
   kv_index = lambda b, h, s, i, lengths_ref: (
-      b, h, clamped_block_index(b, s, i, lengths_ref, plan=plan), 0)
+    b,
+    h,
+    clamped_block_index(b, s, i, lengths_ref, plan=plan),
+    0,
+  )
   in_specs = [
-      pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s, i, lengths_ref: (b, h, 0, 0)),
-      pl.BlockSpec((None, None, block_tokens, head_dim), kv_index),
-      pl.BlockSpec((None, None, block_tokens, head_dim), kv_index),
+    pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s, i, lengths_ref: (b, h, 0, 0)),
+    pl.BlockSpec((None, None, block_tokens, head_dim), kv_index),
+    pl.BlockSpec((None, None, block_tokens, head_dim), kv_index),
   ]
   out_specs = [
-      pl.BlockSpec((None, None, None, rows, head_dim),
-                   lambda b, h, s, i, lengths_ref: (b, h, s, 0, 0)),
-      pl.BlockSpec((None, None, None, rows, 1), lambda b, h, s, i, lengths_ref: (b, h, s, 0, 0)),
+    pl.BlockSpec(
+      (None, None, None, rows, head_dim), lambda b, h, s, i, lengths_ref: (b, h, s, 0, 0)
+    ),
+    pl.BlockSpec((None, None, None, rows, 1), lambda b, h, s, i, lengths_ref: (b, h, s, 0, 0)),
   ]
   out_shape = [
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, 1), jnp.float32),
+    jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
+    jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, 1), jnp.float32),
   ]
   args = [scaled_queries, keys, values]
   aliases = {}
@@ -130,29 +142,31 @@ def decode_attention_partials_tpu(
     aliases = {1 + len(args): 0, 2 + len(args): 1}
     args += [initial_partials[0], initial_partials[1][..., None]]
   grid_spec = _compat.prefetch_scalar_grid_spec(
-      num_scalar_prefetch=1,
-      grid=(batch, kv_heads, plan.num_splits, plan.blocks_per_split),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      scratch_shapes=[_compat.tpu_vmem_scratch((rows, 1), jnp.float32),
-                      _compat.tpu_vmem_scratch((rows, 1), jnp.float32),
-                      _compat.tpu_vmem_scratch((rows, head_dim), jnp.float32)],
+    num_scalar_prefetch=1,
+    grid=(batch, kv_heads, plan.num_splits, plan.blocks_per_split),
+    in_specs=in_specs,
+    out_specs=out_specs,
+    scratch_shapes=[
+      _compat.tpu_vmem_scratch((rows, 1), jnp.float32),
+      _compat.tpu_vmem_scratch((rows, 1), jnp.float32),
+      _compat.tpu_vmem_scratch((rows, head_dim), jnp.float32),
+    ],
   )
   out, lse = pl.pallas_call(
-      functools.partial(_decode_kernel, plan=plan),
-      grid_spec=grid_spec,
-      out_shape=out_shape,
-      input_output_aliases=aliases,
-      compiler_params=_compat.tpu_compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=_compat.tpu_interpret_params() if interpret else False,
-      name="decode_attention_tpu",
+    functools.partial(_decode_kernel, plan=plan),
+    grid_spec=grid_spec,
+    out_shape=out_shape,
+    input_output_aliases=aliases,
+    compiler_params=_compat.tpu_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+    interpret=_compat.tpu_interpret_params() if interpret else False,
+    name="decode_attention_tpu",
   )(lengths.astype(jnp.int32), *args)
   return out, lse[..., 0]
 
 
 def decode_attention_tpu(queries, keys, values, lengths, *, sm_scale: float, **config):
   """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as `decode_attention_reference`."""
-  out, lse = decode_attention_partials_tpu(queries, keys, values, lengths, sm_scale=sm_scale,
-                                           **config)
+  out, lse = decode_attention_partials_tpu(
+    queries, keys, values, lengths, sm_scale=sm_scale, **config
+  )
   return merge_split_partials(out, lse, queries.shape[2])

@@ -54,13 +54,13 @@ def _dot_nn(a, b):
 
 
 def _decode_kernel(
-    lengths_ref,  # int32 [] (this row's length)
-    queries_ref,  # [rows, D], pre-scaled by sm_scale, cache dtype
-    keys_ref,  # [T, D] (this row and KV head)
-    values_ref,  # [T, D]
-    *rest,  # (unused aliased output buffers,) out_ref [rows, D] f32, lse_ref [rows] f32
-    plan: SplitPlan,
-    tokens: int,
+  lengths_ref,  # int32 [] (this row's length)
+  queries_ref,  # [rows, D], pre-scaled by sm_scale, cache dtype
+  keys_ref,  # [T, D] (this row and KV head)
+  values_ref,  # [T, D]
+  *rest,  # (unused aliased output buffers,) out_ref [rows, D] f32, lse_ref [rows] f32
+  plan: SplitPlan,
+  tokens: int,
 ):
   out_ref, lse_ref = rest[-2:]
   block = plan.block_tokens
@@ -76,8 +76,7 @@ def _decode_kernel(
     running_max, running_sum, acc = carry
     first = start + i * block
     valid = first + offsets < end  # [block]; masked lanes read no memory
-    keys = _compat.triton_load(
-        keys_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0)
+    keys = _compat.triton_load(keys_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0)
     scores = _dot_nt(queries, keys)  # [rows, block]
     scores = jnp.where(valid[None, :], scores, -jnp.inf)
     # Every iterated block has a valid token, so new_max is finite from the first step on.
@@ -85,12 +84,16 @@ def _decode_kernel(
     correction = jnp.exp(running_max - new_max)
     probs = jnp.exp(scores - new_max[:, None])
     values = _compat.triton_load(
-        values_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0)
+      values_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0
+    )
     acc = acc * correction[:, None] + _dot_nn(probs.astype(values.dtype), values)
     return new_max, running_sum * correction + probs.sum(axis=1), acc
 
-  init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-          jnp.zeros((rows, head_dim), jnp.float32))
+  init = (
+    jnp.full((rows,), -jnp.inf, jnp.float32),
+    jnp.zeros((rows,), jnp.float32),
+    jnp.zeros((rows, head_dim), jnp.float32),
+  )
   running_max, running_sum, acc = jax.lax.fori_loop(0, num_blocks, body, init)
   nonempty = running_sum > 0
   safe_sum = jnp.where(nonempty, running_sum, 1.0)
@@ -99,22 +102,29 @@ def _decode_kernel(
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "block_tokens", "num_splits", "num_warps", "num_stages",
-                     "interpret"))
+  jax.jit,
+  static_argnames=(
+    "sm_scale",
+    "block_tokens",
+    "num_splits",
+    "num_warps",
+    "num_stages",
+    "interpret",
+  ),
+)
 def decode_attention_partials_triton(
-    queries: jax.Array,  # [B, H, G, D]
-    keys: jax.Array,  # [B, H, T, D]
-    values: jax.Array,  # [B, H, T, D]
-    lengths: jax.Array,  # int32 [B]
-    initial_partials: tuple[jax.Array, jax.Array] | None = None,
-    *,
-    sm_scale: float,
-    block_tokens: int = 64,
-    num_splits: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
-    interpret: bool = False,
+  queries: jax.Array,  # [B, H, G, D]
+  keys: jax.Array,  # [B, H, T, D]
+  values: jax.Array,  # [B, H, T, D]
+  lengths: jax.Array,  # int32 [B]
+  initial_partials: tuple[jax.Array, jax.Array] | None = None,
+  *,
+  sm_scale: float,
+  block_tokens: int = 64,
+  num_splits: int | None = None,
+  num_warps: int = 4,
+  num_stages: int = 2,
+  interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]).
 
@@ -129,18 +139,18 @@ def decode_attention_partials_triton(
   scaled_queries = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, keys.dtype)
   row_spec = lambda *block: pl.BlockSpec(block, lambda b, h, s: (b, h) + (0,) * (len(block) - 2))
   in_specs = [
-      pl.BlockSpec((None,), lambda b, h, s: (b,)),
-      row_spec(None, None, rows, head_dim),
-      row_spec(None, None, tokens, head_dim),
-      row_spec(None, None, tokens, head_dim),
+    pl.BlockSpec((None,), lambda b, h, s: (b,)),
+    row_spec(None, None, rows, head_dim),
+    row_spec(None, None, tokens, head_dim),
+    row_spec(None, None, tokens, head_dim),
   ]
   out_specs = [
-      pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
-      pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+    pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+    pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
   ]
   out_shape = [
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows), jnp.float32),
+    jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
+    jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows), jnp.float32),
   ]
   args = [lengths.astype(jnp.int32), scaled_queries, keys, values]
   aliases = {}
@@ -150,28 +160,31 @@ def decode_attention_partials_triton(
     args += list(initial_partials)
   kernel = functools.partial(_decode_kernel, plan=plan, tokens=tokens)
   out, lse = pl.pallas_call(
-      kernel,
-      grid=(batch, kv_heads, plan.num_splits),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      input_output_aliases=aliases,
-      compiler_params=_compat.triton_compiler_params(num_warps, num_stages),
-      interpret=interpret,
-      name="decode_attention_triton",
+    kernel,
+    grid=(batch, kv_heads, plan.num_splits),
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=out_shape,
+    input_output_aliases=aliases,
+    compiler_params=_compat.triton_compiler_params(num_warps, num_stages),
+    interpret=interpret,
+    name="decode_attention_triton",
   )(*args)
   return out, lse
 
 
 def decode_attention_triton(queries, keys, values, lengths, *, sm_scale: float, **config):
   """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as `decode_attention_reference`."""
-  out, lse = decode_attention_partials_triton(queries, keys, values, lengths, sm_scale=sm_scale,
-                                              **config)
+  out, lse = decode_attention_partials_triton(
+    queries, keys, values, lengths, sm_scale=sm_scale, **config
+  )
   return merge_split_partials(out, lse, queries.shape[2])
 
 
-def decode_attention_gpu(queries, keys, values, lengths, *, sm_scale: float, interpret=False,
-                         **config):
+def decode_attention_gpu(
+  queries, keys, values, lengths, *, sm_scale: float, interpret=False, **config
+):
   """The GPU decode-attention kernel (today the Triton lowering; Mosaic GPU would go here)."""
-  return decode_attention_triton(queries, keys, values, lengths, sm_scale=sm_scale,
-                                 interpret=interpret, **config)
+  return decode_attention_triton(
+    queries, keys, values, lengths, sm_scale=sm_scale, interpret=interpret, **config
+  )

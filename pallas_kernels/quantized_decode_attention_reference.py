@@ -47,8 +47,20 @@ class QuantizedSegmentShape(NamedTuple):
 
 
 def check_quantized_inputs(
-    queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, *,
-    bits: int, group_size: int, lowrank=None, outliers=None, block: int = 64,
+  queries,
+  k_codes,
+  k_scale,
+  k_min,
+  v_codes,
+  v_scale,
+  v_min,
+  lengths,
+  *,
+  bits: int,
+  group_size: int,
+  lowrank=None,
+  outliers=None,
+  block: int = 64,
 ) -> QuantizedSegmentShape:
   """Raises ValueError naming the offending parameter; returns the segment's static sizes.
 
@@ -57,7 +69,8 @@ def check_quantized_inputs(
   check_bits(bits)
   if queries.ndim != 4:
     raise ValueError(
-        f"queries must be [batch, kv_heads, group, head_dim], got shape {queries.shape}")
+      f"queries must be [batch, kv_heads, group, head_dim], got shape {queries.shape}"
+    )
   batch, kv_heads, group, head_dim = queries.shape
   if not isinstance(group_size, int) or group_size <= 0:
     raise ValueError(f"group_size={group_size!r} must be a positive int")
@@ -67,8 +80,8 @@ def check_quantized_inputs(
   words = head_dim // per_word
   if k_codes.ndim != 4 or k_codes.shape[:2] != (batch, kv_heads) or k_codes.shape[3] != words:
     raise ValueError(
-        f"k_codes must be uint32 [{batch}, {kv_heads}, tokens, {words}] for bits={bits}, "
-        f"head_dim={head_dim}; got {k_codes.shape}"
+      f"k_codes must be uint32 [{batch}, {kv_heads}, tokens, {words}] for bits={bits}, "
+      f"head_dim={head_dim}; got {k_codes.shape}"
     )
   tokens = k_codes.shape[2]
   for name, array in (("k_codes", k_codes), ("v_codes", v_codes)):
@@ -104,8 +117,12 @@ def check_quantized_inputs(
     rank = k_a.shape[-1]
     a_shape = (batch, kv_heads, tokens, rank)
     b_shape = (batch, kv_heads, tokens // block, head_dim, rank)
-    for name, array, shape in (("k_a", k_a, a_shape), ("v_a", v_a, a_shape),
-                               ("k_b", k_b, b_shape), ("v_b", v_b, b_shape)):
+    for name, array, shape in (
+      ("k_a", k_a, a_shape),
+      ("v_a", v_a, a_shape),
+      ("k_b", k_b, b_shape),
+      ("v_b", v_b, b_shape),
+    ):
       if array.shape != shape:
         raise ValueError(f"lowrank {name} must have shape {shape}, got {array.shape}")
   if outliers is not None:
@@ -114,15 +131,20 @@ def check_quantized_inputs(
     k_index, k_value, v_index, v_value = outliers
     outliers_per_block = k_index.shape[-1]
     shape = (batch, kv_heads, tokens // block, outliers_per_block)
-    for name, array in (("k_index", k_index), ("k_value", k_value),
-                        ("v_index", v_index), ("v_value", v_value)):
+    for name, array in (
+      ("k_index", k_index),
+      ("k_value", k_value),
+      ("v_index", v_index),
+      ("v_value", v_value),
+    ):
       if array.shape != shape:
         raise ValueError(f"outliers {name} must have shape {shape}, got {array.shape}")
     for name, array in (("k_index", k_index), ("v_index", v_index)):
       if not jnp.issubdtype(array.dtype, jnp.integer):
         raise ValueError(f"outliers {name} must be an integer array, got {array.dtype}")
-  return QuantizedSegmentShape(batch, kv_heads, group, head_dim, tokens, words, rank,
-                               outliers_per_block)
+  return QuantizedSegmentShape(
+    batch, kv_heads, group, head_dim, tokens, words, rank, outliers_per_block
+  )
 
 
 def _chunk_tokens(tokens: int, granularity: int, target: int) -> int:
@@ -138,22 +160,22 @@ def _chunk_tokens(tokens: int, granularity: int, target: int) -> int:
 
 
 def quantized_decode_attention_reference(
-    queries: jax.Array,  # [B, H, G, D]
-    k_codes: jax.Array,  # uint32 [B, H, T, D*bits/32]
-    k_scale: jax.Array,  # [B, H, T/group_size, D]
-    k_min: jax.Array,  # [B, H, T/group_size, D]
-    v_codes: jax.Array,  # uint32 [B, H, T, D*bits/32]
-    v_scale: jax.Array,  # [B, H, T, D/group_size]
-    v_min: jax.Array,  # [B, H, T, D/group_size]
-    lengths: jax.Array,  # int32 [B]: slots [0, length) are valid
-    *,
-    bits: int,
-    group_size: int,
-    sm_scale: float,
-    lowrank=None,
-    outliers=None,
-    block: int = 64,
-    chunk_tokens: int = REFERENCE_CHUNK_TOKENS,
+  queries: jax.Array,  # [B, H, G, D]
+  k_codes: jax.Array,  # uint32 [B, H, T, D*bits/32]
+  k_scale: jax.Array,  # [B, H, T/group_size, D]
+  k_min: jax.Array,  # [B, H, T/group_size, D]
+  v_codes: jax.Array,  # uint32 [B, H, T, D*bits/32]
+  v_scale: jax.Array,  # [B, H, T, D/group_size]
+  v_min: jax.Array,  # [B, H, T, D/group_size]
+  lengths: jax.Array,  # int32 [B]: slots [0, length) are valid
+  *,
+  bits: int,
+  group_size: int,
+  sm_scale: float,
+  lowrank=None,
+  outliers=None,
+  block: int = 64,
+  chunk_tokens: int = REFERENCE_CHUNK_TOKENS,
 ) -> tuple[jax.Array, jax.Array]:
   """(out f32 [B,H,G,D], lse f32 [B,H,G]) of one query position over K_hat = deq + S + A B^T.
 
@@ -161,8 +183,20 @@ def quantized_decode_attention_reference(
   `merge_attention_partials`.
   """
   sizes = check_quantized_inputs(
-      queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths,
-      bits=bits, group_size=group_size, lowrank=lowrank, outliers=outliers, block=block)
+    queries,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    lengths,
+    bits=bits,
+    group_size=group_size,
+    lowrank=lowrank,
+    outliers=outliers,
+    block=block,
+  )
   batch, kv_heads, group, head_dim, tokens = sizes[:5]
   gear = lowrank is not None or outliers is not None
   granularity = math.lcm(group_size, block) if gear else group_size
@@ -181,22 +215,30 @@ def quantized_decode_attention_reference(
     return jnp.moveaxis(array, 2, 0)
 
   xs = {
-      "k_codes": split_chunks(k_codes, chunk),
-      "k_scale": split_chunks(k_scale, key_groups),
-      "k_min": split_chunks(k_min, key_groups),
-      "v_codes": split_chunks(v_codes, chunk),
-      "v_scale": split_chunks(v_scale, chunk),
-      "v_min": split_chunks(v_min, chunk),
-      "start": jnp.arange(num_chunks, dtype=jnp.int32) * chunk,
+    "k_codes": split_chunks(k_codes, chunk),
+    "k_scale": split_chunks(k_scale, key_groups),
+    "k_min": split_chunks(k_min, key_groups),
+    "v_codes": split_chunks(v_codes, chunk),
+    "v_scale": split_chunks(v_scale, chunk),
+    "v_min": split_chunks(v_min, chunk),
+    "start": jnp.arange(num_chunks, dtype=jnp.int32) * chunk,
   }
   if lowrank is not None:
     k_a, k_b, v_a, v_b = lowrank
-    xs.update(k_a=split_chunks(k_a, chunk), k_b=split_chunks(k_b, blocks),
-              v_a=split_chunks(v_a, chunk), v_b=split_chunks(v_b, blocks))
+    xs.update(
+      k_a=split_chunks(k_a, chunk),
+      k_b=split_chunks(k_b, blocks),
+      v_a=split_chunks(v_a, chunk),
+      v_b=split_chunks(v_b, blocks),
+    )
   if outliers is not None:
     k_index, k_value, v_index, v_value = outliers
-    xs.update(k_index=split_chunks(k_index, blocks), k_value=split_chunks(k_value, blocks),
-              v_index=split_chunks(v_index, blocks), v_value=split_chunks(v_value, blocks))
+    xs.update(
+      k_index=split_chunks(k_index, blocks),
+      k_value=split_chunks(k_value, blocks),
+      v_index=split_chunks(v_index, blocks),
+      v_value=split_chunks(v_value, blocks),
+    )
 
   def chunk_scores_and_values(x):
     """Scores [B,H,G,chunk] and a function mapping probabilities to sum_t p_t V_hat[t]."""
@@ -214,11 +256,13 @@ def quantized_decode_attention_reference(
       index = x["k_index"].astype(jnp.int32)  # [B,H,J,s]
       token_in_block, channel = index // head_dim, index % head_dim
       q_at_channel = jnp.take_along_axis(
-          q[:, :, :, None, :], channel[:, :, None, :, :], axis=-1)  # [B,H,G,J,s]
+        q[:, :, :, None, :], channel[:, :, None, :, :], axis=-1
+      )  # [B,H,G,J,s]
       contribution = q_at_channel * x["k_value"].astype(f32)[:, :, None]
       token_one_hot = jax.nn.one_hot(token_in_block, block, dtype=f32)  # [B,H,J,s,block]
-      scores = scores + jnp.einsum(
-          "bhgjs,bhjsk->bhgjk", contribution, token_one_hot).reshape(scores.shape)
+      scores = scores + jnp.einsum("bhgjs,bhjsk->bhgjk", contribution, token_one_hot).reshape(
+        scores.shape
+      )
 
     def weighted_values(probs):  # [B,H,G,C] -> [B,H,G,D]
       v_code = unpack_codes(x["v_codes"], bits).astype(f32)
@@ -237,7 +281,8 @@ def quantized_decode_attention_reference(
         index = x["v_index"].astype(jnp.int32)
         token_in_block, channel = index // head_dim, index % head_dim
         p_at_token = jnp.take_along_axis(
-            probs_blocks, token_in_block[:, :, None], axis=-1)  # [B,H,G,J,s]
+          probs_blocks, token_in_block[:, :, None], axis=-1
+        )  # [B,H,G,J,s]
         weighted = p_at_token * x["v_value"].astype(f32)[:, :, None]
         channel_one_hot = jax.nn.one_hot(channel, head_dim, dtype=f32)  # [B,H,J,s,D]
         out = out + jnp.einsum("bhgjs,bhjsd->bhgd", weighted, channel_one_hot)
@@ -268,9 +313,9 @@ def quantized_decode_attention_reference(
     return carry, None
 
   init = (
-      jnp.full((batch, kv_heads, group), -jnp.inf, f32),
-      jnp.zeros((batch, kv_heads, group), f32),
-      jnp.zeros((batch, kv_heads, group, head_dim), f32),
+    jnp.full((batch, kv_heads, group), -jnp.inf, f32),
+    jnp.zeros((batch, kv_heads, group), f32),
+    jnp.zeros((batch, kv_heads, group, head_dim), f32),
   )
   (running_max, running_sum, acc), _ = jax.lax.scan(step, init, xs)
   nonempty = running_sum > 0
@@ -280,8 +325,18 @@ def quantized_decode_attention_reference(
 
 
 def dequantize_segment(
-    k_codes, k_scale, k_min, v_codes, v_scale, v_min, *, bits: int, group_size: int,
-    lowrank=None, outliers=None, block: int = 64,
+  k_codes,
+  k_scale,
+  k_min,
+  v_codes,
+  v_scale,
+  v_min,
+  *,
+  bits: int,
+  group_size: int,
+  lowrank=None,
+  outliers=None,
+  block: int = 64,
 ) -> tuple[jax.Array, jax.Array]:
   """Materialised K_hat, V_hat f32 [B,H,T,D] (tests and small inputs only, never the hot path)."""
   f32 = jnp.float32
@@ -289,9 +344,11 @@ def dequantize_segment(
   v = unpack_codes(v_codes, bits).astype(f32)
   batch, kv_heads, tokens, head_dim = k.shape
   k = k * jnp.repeat(k_scale.astype(f32), group_size, axis=2) + jnp.repeat(
-      k_min.astype(f32), group_size, axis=2)
+    k_min.astype(f32), group_size, axis=2
+  )
   v = v * jnp.repeat(v_scale.astype(f32), group_size, axis=3) + jnp.repeat(
-      v_min.astype(f32), group_size, axis=3)
+    v_min.astype(f32), group_size, axis=3
+  )
   if lowrank is not None:
     k_a, k_b, v_a, v_b = (x.astype(f32) for x in lowrank)
     k = k + jnp.einsum("bhtr,bhtdr->bhtd", k_a, jnp.repeat(k_b, block, axis=2))
@@ -302,8 +359,9 @@ def dequantize_segment(
     def add_sparse(dense, index, value):
       blocks = tokens // block
       flat = dense.reshape(batch, kv_heads, blocks, block * head_dim)
-      b, h, j = jnp.meshgrid(jnp.arange(batch), jnp.arange(kv_heads), jnp.arange(blocks),
-                             indexing="ij")
+      b, h, j = jnp.meshgrid(
+        jnp.arange(batch), jnp.arange(kv_heads), jnp.arange(blocks), indexing="ij"
+      )
       flat = flat.at[b[..., None], h[..., None], j[..., None], index].add(value.astype(f32))
       return flat.reshape(dense.shape)
 

@@ -30,8 +30,9 @@ from pallas_kernels.quantized_decode_attention_reference import check_quantized_
 from pallas_kernels.splits import SplitPlan, merge_split_partials, plan_splits
 
 
-def unsupported_reason(queries, k_codes, k_scale, v_scale, *, bits, group_size, lowrank,
-                       outliers, block) -> str | None:
+def unsupported_reason(
+  queries, k_codes, k_scale, v_scale, *, bits, group_size, lowrank, outliers, block
+) -> str | None:
   head_dim = queries.shape[3]
   if head_dim % 64 != 0:
     return f"head_dim={head_dim} (must be a multiple of 64)"
@@ -59,24 +60,36 @@ def _field_value_stats(stats, field, width, value_group):
   first_channel = field * width
   if value_group % width == 0:  # the field lies inside one channel group
     column = first_channel // value_group
-    return stats[:, column:column + 1]
+    return stats[:, column : column + 1]
   groups = width // value_group  # the field spans several whole channel groups
   first = first_channel // value_group
-  columns = stats[:, first:first + groups]
+  columns = stats[:, first : first + groups]
   tokens = columns.shape[0]
-  return jnp.broadcast_to(columns[:, :, None], (tokens, groups, value_group)).reshape(
-      tokens, width)
+  return jnp.broadcast_to(columns[:, :, None], (tokens, groups, value_group)).reshape(tokens, width)
 
 
 def _dot(a, b, contract_a, contract_b):
-  return jax.lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(
+    a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32
+  )
 
 
 def _quantized_kernel(
-    lengths_ref, queries_ref, k_codes_ref, k_scale_ref, k_min_ref, v_codes_ref, v_scale_ref,
-    v_min_ref, *rest, plan: SplitPlan, bits: int, group_size: int, has_lowrank: bool,
-    has_outliers: bool, head_dim: int,
+  lengths_ref,
+  queries_ref,
+  k_codes_ref,
+  k_scale_ref,
+  k_min_ref,
+  v_codes_ref,
+  v_scale_ref,
+  v_min_ref,
+  *rest,
+  plan: SplitPlan,
+  bits: int,
+  group_size: int,
+  has_lowrank: bool,
+  has_outliers: bool,
+  head_dim: int,
 ):
   out_ref, lse_ref, max_ref, sum_ref, acc_ref = rest[-5:]
   extra = list(rest[:-5])
@@ -109,13 +122,16 @@ def _quantized_kernel(
     scores = jnp.zeros((rows, block), jnp.float32)
     for field in range(fields):
       code = ((k_words >> jnp.uint32(bits * field)) & mask).astype(jnp.float32)
-      keys = (code * _repeat_rows(k_scale[:, field, :], group_size)
-              + _repeat_rows(k_min[:, field, :], group_size))
+      keys = code * _repeat_rows(k_scale[:, field, :], group_size) + _repeat_rows(
+        k_min[:, field, :], group_size
+      )
       scores += _dot(queries_ref[field], keys.astype(compute_dtype), 1, 1)
 
     if has_lowrank:
-      q_b = sum(_dot(queries_ref[field].astype(jnp.float32), k_b_ref[field].astype(jnp.float32),
-                     1, 0) for field in range(fields))  # [rows, r]
+      q_b = sum(
+        _dot(queries_ref[field].astype(jnp.float32), k_b_ref[field].astype(jnp.float32), 1, 0)
+        for field in range(fields)
+      )  # [rows, r]
       scores += _dot(q_b, k_a_ref[...].astype(jnp.float32), 1, 1)
     if has_outliers:
       log2_head_dim = int(math.log2(head_dim))
@@ -124,10 +140,16 @@ def _quantized_kernel(
       k_token_hot = (token_ids == (k_index >> log2_head_dim)).astype(jnp.float32)  # [block, s]
       k_channel = k_index & (head_dim - 1)
       q_at_outlier = sum(
-          _dot(queries_ref[field].astype(jnp.float32),
-               (jax.lax.broadcasted_iota(jnp.int32, (width, 1), 0) + field * width
-                == k_channel).astype(jnp.float32), 1, 0)
-          for field in range(fields))  # [rows, s]
+        _dot(
+          queries_ref[field].astype(jnp.float32),
+          (jax.lax.broadcasted_iota(jnp.int32, (width, 1), 0) + field * width == k_channel).astype(
+            jnp.float32
+          ),
+          1,
+          0,
+        )
+        for field in range(fields)
+      )  # [rows, s]
       scores += _dot(q_at_outlier * k_value_ref[...].astype(jnp.float32), k_token_hot, 1, 1)
 
     scores = jnp.where(valid[None, :], scores, -jnp.inf)
@@ -151,16 +173,18 @@ def _quantized_kernel(
       v_channel = v_index & (head_dim - 1)
     for field in range(fields):
       code = ((v_words >> jnp.uint32(bits * field)) & mask).astype(jnp.float32)
-      values = (code * _field_value_stats(v_scale, field, width, group_size)
-                + _field_value_stats(v_min, field, width, group_size))
+      values = code * _field_value_stats(v_scale, field, width, group_size) + _field_value_stats(
+        v_min, field, width, group_size
+      )
       # Slots past the length may hold anything: zero them so 0 * NaN cannot leak.
       values = jnp.where(valid[:, None], values, 0.0)
       update = _dot(probs_c, values.astype(compute_dtype), 1, 0)  # [rows, W]
       if has_lowrank:
         update += _dot(p_a, v_b_ref[field].astype(jnp.float32), 1, 1)
       if has_outliers:
-        channel_hot = (jax.lax.broadcasted_iota(jnp.int32, (width, 1), 0) + field * width
-                       == v_channel).astype(jnp.float32)  # [W, s]
+        channel_hot = (
+          jax.lax.broadcasted_iota(jnp.int32, (width, 1), 0) + field * width == v_channel
+        ).astype(jnp.float32)  # [W, s]
         update += _dot(weighted, channel_hot, 1, 1)
       acc_ref[field] = acc_ref[field] * correction + update
 
@@ -175,20 +199,55 @@ def _quantized_kernel(
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("bits", "group_size", "sm_scale", "block", "block_tokens", "num_splits",
-                     "interpret"))
+  jax.jit,
+  static_argnames=(
+    "bits",
+    "group_size",
+    "sm_scale",
+    "block",
+    "block_tokens",
+    "num_splits",
+    "interpret",
+  ),
+)
 def quantized_decode_attention_partials_tpu(
-    queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths,
-    initial_partials=None, *, bits: int, group_size: int, sm_scale: float, lowrank=None,
-    outliers=None, block: int = 64, block_tokens: int | None = None,
-    num_splits: int | None = 2, interpret: bool = False,
+  queries,
+  k_codes,
+  k_scale,
+  k_min,
+  v_codes,
+  v_scale,
+  v_min,
+  lengths,
+  initial_partials=None,
+  *,
+  bits: int,
+  group_size: int,
+  sm_scale: float,
+  lowrank=None,
+  outliers=None,
+  block: int = 64,
+  block_tokens: int | None = None,
+  num_splits: int | None = 2,
+  interpret: bool = False,
 ):
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows])."""
   check_bits(bits)
   sizes = check_quantized_inputs(
-      queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, bits=bits,
-      group_size=group_size, lowrank=lowrank, outliers=outliers, block=block)
+    queries,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    lengths,
+    bits=bits,
+    group_size=group_size,
+    lowrank=lowrank,
+    outliers=outliers,
+    block=block,
+  )
   batch, kv_heads, group, head_dim, tokens, width = sizes[:6]
   fields = 32 // bits
   gear = lowrank is not None or outliers is not None
@@ -212,26 +271,39 @@ def quantized_decode_attention_partials_tpu(
     return clamped_block_index(b, s, i, lengths_ref, plan=plan)
 
   def token_spec(trailing):  # blocks of block_tokens along the token axis
-    return pl.BlockSpec((None, None, block_tokens) + trailing,
-                        lambda b, h, s, i, lens: (b, h, block_index(b, h, s, i, lens))
-                        + (0,) * len(trailing))
+    return pl.BlockSpec(
+      (None, None, block_tokens) + trailing,
+      lambda b, h, s, i, lens: (b, h, block_index(b, h, s, i, lens)) + (0,) * len(trailing),
+    )
 
   def per_block_spec(trailing):  # one entry per GEAR block (block_tokens == block)
-    return pl.BlockSpec((None, None, None) + trailing,
-                        lambda b, h, s, i, lens: (b, h, block_index(b, h, s, i, lens))
-                        + (0,) * len(trailing))
+    return pl.BlockSpec(
+      (None, None, None) + trailing,
+      lambda b, h, s, i, lens: (b, h, block_index(b, h, s, i, lens)) + (0,) * len(trailing),
+    )
 
   key_stat_shape = (batch, kv_heads, tokens // group_size, fields, width)
-  args = [split_queries, k_codes, k_scale.reshape(key_stat_shape), k_min.reshape(key_stat_shape),
-          v_codes, v_scale, v_min]
+  args = [
+    split_queries,
+    k_codes,
+    k_scale.reshape(key_stat_shape),
+    k_min.reshape(key_stat_shape),
+    v_codes,
+    v_scale,
+    v_min,
+  ]
   key_stat_spec = pl.BlockSpec(
-      (None, None, key_groups, fields, width),
-      lambda b, h, s, i, lens: (b, h, block_index(b, h, s, i, lens), 0, 0))
+    (None, None, key_groups, fields, width),
+    lambda b, h, s, i, lens: (b, h, block_index(b, h, s, i, lens), 0, 0),
+  )
   in_specs = [
-      pl.BlockSpec((None, None, fields, rows, width), lambda b, h, s, i, lens: (b, h, 0, 0, 0)),
-      token_spec((width,)), key_stat_spec, key_stat_spec,
-      token_spec((width,)), token_spec((head_dim // group_size,)),
-      token_spec((head_dim // group_size,)),
+    pl.BlockSpec((None, None, fields, rows, width), lambda b, h, s, i, lens: (b, h, 0, 0, 0)),
+    token_spec((width,)),
+    key_stat_spec,
+    key_stat_spec,
+    token_spec((width,)),
+    token_spec((head_dim // group_size,)),
+    token_spec((head_dim // group_size,)),
   ]
   if lowrank is not None:
     k_a, k_b, v_a, v_b = lowrank
@@ -243,17 +315,22 @@ def quantized_decode_attention_partials_tpu(
     count = sizes.outliers_per_block
     as_rows = lambda x: x.reshape(batch, kv_heads, tokens // block, 1, count)
     k_index, k_value, v_index, v_value = outliers
-    args += [as_rows(k_index.astype(jnp.int32)), as_rows(k_value),
-             as_rows(v_index.astype(jnp.int32)), as_rows(v_value)]
+    args += [
+      as_rows(k_index.astype(jnp.int32)),
+      as_rows(k_value),
+      as_rows(v_index.astype(jnp.int32)),
+      as_rows(v_value),
+    ]
     in_specs += [per_block_spec((1, count))] * 4
   out_specs = [
-      pl.BlockSpec((None, None, None, fields, rows, width),
-                   lambda b, h, s, i, lens: (b, h, s, 0, 0, 0)),
-      pl.BlockSpec((None, None, None, rows, 1), lambda b, h, s, i, lens: (b, h, s, 0, 0)),
+    pl.BlockSpec(
+      (None, None, None, fields, rows, width), lambda b, h, s, i, lens: (b, h, s, 0, 0, 0)
+    ),
+    pl.BlockSpec((None, None, None, rows, 1), lambda b, h, s, i, lens: (b, h, s, 0, 0)),
   ]
   out_shape = [
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, fields, rows, width), jnp.float32),
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, 1), jnp.float32),
+    jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, fields, rows, width), jnp.float32),
+    jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, 1), jnp.float32),
   ]
   aliases = {}
   if initial_partials is not None:
@@ -263,26 +340,33 @@ def quantized_decode_attention_partials_tpu(
     out_init = jnp.moveaxis(out_init.reshape(*out_init.shape[:4], fields, width), 4, 3)
     args += [out_init, lse_init[..., None]]
   grid_spec = _compat.prefetch_scalar_grid_spec(
-      num_scalar_prefetch=1,
-      grid=(batch, kv_heads, plan.num_splits, plan.blocks_per_split),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      scratch_shapes=[_compat.tpu_vmem_scratch((rows, 1), jnp.float32),
-                      _compat.tpu_vmem_scratch((rows, 1), jnp.float32),
-                      _compat.tpu_vmem_scratch((fields, rows, width), jnp.float32)],
+    num_scalar_prefetch=1,
+    grid=(batch, kv_heads, plan.num_splits, plan.blocks_per_split),
+    in_specs=in_specs,
+    out_specs=out_specs,
+    scratch_shapes=[
+      _compat.tpu_vmem_scratch((rows, 1), jnp.float32),
+      _compat.tpu_vmem_scratch((rows, 1), jnp.float32),
+      _compat.tpu_vmem_scratch((fields, rows, width), jnp.float32),
+    ],
   )
   kernel = functools.partial(
-      _quantized_kernel, plan=plan, bits=bits, group_size=group_size,
-      has_lowrank=lowrank is not None, has_outliers=outliers is not None, head_dim=head_dim)
+    _quantized_kernel,
+    plan=plan,
+    bits=bits,
+    group_size=group_size,
+    has_lowrank=lowrank is not None,
+    has_outliers=outliers is not None,
+    head_dim=head_dim,
+  )
   out, lse = pl.pallas_call(
-      kernel,
-      grid_spec=grid_spec,
-      out_shape=out_shape,
-      input_output_aliases=aliases,
-      compiler_params=_compat.tpu_compiler_params(
-          ("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=_compat.tpu_interpret_params() if interpret else False,
-      name=f"quantized_decode_attention_{bits}bit_tpu",
+    kernel,
+    grid_spec=grid_spec,
+    out_shape=out_shape,
+    input_output_aliases=aliases,
+    compiler_params=_compat.tpu_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+    interpret=_compat.tpu_interpret_params() if interpret else False,
+    name=f"quantized_decode_attention_{bits}bit_tpu",
   )(lengths.astype(jnp.int32), *args)
   # [B, H, S, n, rows, W] -> [B, H, S, rows, D]
   out = jnp.moveaxis(out, 3, 4).reshape(batch, kv_heads, plan.num_splits, rows, head_dim)
@@ -290,11 +374,39 @@ def quantized_decode_attention_partials_tpu(
 
 
 def quantized_decode_attention_tpu(
-    queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, *, bits, group_size,
-    sm_scale, lowrank=None, outliers=None, block=64, **config):
+  queries,
+  k_codes,
+  k_scale,
+  k_min,
+  v_codes,
+  v_scale,
+  v_min,
+  lengths,
+  *,
+  bits,
+  group_size,
+  sm_scale,
+  lowrank=None,
+  outliers=None,
+  block=64,
+  **config,
+):
   """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the reference."""
   out, lse = quantized_decode_attention_partials_tpu(
-      queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, bits=bits,
-      group_size=group_size, sm_scale=sm_scale, lowrank=lowrank, outliers=outliers,
-      block=block, **config)
+    queries,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    lengths,
+    bits=bits,
+    group_size=group_size,
+    sm_scale=sm_scale,
+    lowrank=lowrank,
+    outliers=outliers,
+    block=block,
+    **config,
+  )
   return merge_split_partials(out, lse, queries.shape[2])

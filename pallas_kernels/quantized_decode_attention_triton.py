@@ -85,8 +85,9 @@ def _broadcast_columns(stats: jax.Array, repeat: int) -> jax.Array:
   return jnp.broadcast_to(stats[:, :, None], (rows, n, repeat)).reshape(rows, n * repeat)
 
 
-def unsupported_reason(queries, k_codes, k_scale, v_scale, *, bits, group_size, lowrank,
-                       outliers, block) -> str | None:
+def unsupported_reason(
+  queries, k_codes, k_scale, v_scale, *, bits, group_size, lowrank, outliers, block
+) -> str | None:
   """Why this kernel cannot take these shapes (None if it can)."""
   head_dim = queries.shape[3]
   if head_dim not in (64, 128, 256):
@@ -96,7 +97,8 @@ def unsupported_reason(queries, k_codes, k_scale, v_scale, *, bits, group_size, 
   if not is_power_of_two(group_size) or group_size > 256:
     return f"group_size={group_size} (must be a power of two <= 256)"
   if (lowrank is not None or outliers is not None) and (
-      not is_power_of_two(block) or block < 16 or block > 256):
+    not is_power_of_two(block) or block < 16 or block > 256
+  ):
     return f"GEAR block={block} (must be a power of two in [16, 256])"
   if k_scale.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
     return f"scale dtype {k_scale.dtype}"
@@ -104,9 +106,21 @@ def unsupported_reason(queries, k_codes, k_scale, v_scale, *, bits, group_size, 
 
 
 def _quantized_decode_kernel(
-    lengths_ref, queries_ref, k_codes_ref, k_scale_ref, k_min_ref, v_codes_ref, v_scale_ref,
-    v_min_ref, *rest, plan: SplitPlan, tokens: int, bits: int, group_size: int,
-    has_lowrank: bool, has_outliers: bool,
+  lengths_ref,
+  queries_ref,
+  k_codes_ref,
+  k_scale_ref,
+  k_min_ref,
+  v_codes_ref,
+  v_scale_ref,
+  v_min_ref,
+  *rest,
+  plan: SplitPlan,
+  tokens: int,
+  bits: int,
+  group_size: int,
+  has_lowrank: bool,
+  has_outliers: bool,
 ):
   out_ref, lse_ref = rest[-2:]
   extra = list(rest[:-2])
@@ -159,11 +173,12 @@ def _quantized_decode_kernel(
     if has_outliers:
       k_index = k_index_ref[gear_block]  # [s] flat t_local * D + d
       k_value = k_value_ref[gear_block].astype(jnp.float32)
-      k_channel_hot = (jnp.bitwise_and(k_index, head_dim - 1)[:, None] == channel_ids[None, :])
+      k_channel_hot = jnp.bitwise_and(k_index, head_dim - 1)[:, None] == channel_ids[None, :]
       q_at_outlier = _dot_nt(queries, k_channel_hot.astype(compute_dtype))  # [rows, s]
-      k_token_hot = (jnp.right_shift(k_index, log2_head_dim)[:, None] == offsets[None, :])
-      scores = scores + _dot_nn((q_at_outlier * k_value[None, :]).astype(compute_dtype),
-                                k_token_hot.astype(compute_dtype))
+      k_token_hot = jnp.right_shift(k_index, log2_head_dim)[:, None] == offsets[None, :]
+      scores = scores + _dot_nn(
+        (q_at_outlier * k_value[None, :]).astype(compute_dtype), k_token_hot.astype(compute_dtype)
+      )
 
     scores = jnp.where(valid[None, :], scores, -jnp.inf)
     # Every iterated block has a valid token, so new_max is finite from the first step on.
@@ -176,8 +191,9 @@ def _quantized_decode_kernel(
     v_code = unpack_to_float(load_rows(v_codes_ref, first, block, valid), bits)
     v_scale = load_rows(v_scale_ref, first, block, valid).astype(jnp.float32)
     v_min = load_rows(v_min_ref, first, block, valid).astype(jnp.float32)
-    values = (v_code * _broadcast_columns(v_scale, value_group)
-              + _broadcast_columns(v_min, value_group))
+    values = v_code * _broadcast_columns(v_scale, value_group) + _broadcast_columns(
+      v_min, value_group
+    )
     probs_c = probs.astype(compute_dtype)
     update = _dot_nn(probs_c, values.astype(compute_dtype))  # [rows, D]
     if has_lowrank:
@@ -188,15 +204,19 @@ def _quantized_decode_kernel(
     if has_outliers:
       v_index = v_index_ref[gear_block]
       v_value = v_value_ref[gear_block].astype(jnp.float32)
-      v_token_hot = (jnp.right_shift(v_index, log2_head_dim)[:, None] == offsets[None, :])
+      v_token_hot = jnp.right_shift(v_index, log2_head_dim)[:, None] == offsets[None, :]
       p_at_outlier = _dot_nt(probs_c, v_token_hot.astype(compute_dtype))  # [rows, s]
-      v_channel_hot = (jnp.bitwise_and(v_index, head_dim - 1)[:, None] == channel_ids[None, :])
-      update = update + _dot_nn((p_at_outlier * v_value[None, :]).astype(compute_dtype),
-                                v_channel_hot.astype(compute_dtype))
+      v_channel_hot = jnp.bitwise_and(v_index, head_dim - 1)[:, None] == channel_ids[None, :]
+      update = update + _dot_nn(
+        (p_at_outlier * v_value[None, :]).astype(compute_dtype), v_channel_hot.astype(compute_dtype)
+      )
     return new_max, running_sum, acc * correction[:, None] + update
 
-  init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-          jnp.zeros((rows, head_dim), jnp.float32))
+  init = (
+    jnp.full((rows,), -jnp.inf, jnp.float32),
+    jnp.zeros((rows,), jnp.float32),
+    jnp.zeros((rows, head_dim), jnp.float32),
+  )
   running_max, running_sum, acc = jax.lax.fori_loop(0, num_blocks, body, init)
   nonempty = running_sum > 0
   safe_sum = jnp.where(nonempty, running_sum, 1.0)
@@ -214,16 +234,20 @@ def join_fields(fields: list) -> jax.Array:
   """
   stack = jnp.stack if isinstance(fields[0], jax.Array) else np.stack
   while len(fields) > 1:
-    fields = [stack([fields[2 * i], fields[2 * i + 1]], axis=-1).reshape(fields[0].shape[0], -1)
-              for i in range(len(fields) // 2)]
+    fields = [
+      stack([fields[2 * i], fields[2 * i + 1]], axis=-1).reshape(fields[0].shape[0], -1)
+      for i in range(len(fields) // 2)
+    ]
   return fields[0]
 
 
 def joined_channel_order(first_field: int, num_fields: int, width: int):
   """numpy int32 [num_fields * width]: channel at each position of `join_fields` over the bit
   fields first_field .. first_field + num_fields - 1 (field k holds channels [k*W, (k+1)*W))."""
-  fields = [np.arange(k * width, (k + 1) * width, dtype=np.int32)[None, :]
-            for k in range(first_field, first_field + num_fields)]
+  fields = [
+    np.arange(k * width, (k + 1) * width, dtype=np.int32)[None, :]
+    for k in range(first_field, first_field + num_fields)
+  ]
   return join_fields(fields)[0]
 
 
@@ -234,9 +258,12 @@ def channel_orders(head_dim: int, bits: int, value_group: int):
   width = head_dim // fields
   key_order = joined_channel_order(0, fields, width)
   per_group = value_group // width
-  value_order = np.concatenate([
+  value_order = np.concatenate(
+    [
       joined_channel_order(group * per_group, per_group, width)
-      for group in range(head_dim // value_group)])
+      for group in range(head_dim // value_group)
+    ]
+  )
   return key_order, value_order
 
 
@@ -247,10 +274,25 @@ def _unpack_field(words, bits, field):
 
 
 def _planar_kernel(
-    lengths_ref, key_order_ref, value_order_ref, queries_ref, k_codes_ref, k_scale_ref,
-    k_min_ref, v_codes_ref, v_scale_ref, v_min_ref, *rest, plan: SplitPlan, tokens: int,
-    bits: int, group_size: int, unroll: int, gear_block: int, has_lowrank: bool,
-    has_outliers: bool,
+  lengths_ref,
+  key_order_ref,
+  value_order_ref,
+  queries_ref,
+  k_codes_ref,
+  k_scale_ref,
+  k_min_ref,
+  v_codes_ref,
+  v_scale_ref,
+  v_min_ref,
+  *rest,
+  plan: SplitPlan,
+  tokens: int,
+  bits: int,
+  group_size: int,
+  unroll: int,
+  gear_block: int,
+  has_lowrank: bool,
+  has_outliers: bool,
 ):
   """One fori step = `unroll` key groups of `group_size` tokens (see module doc, "planar")."""
   out_ref, lse_ref = rest[-2:]
@@ -284,8 +326,9 @@ def _planar_kernel(
     key_group = jnp.minimum(first // group_size, last_key_group)
 
     # Scores: (q * k_scale[g]) . codes^T + q . k_min[g]: no per-element dequantization.
-    k_words = _compat.triton_load(k_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None],
-                                  other=0)
+    k_words = _compat.triton_load(
+      k_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
+    )
     k_code = join_fields([_unpack_field(k_words, bits, f) for f in range(fields)])  # [block, D]
     k_scale = k_scale_ref[key_group, key_order].astype(jnp.float32)  # [D], key channel order
     k_min = k_min_ref[key_group, key_order].astype(jnp.float32)
@@ -300,8 +343,9 @@ def _planar_kernel(
       offset_in_gear_block = first - gear_index * gear_block
     if has_lowrank:
       k_b = k_b_ref[gear_index, key_order, :].astype(jnp.float32)  # [D, r], key order
-      k_a = _compat.triton_load(k_a_ref.at[pl.ds(first, block), :], mask=valid[:, None],
-                                other=0).astype(jnp.float32)  # [block, r]
+      k_a = _compat.triton_load(
+        k_a_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
+      ).astype(jnp.float32)  # [block, r]
       q_b = jnp.sum(queries[:, :, None] * k_b[None, :, :], axis=1)  # [rows, r]
       scores = scores + jnp.sum(q_b[:, None, :] * k_a[None, :, :], axis=2)
     if has_outliers:
@@ -311,8 +355,9 @@ def _planar_kernel(
       q_at_outlier = _dot_nt(queries_ref[...], k_channel_hot.astype(compute_dtype))  # [rows, s]
       k_token = jnp.right_shift(k_index, log2_head_dim) - offset_in_gear_block
       k_token_hot = k_token[:, None] == offsets[None, :]  # [s, block]
-      scores = scores + _dot_nn((q_at_outlier * k_value[None, :]).astype(compute_dtype),
-                                k_token_hot.astype(compute_dtype))
+      scores = scores + _dot_nn(
+        (q_at_outlier * k_value[None, :]).astype(compute_dtype), k_token_hot.astype(compute_dtype)
+      )
 
     scores = jnp.where(valid[None, :], scores, -jnp.inf)
     new_max = jnp.maximum(running_max, scores.max(axis=1))
@@ -325,11 +370,13 @@ def _planar_kernel(
 
     # Values, per channel group c: sum_t (p_t * v_scale[t, c]) codes[t, group c]
     #                               + sum_t p_t * v_min[t, c].
-    v_words = _compat.triton_load(v_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None],
-                                  other=0)
+    v_words = _compat.triton_load(
+      v_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
+    )
     if has_lowrank:
-      v_a = _compat.triton_load(v_a_ref.at[pl.ds(first, block), :], mask=valid[:, None],
-                                other=0).astype(jnp.float32)
+      v_a = _compat.triton_load(
+        v_a_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
+      ).astype(jnp.float32)
       p_a = jnp.sum(probs[:, :, None] * v_a[None, :, :], axis=1)  # [rows, r]
     if has_outliers:
       v_index = v_index_ref[gear_index, :]
@@ -340,15 +387,22 @@ def _planar_kernel(
       v_channel = jnp.bitwise_and(v_index, head_dim - 1)
     new_accs = []
     for c in range(num_value_groups):
-      v_scale = _compat.triton_load(v_scale_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid,
-                                    other=0).astype(jnp.float32)  # [block]
-      v_min = _compat.triton_load(v_min_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid,
-                                  other=0).astype(jnp.float32)
+      v_scale = _compat.triton_load(
+        v_scale_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid, other=0
+      ).astype(jnp.float32)  # [block]
+      v_min = _compat.triton_load(
+        v_min_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid, other=0
+      ).astype(jnp.float32)
       first_field = c * fields_per_value_group
-      v_code = join_fields([_unpack_field(v_words, bits, f)
-                            for f in range(first_field, first_field + fields_per_value_group)])
-      update = _dot_nn((probs * v_scale[None, :]).astype(compute_dtype),
-                       v_code.astype(compute_dtype))  # [rows, value_group]
+      v_code = join_fields(
+        [
+          _unpack_field(v_words, bits, f)
+          for f in range(first_field, first_field + fields_per_value_group)
+        ]
+      )
+      update = _dot_nn(
+        (probs * v_scale[None, :]).astype(compute_dtype), v_code.astype(compute_dtype)
+      )  # [rows, value_group]
       update = update + jnp.sum(probs * v_min[None, :], axis=1)[:, None]
       if has_lowrank or has_outliers:
         group_order = value_order_ref[pl.ds(c * value_group, value_group)]  # [value_group]
@@ -366,14 +420,18 @@ def _planar_kernel(
       carry = sub_step(start + (i * unroll + u) * block, carry)
     return carry
 
-  init = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-          tuple(jnp.zeros((rows, value_group), jnp.float32) for _ in range(num_value_groups)))
+  init = (
+    jnp.full((rows,), -jnp.inf, jnp.float32),
+    jnp.zeros((rows,), jnp.float32),
+    tuple(jnp.zeros((rows, value_group), jnp.float32) for _ in range(num_value_groups)),
+  )
   running_max, running_sum, accs = jax.lax.fori_loop(0, num_steps, body, init)
   nonempty = running_sum > 0
   safe_sum = jnp.where(nonempty, running_sum, 1.0)
   for c in range(num_value_groups):
     out_ref[:, pl.ds(c * value_group, value_group)] = jnp.where(
-        nonempty[:, None], accs[c] / safe_sum[:, None], 0.0)
+      nonempty[:, None], accs[c] / safe_sum[:, None], 0.0
+    )
   lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
 
 
@@ -400,15 +458,45 @@ def output_channel_order(head_dim: int, bits: int, group_size: int, variant: str
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=("bits", "group_size", "sm_scale", "block", "block_tokens", "num_splits",
-                     "num_warps", "num_stages", "interpret", "variant", "unroll"))
+  jax.jit,
+  static_argnames=(
+    "bits",
+    "group_size",
+    "sm_scale",
+    "block",
+    "block_tokens",
+    "num_splits",
+    "num_warps",
+    "num_stages",
+    "interpret",
+    "variant",
+    "unroll",
+  ),
+)
 def quantized_decode_attention_partials_triton(
-    queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths,
-    initial_partials=None, *, bits: int, group_size: int, sm_scale: float, lowrank=None,
-    outliers=None, block: int = 64, block_tokens: int | None = None,
-    num_splits: int | None = None, num_warps: int = 4, num_stages: int = 3,
-    interpret: bool = False, variant: str = "reshape", unroll: int = 2,
+  queries,
+  k_codes,
+  k_scale,
+  k_min,
+  v_codes,
+  v_scale,
+  v_min,
+  lengths,
+  initial_partials=None,
+  *,
+  bits: int,
+  group_size: int,
+  sm_scale: float,
+  lowrank=None,
+  outliers=None,
+  block: int = 64,
+  block_tokens: int | None = None,
+  num_splits: int | None = None,
+  num_warps: int = 4,
+  num_stages: int = 3,
+  interpret: bool = False,
+  variant: str = "reshape",
+  unroll: int = 2,
 ):
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]); see module doc.
 
@@ -426,8 +514,20 @@ def quantized_decode_attention_partials_triton(
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} is not supported; allowed: {', '.join(VARIANTS)}")
   sizes = check_quantized_inputs(
-      queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, bits=bits,
-      group_size=group_size, lowrank=lowrank, outliers=outliers, block=block)
+    queries,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    lengths,
+    bits=bits,
+    group_size=group_size,
+    lowrank=lowrank,
+    outliers=outliers,
+    block=block,
+  )
   batch, kv_heads, group, head_dim, tokens = sizes[:5]
   gear = lowrank is not None or outliers is not None
   if variant == "planar":
@@ -450,8 +550,7 @@ def quantized_decode_attention_partials_triton(
 
   def row_spec(array):  # this (row, KV head)'s whole slab; the kernel slices blocks itself
     trailing = array.shape[2:]
-    return pl.BlockSpec((None, None) + trailing,
-                        lambda b, h, s: (b, h) + (0,) * len(trailing))
+    return pl.BlockSpec((None, None) + trailing, lambda b, h, s: (b, h) + (0,) * len(trailing))
 
   args = [scaled_queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min]
   if lowrank is not None:
@@ -462,19 +561,25 @@ def quantized_decode_attention_partials_triton(
     # Zero-valued padding entries (index 0) add nothing; the one-hot dots need s >= 16.
     count = max(16, next_power_of_two(sizes.outliers_per_block))
     k_index, k_value, v_index, v_value = outliers
-    args += [_pad_last(k_index.astype(jnp.int32), count), _pad_last(k_value, count),
-             _pad_last(v_index.astype(jnp.int32), count), _pad_last(v_value, count)]
-  in_specs = ([pl.BlockSpec((None,), lambda b, h, s: (b,))]
-              + [pl.BlockSpec((head_dim,), lambda b, h, s: (0,)) for _ in prefix]
-              + [row_spec(x) for x in args])
+    args += [
+      _pad_last(k_index.astype(jnp.int32), count),
+      _pad_last(k_value, count),
+      _pad_last(v_index.astype(jnp.int32), count),
+      _pad_last(v_value, count),
+    ]
+  in_specs = (
+    [pl.BlockSpec((None,), lambda b, h, s: (b,))]
+    + [pl.BlockSpec((head_dim,), lambda b, h, s: (0,)) for _ in prefix]
+    + [row_spec(x) for x in args]
+  )
   args = [lengths.astype(jnp.int32)] + prefix + args
   out_specs = [
-      pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
-      pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+    pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s: (b, h, s, 0, 0)),
+    pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
   ]
   out_shape = [
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows), jnp.float32),
+    jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
+    jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows), jnp.float32),
   ]
   aliases = {}
   if initial_partials is not None:
@@ -483,23 +588,36 @@ def quantized_decode_attention_partials_triton(
     args += list(initial_partials)
   if variant == "planar":
     kernel = functools.partial(
-        _planar_kernel, plan=plan, tokens=tokens, bits=bits, group_size=group_size,
-        unroll=unroll, gear_block=block, has_lowrank=lowrank is not None,
-        has_outliers=outliers is not None)
+      _planar_kernel,
+      plan=plan,
+      tokens=tokens,
+      bits=bits,
+      group_size=group_size,
+      unroll=unroll,
+      gear_block=block,
+      has_lowrank=lowrank is not None,
+      has_outliers=outliers is not None,
+    )
   else:
     kernel = functools.partial(
-        _quantized_decode_kernel, plan=plan, tokens=tokens, bits=bits, group_size=group_size,
-        has_lowrank=lowrank is not None, has_outliers=outliers is not None)
+      _quantized_decode_kernel,
+      plan=plan,
+      tokens=tokens,
+      bits=bits,
+      group_size=group_size,
+      has_lowrank=lowrank is not None,
+      has_outliers=outliers is not None,
+    )
   return pl.pallas_call(
-      kernel,
-      grid=(batch, kv_heads, plan.num_splits),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      input_output_aliases=aliases,
-      compiler_params=_compat.triton_compiler_params(num_warps, num_stages),
-      interpret=interpret,
-      name=f"quantized_decode_attention_{bits}bit_triton",
+    kernel,
+    grid=(batch, kv_heads, plan.num_splits),
+    in_specs=in_specs,
+    out_specs=out_specs,
+    out_shape=out_shape,
+    input_output_aliases=aliases,
+    compiler_params=_compat.triton_compiler_params(num_warps, num_stages),
+    interpret=interpret,
+    name=f"quantized_decode_attention_{bits}bit_triton",
   )(*args)
 
 
@@ -510,8 +628,24 @@ def planar_supported(head_dim: int, bits: int, group_size: int) -> bool:
 
 
 def quantized_decode_attention_triton(
-    queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, *, bits, group_size,
-    sm_scale, lowrank=None, outliers=None, block=64, variant="reshape", **config):
+  queries,
+  k_codes,
+  k_scale,
+  k_min,
+  v_codes,
+  v_scale,
+  v_min,
+  lengths,
+  *,
+  bits,
+  group_size,
+  sm_scale,
+  lowrank=None,
+  outliers=None,
+  block=64,
+  variant="reshape",
+  **config,
+):
   """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the reference.
 
   variant "planar" falls back to "reshape" where `planar_supported` is False.
@@ -519,9 +653,23 @@ def quantized_decode_attention_triton(
   if variant == "planar" and not planar_supported(queries.shape[3], bits, group_size):
     variant = "reshape"
   out, lse = quantized_decode_attention_partials_triton(
-      queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, bits=bits,
-      group_size=group_size, sm_scale=sm_scale, lowrank=lowrank, outliers=outliers,
-      block=block, variant=variant, **config)
+    queries,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    lengths,
+    bits=bits,
+    group_size=group_size,
+    sm_scale=sm_scale,
+    lowrank=lowrank,
+    outliers=outliers,
+    block=block,
+    variant=variant,
+    **config,
+  )
   out, lse = merge_split_partials(out, lse, queries.shape[2])
   order = output_channel_order(queries.shape[3], bits, group_size, variant)
   if variant != "reshape":

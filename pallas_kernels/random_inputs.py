@@ -51,8 +51,10 @@ def random_full_segment(key, batch, kv_heads, tokens, head_dim, dtype=jnp.float3
   """(keys, values) [B, H, T, D]; `key` as in `random_queries`."""
   if isinstance(key, np.random.Generator):
     shape = (batch, kv_heads, tokens, head_dim)
-    return (jnp.asarray(key.standard_normal(shape), dtype),
-            jnp.asarray(key.standard_normal(shape), dtype))
+    return (
+      jnp.asarray(key.standard_normal(shape), dtype),
+      jnp.asarray(key.standard_normal(shape), dtype),
+    )
   return _random_full_segment(key, batch, kv_heads, tokens, head_dim, dtype)
 
 
@@ -60,13 +62,25 @@ def random_full_segment(key, batch, kv_heads, tokens, head_dim, dtype=jnp.float3
 def _random_full_segment(key, batch, kv_heads, tokens, head_dim, dtype):
   k_key, v_key = jax.random.split(key)
   shape = (batch, kv_heads, tokens, head_dim)
-  return (jax.random.normal(k_key, shape, jnp.float32).astype(dtype),
-          jax.random.normal(v_key, shape, jnp.float32).astype(dtype))
+  return (
+    jax.random.normal(k_key, shape, jnp.float32).astype(dtype),
+    jax.random.normal(v_key, shape, jnp.float32).astype(dtype),
+  )
 
 
 def random_quantized_segment(
-    key, batch, kv_heads, tokens, head_dim, *, bits, group_size, dtype=jnp.float32,
-    rank: int = 0, outliers_per_block: int = 0, block: int = 64,
+  key,
+  batch,
+  kv_heads,
+  tokens,
+  head_dim,
+  *,
+  bits,
+  group_size,
+  dtype=jnp.float32,
+  rank: int = 0,
+  outliers_per_block: int = 0,
+  block: int = 64,
 ) -> QuantizedSegment:
   """Random codes, positive scales, signed minimums, and optional GEAR terms.
 
@@ -74,8 +88,9 @@ def random_quantized_segment(
   compilation).
   """
   sizes = (batch, kv_heads, tokens, head_dim)
-  options = dict(bits=bits, group_size=group_size, rank=rank,
-                 outliers_per_block=outliers_per_block, block=block)
+  options = dict(
+    bits=bits, group_size=group_size, rank=rank, outliers_per_block=outliers_per_block, block=block
+  )
   if isinstance(key, np.random.Generator):
     return _random_quantized_segment(_NumpyRandom(key), None, *sizes, dtype=dtype, **options)
   return _random_quantized_segment_jit(key, *sizes, dtype=dtype, **options)
@@ -101,14 +116,29 @@ class _NumpyRandom:
 
 
 @functools.partial(
-    jax.jit, static_argnums=(1, 2, 3, 4),
-    static_argnames=("bits", "group_size", "dtype", "rank", "outliers_per_block", "block"))
+  jax.jit,
+  static_argnums=(1, 2, 3, 4),
+  static_argnames=("bits", "group_size", "dtype", "rank", "outliers_per_block", "block"),
+)
 def _random_quantized_segment_jit(key, *sizes, **options):
   return _random_quantized_segment(jax.random, key, *sizes, **options)
 
 
-def _random_quantized_segment(random, key, batch, kv_heads, tokens, head_dim, *, bits,
-                              group_size, dtype, rank, outliers_per_block, block):
+def _random_quantized_segment(
+  random,
+  key,
+  batch,
+  kv_heads,
+  tokens,
+  head_dim,
+  *,
+  bits,
+  group_size,
+  dtype,
+  rank,
+  outliers_per_block,
+  block,
+):
   keys = random.split(key, 12)
   levels = 2**bits
   code_shape = (batch, kv_heads, tokens, head_dim)
@@ -127,8 +157,9 @@ def _random_quantized_segment(random, key, batch, kv_heads, tokens, head_dim, *,
     a_shape = (batch, kv_heads, tokens, rank)
     b_shape = (batch, kv_heads, tokens // block, head_dim, rank)
     lowrank = tuple(
-        (0.3 * random.normal(k, s, jnp.float32)).astype(dtype)
-        for k, s in zip(keys[6:10], (a_shape, b_shape, a_shape, b_shape), strict=True))
+      (0.3 * random.normal(k, s, jnp.float32)).astype(dtype)
+      for k, s in zip(keys[6:10], (a_shape, b_shape, a_shape, b_shape), strict=True)
+    )
   outliers = None
   if outliers_per_block:
     shape = (batch, kv_heads, tokens // block, outliers_per_block)

@@ -30,8 +30,11 @@ def is_power_of_two(n: int) -> bool:
 
 
 def plan_splits(
-    tokens: int, block_tokens: int, rows_times_heads: int, num_splits: int | None,
-    target_programs: int,
+  tokens: int,
+  block_tokens: int,
+  rows_times_heads: int,
+  num_splits: int | None,
+  target_programs: int,
 ) -> SplitPlan:
   """Splits `tokens` into `num_splits` ranges of whole blocks (None: enough to reach about
   `target_programs` programs in all). Trailing empty splits are dropped."""
@@ -54,9 +57,9 @@ def pad_query_group(queries: jax.Array, rows: int, dtype) -> jax.Array:
 
 
 def merge_split_partials(
-    out_partials: jax.Array,  # f32 [B, H, S, rows, D]: each split's normalised output
-    lse_partials: jax.Array,  # f32 [B, H, S, rows]: each split's log-sum-exp (-inf if empty)
-    group: int,
+  out_partials: jax.Array,  # f32 [B, H, S, rows, D]: each split's normalised output
+  lse_partials: jax.Array,  # f32 [B, H, S, rows]: each split's log-sum-exp (-inf if empty)
+  group: int,
 ) -> tuple[jax.Array, jax.Array]:
   """Exact merge over the splits, keeping the first `group` rows: (out [B,H,G,D], lse [B,H,G])."""
   out_partials = out_partials[:, :, :, :group]
@@ -64,6 +67,7 @@ def merge_split_partials(
   total = jax.nn.logsumexp(lse_partials, axis=2)  # -inf where every split is empty
   safe_total = jnp.where(jnp.isfinite(total), total, 0.0)
   weights = jnp.where(
-      jnp.isfinite(lse_partials), jnp.exp(lse_partials - safe_total[:, :, None]), 0.0)
+    jnp.isfinite(lse_partials), jnp.exp(lse_partials - safe_total[:, :, None]), 0.0
+  )
   out = jnp.einsum("bhsg,bhsgd->bhgd", weights, out_partials)
   return out, total

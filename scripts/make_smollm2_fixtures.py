@@ -65,39 +65,41 @@ ROWS_KEPT = 8
 CHAT_QUESTION = "Explain why the sky is blue."
 
 PARAGRAPH = (
-    "The library sat at the end of a quiet street, its windows glowing warmly every evening. "
-    "People came to read, to think, and sometimes simply to escape the rain for an hour."
+  "The library sat at the end of a quiet street, its windows glowing warmly every evening. "
+  "People came to read, to think, and sometimes simply to escape the rain for an hour."
 )
 
 CODE = (
-    "def fibonacci(n):\n"
-    "    a, b = 0, 1\n"
-    "    for _ in range(n):\n"
-    "        a, b = b, a + b\n"
-    "    return a\n"
+  "def fibonacci(n):\n"
+  "    a, b = 0, 1\n"
+  "    for _ in range(n):\n"
+  "        a, b = b, a + b\n"
+  "    return a\n"
 )
 
 TEXTS = (
-    "Hello, world! The quick brown fox jumps over the lazy dog.",
-    "Café naïve résumé — déjà vu. 😀👍🏽 你好，世界。こんにちは Ünïcödé",
-    'class Point:\n    def __init__(self, x: float) -> None:\n        self.x = x  # "quoted"\n',
-    "a  b   c\t\td\n\n\ne    f \n  end   ",
-    "12345 and 3.14159, 1,000,000 or 2024-01-31; x  42\n    7 items",
-    "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
+  "Hello, world! The quick brown fox jumps over the lazy dog.",
+  "Café naïve résumé — déjà vu. 😀👍🏽 你好，世界。こんにちは Ünïcödé",
+  'class Point:\n    def __init__(self, x: float) -> None:\n        self.x = x  # "quoted"\n',
+  "a  b   c\t\td\n\n\ne    f \n  end   ",
+  "12345 and 3.14159, 1,000,000 or 2024-01-31; x  42\n    7 items",
+  "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n",
 )
 
 CHAT_MESSAGES = (
-    {"role": "user", "content": "What is the capital of France?"},
-    {"role": "assistant", "content": "The capital of France is Paris."},
+  {"role": "user", "content": "What is the capital of France?"},
+  {"role": "assistant", "content": "The capital of France is Paris."},
 )
 
 
 def smollm_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
   """llama.cpp's pre-tokenizer for `tokenizer.ggml.pre = "smollm"`: digits alone, then GPT-2."""
-  return pre_tokenizers.Sequence([
+  return pre_tokenizers.Sequence(
+    [
       pre_tokenizers.Digits(individual_digits=True),
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-  ])
+    ]
+  )
 
 
 def main() -> None:
@@ -113,12 +115,12 @@ def main() -> None:
   tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=GGUF_FILE)
   tokenizer.backend_tokenizer.pre_tokenizer = smollm_pre_tokenizer()
   model = AutoModelForCausalLM.from_pretrained(
-      gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32, attn_implementation="eager"
+    gguf_dir, gguf_file=GGUF_FILE, dtype=torch.float32, attn_implementation="eager"
   ).eval()
 
   arrays = {}
   chat_prompt = tokenizer.apply_chat_template(
-      [{"role": "user", "content": CHAT_QUESTION}], add_generation_prompt=True, tokenize=False
+    [{"role": "user", "content": CHAT_QUESTION}], add_generation_prompt=True, tokenize=False
   )
   prompts = (chat_prompt, PARAGRAPH, CODE)
   last_logits = []
@@ -133,12 +135,12 @@ def main() -> None:
 
   with torch.no_grad():
     generated = model.generate(
-        torch.tensor([arrays["prompt_ids_0"].tolist()]),
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        pad_token_id=tokenizer.eos_token_id,
+      torch.tensor([arrays["prompt_ids_0"].tolist()]),
+      max_new_tokens=NEW_TOKENS,
+      do_sample=False,
+      pad_token_id=tokenizer.eos_token_id,
     )
-  new_ids = generated[0, len(arrays["prompt_ids_0"]):].numpy().astype(np.int32)
+  new_ids = generated[0, len(arrays["prompt_ids_0"]) :].numpy().astype(np.int32)
   if len(new_ids) != NEW_TOKENS:
     raise SystemExit(f"generation stopped after {len(new_ids)} tokens; pick a longer-answer prompt")
   arrays["greedy_ids"] = new_ids
@@ -148,18 +150,20 @@ def main() -> None:
     arrays[f"text_{index}"] = np.array(text)
     arrays[f"text_ids_{index}"] = np.array(ids, dtype=np.int32)
     arrays[f"text_ids_transformers_gguf_{index}"] = np.array(
-        gguf_tokenizer.encode(text, add_special_tokens=False), dtype=np.int32
+      gguf_tokenizer.encode(text, add_special_tokens=False), dtype=np.int32
     )
     arrays[f"text_decoded_{index}"] = np.array(tokenizer.decode(ids, skip_special_tokens=True))
 
   arrays["chat_messages_json"] = np.array(json.dumps(CHAT_MESSAGES))
   for key, messages, add_generation_prompt in (
-      ("chat_rendered", CHAT_MESSAGES, False),
-      ("chat_rendered_generation", CHAT_MESSAGES[:1], True),
+    ("chat_rendered", CHAT_MESSAGES, False),
+    ("chat_rendered_generation", CHAT_MESSAGES[:1], True),
   ):
-    arrays[key] = np.array(tokenizer.apply_chat_template(
+    arrays[key] = np.array(
+      tokenizer.apply_chat_template(
         list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
-    ))
+      )
+    )
 
   attention = model.model.layers[0].self_attn
   for projection in ("q_proj", "k_proj"):

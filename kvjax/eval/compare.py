@@ -29,7 +29,9 @@ class CompareConfig:
   def __post_init__(self):
     unknown = set(self.tasks) - set(TASKS)
     if unknown or not self.tasks:
-      raise ValueError(f"tasks={','.join(self.tasks)!s} has unknown {sorted(unknown)}; allowed: {','.join(TASKS)}")
+      raise ValueError(
+        f"tasks={','.join(self.tasks)!s} has unknown {sorted(unknown)}; allowed: {','.join(TASKS)}"
+      )
     for name in ("context_len", "continuation_len", "num_samples", "speed_new_tokens"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -38,8 +40,16 @@ class CompareConfig:
 
 
 def compare_methods(
-    decoder, params, tokenizer, method_specs: list, *, text: str, config: CompareConfig,
-    pad_token_id: int = 0, max_context: int | None = None, on_record=None,
+  decoder,
+  params,
+  tokenizer,
+  method_specs: list,
+  *,
+  text: str,
+  config: CompareConfig,
+  pad_token_id: int = 0,
+  max_context: int | None = None,
+  on_record=None,
 ) -> list[dict]:
   """One record per method (the full cache first: every number is relative to it).
 
@@ -47,8 +57,8 @@ def compare_methods(
   called after each method with the records so far (to save partial results of long runs).
   """
   methods = [
-      parse_method_spec(s, implementation=config.implementation) if isinstance(s, str) else s
-      for s in method_specs
+    parse_method_spec(s, implementation=config.implementation) if isinstance(s, str) else s
+    for s in method_specs
   ]
   names = [describe_method(m) for m in methods]
   if "full" not in names:
@@ -57,8 +67,8 @@ def compare_methods(
   needed = config.context_len + max(config.continuation_len, config.speed_new_tokens)
   if max_context is not None and needed > max_context:
     raise ValueError(
-        f"context_len {config.context_len} + {max(config.continuation_len, config.speed_new_tokens)} "
-        f"new tokens exceeds the model's context of {max_context} tokens"
+      f"context_len {config.context_len} + {max(config.continuation_len, config.speed_new_tokens)} "
+      f"new tokens exceeds the model's context of {max_context} tokens"
     )
   dtype = jnp.dtype(config.cache_dtype)
   tasks = set(config.tasks)
@@ -66,31 +76,46 @@ def compare_methods(
   windows = None
   if tasks & {"ppl", "kl"}:
     windows = sample_text_windows(
-        text_ids, window=config.context_len + config.continuation_len, count=config.num_samples, seed=config.seed
+      text_ids,
+      window=config.context_len + config.continuation_len,
+      count=config.num_samples,
+      seed=config.seed,
     )
   needles = None
   if tasks & {"passkey", "passkey_agnostic"}:
     needles = build_needle_prompts(
-        tokenizer, context_len=config.context_len, num_samples=config.num_samples, seed=config.seed
+      tokenizer, context_len=config.context_len, num_samples=config.num_samples, seed=config.seed
     )
-  full_bytes = cache_bytes_after_context(decoder, params, methods[0], context_len=config.context_len, cache_dtype=dtype)
+  full_bytes = cache_bytes_after_context(
+    decoder, params, methods[0], context_len=config.context_len, cache_dtype=dtype
+  )
   elements = context_elements(decoder.cache_shape, config.context_len)
   records, full_scores = [], None
   for name, method in tqdm(list(zip(names, methods)), desc="methods", unit="method"):
-    cache_bytes = cache_bytes_after_context(decoder, params, method, context_len=config.context_len, cache_dtype=dtype)
+    cache_bytes = cache_bytes_after_context(
+      decoder, params, method, context_len=config.context_len, cache_dtype=dtype
+    )
     record = dict(
-        method=name, cache_bytes=cache_bytes, full_cache_bytes=full_bytes,
-        compression_ratio=full_bytes / cache_bytes, bits_per_element=8 * cache_bytes / elements,
-        ppl=None, kl=None, passkey_acc=None, passkey_acc_by_depth=None, prefill_s=None,
-        decode_tokens_per_s=None, compile_s=None,
+      method=name,
+      cache_bytes=cache_bytes,
+      full_cache_bytes=full_bytes,
+      compression_ratio=full_bytes / cache_bytes,
+      bits_per_element=8 * cache_bytes / elements,
+      ppl=None,
+      kl=None,
+      passkey_acc=None,
+      passkey_acc_by_depth=None,
+      prefill_s=None,
+      decode_tokens_per_s=None,
+      compile_s=None,
     )
     steps = (["continuation"] if windows is not None else []) + [
-        t for t in ("passkey", "passkey_agnostic", "speed") if t in tasks
+      t for t in ("passkey", "passkey_agnostic", "speed") if t in tasks
     ]
     for task in tqdm(steps, desc=name, unit="task", leave=False):
       if task == "continuation":
         scores = score_continuation(
-            decoder, params, method, windows, context_len=config.context_len, cache_dtype=dtype
+          decoder, params, method, windows, context_len=config.context_len, cache_dtype=dtype
         )
         if name == "full":
           full_scores = scores
@@ -100,18 +125,32 @@ def compare_methods(
           record["kl"] = scores.kl_from(full_scores) if name != "full" else 0.0
       elif task in ("passkey", "passkey_agnostic"):
         result = run_needle(
-            decoder, params, tokenizer, method, needles, query_aware=task == "passkey",
-            cache_dtype=dtype, pad_token_id=pad_token_id,
+          decoder,
+          params,
+          tokenizer,
+          method,
+          needles,
+          query_aware=task == "passkey",
+          cache_dtype=dtype,
+          pad_token_id=pad_token_id,
         )
         record[f"{task}_acc"] = result["accuracy"]
         record[f"{task}_acc_by_depth"] = result["by_depth"]
         record[f"{task}_answers"] = result["answers"]
       elif task == "speed":
         run = generate(
-            decoder, params, [text_ids[: config.context_len].tolist()],
-            max_new_tokens=config.speed_new_tokens, cache_method=method, cache_dtype=dtype,
+          decoder,
+          params,
+          [text_ids[: config.context_len].tolist()],
+          max_new_tokens=config.speed_new_tokens,
+          cache_method=method,
+          cache_dtype=dtype,
         )
-        record.update(prefill_s=run.prefill_s, decode_tokens_per_s=run.decode_tokens_per_s, compile_s=run.compile_s)
+        record.update(
+          prefill_s=run.prefill_s,
+          decode_tokens_per_s=run.decode_tokens_per_s,
+          compile_s=run.compile_s,
+        )
     records.append(record)
     if on_record is not None:
       on_record(records)

@@ -14,14 +14,14 @@ from kvjax.teacher_forcing import teacher_force
 
 
 def sample_text_windows(
-    token_ids: np.ndarray, *, window: int, count: int, seed: int
+  token_ids: np.ndarray, *, window: int, count: int, seed: int
 ) -> np.ndarray:  # int32 [count, window]
   """`count` non-overlapping windows of `window` tokens at seeded random offsets."""
   slots = len(token_ids) // window
   if slots < count:
     raise ValueError(
-        f"the text has {len(token_ids)} tokens: too short for {count} windows of {window} tokens "
-        "(lower --num-samples or --context-len, or give a longer --text)"
+      f"the text has {len(token_ids)} tokens: too short for {count} windows of {window} tokens "
+      "(lower --num-samples or --context-len, or give a longer --text)"
     )
   chosen = np.sort(np.random.default_rng(seed).choice(slots, size=count, replace=False))
   return np.stack([token_ids[s * window : (s + 1) * window] for s in chosen]).astype(np.int32)
@@ -48,14 +48,19 @@ class ContinuationScores:
 
 
 def score_continuation(
-    decoder, params, cache_method, windows: np.ndarray, *, context_len: int, cache_dtype=jnp.bfloat16
+  decoder, params, cache_method, windows: np.ndarray, *, context_len: int, cache_dtype=jnp.bfloat16
 ) -> ContinuationScores:
   """Compress the first `context_len` tokens of each window, score the rest through the cache."""
   context, continuation = windows[:, :context_len], windows[:, context_len:]
   lengths = np.full((windows.shape[0],), context_len, np.int32)
   logits, caches = prefill(
-      decoder, params, context, lengths,
-      cache_method=cache_method, max_new_tokens=continuation.shape[1], cache_dtype=cache_dtype,
+    decoder,
+    params,
+    context,
+    lengths,
+    cache_method=cache_method,
+    max_new_tokens=continuation.shape[1],
+    cache_dtype=cache_dtype,
   )
   logprobs, _, _ = teacher_force(decoder, params, logits, caches, lengths, continuation)
   return ContinuationScores(np.asarray(logprobs, np.float32), continuation)

@@ -19,10 +19,12 @@ from kvjax.prompt_batch import pack_prompts
 from kvjax.sampling import SamplingConfig
 from kvjax.teacher_forcing import teacher_force
 
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+FILLER = (
+  "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
 INSTRUCTION = (
-    "A special magic number is hidden within the following text. Make sure to memorize it. "
-    "I will quiz you about the number afterwards.\n"
+  "A special magic number is hidden within the following text. Make sure to memorize it. "
+  "I will quiz you about the number afterwards.\n"
 )
 NEEDLE = "One of the special magic numbers for apple is: {key}. "
 QUESTION = "\nWhat is the special magic number for apple mentioned in the provided text?"
@@ -45,12 +47,12 @@ def _filler_units_for(tokenizer, context_len: int, overhead: int) -> int:
 
 
 def build_needle_prompts(
-    tokenizer, *, context_len: int, num_samples: int, seed: int, depths=DEPTHS
+  tokenizer, *, context_len: int, num_samples: int, seed: int, depths=DEPTHS
 ) -> list[NeedlePrompt]:
   """`num_samples` prompts per depth of about `context_len` tokens, keys drawn from `seed`."""
   rng = np.random.default_rng(seed)
   chat = tokenizer.apply_chat_template(
-      [{"role": "user", "content": "\x00"}], add_generation_prompt=True
+    [{"role": "user", "content": "\x00"}], add_generation_prompt=True
   )
   chat_prefix, chat_suffix = chat.split("\x00")
   question_text = QUESTION + chat_suffix + ANSWER_PREFIX
@@ -63,12 +65,14 @@ def build_needle_prompts(
       key = str(rng.integers(10000, 100000))
       before = int(round(units * depth))
       haystack = FILLER * before + NEEDLE.format(key=key) + FILLER * (units - before)
-      prompts.append(NeedlePrompt(
+      prompts.append(
+        NeedlePrompt(
           context_ids=tokenizer.encode(chat_prefix + INSTRUCTION + haystack.rstrip()),
           question_ids=tokenizer.encode(question_text),
           key=key,
           depth=depth,
-      ))
+        )
+      )
   return prompts
 
 
@@ -79,16 +83,30 @@ def answer_has_key(answer: str, key: str) -> bool:
 
 
 def run_needle(
-    decoder, params, tokenizer, cache_method, prompts: list[NeedlePrompt], *,
-    query_aware: bool, cache_dtype=jnp.bfloat16, pad_token_id: int = 0,
+  decoder,
+  params,
+  tokenizer,
+  cache_method,
+  prompts: list[NeedlePrompt],
+  *,
+  query_aware: bool,
+  cache_dtype=jnp.bfloat16,
+  pad_token_id: int = 0,
 ) -> dict:
   """Greedy answers for all prompts in one batch; accuracy overall and per depth."""
   greedy = SamplingConfig()
   if query_aware:
-    tokens, lengths = pack_prompts([p.context_ids + p.question_ids for p in prompts], pad_token_id=pad_token_id)
+    tokens, lengths = pack_prompts(
+      [p.context_ids + p.question_ids for p in prompts], pad_token_id=pad_token_id
+    )
     logits, caches = prefill(
-        decoder, params, tokens, lengths,
-        cache_method=cache_method, max_new_tokens=ANSWER_TOKENS, cache_dtype=cache_dtype,
+      decoder,
+      params,
+      tokens,
+      lengths,
+      cache_method=cache_method,
+      max_new_tokens=ANSWER_TOKENS,
+      cache_dtype=cache_dtype,
     )
   else:
     question_len = len(prompts[0].question_ids)
@@ -96,15 +114,28 @@ def run_needle(
       raise ValueError("query-agnostic needle prompts must share one question")
     tokens, lengths = pack_prompts([p.context_ids for p in prompts], pad_token_id=pad_token_id)
     logits, caches = prefill(
-        decoder, params, tokens, lengths,
-        cache_method=cache_method, max_new_tokens=question_len + ANSWER_TOKENS, cache_dtype=cache_dtype,
+      decoder,
+      params,
+      tokens,
+      lengths,
+      cache_method=cache_method,
+      max_new_tokens=question_len + ANSWER_TOKENS,
+      cache_dtype=cache_dtype,
     )
     question = np.array([p.question_ids for p in prompts], np.int32)
     _, logits, caches = teacher_force(decoder, params, logits, caches, lengths, question)
     lengths = lengths + question_len
   answers, _, _, _ = decode(
-      decoder, params, logits, caches, lengths, jax.random.key(0),
-      max_new_tokens=ANSWER_TOKENS, sampling=greedy, stop_token_ids=(), pad_token_id=pad_token_id,
+    decoder,
+    params,
+    logits,
+    caches,
+    lengths,
+    jax.random.key(0),
+    max_new_tokens=ANSWER_TOKENS,
+    sampling=greedy,
+    stop_token_ids=(),
+    pad_token_id=pad_token_id,
   )
   texts = [tokenizer.decode(np.asarray(row).tolist()) for row in answers]
   hits = [answer_has_key(text, p.key) for text, p in zip(texts, prompts)]

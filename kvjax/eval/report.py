@@ -5,17 +5,17 @@ import math
 import pathlib
 
 COLUMNS = (
-    ("method", "method", "{}"),
-    ("cache_bytes", "cache MiB", "{:.2f}"),
-    ("compression_ratio", "x smaller", "{:.2f}"),
-    ("bits_per_element", "bits/elem", "{:.2f}"),
-    ("ppl", "ppl", "{:.3f}"),
-    ("kl", "KL", "{:.4f}"),
-    ("passkey_acc", "needle", "{:.2f}"),
-    ("passkey_agnostic_acc", "needle (q-agnostic)", "{:.2f}"),
-    ("prefill_s", "prefill s", "{:.2f}"),
-    ("decode_tokens_per_s", "decode tok/s", "{:.1f}"),
-    ("compile_s", "compile s", "{:.1f}"),
+  ("method", "method", "{}"),
+  ("cache_bytes", "cache MiB", "{:.2f}"),
+  ("compression_ratio", "x smaller", "{:.2f}"),
+  ("bits_per_element", "bits/elem", "{:.2f}"),
+  ("ppl", "ppl", "{:.3f}"),
+  ("kl", "KL", "{:.4f}"),
+  ("passkey_acc", "needle", "{:.2f}"),
+  ("passkey_agnostic_acc", "needle (q-agnostic)", "{:.2f}"),
+  ("prefill_s", "prefill s", "{:.2f}"),
+  ("decode_tokens_per_s", "decode tok/s", "{:.1f}"),
+  ("compile_s", "compile s", "{:.1f}"),
 )
 
 
@@ -41,7 +41,9 @@ def format_table(records: list[dict], *, markdown: bool = False) -> str:
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
   widths = [max(len(x) for x in col) for col in zip(header, *rows)]
   fmt_row = lambda row: "  ".join(x.ljust(w) for x, w in zip(row, widths))
-  return "\n".join([fmt_row(header), fmt_row(["-" * w for w in widths])] + [fmt_row(r) for r in rows])
+  return "\n".join(
+    [fmt_row(header), fmt_row(["-" * w for w in widths])] + [fmt_row(r) for r in rows]
+  )
 
 
 def plot_quality_vs_memory(records: list[dict], path: pathlib.Path) -> None:
@@ -51,16 +53,26 @@ def plot_quality_vs_memory(records: list[dict], path: pathlib.Path) -> None:
   import matplotlib.pyplot as plt
 
   metrics = [m for m in ("ppl", "kl", "passkey_acc") if any(r.get(m) is not None for r in records)]
-  fig, axes = plt.subplots(1, max(len(metrics), 1), figsize=(5 * max(len(metrics), 1), 4), squeeze=False)
+  fig, axes = plt.subplots(
+    1, max(len(metrics), 1), figsize=(5 * max(len(metrics), 1), 4), squeeze=False
+  )
   for axis, metric in zip(axes[0], metrics):
     for record in records:
       if record.get(metric) is None:
         continue
       x = record["cache_bytes"] / 2**20
       axis.scatter(x, record[metric])
-      axis.annotate(record["method"], (x, record[metric]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+      axis.annotate(
+        record["method"], (x, record[metric]), fontsize=7, xytext=(3, 3), textcoords="offset points"
+      )
     axis.set_xlabel("cache MiB after the context")
-    axis.set_ylabel({"ppl": "continuation perplexity", "kl": "KL(full || method)", "passkey_acc": "needle accuracy"}[metric])
+    axis.set_ylabel(
+      {
+        "ppl": "continuation perplexity",
+        "kl": "KL(full || method)",
+        "passkey_acc": "needle accuracy",
+      }[metric]
+    )
     axis.grid(alpha=0.3)
   fig.suptitle("quality vs. cache memory")
   fig.tight_layout()
@@ -71,5 +83,7 @@ def plot_quality_vs_memory(records: list[dict], path: pathlib.Path) -> None:
 def write_results(records: list[dict], out_dir: pathlib.Path, *, header: str = "") -> None:
   out_dir.mkdir(parents=True, exist_ok=True)
   (out_dir / "results.json").write_text(json.dumps(records, indent=2))
-  (out_dir / "results.md").write_text((header + "\n\n" if header else "") + format_table(records, markdown=True) + "\n")
+  (out_dir / "results.md").write_text(
+    (header + "\n\n" if header else "") + format_table(records, markdown=True) + "\n"
+  )
   plot_quality_vs_memory(records, out_dir / "quality_vs_memory.png")

@@ -37,8 +37,8 @@ def check_quantization_config(*, bits: int, group_size: int, head_dim: int | Non
     return
   if head_dim % group_size:
     raise ValueError(
-        f"group_size={group_size} must divide head_dim={head_dim} (values are quantized per "
-        "token over groups of group_size channels)"
+      f"group_size={group_size} must divide head_dim={head_dim} (values are quantized per "
+      "token over groups of group_size channels)"
     )
   packed_width(head_dim, bits)  # raises when head_dim is not a multiple of 32 // bits
 
@@ -73,12 +73,12 @@ def _round_toward(x: jax.Array, dtype, direction: float) -> jax.Array:
 
 
 def _quantize_groups(
-    x: jax.Array,  # float32 [..., group_axis elements at `axis`, ...]
-    exclude: jax.Array | None,  # bool, same shape as x: elements left out of the stats (code 0)
-    *,
-    axis: int,  # the axis that holds the elements of one group
-    bits: int,
-    dtype,
+  x: jax.Array,  # float32 [..., group_axis elements at `axis`, ...]
+  exclude: jax.Array | None,  # bool, same shape as x: elements left out of the stats (code 0)
+  *,
+  axis: int,  # the axis that holds the elements of one group
+  bits: int,
+  dtype,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(codes uint8 like x, scale, minimum with `axis` reduced to 1) for groups along `axis`."""
   levels = 2**bits - 1
@@ -106,12 +106,12 @@ def _quantize_groups(
 
 
 def quantize_keys_per_channel(
-    keys: jax.Array,  # [..., T, D]
-    *,
-    bits: int,
-    group_size: int,
-    dtype=None,  # storage dtype of scale/minimum; default keys.dtype
-    exclude: jax.Array | None = None,  # bool [..., T, D]: outliers stored elsewhere
+  keys: jax.Array,  # [..., T, D]
+  *,
+  bits: int,
+  group_size: int,
+  dtype=None,  # storage dtype of scale/minimum; default keys.dtype
+  exclude: jax.Array | None = None,  # bool [..., T, D]: outliers stored elsewhere
 ) -> GroupQuantized:
   """Per-channel quantization over groups of `group_size` tokens (T % group_size == 0).
 
@@ -127,22 +127,22 @@ def quantize_keys_per_channel(
   grouped = _exact_float32(keys).reshape(grouped_shape)
   grouped_exclude = None if exclude is None else exclude.reshape(grouped_shape)
   codes, scale, minimum = _quantize_groups(
-      grouped, grouped_exclude, axis=-2, bits=bits, dtype=dtype
+    grouped, grouped_exclude, axis=-2, bits=bits, dtype=dtype
   )
   return GroupQuantized(
-      codes=pack_codes(codes.reshape(keys.shape), bits),
-      scale=scale[..., 0, :],  # [..., T/G, D]
-      minimum=minimum[..., 0, :],
+    codes=pack_codes(codes.reshape(keys.shape), bits),
+    scale=scale[..., 0, :],  # [..., T/G, D]
+    minimum=minimum[..., 0, :],
   )
 
 
 def quantize_values_per_token(
-    values: jax.Array,  # [..., T, D]
-    *,
-    bits: int,
-    group_size: int,
-    dtype=None,
-    exclude: jax.Array | None = None,  # bool [..., T, D]
+  values: jax.Array,  # [..., T, D]
+  *,
+  bits: int,
+  group_size: int,
+  dtype=None,
+  exclude: jax.Array | None = None,  # bool [..., T, D]
 ) -> GroupQuantized:
   """Per-token quantization over groups of `group_size` channels (D % group_size == 0)."""
   *lead, tokens, head_dim = values.shape
@@ -152,22 +152,22 @@ def quantize_values_per_token(
   grouped = _exact_float32(values).reshape(grouped_shape)
   grouped_exclude = None if exclude is None else exclude.reshape(grouped_shape)
   codes, scale, minimum = _quantize_groups(
-      grouped, grouped_exclude, axis=-1, bits=bits, dtype=dtype
+    grouped, grouped_exclude, axis=-1, bits=bits, dtype=dtype
   )
   return GroupQuantized(
-      codes=pack_codes(codes.reshape(values.shape), bits),
-      scale=scale[..., 0],  # [..., T, D/G]
-      minimum=minimum[..., 0],
+    codes=pack_codes(codes.reshape(values.shape), bits),
+    scale=scale[..., 0],  # [..., T, D/G]
+    minimum=minimum[..., 0],
   )
 
 
 def dequantize_keys(
-    codes: jax.Array,  # uint32 [..., T, D * bits / 32]
-    scale: jax.Array,  # [..., T/G, D]
-    minimum: jax.Array,  # [..., T/G, D]
-    *,
-    bits: int,
-    group_size: int,
+  codes: jax.Array,  # uint32 [..., T, D * bits / 32]
+  scale: jax.Array,  # [..., T/G, D]
+  minimum: jax.Array,  # [..., T/G, D]
+  *,
+  bits: int,
+  group_size: int,
 ) -> jax.Array:  # float32 [..., T, D]
   """Materialised keys (codecs and tests; attention never calls this on the whole context)."""
   levels = unpack_codes(codes, bits).astype(jnp.float32)
@@ -177,12 +177,12 @@ def dequantize_keys(
 
 
 def dequantize_values(
-    codes: jax.Array,  # uint32 [..., T, D * bits / 32]
-    scale: jax.Array,  # [..., T, D/G]
-    minimum: jax.Array,  # [..., T, D/G]
-    *,
-    bits: int,
-    group_size: int,
+  codes: jax.Array,  # uint32 [..., T, D * bits / 32]
+  scale: jax.Array,  # [..., T, D/G]
+  minimum: jax.Array,  # [..., T, D/G]
+  *,
+  bits: int,
+  group_size: int,
 ) -> jax.Array:  # float32 [..., T, D]
   levels = unpack_codes(codes, bits).astype(jnp.float32)
   per_channel_scale = jnp.repeat(scale.astype(jnp.float32), group_size, axis=-1)

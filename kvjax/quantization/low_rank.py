@@ -43,12 +43,12 @@ def check_rank(rank: int, *, head_dim: int | None = None, block: int | None = No
 
 
 def power_iteration_low_rank(
-    residual: jax.Array,  # [..., M, N]
-    rank: int,
-    *,
-    iterations: int = 3,
-    seed: int = POWER_ITERATION_SEED,
-    oversample: int = 2,
+  residual: jax.Array,  # [..., M, N]
+  rank: int,
+  *,
+  iterations: int = 3,
+  seed: int = POWER_ITERATION_SEED,
+  oversample: int = 2,
 ) -> LowRankFactors:
   """Rank-`rank` factors of each trailing [M, N] matrix by `iterations` power iterations
   on a subspace of rank + oversample columns (capped at min(M, N))."""
@@ -64,7 +64,7 @@ def power_iteration_low_rank(
   if rank == 0:
     lead = residual.shape[:-2]
     return LowRankFactors(
-        jnp.zeros((*lead, rows, 0), jnp.float32), jnp.zeros((*lead, columns, 0), jnp.float32)
+      jnp.zeros((*lead, rows, 0), jnp.float32), jnp.zeros((*lead, columns, 0), jnp.float32)
     )
   width = min(rank + oversample, rows, columns)
   right = jax.random.uniform(jax.random.key(seed), (columns, width), jnp.float32, -1.0, 1.0)

@@ -35,8 +35,8 @@ def outlier_count_per_side(outliers: float, block_elements: int) -> int:
 
 
 def _extract_one(
-    x: jax.Array,  # [N]
-    count_per_side: int,
+  x: jax.Array,  # [N]
+  count_per_side: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   largest_values, largest_indices = jax.lax.top_k(x, count_per_side)
   taken = jnp.zeros(x.shape, bool).at[largest_indices].set(True)
@@ -50,8 +50,8 @@ def _extract_one(
 
 
 def extract_outliers(
-    x: jax.Array,  # [..., N]
-    count_per_side: int,
+  x: jax.Array,  # [..., N]
+  count_per_side: int,
 ) -> Outliers:
   """The `count_per_side` largest and `count_per_side` smallest entries of each row (by value).
 
@@ -60,28 +60,28 @@ def extract_outliers(
   elements = x.shape[-1]
   if count_per_side < 0 or 2 * count_per_side > elements:
     raise ValueError(
-        f"count_per_side={count_per_side} must be in [0, {elements // 2}] for rows of {elements}"
+      f"count_per_side={count_per_side} must be in [0, {elements // 2}] for rows of {elements}"
     )
   if count_per_side == 0:
     return Outliers(
-        indices=jnp.zeros(x.shape[:-1] + (0,), jnp.int32),
-        values=jnp.zeros(x.shape[:-1] + (0,), x.dtype),
-        mask=jnp.zeros(x.shape, bool),
+      indices=jnp.zeros(x.shape[:-1] + (0,), jnp.int32),
+      values=jnp.zeros(x.shape[:-1] + (0,), x.dtype),
+      mask=jnp.zeros(x.shape, bool),
     )
   extract = jnp.vectorize(
-      lambda row: _extract_one(row, count_per_side), signature="(n)->(k),(k),(n)"
+    lambda row: _extract_one(row, count_per_side), signature="(n)->(k),(k),(n)"
   )
   return Outliers(*extract(x))
 
 
 def scatter_outliers(
-    indices: jax.Array,  # int32 [..., s]
-    values: jax.Array,  # [..., s]
-    elements: int,  # N
+  indices: jax.Array,  # int32 [..., s]
+  values: jax.Array,  # [..., s]
+  elements: int,  # N
 ) -> jax.Array:  # float32 [..., N]
   """The dense form of COO rows (zeros elsewhere; indices within a row are distinct)."""
   scatter = jnp.vectorize(
-      lambda index, value: jnp.zeros((elements,), jnp.float32).at[index].add(value),
-      signature="(s),(s)->(n)",
+    lambda index, value: jnp.zeros((elements,), jnp.float32).at[index].add(value),
+    signature="(s),(s)->(n)",
   )
   return scatter(indices, values.astype(jnp.float32))

@@ -16,31 +16,31 @@ DEFAULT_BUDGET = 1024
 
 
 def check_budget_or_ratio(
-    method: str, budget: int | None, ratio: float | None, *, minimum: int, minimum_what: str
+  method: str, budget: int | None, ratio: float | None, *, minimum: int, minimum_what: str
 ) -> None:
   """Raises (at construction, before any tracing) on an inconsistent or too small budget."""
   if budget is not None and ratio is not None:
     raise ValueError(
-        f"{method}: give budget=<tokens kept per KV head> or ratio=<fraction kept, in (0, 1]>, "
-        f"not both (got budget={budget}, ratio={ratio})"
+      f"{method}: give budget=<tokens kept per KV head> or ratio=<fraction kept, in (0, 1]>, "
+      f"not both (got budget={budget}, ratio={ratio})"
     )
   if ratio is not None and not 0.0 < ratio <= 1.0:
     raise ValueError(f"{method}: ratio={ratio} must be in (0, 1] (the fraction of the prompt kept)")
   if budget is not None and budget < minimum:
     raise ValueError(
-        f"{method}: budget={budget} is smaller than {minimum_what} = {minimum}; "
-        f"raise budget or shrink the protected tokens"
+      f"{method}: budget={budget} is smaller than {minimum_what} = {minimum}; "
+      f"raise budget or shrink the protected tokens"
     )
 
 
 def prompt_budget(
-    method: str,
-    budget: int | None,
-    ratio: float | None,
-    prompt_len: int,
-    *,
-    minimum: int,
-    minimum_what: str,
+  method: str,
+  budget: int | None,
+  ratio: float | None,
+  prompt_len: int,
+  *,
+  minimum: int,
+  minimum_what: str,
 ) -> int:
   """Prompt tokens one KV head keeps for a (padded, static) prompt of `prompt_len` tokens.
 
@@ -54,8 +54,8 @@ def prompt_budget(
     tokens = math.ceil(ratio * prompt_len - 1e-9)
     if tokens < minimum and tokens < prompt_len:
       raise ValueError(
-          f"{method}: ratio={ratio} of a {prompt_len}-token prompt keeps {tokens} tokens, "
-          f"fewer than {minimum_what} = {minimum}; raise ratio or shrink the protected tokens"
+        f"{method}: ratio={ratio} of a {prompt_len}-token prompt keeps {tokens} tokens, "
+        f"fewer than {minimum_what} = {minimum}; raise ratio or shrink the protected tokens"
       )
   return min(tokens, prompt_len)
 
@@ -64,15 +64,15 @@ def check_full_attention_model(shape: ModelCacheShape, method: str, capacity: in
   """Selection caches attend over every kept token, which a sliding-window model never does."""
   if shape.sliding_window is not None and shape.sliding_window < capacity:
     raise ValueError(
-        f"{method}: not supported for a sliding-window model (sliding_window="
-        f"{shape.sliding_window} < prompt + new tokens = {capacity}); use `full`, whose ring "
-        "buffer already keeps only the window"
+      f"{method}: not supported for a sliding-window model (sliding_window="
+      f"{shape.sliding_window} < prompt + new tokens = {capacity}); use `full`, whose ring "
+      "buffer already keeps only the window"
     )
 
 
 def check_storage_method(method: str, storage) -> None:
   if not callable(getattr(storage, "allocate_storage", None)):
     raise ValueError(
-        f"{method}: storage={storage!r} is not a storage method (one with allocate_storage: "
-        "full, kivi, gear)"
+      f"{method}: storage={storage!r} is not a storage method (one with allocate_storage: "
+      "full, kivi, gear)"
     )

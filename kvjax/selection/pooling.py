@@ -12,8 +12,8 @@ def check_pooling(method: str, pooling: str, kernel: int) -> None:
     raise ValueError(f"{method}: pooling={pooling!r}; allowed: {', '.join(POOLINGS)}")
   if kernel < 1 or kernel % 2 == 0:
     raise ValueError(
-        f"{method}: kernel={kernel} must be an odd integer >= 1 (pooling keeps the sequence "
-        "length with padding kernel // 2; 1 disables pooling)"
+      f"{method}: kernel={kernel} must be an odd integer >= 1 (pooling keeps the sequence "
+      "length with padding kernel // 2; 1 disables pooling)"
     )
 
 
@@ -23,11 +23,11 @@ def check_gqa_reduce(method: str, gqa_reduce: str) -> None:
 
 
 def pool_scores(
-    scores: jax.Array,  # float32 [batch, ..., tokens], >= 0
-    prefix_lengths: jax.Array,  # int32 [batch]: positions >= this are outside the pooled prefix
-    *,
-    kernel: int,
-    pooling: str,
+  scores: jax.Array,  # float32 [batch, ..., tokens], >= 0
+  prefix_lengths: jax.Array,  # int32 [batch]: positions >= this are outside the pooled prefix
+  *,
+  kernel: int,
+  pooling: str,
 ) -> jax.Array:  # float32 [batch, ..., tokens]
   """1-D pooling with stride 1 and padding kernel // 2 over each row's prefix (SnapKV).
 
@@ -50,8 +50,8 @@ def pool_scores(
 
 
 def reduce_query_group(
-    scores: jax.Array,  # [batch, kv_heads, group, tokens]
-    gqa_reduce: str,
+  scores: jax.Array,  # [batch, kv_heads, group, tokens]
+  gqa_reduce: str,
 ) -> jax.Array:  # [batch, kv_heads, tokens]
   """One score per KV head from the scores of the query heads that share it."""
   if gqa_reduce == "mean":

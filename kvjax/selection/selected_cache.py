@@ -23,10 +23,10 @@ class TokenSelector(Protocol):
   budget: int  # prompt tokens kept per KV head (static)
 
   def kept_indices(
-      self,
-      keys: jax.Array,  # [batch, kv_heads, prompt, head_dim]
-      queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim]
-      lengths: jax.Array,  # int32 [batch]
+    self,
+    keys: jax.Array,  # [batch, kv_heads, prompt, head_dim]
+    queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim]
+    lengths: jax.Array,  # int32 [batch]
   ) -> tuple[jax.Array, jax.Array]:  # (int32 [batch, kv_heads, budget] ascending, int32 [batch])
     ...
 
@@ -47,7 +47,7 @@ class SelectedLayerCache:
       return dataclasses.replace(self, storage=self.storage.ingest(keys, values, None, lengths))
     indices, kept_lengths = self.selector.kept_indices(keys, queries, lengths)
     storage = self.storage.ingest(
-        gather_tokens(keys, indices), gather_tokens(values, indices), None, kept_lengths
+      gather_tokens(keys, indices), gather_tokens(values, indices), None, kept_lengths
     )
     return dataclasses.replace(self, storage=storage)
 
@@ -67,23 +67,23 @@ class SelectedLayerCache:
 
 
 def allocate_selected_cache(
-    method: str,
-    storage_method,
-    shape: ModelCacheShape,
-    selector,
-    *,
-    batch: int,
-    prompt_len: int,
-    max_new_tokens: int,
-    dtype,
+  method: str,
+  storage_method,
+  shape: ModelCacheShape,
+  selector,
+  *,
+  batch: int,
+  prompt_len: int,
+  max_new_tokens: int,
+  dtype,
 ) -> SelectedLayerCache:
   """A selection cache whose storage holds exactly `selector.budget + max_new_tokens` tokens."""
   check_full_attention_model(shape, method, prompt_len + max_new_tokens)
   storage = storage_method.allocate_storage(
-      batch=batch,
-      kv_heads=shape.num_kv_heads,
-      capacity=selector.budget + max_new_tokens,
-      head_dim=shape.head_dim,
-      dtype=dtype,
+    batch=batch,
+    kv_heads=shape.num_kv_heads,
+    capacity=selector.budget + max_new_tokens,
+    head_dim=shape.head_dim,
+    dtype=dtype,
   )
   return SelectedLayerCache(storage=storage, selector=selector)

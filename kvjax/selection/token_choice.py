@@ -5,11 +5,11 @@ import jax.numpy as jnp
 
 
 def keep_top_tokens_and_window(
-    scores: jax.Array,  # float32 [batch, kv_heads, prompt], finite
-    lengths: jax.Array,  # int32 [batch]
-    *,
-    budget: int,
-    window: int,
+  scores: jax.Array,  # float32 [batch, kv_heads, prompt], finite
+  lengths: jax.Array,  # int32 [batch]
+  *,
+  budget: int,
+  window: int,
 ) -> tuple[jax.Array, jax.Array]:
   """Per KV head: the last `window` tokens of the row plus its top-(budget - window) older tokens.
 
@@ -34,7 +34,7 @@ def keep_top_tokens_and_window(
 
 
 def gather_tokens(
-    x: jax.Array,  # [batch, kv_heads, prompt, head_dim]
-    indices: jax.Array,  # int32 [batch, kv_heads, kept]
+  x: jax.Array,  # [batch, kv_heads, prompt, head_dim]
+  indices: jax.Array,  # int32 [batch, kv_heads, kept]
 ) -> jax.Array:  # [batch, kv_heads, kept, head_dim]
   return jnp.take_along_axis(x, indices[..., None], axis=2)

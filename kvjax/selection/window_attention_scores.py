@@ -9,12 +9,12 @@ import jax.numpy as jnp
 
 
 def observation_window_attention(
-    queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
-    keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated
-    lengths: jax.Array,  # int32 [batch]
-    *,
-    window: int,
-    sm_scale: float,
+  queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
+  keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated
+  lengths: jax.Array,  # int32 [batch]
+  *,
+  window: int,
+  sm_scale: float,
 ) -> jax.Array:  # float32 [batch, kv_heads, group, prompt]
   """Attention the last `window` queries of each row pay to every key, summed over those queries.
 
@@ -29,11 +29,12 @@ def observation_window_attention(
   query_exists = query_positions >= 0
   gather_at = jnp.clip(query_positions, 0, prompt_len - 1)
   window_queries = jnp.take_along_axis(
-      queries, gather_at[:, None, None, :, None], axis=3
+    queries, gather_at[:, None, None, :, None], axis=3
   )  # [batch, kv_heads, group, window, head_dim]
-  scores = jnp.einsum(
-      "bhgwd,bhtd->bhgwt", window_queries.astype(jnp.float32), keys.astype(jnp.float32)
-  ) * sm_scale
+  scores = (
+    jnp.einsum("bhgwd,bhtd->bhgwt", window_queries.astype(jnp.float32), keys.astype(jnp.float32))
+    * sm_scale
+  )
   key_positions = jnp.arange(prompt_len)
   # Causal visibility also hides padding keys: a real query's position is < its row's length.
   # A missing query (short row) sees everything, to keep its softmax finite; it is zeroed below.
@@ -46,12 +47,12 @@ def observation_window_attention(
 
 
 def accumulated_prompt_attention(
-    queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
-    keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated
-    lengths: jax.Array,  # int32 [batch]
-    *,
-    sm_scale: float,
-    query_chunk: int = 512,
+  queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
+  keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated
+  lengths: jax.Array,  # int32 [batch]
+  *,
+  sm_scale: float,
+  query_chunk: int = 512,
 ) -> jax.Array:  # float32 [batch, kv_heads, group, prompt]
   """Attention each key receives summed over *all* valid prompt queries (H2O's heavy-hitter score).
 
@@ -61,9 +62,7 @@ def accumulated_prompt_attention(
   prompt_len = keys.shape[2]
   chunk = min(query_chunk, prompt_len)
   num_chunks = -(-prompt_len // chunk)
-  padded_queries = jnp.pad(
-      queries, ((0, 0),) * 3 + ((0, num_chunks * chunk - prompt_len), (0, 0))
-  )
+  padded_queries = jnp.pad(queries, ((0, 0),) * 3 + ((0, num_chunks * chunk - prompt_len), (0, 0)))
   keys32 = keys.astype(jnp.float32)
   key_positions = jnp.arange(prompt_len)
 

@@ -43,8 +43,9 @@ def _close(a, b, rtol=None):
 def test_unknown_implementation_raises_naming_allowed_values(implementation):
   queries, keys, values, lengths = _full_inputs()
   with pytest.raises(ValueError, match="implementation=.*allowed: auto, pallas, reference"):
-    attention_dispatch.decode_attention(queries, keys, values, lengths, sm_scale=0.1,
-                                        implementation=implementation)
+    attention_dispatch.decode_attention(
+      queries, keys, values, lengths, sm_scale=0.1, implementation=implementation
+    )
   with pytest.raises(ValueError, match="implementation="):
     attention_dispatch.check_implementation(implementation)
 
@@ -52,8 +53,15 @@ def test_unknown_implementation_raises_naming_allowed_values(implementation):
 def test_unknown_kernel_backend_raises():
   queries, keys, values, lengths = _full_inputs()
   with pytest.raises(ValueError, match="kernel_backend=.*allowed"):
-    attention_dispatch.decode_attention(queries, keys, values, lengths, sm_scale=0.1,
-                                        implementation="interpret", kernel_backend="cuda")
+    attention_dispatch.decode_attention(
+      queries,
+      keys,
+      values,
+      lengths,
+      sm_scale=0.1,
+      implementation="interpret",
+      kernel_backend="cuda",
+    )
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU dispatch")
@@ -64,16 +72,26 @@ def test_auto_on_cpu_is_the_reference_and_pallas_is_refused():
   np.testing.assert_array_equal(out, ref_out)
   np.testing.assert_array_equal(lse, ref_lse)
   with pytest.raises(ValueError, match="implementation='pallas' needs a GPU or TPU"):
-    attention_dispatch.decode_attention(queries, keys, values, lengths, sm_scale=0.1,
-                                        implementation="pallas")
+    attention_dispatch.decode_attention(
+      queries, keys, values, lengths, sm_scale=0.1, implementation="pallas"
+    )
 
 
 @pytest.mark.parametrize("kernel_backend", [None, "tpu"])
 def test_interpret_runs_a_kernel_under_jit(kernel_backend):
   queries, keys, values, lengths = _full_inputs(seed=1)
-  run = jax.jit(lambda q, k, v, lens: attention_dispatch.decode_attention(
-      q, k, v, lens, sm_scale=0.1, implementation="interpret", kernel_backend=kernel_backend,
-      kernel_config={"block_tokens": 32, "num_splits": 2}))
+  run = jax.jit(
+    lambda q, k, v, lens: attention_dispatch.decode_attention(
+      q,
+      k,
+      v,
+      lens,
+      sm_scale=0.1,
+      implementation="interpret",
+      kernel_backend=kernel_backend,
+      kernel_config={"block_tokens": 32, "num_splits": 2},
+    )
+  )
   out, lse = run(queries, keys, values, lengths)
   ref_out, ref_lse = decode_attention_reference(queries, keys, values, lengths, sm_scale=0.1)
   _close(out, ref_out)
@@ -84,12 +102,14 @@ def test_unsupported_shape_falls_back_to_reference_with_one_warning():
   queries, keys, values, lengths = _full_inputs(head_dim=48)  # no kernel takes head_dim 48
   attention_dispatch._warned.clear()
   with pytest.warns(RuntimeWarning, match="head_dim=48.*jnp reference"):
-    out, _ = attention_dispatch.decode_attention(queries, keys, values, lengths, sm_scale=0.1,
-                                                 implementation="interpret")
+    out, _ = attention_dispatch.decode_attention(
+      queries, keys, values, lengths, sm_scale=0.1, implementation="interpret"
+    )
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # a second call must not warn again
-    attention_dispatch.decode_attention(queries, keys, values, lengths, sm_scale=0.1,
-                                        implementation="interpret")
+    attention_dispatch.decode_attention(
+      queries, keys, values, lengths, sm_scale=0.1, implementation="interpret"
+    )
   ref_out, _ = decode_attention_reference(queries, keys, values, lengths, sm_scale=0.1)
   np.testing.assert_array_equal(out, ref_out)
 
@@ -98,22 +118,26 @@ def test_quantized_interpret_matches_reference():
   queries, segment, lengths = _quantized_inputs(seed=2)
   kwargs = dict(bits=4, group_size=32, sm_scale=0.125)
   out, lse = attention_dispatch.quantized_decode_attention(
-      queries, *segment[:6], lengths, implementation="interpret", **kwargs)
-  ref_out, ref_lse = quantized_decode_attention_reference(queries, *segment[:6], lengths,
-                                                          **kwargs)
+    queries, *segment[:6], lengths, implementation="interpret", **kwargs
+  )
+  ref_out, ref_lse = quantized_decode_attention_reference(queries, *segment[:6], lengths, **kwargs)
   _close(out, ref_out)
   _close(lse, ref_lse)
   auto_out, _ = attention_dispatch.quantized_decode_attention(
-      queries, *segment[:6], lengths, implementation="reference", **kwargs)
+    queries, *segment[:6], lengths, implementation="reference", **kwargs
+  )
   np.testing.assert_array_equal(auto_out, ref_out)
 
 
-@pytest.mark.parametrize("bad,match", [
+@pytest.mark.parametrize(
+  "bad,match",
+  [
     (dict(bits=3), "bits=3"),
     (dict(group_size=48), "group_size=48"),
     (dict(implementation="gpu"), "implementation='gpu'"),
     (dict(lowrank=(1, 2)), "lowrank"),
-])
+  ],
+)
 def test_quantized_config_errors_raise_before_tracing(bad, match):
   queries, segment, lengths = _quantized_inputs()
   kwargs = dict(bits=4, group_size=32, sm_scale=0.125) | bad

@@ -4,7 +4,6 @@ import dataclasses
 import json
 import math
 
-import numpy as np
 import pytest
 
 from kvjax.eval.compare import CompareConfig, compare_methods
@@ -26,7 +25,9 @@ class CharTokenizer:
     return "".join(chr(48 + i % 10) for i in ids)
 
   def apply_chat_template(self, messages, add_generation_prompt=True):
-    return "".join(f"<{m['role']}>{m['content']}</s>" for m in messages) + ("<assistant>" if add_generation_prompt else "")
+    return "".join(f"<{m['role']}>{m['content']}</s>" for m in messages) + (
+      "<assistant>" if add_generation_prompt else ""
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +38,7 @@ class LastTokenOnly:
 
   def allocate(self, shape, layer, *, batch, prompt_len, max_new_tokens, dtype):
     return SlidingWindowLayerCache.zeros(
-        batch=batch, kv_heads=shape.num_kv_heads, window=1, head_dim=shape.head_dim, dtype=dtype
+      batch=batch, kv_heads=shape.num_kv_heads, window=1, head_dim=shape.head_dim, dtype=dtype
     )
 
 
@@ -48,19 +49,32 @@ TEXT = "The quick brown fox jumps over the lazy dog. " * 40
 def records():
   decoder, params = tiny_decoder()
   config = CompareConfig(
-      tasks=("ppl", "kl", "passkey", "passkey_agnostic", "speed"), context_len=48,
-      continuation_len=16, num_samples=2, speed_new_tokens=4,
+    tasks=("ppl", "kl", "passkey", "passkey_agnostic", "speed"),
+    context_len=48,
+    continuation_len=16,
+    num_samples=2,
+    speed_new_tokens=4,
   )
   return compare_methods(
-      decoder, params, CharTokenizer(), ["full", LastTokenOnly()], text=TEXT, config=config
+    decoder, params, CharTokenizer(), ["full", LastTokenOnly()], text=TEXT, config=config
   )
 
 
 def test_records_are_complete(records, tmp_path):
   assert [r["method"] for r in records] == ["full", "last-token-only"]
   keys = {
-      "method", "cache_bytes", "full_cache_bytes", "compression_ratio", "bits_per_element", "ppl",
-      "kl", "passkey_acc", "passkey_acc_by_depth", "prefill_s", "decode_tokens_per_s", "compile_s",
+    "method",
+    "cache_bytes",
+    "full_cache_bytes",
+    "compression_ratio",
+    "bits_per_element",
+    "ppl",
+    "kl",
+    "passkey_acc",
+    "passkey_acc_by_depth",
+    "prefill_s",
+    "decode_tokens_per_s",
+    "compile_s",
   }
   for record in records:
     assert keys <= set(record)
@@ -96,9 +110,12 @@ def test_answer_parsing():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [(dict(tasks=("ppl", "bleu")), "allowed: ppl,kl"), (dict(context_len=0), "context_len"),
-     (dict(cache_dtype="int8"), "cache_dtype")],
+  "kwargs, message",
+  [
+    (dict(tasks=("ppl", "bleu")), "allowed: ppl,kl"),
+    (dict(context_len=0), "context_len"),
+    (dict(cache_dtype="int8"), "cache_dtype"),
+  ],
 )
 def test_bad_config_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -108,13 +125,19 @@ def test_bad_config_errors(kwargs, message):
 def test_bad_method_spec_errors_before_any_work():
   decoder, params = tiny_decoder()
   with pytest.raises(ValueError, match="unknown cache method 'magic'"):
-    compare_methods(decoder, params, CharTokenizer(), ["magic:x=1"], text=TEXT, config=CompareConfig())
+    compare_methods(
+      decoder, params, CharTokenizer(), ["magic:x=1"], text=TEXT, config=CompareConfig()
+    )
 
 
 def test_text_too_short_errors():
   decoder, params = tiny_decoder()
   with pytest.raises(ValueError, match="too short"):
     compare_methods(
-        decoder, params, CharTokenizer(), ["full"], text="tiny",
-        config=CompareConfig(tasks=("ppl",), context_len=8, continuation_len=4),
+      decoder,
+      params,
+      CharTokenizer(),
+      ["full"],
+      text="tiny",
+      config=CompareConfig(tasks=("ppl",), context_len=8, continuation_len=4),
     )

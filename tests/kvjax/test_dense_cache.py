@@ -6,8 +6,8 @@ from kvjax.cache_protocol import ModelCacheShape, allocate_model_cache, model_ca
 from kvjax.dense_cache import DenseLayerCache, FullCache
 from kvjax.sliding_window_cache import SlidingWindowLayerCache
 from pallas_kernels.decode_attention_reference import (
-    decode_attention_reference,
-    merge_attention_partials,
+  decode_attention_reference,
+  merge_attention_partials,
 )
 
 B, H, G, D = 2, 3, 2, 8
@@ -38,7 +38,7 @@ def test_ingest_then_append_attends_over_exactly_the_valid_tokens():
     v_b = np.concatenate([np.asarray(values[b, :, : lengths[b]]), np.asarray(new_v[b, :, None])], 1)
     for h in range(H):
       np.testing.assert_allclose(
-          out[b, h], _softmax_attention(np.asarray(q[b, h]), k_b[h], v_b[h], 0.3), atol=1e-5
+        out[b, h], _softmax_attention(np.asarray(q[b, h]), k_b[h], v_b[h], 0.3), atol=1e-5
       )
   # Padding past a row's length is zero in storage, never garbage.
   assert np.all(np.asarray(cache.keys[1, :, 3:]) == 0)
@@ -53,7 +53,7 @@ def test_nbytes_counts_every_stored_array():
 def test_full_cache_allocates_prompt_plus_new_tokens_per_layer():
   shape = ModelCacheShape(num_layers=3, num_kv_heads=H, num_query_heads=H * G, head_dim=D)
   caches = allocate_model_cache(
-      FullCache(), shape, batch=B, prompt_len=10, max_new_tokens=6, dtype=jnp.bfloat16
+    FullCache(), shape, batch=B, prompt_len=10, max_new_tokens=6, dtype=jnp.bfloat16
   )
   assert len(caches) == 3 and all(c.capacity == 16 for c in caches)
   assert model_cache_nbytes(caches) == 3 * caches[0].nbytes
@@ -62,7 +62,7 @@ def test_full_cache_allocates_prompt_plus_new_tokens_per_layer():
 def test_full_cache_uses_a_ring_buffer_for_sliding_window_models():
   shape = ModelCacheShape(1, H, H * G, D, sliding_window=4)
   (cache,) = allocate_model_cache(
-      FullCache(), shape, batch=B, prompt_len=10, max_new_tokens=6, dtype=jnp.float32
+    FullCache(), shape, batch=B, prompt_len=10, max_new_tokens=6, dtype=jnp.float32
   )
   assert isinstance(cache, SlidingWindowLayerCache) and cache.window == 4
 
@@ -72,9 +72,13 @@ def test_ring_buffer_holds_exactly_the_last_window_tokens():
   lengths = np.array([7, 3], np.int32)
   keys, values = _random(0, B, H, 7, D), _random(1, B, H, 7, D)
   stream_k, stream_v = _random(2, total, B, H, D), _random(3, total, B, H, D)
-  ring = SlidingWindowLayerCache.zeros(batch=B, kv_heads=H, window=window, head_dim=D, dtype=jnp.float32)
+  ring = SlidingWindowLayerCache.zeros(
+    batch=B, kv_heads=H, window=window, head_dim=D, dtype=jnp.float32
+  )
   ring = ring.ingest(keys, values, None, jnp.asarray(lengths))
-  dense = DenseLayerCache.zeros(batch=B, kv_heads=H, capacity=7 + total, head_dim=D, dtype=jnp.float32)
+  dense = DenseLayerCache.zeros(
+    batch=B, kv_heads=H, capacity=7 + total, head_dim=D, dtype=jnp.float32
+  )
   dense = dense.ingest(keys, values, None, jnp.asarray(lengths))
   q = _random(4, B, H, G, D)
   for step in range(total):
@@ -87,7 +91,7 @@ def test_ring_buffer_holds_exactly_the_last_window_tokens():
       v_b = np.asarray(dense.values[b, :, max(n - window, 0) : n])
       for h in range(H):
         np.testing.assert_allclose(
-            got[b, h], _softmax_attention(np.asarray(q[b, h]), k_b[h], v_b[h], 0.25), atol=1e-5
+          got[b, h], _softmax_attention(np.asarray(q[b, h]), k_b[h], v_b[h], 0.25), atol=1e-5
         )
 
 
@@ -96,7 +100,9 @@ def test_merge_of_partials_equals_attention_over_the_union():
   k, v = _random(1, B, H, 12, D), _random(2, B, H, 12, D)
   lengths = jnp.array([12, 7])
   whole = decode_attention_reference(q, k, v, lengths, sm_scale=0.2)
-  first = decode_attention_reference(q, k[:, :, :5], v[:, :, :5], jnp.minimum(lengths, 5), sm_scale=0.2)
+  first = decode_attention_reference(
+    q, k[:, :, :5], v[:, :, :5], jnp.minimum(lengths, 5), sm_scale=0.2
+  )
   second = decode_attention_reference(q, k[:, :, 5:], v[:, :, 5:], lengths - 5, sm_scale=0.2)
   merged = merge_attention_partials([first, second])
   np.testing.assert_allclose(merged[0], whole[0], atol=1e-5)

@@ -9,18 +9,18 @@ from kvjax.gear_cache import Gear, GearCodec, GearLayerCache
 from kvjax.kivi_cache import KiviCodec
 from kvjax.method_spec import describe_method, parse_method_spec
 from tests.kvjax.test_kivi_cache import (
-    CAPACITY,
-    PROMPT,
-    B,
-    D,
-    G,
-    H,
-    _attend,
-    _forced_logprobs,
-    _ingest,
-    _random,
-    assert_streaming_equals_ingesting,
-    explicit_attention,
+  CAPACITY,
+  PROMPT,
+  B,
+  D,
+  G,
+  H,
+  _attend,
+  _forced_logprobs,
+  _ingest,
+  _random,
+  assert_streaming_equals_ingesting,
+  explicit_attention,
 )
 
 
@@ -30,29 +30,31 @@ def test_spec_strings_parse_to_gear_with_the_authors_defaults():
   assert parse_method_spec("gear:outliers=0") == Gear(outliers=0.0)  # GEAR-L
   assert describe_method(Gear(bits=4, rank=4)) == "gear:bits=4,rank=4"
   # 2% of a 64 x 64 block: round(0.01 * 4096) = 41 largest + 41 smallest per block and head.
-  cache = method.allocate_storage(batch=1, kv_heads=3, capacity=200, head_dim=64,
-                                  dtype=jnp.bfloat16)
+  cache = method.allocate_storage(
+    batch=1, kv_heads=3, capacity=200, head_dim=64, dtype=jnp.bfloat16
+  )
   assert isinstance(cache, GearLayerCache) and cache.quantized_capacity == 192
   k_index, k_value, v_index, v_value = cache.segment.outliers
   assert k_index.shape == v_value.shape == (1, 3, 3, 82) and k_index.dtype == jnp.int32
   k_a, k_b, _, _ = cache.segment.lowrank
   assert k_a.shape == (1, 3, 192, 2) and k_b.shape == (1, 3, 3, 64, 2)
-  gear_l = Gear(outliers=0).allocate_storage(batch=1, kv_heads=1, capacity=64, head_dim=64,
-                                             dtype=jnp.bfloat16)
+  gear_l = Gear(outliers=0).allocate_storage(
+    batch=1, kv_heads=1, capacity=64, head_dim=64, dtype=jnp.bfloat16
+  )
   assert gear_l.segment.outliers is None and gear_l.segment.lowrank is not None
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(bits=3), "bits=3 is not supported"),
-        (dict(group_size=48), "block=64 must be a multiple of group_size=48"),
-        (dict(block=0), "block=0 must be a positive int"),
-        (dict(outliers=0.5), r"outliers=0.5 must be a fraction in \[0, 0.5\)"),
-        (dict(outliers=-0.01), r"outliers=-0.01 must be a fraction in \[0, 0.5\)"),
-        (dict(rank=-1), "rank=-1 must be a non-negative int"),
-        (dict(iterations=0), "iterations=0 must be a positive int"),
-    ],
+  "kwargs, message",
+  [
+    (dict(bits=3), "bits=3 is not supported"),
+    (dict(group_size=48), "block=64 must be a multiple of group_size=48"),
+    (dict(block=0), "block=0 must be a positive int"),
+    (dict(outliers=0.5), r"outliers=0.5 must be a fraction in \[0, 0.5\)"),
+    (dict(outliers=-0.01), r"outliers=-0.01 must be a fraction in \[0, 0.5\)"),
+    (dict(rank=-1), "rank=-1 must be a non-negative int"),
+    (dict(iterations=0), "iterations=0 must be a positive int"),
+  ],
 )
 def test_bad_configurations_raise_clear_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -60,16 +62,17 @@ def test_bad_configurations_raise_clear_errors(kwargs, message):
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(rank=32, group_size=16, block=32), "rank=32 must be < head_dim=32"),
-        (dict(group_size=64), "group_size=64 must divide head_dim=32"),
-    ],
+  "kwargs, message",
+  [
+    (dict(rank=32, group_size=16, block=32), "rank=32 must be < head_dim=32"),
+    (dict(group_size=64), "group_size=64 must divide head_dim=32"),
+  ],
 )
 def test_head_dim_dependent_checks_raise_at_allocation(kwargs, message):
   with pytest.raises(ValueError, match=message):
-    Gear(**kwargs).allocate_storage(batch=1, kv_heads=1, capacity=128, head_dim=32,
-                                    dtype=jnp.float32)
+    Gear(**kwargs).allocate_storage(
+      batch=1, kv_heads=1, capacity=128, head_dim=32, dtype=jnp.float32
+    )
 
 
 def _heavy_tailed(seed, shape):
@@ -86,10 +89,10 @@ def test_each_gear_term_reduces_the_reconstruction_error_and_outliers_are_exact(
   common = dict(bits=2, group_size=16, window=32)
   errors = {}
   for name, codec in {
-      "kivi": KiviCodec(**common),
-      "outliers": GearCodec(**common, rank=0, outliers_per_side=10),
-      "lowrank": GearCodec(**common, rank=2, outliers_per_side=0),
-      "gear": GearCodec(**common, rank=2, outliers_per_side=10),
+    "kivi": KiviCodec(**common),
+    "outliers": GearCodec(**common, rank=0, outliers_per_side=10),
+    "lowrank": GearCodec(**common, rank=2, outliers_per_side=0),
+    "gear": GearCodec(**common, rank=2, outliers_per_side=10),
   }.items():
     segment = codec.encode(keys, values, jnp.float32)
     k_hat, v_hat = codec.decode(segment)
@@ -105,8 +108,7 @@ def test_each_gear_term_reduces_the_reconstruction_error_and_outliers_are_exact(
 
 def test_storage_and_nbytes_count_codes_stats_factors_outliers_and_window():
   method = Gear(bits=4, group_size=16, rank=2, outliers=0.05, block=32)
-  cache = method.allocate_storage(batch=B, kv_heads=H, capacity=70, head_dim=D,
-                                  dtype=jnp.bfloat16)
+  cache = method.allocate_storage(batch=B, kv_heads=H, capacity=70, head_dim=D, dtype=jnp.bfloat16)
   assert cache.quantized_capacity == 64
   per_side = 26  # round(0.025 * 32 * 32) = round(25.6)
   segment = cache.segment
@@ -124,28 +126,32 @@ def test_streaming_tokens_one_by_one_equals_ingesting_them_at_once_across_blocks
   # Codes and outlier indices are identical; the factors agree to float rounding (batched and
   # single-block QR/SVD may round differently).
   assert_streaming_equals_ingesting(
-      Gear(bits=2, group_size=8, rank=2, outliers=0.05, block=16), dtype=jnp.float32,
-      start_lengths=[5, 14], steps=20, exact=False,
+    Gear(bits=2, group_size=8, rank=2, outliers=0.05, block=16),
+    dtype=jnp.float32,
+    start_lengths=[5, 14],
+    steps=20,
+    exact=False,
   )
 
 
 @settings(max_examples=10, deadline=None)
 @given(
-    lengths=st.tuples(st.integers(0, PROMPT), st.integers(1, PROMPT)),
-    seed=st.integers(0, 2**31 - 1),
+  lengths=st.tuples(st.integers(0, PROMPT), st.integers(1, PROMPT)),
+  seed=st.integers(0, 2**31 - 1),
 )
 def test_attention_through_the_decomposition_equals_attention_over_dequantized_kv(lengths, seed):
   # One configuration (one compilation); the bit widths are covered by KIVI's property test
   # and appending by the streaming test.
   method = Gear(bits=2, group_size=8, rank=2, outliers=0.05, block=16)
-  cache = method.allocate_storage(batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D,
-                                  dtype=jnp.float32)
+  cache = method.allocate_storage(
+    batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D, dtype=jnp.float32
+  )
   keys = _heavy_tailed(seed, (B, H, PROMPT, D))
   values = _heavy_tailed(seed + 1, (B, H, PROMPT, D))
   cache = _ingest(cache, keys, values, jnp.asarray(lengths, jnp.int32))
   queries = _random(seed + 20, B, H, G, D)
   np.testing.assert_allclose(
-      _attend(cache, queries, 0.3), explicit_attention(cache, queries, 0.3), atol=3e-5, rtol=1e-5
+    _attend(cache, queries, 0.3), explicit_attention(cache, queries, 0.3), atol=3e-5, rtol=1e-5
   )
 
 

@@ -16,8 +16,12 @@ def _greedy_reference(decoder, params, prompt, steps):
   ids = list(prompt)
   for _ in range(steps):
     caches = allocate_model_cache(
-        FullCache(), decoder.cache_shape, batch=1, prompt_len=len(ids), max_new_tokens=0,
-        dtype=jnp.float32,
+      FullCache(),
+      decoder.cache_shape,
+      batch=1,
+      prompt_len=len(ids),
+      max_new_tokens=0,
+      dtype=jnp.float32,
     )
     logits, _ = decoder.prefill(params, jnp.asarray([ids]), jnp.asarray([len(ids)]), caches)
     ids.append(int(jnp.argmax(logits[0])))
@@ -41,7 +45,7 @@ def test_batch_rows_equal_their_solo_runs_and_padding_side_does_not_matter():
   left_padded = np.array([prompts[0], [0] * 4 + prompts[1]])
   mask = np.array([[1] * 7, [0] * 4 + [1] * 3])
   again = generate(
-      decoder, params, left_padded, attention_mask=mask, max_new_tokens=5, cache_dtype=jnp.float32
+    decoder, params, left_padded, attention_mask=mask, max_new_tokens=5, cache_dtype=jnp.float32
   )
   np.testing.assert_array_equal(again.tokens, batched.tokens)
 
@@ -52,8 +56,13 @@ def test_finished_rows_stop_changing():
   stop = int(free.tokens[0, 2])
   first = free.tokens[0].tolist().index(stop)
   stopped = generate(
-      decoder, params, [[3, 14, 15]], max_new_tokens=6, cache_dtype=jnp.float32,
-      stop_token_ids=[stop], pad_token_id=63,
+    decoder,
+    params,
+    [[3, 14, 15]],
+    max_new_tokens=6,
+    cache_dtype=jnp.float32,
+    stop_token_ids=[stop],
+    pad_token_id=63,
   )
   assert stopped.num_generated[0] == first + 1
   assert stopped.tokens[0, : first + 1].tolist() == free.tokens[0, : first + 1].tolist()
@@ -63,10 +72,16 @@ def test_finished_rows_stop_changing():
 def test_sampling_is_reproducible_from_the_key_and_varies_with_it():
   decoder, params = tiny_decoder()
   sampling = SamplingConfig(temperature=1.5, top_k=20, top_p=0.95)
-  run = lambda seed: generate(
-      decoder, params, [[1, 2, 3]] * 4, max_new_tokens=8, sampling=sampling,
+  run = lambda seed: (
+    generate(
+      decoder,
+      params,
+      [[1, 2, 3]] * 4,
+      max_new_tokens=8,
+      sampling=sampling,
       key=jax.random.key(seed),
-  ).tokens
+    ).tokens
+  )
   np.testing.assert_array_equal(run(0), run(0))
   assert not np.array_equal(run(0), run(1))
 
@@ -80,12 +95,12 @@ def test_generate_reports_timings_and_cache_bytes():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(max_new_tokens=0), "max_new_tokens"),
-        (dict(max_new_tokens=4, sampling=SamplingConfig(temperature=1.0)), "key is required"),
-        (dict(max_new_tokens=500, max_cache_tokens=100), "exceeds max_cache_tokens"),
-    ],
+  "kwargs, message",
+  [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=4, sampling=SamplingConfig(temperature=1.0)), "key is required"),
+    (dict(max_new_tokens=500, max_cache_tokens=100), "exceeds max_cache_tokens"),
+  ],
 )
 def test_bad_generate_arguments_error_before_tracing(kwargs, message):
   decoder, params = tiny_decoder()
@@ -100,6 +115,6 @@ def test_decoding_ends_early_once_every_row_stopped():
   stop = int(free.tokens[0, 1])
   first = free.tokens[0].tolist().index(stop)
   stopped = generate(
-      decoder, params, [[3, 14, 15]], max_new_tokens=8, cache_dtype=jnp.float32, stop_token_ids=[stop]
+    decoder, params, [[3, 14, 15]], max_new_tokens=8, cache_dtype=jnp.float32, stop_token_ids=[stop]
   )
   assert stopped.decode_steps == first + 1

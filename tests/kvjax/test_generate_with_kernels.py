@@ -9,17 +9,24 @@ from kvjax.generate import generate
 from kvjax.method_spec import parse_method_spec
 from tests.kvjax.tiny_decoder import tiny_decoder
 
-PROMPTS = [list(np.random.default_rng(3).integers(1, 64, 37)), list(np.random.default_rng(4).integers(1, 64, 21))]
+PROMPTS = [
+  list(np.random.default_rng(3).integers(1, 64, 37)),
+  list(np.random.default_rng(4).integers(1, 64, 21)),
+]
 
 
 @pytest.mark.parametrize("spec", ["full", "kivi:bits=4,group_size=16,residual=16"])
 def test_interpret_kernels_generate_the_reference_tokens(spec):
   decoder, params = tiny_decoder()
   tokens = {
-      implementation: generate(
-          decoder, params, PROMPTS, max_new_tokens=4, cache_dtype=jnp.float32,
-          cache_method=parse_method_spec(spec, implementation=implementation),
-      ).tokens
-      for implementation in ("reference", "interpret")
+    implementation: generate(
+      decoder,
+      params,
+      PROMPTS,
+      max_new_tokens=4,
+      cache_dtype=jnp.float32,
+      cache_method=parse_method_spec(spec, implementation=implementation),
+    ).tokens
+    for implementation in ("reference", "interpret")
   }
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])

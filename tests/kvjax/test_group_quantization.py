@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax.quantization.group_quantization import (
-    check_quantization_config,
-    dequantize_keys,
-    dequantize_values,
-    quantize_keys_per_channel,
-    quantize_values_per_token,
+  check_quantization_config,
+  dequantize_keys,
+  dequantize_values,
+  quantize_keys_per_channel,
+  quantize_values_per_token,
 )
 from pallas_kernels.bit_packing import pack_codes, unpack_codes
 
@@ -35,8 +35,8 @@ def _random_data(seed, shape, spread, offset, dtype):
 
 @PROPERTY
 @given(
-    bits=st.sampled_from([2, 4, 8]),
-    seed=st.integers(0, 2**31 - 1),
+  bits=st.sampled_from([2, 4, 8]),
+  seed=st.integers(0, 2**31 - 1),
 )
 def test_pack_then_unpack_is_the_identity_on_codes(bits, seed):
   lead, words = 3, 4
@@ -57,14 +57,14 @@ def _assert_within_half_step(x, restored, step):
 
 @PROPERTY
 @given(
-    bits=st.sampled_from([2, 4, 8]),
-    dtype=st.sampled_from(sorted(DTYPES)),
-    spread=st.sampled_from([0.0, 1e-3, 1.0, 30.0]),
-    offset=st.sampled_from([0.0, 5.0]),
-    seed=st.integers(0, 2**31 - 1),
+  bits=st.sampled_from([2, 4, 8]),
+  dtype=st.sampled_from(sorted(DTYPES)),
+  spread=st.sampled_from([0.0, 1e-3, 1.0, 30.0]),
+  offset=st.sampled_from([0.0, 5.0]),
+  seed=st.integers(0, 2**31 - 1),
 )
 def test_key_dequantization_error_is_at_most_half_a_step_per_channel_group(
-    bits, dtype, spread, offset, seed
+  bits, dtype, spread, offset, seed
 ):
   # Shapes are fixed so each (bits, dtype) compiles once; the data vary across examples.
   head_dim, group_size, groups = 16, 8, 3
@@ -81,14 +81,14 @@ def test_key_dequantization_error_is_at_most_half_a_step_per_channel_group(
 
 @PROPERTY
 @given(
-    bits=st.sampled_from([2, 4, 8]),
-    dtype=st.sampled_from(sorted(DTYPES)),
-    spread=st.sampled_from([0.0, 1e-3, 1.0, 30.0]),
-    offset=st.sampled_from([0.0, 5.0]),
-    seed=st.integers(0, 2**31 - 1),
+  bits=st.sampled_from([2, 4, 8]),
+  dtype=st.sampled_from(sorted(DTYPES)),
+  spread=st.sampled_from([0.0, 1e-3, 1.0, 30.0]),
+  offset=st.sampled_from([0.0, 5.0]),
+  seed=st.integers(0, 2**31 - 1),
 )
 def test_value_dequantization_error_is_at_most_half_a_step_per_token_group(
-    bits, dtype, spread, offset, seed
+  bits, dtype, spread, offset, seed
 ):
   head_dim, group_size, tokens = 16, 8, 3
   values = _random_data(seed, (1, 2, tokens, head_dim), spread, offset, DTYPES[dtype])
@@ -113,7 +113,7 @@ def test_constant_groups_dequantize_exactly():
   quantized = quantize_values_per_token(values, bits=2, group_size=8)
   assert np.all(np.asarray(quantized.scale, np.float32) == 0)
   np.testing.assert_array_equal(
-      dequantize_values(*quantized, bits=2, group_size=8), values.astype(jnp.float32)
+    dequantize_values(*quantized, bits=2, group_size=8), values.astype(jnp.float32)
   )
 
 
@@ -123,7 +123,7 @@ def test_excluded_elements_do_not_stretch_the_range_and_get_code_zero():
   exclude = np.zeros(keys.shape, bool)
   exclude[0, 0, 2, 3] = True
   quantized = quantize_keys_per_channel(
-      jnp.asarray(keys), bits=4, group_size=4, exclude=jnp.asarray(exclude)
+    jnp.asarray(keys), bits=4, group_size=4, exclude=jnp.asarray(exclude)
   )
   restored = np.asarray(dequantize_keys(*quantized, bits=4, group_size=4))
   others = np.delete(keys[0, 0, :, 3], 2)
@@ -135,13 +135,13 @@ def test_excluded_elements_do_not_stretch_the_range_and_get_code_zero():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(bits=3, group_size=8), "bits=3"),
-        (dict(bits=2, group_size=0), "group_size=0"),
-        (dict(bits=2, group_size=24, head_dim=64), "group_size=24 must divide head_dim=64"),
-        (dict(bits=2, group_size=8, head_dim=8), "multiple of 16"),
-    ],
+  "kwargs, message",
+  [
+    (dict(bits=3, group_size=8), "bits=3"),
+    (dict(bits=2, group_size=0), "group_size=0"),
+    (dict(bits=2, group_size=24, head_dim=64), "group_size=24 must divide head_dim=64"),
+    (dict(bits=2, group_size=8, head_dim=8), "multiple of 16"),
+  ],
 )
 def test_bad_configurations_raise_clear_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):

@@ -6,18 +6,18 @@ from kvjax.h2o import H2O
 from kvjax.method_spec import parse_method_spec
 from kvjax.selection.window_attention_scores import accumulated_prompt_attention
 from tests.kvjax.test_snapkv import (
-    LENGTHS,
-    SHAPE,
-    B,
-    D,
-    H,
-    T,
-    ingest,
-    numpy_reduce,
-    numpy_top_and_window,
-    random_qkv,
-    run_generate,
-    softmax,
+  LENGTHS,
+  SHAPE,
+  B,
+  D,
+  H,
+  T,
+  ingest,
+  numpy_reduce,
+  numpy_top_and_window,
+  random_qkv,
+  run_generate,
+  softmax,
 )
 
 
@@ -45,14 +45,17 @@ def numpy_h2o_kept(queries, keys, lengths, *, budget, window, gqa_reduce):
 def test_chunked_accumulation_equals_the_full_matrix_sum():
   queries, keys, _ = random_qkv(seed=4)
   total = np.asarray(
-      accumulated_prompt_attention(
-          jnp.asarray(queries), jnp.asarray(keys), jnp.asarray(LENGTHS),
-          sm_scale=D**-0.5, query_chunk=7,  # 40 = 5 chunks of 7 + a padded sixth
-      )
+    accumulated_prompt_attention(
+      jnp.asarray(queries),
+      jnp.asarray(keys),
+      jnp.asarray(LENGTHS),
+      sm_scale=D**-0.5,
+      query_chunk=7,  # 40 = 5 chunks of 7 + a padded sixth
+    )
   )
   for b, length in enumerate(LENGTHS):
     np.testing.assert_allclose(
-        total[b, :, :, :length], numpy_accumulated_attention(queries[b], keys[b], length), atol=1e-4
+      total[b, :, :, :length], numpy_accumulated_attention(queries[b], keys[b], length), atol=1e-4
     )
     assert np.all(total[b, :, :, length:] == 0)  # padding keys receive nothing
 
@@ -62,7 +65,7 @@ def test_kept_indices_equal_the_numpy_rule(gqa_reduce):
   queries, keys, _ = random_qkv(seed=5)
   method = H2O(budget=14, window=3, gqa_reduce=gqa_reduce, query_chunk=8)
   indices, kept_lengths = method.selector(SHAPE, prompt_len=T).kept_indices(
-      jnp.asarray(keys), jnp.asarray(queries), jnp.asarray(LENGTHS)
+    jnp.asarray(keys), jnp.asarray(queries), jnp.asarray(LENGTHS)
   )
   expected = numpy_h2o_kept(queries, keys, LENGTHS, budget=14, window=3, gqa_reduce=gqa_reduce)
   np.testing.assert_array_equal(kept_lengths, [14, 14])
@@ -91,13 +94,13 @@ def test_budget_covering_the_prompt_keeps_every_token():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(budget=2, window=3), "h2o: budget=2 is smaller than window = 3"),
-        (dict(ratio=-0.5), r"ratio=-0.5 must be in \(0, 1\]"),
-        (dict(query_chunk=0), "query_chunk=0 must be >= 1"),
-        (dict(gqa_reduce="min"), "gqa_reduce='min'"),
-    ],
+  "kwargs, message",
+  [
+    (dict(budget=2, window=3), "h2o: budget=2 is smaller than window = 3"),
+    (dict(ratio=-0.5), r"ratio=-0.5 must be in \(0, 1\]"),
+    (dict(query_chunk=0), "query_chunk=0 must be >= 1"),
+    (dict(gqa_reduce="min"), "gqa_reduce='min'"),
+  ],
 )
 def test_bad_configurations_raise_clearly(kwargs, message):
   with pytest.raises(ValueError, match=message):

@@ -21,14 +21,14 @@ B, H, G, D = 2, 2, 3, 32
 
 # head_dim 32, so the authors' group size of 32 channels fits.
 TINY_CONFIG = DecoderConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=1,  # one layer keeps compilation short; the layer loop is the model's business
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    max_position_embeddings=256,
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=1,  # one layer keeps compilation short; the layer loop is the model's business
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=32,
+  max_position_embeddings=256,
 )
 
 
@@ -100,8 +100,9 @@ def assert_streaming_equals_ingesting(method, *, dtype, start_lengths, steps, ex
     at_once = _ingest(empty, keys, values, jnp.asarray(position + 1))
     np.testing.assert_array_equal(streamed.lengths, position + 1)
     pairs = zip(
-        jax.tree_util.tree_leaves_with_path(streamed), jax.tree_util.tree_leaves(at_once),
-        strict=True,
+      jax.tree_util.tree_leaves_with_path(streamed),
+      jax.tree_util.tree_leaves(at_once),
+      strict=True,
     )
     for (path, leaf), other in pairs:
       leaf, other = np.asarray(leaf), np.asarray(other)
@@ -122,14 +123,14 @@ def test_spec_strings_parse_to_kivi_and_round_trip():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(bits=3), "bits=3 is not supported; allowed: 2, 4, 8"),
-        (dict(group_size=0), "group_size=0 must be a positive int"),
-        (dict(residual=48), "residual=48 must be a multiple of group_size=32"),
-        (dict(residual=0), "residual=0 must be a positive int"),
-        (dict(implementation="cuda"), "implementation='cuda'"),
-    ],
+  "kwargs, message",
+  [
+    (dict(bits=3), "bits=3 is not supported; allowed: 2, 4, 8"),
+    (dict(group_size=0), "group_size=0 must be a positive int"),
+    (dict(residual=48), "residual=48 must be a multiple of group_size=32"),
+    (dict(residual=0), "residual=0 must be a positive int"),
+    (dict(implementation="cuda"), "implementation='cuda'"),
+  ],
 )
 def test_bad_configurations_raise_clear_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -140,26 +141,34 @@ def test_head_dim_checks_raise_before_tracing():
   with pytest.raises(ValueError, match="bits=3"):
     parse_method_spec("kivi:bits=3")
   with pytest.raises(ValueError, match="group_size=64 must divide head_dim=32"):
-    Kivi(group_size=64).allocate_storage(batch=1, kv_heads=1, capacity=64, head_dim=32,
-                                         dtype=jnp.float32)
+    Kivi(group_size=64).allocate_storage(
+      batch=1, kv_heads=1, capacity=64, head_dim=32, dtype=jnp.float32
+    )
   decoder, params = tiny_decoder()
   with pytest.raises(ValueError, match="group_size=64 must divide head_dim=32"):
-    generate(decoder, params, [[1, 2, 3]], max_new_tokens=2,
-             cache_method=Kivi(group_size=64, residual=64), cache_dtype=jnp.float32)
+    generate(
+      decoder,
+      params,
+      [[1, 2, 3]],
+      max_new_tokens=2,
+      cache_method=Kivi(group_size=64, residual=64),
+      cache_dtype=jnp.float32,
+    )
 
 
 def test_sliding_window_models_are_refused():
-  shape = ModelCacheShape(num_layers=1, num_kv_heads=H, num_query_heads=H * G, head_dim=D,
-                          sliding_window=16)
+  shape = ModelCacheShape(
+    num_layers=1, num_kv_heads=H, num_query_heads=H * G, head_dim=D, sliding_window=16
+  )
   with pytest.raises(ValueError, match="sliding window of 16 tokens"):
-    Kivi(group_size=8, residual=16).allocate(shape, 0, batch=B, prompt_len=20,
-                                             max_new_tokens=4, dtype=jnp.float32)
+    Kivi(group_size=8, residual=16).allocate(
+      shape, 0, batch=B, prompt_len=20, max_new_tokens=4, dtype=jnp.float32
+    )
 
 
 def test_storage_is_codes_and_true_granularity_stats_and_nbytes_counts_everything():
   method = Kivi(bits=2, group_size=8, residual=16)
-  cache = method.allocate_storage(batch=B, kv_heads=H, capacity=70, head_dim=D,
-                                  dtype=jnp.bfloat16)
+  cache = method.allocate_storage(batch=B, kv_heads=H, capacity=70, head_dim=D, dtype=jnp.bfloat16)
   assert cache.quantized_capacity == 64 and cache.capacity == 79
   segment = cache.segment
   assert segment.k_codes.dtype == segment.v_codes.dtype == jnp.uint32
@@ -176,23 +185,27 @@ def test_storage_is_codes_and_true_granularity_stats_and_nbytes_counts_everythin
   assert cache.bits_per_element == pytest.approx(8 * cache.nbytes / cache.stored_elements)
   # At the authors' settings and a long context: ~2 bits of codes + ~1 bit of stats per
   # element for each of K and V, far below bfloat16's 16.
-  long = Kivi().allocate_storage(batch=1, kv_heads=1, capacity=4096, head_dim=64,
-                                 dtype=jnp.bfloat16)
+  long = Kivi().allocate_storage(
+    batch=1, kv_heads=1, capacity=4096, head_dim=64, dtype=jnp.bfloat16
+  )
   assert 3.0 < long.bits_per_element < 3.6
 
 
 def test_streaming_tokens_one_by_one_equals_ingesting_them_at_once_across_flushes():
   # Rows start mid-window and cross two window boundaries each, at different steps.
   assert_streaming_equals_ingesting(
-      Kivi(bits=2, group_size=8, residual=16), dtype=jnp.bfloat16, start_lengths=[3, 14],
-      steps=30,
+    Kivi(bits=2, group_size=8, residual=16),
+    dtype=jnp.bfloat16,
+    start_lengths=[3, 14],
+    steps=30,
   )
 
 
 def test_a_cache_smaller_than_one_block_keeps_everything_in_the_window():
   method = Kivi(bits=4, group_size=8, residual=64)
-  cache = method.allocate_storage(batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D,
-                                  dtype=jnp.float32)
+  cache = method.allocate_storage(
+    batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D, dtype=jnp.float32
+  )
   assert cache.quantized_capacity == 0
   keys, values = _random(0, B, H, PROMPT, D), _random(1, B, H, PROMPT, D)
   cache = _ingest(cache, keys, values, jnp.asarray([1, 40], jnp.int32))
@@ -200,24 +213,25 @@ def test_a_cache_smaller_than_one_block_keeps_everything_in_the_window():
   np.testing.assert_array_equal(cache.window_lengths, [2, 41])
   queries = _random(5, B, H, G, D)
   np.testing.assert_allclose(
-      _attend(cache, queries, 0.2), explicit_attention(cache, queries, 0.2), atol=1e-5
+    _attend(cache, queries, 0.2), explicit_attention(cache, queries, 0.2), atol=1e-5
   )
 
 
 @settings(max_examples=12, deadline=None)
 @given(
-    bits=st.sampled_from([2, 4, 8]),
-    lengths=st.tuples(st.integers(0, PROMPT), st.integers(1, PROMPT)),
-    seed=st.integers(0, 2**31 - 1),
+  bits=st.sampled_from([2, 4, 8]),
+  lengths=st.tuples(st.integers(0, PROMPT), st.integers(1, PROMPT)),
+  seed=st.integers(0, 2**31 - 1),
 )
 def test_attention_through_the_decomposition_equals_attention_over_dequantized_kv(
-    bits, lengths, seed
+  bits, lengths, seed
 ):
   # allocate_storage + ingest of compact rows is also how a selection method stores survivors.
   # (Appending is covered by the streaming test: it gives the same cache as ingesting.)
   method = Kivi(bits=bits, group_size=8, residual=16)
-  cache = method.allocate_storage(batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D,
-                                  dtype=jnp.bfloat16)
+  cache = method.allocate_storage(
+    batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D, dtype=jnp.bfloat16
+  )
   keys = _random(seed, B, H, PROMPT, D) * 2 + 1
   values = _random(seed + 1, B, H, PROMPT, D)
   cache = _ingest(cache, keys, values, jnp.asarray(lengths, jnp.int32))
@@ -229,8 +243,15 @@ def test_attention_through_the_decomposition_equals_attention_over_dequantized_k
 
 def _forced_logprobs(method, tokens, lengths, forced):
   decoder, params = tiny_decoder()
-  logits, caches = prefill(decoder, params, tokens, lengths, cache_method=method,
-                           max_new_tokens=forced.shape[1], cache_dtype=jnp.float32)
+  logits, caches = prefill(
+    decoder,
+    params,
+    tokens,
+    lengths,
+    cache_method=method,
+    max_new_tokens=forced.shape[1],
+    cache_dtype=jnp.float32,
+  )
   logprobs, _, caches = teacher_force(decoder, params, logits, caches, lengths, forced)
   return np.asarray(logprobs), caches
 
@@ -256,8 +277,9 @@ def test_kivi8_in_the_model_is_close_to_the_full_cache():
 
   prompts = [tokens[0].tolist(), tokens[1, :22].tolist()]
   expected = generate(decoder, params, prompts, max_new_tokens=12, cache_dtype=jnp.float32)
-  result = generate(decoder, params, prompts, max_new_tokens=12, cache_method=method,
-                    cache_dtype=jnp.float32)
+  result = generate(
+    decoder, params, prompts, max_new_tokens=12, cache_method=method, cache_dtype=jnp.float32
+  )
   np.testing.assert_array_equal(result.tokens, expected.tokens)
   assert result.cache_bytes < expected.cache_bytes
 
@@ -271,8 +293,10 @@ def test_composes_with_a_token_selection_policy():
   selection = "snapkv:budget=20,window=4,kernel=3"
   dense, _ = _forced_logprobs(parse_method_spec(selection), tokens, lengths, forced)
   quantized, caches = _forced_logprobs(
-      parse_method_spec(selection + "+kivi:bits=8,group_size=16,residual=16"), tokens, lengths,
-      forced,
+    parse_method_spec(selection + "+kivi:bits=8,group_size=16,residual=16"),
+    tokens,
+    lengths,
+    forced,
   )
   storage = caches[0].storage
   assert isinstance(storage, KiviLayerCache)

@@ -23,10 +23,10 @@ _power_iteration = jax.jit(power_iteration_low_rank, static_argnums=1)
 
 @settings(max_examples=25, deadline=None)
 @given(
-    shape=st.sampled_from([(16, 8), (64, 32)]),
-    rank=st.sampled_from([1, 2, 4]),
-    decay=st.sampled_from([1.0, 0.9, 0.6]),
-    seed=st.integers(0, 2**31 - 1),
+  shape=st.sampled_from([(16, 8), (64, 32)]),
+  rank=st.sampled_from([1, 2, 4]),
+  decay=st.sampled_from([1.0, 0.9, 0.6]),
+  seed=st.integers(0, 2**31 - 1),
 )
 def test_power_iteration_reduces_the_residual_close_to_a_truncated_svd(shape, rank, decay, seed):
   matrix = _residual_like(seed, *shape, decay).astype(np.float32)
@@ -49,7 +49,7 @@ def test_batched_factors_equal_per_matrix_factors_and_are_deterministic():
   for i, matrix in enumerate(matrices):
     single = power_iteration_low_rank(jnp.asarray(matrix), 2)
     np.testing.assert_allclose(
-        np.asarray(batched.a[i] @ batched.b[i].T), np.asarray(single.a @ single.b.T), atol=1e-5
+      np.asarray(batched.a[i] @ batched.b[i].T), np.asarray(single.a @ single.b.T), atol=1e-5
     )
 
 
@@ -60,12 +60,12 @@ def test_zero_residual_gives_zero_product_and_no_nans():
 
 
 @pytest.mark.parametrize(
-    "rank, kwargs, message",
-    [
-        (-1, {}, "rank=-1 must be a non-negative int"),
-        (16, dict(head_dim=16), "rank=16 must be < head_dim=16"),
-        (9, dict(head_dim=64, block=8), "rank=9 must be <= block=8"),
-    ],
+  "rank, kwargs, message",
+  [
+    (-1, {}, "rank=-1 must be a non-negative int"),
+    (16, dict(head_dim=16), "rank=16 must be < head_dim=16"),
+    (9, dict(head_dim=64, block=8), "rank=9 must be <= block=8"),
+  ],
 )
 def test_bad_ranks_raise(rank, kwargs, message):
   with pytest.raises(ValueError, match=message):

@@ -6,7 +6,6 @@ fewer than the full cache's; score a continuation through its cache with a finit
 KL to the full cache; and near-lossless configurations must stay near the full cache.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -24,19 +23,22 @@ QUANT = "group_size=16,residual=16"
 GEAR = "group_size=16,block=16,rank=2"
 # spec -> KL bound against the full cache (None: only finite and >= 0).
 MATRIX = {
-    "full": {"full": 1e-6},
-    "kivi": {f"kivi:bits=8,{QUANT}": 1e-3, f"kivi:bits=2,{QUANT}": None},
-    "gear": {f"gear:bits=4,{GEAR},outliers=0.02": 5e-3, f"gear:bits=2,{GEAR},outliers=0": None},
-    "snapkv": {"snapkv:budget=16,window=4,kernel=3": None, "snapkv:budget=64,window=4": 1e-6},
-    "h2o": {"h2o:budget=16,window=4": None},
-    "pyramidkv": {
-        "pyramidkv:budget=16,window=4,kernel=3": None,
-        f"pyramidkv:budget=16,window=4+kivi:bits=4,{QUANT}": None,
-    },
-    "streaming": {"streaming:budget=16,sinks=2": None},
-    "razor": {"razor:budget=12,sinks=2,profile={profile}": None},
+  "full": {"full": 1e-6},
+  "kivi": {f"kivi:bits=8,{QUANT}": 1e-3, f"kivi:bits=2,{QUANT}": None},
+  "gear": {f"gear:bits=4,{GEAR},outliers=0.02": 5e-3, f"gear:bits=2,{GEAR},outliers=0": None},
+  "snapkv": {"snapkv:budget=16,window=4,kernel=3": None, "snapkv:budget=64,window=4": 1e-6},
+  "h2o": {"h2o:budget=16,window=4": None},
+  "pyramidkv": {
+    "pyramidkv:budget=16,window=4,kernel=3": None,
+    f"pyramidkv:budget=16,window=4+kivi:bits=4,{QUANT}": None,
+  },
+  "streaming": {"streaming:budget=16,sinks=2": None},
+  "razor": {"razor:budget=12,sinks=2,profile={profile}": None},
 }
-PROMPTS = [list(np.random.default_rng(0).integers(1, 64, 40)), list(np.random.default_rng(1).integers(1, 64, 29))]
+PROMPTS = [
+  list(np.random.default_rng(0).integers(1, 64, 40)),
+  list(np.random.default_rng(1).integers(1, 64, 29)),
+]
 CASES = [(name, spec, bound) for name, specs in MATRIX.items() for spec, bound in specs.items()]
 
 
@@ -46,8 +48,11 @@ def profile_path(tmp_path_factory):
   rng = np.random.default_rng(0)
   shape = decoder.cache_shape
   profile = HeadProfile.from_scores(
-      shape, rng.random((shape.num_layers, shape.num_kv_heads)),
-      rng.random((shape.num_layers, shape.num_kv_heads)), induction_ratio=0.25, echo_ratio=0.0,
+    shape,
+    rng.random((shape.num_layers, shape.num_kv_heads)),
+    rng.random((shape.num_layers, shape.num_kv_heads)),
+    induction_ratio=0.25,
+    echo_ratio=0.0,
   )
   path = tmp_path_factory.mktemp("razor") / "tiny.json"
   profile.save(path)
@@ -58,36 +63,56 @@ def profile_path(tmp_path_factory):
 def full_scores():
   decoder, params = tiny_decoder()
   windows = np.array([p[:29] + p[:11] for p in PROMPTS], np.int32)
-  return windows, score_continuation(decoder, params, parse_method_spec("full"), windows, context_len=29, cache_dtype=jnp.float32)
+  return windows, score_continuation(
+    decoder, params, parse_method_spec("full"), windows, context_len=29, cache_dtype=jnp.float32
+  )
 
 
 def test_every_registered_method_is_in_the_matrix():
   assert set(MATRIX) == set(METHODS)
 
 
-@pytest.mark.parametrize("name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES])
+@pytest.mark.parametrize(
+  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+)
 def test_method(name, spec, kl_bound, profile_path, full_scores):
   decoder, params = tiny_decoder()
   method = parse_method_spec(spec.format(profile=profile_path))
   assert type(method).method_name == name
 
-  result = generate(decoder, params, PROMPTS, max_new_tokens=5, cache_method=method, cache_dtype=jnp.float32)
+  result = generate(
+    decoder, params, PROMPTS, max_new_tokens=5, cache_method=method, cache_dtype=jnp.float32
+  )
   assert result.tokens.shape == (2, 5) and np.all((result.tokens >= 0) & (result.tokens < 64))
 
   tokens, lengths = np.zeros((2, 40), np.int32), np.array([40, 29], np.int32)
   for row, prompt in enumerate(PROMPTS):
     tokens[row, : len(prompt)] = prompt
-  _, caches = prefill(decoder, params, tokens, lengths, cache_method=method, max_new_tokens=0, cache_dtype=jnp.bfloat16)
+  _, caches = prefill(
+    decoder,
+    params,
+    tokens,
+    lengths,
+    cache_method=method,
+    max_new_tokens=0,
+    cache_dtype=jnp.bfloat16,
+  )
   assert model_cache_nbytes(caches) == tree_nbytes(caches)  # reported bytes are the arrays' bytes
-  method_bytes = cache_bytes_after_context(decoder, params, method, context_len=40, cache_dtype=jnp.bfloat16)
-  full_bytes = cache_bytes_after_context(decoder, params, parse_method_spec("full"), context_len=40, cache_dtype=jnp.bfloat16)
+  method_bytes = cache_bytes_after_context(
+    decoder, params, method, context_len=40, cache_dtype=jnp.bfloat16
+  )
+  full_bytes = cache_bytes_after_context(
+    decoder, params, parse_method_spec("full"), context_len=40, cache_dtype=jnp.bfloat16
+  )
   if name == "full":
     assert method_bytes == full_bytes
   elif "budget=64" not in spec:
     assert method_bytes < full_bytes
 
   windows, reference = full_scores
-  scores = score_continuation(decoder, params, method, windows, context_len=29, cache_dtype=jnp.float32)
+  scores = score_continuation(
+    decoder, params, method, windows, context_len=29, cache_dtype=jnp.float32
+  )
   kl = scores.kl_from(reference)
   assert np.isfinite(kl) and kl >= -1e-6
   if kl_bound is not None:

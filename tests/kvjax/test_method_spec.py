@@ -11,13 +11,13 @@ def test_full_spec_and_implementation_override():
 
 
 @pytest.mark.parametrize(
-    "spec, message",
-    [
-        ("", "empty cache method spec"),
-        ("nonsense", "unknown cache method 'nonsense'; available: .*full"),
-        ("full:bits=2", "full: unknown parameter 'bits=2'"),
-        ("full+full", "at most one selection method and one storage method"),
-    ],
+  "spec, message",
+  [
+    ("", "empty cache method spec"),
+    ("nonsense", "unknown cache method 'nonsense'; available: .*full"),
+    ("full:bits=2", "full: unknown parameter 'bits=2'"),
+    ("full+full", "at most one selection method and one storage method"),
+  ],
 )
 def test_bad_specs_error_clearly(spec, message):
   with pytest.raises(ValueError, match=message):

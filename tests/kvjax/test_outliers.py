@@ -6,22 +6,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvjax.quantization.outliers import (
-    extract_outliers,
-    outlier_count_per_side,
-    scatter_outliers,
+  extract_outliers,
+  outlier_count_per_side,
+  scatter_outliers,
 )
 
 
 @settings(max_examples=25, deadline=None)
 @given(
-    rows=st.sampled_from([1, 3]),
-    elements=st.sampled_from([8, 33, 64]),
-    fraction=st.sampled_from([0.02, 0.1, 0.3, 0.49]),
-    ties=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
+  rows=st.sampled_from([1, 3]),
+  elements=st.sampled_from([8, 33, 64]),
+  fraction=st.sampled_from([0.02, 0.1, 0.3, 0.49]),
+  ties=st.booleans(),
+  seed=st.integers(0, 2**31 - 1),
 )
 def test_extraction_keeps_exactly_the_count_and_the_extreme_entries(
-    rows, elements, fraction, ties, seed
+  rows, elements, fraction, ties, seed
 ):
   rng = np.random.default_rng(seed)
   x = rng.standard_t(df=3, size=(rows, elements)).astype(np.float32)

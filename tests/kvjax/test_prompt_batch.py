@@ -25,9 +25,7 @@ def test_compact_padded_batch_accepts_either_padding_side(side):
   np.testing.assert_array_equal(lengths, [4, 2])
 
 
-@pytest.mark.parametrize(
-    "mask", [[[1, 0, 1]], [[0, 0, 0]]], ids=["holes", "empty"]
-)
+@pytest.mark.parametrize("mask", [[[1, 0, 1]], [[0, 0, 0]]], ids=["holes", "empty"])
 def test_compact_padded_batch_rejects_bad_masks(mask):
   with pytest.raises(ValueError, match="attention_mask row 0"):
     compact_padded_batch(np.ones((1, 3), int), np.array(mask))

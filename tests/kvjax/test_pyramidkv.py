@@ -6,16 +6,16 @@ from kvjax.cache_protocol import ModelCacheShape, allocate_model_cache
 from kvjax.method_spec import parse_method_spec
 from kvjax.pyramidkv import PyramidKV, pyramid_layer_budgets
 from tests.kvjax.test_snapkv import (
-    LENGTHS,
-    B,
-    D,
-    G,
-    H,
-    T,
-    ingest,
-    numpy_snapkv_kept,
-    random_qkv,
-    run_generate,
+  LENGTHS,
+  B,
+  D,
+  G,
+  H,
+  T,
+  ingest,
+  numpy_snapkv_kept,
+  random_qkv,
+  run_generate,
 )
 
 
@@ -45,19 +45,19 @@ def test_the_papers_example():
 
 
 @pytest.mark.parametrize(
-    "budget, window, num_layers, prompt_len",
-    [
-        (128, 8, 32, 250),  # max clipped to T - w
-        (128, 8, 32, 239),  # T < 2 (B - w): uniform
-        (128, 8, 32, 100),  # T < B: nothing compressed
-        (64, 4, 5, 1000),
-        (16, 4, 2, 40),
-        (40, 32, 30, 2000),
-    ],
+  "budget, window, num_layers, prompt_len",
+  [
+    (128, 8, 32, 250),  # max clipped to T - w
+    (128, 8, 32, 239),  # T < 2 (B - w): uniform
+    (128, 8, 32, 100),  # T < B: nothing compressed
+    (64, 4, 5, 1000),
+    (16, 4, 2, 40),
+    (40, 32, 30, 2000),
+  ],
 )
 def test_budgets_follow_the_formula(budget, window, num_layers, prompt_len):
   budgets = pyramid_layer_budgets(
-      budget, window=window, num_layers=num_layers, prompt_len=prompt_len
+    budget, window=window, num_layers=num_layers, prompt_len=prompt_len
   )
   assert list(budgets) == numpy_pyramid_budgets(budget, window, num_layers, prompt_len)
   assert all(window <= b <= prompt_len for b in budgets)
@@ -77,14 +77,14 @@ def test_each_layer_keeps_exactly_its_snapkv_choice_at_its_own_budget():
   budgets = method.layer_budgets(num_layers, T)
   assert budgets == (28, 16, 4)
   caches = allocate_model_cache(
-      method, shape, batch=B, prompt_len=T, max_new_tokens=2, dtype=jnp.float32
+    method, shape, batch=B, prompt_len=T, max_new_tokens=2, dtype=jnp.float32
   )
   for layer, (budget, cache) in enumerate(zip(budgets, caches, strict=True)):
     queries, keys, values = random_qkv(seed=10 + layer)
     cache = ingest(cache, queries, keys, values)
     assert cache.storage.keys.shape == (B, H, budget + 2, D)  # each layer its own static size
     expected = numpy_snapkv_kept(
-        queries, keys, LENGTHS, budget=budget, window=4, kernel=5, pooling="avg", gqa_reduce="mean"
+      queries, keys, LENGTHS, budget=budget, window=4, kernel=5, pooling="avg", gqa_reduce="mean"
     )
     for (b, h), kept in expected.items():
       assert len(kept) == min(budget, LENGTHS[b]) == int(cache.lengths[b])

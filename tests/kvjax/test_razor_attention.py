@@ -17,9 +17,13 @@ SHAPE = ModelCacheShape(num_layers=2, num_kv_heads=3, num_query_heads=3 * G, hea
 def make_profile(shape, retrieval_heads):
   zeros = tuple((0.0,) * shape.num_kv_heads for _ in range(shape.num_layers))
   return HeadProfile(
-      num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
-      num_query_heads=shape.num_query_heads, head_dim=shape.head_dim,
-      induction_scores=zeros, echo_scores=zeros, retrieval_heads=tuple(retrieval_heads),
+    num_layers=shape.num_layers,
+    num_kv_heads=shape.num_kv_heads,
+    num_query_heads=shape.num_query_heads,
+    head_dim=shape.head_dim,
+    induction_scores=zeros,
+    echo_scores=zeros,
+    retrieval_heads=tuple(retrieval_heads),
   )
 
 
@@ -51,7 +55,7 @@ def ingest_random(method, layer, seed=0, max_new_tokens=2):
   rng = np.random.default_rng(seed)
   keys, values = rng.normal(size=(2, B, 3, T, D)).astype(np.float32)
   cache = method.allocate(
-      SHAPE, layer, batch=B, prompt_len=T, max_new_tokens=max_new_tokens, dtype=jnp.float32
+    SHAPE, layer, batch=B, prompt_len=T, max_new_tokens=max_new_tokens, dtype=jnp.float32
   )
   cache = cache.ingest(jnp.asarray(keys), jnp.asarray(values), None, jnp.asarray(LENGTHS))
   return cache, keys, values
@@ -72,9 +76,7 @@ def test_heads_keep_what_the_rule_says_and_attend_over_exactly_that(compensation
   np.testing.assert_array_equal(local_len, [12 if compensation == "mean" else 11, 10])
   for b in range(B):
     for slot, h in enumerate((0, 2)):
-      kept_k, _, comp = numpy_razor_local(
-          keys[b, h], values[b, h], LENGTHS[b], sinks=3, window=8
-      )
+      kept_k, _, comp = numpy_razor_local(keys[b, h], values[b, h], LENGTHS[b], sinks=3, window=8)
       stored_k = np.asarray(cache.local.keys[b, slot, : local_len[b]])
       if comp is None:
         np.testing.assert_array_equal(stored_k, kept_k)
@@ -106,7 +108,7 @@ def test_heads_keep_what_the_rule_says_and_attend_over_exactly_that(compensation
 def test_weighting_the_compensation_token_changes_attention():
   mean_cache, *_ = ingest_random(RazorAttention(profile=PROFILE, budget=12, sinks=3), layer=0)
   weighted_cache, *_ = ingest_random(
-      RazorAttention(profile=PROFILE, budget=12, sinks=3, compensation="weighted"), layer=0
+    RazorAttention(profile=PROFILE, budget=12, sinks=3, compensation="weighted"), layer=0
   )
   q = jnp.asarray(np.random.default_rng(6).normal(size=(B, 3, G, D)), jnp.float32)
   a, b = mean_cache.attend(q, sm_scale=0.35), weighted_cache.attend(q, sm_scale=0.35)
@@ -118,8 +120,12 @@ def test_weighting_the_compensation_token_changes_attention():
 def test_a_layer_of_only_retrieval_or_only_local_heads():
   profile = make_profile(SHAPE, [(0, 0), (0, 1), (0, 2)])
   caches = allocate_model_cache(
-      RazorAttention(profile=profile, budget=12), SHAPE, batch=B, prompt_len=T, max_new_tokens=1,
-      dtype=jnp.float32,
+    RazorAttention(profile=profile, budget=12),
+    SHAPE,
+    batch=B,
+    prompt_len=T,
+    max_new_tokens=1,
+    dtype=jnp.float32,
   )
   assert caches[0].local is None and caches[1].retrieval is None
   q = jnp.ones((B, 3, G, D))
@@ -148,17 +154,17 @@ def test_profile_of_another_model_raises_clearly(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(profile=None), "razor: profile=<head profile JSON> is required"),
-        (
-            dict(budget=4),
-            r"budget=4 is smaller than sinks \+ a window of 1 \+ the compensation token = 6",
-        ),
-        (dict(ratio=0.0), r"ratio=0.0 must be in \(0, 1\]"),
-        (dict(compensation="sum"), "compensation='sum'; allowed: mean, weighted"),
-        (dict(profile="/nonexistent/profile.json"), "does not exist; compute it once per model"),
-    ],
+  "kwargs, message",
+  [
+    (dict(profile=None), "razor: profile=<head profile JSON> is required"),
+    (
+      dict(budget=4),
+      r"budget=4 is smaller than sinks \+ a window of 1 \+ the compensation token = 6",
+    ),
+    (dict(ratio=0.0), r"ratio=0.0 must be in \(0, 1\]"),
+    (dict(compensation="sum"), "compensation='sum'; allowed: mean, weighted"),
+    (dict(profile="/nonexistent/profile.json"), "does not exist; compute it once per model"),
+  ],
 )
 def test_bad_configurations_raise_clearly(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -173,12 +179,12 @@ def test_mean_compensation_composes_with_kivi_and_weighted_refuses_it_clearly():
   exact, *_ = ingest_random(RazorAttention(profile=PROFILE, budget=12, sinks=3), 0)
   q = jnp.asarray(np.random.default_rng(7).normal(size=(B, 3, G, D)), jnp.float32)
   np.testing.assert_allclose(
-      quantized.attend(q, sm_scale=0.35), exact.attend(q, sm_scale=0.35), atol=0.15
+    quantized.attend(q, sm_scale=0.35), exact.attend(q, sm_scale=0.35), atol=0.15
   )
   message = "compensation=weighted needs a storage that reports its log-sum-exp"
   with pytest.raises(ValueError, match=message):
     RazorAttention(profile=PROFILE, budget=12, compensation="weighted", storage=storage).allocate(
-        SHAPE, 0, batch=1, prompt_len=T, max_new_tokens=1, dtype=jnp.float32
+      SHAPE, 0, batch=1, prompt_len=T, max_new_tokens=1, dtype=jnp.float32
     )
 
 

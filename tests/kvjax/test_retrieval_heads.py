@@ -7,11 +7,11 @@ import pytest
 
 from kvjax.cache_protocol import ModelCacheShape
 from kvjax.retrieval_heads import (
-    HeadProfile,
-    compute_head_profile,
-    echo_induction_scores,
-    probe_tokens,
-    select_retrieval_heads,
+  HeadProfile,
+  compute_head_profile,
+  echo_induction_scores,
+  probe_tokens,
+  select_retrieval_heads,
 )
 from models.nnx_decoder import split_decoder
 from models.weights import random_decoder
@@ -42,12 +42,17 @@ def test_scores_equal_the_numpy_statement_on_random_inputs():
   keys = rng.normal(size=(batch, heads, prompt_len, head_dim)).astype(np.float32)
   lengths = np.array([prompt_len, prompt_len - 4], np.int32)
   echo, induction = echo_induction_scores(
-      jnp.asarray(queries), jnp.asarray(keys), jnp.asarray(lengths),
-      block_len=block_len, prefix_len=1, sm_scale=0.4, query_chunk=5,
+    jnp.asarray(queries),
+    jnp.asarray(keys),
+    jnp.asarray(lengths),
+    block_len=block_len,
+    prefix_len=1,
+    sm_scale=0.4,
+    query_chunk=5,
   )
   for b in range(batch):
     expected_echo, expected_induction = numpy_echo_induction(
-        queries[b], keys[b], lengths[b], block_len=block_len, prefix_len=1, sm_scale=0.4
+      queries[b], keys[b], lengths[b], block_len=block_len, prefix_len=1, sm_scale=0.4
     )
     np.testing.assert_allclose(echo[b], expected_echo, atol=1e-5)
     np.testing.assert_allclose(induction[b], expected_induction, atol=1e-5)
@@ -72,11 +77,16 @@ def test_a_constructed_induction_head_and_echo_head_are_found():
   keys[1, 0, 0] = onehot
   lengths = jnp.asarray([prompt_len])
   scores = [
-      echo_induction_scores(
-          jnp.asarray(queries[layer], jnp.float32), jnp.asarray(keys[layer], jnp.float32), lengths,
-          block_len=block_len, prefix_len=1, sm_scale=0.25, query_chunk=16,
-      )
-      for layer in range(2)
+    echo_induction_scores(
+      jnp.asarray(queries[layer], jnp.float32),
+      jnp.asarray(keys[layer], jnp.float32),
+      lengths,
+      block_len=block_len,
+      prefix_len=1,
+      sm_scale=0.25,
+      query_chunk=16,
+    )
+    for layer in range(2)
   ]
   echo = np.stack([np.asarray(e)[0].max(-1) for e, _ in scores])  # [layers, kv_heads]
   induction = np.stack([np.asarray(i)[0].max(-1) for _, i in scores])
@@ -84,7 +94,7 @@ def test_a_constructed_induction_head_and_echo_head_are_found():
   # The echo head also attends to itself, so repeat r gives r / (r + 1) of its mass to echoes.
   assert echo[1, 0] > 0.6 and np.delete(echo.ravel(), 2).max() < 0.3
   select = lambda echo_ratio: select_retrieval_heads(
-      induction, echo, induction_ratio=0.25, echo_ratio=echo_ratio
+    induction, echo, induction_ratio=0.25, echo_ratio=echo_ratio
   )
   assert select(0.0) == ((0, 1),)
   assert select(0.25) == ((0, 1), (1, 0))
@@ -134,8 +144,15 @@ def _echo_decoder(echo_kv_head: int):
 def test_detection_through_a_decoder_finds_the_constructed_head(tmp_path):
   decoder, params = _echo_decoder(echo_kv_head=1)
   profile = compute_head_profile(
-      decoder, params, vocab_size=64, block_len=8, repeats=3, token_range=(20, 26),
-      induction_ratio=0.0, echo_ratio=0.25, model_name="echo-constructed",
+    decoder,
+    params,
+    vocab_size=64,
+    block_len=8,
+    repeats=3,
+    token_range=(20, 26),
+    induction_ratio=0.0,
+    echo_ratio=0.25,
+    model_name="echo-constructed",
   )
   echo = np.asarray(profile.echo_scores)
   assert echo.shape == (2, 2) and np.argmax(echo) == 1  # layer 0, KV head 1
@@ -151,7 +168,7 @@ def test_detection_through_a_decoder_finds_the_constructed_head(tmp_path):
 def test_profile_of_a_random_decoder_has_the_models_shape_and_checks_it(tmp_path):
   decoder, params = tiny_decoder()
   profile = compute_head_profile(
-      decoder, params, vocab_size=64, block_len=8, repeats=3, bos_token_id=1, batch=2
+    decoder, params, vocab_size=64, block_len=8, repeats=3, bos_token_id=1, batch=2
   )
   assert np.asarray(profile.induction_scores).shape == (2, 2)
   assert all(0.0 <= s <= 1.0 for row in profile.induction_scores + profile.echo_scores for s in row)
@@ -179,13 +196,13 @@ def test_probe_tokens_repeat_a_mid_vocabulary_block():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(repeats=1), "repeats=1 must be >= 2"),
-        (dict(block_len=1), "block_len=1 must be >= 2"),
-        (dict(induction_ratio=1.5), r"induction_ratio=1.5 must be in \[0, 1\]"),
-        (dict(max_positions=16), "probe of 25 tokens .* exceeds the model's context of 16"),
-    ],
+  "kwargs, message",
+  [
+    (dict(repeats=1), "repeats=1 must be >= 2"),
+    (dict(block_len=1), "block_len=1 must be >= 2"),
+    (dict(induction_ratio=1.5), r"induction_ratio=1.5 must be in \[0, 1\]"),
+    (dict(max_positions=16), "probe of 25 tokens .* exceeds the model's context of 16"),
+  ],
 )
 def test_bad_detection_settings_raise_clearly(kwargs, message):
   decoder, params = tiny_decoder()

@@ -11,7 +11,7 @@ from kvjax.sampling import SamplingConfig, filter_top_k, filter_top_p, sample_ne
 def test_greedy_is_argmax():
   logits = jax.random.normal(jax.random.key(0), (3, 50))
   np.testing.assert_array_equal(
-      sample_next_token(logits, jax.random.key(1), SamplingConfig()), np.argmax(logits, -1)
+    sample_next_token(logits, jax.random.key(1), SamplingConfig()), np.argmax(logits, -1)
   )
 
 
@@ -50,13 +50,13 @@ def test_sampling_follows_the_distribution_and_the_key():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(temperature=-1.0), "temperature"),
-        (dict(temperature=1.0, top_k=0), "top_k"),
-        (dict(temperature=1.0, top_p=1.5), "top_p"),
-        (dict(top_k=5), "need temperature"),
-    ],
+  "kwargs, message",
+  [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=1.0, top_k=0), "top_k"),
+    (dict(temperature=1.0, top_p=1.5), "top_p"),
+    (dict(top_k=5), "need temperature"),
+  ],
 )
 def test_bad_sampling_config_errors(kwargs, message):
   with pytest.raises(ValueError, match=message):

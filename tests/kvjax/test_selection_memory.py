@@ -19,7 +19,7 @@ from tests.kvjax.tiny_decoder import tiny_decoder
 
 LAYERS, KV_HEADS, GROUP, HEAD_DIM = 4, 3, 2, 8
 SHAPE = ModelCacheShape(
-    num_layers=LAYERS, num_kv_heads=KV_HEADS, num_query_heads=KV_HEADS * GROUP, head_dim=HEAD_DIM
+  num_layers=LAYERS, num_kv_heads=KV_HEADS, num_query_heads=KV_HEADS * GROUP, head_dim=HEAD_DIM
 )
 BATCH, PROMPT, NEW = 2, 64, 5
 BF16 = 2  # bytes per cached element
@@ -33,7 +33,7 @@ def dense_bytes(heads, tokens):
 
 def allocate(method):
   return allocate_model_cache(
-      method, SHAPE, batch=BATCH, prompt_len=PROMPT, max_new_tokens=NEW, dtype=jnp.bfloat16
+    method, SHAPE, batch=BATCH, prompt_len=PROMPT, max_new_tokens=NEW, dtype=jnp.bfloat16
   )
 
 
@@ -46,7 +46,7 @@ def test_full_cache_baseline():
 
 
 @pytest.mark.parametrize(
-    "method", [SnapKV(budget=16, window=4), H2O(budget=16, window=4), SnapKV(ratio=0.25, window=4)]
+  "method", [SnapKV(budget=16, window=4), H2O(budget=16, window=4), SnapKV(ratio=0.25, window=4)]
 )
 def test_uniform_selection_stores_budget_plus_new_tokens_per_layer(method):
   assert layer_bytes(method) == [dense_bytes(KV_HEADS, 16 + NEW)] * LAYERS
@@ -88,7 +88,7 @@ def test_codec_storage_holds_the_kept_tokens_only():
   kivi_cache = pytest.importorskip("kvjax.kivi_cache")
   storage = kivi_cache.Kivi(bits=4, group_size=8, residual=8)
   expected = storage.allocate_storage(
-      batch=BATCH, kv_heads=KV_HEADS, capacity=16 + NEW, head_dim=HEAD_DIM, dtype=jnp.bfloat16
+    batch=BATCH, kv_heads=KV_HEADS, capacity=16 + NEW, head_dim=HEAD_DIM, dtype=jnp.bfloat16
   )
   quantized = layer_bytes(SnapKV(budget=16, window=4, storage=storage))
   assert quantized == [expected.nbytes] * LAYERS
@@ -100,17 +100,17 @@ def test_compare_reads_the_same_bytes_from_shapes_alone(tmp_path):
   path = tmp_path / "tiny.json"
   make_profile(decoder.cache_shape, [(0, 1)]).save(path)
   bytes_after_context = lambda method: cache_bytes_after_context(
-      decoder, params, method, context_len=32, cache_dtype=jnp.bfloat16
+    decoder, params, method, context_len=32, cache_dtype=jnp.bfloat16
   )
   full = bytes_after_context(FullCache())
   for method in (
-      SnapKV(budget=8, window=4),
-      PyramidKV(budget=8, window=4),
-      StreamingLLM(budget=8),
-      RazorAttention(profile=str(path), budget=8),
+    SnapKV(budget=8, window=4),
+    PyramidKV(budget=8, window=4),
+    StreamingLLM(budget=8),
+    RazorAttention(profile=str(path), budget=8),
   ):
     caches = allocate_model_cache(
-        method, decoder.cache_shape, batch=1, prompt_len=32, max_new_tokens=0, dtype=jnp.bfloat16
+      method, decoder.cache_shape, batch=1, prompt_len=32, max_new_tokens=0, dtype=jnp.bfloat16
     )
     assert bytes_after_context(method) == model_cache_nbytes(caches) < full
 
@@ -140,7 +140,7 @@ def test_scoring_never_materialises_prompt_by_prompt(scorer):
     fn = lambda q, k: selector.kept_indices(k, q, lengths)
   else:
     fn = lambda q, k: echo_induction_scores(
-        q, k, lengths, block_len=13, prefix_len=1, sm_scale=0.3, query_chunk=8
+      q, k, lengths, block_len=13, prefix_len=1, sm_scale=0.3, query_chunk=8
     )
   jaxpr = jax.make_jaxpr(fn)(jnp.asarray(queries), jnp.asarray(keys)).jaxpr
   shapes = list(_intermediate_shapes(jaxpr))

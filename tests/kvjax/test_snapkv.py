@@ -32,8 +32,12 @@ def run_generate(method, *, max_new_tokens, prompts=None):
   """Greedy generation with the tiny decoder, batch 2 of different lengths by default."""
   decoder, params = tiny_decoder()
   return generate(
-      decoder, params, PROMPTS if prompts is None else prompts, max_new_tokens=max_new_tokens,
-      cache_dtype=jnp.float32, cache_method=method,
+    decoder,
+    params,
+    PROMPTS if prompts is None else prompts,
+    max_new_tokens=max_new_tokens,
+    cache_dtype=jnp.float32,
+    cache_method=method,
   )
 
 
@@ -83,19 +87,25 @@ def numpy_snapkv_kept(queries, keys, lengths, *, budget, window, kernel, pooling
 
 
 @pytest.mark.parametrize(
-    "kernel, pooling, gqa_reduce",
-    [(7, "max", "mean"), (5, "avg", "max"), (3, "max", "sum"), (1, "avg", "mean")],
+  "kernel, pooling, gqa_reduce",
+  [(7, "max", "mean"), (5, "avg", "max"), (3, "max", "sum"), (1, "avg", "mean")],
 )
 def test_kept_indices_equal_the_numpy_rule(kernel, pooling, gqa_reduce):
   queries, keys, _ = random_qkv(seed=kernel)
   method = SnapKV(budget=16, window=4, kernel=kernel, pooling=pooling, gqa_reduce=gqa_reduce)
   selector = method.selector(SHAPE, prompt_len=T)
   indices, kept_lengths = selector.kept_indices(
-      jnp.asarray(keys), jnp.asarray(queries), jnp.asarray(LENGTHS)
+    jnp.asarray(keys), jnp.asarray(queries), jnp.asarray(LENGTHS)
   )
   expected = numpy_snapkv_kept(
-      queries, keys, LENGTHS, budget=16, window=4, kernel=kernel, pooling=pooling,
-      gqa_reduce=gqa_reduce,
+    queries,
+    keys,
+    LENGTHS,
+    budget=16,
+    window=4,
+    kernel=kernel,
+    pooling=pooling,
+    gqa_reduce=gqa_reduce,
   )
   np.testing.assert_array_equal(kept_lengths, [16, 16])
   for (b, h), kept in expected.items():
@@ -105,9 +115,9 @@ def test_kept_indices_equal_the_numpy_rule(kernel, pooling, gqa_reduce):
 def test_window_attention_equals_the_rows_of_full_attention():
   queries, keys, _ = random_qkv(seed=3)
   summed = np.asarray(
-      observation_window_attention(
-          jnp.asarray(queries), jnp.asarray(keys), jnp.asarray(LENGTHS), window=5, sm_scale=0.3
-      )
+    observation_window_attention(
+      jnp.asarray(queries), jnp.asarray(keys), jnp.asarray(LENGTHS), window=5, sm_scale=0.3
+    )
   )
   for b, length in enumerate(LENGTHS):
     logits = np.einsum("hgqd,hkd->hgqk", queries[b, :, :, :length], keys[b, :, :length]) * 0.3
@@ -123,7 +133,7 @@ def test_cache_stores_exactly_the_kept_tokens_then_decodes_over_them():
   cache = method.allocate(SHAPE, 0, batch=B, prompt_len=T, max_new_tokens=3, dtype=jnp.float32)
   cache = ingest(cache, queries, keys, values)
   expected = numpy_snapkv_kept(
-      queries, keys, LENGTHS, budget=16, window=4, kernel=5, pooling="max", gqa_reduce="mean"
+    queries, keys, LENGTHS, budget=16, window=4, kernel=5, pooling="max", gqa_reduce="mean"
   )
   assert cache.storage.capacity == 16 + 3
   np.testing.assert_array_equal(cache.lengths, [16, 16])
@@ -161,18 +171,18 @@ def test_ratio_gives_the_budget_from_the_padded_prompt_length():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(budget=8, window=16), r"snapkv: budget=8 is smaller than window = 16"),
-        (dict(ratio=0.0), r"ratio=0.0 must be in \(0, 1\]"),
-        (dict(ratio=1.5), r"ratio=1.5 must be in \(0, 1\]"),
-        (dict(budget=64, ratio=0.5), "not both"),
-        (dict(pooling="min"), "pooling='min'; allowed: max, avg"),
-        (dict(kernel=4), "kernel=4 must be an odd integer"),
-        (dict(gqa_reduce="median"), "gqa_reduce='median'; allowed: mean, max, sum"),
-        (dict(window=0), "window=0 must be >= 1"),
-        (dict(storage="kivi"), "is not a storage method"),
-    ],
+  "kwargs, message",
+  [
+    (dict(budget=8, window=16), r"snapkv: budget=8 is smaller than window = 16"),
+    (dict(ratio=0.0), r"ratio=0.0 must be in \(0, 1\]"),
+    (dict(ratio=1.5), r"ratio=1.5 must be in \(0, 1\]"),
+    (dict(budget=64, ratio=0.5), "not both"),
+    (dict(pooling="min"), "pooling='min'; allowed: max, avg"),
+    (dict(kernel=4), "kernel=4 must be an odd integer"),
+    (dict(gqa_reduce="median"), "gqa_reduce='median'; allowed: mean, max, sum"),
+    (dict(window=0), "window=0 must be >= 1"),
+    (dict(storage="kivi"), "is not a storage method"),
+  ],
 )
 def test_bad_configurations_raise_clearly(kwargs, message):
   with pytest.raises(ValueError, match=message):
@@ -183,7 +193,7 @@ def test_a_ratio_that_keeps_fewer_tokens_than_the_window_raises_at_allocate():
   message = "ratio=0.1 of a 40-token prompt keeps 4 tokens, fewer than window = 8"
   with pytest.raises(ValueError, match=message):
     SnapKV(ratio=0.1, window=8).allocate(
-        SHAPE, 0, batch=1, prompt_len=40, max_new_tokens=1, dtype=jnp.float32
+      SHAPE, 0, batch=1, prompt_len=40, max_new_tokens=1, dtype=jnp.float32
     )
 
 
@@ -200,8 +210,12 @@ def test_budget_at_least_the_prompt_generates_exactly_what_the_full_cache_does()
   decoder, params = tiny_decoder()
   full = generate(decoder, params, PROMPTS, max_new_tokens=4, cache_dtype=jnp.float32)
   snap = generate(
-      decoder, params, PROMPTS, max_new_tokens=4, cache_dtype=jnp.float32,
-      cache_method=SnapKV(budget=37, window=4),
+    decoder,
+    params,
+    PROMPTS,
+    max_new_tokens=4,
+    cache_dtype=jnp.float32,
+    cache_method=SnapKV(budget=37, window=4),
   )
   np.testing.assert_array_equal(snap.tokens, full.tokens)
   assert snap.cache_bytes == full.cache_bytes
@@ -210,8 +224,12 @@ def test_budget_at_least_the_prompt_generates_exactly_what_the_full_cache_does()
 def test_generate_batch_of_two_lengths_with_a_real_saving():
   decoder, params = tiny_decoder()
   result = generate(
-      decoder, params, PROMPTS, max_new_tokens=4, cache_dtype=jnp.float32,
-      cache_method=SnapKV(budget=12, window=4, kernel=3),
+    decoder,
+    params,
+    PROMPTS,
+    max_new_tokens=4,
+    cache_dtype=jnp.float32,
+    cache_method=SnapKV(budget=12, window=4, kernel=3),
   )
   assert result.tokens.shape == (2, 4)
   # 2 layers x K and V x [2 rows, 2 KV heads, 12 kept + 4 new, 16] float32 + lengths.
@@ -226,7 +244,7 @@ def test_composes_with_kivi_under_generate():
   result = run_generate(method, max_new_tokens=3)
   assert result.tokens.shape == (2, 3)
   per_layer = storage.allocate_storage(
-      batch=2, kv_heads=2, capacity=20 + 3, head_dim=16, dtype=jnp.float32
+    batch=2, kv_heads=2, capacity=20 + 3, head_dim=16, dtype=jnp.float32
   )
   assert result.cache_bytes == 2 * per_layer.nbytes
   spec = "snapkv:budget=20,window=4+kivi:bits=4,group_size=16,residual=16"

@@ -36,7 +36,7 @@ def run_stream(method, lengths, prompt_len, steps, seed=0):
   # Token t of row b: prompt tokens at [0, length), decode step i at position length + i.
   rotated = numpy_rope(raw_keys, np.arange(total))
   cache = method.allocate(
-      SHAPE, 0, batch=B, prompt_len=prompt_len, max_new_tokens=steps, dtype=jnp.float32
+    SHAPE, 0, batch=B, prompt_len=prompt_len, max_new_tokens=steps, dtype=jnp.float32
   )
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   prompt = np.s_[:, :, :prompt_len]
@@ -82,7 +82,7 @@ def test_in_cache_positions_equal_rotating_raw_keys_at_their_cache_index():
   rng = np.random.default_rng(2)
   raw_q = rng.normal(size=(B, H, G, D))
   q_at_original = np.stack(
-      [numpy_rope(raw_q[b][:, :, None], [lengths[b] + steps - 1])[:, :, 0] for b in range(B)]
+    [numpy_rope(raw_q[b][:, :, None], [lengths[b] + steps - 1])[:, :, 0] for b in range(B)]
   )
   out = np.asarray(cache.attend(jnp.asarray(q_at_original, jnp.float32), sm_scale=0.5))
   out_original = np.asarray(original.attend(jnp.asarray(q_at_original, jnp.float32), sm_scale=0.5))
@@ -102,7 +102,7 @@ def test_in_cache_positions_equal_rotating_raw_keys_at_their_cache_index():
   early_original, *_ = run_stream(StreamingLLM(budget=10, sinks=3), short, 5, 2)
   q = jnp.asarray(rng.normal(size=(B, H, G, D)), jnp.float32)
   np.testing.assert_allclose(
-      early.attend(q, sm_scale=0.5), early_original.attend(q, sm_scale=0.5), atol=1e-6
+    early.attend(q, sm_scale=0.5), early_original.attend(q, sm_scale=0.5), atol=1e-6
   )
 
 
@@ -115,15 +115,15 @@ def test_slots_are_the_budget_or_less_when_everything_fits():
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        (dict(budget=4), r"streaming: budget=4 is smaller than sinks \+ a window of 1 = 5"),
-        (dict(ratio=0.0), r"ratio=0.0 must be in \(0, 1\]"),
-        (dict(positions="relative"), "positions='relative'; allowed: original, in_cache"),
-        (dict(positions="in_cache"), "positions=in_cache re-rotates keys and needs rope_theta"),
-        (dict(rope_theta=1e4), "rope_theta is only used with positions=in_cache"),
-        (dict(sinks=-1), "sinks=-1 must be >= 0"),
-    ],
+  "kwargs, message",
+  [
+    (dict(budget=4), r"streaming: budget=4 is smaller than sinks \+ a window of 1 = 5"),
+    (dict(ratio=0.0), r"ratio=0.0 must be in \(0, 1\]"),
+    (dict(positions="relative"), "positions='relative'; allowed: original, in_cache"),
+    (dict(positions="in_cache"), "positions=in_cache re-rotates keys and needs rope_theta"),
+    (dict(rope_theta=1e4), "rope_theta is only used with positions=in_cache"),
+    (dict(sinks=-1), "sinks=-1 must be >= 0"),
+  ],
 )
 def test_bad_configurations_raise_clearly(kwargs, message):
   with pytest.raises(ValueError, match=message):

@@ -7,15 +7,15 @@ from models.nnx_decoder import split_decoder
 from models.weights import random_decoder
 
 TINY_CONFIG = DecoderConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=64,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=16,
+  rope_theta=10000.0,
+  max_position_embeddings=512,
 )
 
 

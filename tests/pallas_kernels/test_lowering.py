@@ -18,13 +18,23 @@ from pallas_kernels.random_inputs import random_quantized_segment
 
 # Lowering the Triton kernels is exactly what jax's Pallas-Triton deprecation notice is about.
 pytestmark = pytest.mark.filterwarnings(
-    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+  "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
+)
 
 
 def _quantized_args(gear: bool):
   segment = random_quantized_segment(
-      np.random.default_rng(0), 2, 2, 256, 128, bits=2, group_size=32, dtype=jnp.bfloat16,
-      rank=3 if gear else 0, outliers_per_block=20 if gear else 0)
+    np.random.default_rng(0),
+    2,
+    2,
+    256,
+    128,
+    bits=2,
+    group_size=32,
+    dtype=jnp.bfloat16,
+    rank=3 if gear else 0,
+    outliers_per_block=20 if gear else 0,
+  )
   queries = jax.ShapeDtypeStruct((2, 2, 4, 128), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   return queries, segment, lengths
@@ -38,6 +48,7 @@ def _lower(function, platform, *args):
 def fake_h100(monkeypatch):
   try:
     from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
     info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
   except (ImportError, AttributeError) as e:
@@ -49,6 +60,7 @@ def fake_tpu_v5e(monkeypatch):
   try:
     from jax._src import tpu_info
     from jax._src.pallas.mosaic import lowering
+
     info = tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
     monkeypatch.setattr(tpu_info, "get_tpu_info", lambda: info)
     # The Mosaic lowering reads it through a forwarding module that copied the function.
@@ -60,23 +72,55 @@ def fake_tpu_v5e(monkeypatch):
 @pytest.mark.parametrize("variant", ["reshape", "planar"])
 def test_triton_kernels_lower_to_triton_ir(fake_h100, variant):
   queries, segment, lengths = _quantized_args(gear=True)
-  text = _lower(lambda q, s, lens: quantized_decode_attention_triton(
-      q, *s[:6], lens, bits=2, group_size=32, sm_scale=0.1, lowrank=s.lowrank,
-      outliers=s.outliers, variant=variant), "cuda", queries, segment, lengths)
+  text = _lower(
+    lambda q, s, lens: quantized_decode_attention_triton(
+      q,
+      *s[:6],
+      lens,
+      bits=2,
+      group_size=32,
+      sm_scale=0.1,
+      lowrank=s.lowrank,
+      outliers=s.outliers,
+      variant=variant,
+    ),
+    "cuda",
+    queries,
+    segment,
+    lengths,
+  )
   assert "triton" in text
   cache = jax.ShapeDtypeStruct((2, 2, 300, 128), jnp.bfloat16)
-  text = _lower(lambda q, k, v, lens: decode_attention_triton(q, k, v, lens, sm_scale=0.1),
-                "cuda", queries, cache, cache, lengths)
+  text = _lower(
+    lambda q, k, v, lens: decode_attention_triton(q, k, v, lens, sm_scale=0.1),
+    "cuda",
+    queries,
+    cache,
+    cache,
+    lengths,
+  )
   assert "triton" in text
 
 
 def test_tpu_kernels_lower_to_mosaic(fake_tpu_v5e):
   queries, segment, lengths = _quantized_args(gear=True)
-  text = _lower(lambda q, s, lens: quantized_decode_attention_tpu(
-      q, *s[:6], lens, bits=2, group_size=32, sm_scale=0.1, lowrank=s.lowrank,
-      outliers=s.outliers), "tpu", queries, segment, lengths)
+  text = _lower(
+    lambda q, s, lens: quantized_decode_attention_tpu(
+      q, *s[:6], lens, bits=2, group_size=32, sm_scale=0.1, lowrank=s.lowrank, outliers=s.outliers
+    ),
+    "tpu",
+    queries,
+    segment,
+    lengths,
+  )
   assert "tpu_custom_call" in text
   cache = jax.ShapeDtypeStruct((2, 2, 300, 128), jnp.bfloat16)
-  text = _lower(lambda q, k, v, lens: decode_attention_tpu(q, k, v, lens, sm_scale=0.1),
-                "tpu", queries, cache, cache, lengths)
+  text = _lower(
+    lambda q, k, v, lens: decode_attention_tpu(q, k, v, lens, sm_scale=0.1),
+    "tpu",
+    queries,
+    cache,
+    cache,
+    lengths,
+  )
   assert "tpu_custom_call" in text

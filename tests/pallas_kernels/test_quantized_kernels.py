@@ -33,28 +33,51 @@ def _case(seed, bits, head_dim, group, gear, dtype):
   rng = np.random.default_rng(seed)
   queries = random_queries(rng, BATCH, KV_HEADS, group, head_dim)
   segment = random_quantized_segment(
-      rng, BATCH, KV_HEADS, TOKENS, head_dim, bits=bits, group_size=GROUP_SIZE, dtype=dtype,
-      rank=3 if gear else 0, outliers_per_block=20 if gear else 0)
+    rng,
+    BATCH,
+    KV_HEADS,
+    TOKENS,
+    head_dim,
+    bits=bits,
+    group_size=GROUP_SIZE,
+    dtype=dtype,
+    rank=3 if gear else 0,
+    outliers_per_block=20 if gear else 0,
+  )
   # A full row, a row ending mid-group, an empty row.
   lengths = jnp.asarray([TOKENS, int(rng.integers(1, TOKENS)) | 1, 0], jnp.int32)
-  kwargs = dict(bits=bits, group_size=GROUP_SIZE, sm_scale=head_dim ** -0.5,
-                lowrank=segment.lowrank, outliers=segment.outliers)
+  kwargs = dict(
+    bits=bits,
+    group_size=GROUP_SIZE,
+    sm_scale=head_dim**-0.5,
+    lowrank=segment.lowrank,
+    outliers=segment.outliers,
+  )
   reference = quantized_decode_attention_reference(queries, *segment[:6], lengths, **kwargs)
   return queries, segment, lengths, kwargs, reference
 
 
 def _poison(rows, head_dim):
-  return (jnp.full((BATCH, KV_HEADS, SPLITS, rows, head_dim), jnp.nan, jnp.float32),
-          jnp.full((BATCH, KV_HEADS, SPLITS, rows), jnp.nan, jnp.float32))
+  return (
+    jnp.full((BATCH, KV_HEADS, SPLITS, rows, head_dim), jnp.nan, jnp.float32),
+    jnp.full((BATCH, KV_HEADS, SPLITS, rows), jnp.nan, jnp.float32),
+  )
 
 
 def _check_triton(bits, head_dim, group, gear, dtype, variant, seed, **config):
   queries, segment, lengths, kwargs, reference = _case(seed, bits, head_dim, group, gear, dtype)
   interpret = triton_interpret()
   out_p, lse_p = triton_kernel.quantized_decode_attention_partials_triton(
-      queries, *segment[:6], lengths,
-      _poison(decode_attention_triton.tile_rows(group), head_dim), num_splits=SPLITS,
-      interpret=interpret, variant=variant, **kwargs, **config)
+    queries,
+    *segment[:6],
+    lengths,
+    _poison(decode_attention_triton.tile_rows(group), head_dim),
+    num_splits=SPLITS,
+    interpret=interpret,
+    variant=variant,
+    **kwargs,
+    **config,
+  )
   assert_all_written(out_p, lse_p)
   out, lse = merge_split_partials(out_p, lse_p, group)
   order = triton_kernel.output_channel_order(head_dim, bits, GROUP_SIZE, variant)
@@ -66,38 +89,54 @@ def _check_tpu(bits, head_dim, group, gear, dtype, seed):
   queries, segment, lengths, kwargs, reference = _case(seed, bits, head_dim, group, gear, dtype)
   interpret = tpu_interpret()
   out_p, lse_p = tpu_kernel.quantized_decode_attention_partials_tpu(
-      queries, *segment[:6], lengths,
-      _poison(decode_attention_tpu.tile_rows(group), head_dim), num_splits=SPLITS,
-      block_tokens=64, interpret=interpret, **kwargs)
+    queries,
+    *segment[:6],
+    lengths,
+    _poison(decode_attention_tpu.tile_rows(group), head_dim),
+    num_splits=SPLITS,
+    block_tokens=64,
+    interpret=interpret,
+    **kwargs,
+  )
   assert_all_written(out_p, lse_p)
   out, lse = merge_split_partials(out_p, lse_p, group)
   assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(dtype, interpret))
 
 
-@pytest.mark.parametrize("bits,head_dim,group,gear,dtype", [
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear,dtype",
+  [
     (2, 128, 4, False, jnp.bfloat16),
     (4, 64, 1, True, jnp.float32),
     (8, 128, 8, False, jnp.float32),
     (2, 64, 8, True, jnp.bfloat16),
-])
+  ],
+)
 def test_triton_kernel_matches_reference(bits, head_dim, group, gear, dtype):
   """The default ("reshape") variant."""
-  _check_triton(bits, head_dim, group, gear, dtype, "reshape", seed=bits * head_dim + group,
-                block_tokens=64)
+  _check_triton(
+    bits, head_dim, group, gear, dtype, "reshape", seed=bits * head_dim + group, block_tokens=64
+  )
 
 
-@pytest.mark.parametrize("bits,head_dim,group,gear,dtype", [
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear,dtype",
+  [
     (2, 64, 4, False, jnp.float32),
     (4, 128, 2, True, jnp.bfloat16),
-])
+  ],
+)
 def test_triton_planar_kernel_matches_reference(bits, head_dim, group, gear, dtype):
   _check_triton(bits, head_dim, group, gear, dtype, "planar", seed=bits + head_dim + group)
 
 
-@pytest.mark.parametrize("bits,head_dim,group,gear,dtype", [
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear,dtype",
+  [
     (2, 128, 4, False, jnp.float32),
     (4, 64, 2, True, jnp.bfloat16),
-])
+  ],
+)
 def test_tpu_kernel_matches_reference(bits, head_dim, group, gear, dtype):
   _check_tpu(bits, head_dim, group, gear, dtype, seed=bits * 7 + head_dim + group)
 
@@ -110,30 +149,46 @@ def test_planar_channel_orders_are_permutations():
     # Each value group's channels occupy its own contiguous block of positions.
     groups = value_order.reshape(-1, GROUP_SIZE) // GROUP_SIZE
     np.testing.assert_array_equal(
-        groups, np.broadcast_to(np.arange(head_dim // GROUP_SIZE)[:, None], groups.shape))
+      groups, np.broadcast_to(np.arange(head_dim // GROUP_SIZE)[:, None], groups.shape)
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits,head_dim,group,gear", list(itertools.product(
-    (2, 4, 8), (64, 128), (1, 2, 4, 8), (False, True))))
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear",
+  list(itertools.product((2, 4, 8), (64, 128), (1, 2, 4, 8), (False, True))),
+)
 def test_triton_kernel_grid(bits, head_dim, group, gear):
   dtype = jnp.float32 if (bits + group) % 2 else jnp.bfloat16
-  _check_triton(bits, head_dim, group, gear, dtype, "reshape", seed=bits + 5 * head_dim + group,
-                block_tokens=32 if gear else 128)
+  _check_triton(
+    bits,
+    head_dim,
+    group,
+    gear,
+    dtype,
+    "reshape",
+    seed=bits + 5 * head_dim + group,
+    block_tokens=32 if gear else 128,
+  )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits,head_dim,group,gear", list(itertools.product(
-    (2, 4, 8), (64, 128), (1, 2, 4, 8), (False, True))))
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear",
+  list(itertools.product((2, 4, 8), (64, 128), (1, 2, 4, 8), (False, True))),
+)
 def test_triton_planar_kernel_grid(bits, head_dim, group, gear):
   dtype = jnp.bfloat16 if (bits + group) % 2 else jnp.float32
-  _check_triton(bits, head_dim, group, gear, dtype, "planar", seed=bits + 3 * head_dim + group,
-                unroll=1 + gear)
+  _check_triton(
+    bits, head_dim, group, gear, dtype, "planar", seed=bits + 3 * head_dim + group, unroll=1 + gear
+  )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits,head_dim,group,gear", list(itertools.product(
-    (2, 4, 8), (64, 128), (1, 4, 8), (False, True))))
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear",
+  list(itertools.product((2, 4, 8), (64, 128), (1, 4, 8), (False, True))),
+)
 def test_tpu_kernel_grid(bits, head_dim, group, gear):
   dtype = jnp.float32 if (bits + group) % 2 else jnp.bfloat16
   _check_tpu(bits, head_dim, group, gear, dtype, seed=bits + 5 * head_dim + group)

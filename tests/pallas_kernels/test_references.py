@@ -49,37 +49,64 @@ def test_full_reference_ignores_nan_past_length():
 def test_merge_of_two_segments_equals_whole():
   queries = random_queries(np.random.default_rng(2), 2, 2, 3, 64)
   keys, values = random_full_segment(np.random.default_rng(3), 2, 2, 40, 64)
-  first = decode_attention_reference(queries, keys[:, :, :25], values[:, :, :25],
-                                     jnp.array([25, 0], jnp.int32), sm_scale=0.1)
-  second = decode_attention_reference(queries, keys[:, :, 25:], values[:, :, 25:],
-                                      jnp.array([15, 15], jnp.int32), sm_scale=0.1)
+  first = decode_attention_reference(
+    queries, keys[:, :, :25], values[:, :, :25], jnp.array([25, 0], jnp.int32), sm_scale=0.1
+  )
+  second = decode_attention_reference(
+    queries, keys[:, :, 25:], values[:, :, 25:], jnp.array([15, 15], jnp.int32), sm_scale=0.1
+  )
   out, lse = merge_attention_partials([first, second])
   # Row 0 sees all 40 slots; row 1 (empty first segment) only the second segment's 15.
   whole = dense_attention_float64(queries[:1], keys[:1], values[:1], jnp.array([40]), 0.1)
-  tail = dense_attention_float64(queries[1:], keys[1:, :, 25:], values[1:, :, 25:],
-                                 jnp.array([15]), 0.1)
+  tail = dense_attention_float64(
+    queries[1:], keys[1:, :, 25:], values[1:, :, 25:], jnp.array([15]), 0.1
+  )
   assert_matches_reference(out[:1], lse[:1], *whole, rtol=1e-5)
   assert_matches_reference(out[1:], lse[1:], *tail, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bits,head_dim,group,gear,chunk", [
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear,chunk",
+  [
     (2, 64, 4, False, 64),
     (4, 128, 1, True, 128),
     (8, 64, 8, True, 512),
-])
+  ],
+)
 def test_quantized_reference_equals_dense_on_dequantized(bits, head_dim, group, gear, chunk):
   tokens, group_size = 256, 32
   segment = random_quantized_segment(
-      np.random.default_rng(bits + head_dim), 3, 2, tokens, head_dim, bits=bits,
-      group_size=group_size, rank=3 if gear else 0, outliers_per_block=7 if gear else 0)
+    np.random.default_rng(bits + head_dim),
+    3,
+    2,
+    tokens,
+    head_dim,
+    bits=bits,
+    group_size=group_size,
+    rank=3 if gear else 0,
+    outliers_per_block=7 if gear else 0,
+  )
   queries = random_queries(np.random.default_rng(9), 3, 2, group, head_dim)
   lengths = jnp.array([tokens, 97, 0], jnp.int32)
-  sm_scale = head_dim ** -0.5
+  sm_scale = head_dim**-0.5
   out, lse = quantized_decode_attention_reference(
-      queries, *segment[:6], lengths, bits=bits, group_size=group_size, sm_scale=sm_scale,
-      lowrank=segment.lowrank, outliers=segment.outliers, chunk_tokens=chunk)
-  keys, values = dequantize_segment(*segment[:6], bits=bits, group_size=group_size,
-                                    lowrank=segment.lowrank, outliers=segment.outliers)
+    queries,
+    *segment[:6],
+    lengths,
+    bits=bits,
+    group_size=group_size,
+    sm_scale=sm_scale,
+    lowrank=segment.lowrank,
+    outliers=segment.outliers,
+    chunk_tokens=chunk,
+  )
+  keys, values = dequantize_segment(
+    *segment[:6],
+    bits=bits,
+    group_size=group_size,
+    lowrank=segment.lowrank,
+    outliers=segment.outliers,
+  )
   expected = dense_attention_float64(queries, keys, values, lengths, sm_scale)
   assert_matches_reference(out, lse, *expected, rtol=1e-5)
 
@@ -89,11 +116,20 @@ def test_quantized_reference_config_errors_name_the_parameter():
   queries = random_queries(np.random.default_rng(1), 1, 1, 2, 64)
   lengths = jnp.array([64], jnp.int32)
   with pytest.raises(ValueError, match="bits"):
-    quantized_decode_attention_reference(queries, *segment[:6], lengths, bits=3, group_size=32,
-                                         sm_scale=1.0)
+    quantized_decode_attention_reference(
+      queries, *segment[:6], lengths, bits=3, group_size=32, sm_scale=1.0
+    )
   with pytest.raises(ValueError, match="k_scale"):
-    quantized_decode_attention_reference(queries, *segment[:6], lengths, bits=2, group_size=16,
-                                         sm_scale=1.0)
+    quantized_decode_attention_reference(
+      queries, *segment[:6], lengths, bits=2, group_size=16, sm_scale=1.0
+    )
   with pytest.raises(ValueError, match="lowrank"):
-    quantized_decode_attention_reference(queries, *segment[:6], lengths, bits=2, group_size=32,
-                                         sm_scale=1.0, lowrank=(segment.k_codes,))
+    quantized_decode_attention_reference(
+      queries,
+      *segment[:6],
+      lengths,
+      bits=2,
+      group_size=32,
+      sm_scale=1.0,
+      lowrank=(segment.k_codes,),
+    )
