@@ -130,12 +130,10 @@ def _add_compare(subparsers):
 
 def run_compare(args) -> int:
   import pathlib
-  import platform
   import time
 
-  import jax
-
   from kvjax.eval.compare import CompareConfig, compare_methods
+  from kvjax.eval.machine import machine_description
   from kvjax.eval.report import format_table, write_results
   from kvjax.eval.text_corpus import load_text
   from kvjax.method_registry import METHODS
@@ -164,15 +162,14 @@ def run_compare(args) -> int:
 
   loaded = load_model(args.model)
   out = pathlib.Path(args.out)
-  device = f"{jax.devices()[0].device_kind}, {jax.default_backend()}"
-  machine = f"{platform.machine()} {platform.processor() or ''} ({device})"
+  machine = machine_description()
 
   def header_after(seconds):
     return (
       f"model {args.model}, context {config.context_len} tokens, "
       f"continuation {config.continuation_len}, "
       f"{config.num_samples} samples, cache dtype {config.cache_dtype}, seed {config.seed}; "
-      f"{machine}; jax {jax.__version__}; wall {seconds:.0f}s"
+      f"{machine}; wall {seconds:.0f}s"
     )
 
   records = compare_methods(
