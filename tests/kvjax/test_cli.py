@@ -33,3 +33,15 @@ def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
     main(argv)
   assert exit_info.value.code != 0
   assert message in capsys.readouterr().err + str(exit_info.value)
+
+
+def test_razor_profile_command_writes_a_loadable_profile(tmp_path, capsys):
+  from kvjax.retrieval_heads import HeadProfile
+
+  path = tmp_path / "profile.json"
+  argv = ["razor-profile", "--output", str(path), "--block-len", "48", "--repeats", "2"]
+  assert main(argv) == 0
+  profile = HeadProfile.load(path)
+  assert (profile.num_layers, profile.num_kv_heads) == (30, 3)
+  assert 1 <= len(profile.retrieval_heads) <= 90
+  assert "retrieval heads; wrote" in capsys.readouterr().out
