@@ -35,42 +35,20 @@ def _inputs(rng, head_dim, group, dtype, batch=3, tokens=TOKENS):
   return queries, keys, values, jnp.asarray(lengths, jnp.int32)
 
 
-def _check_triton(head_dim, group, dtype, seed, num_splits=2, block_tokens=64):
+def _check_kernel(kernel, head_dim, group, dtype, seed, num_splits=2, block_tokens=64):
+  """`kernel`: the module (decode_attention_triton or decode_attention_tpu) under test."""
   rng = np.random.default_rng(seed)
   queries, keys, values, lengths = _inputs(rng, head_dim, group, dtype)
-  rows = decode_attention_triton.tile_rows(group)
+  rows = kernel.tile_rows(group)
   poison = (
     jnp.full((3, 2, num_splits, rows, head_dim), jnp.nan, jnp.float32),
     jnp.full((3, 2, num_splits, rows), jnp.nan, jnp.float32),
   )
-  interpret = triton_interpret()
-  out_p, lse_p = decode_attention_triton.decode_attention_partials_triton(
-    queries,
-    keys,
-    values,
-    lengths,
-    poison,
-    sm_scale=head_dim**-0.5,
-    block_tokens=block_tokens,
-    num_splits=num_splits,
-    interpret=interpret,
-  )
-  assert_all_written(out_p, lse_p)
-  out, lse = merge_split_partials(out_p, lse_p, group)
-  ref = decode_attention_reference(queries, keys, values, lengths, sm_scale=head_dim**-0.5)
-  assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(dtype, interpret))
-
-
-def _check_tpu(head_dim, group, dtype, seed, num_splits=2, block_tokens=64):
-  rng = np.random.default_rng(seed)
-  queries, keys, values, lengths = _inputs(rng, head_dim, group, dtype)
-  rows = decode_attention_tpu.tile_rows(group)
-  poison = (
-    jnp.full((3, 2, num_splits, rows, head_dim), jnp.nan, jnp.float32),
-    jnp.full((3, 2, num_splits, rows), jnp.nan, jnp.float32),
-  )
-  interpret = tpu_interpret()
-  out_p, lse_p = decode_attention_tpu.decode_attention_partials_tpu(
+  if kernel is decode_attention_triton:
+    interpret, partials = triton_interpret(), kernel.decode_attention_partials_triton
+  else:
+    interpret, partials = tpu_interpret(), kernel.decode_attention_partials_tpu
+  out_p, lse_p = partials(
     queries,
     keys,
     values,
@@ -97,12 +75,12 @@ def _check_tpu(head_dim, group, dtype, seed, num_splits=2, block_tokens=64):
   ],
 )
 def test_triton_kernel_matches_reference(head_dim, group, dtype):
-  _check_triton(head_dim, group, dtype, seed=head_dim * 10 + group)
+  _check_kernel(decode_attention_triton, head_dim, group, dtype, seed=head_dim * 10 + group)
 
 
 @pytest.mark.parametrize("head_dim,group,dtype", [(128, 4, jnp.float32), (64, 8, jnp.bfloat16)])
 def test_tpu_kernel_matches_reference(head_dim, group, dtype):
-  _check_tpu(head_dim, group, dtype, seed=head_dim * 10 + group + 1)
+  _check_kernel(decode_attention_tpu, head_dim, group, dtype, seed=head_dim * 10 + group + 1)
 
 
 def test_kernels_ignore_nan_past_length():
@@ -137,7 +115,15 @@ def test_kernels_ignore_nan_past_length():
   list(itertools.product((64, 128), (1, 2, 4, 8), (jnp.float32, jnp.bfloat16))),
 )
 def test_triton_kernel_grid(head_dim, group, dtype):
-  _check_triton(head_dim, group, dtype, seed=head_dim + group, num_splits=3, block_tokens=32)
+  _check_kernel(
+    decode_attention_triton,
+    head_dim,
+    group,
+    dtype,
+    seed=head_dim + group,
+    num_splits=3,
+    block_tokens=32,
+  )
 
 
 @pytest.mark.slow
@@ -146,4 +132,12 @@ def test_triton_kernel_grid(head_dim, group, dtype):
   list(itertools.product((64, 128), (1, 2, 4, 8), (jnp.float32, jnp.bfloat16))),
 )
 def test_tpu_kernel_grid(head_dim, group, dtype):
-  _check_tpu(head_dim, group, dtype, seed=head_dim + group + 7, num_splits=3, block_tokens=32)
+  _check_kernel(
+    decode_attention_tpu,
+    head_dim,
+    group,
+    dtype,
+    seed=head_dim + group + 7,
+    num_splits=3,
+    block_tokens=32,
+  )
