@@ -120,8 +120,10 @@ def _add_compare(subparsers):
   p.add_argument("--text", default=None, help="UTF-8 text file (default: CPython pydoc topics)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument(
-      "--num-samples", type=int, default=1,
-      help="text windows for ppl/kl, and needles per depth (default 1: a quick look; use 4+)",
+    "--num-samples",
+    type=int,
+    default=1,
+    help="text windows for ppl/kl, and needles per depth (default 1: a quick look; use 4+)",
   )
   p.add_argument("--cache-dtype", default="bfloat16", help="bfloat16|float16|float32")
   p.add_argument(

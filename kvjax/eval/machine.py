@@ -22,6 +22,6 @@ def machine_description() -> str:
   """e.g. `AMD EPYC 9B14, 2 CPUs; jax 0.12.0 on cpu (cpu)`."""
   device = jax.devices()[0]
   return (
-      f"{cpu_name()}, {os.cpu_count()} CPUs; jax {jax.__version__} on {jax.default_backend()} "
-      f"({device.device_kind})"
+    f"{cpu_name()}, {os.cpu_count()} CPUs; jax {jax.__version__} on {jax.default_backend()} "
+    f"({device.device_kind})"
   )
