@@ -125,6 +125,19 @@ def allocate_model_cache(
   )
 
 
+class KeyValueArrays:
+  """Size accounting of a cache whose storage is full-precision `keys` and `values` arrays
+  (plus small bookkeeping leaves such as lengths, counted in `nbytes` too)."""
+
+  @property
+  def nbytes(self) -> int:
+    return tree_nbytes(self)
+
+  @property
+  def stored_elements(self) -> int:
+    return self.keys.size + self.values.size
+
+
 def tree_nbytes(tree) -> int:
   """Bytes of all array leaves of a pytree (concrete arrays or `jax.eval_shape` structs)."""
   return sum(

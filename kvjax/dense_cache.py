@@ -6,14 +6,14 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import attention_dispatch
-from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
+from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
 from kvjax.compact_rows import write_token_at_lengths, zero_past_lengths
 from kvjax.method_registry import register_method
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DenseLayerCache:
+class DenseLayerCache(KeyValueArrays):
   keys: jax.Array  # [batch, kv_heads, capacity, head_dim]
   values: jax.Array  # [batch, kv_heads, capacity, head_dim]
   lengths: jax.Array  # int32 [batch]
@@ -68,14 +68,6 @@ class DenseLayerCache:
       implementation=self.implementation,
     )
     return out
-
-  @property
-  def nbytes(self) -> int:
-    return tree_nbytes(self)
-
-  @property
-  def stored_elements(self) -> int:
-    return self.keys.size + self.values.size
 
 
 @register_method("full", kind="storage")

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import attention_dispatch
-from kvjax.cache_protocol import tree_nbytes
+from kvjax.cache_protocol import KeyValueArrays
 from kvjax.compact_rows import write_token_at_lengths
 
 
@@ -28,7 +28,7 @@ def ring_source_positions(lengths: jax.Array, window: int) -> tuple[jax.Array, j
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SlidingWindowLayerCache:
+class SlidingWindowLayerCache(KeyValueArrays):
   keys: jax.Array  # [batch, kv_heads, window, head_dim]
   values: jax.Array  # [batch, kv_heads, window, head_dim]
   lengths: jax.Array  # int32 [batch]: tokens seen so far (may exceed the window)
@@ -78,11 +78,3 @@ class SlidingWindowLayerCache:
       implementation=self.implementation,
     )
     return out
-
-  @property
-  def nbytes(self) -> int:
-    return tree_nbytes(self)
-
-  @property
-  def stored_elements(self) -> int:
-    return self.keys.size + self.values.size

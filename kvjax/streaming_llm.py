@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import attention_dispatch
-from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
+from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
 from kvjax.compact_rows import write_token_at_lengths
 from kvjax.dense_cache import FullCache
 from kvjax.method_registry import register_method
@@ -61,7 +61,7 @@ def streaming_source_positions(
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class StreamingLayerCache:
+class StreamingLayerCache(KeyValueArrays):
   keys: jax.Array  # [batch, kv_heads, sinks + window, head_dim]
   values: jax.Array  # [batch, kv_heads, sinks + window, head_dim]
   lengths: jax.Array  # int32 [batch]: tokens seen so far (may exceed the slots)
@@ -132,14 +132,6 @@ class StreamingLayerCache:
       implementation=self.implementation,
     )
     return out
-
-  @property
-  def nbytes(self) -> int:
-    return tree_nbytes(self)
-
-  @property
-  def stored_elements(self) -> int:
-    return self.keys.size + self.values.size
 
 
 @register_method("streaming", kind="selection")
