@@ -15,8 +15,14 @@ from models.nnx_decoder import split_decoder
 from models.weights import random_decoder
 
 CONFIG = DecoderConfig(
-    vocab_size=256, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
-    num_kv_heads=2, head_dim=64, max_position_embeddings=4096,
+  vocab_size=256,
+  hidden_size=256,
+  intermediate_size=512,
+  num_layers=2,
+  num_heads=8,
+  num_kv_heads=2,
+  head_dim=64,
+  max_position_embeddings=4096,
 )
 
 
@@ -27,17 +33,21 @@ def main():
   prompts = [rng.integers(1, 256, n).tolist() for n in (700, 333)]
   for spec in ("full", "kivi:bits=4,residual=32", "kivi:bits=2,residual=32", "gear:bits=2"):
     runs = {
-        impl: generate(
-            decoder, params, prompts, max_new_tokens=16, cache_dtype=jnp.float32,
-            cache_method=parse_method_spec(spec, implementation=impl),
-        )
-        for impl in ("reference", "pallas")
+      impl: generate(
+        decoder,
+        params,
+        prompts,
+        max_new_tokens=16,
+        cache_dtype=jnp.float32,
+        cache_method=parse_method_spec(spec, implementation=impl),
+      )
+      for impl in ("reference", "pallas")
     }
     same = np.array_equal(runs["pallas"].tokens, runs["reference"].tokens)
     agree = float(np.mean(runs["pallas"].tokens == runs["reference"].tokens))
     print(
-        f"{spec:28s} same tokens: {same} (agreement {agree:.2f}); decode tok/s "
-        f"reference {runs['reference'].decode_tokens_per_s:.0f}, pallas {runs['pallas'].decode_tokens_per_s:.0f}"
+      f"{spec:28s} same tokens: {same} (agreement {agree:.2f}); decode tok/s "
+      f"reference {runs['reference'].decode_tokens_per_s:.0f}, pallas {runs['pallas'].decode_tokens_per_s:.0f}"
     )
 
 

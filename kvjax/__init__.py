@@ -18,6 +18,7 @@ from kvjax.cache_protocol import (
 from kvjax.decoder_protocol import CachedDecoder
 from kvjax.dense_cache import DenseLayerCache, FullCache
 from kvjax.generate import GenerateResult, decode, generate, prefill
+from kvjax.layer_runs import StackedLayerCaches, flatten_layer_caches, run_layers
 from kvjax.method_registry import METHODS
 from kvjax.method_spec import describe_method, parse_method_spec
 from kvjax.sampling import SamplingConfig
@@ -34,11 +35,14 @@ __all__ = [
   "ModelCacheShape",
   "SamplingConfig",
   "SlidingWindowLayerCache",
+  "StackedLayerCaches",
   "allocate_model_cache",
   "decode",
   "describe_method",
+  "flatten_layer_caches",
   "generate",
   "model_cache_nbytes",
   "parse_method_spec",
   "prefill",
+  "run_layers",
 ]

@@ -2,6 +2,12 @@
 
 Any decoder that threads kvjax layer caches can be used: research code with its own model
 implements these two pure functions and a `cache_shape`; nothing in kvjax imports `models`.
+
+`prefill` may hand back the caches in another arrangement than it got them, for instance
+look-alike layers' caches stacked (`kvjax.layer_runs.StackedLayerCaches`, which
+`kvjax.layer_runs.run_layers` returns to save restacking on every decode step), as long as
+`decode_step` takes that arrangement and returns it unchanged in structure, and every item of
+the tuple reports `nbytes`.
 """
 
 from typing import Any, Protocol
@@ -22,7 +28,7 @@ class CachedDecoder(Protocol):
     params: Any,
     tokens: jax.Array,  # int32 [batch, prompt], right-padded (compact rows)
     lengths: jax.Array,  # int32 [batch]
-    caches: tuple,  # freshly allocated layer caches
+    caches: tuple,  # freshly allocated layer caches, one per layer
   ) -> tuple[jax.Array, tuple]:  # logits at each row's last prompt token [batch, vocab]
     ...
 
@@ -31,6 +37,6 @@ class CachedDecoder(Protocol):
     params: Any,
     tokens: jax.Array,  # int32 [batch]
     positions: jax.Array,  # int32 [batch]
-    caches: tuple,
+    caches: tuple,  # as `prefill` or the previous step returned them
   ) -> tuple[jax.Array, tuple]:  # next-token logits [batch, vocab]
     ...

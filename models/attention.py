@@ -1,7 +1,5 @@
 """Grouped-query self-attention whose K/V live in a kvjax layer cache passed in and returned."""
 
-import jax
-import jax.numpy as jnp
 from einops import rearrange
 from flax import nnx
 
@@ -26,7 +24,8 @@ class CachedAttention(nnx.Module):
     self.v_proj = linear(config.hidden_size, config.num_kv_heads * config.head_dim)
     self.o_proj = linear(config.num_heads * config.head_dim, config.hidden_size)
 
-  def _project(self, x, positions):
+  def project(self, x, positions):
+    """q [b, kv_heads, group, t, d], k and v [b, kv_heads, t, d], rotated at `positions`."""
     inv_freq = rope_inverse_frequencies(*self.rope)  # a trace-time constant
     q = self.q_proj(x).reshape(*x.shape[:2], self.num_heads, self.head_dim)
     k = self.k_proj(x).reshape(*x.shape[:2], self.num_kv_heads, self.head_dim)
@@ -39,30 +38,21 @@ class CachedAttention(nnx.Module):
     v = rearrange(v, "b t h d -> b h t d")
     return q, k, v
 
-  def _output(self, attended, dtype):  # attended: [b, h, g, t, d]
+  def output(self, attended, dtype):  # attended: [b, h, g, t, d]
     return self.o_proj(rearrange(attended, "b h g t d -> b t (h g d)").astype(dtype))
 
-  def prefill(
-    self,
-    x: jax.Array,  # [batch, prompt, hidden]
-    lengths: jax.Array,  # int32 [batch]; rows are compact (padding after the length)
-    cache,
-  ):
-    positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
-    q, k, v = self._project(x, positions)
+  # The cache steps touch no weights: kvjax.layer_runs compiles them once for look-alike layers.
+  def prefill_cache(self, qkv, lengths, cache):
+    """Attention over the prompt itself, and the prompt stored (compressed) in the cache."""
+    q, k, v = qkv
     attended = causal_prompt_attention(
       q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window
     )
-    cache = cache.ingest(k, v, q, lengths)
-    return self._output(attended, x.dtype), cache
+    return attended, cache.ingest(k, v, q, lengths)
 
-  def decode(
-    self,
-    x: jax.Array,  # [batch, 1, hidden]
-    positions: jax.Array,  # int32 [batch]
-    cache,
-  ):
-    q, k, v = self._project(x, positions[:, None])
+  def decode_cache(self, qkv, cache):
+    """One new token stored, then its query attends over everything the cache holds."""
+    q, k, v = qkv
     cache = cache.append(k[:, :, 0], v[:, :, 0])
     attended = cache.attend(q[:, :, :, 0], sm_scale=self.sm_scale)
-    return self._output(attended[:, :, :, None], x.dtype), cache
+    return attended[:, :, :, None], cache

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.cache_protocol import ModelCacheShape
+from kvjax.layer_runs import check_layer_loop, run_layers
 from models.attention import CachedAttention
 from models.config import DecoderConfig
 from models.layers import RMSNorm, SwiGLU
@@ -19,24 +20,25 @@ class DecoderLayer(nnx.Module):
     )
     self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
 
-  def _finish(self, x, attended):
-    x = x + attended
+  def before_cache(self, x, positions):
+    """(q, k, v) of this layer's attention at `positions` (int32 [batch, tokens])."""
+    return self.self_attn.project(self.input_layernorm(x), positions)
+
+  def after_cache(self, x, attended):
+    """The residual stream after attention (`attended` [b, h, g, t, d]) and the MLP."""
+    x = x + self.self_attn.output(attended, x.dtype)
     return x + self.mlp(self.post_attention_layernorm(x))
-
-  def prefill(self, x, lengths, cache):
-    attended, cache = self.self_attn.prefill(self.input_layernorm(x), lengths, cache)
-    return self._finish(x, attended), cache
-
-  def decode(self, x, positions, cache):
-    attended, cache = self.self_attn.decode(self.input_layernorm(x), positions, cache)
-    return self._finish(x, attended), cache
 
 
 class Decoder(nnx.Module):
   """`prefill` ingests right-padded prompts into fresh caches; `decode_step` adds one token."""
 
-  def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+  def __init__(
+    self, config: DecoderConfig, *, dtype=jnp.float32, layer_loop: str = "unroll", rngs: nnx.Rngs
+  ):
+    check_layer_loop(layer_loop)
     self.config = config
+    self.layer_loop = layer_loop  # kvjax.layer_runs: scan over look-alike layers, or unroll
     self.embed_tokens = nnx.Embed(
       config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
     )
@@ -80,10 +82,16 @@ class Decoder(nnx.Module):
   ) -> tuple[jax.Array, tuple]:
     """Logits at each row's last prompt token [batch, vocab] (all: [batch, prompt, vocab])."""
     x = self.embed_tokens(tokens)
-    new_caches = []
-    for layer, cache in zip(self.layers, caches):
-      x, cache = layer.prefill(x, lengths, cache)
-      new_caches.append(cache)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    attention = self.layers[0].self_attn  # its cache step is every layer's (same config)
+    x, new_caches = self._run_layers(
+      x,
+      caches,
+      positions,
+      lambda qkv, cache: attention.prefill_cache(qkv, lengths, cache),
+      # Decode steps then update the stacked caches in place (kvjax.layer_runs).
+      keep_stacked=True,
+    )
     if not all_logits:
       x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return self._logits(x), tuple(new_caches)
@@ -96,8 +104,20 @@ class Decoder(nnx.Module):
   ) -> tuple[jax.Array, tuple]:
     """Logits [batch, vocab] of the next token after `tokens` at `positions`."""
     x = self.embed_tokens(tokens[:, None])
-    new_caches = []
-    for layer, cache in zip(self.layers, caches):
-      x, cache = layer.decode(x, positions, cache)
-      new_caches.append(cache)
-    return self._logits(x[:, 0]), tuple(new_caches)
+    x, new_caches = self._run_layers(
+      x, caches, positions[:, None], self.layers[0].self_attn.decode_cache
+    )
+    return self._logits(x[:, 0]), new_caches
+
+  def _run_layers(self, x, caches, positions, cache_step, *, keep_stacked=False):
+    return run_layers(
+      x,
+      caches,
+      before_cache=[
+        lambda x, layer=layer: layer.before_cache(x, positions) for layer in self.layers
+      ],
+      cache_step=cache_step,
+      after_cache=[layer.after_cache for layer in self.layers],
+      layer_loop=self.layer_loop,
+      keep_stacked=keep_stacked,
+    )

@@ -5,6 +5,7 @@ import dataclasses
 import jax.numpy as jnp
 from flax import nnx
 
+from kvjax.layer_runs import check_layer_loop
 from models.config import DecoderConfig
 from models.nnx_decoder import NNXCachedDecoder, split_decoder
 from models.registry import load_tokenizer, read_checkpoint, resolve_model_path
@@ -27,12 +28,22 @@ class LoadedModel:
     return tuple(sorted(set(self.tokenizer.stop_ids) | set(self.config.eos_token_ids)))
 
 
-def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype=jnp.float32) -> LoadedModel:
-  """Loads a GGUF file, a Hugging Face checkpoint directory, or a short name (`smollm2-135m`)."""
+def load_model(
+  name_or_path: str = DEFAULT_MODEL, *, dtype=jnp.float32, layer_loop: str = "unroll"
+) -> LoadedModel:
+  """Loads a GGUF file, a Hugging Face checkpoint directory, or a short name (`smollm2-135m`).
+
+  `layer_loop`: "unroll" (the default) compiles every layer apart; "scan" compiles one body
+  per run of look-alike layers, several times faster to compile, but each step copies its
+  layer's weights out of the stack, which slows a batch-1 decode step (kvjax.layer_runs).
+  """
+  check_layer_loop(layer_loop)
   path = resolve_model_path(name_or_path)
   checkpoint = read_checkpoint(name_or_path)
   config = DecoderConfig.from_hf_dict(checkpoint.config)
-  model = decoder_from_tensors(config, checkpoint.tensors, dtype=dtype, source=str(path))
+  model = decoder_from_tensors(
+    config, checkpoint.tensors, dtype=dtype, source=str(path), layer_loop=layer_loop
+  )
   decoder, params = split_decoder(model)
   return LoadedModel(
     name=str(name_or_path),

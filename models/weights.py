@@ -32,10 +32,17 @@ def decoder_from_tensors(
   *,
   dtype=jnp.float32,
   source: str = "checkpoint",
+  layer_loop: str = "unroll",
 ) -> Decoder:
-  """A Decoder holding `tensors` (names and layouts of Hugging Face Llama checkpoints)."""
+  """A Decoder holding `tensors` (names and layouts of Hugging Face Llama checkpoints).
+
+  `layer_loop`: "scan" (one compiled body per run of look-alike layers) or "unroll"
+  (see kvjax.layer_runs).
+  """
   check_tensors(config, tensors, pathlib.Path(source))
-  abstract = nnx.eval_shape(lambda: Decoder(config, dtype=dtype, rngs=nnx.Rngs(0)))
+  abstract = nnx.eval_shape(
+    lambda: Decoder(config, dtype=dtype, layer_loop=layer_loop, rngs=nnx.Rngs(0))
+  )
   graphdef, abstract_state = nnx.split(abstract)
   variables = dict(nnx.to_flat_state(abstract_state))
   flat = []
@@ -51,6 +58,8 @@ def decoder_from_tensors(
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def random_decoder(config: DecoderConfig, *, seed: int = 0, dtype=jnp.float32) -> Decoder:
+def random_decoder(
+  config: DecoderConfig, *, seed: int = 0, dtype=jnp.float32, layer_loop: str = "unroll"
+) -> Decoder:
   """A randomly initialised Decoder (tests, examples)."""
-  return Decoder(config, dtype=dtype, rngs=nnx.Rngs(seed))
+  return Decoder(config, dtype=dtype, layer_loop=layer_loop, rngs=nnx.Rngs(seed))

@@ -1,29 +1,28 @@
-"""True cache bytes after a context, read from the shapes the method allocates (no compute)."""
+"""True cache bytes after a context, read from the shapes the method allocates (no compute).
+
+Caches have static shapes: ingesting a prompt fills the arrays allocated for it and never
+reshapes them, so the allocation's shapes are the bytes after the context.
+"""
 
 import jax
-import numpy as np
 
-from kvjax.cache_protocol import model_cache_nbytes
-from kvjax.generate import prefill
+from kvjax.cache_protocol import allocate_model_cache, model_cache_nbytes
 
 
 def cache_bytes_after_context(
   decoder, params, cache_method, *, context_len: int, cache_dtype, batch: int = 1
 ) -> int:
   """Bytes every array of the model's caches holds after ingesting a `context_len` prompt."""
-  tokens = np.zeros((batch, context_len), np.int32)
-  lengths = np.full((batch,), context_len, np.int32)
-  _, caches = jax.eval_shape(
-    lambda p: prefill(
-      decoder,
-      p,
-      tokens,
-      lengths,
-      cache_method=cache_method,
+  del params  # the bytes depend on shapes only
+  caches = jax.eval_shape(
+    lambda: allocate_model_cache(
+      cache_method,
+      decoder.cache_shape,
+      batch=batch,
+      prompt_len=context_len,
       max_new_tokens=0,
-      cache_dtype=cache_dtype,
-    ),
-    params,
+      dtype=cache_dtype,
+    )
   )
   return model_cache_nbytes(caches)
 

@@ -7,9 +7,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from kvjax.eval.cache_size import cache_bytes_after_context, context_elements
-from kvjax.eval.continuation import sample_text_windows, score_continuation
+from kvjax.eval.continuation import ContinuationScores, sample_text_windows
 from kvjax.eval.needle import build_needle_prompts, run_needle
-from kvjax.generate import generate
+from kvjax.eval.speed import speed_record, timed_prefill, timed_teacher_force
 from kvjax.method_spec import describe_method, parse_method_spec
 
 TASKS = ("ppl", "kl", "passkey", "passkey_agnostic", "speed")
@@ -23,7 +23,6 @@ class CompareConfig:
   num_samples: int = 2
   seed: int = 0
   cache_dtype: str = "bfloat16"
-  speed_new_tokens: int = 64
   implementation: str = "auto"
 
   def __post_init__(self):
@@ -32,7 +31,7 @@ class CompareConfig:
       raise ValueError(
         f"tasks={','.join(self.tasks)!s} has unknown {sorted(unknown)}; allowed: {','.join(TASKS)}"
       )
-    for name in ("context_len", "continuation_len", "num_samples", "speed_new_tokens"):
+    for name in ("context_len", "continuation_len", "num_samples"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
     if self.cache_dtype not in ("bfloat16", "float16", "float32"):
@@ -64,21 +63,21 @@ def compare_methods(
   if "full" not in names:
     methods.insert(0, parse_method_spec("full", implementation=config.implementation))
     names.insert(0, "full")
-  needed = config.context_len + max(config.continuation_len, config.speed_new_tokens)
+  needed = config.context_len + config.continuation_len
   if max_context is not None and needed > max_context:
     raise ValueError(
-      f"context_len {config.context_len} + {max(config.continuation_len, config.speed_new_tokens)} "
-      f"new tokens exceeds the model's context of {max_context} tokens"
+      f"context_len {config.context_len} + continuation_len {config.continuation_len} "
+      f"exceeds the model's context of {max_context} tokens"
     )
   dtype = jnp.dtype(config.cache_dtype)
   tasks = set(config.tasks)
   text_ids = np.asarray(tokenizer.encode(text), np.int32)
   windows = None
-  if tasks & {"ppl", "kl"}:
+  if tasks & {"ppl", "kl", "speed"}:
     windows = sample_text_windows(
       text_ids,
       window=config.context_len + config.continuation_len,
-      count=config.num_samples,
+      count=config.num_samples if tasks & {"ppl", "kl"} else 1,
       seed=config.seed,
     )
   needles = None
@@ -108,22 +107,22 @@ def compare_methods(
       prefill_s=None,
       decode_tokens_per_s=None,
       compile_s=None,
+      speed_batch=None,
     )
     steps = (["continuation"] if windows is not None else []) + [
-      t for t in ("passkey", "passkey_agnostic", "speed") if t in tasks
+      t for t in ("passkey", "passkey_agnostic") if t in tasks
     ]
     for task in tqdm(steps, desc=name, unit="task", leave=False):
       if task == "continuation":
-        scores = score_continuation(
-          decoder, params, method, windows, context_len=config.context_len, cache_dtype=dtype
+        record.update(
+          _continuation_and_speed(decoder, params, method, windows, config, tasks, dtype)
         )
+        scores = record.pop("scores", None)
         if name == "full":
           full_scores = scores
-        if "ppl" in tasks:
-          record["ppl"] = scores.perplexity
         if "kl" in tasks:
           record["kl"] = scores.kl_from(full_scores) if name != "full" else 0.0
-      elif task in ("passkey", "passkey_agnostic"):
+      else:
         result = run_needle(
           decoder,
           params,
@@ -137,21 +136,35 @@ def compare_methods(
         record[f"{task}_acc"] = result["accuracy"]
         record[f"{task}_acc_by_depth"] = result["by_depth"]
         record[f"{task}_answers"] = result["answers"]
-      elif task == "speed":
-        run = generate(
-          decoder,
-          params,
-          [text_ids[: config.context_len].tolist()],
-          max_new_tokens=config.speed_new_tokens,
-          cache_method=method,
-          cache_dtype=dtype,
-        )
-        record.update(
-          prefill_s=run.prefill_s,
-          decode_tokens_per_s=run.decode_tokens_per_s,
-          compile_s=run.compile_s,
-        )
     records.append(record)
     if on_record is not None:
       on_record(records)
   return records
+
+
+def _continuation_and_speed(decoder, params, method, windows, config, tasks, dtype) -> dict:
+  """Prefills the context windows, then teacher-forces the continuation through the caches:
+  perplexity and log-probs (ppl, kl), and the two programs' timings (speed)."""
+  context, continuation = windows[:, : config.context_len], windows[:, config.context_len :]
+  lengths = np.full((windows.shape[0],), config.context_len, np.int32)
+  prefilled = timed_prefill(
+    decoder,
+    params,
+    context,
+    lengths,
+    cache_method=method,
+    max_new_tokens=continuation.shape[1],
+    cache_dtype=dtype,
+  )
+  logits, caches = prefilled.outputs
+  forced = timed_teacher_force(decoder, params, logits, caches, lengths, continuation)
+  out = {}
+  if "speed" in tasks:
+    speed = speed_record(prefilled, forced, batch=windows.shape[0], steps=continuation.shape[1])
+    out.update(dataclasses.asdict(speed))
+  if tasks & {"ppl", "kl"}:
+    scores = ContinuationScores(np.asarray(forced.outputs[0], np.float32), continuation)
+    out["scores"] = scores
+    if "ppl" in tasks:
+      out["ppl"] = scores.perplexity
+  return out

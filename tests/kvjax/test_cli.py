@@ -9,8 +9,14 @@ def test_generate_json_on_the_embedded_model(capsys):
   assert main(["generate", "--prompt", "What is 2+2?", "--max-new-tokens", "4", "--json"]) == 0
   record = json.loads(capsys.readouterr().out)
   expected = {
-      "prompt_ids", "output_ids", "text", "prefill_s", "decode_s", "decode_tokens_per_s",
-      "compile_s", "model",
+    "prompt_ids",
+    "output_ids",
+    "text",
+    "prefill_s",
+    "decode_s",
+    "decode_tokens_per_s",
+    "compile_s",
+    "model",
   }
   assert expected <= set(record)
   assert record["model"] == "smollm2-135m" and 1 <= len(record["output_ids"]) <= 4
@@ -19,14 +25,14 @@ def test_generate_json_on_the_embedded_model(capsys):
 
 
 @pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["generate", "--prompt", "x", "--method", "kivi:bits=3"], "bits=3"),
-        (["generate", "--prompt", "x", "--top-k", "5"], "need --temperature"),
-        (["compare", "--methods", "full", "warp:x=1"], "unknown cache method 'warp'"),
-        (["compare", "--tasks", "ppl,bleu"], "allowed: ppl,kl"),
-        (["compare", "--text", "/nonexistent/file.txt", "--methods", "full"], "cannot read"),
-    ],
+  "argv, message",
+  [
+    (["generate", "--prompt", "x", "--method", "kivi:bits=3"], "bits=3"),
+    (["generate", "--prompt", "x", "--top-k", "5"], "need --temperature"),
+    (["compare", "--methods", "full", "warp:x=1"], "unknown cache method 'warp'"),
+    (["compare", "--tasks", "ppl,bleu"], "allowed: ppl,kl"),
+    (["compare", "--text", "/nonexistent/file.txt", "--methods", "full"], "cannot read"),
+  ],
 )
 def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:

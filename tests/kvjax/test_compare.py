@@ -53,7 +53,6 @@ def records():
     context_len=48,
     continuation_len=16,
     num_samples=2,
-    speed_new_tokens=4,
   )
   return compare_methods(
     decoder, params, CharTokenizer(), ["full", LastTokenOnly()], text=TEXT, config=config
@@ -75,6 +74,7 @@ def test_records_are_complete(records, tmp_path):
     "prefill_s",
     "decode_tokens_per_s",
     "compile_s",
+    "speed_batch",
   }
   for record in records:
     assert keys <= set(record)
@@ -85,6 +85,13 @@ def test_records_are_complete(records, tmp_path):
   assert json.loads((tmp_path / "results.json").read_text())[0]["method"] == "full"
   assert (tmp_path / "quality_vs_memory.png").stat().st_size > 1000
   assert "| full |" in (tmp_path / "results.md").read_text()
+
+
+def test_speed_is_timed_on_the_continuation_batch(records):
+  for record in records:
+    assert record["speed_batch"] == 2
+    assert record["prefill_s"] > 0 and record["compile_s"] > 0
+    assert record["decode_tokens_per_s"] > 0
 
 
 def test_full_row_is_the_reference(records):

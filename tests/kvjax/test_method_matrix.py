@@ -98,6 +98,15 @@ def test_method(name, spec, kl_bound, profile_path, full_scores):
     cache_dtype=jnp.bfloat16,
   )
   assert model_cache_nbytes(caches) == tree_nbytes(caches)  # reported bytes are the arrays' bytes
+  # Bytes read off the allocation's shapes alone are the bytes the prefilled caches hold.
+  assert model_cache_nbytes(caches) == cache_bytes_after_context(
+    decoder,
+    params,
+    method,
+    context_len=tokens.shape[1],
+    cache_dtype=jnp.bfloat16,
+    batch=tokens.shape[0],
+  )
   method_bytes = cache_bytes_after_context(
     decoder, params, method, context_len=40, cache_dtype=jnp.bfloat16
   )

@@ -20,6 +20,6 @@ TINY_CONFIG = DecoderConfig(
 
 
 @functools.cache
-def tiny_decoder(seed: int = 0, config: DecoderConfig = TINY_CONFIG):
+def tiny_decoder(seed: int = 0, config: DecoderConfig = TINY_CONFIG, layer_loop: str = "unroll"):
   """(decoder, params) of a random tiny model, built once per process."""
-  return split_decoder(random_decoder(config, seed=seed))
+  return split_decoder(random_decoder(config, seed=seed, layer_loop=layer_loop))

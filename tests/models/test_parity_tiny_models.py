@@ -13,6 +13,7 @@ import pytest
 from kvjax.cache_protocol import allocate_model_cache
 from kvjax.dense_cache import DenseLayerCache, FullCache
 from kvjax.generate import generate
+from kvjax.layer_runs import flatten_layer_caches
 from kvjax.prompt_batch import compact_padded_batch
 from kvjax.sliding_window_cache import SlidingWindowLayerCache
 from models.config import DecoderConfig
@@ -24,14 +25,18 @@ FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 MODELS = ("tiny_llama", "tiny_mistral")
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(
+  scope="module", params=[(m, loop) for m in MODELS for loop in ("unroll", "scan")], ids=str
+)
 def tiny(request):
-  directory = FIXTURES / request.param
+  """Every parity test runs with the layers unrolled and with look-alike layers scanned."""
+  name, layer_loop = request.param
+  directory = FIXTURES / name
   checkpoint = read_hf_checkpoint(directory)
   config = DecoderConfig.from_hf_dict(checkpoint.config)
-  model = decoder_from_tensors(config, checkpoint.tensors)
+  model = decoder_from_tensors(config, checkpoint.tensors, layer_loop=layer_loop)
   decoder, params = split_decoder(model)
-  return request.param, config, decoder, params, np.load(directory / "reference.npz")
+  return name, config, decoder, params, np.load(directory / "reference.npz")
 
 
 def _compact_reference_logits(reference_logits, attention_mask):
@@ -101,7 +106,7 @@ def test_prefill_then_token_by_token_decode_matches_full_forward(tiny, prefix):
     max_new_tokens=total - prefix,
   )
   expected_cache = SlidingWindowLayerCache if name == "tiny_mistral" else DenseLayerCache
-  assert all(isinstance(c, expected_cache) for c in caches)
+  assert all(isinstance(c, expected_cache) for c in flatten_layer_caches(caches))
   step = jax.jit(decoder.decode_step)
   got = [logits[0, prefix - 1]]
   for position in range(prefix, total - 1):
