@@ -42,7 +42,12 @@ class ModelCacheShape:
 
 @runtime_checkable
 class LayerCache(Protocol):
-  """One decoder layer's cache."""
+  """One decoder layer's cache.
+
+  A cache with a fixed capacity also has `room` (int32 [batch]: tokens each row can still
+  take), which kvjax's loops check before appending (kvjax.cache_room); one that evicts by
+  design has none.
+  """
 
   def ingest(
     self,

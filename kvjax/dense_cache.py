@@ -33,6 +33,10 @@ class DenseLayerCache(KeyValueArrays):
   def capacity(self) -> int:
     return self.keys.shape[2]
 
+  @property
+  def room(self) -> jax.Array:  # int32 [batch]: tokens each row can still take
+    return self.capacity - self.lengths
+
   def ingest(self, keys, values, queries, lengths):
     del queries  # a dense cache keeps every token
     prompt_len = keys.shape[2]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache_protocol import CacheMethod, allocate_model_cache, model_cache_nbytes
+from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder
 from kvjax.dense_cache import FullCache
 from kvjax.prompt_batch import compact_padded_batch, pack_prompts
@@ -71,7 +72,7 @@ def prefill(
   jax.jit,
   static_argnames=("decoder", "max_new_tokens", "sampling", "stop_token_ids", "pad_token_id"),
 )
-def decode(
+def _decode_in_jit(
   decoder: CachedDecoder,
   params: Any,
   logits: jax.Array,  # [batch, vocab]: logits of the first new token
@@ -121,6 +122,40 @@ def decode(
   steps, logits, caches, finished, tokens, count = jax.lax.while_loop(more, step, state)
   _, _, tokens, count = choose(steps, logits, finished, tokens, count)
   return tokens, count, caches, steps
+
+
+def decode(
+  decoder: CachedDecoder,
+  params: Any,
+  logits: jax.Array,
+  caches: tuple,
+  lengths: jax.Array,
+  key: jax.Array,
+  *,
+  max_new_tokens: int,
+  sampling: SamplingConfig,
+  stop_token_ids: tuple[int, ...],
+  pad_token_id: int,
+) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
+  """The jitted decode loop (`_decode_in_jit`, same arguments and results), after checking on
+  the host that the caches have room for the `max_new_tokens - 1` tokens it feeds back
+  (kvjax.cache_room). `decode.lower` lowers the loop ahead of time, without the check."""
+  check_room(caches, max_new_tokens - 1, caller="decode")
+  return _decode_in_jit(
+    decoder,
+    params,
+    logits,
+    caches,
+    lengths,
+    key,
+    max_new_tokens=max_new_tokens,
+    sampling=sampling,
+    stop_token_ids=stop_token_ids,
+    pad_token_id=pad_token_id,
+  )
+
+
+decode.lower = _decode_in_jit.lower
 
 
 def _as_compact_batch(prompts, attention_mask, pad_token_id):

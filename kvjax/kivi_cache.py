@@ -199,6 +199,10 @@ class KiviLayerCache:
     return self.quantized_capacity + self.window - 1
 
   @property
+  def room(self) -> jax.Array:  # int32 [B]: tokens each row can still take
+    return self.capacity - self.lengths
+
+  @property
   def dtype(self):
     return self.window_keys.dtype
 

@@ -135,6 +135,11 @@ class RazorLayerCache:
   window: int | None = dataclasses.field(metadata=dict(static=True))  # None: no compression
   compensation: str = dataclasses.field(default="mean", metadata=dict(static=True))
 
+  @property
+  def room(self) -> jax.Array | None:  # int32 [batch]: tokens every head's storage can take
+    rooms = [part.room for part in (self.retrieval, self.local) if part is not None]
+    return jnp.minimum(*rooms) if len(rooms) == 2 else rooms[0]
+
   def _split(self, x):  # heads on axis 1 -> (retrieval part, local part)
     take = lambda heads: x[:, np.asarray(heads)] if heads else None
     return take(self.retrieval_heads), take(self.local_heads)

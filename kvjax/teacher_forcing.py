@@ -10,11 +10,27 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder
 
 
-@partial(jax.jit, static_argnames=("decoder",))
 def teacher_force(
+  decoder: CachedDecoder,
+  params: Any,
+  first_logits: jax.Array,
+  caches: tuple,
+  lengths: jax.Array,
+  forced: jax.Array,
+) -> tuple[jax.Array, jax.Array, tuple]:
+  """The jitted loop (`_teacher_force_in_jit`, same arguments and results), after checking on
+  the host that the caches have room for every forced token (kvjax.cache_room).
+  `teacher_force.lower` lowers the loop ahead of time, without the check."""
+  check_room(caches, forced.shape[1], caller="teacher_force")
+  return _teacher_force_in_jit(decoder, params, first_logits, caches, lengths, forced)
+
+
+@partial(jax.jit, static_argnames=("decoder",))
+def _teacher_force_in_jit(
   decoder: CachedDecoder,
   params: Any,
   first_logits: jax.Array,  # [batch, vocab]: prediction for forced[:, 0]
@@ -33,3 +49,6 @@ def teacher_force(
 
   (logits, caches, _), logprobs = jax.lax.scan(step, (first_logits, caches, lengths), forced.T)
   return jnp.moveaxis(logprobs, 0, 1), logits, caches
+
+
+teacher_force.lower = _teacher_force_in_jit.lower

@@ -41,6 +41,10 @@ class SelectedLayerCache:
   def lengths(self) -> jax.Array:  # int32 [batch]: tokens held per row
     return self.storage.lengths
 
+  @property
+  def room(self) -> jax.Array | None:  # int32 [batch], or None when the storage evicts
+    return getattr(self.storage, "room", None)
+
   def ingest(self, keys, values, queries, lengths):
     if self.selector.budget >= keys.shape[2]:
       # The budget covers the whole prompt: nothing to score, keep every token.

@@ -15,9 +15,11 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
 @pytest.mark.parametrize("spec", ["full", "kivi:bits=4,group_size=16,residual=16"])
-def test_interpret_kernels_generate_the_reference_tokens(spec):
-  decoder, params = tiny_decoder()
+def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
+  """Also with the kernels called inside the scan over layers (kvjax.layer_runs)."""
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
   tokens = {
     implementation: generate(
       decoder,

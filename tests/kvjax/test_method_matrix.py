@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from kvjax.cache_protocol import model_cache_nbytes, tree_nbytes
+from kvjax.cache_room import rows_room
 from kvjax.eval.cache_size import cache_bytes_after_context
 from kvjax.eval.continuation import score_continuation
 from kvjax.generate import generate, prefill
 from kvjax.method_registry import METHODS
 from kvjax.method_spec import parse_method_spec
 from kvjax.retrieval_heads import HeadProfile
+from kvjax.teacher_forcing import teacher_force
 from tests.kvjax.tiny_decoder import tiny_decoder
 
 QUANT = "group_size=16,residual=16"
@@ -88,7 +90,7 @@ def test_method(name, spec, kl_bound, profile_path, full_scores):
   tokens, lengths = np.zeros((2, 40), np.int32), np.array([40, 29], np.int32)
   for row, prompt in enumerate(PROMPTS):
     tokens[row, : len(prompt)] = prompt
-  _, caches = prefill(
+  logits, caches = prefill(
     decoder,
     params,
     tokens,
@@ -97,6 +99,14 @@ def test_method(name, spec, kl_bound, profile_path, full_scores):
     max_new_tokens=0,
     cache_dtype=jnp.bfloat16,
   )
+  # A bounded cache reports its room, and the loops refuse to append past it.
+  room = rows_room(caches)
+  if room is not None:
+    assert np.all(room >= 0)
+    with pytest.raises(ValueError, match="teacher_force: appends"):
+      teacher_force(
+        decoder, params, logits, caches, lengths, np.ones((2, int(room.min()) + 1), np.int32)
+      )
   assert model_cache_nbytes(caches) == tree_nbytes(caches)  # reported bytes are the arrays' bytes
   # Bytes read off the allocation's shapes alone are the bytes the prefilled caches hold.
   assert model_cache_nbytes(caches) == cache_bytes_after_context(

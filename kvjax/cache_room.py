@@ -1,0 +1,40 @@
+"""Checking, before a loop runs, that the caches have room for the tokens it will append.
+
+A cache with a fixed capacity (dense storage, KIVI/GEAR, a selection's survivors) reports
+`room`: int32 [batch], how many more tokens each row can take. Appends past it would be lost
+inside jit, where nothing can raise, so kvjax's loops (`decode`, `teacher_force`) check first,
+on the host, whenever they are given concrete caches. Caches that evict by design (a sliding
+window's ring buffer, StreamingLLM) report no room and are never full.
+"""
+
+import jax
+import numpy as np
+
+from kvjax.layer_runs import flatten_layer_caches
+
+
+def rows_room(caches) -> np.ndarray | None:
+  """Tokens each row can still take in every bounded layer cache (None: none is bounded, or
+  the caches are traced values that cannot be read before the loop runs)."""
+  rooms = []
+  for cache in flatten_layer_caches(caches):
+    room = getattr(cache, "room", None)
+    if room is None:
+      continue
+    if isinstance(room, jax.core.Tracer):
+      return None
+    rooms.append(np.asarray(room))
+  return np.min(np.stack(rooms), axis=0) if rooms else None
+
+
+def check_room(caches, new_tokens: int, *, caller: str) -> None:
+  """Raises ValueError when some row has room for fewer than `new_tokens` more tokens."""
+  room = rows_room(caches)
+  if room is None or new_tokens <= 0 or np.all(room >= new_tokens):
+    return
+  row = int(np.argmin(room))
+  raise ValueError(
+    f"{caller}: appends {new_tokens} tokens per row, but row {row}'s caches have room for "
+    f"{int(room[row])} more; allocate them with max_new_tokens >= {new_tokens} "
+    "(appends past a cache's capacity would be lost)"
+  )
