@@ -32,6 +32,7 @@ def test_generate_json_on_the_embedded_model(capsys):
     (["compare", "--methods", "full", "warp:x=1"], "unknown cache method 'warp'"),
     (["compare", "--tasks", "ppl,bleu"], "allowed: ppl,kl"),
     (["compare", "--text", "/nonexistent/file.txt", "--methods", "full"], "cannot read"),
+    (["compare", "--layer-loop", "while"], "invalid choice: 'while'"),
   ],
 )
 def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
@@ -51,3 +52,17 @@ def test_razor_profile_command_writes_a_loadable_profile(tmp_path, capsys):
   assert (profile.num_layers, profile.num_kv_heads) == (30, 3)
   assert 1 <= len(profile.retrieval_heads) <= 90
   assert "retrieval heads; wrote" in capsys.readouterr().out
+
+
+def test_compare_on_the_embedded_model_with_scanned_layers(tmp_path, capsys):
+  """The CLI end to end on SmolLM2, small: a table, results.json and the layer loop named."""
+  out = tmp_path / "compare"
+  argv = ["compare", "--methods", "full", "kivi:bits=4", "--tasks", "ppl,kl,speed"]
+  argv += ["--context-len", "64", "--continuation-len", "8", "--out", str(out)]
+  assert main(argv) == 0
+  printed = capsys.readouterr().out
+  assert "layer loop scan" in printed and "kivi:bits=4" in printed
+  records = json.loads((out / "results.json").read_text())
+  assert [r["method"] for r in records] == ["full", "kivi:bits=4"]
+  assert records[0]["kl"] == 0.0 and records[1]["kl"] > 0
+  assert all(r["decode_tokens_per_s"] > 0 and r["speed_batch"] == 1 for r in records)
