@@ -45,16 +45,29 @@ def main():
   forced = jnp.asarray(ids[None, args.context_len : args.context_len + args.continuation_len])
   lengths = jnp.array([args.context_len], jnp.int32)
   print(f"layer loop {args.layer_loop}; {jax.devices()[0].device_kind}, jax {jax.__version__}")
-  print("method | prefill lower/compile s | decode lower/compile s | teacher forcing lower/"
-        "compile s | teacher forcing run s (per step ms)")
+  print(
+    "method | prefill lower/compile s | decode lower/compile s | teacher forcing lower/"
+    "compile s | teacher forcing run s (per step ms)"
+  )
   for spec in args.methods:
     method = parse_method_spec(spec)
     static = dict(cache_method=method, max_new_tokens=64, cache_dtype=jnp.bfloat16)
     _, p_lower, p_compile = _lower_and_compile(prefill, decoder, params, context, lengths, **static)
-    logits, caches = jax.eval_shape(lambda: prefill(decoder, params, context, lengths, **static))
+    logits, caches = jax.eval_shape(
+      lambda static=static: prefill(decoder, params, context, lengths, **static)
+    )
     _, d_lower, d_compile = _lower_and_compile(
-      decode, decoder, params, logits, caches, lengths, jax.random.key(0),
-      max_new_tokens=64, sampling=SamplingConfig(), stop_token_ids=(), pad_token_id=0,
+      decode,
+      decoder,
+      params,
+      logits,
+      caches,
+      lengths,
+      jax.random.key(0),
+      max_new_tokens=64,
+      sampling=SamplingConfig(),
+      stop_token_ids=(),
+      pad_token_id=0,
     )
     static["max_new_tokens"] = args.continuation_len
     logits, caches = prefill(decoder, params, context, lengths, **static)
