@@ -44,12 +44,13 @@ def main():
   parser.add_argument(
     "--cache-dtype", default="float32", help="float32 matches the transformers baseline"
   )
+  parser.add_argument("--layer-loop", choices=("unroll", "scan"), default="unroll")
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", default=str(HERE / "results" / "generate_speed.json"))
   args = parser.parse_args()
 
   load_start = time.perf_counter()
-  loaded = load_model(args.model)
+  loaded = load_model(args.model, layer_loop=args.layer_loop)
   load_s = time.perf_counter() - load_start
   method = parse_method_spec(args.method)
   prompt = pydoc_prompt_ids(loaded.tokenizer, args.prompt_len)
@@ -68,6 +69,7 @@ def main():
   record = dict(
     model=args.model,
     method=args.method,
+    layer_loop=args.layer_loop,
     prompt_tokens=args.prompt_len,
     new_tokens=args.new_tokens,
     cache_dtype=args.cache_dtype,

@@ -166,6 +166,10 @@ def run_layers(
       cache = jax.tree.map(
         lambda leaf: jax.lax.dynamic_index_in_dim(leaf, index, 0, False), stacked
       )
+      # The layer's slice is read out before the stack is written back; without the barrier
+      # XLA may read it late, and then copies the whole stack per layer to keep the update
+      # in place (seen with float32 caches: 3x slower decode steps).
+      cache = jax.lax.optimization_barrier(cache)
       attended, cache = cache_step(jax.lax.switch(index, befores, x), cache)
       # Written back into the carried stack: an in-place update of this layer's slice.
       stacked = jax.tree.map(
