@@ -20,6 +20,7 @@ from kvjax.cache_protocol import CacheMethod, allocate_model_cache, model_cache_
 from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder
 from kvjax.dense_cache import FullCache
+from kvjax.layer_runs import pytree_signature
 from kvjax.prompt_batch import compact_padded_batch, pack_prompts
 from kvjax.sampling import SamplingConfig, sample_next_token
 
@@ -173,18 +174,13 @@ _COMPILED: collections.OrderedDict = collections.OrderedDict()
 _MAX_COMPILED = 16
 
 
-def _signature(tree) -> tuple:
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  return treedef, tuple((jnp.shape(x), str(getattr(x, "dtype", type(x).__name__))) for x in leaves)
-
-
 def _compiled_executables(decoder, params, tokens, lengths, key, prefill_static, decode_static):
   """Ahead-of-time compiled prefill and decode, memoised on everything that shapes them."""
   signature = (
     decoder,
-    _signature(params),
+    pytree_signature(params),
     tokens.shape,
-    _signature(key),
+    pytree_signature(key),
     tuple(sorted((k, v) for k, v in prefill_static.items() if k != "cache_dtype")),
     jnp.dtype(prefill_static["cache_dtype"]).name,
     tuple(sorted(decode_static.items())),

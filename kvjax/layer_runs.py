@@ -18,13 +18,13 @@ stacking and unstacking every cache on every step.
 """
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from kvjax.cache_protocol import tree_nbytes
 
 LAYER_LOOPS = ("scan", "unroll")
 
@@ -34,7 +34,9 @@ def check_layer_loop(layer_loop: str) -> None:
     raise ValueError(f"layer_loop={layer_loop!r}; allowed: {', '.join(LAYER_LOOPS)}")
 
 
-def _signature(tree) -> tuple:
+def pytree_signature(tree) -> tuple:
+  """Hashable structure, shapes and dtypes of a pytree: equal signatures stack (and compile)
+  alike."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   return treedef, tuple((jnp.shape(leaf), jnp.result_type(leaf)) for leaf in leaves)
 
@@ -71,10 +73,7 @@ class StackedLayerCaches:
   @property
   def nbytes(self) -> int:
     # Every layer cache's bytes are its arrays' bytes, so the stack's are the run's.
-    return sum(
-      math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
-      for leaf in jax.tree_util.tree_leaves(self.stacked)
-    )
+    return tree_nbytes(self.stacked)
 
   @property
   def stored_elements(self) -> int:
@@ -106,7 +105,7 @@ def _segments(caches: Sequence[Any], layer_loop: str) -> list[tuple[int, int, An
     if layer_loop == "unroll":
       runs = [(i, i + 1) for i in range(len(loose))]
     else:
-      runs = uniform_runs([_signature(cache) for cache in loose])
+      runs = uniform_runs([pytree_signature(cache) for cache in loose])
     segments.extend((start + a, start + b, loose[a:b]) for a, b in runs)
     loose.clear()
 
