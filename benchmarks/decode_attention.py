@@ -220,7 +220,7 @@ def check_grid(args) -> list[dict]:
       from pallas_kernels.splits import merge_split_partials
 
       out, lse = merge_split_partials(out_p, lse_p, group)
-      if not on_tpu:  # the planar GPU kernel's outputs come in its channel order
+      if not on_tpu:  # the planar/joined GPU kernels' outputs come in their channel order
         order = quantized_decode_attention_triton.output_channel_order(
           head_dim, bits, 32, args.check_variant
         )
@@ -291,19 +291,23 @@ def sweep(args) -> tuple[dict, dict]:
     dict(variant="reshape", block_tokens=128, num_warps=4, num_stages=3, num_splits=32),
     dict(variant="planar", unroll=2, num_warps=4, num_stages=2, num_splits=8),
   ]
-  for unroll, num_warps, num_stages in [
-    (1, 4, 2),
-    (2, 4, 2),
-    (4, 4, 2),
-    (1, 8, 2),
-    (2, 8, 2),
-    (4, 8, 2),
-    (2, 4, 3),
-    (4, 4, 3),
+  # "joined" is the candidate of the static analysis (benchmarks/triton_static_cost.py).
+  for block_tokens, num_warps, num_stages, num_splits in [
+    (64, 4, 3, None),
+    (64, 4, 3, 32),
+    (64, 4, 2, None),
+    (128, 4, 3, None),
+    (128, 4, 3, 32),
+    (64, 8, 3, None),
+    (128, 8, 3, None),
+    (32, 4, 3, None),
   ]:
-    quantized_configs.append(
-      dict(variant="planar", unroll=unroll, num_warps=num_warps, num_stages=num_stages)
+    config = dict(
+      variant="joined", block_tokens=block_tokens, num_warps=num_warps, num_stages=num_stages
     )
+    if num_splits is not None:
+      config["num_splits"] = num_splits
+    quantized_configs.append(config)
   for config in quantized_configs:
     op = lambda q, s, lens, config=config: attention_dispatch.quantized_decode_attention(
       q,
@@ -540,7 +544,7 @@ def main():
   parser.add_argument(
     "--check-variant",
     default="reshape",
-    choices=["reshape", "planar"],
+    choices=["reshape", "planar", "joined"],
     help="which GPU quantized-kernel variant --check runs",
   )
   parser.add_argument(

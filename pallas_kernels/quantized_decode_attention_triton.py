@@ -16,12 +16,15 @@ field k holds channels [k*W, (k+1)*W)), converted to float with the 2^23 "magic 
 instead of a slow int-to-float conversion), scaled, and fed to tensor-core dots. Scales stay
 at their stored granularity in memory and are broadcast in registers.
 
-Two variants (`variant=`): "reshape" (default) as just described, one dot for K and one for
-V per block; "planar" keeps the bit fields apart and joins them with `stack` (no layout
-conversion, channels in a fixed permutation applied to q and the output), folds the key scales
-into q per key group and the value scales into p per channel group, so nothing is dequantized
-element by element. On H100 "planar" measured slower (many small dots and barriers per token);
-see benchmarks/KERNEL_NOTES.md.
+Three variants (`variant=`): "reshape" (default) as just described, one dot for K and one for
+V per block; "joined" has the same one-dot-per-block structure but joins the bit fields with
+`stack` (`joined_fields`: no reshape, so no layout conversion through shared memory; channels
+in a fixed permutation applied to q and undone on the output), keeps each block's key groups as
+a leading axis so their scale rows broadcast in registers, and dequantizes with one FMA per
+element (`float_unpacking`); it is not yet measured on a GPU. "planar" keeps the bit fields
+apart and joins them with `stack`, folds the key scales into q per key group and the value
+scales into p per channel group, so nothing is dequantized element by element. On H100
+"planar" measured slower (many small dots and barriers per token); see benchmarks/KERNEL_NOTES.md.
 
 GEAR terms are fused (per GEAR block, so `block_tokens == block`):
   low rank:  scores += (q B_k[j]) A_k[t]^T ;  acc += (p A_v) B_v[j]^T   (rank-r broadcasts)
@@ -46,6 +49,16 @@ from pallas_kernels.decode_attention_triton import (
   _dot_nt,
   tile_rows,
 )
+from pallas_kernels.float_unpacking import (
+  MAGIC_2_23,
+  field_at_mantissa_bit,
+  magic_dequantization_constants,
+)
+from pallas_kernels.joined_fields import (
+  channel_orders,
+  join_fields,
+  joined_value_order,
+)
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
 from pallas_kernels.splits import (
   SplitPlan,
@@ -55,8 +68,6 @@ from pallas_kernels.splits import (
   pad_query_group,
   plan_splits,
 )
-
-MAGIC_2_23 = 0x4B000000  # float32 bits of 2^23: OR-ing an integer < 2^23 in gives 2^23 + int
 
 
 def unpack_to_float(words: jax.Array, bits: int) -> jax.Array:
@@ -105,7 +116,27 @@ def unsupported_reason(
   return None
 
 
-def _quantized_decode_kernel(
+def _quantized_decode_kernel(lengths_ref, *refs, joined: bool, **static):
+  """One step = one block of `plan.block_tokens` tokens; K and V dequantized whole, one dot each.
+
+  joined=False ("reshape"): bit fields -> [block, n, W] -> reshape to natural channel order.
+  joined=True ("joined"): bit fields joined with `join_fields` (register renaming, channels in
+  `channel_orders(...)[0]` / `joined_value_order(...)` order, the queries and outputs permuted
+  outside), the key groups kept as a leading axis so their scales broadcast in registers.
+  `static`: the keyword arguments of `_quantized_decode_block_loop` but the channel orders.
+  """
+  key_order = value_order = None
+  if joined:
+    key_order_ref, value_order_ref = refs[:2]
+    refs = refs[2:]
+    key_order = key_order_ref[...]
+    value_order = value_order_ref[...]
+  _quantized_decode_block_loop(
+    lengths_ref, *refs, key_order=key_order, value_order=value_order, **static
+  )
+
+
+def _quantized_decode_block_loop(
   lengths_ref,
   queries_ref,
   k_codes_ref,
@@ -121,7 +152,10 @@ def _quantized_decode_kernel(
   group_size: int,
   has_lowrank: bool,
   has_outliers: bool,
+  key_order,
+  value_order,
 ):
+  joined = key_order is not None
   out_ref, lse_ref = rest[-2:]
   extra = list(rest[:-2])
   if has_lowrank:
@@ -142,7 +176,12 @@ def _quantized_decode_kernel(
   value_group = group_size  # channels per value quantization group
   offsets = jnp.arange(block, dtype=jnp.int32)
   group_offsets = jnp.arange(key_groups, dtype=jnp.int32)
-  channel_ids = jnp.arange(head_dim, dtype=jnp.int32)
+  key_channels = key_order if joined else jnp.arange(head_dim, dtype=jnp.int32)
+  value_channels = value_order if joined else key_channels
+  fields = list(range(32 // bits))
+  num_value_groups = head_dim // group_size
+  per_group = len(fields) // num_value_groups  # bit fields per value channel group (joined)
+  last_group = tokens // group_size - 1
   log2_head_dim = int(math.log2(head_dim))
 
   def load_rows(ref, first, count, valid):
@@ -156,24 +195,39 @@ def _quantized_decode_kernel(
     group_valid = (first_group + group_offsets) * group_size < end
 
     # Keys: K[t, d] = code * k_scale[t // G, d] + k_min[t // G, d], dequantized in registers.
-    k_code = unpack_to_float(load_rows(k_codes_ref, first, block, valid), bits)
-    k_scale = load_rows(k_scale_ref, first_group, key_groups, group_valid).astype(jnp.float32)
-    k_min = load_rows(k_min_ref, first_group, key_groups, group_valid).astype(jnp.float32)
-    keys = k_code * _broadcast_rows(k_scale, group_size) + _broadcast_rows(k_min, group_size)
+    k_words = load_rows(k_codes_ref, first, block, valid)
+    if joined:
+      # Groups of tokens as a leading axis: the group's scale row broadcasts in registers.
+      k_code = join_fields(
+        [
+          field_at_mantissa_bit(k_words.reshape(key_groups, group_size, -1), bits, f)
+          for f in fields
+        ]
+      )  # [groups, G, D] float32 2^23 + code * 2^(23 - bits), key order
+      group_rows = jnp.minimum(first_group + group_offsets, last_group)[:, None]
+      k_scale = k_scale_ref[group_rows, key_order[None, :]].astype(jnp.float32)
+      k_min = k_min_ref[group_rows, key_order[None, :]].astype(jnp.float32)
+      step, shifted_min = magic_dequantization_constants(k_scale, k_min, bits)
+      keys = (k_code * step[:, None, :] + shifted_min[:, None, :]).reshape(block, head_dim)
+    else:
+      k_code = unpack_to_float(k_words, bits)
+      k_scale = load_rows(k_scale_ref, first_group, key_groups, group_valid).astype(jnp.float32)
+      k_min = load_rows(k_min_ref, first_group, key_groups, group_valid).astype(jnp.float32)
+      keys = k_code * _broadcast_rows(k_scale, group_size) + _broadcast_rows(k_min, group_size)
     scores = _dot_nt(queries, keys.astype(compute_dtype))  # [rows, block]
 
     if has_lowrank or has_outliers:
       gear_block = first // block  # block_tokens == GEAR block
     if has_lowrank:
       queries_f32 = queries.astype(jnp.float32)
-      k_b = k_b_ref[gear_block].astype(jnp.float32)  # [D, r]
+      k_b = k_b_ref[gear_block, key_channels, :].astype(jnp.float32)  # [D, r]
       k_a = load_rows(k_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
       q_b = jnp.sum(queries_f32[:, :, None] * k_b[None, :, :], axis=1)  # [rows, r]
       scores = scores + jnp.sum(q_b[:, None, :] * k_a[None, :, :], axis=2)
     if has_outliers:
       k_index = k_index_ref[gear_block]  # [s] flat t_local * D + d
       k_value = k_value_ref[gear_block].astype(jnp.float32)
-      k_channel_hot = jnp.bitwise_and(k_index, head_dim - 1)[:, None] == channel_ids[None, :]
+      k_channel_hot = jnp.bitwise_and(k_index, head_dim - 1)[:, None] == key_channels[None, :]
       q_at_outlier = _dot_nt(queries, k_channel_hot.astype(compute_dtype))  # [rows, s]
       k_token_hot = jnp.right_shift(k_index, log2_head_dim)[:, None] == offsets[None, :]
       scores = scores + _dot_nn(
@@ -188,17 +242,39 @@ def _quantized_decode_kernel(
     running_sum = running_sum * correction + probs.sum(axis=1)
 
     # Values: V[t, d] = code * v_scale[t, d // G] + v_min[t, d // G].
-    v_code = unpack_to_float(load_rows(v_codes_ref, first, block, valid), bits)
-    v_scale = load_rows(v_scale_ref, first, block, valid).astype(jnp.float32)
-    v_min = load_rows(v_min_ref, first, block, valid).astype(jnp.float32)
-    values = v_code * _broadcast_columns(v_scale, value_group) + _broadcast_columns(
-      v_min, value_group
-    )
+    v_words = load_rows(v_codes_ref, first, block, valid)
+    if joined:
+      # Each channel group's fields joined and scaled by its [block] scale column, then the
+      # groups joined: positions in `joined_value_order`.
+      value_groups = []
+      for c in range(num_value_groups):
+        v_scale = _compat.triton_load(
+          v_scale_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid, other=0
+        ).astype(jnp.float32)
+        v_min = _compat.triton_load(
+          v_min_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid, other=0
+        ).astype(jnp.float32)
+        v_code = join_fields(
+          [
+            field_at_mantissa_bit(v_words, bits, f)
+            for f in fields[c * per_group : (c + 1) * per_group]
+          ]
+        )
+        step, shifted_min = magic_dequantization_constants(v_scale, v_min, bits)
+        value_groups.append(v_code * step[:, None] + shifted_min[:, None])
+      values = join_fields(value_groups)
+    else:
+      v_code = unpack_to_float(v_words, bits)
+      v_scale = load_rows(v_scale_ref, first, block, valid).astype(jnp.float32)
+      v_min = load_rows(v_min_ref, first, block, valid).astype(jnp.float32)
+      values = v_code * _broadcast_columns(v_scale, value_group) + _broadcast_columns(
+        v_min, value_group
+      )
     probs_c = probs.astype(compute_dtype)
     update = _dot_nn(probs_c, values.astype(compute_dtype))  # [rows, D]
     if has_lowrank:
       v_a = load_rows(v_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
-      v_b = v_b_ref[gear_block].astype(jnp.float32)  # [D, r]
+      v_b = v_b_ref[gear_block, value_channels, :].astype(jnp.float32)  # [D, r]
       p_a = jnp.sum(probs[:, :, None] * v_a[None, :, :], axis=1)  # [rows, r]
       update = update + jnp.sum(p_a[:, None, :] * v_b[None, :, :], axis=2)
     if has_outliers:
@@ -206,7 +282,7 @@ def _quantized_decode_kernel(
       v_value = v_value_ref[gear_block].astype(jnp.float32)
       v_token_hot = jnp.right_shift(v_index, log2_head_dim)[:, None] == offsets[None, :]
       p_at_outlier = _dot_nt(probs_c, v_token_hot.astype(compute_dtype))  # [rows, s]
-      v_channel_hot = jnp.bitwise_and(v_index, head_dim - 1)[:, None] == channel_ids[None, :]
+      v_channel_hot = jnp.bitwise_and(v_index, head_dim - 1)[:, None] == value_channels[None, :]
       update = update + _dot_nn(
         (p_at_outlier * v_value[None, :]).astype(compute_dtype), v_channel_hot.astype(compute_dtype)
       )
@@ -222,49 +298,6 @@ def _quantized_decode_kernel(
   safe_sum = jnp.where(nonempty, running_sum, 1.0)
   out_ref[...] = jnp.where(nonempty[:, None], acc / safe_sum[:, None], 0.0)
   lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
-
-
-def join_fields(fields: list) -> jax.Array:
-  """Joins n = 2^k tensors [R, W] into one [R, n*W] with a tree of `stack(axis=-1)` + merge.
-
-  Each join adds a per-thread minor dimension in Triton, so this is a register renaming, not a
-  layout conversion (unlike a reshape of a broadcast [R, n, W]). The resulting channel order is
-  a fixed permutation (`joined_channel_order`), applied to the queries/outputs instead.
-  Works on jnp and numpy arrays alike.
-  """
-  stack = jnp.stack if isinstance(fields[0], jax.Array) else np.stack
-  while len(fields) > 1:
-    fields = [
-      stack([fields[2 * i], fields[2 * i + 1]], axis=-1).reshape(fields[0].shape[0], -1)
-      for i in range(len(fields) // 2)
-    ]
-  return fields[0]
-
-
-def joined_channel_order(first_field: int, num_fields: int, width: int):
-  """numpy int32 [num_fields * width]: channel at each position of `join_fields` over the bit
-  fields first_field .. first_field + num_fields - 1 (field k holds channels [k*W, (k+1)*W))."""
-  fields = [
-    np.arange(k * width, (k + 1) * width, dtype=np.int32)[None, :]
-    for k in range(first_field, first_field + num_fields)
-  ]
-  return join_fields(fields)[0]
-
-
-def channel_orders(head_dim: int, bits: int, value_group: int):
-  """(key order [D], value order [D]): keys join all fields; values join the fields of each
-  channel group, groups side by side, so a group's channels are contiguous positions."""
-  fields = 32 // bits
-  width = head_dim // fields
-  key_order = joined_channel_order(0, fields, width)
-  per_group = value_group // width
-  value_order = np.concatenate(
-    [
-      joined_channel_order(group * per_group, per_group, width)
-      for group in range(head_dim // value_group)
-    ]
-  )
-  return key_order, value_order
 
 
 def _unpack_field(words, bits, field):
@@ -447,13 +480,15 @@ def compute_dtype_for(scale_dtype):
   return scale_dtype if scale_dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
 
 
-VARIANTS = ("planar", "reshape")
+VARIANTS = ("joined", "planar", "reshape")
 
 
 def output_channel_order(head_dim: int, bits: int, group_size: int, variant: str):
   """numpy int32 [D]: channel at each position of the partial outputs' last axis."""
   if variant == "reshape":
     return np.arange(head_dim, dtype=np.int32)
+  if variant == "joined":
+    return joined_value_order(head_dim, bits, group_size)
   return channel_orders(head_dim, bits, group_size)[1]
 
 
@@ -542,8 +577,10 @@ def quantized_decode_attention_partials_triton(
   compute_dtype = compute_dtype_for(k_scale.dtype)
   scaled_queries = queries.astype(jnp.float32) * sm_scale
   prefix = []
-  if variant == "planar":
+  if variant != "reshape":
     key_order, value_order = channel_orders(head_dim, bits, group_size)
+    if variant == "joined":
+      value_order = joined_value_order(head_dim, bits, group_size)
     scaled_queries = scaled_queries[..., key_order]  # the kernel's key channel order
     prefix = [jnp.asarray(key_order), jnp.asarray(value_order)]
   scaled_queries = pad_query_group(scaled_queries, rows, compute_dtype)
@@ -607,6 +644,7 @@ def quantized_decode_attention_partials_triton(
       group_size=group_size,
       has_lowrank=lowrank is not None,
       has_outliers=outliers is not None,
+      joined=variant == "joined",
     )
   return pl.pallas_call(
     kernel,
@@ -623,8 +661,12 @@ def quantized_decode_attention_partials_triton(
 
 def planar_supported(head_dim: int, bits: int, group_size: int) -> bool:
   """The planar variant needs whole bit fields per value group and >= 16-wide dots."""
-  width = head_dim * bits // 32
-  return group_size >= 16 and group_size % width == 0
+  return group_size >= 16 and joined_supported(head_dim, bits, group_size)
+
+
+def joined_supported(head_dim: int, bits: int, group_size: int) -> bool:
+  """The joined variant needs whole bit fields per value channel group."""
+  return group_size % (head_dim * bits // 32) == 0
 
 
 def quantized_decode_attention_triton(
@@ -648,9 +690,13 @@ def quantized_decode_attention_triton(
 ):
   """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the reference.
 
-  variant "planar" falls back to "reshape" where `planar_supported` is False.
+  Variants "planar" / "joined" fall back to "reshape" where `planar_supported` /
+  `joined_supported` is False.
   """
-  if variant == "planar" and not planar_supported(queries.shape[3], bits, group_size):
+  head_dim = queries.shape[3]
+  if (variant == "planar" and not planar_supported(head_dim, bits, group_size)) or (
+    variant == "joined" and not joined_supported(head_dim, bits, group_size)
+  ):
     variant = "reshape"
   out, lse = quantized_decode_attention_partials_triton(
     queries,

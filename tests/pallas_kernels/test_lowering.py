@@ -69,7 +69,7 @@ def fake_tpu_v5e(monkeypatch):
     pytest.skip(f"jax internals for a fake TPU target moved: {e}")
 
 
-@pytest.mark.parametrize("variant", ["reshape", "planar"])
+@pytest.mark.parametrize("variant", ["reshape", "planar", "joined"])
 def test_triton_kernels_lower_to_triton_ir(fake_h100, variant):
   queries, segment, lengths = _quantized_args(gear=True)
   text = _lower(

@@ -1,4 +1,4 @@
-"""Fused dequantize-attention kernels (GPU/Triton, both variants, and TPU/Mosaic) against the
+"""Fused dequantize-attention kernels (GPU/Triton, all three variants, and TPU/Mosaic) against the
 jnp reference: KIVI 2/4/8-bit and GEAR (low rank + outliers), head dims 64/128, query groups
 1..8, lengths not multiples of any block, batch with different lengths and an empty row.
 
@@ -141,6 +141,27 @@ def test_tpu_kernel_matches_reference(bits, head_dim, group, gear, dtype):
   _check_tpu(bits, head_dim, group, gear, dtype, seed=bits * 7 + head_dim + group)
 
 
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear,dtype",
+  [
+    (2, 128, 4, False, jnp.bfloat16),
+    (4, 64, 1, True, jnp.float32),
+    (8, 128, 8, False, jnp.float32),
+    (2, 64, 3, True, jnp.bfloat16),
+  ],
+)
+def test_triton_joined_kernel_matches_reference(bits, head_dim, group, gear, dtype):
+  _check_triton(
+    bits, head_dim, group, gear, dtype, "joined", seed=bits * head_dim + group + 1, block_tokens=64
+  )
+
+
+def test_joined_falls_back_where_a_value_group_splits_a_bit_field():
+  # head_dim 256 at 8 bits: 64-channel bit fields, 32-channel value groups.
+  assert not triton_kernel.joined_supported(256, 8, 32)
+  assert triton_kernel.joined_supported(128, 8, 32)
+
+
 def test_planar_channel_orders_are_permutations():
   for head_dim, bits in itertools.product((64, 128), (2, 4, 8)):
     key_order, value_order = triton_kernel.channel_orders(head_dim, bits, GROUP_SIZE)
@@ -151,24 +172,29 @@ def test_planar_channel_orders_are_permutations():
     np.testing.assert_array_equal(
       groups, np.broadcast_to(np.arange(head_dim // GROUP_SIZE)[:, None], groups.shape)
     )
+    joined = triton_kernel.joined_value_order(head_dim, bits, GROUP_SIZE)
+    np.testing.assert_array_equal(np.sort(joined), np.arange(head_dim))
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("variant,first_block", [("reshape", 128), ("joined", 64)])
 @pytest.mark.parametrize(
   "bits,head_dim,group,gear",
   list(itertools.product((2, 4, 8), (64, 128), (1, 2, 4, 8), (False, True))),
 )
-def test_triton_kernel_grid(bits, head_dim, group, gear):
-  dtype = jnp.float32 if (bits + group) % 2 else jnp.bfloat16
+def test_triton_kernel_grid(bits, head_dim, group, gear, variant, first_block):
+  """The one-dot-per-block variants; the joined ones with the opposite storage dtypes."""
+  joined = variant == "joined"
+  dtype = jnp.float32 if (bits + group + joined) % 2 else jnp.bfloat16
   _check_triton(
     bits,
     head_dim,
     group,
     gear,
     dtype,
-    "reshape",
-    seed=bits + 5 * head_dim + group,
-    block_tokens=32 if gear else 128,
+    variant,
+    seed=bits + (5 + 2 * joined) * head_dim + group,
+    block_tokens=32 if gear else first_block,
   )
 
 

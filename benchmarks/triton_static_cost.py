@@ -1,0 +1,301 @@
+"""Static cost of the GPU (Triton) decode kernels on a machine without a GPU.
+
+Lowers a kernel to Triton IR through jax's Pallas-Triton lowering (the target GPU is faked by
+patching jax's private device-info lookup, as tests/pallas_kernels/test_lowering.py does),
+compiles that IR for sm_90 (H100/H200) with the `triton` package's own pass pipeline and ptxas,
+disassembles the cubin, and reads off the kernel's main loop (the longest backward branch):
+
+  - warp instructions per loop iteration, by opcode, and per cached element;
+  - shared-memory wavefronts per iteration (LDS/STS by width, ldmatrix/stmatrix by count,
+    assuming no bank conflicts) and CTA barriers;
+  - registers per thread, shared memory per program, layout conversions left in the TTGIR;
+  - two floors for the benchmark shape: instruction issue (4 schedulers x 1 warp instruction per
+    clock per SM) and shared-memory bandwidth (1 wavefront per clock per SM).
+
+These are predictions from the compiled code, not timings: the real kernel also waits on memory,
+latency and barriers, and on the GPU jaxlib's own Triton (not this `triton` release) compiles
+it, so the SASS can differ. Use it to compare variants between GPU sessions;
+`benchmarks/decode_attention.py` on a GPU is the measurement.
+
+Needs `pip install -e ".[kernel-analysis]"` (triton 3.9.0, which gave the numbers in
+KERNEL_NOTES.md; nothing else from CUDA, no GPU). Example:
+
+  PYTHONPATH=. python benchmarks/triton_static_cost.py --variants reshape joined --bf16
+"""
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+H100_SMS = 132
+H100_CLOCK_HZ = 1.755e9  # sustained SM clock under load (the KERNEL_NOTES arithmetic)
+SCHEDULERS_PER_SM = 4
+
+SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def shared_memory_wavefronts(opcode: str) -> int:
+  """Wavefronts one warp instruction costs the shared-memory pipe (conflict-free)."""
+  base = opcode.split(".")[0]
+  if base in ("LDSM", "STSM"):
+    count = re.search(r"\.(\d)$", opcode)
+    return int(count.group(1)) if count else 1
+  if base in ("LDS", "STS"):
+    if ".128" in opcode:
+      return 4
+    if ".64" in opcode:
+      return 2
+    return 1
+  return 0
+
+
+def parse_sass(text: str) -> list[tuple[int, str, str]]:
+  """(address, opcode, operands) for every instruction of a `cuobjdump -sass` listing."""
+  instructions = []
+  for line in text.splitlines():
+    match = SASS_LINE.match(line)
+    if match:
+      instructions.append((int(match.group(1), 16), match.group(2), match.group(3)))
+  return instructions
+
+
+def main_loop(instructions) -> list[str]:
+  """Opcodes of the longest backward-branch region (the kernel's main loop)."""
+  loops = []
+  for address, opcode, operands in instructions:
+    if opcode.startswith("BRA"):
+      target = re.search(r"0x([0-9a-f]+)", operands)
+      if target and int(target.group(1), 16) < address:
+        loops.append((int(target.group(1), 16), address))
+  if not loops:
+    raise ValueError("no backward branch in the SASS: the kernel has no loop")
+  low, high = max(loops, key=lambda loop: loop[1] - loop[0])
+  return [opcode for address, opcode, _ in instructions if low <= address <= high]
+
+
+@dataclass
+class LoopCost:
+  name: str
+  registers: int
+  shared_bytes: int
+  layout_conversions: int
+  instructions: int  # warp instructions per loop iteration, per warp
+  wavefronts: int  # shared-memory wavefronts per iteration, per warp
+  barriers: int
+  mma: int
+  tokens_per_iteration: int
+  warps: int
+  opcodes: dict
+
+  def per_element(self, head_dim: int) -> float:
+    """Thread instructions per cached K or V element (one lane of a warp instruction each)."""
+    elements_per_warp = 2 * self.tokens_per_iteration * head_dim / self.warps
+    return self.instructions * 32 / elements_per_warp
+
+  def floors_us(self, *, programs_tokens: int) -> dict:
+    """Issue and shared-memory floors for `programs_tokens` = sum over programs of tokens."""
+    iterations = programs_tokens / self.tokens_per_iteration
+    warp_instructions = iterations * self.warps * self.instructions
+    wavefronts = iterations * self.warps * self.wavefronts
+    return {
+      "issue_us": 1e6 * warp_instructions / (H100_SMS * SCHEDULERS_PER_SM * H100_CLOCK_HZ),
+      "shared_us": 1e6 * wavefronts / (H100_SMS * H100_CLOCK_HZ),
+    }
+
+
+def loop_cost(name, sass: str, resources: str, ttgir: str, *, tokens_per_iteration, warps):
+  body = main_loop(parse_sass(sass))
+  by_base = collections.Counter(opcode.split(".")[0] for opcode in body)
+  registers = re.search(r"REG:(\d+)", resources)
+  shared = re.search(r"SHARED:(\d+)", resources)
+  return LoopCost(
+    name=name,
+    registers=int(registers.group(1)) if registers else -1,
+    shared_bytes=int(shared.group(1)) if shared else -1,
+    layout_conversions=ttgir.count("ttg.convert_layout"),
+    instructions=len(body),
+    wavefronts=sum(shared_memory_wavefronts(opcode) for opcode in body),
+    barriers=by_base["BAR"],
+    mma=by_base["HMMA"] + by_base["HGMMA"],
+    tokens_per_iteration=tokens_per_iteration,
+    warps=warps,
+    opcodes=dict(by_base.most_common(20)),
+  )
+
+
+def capture_triton_ir(function, *args) -> list[str]:
+  """Triton IR text of every Pallas-Triton kernel in `function`, lowered for a faked H100."""
+  import jax
+  from jax._src.pallas.triton import gpu_info, pallas_call_registration
+
+  info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  captured = []
+  original_lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
+  original_info = pallas_call_registration.gpu_info_lib.get_gpu_info
+
+  def spy(*a, **k):
+    result = original_lower(*a, **k)
+    captured.append(result.module.operation.get_asm(enable_debug_info=False))
+    return result
+
+  pallas_call_registration.lowering.lower_jaxpr_to_triton_module = spy
+  pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: info
+  try:
+    jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",))
+  finally:
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original_lower
+    pallas_call_registration.gpu_info_lib.get_gpu_info = original_info
+  return captured
+
+
+def compile_sm90(ttir: str, *, num_warps: int, num_stages: int, workdir: str, name: str):
+  """(sass, resource usage, ttgir) of Triton IR compiled for sm_90 by the `triton` package."""
+  os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # what the 3.9 default does today
+  import triton
+  from triton.backends.compiler import GPUTarget
+
+  path = os.path.join(workdir, f"{name}.ttir")
+  with open(path, "w") as f:
+    f.write(ttir)
+  kernel = triton.compile(
+    path,
+    target=GPUTarget("cuda", 90, 32),
+    options=dict(num_warps=num_warps, num_stages=num_stages),
+  )
+  cubin = os.path.join(workdir, f"{name}.cubin")
+  with open(cubin, "wb") as f:
+    f.write(kernel.asm["cubin"])
+  tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+  cuobjdump = os.path.join(tools, "cuobjdump")
+  sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True)
+  usage = subprocess.run(
+    [cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True
+  )
+  return sass.stdout, usage.stdout, kernel.asm["ttgir"]
+
+
+def kernel_cases(args):
+  """(name, function, shapes, warps, stages, tokens per loop iteration) to analyse."""
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels import decode_attention_triton as full_kernel
+  from pallas_kernels import quantized_decode_attention_triton as quantized_kernel
+
+  shape = jax.ShapeDtypeStruct
+  batch, heads, group, head_dim, tokens = 8, 8, 4, 128, args.tokens
+  cases = []
+  if args.bf16:
+    cache = shape((batch, heads, tokens, head_dim), jnp.bfloat16)
+    block = 32
+
+    def full(q, k, v, lengths):
+      return full_kernel.decode_attention_partials_triton(
+        q, k, v, lengths, sm_scale=0.088, block_tokens=block, num_warps=4, num_stages=2
+      )
+
+    queries = shape((batch, heads, group, head_dim), jnp.bfloat16)
+    lengths = shape((batch,), jnp.int32)
+    cases.append(("bf16", full, (queries, cache, cache, lengths), 4, 2, block))
+  for bits in args.bits:
+    words = head_dim * bits // 32
+    group_size = 32
+    quantized = (
+      shape((batch, heads, group, head_dim), jnp.bfloat16),
+      shape((batch, heads, tokens, words), jnp.uint32),
+      shape((batch, heads, tokens // group_size, head_dim), jnp.bfloat16),
+      shape((batch, heads, tokens // group_size, head_dim), jnp.bfloat16),
+      shape((batch, heads, tokens, words), jnp.uint32),
+      shape((batch, heads, tokens, head_dim // group_size), jnp.bfloat16),
+      shape((batch, heads, tokens, head_dim // group_size), jnp.bfloat16),
+      shape((batch,), jnp.int32),
+    )
+    for variant in args.variants:
+      overrides = dict(item.split("=", 1) for item in args.config)
+      config = json.loads(overrides.get(variant, "{}"))
+      config.setdefault("num_warps", 4)
+      config.setdefault("num_stages", 3 if variant != "planar" else 2)
+      if variant == "planar":
+        config.setdefault("unroll", 2)
+        step = group_size * config["unroll"]
+      else:
+        config.setdefault("block_tokens", 128 if variant == "reshape" else 64)
+        step = config["block_tokens"]
+
+      def quantized_call(*a, bits=bits, variant=variant, config=config, group_size=group_size):
+        return quantized_kernel.quantized_decode_attention_partials_triton(
+          *a,
+          bits=bits,
+          group_size=group_size,
+          sm_scale=0.088,
+          variant=variant,
+          num_splits=32,
+          **config,
+        )
+
+      label = f"kivi{bits} {variant} " + ",".join(f"{k}={v}" for k, v in sorted(config.items()))
+      cases.append(
+        (label, quantized_call, quantized, config["num_warps"], config["num_stages"], step)
+      )
+  return cases
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument(
+    "--variants",
+    nargs="+",
+    default=["reshape", "joined", "planar"],
+    choices=["reshape", "joined", "planar"],
+  )
+  parser.add_argument("--bits", nargs="+", type=int, default=[2], choices=[2, 4, 8])
+  parser.add_argument("--bf16", action="store_true", help="also the full-precision kernel")
+  parser.add_argument("--tokens", type=int, default=32768, help="context of the floors")
+  parser.add_argument(
+    "--config",
+    action="append",
+    default=[],
+    help="VARIANT=JSON kernel settings, repeatable, e.g. 'joined={\"block_tokens\": 128}'",
+  )
+  parser.add_argument("--out", help="write the records as JSON here")
+  args = parser.parse_args()
+  try:
+    import triton  # noqa: F401
+  except ImportError:
+    sys.exit('this script needs triton: pip install -e ".[kernel-analysis]" (no GPU is needed)')
+
+  records = []
+  head_dim, programs_tokens = 128, 8 * 8 * args.tokens
+  print(
+    "| kernel | regs | instr/iter/warp | tokens/iter | thread instr/elem | smem wavefronts/iter"
+    " | barriers/iter | layout conv. | issue floor us | smem floor us |"
+  )
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  with tempfile.TemporaryDirectory() as workdir:
+    for index, (name, function, shapes, warps, stages, step) in enumerate(kernel_cases(args)):
+      [ttir] = capture_triton_ir(function, *shapes)
+      sass, usage, ttgir = compile_sm90(
+        ttir, num_warps=warps, num_stages=stages, workdir=workdir, name=f"kernel{index}"
+      )
+      cost = loop_cost(name, sass, usage, ttgir, tokens_per_iteration=step, warps=warps)
+      floors = cost.floors_us(programs_tokens=programs_tokens)
+      print(
+        f"| {name} | {cost.registers} | {cost.instructions} | {step} | "
+        f"{cost.per_element(head_dim):.1f} | {cost.wavefronts} | {cost.barriers} | "
+        f"{cost.layout_conversions} | {floors['issue_us']:.0f} | {floors['shared_us']:.0f} |",
+        flush=True,
+      )
+      records.append({**asdict(cost), **floors, "per_element": cost.per_element(head_dim)})
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,64 @@
+"""The SASS reading of benchmarks/triton_static_cost.py (text only: no triton, no GPU)."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+_PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "triton_static_cost.py"
+_SPEC = importlib.util.spec_from_file_location("triton_static_cost", _PATH)
+static_cost = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(static_cost)
+
+# Shaped like `cuobjdump -sass` output: a prologue, a loop from 0x0020 to 0x0080, an epilogue.
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/                   S2R R0, SR_TID.X ;                     /* 0x0000000000007919 */
+        /*0020*/                   LDS.128 R4, [R2] ;                     /* 0x0000000002047984 */
+        /*0030*/                   STS.U16 [R3], R5 ;                     /* 0x0000000503007388 */
+        /*0040*/                   LDSM.16.M88.4 R8, [R2+0x10] ;          /* 0x000010000208783b */
+        /*0050*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;          /* 0x0000000000007b1d */
+        /*0060*/                   HMMA.16816.F32.BF16 R12, R8, R4, R12 ; /* 0x000000040c0c723c */
+        /*0070*/                   ISETP.GE.AND P0, PT, R0, 0x4, PT ;     /* 0x000000040000780c */
+        /*0080*/               @!P0 BRA 0x20 ;                            /* 0xffffff9000008947 */
+        /*0090*/                   STG.E [R6.64], R12 ;                   /* 0x0000000c06007986 */
+        /*00a0*/                   EXIT ;                                 /* 0x000000000000794d */
+        /*00b0*/                   BRA 0xb0;                              /* 0xfffffffc00fc7947 */
+"""
+
+
+def test_main_loop_is_the_backward_branch_region():
+  body = static_cost.main_loop(static_cost.parse_sass(SASS))
+  assert body == [
+    "LDS.128",
+    "STS.U16",
+    "LDSM.16.M88.4",
+    "BAR.SYNC.DEFER_BLOCKING",
+    "HMMA.16816.F32.BF16",
+    "ISETP.GE.AND",
+    "BRA",
+  ]
+
+
+def test_loop_cost_counts_wavefronts_barriers_and_mma():
+  cost = static_cost.loop_cost(
+    "toy",
+    SASS,
+    "REG:72 STACK:0 SHARED:1024",
+    "ttg.convert_layout ttg.convert_layout",
+    tokens_per_iteration=32,
+    warps=4,
+  )
+  assert (cost.instructions, cost.wavefronts, cost.barriers, cost.mma) == (7, 4 + 1 + 4, 1, 1)
+  assert (cost.registers, cost.shared_bytes, cost.layout_conversions) == (72, 1024, 2)
+  # 7 warp instructions x 32 lanes over 2 x 32 tokens x 128 channels / 4 warps elements.
+  assert cost.per_element(128) == pytest.approx(7 * 32 / (2 * 32 * 128 / 4))
+  floors = cost.floors_us(programs_tokens=32 * 132 * 4)
+  # 132*4 iterations x 4 warps x 7 instructions over 132 SMs x 4 schedulers: 28 clocks.
+  assert floors["issue_us"] == pytest.approx(28 / 1.755e9 * 1e6)
+  assert floors["shared_us"] == pytest.approx(4 * 4 * 9 / 1.755e9 * 1e6)
+
+
+def test_a_listing_without_a_loop_is_refused():
+  with pytest.raises(ValueError, match="no backward branch"):
+    static_cost.main_loop(static_cost.parse_sass(SASS.replace("BRA 0x20", "BRA 0x90")))
