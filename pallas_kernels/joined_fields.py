@@ -40,29 +40,26 @@ def joined_channel_order(first_field: int, num_fields: int, width: int):
   return join_fields(fields)[0]
 
 
+def _value_group_orders(head_dim: int, bits: int, value_group: int) -> list:
+  """Per value channel group, the channel order of its own bit fields joined."""
+  fields = 32 // bits
+  width = head_dim // fields
+  per_group = value_group // width
+  return [
+    joined_channel_order(group * per_group, per_group, width)
+    for group in range(head_dim // value_group)
+  ]
+
+
 def channel_orders(head_dim: int, bits: int, value_group: int):
   """(key order [D], value order [D]): keys join all fields; values join the fields of each
   channel group, groups side by side, so a group's channels are contiguous positions."""
-  fields = 32 // bits
-  width = head_dim // fields
-  key_order = joined_channel_order(0, fields, width)
-  per_group = value_group // width
-  value_order = np.concatenate(
-    [
-      joined_channel_order(group * per_group, per_group, width)
-      for group in range(head_dim // value_group)
-    ]
-  )
-  return key_order, value_order
+  key_order = joined_channel_order(0, 32 // bits, head_dim * bits // 32)
+  return key_order, np.concatenate(_value_group_orders(head_dim, bits, value_group))
 
 
 def joined_value_order(head_dim: int, bits: int, group_size: int):
   """numpy int32 [D]: channel at each position of the "joined" variant's values (each channel
   group's bit fields joined, then the groups joined)."""
-  fields = 32 // bits
-  width = head_dim // fields
-  groups = head_dim // group_size
-  per_group = fields // groups
-  return join_fields(
-    [joined_channel_order(c * per_group, per_group, width)[None, :] for c in range(groups)]
-  )[0]
+  orders = _value_group_orders(head_dim, bits, group_size)
+  return join_fields([order[None, :] for order in orders])[0]

@@ -116,6 +116,17 @@ def unsupported_reason(
   return None
 
 
+def load_value_group_stats(scale_ref, min_ref, first, count, group, valid):
+  """float32 (scale [count], min [count]) of value channel group `group` for tokens
+  first .. first + count - 1 (masked lanes read no memory)."""
+  return tuple(
+    _compat.triton_load(ref.at[pl.ds(first, count), jnp.int32(group)], mask=valid, other=0).astype(
+      jnp.float32
+    )
+    for ref in (scale_ref, min_ref)
+  )
+
+
 def _quantized_decode_kernel(lengths_ref, *refs, joined: bool, **static):
   """One step = one block of `plan.block_tokens` tokens; K and V dequantized whole, one dot each.
 
@@ -178,9 +189,9 @@ def _quantized_decode_block_loop(
   group_offsets = jnp.arange(key_groups, dtype=jnp.int32)
   key_channels = key_order if joined else jnp.arange(head_dim, dtype=jnp.int32)
   value_channels = value_order if joined else key_channels
-  fields = list(range(32 // bits))
+  num_fields = 32 // bits
   num_value_groups = head_dim // group_size
-  per_group = len(fields) // num_value_groups  # bit fields per value channel group (joined)
+  per_group = num_fields // num_value_groups  # bit fields per value channel group (joined)
   last_group = tokens // group_size - 1
   log2_head_dim = int(math.log2(head_dim))
 
@@ -201,7 +212,7 @@ def _quantized_decode_block_loop(
       k_code = join_fields(
         [
           field_at_mantissa_bit(k_words.reshape(key_groups, group_size, -1), bits, f)
-          for f in fields
+          for f in range(num_fields)
         ]
       )  # [groups, G, D] float32 2^23 + code * 2^(23 - bits), key order
       group_rows = jnp.minimum(first_group + group_offsets, last_group)[:, None]
@@ -248,16 +259,11 @@ def _quantized_decode_block_loop(
       # groups joined: positions in `joined_value_order`.
       value_groups = []
       for c in range(num_value_groups):
-        v_scale = _compat.triton_load(
-          v_scale_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid, other=0
-        ).astype(jnp.float32)
-        v_min = _compat.triton_load(
-          v_min_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid, other=0
-        ).astype(jnp.float32)
+        v_scale, v_min = load_value_group_stats(v_scale_ref, v_min_ref, first, block, c, valid)
         v_code = join_fields(
           [
             field_at_mantissa_bit(v_words, bits, f)
-            for f in fields[c * per_group : (c + 1) * per_group]
+            for f in range(c * per_group, (c + 1) * per_group)
           ]
         )
         step, shifted_min = magic_dequantization_constants(v_scale, v_min, bits)
@@ -420,12 +426,7 @@ def _planar_kernel(
       v_channel = jnp.bitwise_and(v_index, head_dim - 1)
     new_accs = []
     for c in range(num_value_groups):
-      v_scale = _compat.triton_load(
-        v_scale_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid, other=0
-      ).astype(jnp.float32)  # [block]
-      v_min = _compat.triton_load(
-        v_min_ref.at[pl.ds(first, block), jnp.int32(c)], mask=valid, other=0
-      ).astype(jnp.float32)
+      v_scale, v_min = load_value_group_stats(v_scale_ref, v_min_ref, first, block, c, valid)
       first_field = c * fields_per_value_group
       v_code = join_fields(
         [
@@ -578,9 +579,8 @@ def quantized_decode_attention_partials_triton(
   scaled_queries = queries.astype(jnp.float32) * sm_scale
   prefix = []
   if variant != "reshape":
-    key_order, value_order = channel_orders(head_dim, bits, group_size)
-    if variant == "joined":
-      value_order = joined_value_order(head_dim, bits, group_size)
+    key_order = channel_orders(head_dim, bits, group_size)[0]
+    value_order = output_channel_order(head_dim, bits, group_size, variant)
     scaled_queries = scaled_queries[..., key_order]  # the kernel's key channel order
     prefix = [jnp.asarray(key_order), jnp.asarray(value_order)]
   scaled_queries = pad_query_group(scaled_queries, rows, compute_dtype)

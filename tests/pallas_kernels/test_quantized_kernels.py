@@ -162,7 +162,7 @@ def test_joined_falls_back_where_a_value_group_splits_a_bit_field():
   assert triton_kernel.joined_supported(128, 8, 32)
 
 
-def test_planar_channel_orders_are_permutations():
+def test_channel_orders_are_permutations():
   for head_dim, bits in itertools.product((64, 128), (2, 4, 8)):
     key_order, value_order = triton_kernel.channel_orders(head_dim, bits, GROUP_SIZE)
     np.testing.assert_array_equal(np.sort(key_order), np.arange(head_dim))
