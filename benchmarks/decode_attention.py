@@ -140,7 +140,6 @@ def check_grid(args) -> list[dict]:
   """Kernel vs reference on fresh random inputs over the shape grid, with poisoned outputs."""
   from pallas_kernels import (
     decode_attention_tpu,
-    decode_attention_triton,
     quantized_decode_attention_tpu,
     quantized_decode_attention_triton,
   )
@@ -197,16 +196,18 @@ def check_grid(args) -> list[dict]:
         else module.quantized_decode_attention_partials_triton
       )
       splits = 3
+      # "folded" does not fuse GEAR terms; its dispatch runs those caches as "joined".
+      check_variant = "joined" if gear and args.check_variant == "folded" else args.check_variant
       rows = (
         decode_attention_tpu.tile_rows(group)
         if on_tpu
-        else decode_attention_triton.tile_rows(group)
+        else quantized_decode_attention_triton.partial_rows(group, head_dim, 32, check_variant)
       )
       poison = (
         jnp.full((batch, 2, splits, rows, head_dim), jnp.nan, jnp.float32),
         jnp.full((batch, 2, splits, rows), jnp.nan, jnp.float32),
       )
-      variant = {} if on_tpu else {"variant": args.check_variant}
+      variant = {} if on_tpu else {"variant": check_variant}
       out_p, lse_p = partials_fn(
         queries,
         *segment[:6],
@@ -220,9 +221,13 @@ def check_grid(args) -> list[dict]:
       from pallas_kernels.splits import merge_split_partials
 
       out, lse = merge_split_partials(out_p, lse_p, group)
-      if not on_tpu:  # the planar/joined GPU kernels' outputs come in their channel order
+      if not on_tpu:  # the planar/joined/folded GPU kernels' outputs come in their own order
         order = quantized_decode_attention_triton.output_channel_order(
-          head_dim, bits, 32, args.check_variant
+          head_dim,
+          bits,
+          32,
+          check_variant,
+          quantized_decode_attention_triton.compute_dtype_for(jnp.dtype(dtype)),
         )
         out = out[..., np.argsort(order)]
       row["unwritten"] = int(np.isnan(np.asarray(out_p)).sum() + np.isnan(np.asarray(lse_p)).sum())
@@ -291,23 +296,39 @@ def sweep(args) -> tuple[dict, dict]:
     dict(variant="reshape", block_tokens=128, num_warps=4, num_stages=3, num_splits=32),
     dict(variant="planar", unroll=2, num_warps=4, num_stages=2, num_splits=8),
   ]
-  # "joined" is the candidate of the static analysis (benchmarks/triton_static_cost.py).
-  for block_tokens, num_warps, num_stages, num_splits in [
-    (64, 4, 3, None),
-    (64, 4, 3, 32),
-    (64, 4, 2, None),
-    (128, 4, 3, None),
-    (128, 4, 3, 32),
-    (64, 8, 3, None),
-    (128, 8, 3, None),
-    (32, 4, 3, None),
-  ]:
-    config = dict(
-      variant="joined", block_tokens=block_tokens, num_warps=num_warps, num_stages=num_stages
-    )
-    if num_splits is not None:
-      config["num_splits"] = num_splits
-    quantized_configs.append(config)
+  # The static analysis's candidates (benchmarks/triton_static_cost.py): "joined", and
+  # "folded" (scales folded into stacked q / p, ~5 instructions per cached element).
+  # (block_tokens, num_warps, num_stages, num_splits or None for the planner's choice)
+  candidate_settings = {
+    "joined": [
+      (64, 4, 3, None),
+      (64, 4, 3, 32),
+      (64, 4, 2, None),
+      (128, 4, 3, None),
+      (128, 4, 3, 32),
+      (64, 8, 3, None),
+      (128, 8, 3, None),
+      (32, 4, 3, None),
+    ],
+    "folded": [
+      (128, 4, 3, None),
+      (128, 4, 3, 32),
+      (128, 4, 2, None),
+      (128, 4, 4, None),
+      (64, 4, 3, None),
+      (256, 4, 3, None),
+      (128, 8, 3, None),
+      (128, 2, 3, None),
+    ],
+  }
+  for variant, settings in candidate_settings.items():
+    for block_tokens, num_warps, num_stages, num_splits in settings:
+      config = dict(
+        variant=variant, block_tokens=block_tokens, num_warps=num_warps, num_stages=num_stages
+      )
+      if num_splits is not None:
+        config["num_splits"] = num_splits
+      quantized_configs.append(config)
   for config in quantized_configs:
     op = lambda q, s, lens, config=config: attention_dispatch.quantized_decode_attention(
       q,
@@ -544,7 +565,7 @@ def main():
   parser.add_argument(
     "--check-variant",
     default="reshape",
-    choices=["reshape", "planar", "joined"],
+    choices=["reshape", "planar", "joined", "folded"],
     help="which GPU quantized-kernel variant --check runs",
   )
   parser.add_argument(

@@ -225,7 +225,7 @@ def kernel_cases(args):
         config.setdefault("unroll", 2)
         step = group_size * config["unroll"]
       else:
-        config.setdefault("block_tokens", 128 if variant == "reshape" else 64)
+        config.setdefault("block_tokens", 64 if variant == "joined" else 128)
         step = config["block_tokens"]
 
       def quantized_call(*a, bits=bits, variant=variant, config=config, group_size=group_size):
@@ -251,8 +251,8 @@ def main():
   parser.add_argument(
     "--variants",
     nargs="+",
-    default=["reshape", "joined", "planar"],
-    choices=["reshape", "joined", "planar"],
+    default=["reshape", "joined", "folded", "planar"],
+    choices=["reshape", "joined", "planar", "folded"],
   )
   parser.add_argument("--bits", nargs="+", type=int, default=[2], choices=[2, 4, 8])
   parser.add_argument("--bf16", action="store_true", help="also the full-precision kernel")

@@ -16,15 +16,18 @@ field k holds channels [k*W, (k+1)*W)), converted to float with the 2^23 "magic 
 instead of a slow int-to-float conversion), scaled, and fed to tensor-core dots. Scales stay
 at their stored granularity in memory and are broadcast in registers.
 
-Three variants (`variant=`): "reshape" (default) as just described, one dot for K and one for
+Four variants (`variant=`): "reshape" (default) as just described, one dot for K and one for
 V per block; "joined" has the same one-dot-per-block structure but joins the bit fields with
 `stack` (`joined_fields`: no reshape, so no layout conversion through shared memory; channels
 in a fixed permutation applied to q and undone on the output), keeps each block's key groups as
 a leading axis so their scale rows broadcast in registers, and dequantizes with one FMA per
-element (`float_unpacking`); it is not yet measured on a GPU. "planar" keeps the bit fields
-apart and joins them with `stack`, folds the key scales into q per key group and the value
-scales into p per channel group, so nothing is dequantized element by element. On H100
-"planar" measured slower (many small dots and barriers per token); see benchmarks/KERNEL_NOTES.md.
+element (`float_unpacking`). "folded" (`folded_scales_kernel_triton`, KIVI only) dequantizes
+nothing: key scales are folded into one copy of q per key group and value scales into one copy
+of p per value channel group, the copies stacked along the rows of the same two dots, and 2/4-bit
+codes become bf16 operands with two integer ops per pair. "planar" folds the scales too, but
+with one small dot per key group and per value channel group. On H100 "planar" measured slower
+than "reshape" (many small dots and barriers per token); "joined" and "folded" are not yet
+measured on a GPU (their static SASS cost: benchmarks/KERNEL_NOTES.md).
 
 GEAR terms are fused (per GEAR block, so `block_tokens == block`):
   low rank:  scores += (q B_k[j]) A_k[t]^T ;  acc += (p A_v) B_v[j]^T   (rank-r broadcasts)
@@ -53,6 +56,12 @@ from pallas_kernels.float_unpacking import (
   MAGIC_2_23,
   field_at_mantissa_bit,
   magic_dequantization_constants,
+)
+from pallas_kernels.folded_scales_kernel_triton import (
+  folded_channel_order,
+  folded_kernel,
+  folded_rows,
+  folded_supported,
 )
 from pallas_kernels.joined_fields import (
   channel_orders,
@@ -481,11 +490,15 @@ def compute_dtype_for(scale_dtype):
   return scale_dtype if scale_dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
 
 
-VARIANTS = ("joined", "planar", "reshape")
+VARIANTS = ("folded", "joined", "planar", "reshape")
 
 
-def output_channel_order(head_dim: int, bits: int, group_size: int, variant: str):
+def output_channel_order(
+  head_dim: int, bits: int, group_size: int, variant: str, compute_dtype=jnp.bfloat16
+):
   """numpy int32 [D]: channel at each position of the partial outputs' last axis."""
+  if variant == "folded":
+    return folded_channel_order(head_dim, bits, compute_dtype)
   if variant == "reshape":
     return np.arange(head_dim, dtype=np.int32)
   if variant == "joined":
@@ -534,7 +547,8 @@ def quantized_decode_attention_partials_triton(
   variant: str = "reshape",
   unroll: int = 2,
 ):
-  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]); see module doc.
+  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows], rows = `partial_rows`);
+  see module doc.
 
   The partial outputs' channels are in `output_channel_order(...)` order (merge the splits
   first, then un-permute the small merged array). `initial_partials` (optional) are the output
@@ -542,6 +556,9 @@ def quantized_decode_attention_partials_triton(
 
   variant "reshape" (default, the faster one measured on H100): `block_tokens` (default 128)
   per step, K and V fully dequantized in registers through a broadcast + reshape, one dot each.
+  variant "joined": as "reshape" without layout conversions (see the module doc).
+  variant "folded": scales folded into stacked q / p, no per-element dequantization; KIVI
+  segments only (GEAR terms raise here; `quantized_decode_attention_triton` falls back).
   variant "planar": one key group of `group_size` tokens per sub-step, `unroll` sub-steps per
   loop step, scales folded into q / p, bit fields joined without layout conversion, one dot
   per value channel group (slower on H100: see benchmarks/KERNEL_NOTES.md).
@@ -568,17 +585,32 @@ def quantized_decode_attention_partials_triton(
   gear = lowrank is not None or outliers is not None
   if variant == "planar":
     step_tokens = group_size * unroll
-  elif gear:
+  elif gear and variant != "folded":
     step_tokens = block  # one GEAR block (one low-rank factor, one outlier list) per step
   else:
-    step_tokens = max(block_tokens or max(128, group_size), group_size)
-  rows = tile_rows(group)
+    step_tokens = block_tokens_for(block_tokens, group_size)
+  compute_dtype = compute_dtype_for(k_scale.dtype)
+  if variant == "folded":
+    if gear:
+      raise ValueError("variant='folded' does not fuse GEAR terms; use 'joined' or 'reshape'")
+    if not folded_supported(head_dim, bits, group_size, step_tokens):
+      raise ValueError(
+        f"variant='folded' needs block_tokens % group_size == 0 and whole bit fields per value "
+        f"group; got head_dim={head_dim}, bits={bits}, group_size={group_size}, "
+        f"block_tokens={step_tokens}"
+      )
+    rows = folded_rows(group, step_tokens, head_dim, group_size)
+  else:
+    rows = tile_rows(group)
   target_programs = TARGET_PROGRAMS_PER_SM * _compat.gpu_multiprocessor_count()
   plan = plan_splits(tokens, step_tokens, batch * kv_heads, num_splits, target_programs)
-  compute_dtype = compute_dtype_for(k_scale.dtype)
   scaled_queries = queries.astype(jnp.float32) * sm_scale
   prefix = []
-  if variant != "reshape":
+  if variant == "folded":
+    order = folded_channel_order(head_dim, bits, compute_dtype)
+    scaled_queries = scaled_queries[..., order]
+    prefix = [jnp.asarray(order)]
+  elif variant != "reshape":
     key_order = channel_orders(head_dim, bits, group_size)[0]
     value_order = output_channel_order(head_dim, bits, group_size, variant)
     scaled_queries = scaled_queries[..., key_order]  # the kernel's key channel order
@@ -623,7 +655,11 @@ def quantized_decode_attention_partials_triton(
     in_specs += out_specs
     aliases = {len(args): 0, len(args) + 1: 1}
     args += list(initial_partials)
-  if variant == "planar":
+  if variant == "folded":
+    kernel = functools.partial(
+      folded_kernel, plan=plan, tokens=tokens, bits=bits, group_size=group_size
+    )
+  elif variant == "planar":
     kernel = functools.partial(
       _planar_kernel,
       plan=plan,
@@ -659,6 +695,20 @@ def quantized_decode_attention_partials_triton(
   )(*args)
 
 
+def partial_rows(
+  group: int, head_dim: int, group_size: int, variant: str, block_tokens: int | None = None
+) -> int:
+  """Query rows of the partial outputs of `quantized_decode_attention_partials_triton`."""
+  if variant == "folded":
+    return folded_rows(group, block_tokens_for(block_tokens, group_size), head_dim, group_size)
+  return tile_rows(group)
+
+
+def block_tokens_for(block_tokens: int | None, group_size: int) -> int:
+  """Tokens per step of the "reshape" / "joined" / "folded" kernels (whole key groups)."""
+  return max(block_tokens or max(128, group_size), group_size)
+
+
 def planar_supported(head_dim: int, bits: int, group_size: int) -> bool:
   """The planar variant needs whole bit fields per value group and >= 16-wide dots."""
   return group_size >= 16 and joined_supported(head_dim, bits, group_size)
@@ -691,9 +741,18 @@ def quantized_decode_attention_triton(
   """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the reference.
 
   Variants "planar" / "joined" fall back to "reshape" where `planar_supported` /
-  `joined_supported` is False.
+  `joined_supported` is False; "folded" falls back to "joined" (then "reshape") for GEAR caches
+  and where `folded_supported` is False.
   """
   head_dim = queries.shape[3]
+  if variant == "folded" and (
+    lowrank is not None
+    or outliers is not None
+    or not folded_supported(
+      head_dim, bits, group_size, block_tokens_for(config.get("block_tokens"), group_size)
+    )
+  ):
+    variant = "joined"
   if (variant == "planar" and not planar_supported(head_dim, bits, group_size)) or (
     variant == "joined" and not joined_supported(head_dim, bits, group_size)
   ):
@@ -717,7 +776,9 @@ def quantized_decode_attention_triton(
     **config,
   )
   out, lse = merge_split_partials(out, lse, queries.shape[2])
-  order = output_channel_order(queries.shape[3], bits, group_size, variant)
+  order = output_channel_order(
+    queries.shape[3], bits, group_size, variant, compute_dtype_for(k_scale.dtype)
+  )
   if variant != "reshape":
     out = out[..., _inverse_permutation(order)]
   return out, lse

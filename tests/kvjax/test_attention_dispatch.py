@@ -129,6 +129,23 @@ def test_quantized_interpret_matches_reference():
   np.testing.assert_array_equal(auto_out, ref_out)
 
 
+@pytest.mark.parametrize("variant", ["joined", "folded"])
+def test_quantized_interpret_takes_a_gpu_kernel_variant(variant):
+  queries, segment, lengths = _quantized_inputs(seed=3, bits=2)
+  kwargs = dict(bits=2, group_size=32, sm_scale=0.125)
+  out, lse = attention_dispatch.quantized_decode_attention(
+    queries,
+    *segment[:6],
+    lengths,
+    implementation="interpret",
+    kernel_config={"variant": variant, "block_tokens": 64, "num_splits": 2},
+    **kwargs,
+  )
+  ref_out, ref_lse = quantized_decode_attention_reference(queries, *segment[:6], lengths, **kwargs)
+  _close(out, ref_out)
+  _close(lse, ref_lse)
+
+
 @pytest.mark.parametrize(
   "bad,match",
   [

@@ -69,9 +69,10 @@ def fake_tpu_v5e(monkeypatch):
     pytest.skip(f"jax internals for a fake TPU target moved: {e}")
 
 
-@pytest.mark.parametrize("variant", ["reshape", "planar", "joined"])
+@pytest.mark.parametrize("variant", ["reshape", "planar", "joined", "folded"])
 def test_triton_kernels_lower_to_triton_ir(fake_h100, variant):
-  queries, segment, lengths = _quantized_args(gear=True)
+  # "folded" does not fuse GEAR terms: lower it on a KIVI segment.
+  queries, segment, lengths = _quantized_args(gear=variant != "folded")
   text = _lower(
     lambda q, s, lens: quantized_decode_attention_triton(
       q,

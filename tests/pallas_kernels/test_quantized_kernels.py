@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import decode_attention_tpu, decode_attention_triton
+from pallas_kernels import decode_attention_tpu
 from pallas_kernels import quantized_decode_attention_tpu as tpu_kernel
 from pallas_kernels import quantized_decode_attention_triton as triton_kernel
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
@@ -71,7 +71,10 @@ def _check_triton(bits, head_dim, group, gear, dtype, variant, seed, **config):
     queries,
     *segment[:6],
     lengths,
-    _poison(decode_attention_triton.tile_rows(group), head_dim),
+    _poison(
+      triton_kernel.partial_rows(group, head_dim, GROUP_SIZE, variant, config.get("block_tokens")),
+      head_dim,
+    ),
     num_splits=SPLITS,
     interpret=interpret,
     variant=variant,
@@ -80,7 +83,9 @@ def _check_triton(bits, head_dim, group, gear, dtype, variant, seed, **config):
   )
   assert_all_written(out_p, lse_p)
   out, lse = merge_split_partials(out_p, lse_p, group)
-  order = triton_kernel.output_channel_order(head_dim, bits, GROUP_SIZE, variant)
+  order = triton_kernel.output_channel_order(
+    head_dim, bits, GROUP_SIZE, variant, triton_kernel.compute_dtype_for(jnp.dtype(dtype))
+  )
   out = out[..., np.argsort(order)]
   assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(dtype, interpret))
 
@@ -156,6 +161,67 @@ def test_triton_joined_kernel_matches_reference(bits, head_dim, group, gear, dty
   )
 
 
+@pytest.mark.parametrize(
+  "bits,head_dim,group,dtype,block_tokens",
+  [
+    (2, 128, 4, jnp.bfloat16, 128),
+    (4, 64, 1, jnp.bfloat16, 64),
+    (8, 128, 8, jnp.bfloat16, 128),
+    (2, 64, 3, jnp.float32, 64),
+  ],
+)
+def test_triton_folded_kernel_matches_reference(bits, head_dim, group, dtype, block_tokens):
+  _check_triton(
+    bits,
+    head_dim,
+    group,
+    False,
+    dtype,
+    "folded",
+    seed=bits * head_dim + group + 2,
+    block_tokens=block_tokens,
+  )
+
+
+def test_folded_cancels_the_code_offset_exactly():
+  """All codes 0 and all minimums 0 make every key exactly 0, so attention is uniform and the
+  output is the mean of the values. The bf16-pair operands are 128 + code: the 128 must leave
+  through a bias taken from the same rounded scaled queries (an unrounded sum would leave
+  128 x a bf16 rounding of them in every score)."""
+  rng = np.random.default_rng(7)
+  head_dim, group = 128, 4
+  queries = random_queries(rng, BATCH, KV_HEADS, group, head_dim) * 3.0
+  segment = random_quantized_segment(
+    rng, BATCH, KV_HEADS, TOKENS, head_dim, bits=2, group_size=GROUP_SIZE, dtype=jnp.bfloat16
+  )
+  k_codes = jnp.zeros_like(segment.k_codes)
+  k_min = jnp.zeros_like(segment.k_min)
+  lengths = jnp.full((BATCH,), TOKENS, jnp.int32)
+  kwargs = dict(bits=2, group_size=GROUP_SIZE, sm_scale=head_dim**-0.5)
+  arrays = (k_codes, segment.k_scale * 10.0, k_min) + tuple(segment[3:6])
+  out, lse = triton_kernel.quantized_decode_attention_triton(
+    queries, *arrays, lengths, variant="folded", interpret=triton_interpret(), **kwargs
+  )
+  ref_out, ref_lse = quantized_decode_attention_reference(queries, *arrays, lengths, **kwargs)
+  np.testing.assert_allclose(np.asarray(lse), np.log(TOKENS), rtol=0, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-2, atol=2e-3)
+
+
+def test_folded_falls_back_for_gear_and_rejects_it_in_the_partials():
+  queries, segment, lengths, kwargs, reference = _case(5, 2, 64, 2, True, jnp.bfloat16)
+  out, lse = triton_kernel.quantized_decode_attention_triton(
+    queries, *segment[:6], lengths, variant="folded", interpret=triton_interpret(), **kwargs
+  )  # GEAR terms: runs as "joined"
+  assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.bfloat16, True))
+  with pytest.raises(ValueError, match="folded"):
+    triton_kernel.quantized_decode_attention_partials_triton(
+      queries, *segment[:6], lengths, variant="folded", interpret=True, **kwargs
+    )
+  assert not triton_kernel.folded_supported(128, 2, 32, block_tokens=48)
+  assert not triton_kernel.folded_supported(256, 8, 32, block_tokens=128)
+  assert triton_kernel.folded_supported(128, 2, 32, block_tokens=128)
+
+
 def test_joined_falls_back_where_a_value_group_splits_a_bit_field():
   # head_dim 256 at 8 bits: 64-channel bit fields, 32-channel value groups.
   assert not triton_kernel.joined_supported(256, 8, 32)
@@ -177,13 +243,16 @@ def test_channel_orders_are_permutations():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,first_block", [("reshape", 128), ("joined", 64)])
+@pytest.mark.parametrize("variant,first_block", [("reshape", 128), ("joined", 64), ("folded", 128)])
 @pytest.mark.parametrize(
   "bits,head_dim,group,gear",
   list(itertools.product((2, 4, 8), (64, 128), (1, 2, 4, 8), (False, True))),
 )
 def test_triton_kernel_grid(bits, head_dim, group, gear, variant, first_block):
-  """The one-dot-per-block variants; the joined ones with the opposite storage dtypes."""
+  """The one-dot-per-block variants ("folded" without GEAR terms, which it does not fuse); the
+  joined ones with the opposite storage dtypes."""
+  if variant == "folded" and gear:
+    pytest.skip("the folded variant does not fuse GEAR terms (it falls back to joined)")
   joined = variant == "joined"
   dtype = jnp.float32 if (bits + group + joined) % 2 else jnp.bfloat16
   _check_triton(

@@ -1,0 +1,227 @@
+"""The "folded" GPU variant of the quantized decode kernel: scales folded into stacked operands.
+
+KIVI keys are quantized per channel within groups of `group_size` tokens, values per token
+within groups of `group_size` channels. Instead of dequantizing every element (v1 "reshape",
+v3 "joined" spend ~4 of their ~11 instructions per element on per-element scales), both
+scales move to the small operand of each dot, one copy per quantization group, stacked along
+the rows (the M side of the tensor-core tile, which a query group of 1-8 heads leaves mostly
+padding anyway):
+
+  keys:    scores[h, t] = sum_c (q[h, c] * k_scale[g, c]) code[t, c] + sum_c q[h, c] k_min[g, c]
+           with g = t // group_size: one dot  Q' [groups * rows, D] . codes^T [D, block],
+           then row block g is kept for the tokens of group g (a masked sum over groups).
+  values:  out[h, c] = sum_t (p[h, t] * v_scale[t, k]) code[t, c] + sum_t p[h, t] v_min[t, k]
+           with k = c // group_size: one dot  P' [value_groups * rows, block] . codes [block, D]
+           accumulated over blocks as [value_groups, rows, D]; row block k is kept for the
+           channels of group k once, after the last block.
+
+The codes themselves become tensor-core operands with integer operations only. For 2- and
+4-bit codes with bf16 operands, `(word >> s) & (mask * 0x00010001) | 0x43004300` holds two
+codes as the bf16 numbers 128 + code (exact: bf16 has 8 significant bits), so a pair of
+elements costs one shift and one AND-OR; the 128 comes back out through the bias, computed
+from the same rounded Q' / P' the dot used so it cancels exactly. Otherwise (8-bit codes, f16
+or f32 operands) each code is an exact float through the 2^23 magic number (offset 0).
+
+The bit fields are joined with `join_fields` (register renaming), so the channels come out in
+the fixed order `folded_channel_order`, the same for keys and values: the queries are permuted
+outside, and the output is un-permuted outside after the split merge.
+Not fused here: GEAR's low-rank and outlier terms (GEAR caches take the other variants).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.decode_attention_triton import _dot_nn, _dot_nt
+from pallas_kernels.float_unpacking import MAGIC_2_23
+from pallas_kernels.joined_fields import join_fields
+from pallas_kernels.splits import SplitPlan
+
+BF16_128 = 0x4300  # bf16 bits of 128.0: OR-ing in a code c < 128 gives 128 + c exactly
+
+
+def uses_bf16_pairs(bits: int, compute_dtype) -> bool:
+  """Two codes per 32-bit word become bf16 128 + code with two integer ops (2 and 4 bits)."""
+  return bits in (2, 4) and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16)
+
+
+def code_offset(bits: int, compute_dtype) -> float:
+  """The unpacked operand is code_offset + code."""
+  return 128.0 if uses_bf16_pairs(bits, compute_dtype) else 0.0
+
+
+def _join_pairs(pairs: list) -> jax.Array:
+  """[(low, high)] -> one tensor: the low halves joined, the high halves joined, then the two
+  joined last, so each (low, high) pair of one word stays adjacent, i.e. stays one 32-bit
+  register (same on numpy)."""
+  return join_fields(
+    [join_fields([low for low, _ in pairs]), join_fields([high for _, high in pairs])]
+  )
+
+
+def folded_channel_order(head_dim: int, bits: int, compute_dtype) -> np.ndarray:
+  """numpy int32 [D]: channel at each position of the unpacked codes (keys and values)."""
+  fields = 32 // bits
+  width = head_dim // fields
+
+  def field(k):
+    return np.arange(k * width, (k + 1) * width, dtype=np.int32)[None, :]
+
+  if uses_bf16_pairs(bits, compute_dtype):
+    half = fields // 2
+    return _join_pairs([(field(j), field(j + half)) for j in range(half)])[0]
+  return join_fields([field(k) for k in range(fields)])[0]
+
+
+def unpack_codes_for_dot(words: jax.Array, bits: int, compute_dtype) -> jax.Array:
+  """uint32 [rows, W] planar words -> [rows, D] `compute_dtype` operands code_offset + code,
+  positions in `folded_channel_order`.
+
+  bf16 pairs: fields j and j + n/2 of a word sit 16 bits apart, so one shift moves both to the
+  bottom of their half and one AND-OR with the bits of 128.0 makes the pair (128 + c_j,
+  128 + c_{j+n/2}), exact; the pair is the 32-bit register the tensor core reads.
+  """
+  fields = 32 // bits
+  field_mask = (1 << bits) - 1
+  if uses_bf16_pairs(bits, compute_dtype):
+    half = fields // 2
+    pairs = []
+    for j in range(half):
+      both = jnp.right_shift(words, jnp.uint32(bits * j)) if j else words
+      both = (both & jnp.uint32(field_mask * 0x00010001)) | jnp.uint32(BF16_128 * 0x00010001)
+      low = jax.lax.bitcast_convert_type(both.astype(jnp.uint16), jnp.bfloat16)
+      high = jax.lax.bitcast_convert_type(
+        jnp.right_shift(both, jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16
+      )
+      pairs.append((low, high))
+    return _join_pairs(pairs)
+  codes = []
+  for k in range(fields):
+    field = jnp.right_shift(words, jnp.uint32(bits * k)) if k else words
+    magic = (field & jnp.uint32(field_mask)) | jnp.uint32(MAGIC_2_23)
+    code = jax.lax.bitcast_convert_type(magic, jnp.float32) - 8388608.0  # exact
+    codes.append(code.astype(compute_dtype))
+  return join_fields(codes)
+
+
+def folded_rows(group: int, block_tokens: int, head_dim: int, group_size: int) -> int:
+  """Query rows per program: the group padded to a power of two, and far enough that the
+  stacked operands have >= 16 rows (the smallest tensor-core tile)."""
+  stacks = min(block_tokens // group_size, head_dim // group_size)
+  return max(1 << (group - 1).bit_length(), -(-16 // stacks))
+
+
+def folded_supported(head_dim: int, bits: int, group_size: int, block_tokens: int) -> bool:
+  """Whole key groups per block, whole bit fields per value group, power-of-two stacks."""
+  width = head_dim * bits // 32
+  return (
+    group_size >= width
+    and group_size % width == 0
+    and block_tokens % group_size == 0
+    and head_dim % group_size == 0
+  )
+
+
+def folded_kernel(
+  lengths_ref,
+  order_ref,
+  queries_ref,
+  k_codes_ref,
+  k_scale_ref,
+  k_min_ref,
+  v_codes_ref,
+  v_scale_ref,
+  v_min_ref,
+  *rest,
+  plan: SplitPlan,
+  tokens: int,
+  bits: int,
+  group_size: int,
+):
+  """One step = one block of `plan.block_tokens` tokens, one dot for K and one for V.
+  `rest`: optional aliased starting contents of the outputs, then (out_ref, lse_ref)."""
+  out_ref, lse_ref = rest[-2:]
+  block = plan.block_tokens
+  key_groups = block // group_size
+  split = pl.program_id(2)
+  start = split * plan.split_tokens
+  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_ref[()]), tokens)
+  num_blocks = (jnp.maximum(end - start, 0) + block - 1) // block
+  queries = queries_ref[...].astype(jnp.float32)  # [rows, D] folded order, pre-scaled
+  compute_dtype = queries_ref.dtype
+  rows, head_dim = queries.shape
+  value_groups = head_dim // group_size
+  offset = code_offset(bits, compute_dtype)
+  order = order_ref[...]  # [D] int32: channel at each position
+  offsets = jnp.arange(block, dtype=jnp.int32)
+  group_offsets = jnp.arange(key_groups, dtype=jnp.int32)
+  token_is_in_group = (offsets // group_size)[None, None, :] == group_offsets[:, None, None]
+  last_group = tokens // group_size - 1
+
+  def body(i, carry):
+    running_max, running_sum, acc, value_bias = carry
+    first = start + i * block
+    valid = first + offsets < end  # [block]; masked lanes read no memory
+
+    k_words = _compat.triton_load(
+      k_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
+    )
+    k_code = unpack_codes_for_dot(k_words, bits, compute_dtype)  # [block, D]
+    group_rows = jnp.minimum(first // group_size + group_offsets, last_group)[:, None]
+    k_scale = k_scale_ref[group_rows, order[None, :]].astype(jnp.float32)  # [groups, D]
+    k_min = k_min_ref[group_rows, order[None, :]].astype(jnp.float32)
+    stacked_queries = (queries[None, :, :] * k_scale[:, None, :]).astype(compute_dtype)
+    key_bias = jnp.sum(queries[None, :, :] * k_min[:, None, :], axis=2)  # [groups, rows]
+    if offset:
+      # The dot adds offset * sum(Q') with Q' rounded; taking the same rounded Q' out here
+      # cancels it exactly (an unrounded sum would leave offset x one bf16 rounding of Q').
+      key_bias = key_bias - offset * jnp.sum(stacked_queries.astype(jnp.float32), axis=2)
+    stacked_scores = _dot_nt(stacked_queries.reshape(key_groups * rows, head_dim), k_code).reshape(
+      key_groups, rows, block
+    )
+    scores = jnp.sum(
+      jnp.where(token_is_in_group, stacked_scores + key_bias[:, :, None], 0.0), axis=0
+    )  # [rows, block]
+
+    scores = jnp.where(valid[None, :], scores, -jnp.inf)
+    # Every iterated block has a valid token, so new_max is finite from the first step on.
+    new_max = jnp.maximum(running_max, scores.max(axis=1))
+    correction = jnp.exp(running_max - new_max)
+    probs = jnp.exp(scores - new_max[:, None])  # [rows, block]
+    running_sum = running_sum * correction + probs.sum(axis=1)
+
+    v_words = _compat.triton_load(
+      v_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
+    )
+    v_code = unpack_codes_for_dot(v_words, bits, compute_dtype)  # [block, D]
+    v_scale = load_rows_t(v_scale_ref, first, block, valid)  # [value_groups, block]
+    v_min = load_rows_t(v_min_ref, first, block, valid)
+    stacked_probs = (probs[None, :, :] * v_scale[:, None, :]).astype(compute_dtype)
+    bias_update = jnp.sum(probs[None, :, :] * v_min[:, None, :], axis=2)  # [value_groups, rows]
+    if offset:
+      bias_update = bias_update - offset * jnp.sum(stacked_probs.astype(jnp.float32), axis=2)
+    update = _dot_nn(stacked_probs.reshape(value_groups * rows, block), v_code)
+    acc = acc * correction[None, :, None] + update.reshape(value_groups, rows, head_dim)
+    value_bias = value_bias * correction[None, :] + bias_update
+    return new_max, running_sum, acc, value_bias
+
+  def load_rows_t(ref, first, count, valid):
+    stats = _compat.triton_load(ref.at[pl.ds(first, count), :], mask=valid[:, None], other=0)
+    return stats.astype(jnp.float32).T
+
+  init = (
+    jnp.full((rows,), -jnp.inf, jnp.float32),
+    jnp.zeros((rows,), jnp.float32),
+    jnp.zeros((value_groups, rows, head_dim), jnp.float32),
+    jnp.zeros((value_groups, rows), jnp.float32),
+  )
+  running_max, running_sum, acc, value_bias = jax.lax.fori_loop(0, num_blocks, body, init)
+  position_group = (order // group_size)[None, None, :]  # value group of each position
+  in_group = position_group == jnp.arange(value_groups, dtype=jnp.int32)[:, None, None]
+  out = jnp.sum(jnp.where(in_group, acc + value_bias[:, :, None], 0.0), axis=0)  # [rows, D]
+  nonempty = running_sum > 0
+  safe_sum = jnp.where(nonempty, running_sum, 1.0)
+  out_ref[...] = jnp.where(nonempty[:, None], out / safe_sum[:, None], 0.0)
+  lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
