@@ -149,7 +149,9 @@ def quantized_decode_attention(
   """(out, lse) of one query position over a KIVI/GEAR quantized segment (fused dequantize).
 
   Storage layout: see `pallas_kernels.quantized_decode_attention_reference`. Configuration
-  errors raise ValueError before anything is traced.
+  errors raise ValueError before anything is traced. On GPU, `kernel_config` may pick the
+  kernel variant: {"variant": "reshape" (default) | "joined" | "folded" | "planar"} (see
+  `pallas_kernels.quantized_decode_attention_triton`).
   """
   family, interpret = _choose(implementation, kernel_backend)
   check_quantized_inputs(

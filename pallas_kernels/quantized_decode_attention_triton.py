@@ -491,6 +491,7 @@ def compute_dtype_for(scale_dtype):
 
 
 VARIANTS = ("folded", "joined", "planar", "reshape")
+FOLDED_MAX_GROUP = 8  # query heads per KV head that `quantized_decode_attention_triton` folds
 
 
 def output_channel_order(
@@ -742,12 +743,14 @@ def quantized_decode_attention_triton(
 
   Variants "planar" / "joined" fall back to "reshape" where `planar_supported` /
   `joined_supported` is False; "folded" falls back to "joined" (then "reshape") for GEAR caches
-  and where `folded_supported` is False.
+  and where `folded_supported` is False or the query group exceeds `FOLDED_MAX_GROUP` (its
+  stacked accumulator holds value_groups x rows x D floats: 64 registers per thread at 8 rows).
   """
   head_dim = queries.shape[3]
   if variant == "folded" and (
     lowrank is not None
     or outliers is not None
+    or queries.shape[2] > FOLDED_MAX_GROUP
     or not folded_supported(
       head_dim, bits, group_size, block_tokens_for(config.get("block_tokens"), group_size)
     )

@@ -207,7 +207,7 @@ def test_folded_cancels_the_code_offset_exactly():
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-2, atol=2e-3)
 
 
-def test_folded_falls_back_for_gear_and_rejects_it_in_the_partials():
+def test_folded_falls_back_for_gear_and_wide_groups_and_rejects_gear_in_the_partials():
   queries, segment, lengths, kwargs, reference = _case(5, 2, 64, 2, True, jnp.bfloat16)
   out, lse = triton_kernel.quantized_decode_attention_triton(
     queries, *segment[:6], lengths, variant="folded", interpret=triton_interpret(), **kwargs
@@ -217,6 +217,12 @@ def test_folded_falls_back_for_gear_and_rejects_it_in_the_partials():
     triton_kernel.quantized_decode_attention_partials_triton(
       queries, *segment[:6], lengths, variant="folded", interpret=True, **kwargs
     )
+  wide_group = _case(6, 2, 64, 16, False, jnp.bfloat16)  # 16 query heads per KV head
+  queries, segment, lengths, kwargs, reference = wide_group
+  out, lse = triton_kernel.quantized_decode_attention_triton(
+    queries, *segment[:6], lengths, variant="folded", interpret=triton_interpret(), **kwargs
+  )  # runs as "joined"
+  assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.bfloat16, True))
   assert not triton_kernel.folded_supported(128, 2, 32, block_tokens=48)
   assert not triton_kernel.folded_supported(256, 8, 32, block_tokens=128)
   assert triton_kernel.folded_supported(128, 2, 32, block_tokens=128)
@@ -243,16 +249,17 @@ def test_channel_orders_are_permutations():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,first_block", [("reshape", 128), ("joined", 64), ("folded", 128)])
 @pytest.mark.parametrize(
-  "bits,head_dim,group,gear",
-  list(itertools.product((2, 4, 8), (64, 128), (1, 2, 4, 8), (False, True))),
+  "variant,first_block,bits,head_dim,group,gear",
+  [
+    (variant, first_block, *shape)
+    for variant, first_block in (("reshape", 128), ("joined", 64), ("folded", 128))
+    for shape in itertools.product((2, 4, 8), (64, 128), (1, 2, 4, 8), (False, True))
+    if not (variant == "folded" and shape[3])  # folded does not fuse GEAR terms
+  ],
 )
-def test_triton_kernel_grid(bits, head_dim, group, gear, variant, first_block):
-  """The one-dot-per-block variants ("folded" without GEAR terms, which it does not fuse); the
-  joined ones with the opposite storage dtypes."""
-  if variant == "folded" and gear:
-    pytest.skip("the folded variant does not fuse GEAR terms (it falls back to joined)")
+def test_triton_kernel_grid(variant, first_block, bits, head_dim, group, gear):
+  """The one-dot-per-block variants; the joined ones with the opposite storage dtypes."""
   joined = variant == "joined"
   dtype = jnp.float32 if (bits + group + joined) % 2 else jnp.bfloat16
   _check_triton(
