@@ -252,7 +252,7 @@ def main():
     "--variants",
     nargs="+",
     default=["reshape", "joined", "folded", "planar"],
-    choices=["reshape", "joined", "planar", "folded"],
+    choices=["reshape", "joined", "folded", "planar"],
   )
   parser.add_argument("--bits", nargs="+", type=int, default=[2], choices=[2, 4, 8])
   parser.add_argument("--bf16", action="store_true", help="also the full-precision kernel")

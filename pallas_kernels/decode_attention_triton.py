@@ -44,6 +44,12 @@ def tile_rows(group: int) -> int:
   return max(TILE_ROWS, 1 << (group - 1).bit_length())
 
 
+def load_token_rows(ref, first, count: int, valid):
+  """Rows first .. first + count - 1 of a [tokens, C] ref; rows where `valid` [count] is False
+  read no memory and come back as 0."""
+  return _compat.triton_load(ref.at[pl.ds(first, count), :], mask=valid[:, None], other=0)
+
+
 def _dot_nt(a, b):
   """a [M, K] . b [N, K]^T in float32 (tf32 tensor cores for f32 operands on GPU)."""
   return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -76,16 +82,14 @@ def _decode_kernel(
     running_max, running_sum, acc = carry
     first = start + i * block
     valid = first + offsets < end  # [block]; masked lanes read no memory
-    keys = _compat.triton_load(keys_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0)
+    keys = load_token_rows(keys_ref, first, block, valid)
     scores = _dot_nt(queries, keys)  # [rows, block]
     scores = jnp.where(valid[None, :], scores, -jnp.inf)
     # Every iterated block has a valid token, so new_max is finite from the first step on.
     new_max = jnp.maximum(running_max, scores.max(axis=1))
     correction = jnp.exp(running_max - new_max)
     probs = jnp.exp(scores - new_max[:, None])
-    values = _compat.triton_load(
-      values_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0.0
-    )
+    values = load_token_rows(values_ref, first, block, valid)
     acc = acc * correction[:, None] + _dot_nn(probs.astype(values.dtype), values)
     return new_max, running_sum * correction + probs.sum(axis=1), acc
 

@@ -33,8 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
-from pallas_kernels.decode_attention_triton import _dot_nn, _dot_nt
+from pallas_kernels.decode_attention_triton import _dot_nn, _dot_nt, load_token_rows
 from pallas_kernels.float_unpacking import MAGIC_2_23
 from pallas_kernels.joined_fields import join_fields
 from pallas_kernels.splits import SplitPlan
@@ -114,14 +113,9 @@ def folded_rows(group: int, block_tokens: int, head_dim: int, group_size: int) -
 
 
 def folded_supported(head_dim: int, bits: int, group_size: int, block_tokens: int) -> bool:
-  """Whole key groups per block, whole bit fields per value group, power-of-two stacks."""
+  """Whole key groups per block, whole bit fields per value group, whole value groups per head."""
   width = head_dim * bits // 32
-  return (
-    group_size >= width
-    and group_size % width == 0
-    and block_tokens % group_size == 0
-    and head_dim % group_size == 0
-  )
+  return group_size % width == 0 and block_tokens % group_size == 0 and head_dim % group_size == 0
 
 
 def folded_kernel(
@@ -165,9 +159,7 @@ def folded_kernel(
     first = start + i * block
     valid = first + offsets < end  # [block]; masked lanes read no memory
 
-    k_words = _compat.triton_load(
-      k_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
-    )
+    k_words = load_token_rows(k_codes_ref, first, block, valid)
     k_code = unpack_codes_for_dot(k_words, bits, compute_dtype)  # [block, D]
     group_rows = jnp.minimum(first // group_size + group_offsets, last_group)[:, None]
     k_scale = k_scale_ref[group_rows, order[None, :]].astype(jnp.float32)  # [groups, D]
@@ -192,12 +184,12 @@ def folded_kernel(
     probs = jnp.exp(scores - new_max[:, None])  # [rows, block]
     running_sum = running_sum * correction + probs.sum(axis=1)
 
-    v_words = _compat.triton_load(
-      v_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
-    )
+    v_words = load_token_rows(v_codes_ref, first, block, valid)
     v_code = unpack_codes_for_dot(v_words, bits, compute_dtype)  # [block, D]
-    v_scale = load_rows_t(v_scale_ref, first, block, valid)  # [value_groups, block]
-    v_min = load_rows_t(v_min_ref, first, block, valid)
+    v_scale, v_min = (
+      load_token_rows(ref, first, block, valid).astype(jnp.float32).T  # [value_groups, block]
+      for ref in (v_scale_ref, v_min_ref)
+    )
     stacked_probs = (probs[None, :, :] * v_scale[:, None, :]).astype(compute_dtype)
     bias_update = jnp.sum(probs[None, :, :] * v_min[:, None, :], axis=2)  # [value_groups, rows]
     if offset:
@@ -206,10 +198,6 @@ def folded_kernel(
     acc = acc * correction[None, :, None] + update.reshape(value_groups, rows, head_dim)
     value_bias = value_bias * correction[None, :] + bias_update
     return new_max, running_sum, acc, value_bias
-
-  def load_rows_t(ref, first, count, valid):
-    stats = _compat.triton_load(ref.at[pl.ds(first, count), :], mask=valid[:, None], other=0)
-    return stats.astype(jnp.float32).T
 
   init = (
     jnp.full((rows,), -jnp.inf, jnp.float32),

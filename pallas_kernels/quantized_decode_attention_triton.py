@@ -50,6 +50,7 @@ from pallas_kernels.decode_attention_triton import (
   TARGET_PROGRAMS_PER_SM,
   _dot_nn,
   _dot_nt,
+  load_token_rows,
   tile_rows,
 )
 from pallas_kernels.float_unpacking import (
@@ -204,9 +205,6 @@ def _quantized_decode_block_loop(
   last_group = tokens // group_size - 1
   log2_head_dim = int(math.log2(head_dim))
 
-  def load_rows(ref, first, count, valid):
-    return _compat.triton_load(ref.at[pl.ds(first, count), :], mask=valid[:, None], other=0)
-
   def body(i, carry):
     running_max, running_sum, acc = carry
     first = start + i * block
@@ -215,7 +213,7 @@ def _quantized_decode_block_loop(
     group_valid = (first_group + group_offsets) * group_size < end
 
     # Keys: K[t, d] = code * k_scale[t // G, d] + k_min[t // G, d], dequantized in registers.
-    k_words = load_rows(k_codes_ref, first, block, valid)
+    k_words = load_token_rows(k_codes_ref, first, block, valid)
     if joined:
       # Groups of tokens as a leading axis: the group's scale row broadcasts in registers.
       k_code = join_fields(
@@ -231,8 +229,10 @@ def _quantized_decode_block_loop(
       keys = (k_code * step[:, None, :] + shifted_min[:, None, :]).reshape(block, head_dim)
     else:
       k_code = unpack_to_float(k_words, bits)
-      k_scale = load_rows(k_scale_ref, first_group, key_groups, group_valid).astype(jnp.float32)
-      k_min = load_rows(k_min_ref, first_group, key_groups, group_valid).astype(jnp.float32)
+      k_scale, k_min = (
+        load_token_rows(ref, first_group, key_groups, group_valid).astype(jnp.float32)
+        for ref in (k_scale_ref, k_min_ref)
+      )
       keys = k_code * _broadcast_rows(k_scale, group_size) + _broadcast_rows(k_min, group_size)
     scores = _dot_nt(queries, keys.astype(compute_dtype))  # [rows, block]
 
@@ -241,7 +241,7 @@ def _quantized_decode_block_loop(
     if has_lowrank:
       queries_f32 = queries.astype(jnp.float32)
       k_b = k_b_ref[gear_block, key_channels, :].astype(jnp.float32)  # [D, r]
-      k_a = load_rows(k_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
+      k_a = load_token_rows(k_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
       q_b = jnp.sum(queries_f32[:, :, None] * k_b[None, :, :], axis=1)  # [rows, r]
       scores = scores + jnp.sum(q_b[:, None, :] * k_a[None, :, :], axis=2)
     if has_outliers:
@@ -262,7 +262,7 @@ def _quantized_decode_block_loop(
     running_sum = running_sum * correction + probs.sum(axis=1)
 
     # Values: V[t, d] = code * v_scale[t, d // G] + v_min[t, d // G].
-    v_words = load_rows(v_codes_ref, first, block, valid)
+    v_words = load_token_rows(v_codes_ref, first, block, valid)
     if joined:
       # Each channel group's fields joined and scaled by its [block] scale column, then the
       # groups joined: positions in `joined_value_order`.
@@ -280,15 +280,15 @@ def _quantized_decode_block_loop(
       values = join_fields(value_groups)
     else:
       v_code = unpack_to_float(v_words, bits)
-      v_scale = load_rows(v_scale_ref, first, block, valid).astype(jnp.float32)
-      v_min = load_rows(v_min_ref, first, block, valid).astype(jnp.float32)
+      v_scale = load_token_rows(v_scale_ref, first, block, valid).astype(jnp.float32)
+      v_min = load_token_rows(v_min_ref, first, block, valid).astype(jnp.float32)
       values = v_code * _broadcast_columns(v_scale, value_group) + _broadcast_columns(
         v_min, value_group
       )
     probs_c = probs.astype(compute_dtype)
     update = _dot_nn(probs_c, values.astype(compute_dtype))  # [rows, D]
     if has_lowrank:
-      v_a = load_rows(v_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
+      v_a = load_token_rows(v_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
       v_b = v_b_ref[gear_block, value_channels, :].astype(jnp.float32)  # [D, r]
       p_a = jnp.sum(probs[:, :, None] * v_a[None, :, :], axis=1)  # [rows, r]
       update = update + jnp.sum(p_a[:, None, :] * v_b[None, :, :], axis=2)
@@ -374,9 +374,7 @@ def _planar_kernel(
     key_group = jnp.minimum(first // group_size, last_key_group)
 
     # Scores: (q * k_scale[g]) . codes^T + q . k_min[g]: no per-element dequantization.
-    k_words = _compat.triton_load(
-      k_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
-    )
+    k_words = load_token_rows(k_codes_ref, first, block, valid)
     k_code = join_fields([_unpack_field(k_words, bits, f) for f in range(fields)])  # [block, D]
     k_scale = k_scale_ref[key_group, key_order].astype(jnp.float32)  # [D], key channel order
     k_min = k_min_ref[key_group, key_order].astype(jnp.float32)
@@ -391,9 +389,7 @@ def _planar_kernel(
       offset_in_gear_block = first - gear_index * gear_block
     if has_lowrank:
       k_b = k_b_ref[gear_index, key_order, :].astype(jnp.float32)  # [D, r], key order
-      k_a = _compat.triton_load(
-        k_a_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
-      ).astype(jnp.float32)  # [block, r]
+      k_a = load_token_rows(k_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
       q_b = jnp.sum(queries[:, :, None] * k_b[None, :, :], axis=1)  # [rows, r]
       scores = scores + jnp.sum(q_b[:, None, :] * k_a[None, :, :], axis=2)
     if has_outliers:
@@ -418,13 +414,9 @@ def _planar_kernel(
 
     # Values, per channel group c: sum_t (p_t * v_scale[t, c]) codes[t, group c]
     #                               + sum_t p_t * v_min[t, c].
-    v_words = _compat.triton_load(
-      v_codes_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
-    )
+    v_words = load_token_rows(v_codes_ref, first, block, valid)
     if has_lowrank:
-      v_a = _compat.triton_load(
-        v_a_ref.at[pl.ds(first, block), :], mask=valid[:, None], other=0
-      ).astype(jnp.float32)
+      v_a = load_token_rows(v_a_ref, first, block, valid).astype(jnp.float32)
       p_a = jnp.sum(probs[:, :, None] * v_a[None, :, :], axis=1)  # [rows, r]
     if has_outliers:
       v_index = v_index_ref[gear_index, :]
@@ -494,10 +486,9 @@ VARIANTS = ("folded", "joined", "planar", "reshape")
 FOLDED_MAX_GROUP = 8  # query heads per KV head that `quantized_decode_attention_triton` folds
 
 
-def output_channel_order(
-  head_dim: int, bits: int, group_size: int, variant: str, compute_dtype=jnp.bfloat16
-):
-  """numpy int32 [D]: channel at each position of the partial outputs' last axis."""
+def output_channel_order(head_dim: int, bits: int, group_size: int, variant: str, compute_dtype):
+  """numpy int32 [D]: channel at each position of the partial outputs' last axis (for "folded"
+  it depends on the operand dtype: `compute_dtype_for(scale dtype)`)."""
   if variant == "folded":
     return folded_channel_order(head_dim, bits, compute_dtype)
   if variant == "reshape":
@@ -584,16 +575,16 @@ def quantized_decode_attention_partials_triton(
   )
   batch, kv_heads, group, head_dim, tokens = sizes[:5]
   gear = lowrank is not None or outliers is not None
+  if variant == "folded" and gear:
+    raise ValueError("variant='folded' does not fuse GEAR terms; use 'joined' or 'reshape'")
   if variant == "planar":
     step_tokens = group_size * unroll
-  elif gear and variant != "folded":
+  elif gear:
     step_tokens = block  # one GEAR block (one low-rank factor, one outlier list) per step
   else:
     step_tokens = block_tokens_for(block_tokens, group_size)
   compute_dtype = compute_dtype_for(k_scale.dtype)
   if variant == "folded":
-    if gear:
-      raise ValueError("variant='folded' does not fuse GEAR terms; use 'joined' or 'reshape'")
     if not folded_supported(head_dim, bits, group_size, step_tokens):
       raise ValueError(
         f"variant='folded' needs block_tokens % group_size == 0 and whole bit fields per value "
@@ -613,7 +604,7 @@ def quantized_decode_attention_partials_triton(
     prefix = [jnp.asarray(order)]
   elif variant != "reshape":
     key_order = channel_orders(head_dim, bits, group_size)[0]
-    value_order = output_channel_order(head_dim, bits, group_size, variant)
+    value_order = output_channel_order(head_dim, bits, group_size, variant, compute_dtype)
     scaled_queries = scaled_queries[..., key_order]  # the kernel's key channel order
     prefix = [jnp.asarray(key_order), jnp.asarray(value_order)]
   scaled_queries = pad_query_group(scaled_queries, rows, compute_dtype)
