@@ -196,18 +196,18 @@ def check_grid(args) -> list[dict]:
         else module.quantized_decode_attention_partials_triton
       )
       splits = 3
-      # "folded" does not fuse GEAR terms; its dispatch runs those caches as "joined".
-      check_variant = "joined" if gear and args.check_variant == "folded" else args.check_variant
       rows = (
         decode_attention_tpu.tile_rows(group)
         if on_tpu
-        else quantized_decode_attention_triton.partial_rows(group, head_dim, 32, check_variant)
+        else quantized_decode_attention_triton.partial_rows(
+          group, head_dim, 32, args.check_variant, gear_block=64 if gear else None
+        )
       )
       poison = (
         jnp.full((batch, 2, splits, rows, head_dim), jnp.nan, jnp.float32),
         jnp.full((batch, 2, splits, rows), jnp.nan, jnp.float32),
       )
-      variant = {} if on_tpu else {"variant": check_variant}
+      variant = {} if on_tpu else {"variant": args.check_variant}
       out_p, lse_p = partials_fn(
         queries,
         *segment[:6],
@@ -226,7 +226,7 @@ def check_grid(args) -> list[dict]:
           head_dim,
           bits,
           32,
-          check_variant,
+          args.check_variant,
           quantized_decode_attention_triton.compute_dtype_for(jnp.dtype(dtype)),
         )
         out = out[..., np.argsort(order)]

@@ -25,6 +25,7 @@ KERNEL_NOTES.md; nothing else from CUDA, no GPU). Example:
 
 import argparse
 import collections
+import itertools
 import json
 import os
 import re
@@ -185,6 +186,8 @@ def kernel_cases(args):
   import jax
   import jax.numpy as jnp
 
+  from kvjax.gear_cache import Gear
+  from kvjax.quantization.outliers import outlier_count_per_side
   from pallas_kernels import decode_attention_triton as full_kernel
   from pallas_kernels import quantized_decode_attention_triton as quantized_kernel
 
@@ -203,9 +206,11 @@ def kernel_cases(args):
     queries = shape((batch, heads, group, head_dim), jnp.bfloat16)
     lengths = shape((batch,), jnp.int32)
     cases.append(("bf16", full, (queries, cache, cache, lengths), 4, 2, block))
-  for bits in args.bits:
+  # GEAR: the `gear` method's defaults (group 64, block 64, rank 2), outliers as asked.
+  defaults = Gear(outliers=args.gear_outliers)
+  for bits, gear in itertools.product(args.bits, (False, True) if args.gear else (False,)):
     words = head_dim * bits // 32
-    group_size = 32
+    group_size = defaults.group_size if gear else 32
     quantized = (
       shape((batch, heads, group, head_dim), jnp.bfloat16),
       shape((batch, heads, tokens, words), jnp.uint32),
@@ -216,6 +221,21 @@ def kernel_cases(args):
       shape((batch, heads, tokens, head_dim // group_size), jnp.bfloat16),
       shape((batch,), jnp.int32),
     )
+    gear_arrays = {}
+    if gear:
+      blocks, rank = tokens // defaults.block, defaults.rank
+      count = 2 * outlier_count_per_side(defaults.outliers, defaults.block * head_dim)
+      a, b = (
+        shape((batch, heads, tokens, rank), jnp.bfloat16),
+        shape((batch, heads, blocks, head_dim, rank), jnp.bfloat16),
+      )
+      index, value = (
+        shape((batch, heads, blocks, count), jnp.int32),
+        shape((batch, heads, blocks, count), jnp.bfloat16),
+      )
+      gear_arrays = dict(lowrank=(a, b, a, b))
+      if count:
+        gear_arrays["outliers"] = (index, value, index, value)
     for variant in args.variants:
       overrides = dict(item.split("=", 1) for item in args.config)
       config = json.loads(overrides.get(variant, "{}"))
@@ -224,29 +244,46 @@ def kernel_cases(args):
       if variant == "planar":
         config.setdefault("unroll", 2)
         step = group_size * config["unroll"]
+      elif gear:
+        config.pop("block_tokens", None)  # one GEAR block per step
+        step = defaults.block
       else:
         config.setdefault("block_tokens", 64 if variant == "joined" else 128)
         step = config["block_tokens"]
 
       def quantized_call(*a, bits=bits, variant=variant, config=config, group_size=group_size):
+        *segment, lengths, extra = a
         return quantized_kernel.quantized_decode_attention_partials_triton(
-          *a,
+          *segment,
+          lengths,
           bits=bits,
           group_size=group_size,
           sm_scale=0.088,
           variant=variant,
           num_splits=32,
+          block=defaults.block,
+          **extra,
           **config,
         )
 
-      label = f"kivi{bits} {variant} " + ",".join(f"{k}={v}" for k, v in sorted(config.items()))
+      method = f"gear{bits}" if gear else f"kivi{bits}"
+      label = f"{method} {variant} " + ",".join(f"{k}={v}" for k, v in sorted(config.items()))
       cases.append(
-        (label, quantized_call, quantized, config["num_warps"], config["num_stages"], step)
+        (
+          label,
+          quantized_call,
+          quantized + (gear_arrays,),
+          config["num_warps"],
+          config["num_stages"],
+          step,
+        )
       )
   return cases
 
 
 def main():
+  from kvjax.gear_cache import Gear
+
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument(
     "--variants",
@@ -256,6 +293,15 @@ def main():
   )
   parser.add_argument("--bits", nargs="+", type=int, default=[2], choices=[2, 4, 8])
   parser.add_argument("--bf16", action="store_true", help="also the full-precision kernel")
+  parser.add_argument(
+    "--gear", action="store_true", help="also GEAR segments (the `gear` method's defaults)"
+  )
+  parser.add_argument(
+    "--gear-outliers",
+    type=float,
+    default=Gear().outliers,
+    help="GEAR's outlier fraction (0: GEAR-L, low rank only)",
+  )
   parser.add_argument("--tokens", type=int, default=32768, help="context of the floors")
   parser.add_argument(
     "--config",

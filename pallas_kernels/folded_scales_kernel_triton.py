@@ -25,7 +25,8 @@ or f32 operands) each code is an exact float through the 2^23 magic number (offs
 The bit fields are joined with `join_fields` (register renaming), so the channels come out in
 the fixed order `folded_channel_order`, the same for keys and values: the queries are permuted
 outside, and the output is un-permuted outside after the split merge.
-Not fused here: GEAR's low-rank and outlier terms (GEAR caches take the other variants).
+GEAR caches: one step is one GEAR block; its low-rank and outlier terms (`gear_terms_triton`)
+are added to the scores and, being [rows, D] per block, to an accumulator of their own.
 """
 
 import jax
@@ -35,6 +36,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.decode_attention_triton import _dot_nn, _dot_nt, load_token_rows
 from pallas_kernels.float_unpacking import MAGIC_2_23
+from pallas_kernels.gear_terms_triton import GearRefs, gear_score_terms, gear_value_terms
 from pallas_kernels.joined_fields import join_fields
 from pallas_kernels.splits import SplitPlan
 
@@ -133,10 +135,14 @@ def folded_kernel(
   tokens: int,
   bits: int,
   group_size: int,
+  has_lowrank: bool = False,
+  has_outliers: bool = False,
 ):
-  """One step = one block of `plan.block_tokens` tokens, one dot for K and one for V.
-  `rest`: optional aliased starting contents of the outputs, then (out_ref, lse_ref)."""
+  """One step = one block of `plan.block_tokens` tokens (one GEAR block for GEAR caches), one
+  dot for K and one for V. `rest`: the GEAR refs if any, optional aliased starting contents of
+  the outputs, then (out_ref, lse_ref)."""
   out_ref, lse_ref = rest[-2:]
+  gear = GearRefs.take(rest[:-2], has_lowrank, has_outliers)
   block = plan.block_tokens
   key_groups = block // group_size
   split = pl.program_id(2)
@@ -155,7 +161,7 @@ def folded_kernel(
   last_group = tokens // group_size - 1
 
   def body(i, carry):
-    running_max, running_sum, acc, value_bias = carry
+    running_max, running_sum, acc, value_bias, gear_acc = carry
     first = start + i * block
     valid = first + offsets < end  # [block]; masked lanes read no memory
 
@@ -177,6 +183,8 @@ def folded_kernel(
       jnp.where(token_is_in_group, stacked_scores + key_bias[:, :, None], 0.0), axis=0
     )  # [rows, block]
 
+    if gear.present:
+      scores = scores + gear_score_terms(gear, queries_ref, first // block, first, valid)
     scores = jnp.where(valid[None, :], scores, -jnp.inf)
     # Every iterated block has a valid token, so new_max is finite from the first step on.
     new_max = jnp.maximum(running_max, scores.max(axis=1))
@@ -197,18 +205,26 @@ def folded_kernel(
     update = _dot_nn(stacked_probs.reshape(value_groups * rows, block), v_code)
     acc = acc * correction[None, :, None] + update.reshape(value_groups, rows, head_dim)
     value_bias = value_bias * correction[None, :] + bias_update
-    return new_max, running_sum, acc, value_bias
+    if gear.present:
+      gear_acc = gear_acc * correction[:, None] + gear_value_terms(
+        gear, probs, first // block, first, valid, order, compute_dtype
+      )
+    return new_max, running_sum, acc, value_bias, gear_acc
 
   init = (
     jnp.full((rows,), -jnp.inf, jnp.float32),
     jnp.zeros((rows,), jnp.float32),
     jnp.zeros((value_groups, rows, head_dim), jnp.float32),
     jnp.zeros((value_groups, rows), jnp.float32),
+    # GEAR's value terms are [rows, D] per block: their own accumulator, not one per group.
+    jnp.zeros((rows, head_dim) if gear.present else (), jnp.float32),
   )
-  running_max, running_sum, acc, value_bias = jax.lax.fori_loop(0, num_blocks, body, init)
+  running_max, running_sum, acc, value_bias, gear_acc = jax.lax.fori_loop(0, num_blocks, body, init)
   position_group = (order // group_size)[None, None, :]  # value group of each position
   in_group = position_group == jnp.arange(value_groups, dtype=jnp.int32)[:, None, None]
   out = jnp.sum(jnp.where(in_group, acc + value_bias[:, :, None], 0.0), axis=0)  # [rows, D]
+  if gear.present:
+    out = out + gear_acc
   nonempty = running_sum > 0
   safe_sum = jnp.where(nonempty, running_sum, 1.0)
   out_ref[...] = jnp.where(nonempty[:, None], out / safe_sum[:, None], 0.0)

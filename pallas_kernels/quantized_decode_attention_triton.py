@@ -21,7 +21,7 @@ V per block; "joined" has the same one-dot-per-block structure but joins the bit
 `stack` (`joined_fields`: no reshape, so no layout conversion through shared memory; channels
 in a fixed permutation applied to q and undone on the output), keeps each block's key groups as
 a leading axis so their scale rows broadcast in registers, and dequantizes with one FMA per
-element (`float_unpacking`). "folded" (`folded_scales_kernel_triton`, KIVI only) dequantizes
+element (`float_unpacking`). "folded" (`folded_scales_kernel_triton`) dequantizes
 nothing: key scales are folded into one copy of q per key group and value scales into one copy
 of p per value channel group, the copies stacked along the rows of the same two dots, and 2/4-bit
 codes become bf16 operands with two integer ops per pair. "planar" folds the scales too, but
@@ -29,15 +29,11 @@ with one small dot per key group and per value channel group. On H100 "planar" m
 than "reshape" (many small dots and barriers per token); "joined" and "folded" are not yet
 measured on a GPU (their static SASS cost: benchmarks/KERNEL_NOTES.md).
 
-GEAR terms are fused (per GEAR block, so `block_tokens == block`):
-  low rank:  scores += (q B_k[j]) A_k[t]^T ;  acc += (p A_v) B_v[j]^T   (rank-r broadcasts)
-  outliers:  scores += (q gathered at the outlier channels * value) scattered to the outlier
-             tokens;  acc += (p gathered at the outlier tokens * value) scattered to channels,
-             gathers and scatters being dots with one-hot [s, block] / [s, D] matrices.
+GEAR's low-rank and outlier terms are fused in every variant, one GEAR block per step (so
+`block_tokens == block`), by `gear_terms_triton`.
 """
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +60,12 @@ from pallas_kernels.folded_scales_kernel_triton import (
   folded_rows,
   folded_supported,
 )
+from pallas_kernels.gear_terms_triton import (
+  GearRefs,
+  gear_kernel_inputs,
+  gear_score_terms,
+  gear_value_terms,
+)
 from pallas_kernels.joined_fields import (
   channel_orders,
   join_fields,
@@ -74,7 +76,6 @@ from pallas_kernels.splits import (
   SplitPlan,
   is_power_of_two,
   merge_split_partials,
-  next_power_of_two,
   pad_query_group,
   plan_splits,
 )
@@ -178,12 +179,7 @@ def _quantized_decode_block_loop(
 ):
   joined = key_order is not None
   out_ref, lse_ref = rest[-2:]
-  extra = list(rest[:-2])
-  if has_lowrank:
-    k_a_ref, k_b_ref, v_a_ref, v_b_ref = extra[:4]
-    extra = extra[4:]
-  if has_outliers:
-    k_index_ref, k_value_ref, v_index_ref, v_value_ref = extra[:4]
+  gear = GearRefs.take(rest[:-2], has_lowrank, has_outliers)
 
   block = plan.block_tokens
   key_groups = block // group_size  # key quantization groups per block
@@ -197,13 +193,11 @@ def _quantized_decode_block_loop(
   value_group = group_size  # channels per value quantization group
   offsets = jnp.arange(block, dtype=jnp.int32)
   group_offsets = jnp.arange(key_groups, dtype=jnp.int32)
-  key_channels = key_order if joined else jnp.arange(head_dim, dtype=jnp.int32)
-  value_channels = value_order if joined else key_channels
+  value_channels = value_order if joined else jnp.arange(head_dim, dtype=jnp.int32)
   num_fields = 32 // bits
   num_value_groups = head_dim // group_size
   per_group = num_fields // num_value_groups  # bit fields per value channel group (joined)
   last_group = tokens // group_size - 1
-  log2_head_dim = int(math.log2(head_dim))
 
   def body(i, carry):
     running_max, running_sum, acc = carry
@@ -236,23 +230,8 @@ def _quantized_decode_block_loop(
       keys = k_code * _broadcast_rows(k_scale, group_size) + _broadcast_rows(k_min, group_size)
     scores = _dot_nt(queries, keys.astype(compute_dtype))  # [rows, block]
 
-    if has_lowrank or has_outliers:
-      gear_block = first // block  # block_tokens == GEAR block
-    if has_lowrank:
-      queries_f32 = queries.astype(jnp.float32)
-      k_b = k_b_ref[gear_block, key_channels, :].astype(jnp.float32)  # [D, r]
-      k_a = load_token_rows(k_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
-      q_b = jnp.sum(queries_f32[:, :, None] * k_b[None, :, :], axis=1)  # [rows, r]
-      scores = scores + jnp.sum(q_b[:, None, :] * k_a[None, :, :], axis=2)
-    if has_outliers:
-      k_index = k_index_ref[gear_block]  # [s] flat t_local * D + d
-      k_value = k_value_ref[gear_block].astype(jnp.float32)
-      k_channel_hot = jnp.bitwise_and(k_index, head_dim - 1)[:, None] == key_channels[None, :]
-      q_at_outlier = _dot_nt(queries, k_channel_hot.astype(compute_dtype))  # [rows, s]
-      k_token_hot = jnp.right_shift(k_index, log2_head_dim)[:, None] == offsets[None, :]
-      scores = scores + _dot_nn(
-        (q_at_outlier * k_value[None, :]).astype(compute_dtype), k_token_hot.astype(compute_dtype)
-      )
+    if gear.present:  # block_tokens == GEAR block
+      scores = scores + gear_score_terms(gear, queries_ref, first // block, first, valid)
 
     scores = jnp.where(valid[None, :], scores, -jnp.inf)
     # Every iterated block has a valid token, so new_max is finite from the first step on.
@@ -287,19 +266,9 @@ def _quantized_decode_block_loop(
       )
     probs_c = probs.astype(compute_dtype)
     update = _dot_nn(probs_c, values.astype(compute_dtype))  # [rows, D]
-    if has_lowrank:
-      v_a = load_token_rows(v_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
-      v_b = v_b_ref[gear_block, value_channels, :].astype(jnp.float32)  # [D, r]
-      p_a = jnp.sum(probs[:, :, None] * v_a[None, :, :], axis=1)  # [rows, r]
-      update = update + jnp.sum(p_a[:, None, :] * v_b[None, :, :], axis=2)
-    if has_outliers:
-      v_index = v_index_ref[gear_block]
-      v_value = v_value_ref[gear_block].astype(jnp.float32)
-      v_token_hot = jnp.right_shift(v_index, log2_head_dim)[:, None] == offsets[None, :]
-      p_at_outlier = _dot_nt(probs_c, v_token_hot.astype(compute_dtype))  # [rows, s]
-      v_channel_hot = jnp.bitwise_and(v_index, head_dim - 1)[:, None] == value_channels[None, :]
-      update = update + _dot_nn(
-        (p_at_outlier * v_value[None, :]).astype(compute_dtype), v_channel_hot.astype(compute_dtype)
+    if gear.present:
+      update = update + gear_value_terms(
+        gear, probs, first // block, first, valid, value_channels, compute_dtype
       )
     return new_max, running_sum, acc * correction[:, None] + update
 
@@ -344,12 +313,7 @@ def _planar_kernel(
 ):
   """One fori step = `unroll` key groups of `group_size` tokens (see module doc, "planar")."""
   out_ref, lse_ref = rest[-2:]
-  extra = list(rest[:-2])
-  if has_lowrank:
-    k_a_ref, k_b_ref, v_a_ref, v_b_ref = extra[:4]
-    extra = extra[4:]
-  if has_outliers:
-    k_index_ref, k_value_ref, v_index_ref, v_value_ref = extra[:4]
+  gear = GearRefs.take(rest[:-2], has_lowrank, has_outliers)
 
   block = group_size  # tokens per sub-step: one key quantization group (one scale row)
   fields = 32 // bits
@@ -366,7 +330,6 @@ def _planar_kernel(
   key_order = key_order_ref[...]  # [D] int32
   offsets = jnp.arange(block, dtype=jnp.int32)
   last_key_group = tokens // group_size - 1
-  log2_head_dim = int(math.log2(head_dim))
 
   def sub_step(first, carry):
     running_max, running_sum, accs = carry
@@ -382,25 +345,17 @@ def _planar_kernel(
     scores = _dot_nt(scaled_queries, k_code.astype(compute_dtype))  # [rows, block]
     scores = scores + jnp.sum(queries * k_min[None, :], axis=1)[:, None]
 
-    if has_lowrank or has_outliers:
-      gear_index = first // gear_block
+    if gear.present:
+      # unroll tail: stay in bounds
+      gear_index = jnp.minimum(first // gear_block, tokens // gear_block - 1)
       offset_in_gear_block = first - gear_index * gear_block
-      gear_index = jnp.minimum(gear_index, tokens // gear_block - 1)  # unroll tail: stay in bounds
-      offset_in_gear_block = first - gear_index * gear_block
-    if has_lowrank:
-      k_b = k_b_ref[gear_index, key_order, :].astype(jnp.float32)  # [D, r], key order
-      k_a = load_token_rows(k_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
-      q_b = jnp.sum(queries[:, :, None] * k_b[None, :, :], axis=1)  # [rows, r]
-      scores = scores + jnp.sum(q_b[:, None, :] * k_a[None, :, :], axis=2)
-    if has_outliers:
-      k_index = k_index_ref[gear_index, :]  # [s]: t_local * D + d
-      k_value = k_value_ref[gear_index, :].astype(jnp.float32)
-      k_channel_hot = jnp.bitwise_and(k_index, head_dim - 1)[:, None] == key_order[None, :]
-      q_at_outlier = _dot_nt(queries_ref[...], k_channel_hot.astype(compute_dtype))  # [rows, s]
-      k_token = jnp.right_shift(k_index, log2_head_dim) - offset_in_gear_block
-      k_token_hot = k_token[:, None] == offsets[None, :]  # [s, block]
-      scores = scores + _dot_nn(
-        (q_at_outlier * k_value[None, :]).astype(compute_dtype), k_token_hot.astype(compute_dtype)
+      scores = scores + gear_score_terms(
+        gear,
+        queries_ref,
+        gear_index,
+        first,
+        valid,
+        token_shift=offset_in_gear_block,
       )
 
     scores = jnp.where(valid[None, :], scores, -jnp.inf)
@@ -410,21 +365,10 @@ def _planar_kernel(
     correction = jnp.exp(running_max - new_max)
     probs = jnp.exp(scores - new_max[:, None])  # [rows, block]
     running_sum = running_sum * correction + probs.sum(axis=1)
-    probs_c = probs.astype(compute_dtype)
 
     # Values, per channel group c: sum_t (p_t * v_scale[t, c]) codes[t, group c]
     #                               + sum_t p_t * v_min[t, c].
     v_words = load_token_rows(v_codes_ref, first, block, valid)
-    if has_lowrank:
-      v_a = load_token_rows(v_a_ref, first, block, valid).astype(jnp.float32)
-      p_a = jnp.sum(probs[:, :, None] * v_a[None, :, :], axis=1)  # [rows, r]
-    if has_outliers:
-      v_index = v_index_ref[gear_index, :]
-      v_value = v_value_ref[gear_index, :].astype(jnp.float32)
-      v_token = jnp.right_shift(v_index, log2_head_dim) - offset_in_gear_block
-      v_token_hot = (v_token[:, None] == offsets[None, :]).astype(compute_dtype)  # [s, block]
-      weighted = _dot_nt(probs_c, v_token_hot) * v_value[None, :]  # [rows, s]
-      v_channel = jnp.bitwise_and(v_index, head_dim - 1)
     new_accs = []
     for c in range(num_value_groups):
       v_scale, v_min = load_value_group_stats(v_scale_ref, v_min_ref, first, block, c, valid)
@@ -439,14 +383,18 @@ def _planar_kernel(
         (probs * v_scale[None, :]).astype(compute_dtype), v_code.astype(compute_dtype)
       )  # [rows, value_group]
       update = update + jnp.sum(probs * v_min[None, :], axis=1)[:, None]
-      if has_lowrank or has_outliers:
+      if gear.present:  # this group's channels only (recomputing p A_v / p at the outliers)
         group_order = value_order_ref[pl.ds(c * value_group, value_group)]  # [value_group]
-      if has_lowrank:
-        v_b = v_b_ref[gear_index, group_order, :].astype(jnp.float32)  # [value_group, r]
-        update = update + jnp.sum(p_a[:, None, :] * v_b[None, :, :], axis=2)
-      if has_outliers:
-        channel_hot = (v_channel[:, None] == group_order[None, :]).astype(compute_dtype)
-        update = update + _dot_nn(weighted.astype(compute_dtype), channel_hot)
+        update = update + gear_value_terms(
+          gear,
+          probs,
+          gear_index,
+          first,
+          valid,
+          group_order,
+          compute_dtype,
+          token_shift=offset_in_gear_block,
+        )
       new_accs.append(accs[c] * correction[:, None] + update)
     return new_max, running_sum, tuple(new_accs)
 
@@ -468,13 +416,6 @@ def _planar_kernel(
       nonempty[:, None], accs[c] / safe_sum[:, None], 0.0
     )
   lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
-
-
-def _pad_last(array: jax.Array, size: int) -> jax.Array:
-  if array.shape[-1] == size:
-    return array
-  pad = [(0, 0)] * (array.ndim - 1) + [(0, size - array.shape[-1])]
-  return jnp.pad(array, pad)
 
 
 def compute_dtype_for(scale_dtype):
@@ -549,8 +490,8 @@ def quantized_decode_attention_partials_triton(
   variant "reshape" (default, the faster one measured on H100): `block_tokens` (default 128)
   per step, K and V fully dequantized in registers through a broadcast + reshape, one dot each.
   variant "joined": as "reshape" without layout conversions (see the module doc).
-  variant "folded": scales folded into stacked q / p, no per-element dequantization; KIVI
-  segments only (GEAR terms raise here; `quantized_decode_attention_triton` falls back).
+  variant "folded": scales folded into stacked q / p, no per-element dequantization (GEAR:
+  one GEAR block per step, its terms in an accumulator of their own).
   variant "planar": one key group of `group_size` tokens per sub-step, `unroll` sub-steps per
   loop step, scales folded into q / p, bit fields joined without layout conversion, one dot
   per value channel group (slower on H100: see benchmarks/KERNEL_NOTES.md).
@@ -575,14 +516,13 @@ def quantized_decode_attention_partials_triton(
   )
   batch, kv_heads, group, head_dim, tokens = sizes[:5]
   gear = lowrank is not None or outliers is not None
-  if variant == "folded" and gear:
-    raise ValueError("variant='folded' does not fuse GEAR terms; use 'joined' or 'reshape'")
-  if variant == "planar":
-    step_tokens = group_size * unroll
-  elif gear:
-    step_tokens = block  # one GEAR block (one low-rank factor, one outlier list) per step
-  else:
-    step_tokens = block_tokens_for(block_tokens, group_size)
+  step_tokens = tokens_per_step(
+    variant,
+    group_size,
+    block_tokens=block_tokens,
+    gear_block=block if gear else None,
+    unroll=unroll,
+  )
   compute_dtype = compute_dtype_for(k_scale.dtype)
   if variant == "folded":
     if not folded_supported(head_dim, bits, group_size, step_tokens):
@@ -598,40 +538,32 @@ def quantized_decode_attention_partials_triton(
   plan = plan_splits(tokens, step_tokens, batch * kv_heads, num_splits, target_programs)
   scaled_queries = queries.astype(jnp.float32) * sm_scale
   prefix = []
+  key_order = np.arange(head_dim, dtype=np.int32)
   if variant == "folded":
-    order = folded_channel_order(head_dim, bits, compute_dtype)
-    scaled_queries = scaled_queries[..., order]
-    prefix = [jnp.asarray(order)]
+    key_order = folded_channel_order(head_dim, bits, compute_dtype)
+    prefix = [jnp.asarray(key_order)]
   elif variant != "reshape":
     key_order = channel_orders(head_dim, bits, group_size)[0]
     value_order = output_channel_order(head_dim, bits, group_size, variant, compute_dtype)
-    scaled_queries = scaled_queries[..., key_order]  # the kernel's key channel order
     prefix = [jnp.asarray(key_order), jnp.asarray(value_order)]
+  natural_queries = pad_query_group(scaled_queries, rows, jnp.float32)
+  scaled_queries = scaled_queries[..., key_order]  # the kernel's key channel order
   scaled_queries = pad_query_group(scaled_queries, rows, compute_dtype)
 
   def row_spec(array):  # this (row, KV head)'s whole slab; the kernel slices blocks itself
     trailing = array.shape[2:]
     return pl.BlockSpec((None, None) + trailing, lambda b, h, s: (b, h) + (0,) * len(trailing))
 
+  def whole_spec(array):  # the same small array for every program
+    return pl.BlockSpec(array.shape, lambda b, h, s: (0,) * array.ndim)
+
   args = [scaled_queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min]
-  if lowrank is not None:
-    # Triton tensors need power-of-two sizes: zero-pad the rank (copies only if needed).
-    rank = next_power_of_two(sizes.rank)
-    args += [_pad_last(x, rank) for x in lowrank]
-  if outliers is not None:
-    # Zero-valued padding entries (index 0) add nothing; the one-hot dots need s >= 16.
-    count = max(16, next_power_of_two(sizes.outliers_per_block))
-    k_index, k_value, v_index, v_value = outliers
-    args += [
-      _pad_last(k_index.astype(jnp.int32), count),
-      _pad_last(k_value, count),
-      _pad_last(v_index.astype(jnp.int32), count),
-      _pad_last(v_value, count),
-    ]
+  args += gear_kernel_inputs(lowrank, outliers, natural_queries, key_order, sizes)
   in_specs = (
     [pl.BlockSpec((None,), lambda b, h, s: (b,))]
-    + [pl.BlockSpec((head_dim,), lambda b, h, s: (0,)) for _ in prefix]
-    + [row_spec(x) for x in args]
+    + [whole_spec(x) for x in prefix]
+    # [B, H, ...] slabs per program; the [D] channel positions (GEAR outliers) shared by all.
+    + [row_spec(x) if x.ndim > 2 else whole_spec(x) for x in args]
   )
   args = [lengths.astype(jnp.int32)] + prefix + args
   out_specs = [
@@ -647,33 +579,20 @@ def quantized_decode_attention_partials_triton(
     in_specs += out_specs
     aliases = {len(args): 0, len(args) + 1: 1}
     args += list(initial_partials)
+  common = dict(
+    plan=plan,
+    tokens=tokens,
+    bits=bits,
+    group_size=group_size,
+    has_lowrank=lowrank is not None,
+    has_outliers=outliers is not None,
+  )
   if variant == "folded":
-    kernel = functools.partial(
-      folded_kernel, plan=plan, tokens=tokens, bits=bits, group_size=group_size
-    )
+    kernel = functools.partial(folded_kernel, **common)
   elif variant == "planar":
-    kernel = functools.partial(
-      _planar_kernel,
-      plan=plan,
-      tokens=tokens,
-      bits=bits,
-      group_size=group_size,
-      unroll=unroll,
-      gear_block=block,
-      has_lowrank=lowrank is not None,
-      has_outliers=outliers is not None,
-    )
+    kernel = functools.partial(_planar_kernel, unroll=unroll, gear_block=block, **common)
   else:
-    kernel = functools.partial(
-      _quantized_decode_kernel,
-      plan=plan,
-      tokens=tokens,
-      bits=bits,
-      group_size=group_size,
-      has_lowrank=lowrank is not None,
-      has_outliers=outliers is not None,
-      joined=variant == "joined",
-    )
+    kernel = functools.partial(_quantized_decode_kernel, joined=variant == "joined", **common)
   return pl.pallas_call(
     kernel,
     grid=(batch, kv_heads, plan.num_splits),
@@ -688,17 +607,44 @@ def quantized_decode_attention_partials_triton(
 
 
 def partial_rows(
-  group: int, head_dim: int, group_size: int, variant: str, block_tokens: int | None = None
+  group: int,
+  head_dim: int,
+  group_size: int,
+  variant: str,
+  block_tokens: int | None = None,
+  gear_block: int | None = None,
 ) -> int:
-  """Query rows of the partial outputs of `quantized_decode_attention_partials_triton`."""
+  """Query rows of the partial outputs of `quantized_decode_attention_partials_triton`
+  (`gear_block`: the GEAR block of a GEAR cache, None for KIVI)."""
   if variant == "folded":
-    return folded_rows(group, block_tokens_for(block_tokens, group_size), head_dim, group_size)
+    step = tokens_per_step(variant, group_size, block_tokens=block_tokens, gear_block=gear_block)
+    return folded_rows(group, step, head_dim, group_size)
   return tile_rows(group)
 
 
-def block_tokens_for(block_tokens: int | None, group_size: int) -> int:
-  """Tokens per step of the "reshape" / "joined" / "folded" kernels (whole key groups)."""
-  return max(block_tokens or max(128, group_size), group_size)
+def tokens_per_step(
+  variant: str,
+  group_size: int,
+  *,
+  block_tokens: int | None = None,
+  gear_block: int | None = None,
+  unroll: int = 2,
+) -> int:
+  """Tokens per loop step: `unroll` key groups for "planar"; otherwise one GEAR block (one
+  low-rank factor, one outlier list) for GEAR caches (`block_tokens` does not apply), else
+  `block_tokens` (default max(128, group_size)): a power of two, whole key groups."""
+  if variant == "planar":
+    return group_size * unroll
+  if gear_block is not None:
+    return gear_block
+  if block_tokens is None:
+    return max(128, group_size)
+  if not is_power_of_two(block_tokens) or block_tokens % group_size:
+    raise ValueError(
+      f"block_tokens={block_tokens!r} must be a power of two and a multiple of "
+      f"group_size={group_size}"
+    )
+  return block_tokens
 
 
 def planar_supported(head_dim: int, bits: int, group_size: int) -> bool:
@@ -733,18 +679,17 @@ def quantized_decode_attention_triton(
   """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the reference.
 
   Variants "planar" / "joined" fall back to "reshape" where `planar_supported` /
-  `joined_supported` is False; "folded" falls back to "joined" (then "reshape") for GEAR caches
-  and where `folded_supported` is False or the query group exceeds `FOLDED_MAX_GROUP` (its
+  `joined_supported` is False; "folded" falls back to "joined" (then "reshape") where
+  `folded_supported` is False or the query group exceeds `FOLDED_MAX_GROUP` (its
   stacked accumulator holds value_groups x rows x D floats: 64 registers per thread at 8 rows).
   """
   head_dim = queries.shape[3]
+  gear_block = block if lowrank is not None or outliers is not None else None
+  step = tokens_per_step(
+    "folded", group_size, block_tokens=config.get("block_tokens"), gear_block=gear_block
+  )
   if variant == "folded" and (
-    lowrank is not None
-    or outliers is not None
-    or queries.shape[2] > FOLDED_MAX_GROUP
-    or not folded_supported(
-      head_dim, bits, group_size, block_tokens_for(config.get("block_tokens"), group_size)
-    )
+    queries.shape[2] > FOLDED_MAX_GROUP or not folded_supported(head_dim, bits, group_size, step)
   ):
     variant = "joined"
   if (variant == "planar" and not planar_supported(head_dim, bits, group_size)) or (

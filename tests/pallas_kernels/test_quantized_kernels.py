@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import decode_attention_tpu
+from pallas_kernels import decode_attention_tpu, gear_terms_triton
 from pallas_kernels import quantized_decode_attention_tpu as tpu_kernel
 from pallas_kernels import quantized_decode_attention_triton as triton_kernel
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
@@ -27,9 +27,10 @@ from tests.pallas_kernels.kernel_checks import (
 )
 
 TOKENS, GROUP_SIZE, BATCH, KV_HEADS, SPLITS = 256, 32, 3, 2, 2
+GEAR_BLOCK = 64  # the default `block` of the kernels and of `random_quantized_segment`
 
 
-def _case(seed, bits, head_dim, group, gear, dtype):
+def _case(seed, bits, head_dim, group, gear, dtype, outliers_per_block=20):
   rng = np.random.default_rng(seed)
   queries = random_queries(rng, BATCH, KV_HEADS, group, head_dim)
   segment = random_quantized_segment(
@@ -42,7 +43,7 @@ def _case(seed, bits, head_dim, group, gear, dtype):
     group_size=GROUP_SIZE,
     dtype=dtype,
     rank=3 if gear else 0,
-    outliers_per_block=20 if gear else 0,
+    outliers_per_block=outliers_per_block if gear else 0,
   )
   # A full row, a row ending mid-group, an empty row.
   lengths = jnp.asarray([TOKENS, int(rng.integers(1, TOKENS)) | 1, 0], jnp.int32)
@@ -64,15 +65,26 @@ def _poison(rows, head_dim):
   )
 
 
-def _check_triton(bits, head_dim, group, gear, dtype, variant, seed, **config):
-  queries, segment, lengths, kwargs, reference = _case(seed, bits, head_dim, group, gear, dtype)
+def _check_triton(
+  bits, head_dim, group, gear, dtype, variant, seed, outliers_per_block=20, **config
+):
+  queries, segment, lengths, kwargs, reference = _case(
+    seed, bits, head_dim, group, gear, dtype, outliers_per_block
+  )
   interpret = triton_interpret()
   out_p, lse_p = triton_kernel.quantized_decode_attention_partials_triton(
     queries,
     *segment[:6],
     lengths,
     _poison(
-      triton_kernel.partial_rows(group, head_dim, GROUP_SIZE, variant, config.get("block_tokens")),
+      triton_kernel.partial_rows(
+        group,
+        head_dim,
+        GROUP_SIZE,
+        variant,
+        config.get("block_tokens"),
+        gear_block=GEAR_BLOCK if gear else None,
+      ),
       head_dim,
     ),
     num_splits=SPLITS,
@@ -162,25 +174,34 @@ def test_triton_joined_kernel_matches_reference(bits, head_dim, group, gear, dty
 
 
 @pytest.mark.parametrize(
-  "bits,head_dim,group,dtype,block_tokens",
+  "bits,head_dim,group,gear,dtype,block_tokens",
   [
-    (2, 128, 4, jnp.bfloat16, 128),
-    (4, 64, 1, jnp.bfloat16, 64),
-    (8, 128, 8, jnp.bfloat16, 128),
-    (2, 64, 3, jnp.float32, 64),
+    (2, 128, 4, False, jnp.bfloat16, 128),
+    (4, 64, 1, False, jnp.bfloat16, 64),
+    (8, 128, 8, False, jnp.bfloat16, 128),
+    (2, 64, 3, False, jnp.float32, 64),
+    (2, 128, 4, True, jnp.bfloat16, None),  # GEAR: one GEAR block (64 tokens) per step
+    (4, 64, 2, True, jnp.float32, None),
   ],
 )
-def test_triton_folded_kernel_matches_reference(bits, head_dim, group, dtype, block_tokens):
+def test_triton_folded_kernel_matches_reference(bits, head_dim, group, gear, dtype, block_tokens):
   _check_triton(
     bits,
     head_dim,
     group,
-    False,
+    gear,
     dtype,
     "folded",
     seed=bits * head_dim + group + 2,
     block_tokens=block_tokens,
   )
+
+
+@pytest.mark.parametrize("variant", ["reshape", "joined", "folded", "planar"])
+def test_gear_outliers_in_several_one_hot_chunks(variant):
+  """164 outliers per GEAR block (GEAR's 2% of 64 x 128) are taken in 3 chunks of 64."""
+  assert gear_terms_triton.padded_outlier_count(164) == 192
+  _check_triton(2, 128, 4, True, jnp.bfloat16, variant, seed=11, outliers_per_block=164)
 
 
 def test_folded_cancels_the_code_offset_exactly():
@@ -207,16 +228,7 @@ def test_folded_cancels_the_code_offset_exactly():
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=2e-2, atol=2e-3)
 
 
-def test_folded_falls_back_for_gear_and_wide_groups_and_rejects_gear_in_the_partials():
-  queries, segment, lengths, kwargs, reference = _case(5, 2, 64, 2, True, jnp.bfloat16)
-  out, lse = triton_kernel.quantized_decode_attention_triton(
-    queries, *segment[:6], lengths, variant="folded", interpret=triton_interpret(), **kwargs
-  )  # GEAR terms: runs as "joined"
-  assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.bfloat16, True))
-  with pytest.raises(ValueError, match="folded"):
-    triton_kernel.quantized_decode_attention_partials_triton(
-      queries, *segment[:6], lengths, variant="folded", interpret=True, **kwargs
-    )
+def test_folded_falls_back_for_wide_groups_and_every_variant_rejects_a_bad_block():
   wide_group = _case(6, 2, 64, 16, False, jnp.bfloat16)  # 16 query heads per KV head
   queries, segment, lengths, kwargs, reference = wide_group
   out, lse = triton_kernel.quantized_decode_attention_triton(
@@ -226,6 +238,13 @@ def test_folded_falls_back_for_gear_and_wide_groups_and_rejects_gear_in_the_part
   assert not triton_kernel.folded_supported(128, 2, 32, block_tokens=48)
   assert not triton_kernel.folded_supported(256, 8, 32, block_tokens=128)
   assert triton_kernel.folded_supported(128, 2, 32, block_tokens=128)
+  queries, segment, lengths, kwargs, _ = _case(8, 2, 64, 2, False, jnp.bfloat16)
+  for variant in ("folded", "joined", "reshape"):
+    for block_tokens in (48, 16):  # not a power of two; less than one key group of 32
+      with pytest.raises(ValueError, match=f"block_tokens={block_tokens} must be a power of two"):
+        triton_kernel.quantized_decode_attention_triton(
+          queries, *segment[:6], lengths, variant=variant, block_tokens=block_tokens, **kwargs
+        )
 
 
 def test_joined_falls_back_where_a_value_group_splits_a_bit_field():
@@ -255,7 +274,6 @@ def test_channel_orders_are_permutations():
     (variant, first_block, *shape)
     for variant, first_block in (("reshape", 128), ("joined", 64), ("folded", 128))
     for shape in itertools.product((2, 4, 8), (64, 128), (1, 2, 4, 8), (False, True))
-    if not (variant == "folded" and shape[3])  # folded does not fuse GEAR terms
   ],
 )
 def test_triton_kernel_grid(variant, first_block, bits, head_dim, group, gear):
