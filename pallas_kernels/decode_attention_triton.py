@@ -59,6 +59,15 @@ def _dot_nn(a, b):
   return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def split_block_range(plan: SplitPlan, length, tokens: int):
+  """(start, end, blocks) of this program's split (grid axis 2): its valid tokens are
+  start .. end - 1 (end clipped to the row's `length` and the capacity), walked in
+  ceil((end - start) / plan.block_tokens) blocks; zero blocks past the row's length."""
+  start = pl.program_id(2) * plan.split_tokens
+  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, length), tokens)
+  return start, end, (jnp.maximum(end - start, 0) + plan.block_tokens - 1) // plan.block_tokens
+
+
 def _decode_kernel(
   lengths_ref,  # int32 [] (this row's length)
   queries_ref,  # [rows, D], pre-scaled by sm_scale, cache dtype
@@ -70,10 +79,7 @@ def _decode_kernel(
 ):
   out_ref, lse_ref = rest[-2:]
   block = plan.block_tokens
-  split = pl.program_id(2)
-  start = split * plan.split_tokens
-  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_ref[()]), tokens)
-  num_blocks = (jnp.maximum(end - start, 0) + block - 1) // block
+  start, end, num_blocks = split_block_range(plan, lengths_ref[()], tokens)
   queries = queries_ref[...]
   rows, head_dim = queries.shape
   offsets = jnp.arange(block, dtype=jnp.int32)

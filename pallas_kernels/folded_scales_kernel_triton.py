@@ -32,9 +32,13 @@ are added to the scores and, being [rows, D] per block, to an accumulator of the
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
 
-from pallas_kernels.decode_attention_triton import _dot_nn, _dot_nt, load_token_rows
+from pallas_kernels.decode_attention_triton import (
+  _dot_nn,
+  _dot_nt,
+  load_token_rows,
+  split_block_range,
+)
 from pallas_kernels.float_unpacking import MAGIC_2_23
 from pallas_kernels.gear_terms_triton import GearRefs, gear_score_terms, gear_value_terms
 from pallas_kernels.joined_fields import join_fields
@@ -145,10 +149,7 @@ def folded_kernel(
   gear = GearRefs.take(rest[:-2], has_lowrank, has_outliers)
   block = plan.block_tokens
   key_groups = block // group_size
-  split = pl.program_id(2)
-  start = split * plan.split_tokens
-  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_ref[()]), tokens)
-  num_blocks = (jnp.maximum(end - start, 0) + block - 1) // block
+  start, end, num_blocks = split_block_range(plan, lengths_ref[()], tokens)
   queries = queries_ref[...].astype(jnp.float32)  # [rows, D] folded order, pre-scaled
   compute_dtype = queries_ref.dtype
   rows, head_dim = queries.shape

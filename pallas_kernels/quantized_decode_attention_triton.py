@@ -47,6 +47,7 @@ from pallas_kernels.decode_attention_triton import (
   _dot_nn,
   _dot_nt,
   load_token_rows,
+  split_block_range,
   tile_rows,
 )
 from pallas_kernels.float_unpacking import (
@@ -183,10 +184,7 @@ def _quantized_decode_block_loop(
 
   block = plan.block_tokens
   key_groups = block // group_size  # key quantization groups per block
-  split = pl.program_id(2)
-  start = split * plan.split_tokens
-  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_ref[()]), tokens)
-  num_blocks = (jnp.maximum(end - start, 0) + block - 1) // block
+  start, end, num_blocks = split_block_range(plan, lengths_ref[()], tokens)
   queries = queries_ref[...]  # [rows, D] compute dtype, pre-scaled
   compute_dtype = queries.dtype
   rows, head_dim = queries.shape
@@ -317,10 +315,7 @@ def _planar_kernel(
 
   block = group_size  # tokens per sub-step: one key quantization group (one scale row)
   fields = 32 // bits
-  split = pl.program_id(2)
-  start = split * plan.split_tokens
-  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_ref[()]), tokens)
-  num_steps = (jnp.maximum(end - start, 0) + plan.block_tokens - 1) // plan.block_tokens
+  start, end, num_steps = split_block_range(plan, lengths_ref[()], tokens)
   queries = queries_ref[...].astype(jnp.float32)  # [rows, D], key channel order, pre-scaled
   rows, head_dim = queries.shape
   compute_dtype = queries_ref.dtype
