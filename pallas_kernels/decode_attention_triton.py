@@ -68,6 +68,24 @@ def split_block_range(plan: SplitPlan, length, tokens: int):
   return start, end, (jnp.maximum(end - start, 0) + plan.block_tokens - 1) // plan.block_tokens
 
 
+def store_split_partials(out_ref, lse_ref, running_max, running_sum, *accs):
+  """Writes a split's partials from its online-softmax state: out = acc / sum (the `accs` are
+  consecutive column blocks of out_ref [rows, D], one unless a kernel keeps its accumulator in
+  channel groups) and lse = max + log(sum). A row with no valid token in this split writes
+  out 0 and lse -inf, so it drops out of `merge_split_partials`."""
+  nonempty = running_sum > 0
+  safe_sum = jnp.where(nonempty, running_sum, 1.0)
+  if len(accs) == 1:
+    out_ref[...] = jnp.where(nonempty[:, None], accs[0] / safe_sum[:, None], 0.0)
+  else:
+    column = 0
+    for acc in accs:
+      width = acc.shape[1]
+      out_ref[:, pl.ds(column, width)] = jnp.where(nonempty[:, None], acc / safe_sum[:, None], 0.0)
+      column += width
+  lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+
+
 def _decode_kernel(
   lengths_ref,  # int32 [] (this row's length)
   queries_ref,  # [rows, D], pre-scaled by sm_scale, cache dtype
@@ -105,10 +123,7 @@ def _decode_kernel(
     jnp.zeros((rows, head_dim), jnp.float32),
   )
   running_max, running_sum, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-  nonempty = running_sum > 0
-  safe_sum = jnp.where(nonempty, running_sum, 1.0)
-  out_ref[...] = jnp.where(nonempty[:, None], acc / safe_sum[:, None], 0.0)
-  lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+  store_split_partials(out_ref, lse_ref, running_max, running_sum, acc)
 
 
 @functools.partial(

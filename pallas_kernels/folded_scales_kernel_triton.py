@@ -38,6 +38,7 @@ from pallas_kernels.decode_attention_triton import (
   _dot_nt,
   load_token_rows,
   split_block_range,
+  store_split_partials,
 )
 from pallas_kernels.float_unpacking import MAGIC_2_23
 from pallas_kernels.gear_terms_triton import GearRefs, gear_score_terms, gear_value_terms
@@ -226,7 +227,4 @@ def folded_kernel(
   out = jnp.sum(jnp.where(in_group, acc + value_bias[:, :, None], 0.0), axis=0)  # [rows, D]
   if gear.present:
     out = out + gear_acc
-  nonempty = running_sum > 0
-  safe_sum = jnp.where(nonempty, running_sum, 1.0)
-  out_ref[...] = jnp.where(nonempty[:, None], out / safe_sum[:, None], 0.0)
-  lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+  store_split_partials(out_ref, lse_ref, running_max, running_sum, out)

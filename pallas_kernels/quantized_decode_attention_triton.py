@@ -48,6 +48,7 @@ from pallas_kernels.decode_attention_triton import (
   _dot_nt,
   load_token_rows,
   split_block_range,
+  store_split_partials,
   tile_rows,
 )
 from pallas_kernels.float_unpacking import (
@@ -276,10 +277,7 @@ def _quantized_decode_block_loop(
     jnp.zeros((rows, head_dim), jnp.float32),
   )
   running_max, running_sum, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-  nonempty = running_sum > 0
-  safe_sum = jnp.where(nonempty, running_sum, 1.0)
-  out_ref[...] = jnp.where(nonempty[:, None], acc / safe_sum[:, None], 0.0)
-  lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+  store_split_partials(out_ref, lse_ref, running_max, running_sum, acc)
 
 
 def _unpack_field(words, bits, field):
@@ -404,13 +402,7 @@ def _planar_kernel(
     tuple(jnp.zeros((rows, value_group), jnp.float32) for _ in range(num_value_groups)),
   )
   running_max, running_sum, accs = jax.lax.fori_loop(0, num_steps, body, init)
-  nonempty = running_sum > 0
-  safe_sum = jnp.where(nonempty, running_sum, 1.0)
-  for c in range(num_value_groups):
-    out_ref[:, pl.ds(c * value_group, value_group)] = jnp.where(
-      nonempty[:, None], accs[c] / safe_sum[:, None], 0.0
-    )
-  lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+  store_split_partials(out_ref, lse_ref, running_max, running_sum, *accs)
 
 
 def compute_dtype_for(scale_dtype):
