@@ -513,7 +513,7 @@ def run(args) -> dict:
           lowrank=segment.lowrank,
           outliers=segment.outliers,
           implementation=path,
-          kernel_config=kernel_config if path != "reference" else None,
+          kernel_config=kernel_config,  # unused on the reference path
         )
 
       nbytes = quantized_bytes(segment, lengths, tokens)

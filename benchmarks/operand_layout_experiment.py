@@ -99,7 +99,7 @@ def static_cost(name: str, make_kernel, block_tokens: int, workdir: str) -> dict
   )
   sass, resources, ttgir = compile_sm90(ttir, num_warps=4, num_stages=3, workdir=workdir, name=name)
   cost = loop_cost(name, sass, resources, ttgir, tokens_per_iteration=block_tokens, warps=4)
-  per_key_element = cost.instructions * 32 * cost.warps / (block_tokens * HEAD_DIM)
+  per_key_element = 2 * cost.per_element(HEAD_DIM)  # per_element counts K and V; keys only here
   wavefronts_per_128_tokens = cost.wavefronts * 128 / block_tokens
   return {
     **asdict(cost),

@@ -68,6 +68,19 @@ def split_block_range(plan: SplitPlan, length, tokens: int):
   return start, end, (jnp.maximum(end - start, 0) + plan.block_tokens - 1) // plan.block_tokens
 
 
+def online_softmax_step(running_max, running_sum, scores, valid):
+  """One block of the online softmax over scores [rows, block]; tokens where `valid` [block] is
+  False get probability 0. Returns (new_max, new_sum, correction, probs): the caller rescales
+  its accumulators by `correction` [rows] and adds its probs-weighted values. The first block of
+  a split always holds a valid token, so new_max is finite from then on (no nan from
+  -inf - -inf), even for a later block with none (planar's unroll tail)."""
+  scores = jnp.where(valid[None, :], scores, -jnp.inf)
+  new_max = jnp.maximum(running_max, scores.max(axis=1))
+  correction = jnp.exp(running_max - new_max)
+  probs = jnp.exp(scores - new_max[:, None])
+  return new_max, running_sum * correction + probs.sum(axis=1), correction, probs
+
+
 def store_split_partials(out_ref, lse_ref, running_max, running_sum, *accs):
   """Writes a split's partials from its online-softmax state: out = acc / sum (the `accs` are
   consecutive column blocks of out_ref [rows, D], one unless a kernel keeps its accumulator in
@@ -108,14 +121,12 @@ def _decode_kernel(
     valid = first + offsets < end  # [block]; masked lanes read no memory
     keys = load_token_rows(keys_ref, first, block, valid)
     scores = _dot_nt(queries, keys)  # [rows, block]
-    scores = jnp.where(valid[None, :], scores, -jnp.inf)
-    # Every iterated block has a valid token, so new_max is finite from the first step on.
-    new_max = jnp.maximum(running_max, scores.max(axis=1))
-    correction = jnp.exp(running_max - new_max)
-    probs = jnp.exp(scores - new_max[:, None])
+    running_max, running_sum, correction, probs = online_softmax_step(
+      running_max, running_sum, scores, valid
+    )
     values = load_token_rows(values_ref, first, block, valid)
     acc = acc * correction[:, None] + _dot_nn(probs.astype(values.dtype), values)
-    return new_max, running_sum * correction + probs.sum(axis=1), acc
+    return running_max, running_sum, acc
 
   init = (
     jnp.full((rows,), -jnp.inf, jnp.float32),

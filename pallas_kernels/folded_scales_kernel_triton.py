@@ -37,6 +37,7 @@ from pallas_kernels.decode_attention_triton import (
   _dot_nn,
   _dot_nt,
   load_token_rows,
+  online_softmax_step,
   split_block_range,
   store_split_partials,
 )
@@ -187,12 +188,9 @@ def folded_kernel(
 
     if gear.present:
       scores = scores + gear_score_terms(gear, queries_ref, first // block, first, valid)
-    scores = jnp.where(valid[None, :], scores, -jnp.inf)
-    # Every iterated block has a valid token, so new_max is finite from the first step on.
-    new_max = jnp.maximum(running_max, scores.max(axis=1))
-    correction = jnp.exp(running_max - new_max)
-    probs = jnp.exp(scores - new_max[:, None])  # [rows, block]
-    running_sum = running_sum * correction + probs.sum(axis=1)
+    running_max, running_sum, correction, probs = online_softmax_step(
+      running_max, running_sum, scores, valid
+    )  # probs [rows, block]
 
     v_words = load_token_rows(v_codes_ref, first, block, valid)
     v_code = unpack_codes_for_dot(v_words, bits, compute_dtype)  # [block, D]
@@ -211,7 +209,7 @@ def folded_kernel(
       gear_acc = gear_acc * correction[:, None] + gear_value_terms(
         gear, probs, first // block, first, valid, order, compute_dtype
       )
-    return new_max, running_sum, acc, value_bias, gear_acc
+    return running_max, running_sum, acc, value_bias, gear_acc
 
   init = (
     jnp.full((rows,), -jnp.inf, jnp.float32),

@@ -47,6 +47,7 @@ from pallas_kernels.decode_attention_triton import (
   _dot_nn,
   _dot_nt,
   load_token_rows,
+  online_softmax_step,
   split_block_range,
   store_split_partials,
   tile_rows,
@@ -232,12 +233,9 @@ def _quantized_decode_block_loop(
     if gear.present:  # block_tokens == GEAR block
       scores = scores + gear_score_terms(gear, queries_ref, first // block, first, valid)
 
-    scores = jnp.where(valid[None, :], scores, -jnp.inf)
-    # Every iterated block has a valid token, so new_max is finite from the first step on.
-    new_max = jnp.maximum(running_max, scores.max(axis=1))
-    correction = jnp.exp(running_max - new_max)
-    probs = jnp.exp(scores - new_max[:, None])  # [rows, block]
-    running_sum = running_sum * correction + probs.sum(axis=1)
+    running_max, running_sum, correction, probs = online_softmax_step(
+      running_max, running_sum, scores, valid
+    )  # probs [rows, block]
 
     # Values: V[t, d] = code * v_scale[t, d // G] + v_min[t, d // G].
     v_words = load_token_rows(v_codes_ref, first, block, valid)
@@ -269,7 +267,7 @@ def _quantized_decode_block_loop(
       update = update + gear_value_terms(
         gear, probs, first // block, first, valid, value_channels, compute_dtype
       )
-    return new_max, running_sum, acc * correction[:, None] + update
+    return running_max, running_sum, acc * correction[:, None] + update
 
   init = (
     jnp.full((rows,), -jnp.inf, jnp.float32),
@@ -351,13 +349,9 @@ def _planar_kernel(
         token_shift=offset_in_gear_block,
       )
 
-    scores = jnp.where(valid[None, :], scores, -jnp.inf)
-    new_max = jnp.maximum(running_max, scores.max(axis=1))
-    # A sub-step past `end` (unroll tail) keeps max -inf only if nothing came before, which
-    # cannot happen: the first sub-step of the first step always has a valid token.
-    correction = jnp.exp(running_max - new_max)
-    probs = jnp.exp(scores - new_max[:, None])  # [rows, block]
-    running_sum = running_sum * correction + probs.sum(axis=1)
+    running_max, running_sum, correction, probs = online_softmax_step(
+      running_max, running_sum, scores, valid
+    )  # probs [rows, block]
 
     # Values, per channel group c: sum_t (p_t * v_scale[t, c]) codes[t, group c]
     #                               + sum_t p_t * v_min[t, c].
@@ -389,7 +383,7 @@ def _planar_kernel(
           token_shift=offset_in_gear_block,
         )
       new_accs.append(accs[c] * correction[:, None] + update)
-    return new_max, running_sum, tuple(new_accs)
+    return running_max, running_sum, tuple(new_accs)
 
   def body(i, carry):
     for u in range(unroll):
