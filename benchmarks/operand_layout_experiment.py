@@ -71,7 +71,9 @@ def token_packed_kernel(block_tokens: int):
       for k in range(FIELDS):
         field = jnp.right_shift(words, jnp.uint32(2 * k)) if k else words
         biased = (field & jnp.uint32(3)) | jnp.uint32(BF16_128)  # bf16 bits of 128 + code
+        # The code itself, as folded's unpack gives it (both cases feed the dot the same numbers).
         keys = jax.lax.bitcast_convert_type(biased.astype(jnp.uint16), jnp.bfloat16)
+        keys = keys - jnp.bfloat16(128.0)
         total = total + _exp_score_sum(queries, keys)
       return total
 

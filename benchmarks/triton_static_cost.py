@@ -6,8 +6,9 @@ compiles that IR for sm_90 (H100/H200) with the `triton` package's own pass pipe
 disassembles the cubin, and reads off the kernel's main loop (the longest backward branch):
 
   - warp instructions per loop iteration, by opcode, and per cached element;
-  - shared-memory wavefronts per iteration (LDS/STS by width, ldmatrix/stmatrix by count,
-    assuming no bank conflicts) and CTA barriers;
+  - shared-memory wavefronts per iteration (LDS/STS by width, ldmatrix/stmatrix by count, the
+    operand tiles a warpgroup MMA reads from shared memory once per warpgroup; assuming no bank
+    conflicts) and CTA barriers;
   - registers per thread, shared memory per program, layout conversions left in the TTGIR;
   - two floors for the benchmark shape: instruction issue (4 schedulers x 1 warp instruction per
     clock per SM) and shared-memory bandwidth (1 wavefront per clock per SM).
@@ -38,12 +39,35 @@ H100_SMS = 132
 H100_CLOCK_HZ = 1.755e9  # sustained SM clock under load (the KERNEL_NOTES arithmetic)
 SCHEDULERS_PER_SM = 4
 
-SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+SASS_LINE = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 
 
-def shared_memory_wavefronts(opcode: str) -> int:
+WGMMA_SHAPE = re.compile(r"^HGMMA\.(\d+)x(\d+)x(\d+)\.")
+WGMMA_OPERAND_BYTES = {"BF16": 2, "F16": 2, "TF32": 4, "E4M3": 1, "E5M2": 1}
+WARPS_PER_WARPGROUP = 4
+
+
+def wgmma_shared_wavefronts(opcode: str, operands: str) -> float:
+  """One warp's share of the shared memory a warpgroup MMA reads through its descriptors
+  (`gdesc`): B [K, N] always, A [M, K] when it is not in registers. The four warps of the
+  warpgroup each issue the instruction; the tile is read once."""
+  shape = WGMMA_SHAPE.match(opcode)
+  if not shape:
+    return 0.0
+  m, n, k = (int(size) for size in shape.groups())
+  element = WGMMA_OPERAND_BYTES[opcode.rsplit(".", 1)[1]]  # HGMMA.MxNxK.<accumulator>.<operands>
+  sources = [field.strip() for field in operands.split(",")][1:3]  # A, B after the destination
+  tile_bytes = sum(
+    rows * k * element for rows, source in zip((m, n), sources) if source.startswith("gdesc")
+  )
+  return tile_bytes / 128 / WARPS_PER_WARPGROUP
+
+
+def shared_memory_wavefronts(opcode: str, operands: str = "") -> float:
   """Wavefronts one warp instruction costs the shared-memory pipe (conflict-free)."""
   base = opcode.split(".")[0]
+  if base == "HGMMA":
+    return wgmma_shared_wavefronts(opcode, operands)
   if base in ("LDSM", "STSM"):
     count = re.search(r"\.(\d)$", opcode)
     return int(count.group(1)) if count else 1
@@ -68,6 +92,11 @@ def parse_sass(text: str) -> list[tuple[int, str, str]]:
 
 def main_loop(instructions) -> list[str]:
   """Opcodes of the longest backward-branch region (the kernel's main loop)."""
+  return [opcode for opcode, _ in main_loop_instructions(instructions)]
+
+
+def main_loop_instructions(instructions) -> list[tuple[str, str]]:
+  """(opcode, operands) of the longest backward-branch region (the kernel's main loop)."""
   loops = []
   for address, opcode, operands in instructions:
     if opcode.startswith("BRA"):
@@ -77,7 +106,9 @@ def main_loop(instructions) -> list[str]:
   if not loops:
     raise ValueError("no backward branch in the SASS: the kernel has no loop")
   low, high = max(loops, key=lambda loop: loop[1] - loop[0])
-  return [opcode for address, opcode, _ in instructions if low <= address <= high]
+  return [
+    (opcode, operands) for address, opcode, operands in instructions if low <= address <= high
+  ]
 
 
 @dataclass
@@ -87,7 +118,7 @@ class LoopCost:
   shared_bytes: int
   layout_conversions: int
   instructions: int  # warp instructions per loop iteration, per warp
-  wavefronts: int  # shared-memory wavefronts per iteration, per warp
+  wavefronts: float  # shared-memory wavefronts per iteration, per warp
   barriers: int
   mma: int
   tokens_per_iteration: int
@@ -111,7 +142,8 @@ class LoopCost:
 
 
 def loop_cost(name, sass: str, resources: str, ttgir: str, *, tokens_per_iteration, warps):
-  body = main_loop(parse_sass(sass))
+  body_instructions = main_loop_instructions(parse_sass(sass))
+  body = [opcode for opcode, _ in body_instructions]
   by_base = collections.Counter(opcode.split(".")[0] for opcode in body)
   registers = re.search(r"REG:(\d+)", resources)
   shared = re.search(r"SHARED:(\d+)", resources)
@@ -121,7 +153,9 @@ def loop_cost(name, sass: str, resources: str, ttgir: str, *, tokens_per_iterati
     shared_bytes=int(shared.group(1)) if shared else -1,
     layout_conversions=ttgir.count("ttg.convert_layout"),
     instructions=len(body),
-    wavefronts=sum(shared_memory_wavefronts(opcode) for opcode in body),
+    wavefronts=sum(
+      shared_memory_wavefronts(opcode, operands) for opcode, operands in body_instructions
+    ),
     barriers=by_base["BAR"],
     mma=by_base["HMMA"] + by_base["HGMMA"],
     tokens_per_iteration=tokens_per_iteration,
@@ -333,7 +367,7 @@ def main():
       floors = cost.floors_us(programs_tokens=programs_tokens)
       print(
         f"| {name} | {cost.registers} | {cost.instructions} | {step} | "
-        f"{cost.per_element(head_dim):.1f} | {cost.wavefronts} | {cost.barriers} | "
+        f"{cost.per_element(head_dim):.1f} | {cost.wavefronts:g} | {cost.barriers} | "
         f"{cost.layout_conversions} | {floors['issue_us']:.0f} | {floors['shared_us']:.0f} |",
         flush=True,
       )

@@ -15,12 +15,19 @@ padding anyway):
            accumulated over blocks as [value_groups, rows, D]; row block k is kept for the
            channels of group k once, after the last block.
 
-The codes themselves become tensor-core operands with integer operations only. For 2- and
-4-bit codes with bf16 operands, `(word >> s) & (mask * 0x00010001) | 0x43004300` holds two
-codes as the bf16 numbers 128 + code (exact: bf16 has 8 significant bits), so a pair of
-elements costs one shift and one AND-OR; the 128 comes back out through the bias, computed
-from the same rounded Q' / P' the dot used so it cancels exactly. Otherwise (8-bit codes, f16
-or f32 operands) each code is an exact float through the 2^23 magic number (offset 0).
+The codes become tensor-core operands without an int-to-float conversion. For 2- and 4-bit
+codes with bf16 operands, `(word >> s) & (mask * 0x00010001) | 0x43004300` holds two codes as
+the bf16 numbers 128 + code (exact: bf16 has 8 significant bits), and one packed bf16
+subtraction of 128 (HADD2) leaves the two codes themselves, exact: three instructions per pair
+of elements. (Keeping the 128 in the operand and taking it out through the bias saves the
+subtraction but costs two sums of the rounded Q' / P' per block, 184 instructions per 128-token
+iteration against 128 HADD2, and leaves a cancellation of 128 x sum(Q') in every score.)
+Otherwise (8-bit codes, f16 or f32 operands) each code is an exact float through the 2^23
+magic number.
+
+On sm_90 the value dot is taken transposed, update^T = codes^T . P'^T, so that its M side is
+the head dim (>= 64) and Triton emits a warpgroup MMA (wgmma) that reads P'^T from shared
+memory once per warpgroup, instead of mma.sync with every warp loading all of P' by ldmatrix.
 
 The bit fields are joined with `join_fields` (register renaming), so the channels come out in
 the fixed order `folded_channel_order`, the same for keys and values: the queries are permuted
@@ -50,13 +57,9 @@ BF16_128 = 0x4300  # bf16 bits of 128.0: OR-ing in a code c < 128 gives 128 + c 
 
 
 def uses_bf16_pairs(bits: int, compute_dtype) -> bool:
-  """Two codes per 32-bit word become bf16 128 + code with two integer ops (2 and 4 bits)."""
+  """Two codes per 32-bit word become two bf16 codes with two integer ops and one packed bf16
+  subtraction (2 and 4 bits)."""
   return bits in (2, 4) and jnp.dtype(compute_dtype) == jnp.dtype(jnp.bfloat16)
-
-
-def code_offset(bits: int, compute_dtype) -> float:
-  """The unpacked operand is code_offset + code."""
-  return 128.0 if uses_bf16_pairs(bits, compute_dtype) else 0.0
 
 
 def _join_pairs(pairs: list) -> jax.Array:
@@ -83,12 +86,13 @@ def folded_channel_order(head_dim: int, bits: int, compute_dtype) -> np.ndarray:
 
 
 def unpack_codes_for_dot(words: jax.Array, bits: int, compute_dtype) -> jax.Array:
-  """uint32 [rows, W] planar words -> [rows, D] `compute_dtype` operands code_offset + code,
+  """uint32 [rows, W] planar words -> [rows, D] codes as exact `compute_dtype` numbers,
   positions in `folded_channel_order`.
 
   bf16 pairs: fields j and j + n/2 of a word sit 16 bits apart, so one shift moves both to the
-  bottom of their half and one AND-OR with the bits of 128.0 makes the pair (128 + c_j,
-  128 + c_{j+n/2}), exact; the pair is the 32-bit register the tensor core reads.
+  bottom of their half, one AND-OR with the bits of 128.0 makes the pair (128 + c_j,
+  128 + c_{j+n/2}) and one packed subtraction of 128 makes it (c_j, c_{j+n/2}), all exact;
+  the pair is the 32-bit register the tensor core reads.
   """
   fields = 32 // bits
   field_mask = (1 << bits) - 1
@@ -102,7 +106,8 @@ def unpack_codes_for_dot(words: jax.Array, bits: int, compute_dtype) -> jax.Arra
       high = jax.lax.bitcast_convert_type(
         jnp.right_shift(both, jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16
       )
-      pairs.append((low, high))
+      bias = jnp.bfloat16(128.0)
+      pairs.append((low - bias, high - bias))
     return _join_pairs(pairs)
   codes = []
   for k in range(fields):
@@ -152,11 +157,15 @@ def folded_kernel(
   block = plan.block_tokens
   key_groups = block // group_size
   start, end, num_blocks = split_block_range(plan, lengths_ref[()], tokens)
-  queries = queries_ref[...].astype(jnp.float32)  # [rows, D] folded order, pre-scaled
+  queries_in_compute_dtype = queries_ref[...]  # [rows, D] folded order, pre-scaled
+  queries = queries_in_compute_dtype.astype(jnp.float32)
   compute_dtype = queries_ref.dtype
+  # q * k_scale rounded once to compute_dtype: the product of two bf16 (or two f16) numbers is
+  # exact in float32, so multiplying in that type (HMUL2, a pair per instruction) gives the
+  # same bits as float32 and a cast, at half the instructions (float32: the same op either way).
+  fold_in_compute_dtype = k_scale_ref.dtype == compute_dtype
   rows, head_dim = queries.shape
   value_groups = head_dim // group_size
-  offset = code_offset(bits, compute_dtype)
   order = order_ref[...]  # [D] int32: channel at each position
   offsets = jnp.arange(block, dtype=jnp.int32)
   group_offsets = jnp.arange(key_groups, dtype=jnp.int32)
@@ -171,14 +180,15 @@ def folded_kernel(
     k_words = load_token_rows(k_codes_ref, first, block, valid)
     k_code = unpack_codes_for_dot(k_words, bits, compute_dtype)  # [block, D]
     group_rows = jnp.minimum(first // group_size + group_offsets, last_group)[:, None]
-    k_scale = k_scale_ref[group_rows, order[None, :]].astype(jnp.float32)  # [groups, D]
+    k_scale = k_scale_ref[group_rows, order[None, :]]  # [groups, D]
     k_min = k_min_ref[group_rows, order[None, :]].astype(jnp.float32)
-    stacked_queries = (queries[None, :, :] * k_scale[:, None, :]).astype(compute_dtype)
+    if fold_in_compute_dtype:
+      stacked_queries = queries_in_compute_dtype[None, :, :] * k_scale[:, None, :]
+    else:
+      stacked_queries = (queries[None, :, :] * k_scale.astype(jnp.float32)[:, None, :]).astype(
+        compute_dtype
+      )
     key_bias = jnp.sum(queries[None, :, :] * k_min[:, None, :], axis=2)  # [groups, rows]
-    if offset:
-      # The dot adds offset * sum(Q') with Q' rounded; taking the same rounded Q' out here
-      # cancels it exactly (an unrounded sum would leave offset x one bf16 rounding of Q').
-      key_bias = key_bias - offset * jnp.sum(stacked_queries.astype(jnp.float32), axis=2)
     stacked_scores = _dot_nt(stacked_queries.reshape(key_groups * rows, head_dim), k_code).reshape(
       key_groups, rows, block
     )
@@ -200,9 +210,8 @@ def folded_kernel(
     )
     stacked_probs = (probs[None, :, :] * v_scale[:, None, :]).astype(compute_dtype)
     bias_update = jnp.sum(probs[None, :, :] * v_min[:, None, :], axis=2)  # [value_groups, rows]
-    if offset:
-      bias_update = bias_update - offset * jnp.sum(stacked_probs.astype(jnp.float32), axis=2)
-    update = _dot_nn(stacked_probs.reshape(value_groups * rows, block), v_code)
+    # Transposed so that M is the head dim: a wgmma on sm_90 (see the module docstring).
+    update = _dot_nn(v_code.T, stacked_probs.reshape(value_groups * rows, block).T).T
     acc = acc * correction[None, :, None] + update.reshape(value_groups, rows, head_dim)
     value_bias = value_bias * correction[None, :] + bias_update
     if gear.present:

@@ -62,3 +62,29 @@ def test_loop_cost_counts_wavefronts_barriers_and_mma():
 def test_a_listing_without_a_loop_is_refused():
   with pytest.raises(ValueError, match="no backward branch"):
     static_cost.main_loop(static_cost.parse_sass(SASS.replace("BRA 0x20", "BRA 0x90")))
+
+
+def test_a_warpgroup_mma_costs_its_shared_memory_operands_once_per_warpgroup():
+  # B [K 16, N 16] bf16 from shared memory: 512 bytes = 4 wavefronts per warpgroup, 1 per warp.
+  assert static_cost.shared_memory_wavefronts(
+    "HGMMA.64x16x16.F32.BF16", " R32, R56, gdesc[UR40], RZ, !UPT"
+  ) == pytest.approx(1.0)
+  # A [M 64, K 16] as well: 2048 more bytes.
+  assert static_cost.shared_memory_wavefronts(
+    "HGMMA.64x16x16.F32.BF16", " R32, gdesc[UR8], gdesc[UR40], R32"
+  ) == pytest.approx(5.0)
+  # tf32 operands are 4 bytes.
+  assert static_cost.shared_memory_wavefronts(
+    "HGMMA.64x32x8.F32.TF32", " R32, R56, gdesc[UR40], R32"
+  ) == pytest.approx(32 * 8 * 4 / 128 / 4)
+  assert static_cost.shared_memory_wavefronts("HMMA.16816.F32.BF16", " R12, R8, R4, R12") == 0
+
+
+def test_a_warpgroup_mma_line_keeps_its_shape_in_the_opcode():
+  line = (
+    "        /*57a0*/                   HGMMA.64x16x16.F32.BF16 R32, R56, gdesc[UR40], RZ, !UPT ;"
+    "     /* 0x0020002838207df0 */"
+  )
+  [(address, opcode, operands)] = static_cost.parse_sass(line)
+  assert (address, opcode) == (0x57A0, "HGMMA.64x16x16.F32.BF16")
+  assert static_cost.shared_memory_wavefronts(opcode, operands) == pytest.approx(1.0)

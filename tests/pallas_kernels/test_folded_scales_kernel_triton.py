@@ -10,7 +10,6 @@ from hypothesis import given, settings
 
 from pallas_kernels.bit_packing import pack_codes
 from pallas_kernels.folded_scales_kernel_triton import (
-  code_offset,
   folded_channel_order,
   folded_rows,
   unpack_codes_for_dot,
@@ -27,14 +26,15 @@ DTYPES = (jnp.bfloat16, jnp.float32, jnp.float16)
   dtype=st.sampled_from(DTYPES),
   seed=st.integers(0, 2**31 - 1),
 )
-def test_unpacked_operands_are_offset_plus_code_in_the_folded_order(bits, head_dim, dtype, seed):
+def test_unpacked_operands_are_the_codes_in_the_folded_order(bits, head_dim, dtype, seed):
   codes = np.random.default_rng(seed).integers(0, 2**bits, size=(8, head_dim))
   words = pack_codes(jnp.asarray(codes, jnp.int32), bits)
   operands = unpack_codes_for_dot(words, bits, dtype)
   assert operands.dtype == jnp.dtype(dtype)
   order = folded_channel_order(head_dim, bits, dtype)
-  expected = code_offset(bits, dtype) + codes[:, order]
-  # Exact: every operand is a small integer the dtype represents.
+  expected = codes[:, order]
+  # Exact: every operand is a small integer the dtype represents (bf16 pairs go through
+  # 128 + code and back).
   np.testing.assert_array_equal(np.asarray(operands, np.float32), expected)
 
 
@@ -43,7 +43,6 @@ def test_bf16_pairs_only_where_exact():
   # 128 + an 8-bit code needs 9 significant bits; f32/f16 operands take the magic-number path.
   assert not uses_bf16_pairs(8, jnp.bfloat16)
   assert not uses_bf16_pairs(2, jnp.float32) and not uses_bf16_pairs(2, jnp.float16)
-  assert code_offset(2, jnp.bfloat16) == 128.0 and code_offset(8, jnp.bfloat16) == 0.0
 
 
 def test_folded_channel_order_is_a_permutation_with_word_pairs_adjacent():

@@ -204,11 +204,12 @@ def test_gear_outliers_in_several_one_hot_chunks(variant):
   _check_triton(2, 128, 4, True, jnp.bfloat16, variant, seed=11, outliers_per_block=164)
 
 
-def test_folded_cancels_the_code_offset_exactly():
+def test_folded_zero_codes_make_zero_keys_exactly():
   """All codes 0 and all minimums 0 make every key exactly 0, so attention is uniform and the
-  output is the mean of the values. The bf16-pair operands are 128 + code: the 128 must leave
-  through a bias taken from the same rounded scaled queries (an unrounded sum would leave
-  128 x a bf16 rounding of them in every score)."""
+  output is the mean of the values. The bf16-pair operands are built as 128 + code and must
+  come out as the code itself: any 128 left in them (or taken out through a rounded bias)
+  would put 128 x sum(q * k_scale) into the scores, which with scales x10 moves lse far from
+  log(T)."""
   rng = np.random.default_rng(7)
   head_dim, group = 128, 4
   queries = random_queries(rng, BATCH, KV_HEADS, group, head_dim) * 3.0
