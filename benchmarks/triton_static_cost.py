@@ -90,11 +90,6 @@ def parse_sass(text: str) -> list[tuple[int, str, str]]:
   return instructions
 
 
-def main_loop(instructions) -> list[str]:
-  """Opcodes of the longest backward-branch region (the kernel's main loop)."""
-  return [opcode for opcode, _ in main_loop_instructions(instructions)]
-
-
 def main_loop_instructions(instructions) -> list[tuple[str, str]]:
   """(opcode, operands) of the longest backward-branch region (the kernel's main loop)."""
   loops = []

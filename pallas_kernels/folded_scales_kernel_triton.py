@@ -160,10 +160,6 @@ def folded_kernel(
   queries_in_compute_dtype = queries_ref[...]  # [rows, D] folded order, pre-scaled
   queries = queries_in_compute_dtype.astype(jnp.float32)
   compute_dtype = queries_ref.dtype
-  # q * k_scale rounded once to compute_dtype: the product of two bf16 (or two f16) numbers is
-  # exact in float32, so multiplying in that type (HMUL2, a pair per instruction) gives the
-  # same bits as float32 and a cast, at half the instructions (float32: the same op either way).
-  fold_in_compute_dtype = k_scale_ref.dtype == compute_dtype
   rows, head_dim = queries.shape
   value_groups = head_dim // group_size
   order = order_ref[...]  # [D] int32: channel at each position
@@ -180,14 +176,12 @@ def folded_kernel(
     k_words = load_token_rows(k_codes_ref, first, block, valid)
     k_code = unpack_codes_for_dot(k_words, bits, compute_dtype)  # [block, D]
     group_rows = jnp.minimum(first // group_size + group_offsets, last_group)[:, None]
-    k_scale = k_scale_ref[group_rows, order[None, :]]  # [groups, D]
+    # compute_dtype is the scales' own dtype (`compute_dtype_for`), so this multiplies in bf16
+    # (HMUL2, a pair per instruction) for bf16 caches: the product of two bf16 numbers is exact
+    # in float32, so it is bit for bit the float32 product and cast, at half the instructions.
+    k_scale = k_scale_ref[group_rows, order[None, :]].astype(compute_dtype)  # [groups, D]
     k_min = k_min_ref[group_rows, order[None, :]].astype(jnp.float32)
-    if fold_in_compute_dtype:
-      stacked_queries = queries_in_compute_dtype[None, :, :] * k_scale[:, None, :]
-    else:
-      stacked_queries = (queries[None, :, :] * k_scale.astype(jnp.float32)[:, None, :]).astype(
-        compute_dtype
-      )
+    stacked_queries = queries_in_compute_dtype[None, :, :] * k_scale[:, None, :]
     key_bias = jnp.sum(queries[None, :, :] * k_min[:, None, :], axis=2)  # [groups, rows]
     stacked_scores = _dot_nt(stacked_queries.reshape(key_groups * rows, head_dim), k_code).reshape(
       key_groups, rows, block

@@ -28,8 +28,8 @@ SASS = """
 
 
 def test_main_loop_is_the_backward_branch_region():
-  body = static_cost.main_loop(static_cost.parse_sass(SASS))
-  assert body == [
+  body = static_cost.main_loop_instructions(static_cost.parse_sass(SASS))
+  assert [opcode for opcode, _ in body] == [
     "LDS.128",
     "STS.U16",
     "LDSM.16.M88.4",
@@ -61,7 +61,7 @@ def test_loop_cost_counts_wavefronts_barriers_and_mma():
 
 def test_a_listing_without_a_loop_is_refused():
   with pytest.raises(ValueError, match="no backward branch"):
-    static_cost.main_loop(static_cost.parse_sass(SASS.replace("BRA 0x20", "BRA 0x90")))
+    static_cost.main_loop_instructions(static_cost.parse_sass(SASS.replace("BRA 0x20", "BRA 0x90")))
 
 
 def test_a_warpgroup_mma_costs_its_shared_memory_operands_once_per_warpgroup():
