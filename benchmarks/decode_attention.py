@@ -7,7 +7,9 @@ bf16 cache, contexts 8k / 32k / 128k, every row full. Measured in one run:
              bytes = read + written;
   xla_bf16   bf16 full-cache decode attention by XLA (einsum, f32 accumulation) - the baseline;
   xla_dpa    jax.nn.dot_product_attention (XLA) on a [B, T, H, D] bf16 cache;
-  pallas_bf16  the full-precision Pallas kernel on the bf16 cache;
+  pallas_bf16  the full-precision Pallas kernel (Triton lowering) on the bf16 cache;
+  mosaic_bf16  the full-precision Mosaic GPU kernel (TMA, wgmma) on the bf16 cache (GPU only;
+             interpret mode in --small);
   kivi2 / kivi4  the fused dequantize-attention kernel on 2/4-bit codes (group 32, bf16 stats);
   gear2      the same with GEAR terms fused (rank 4, 2% outliers, block 64);
   kivi2_xla / kivi4_xla / gear2_xla  the same compressed caches through the jnp reference path
@@ -256,28 +258,35 @@ def check_grid(args) -> list[dict]:
       shape = (batch, 2, 1000, head_dim)
       keys = jax.random.normal(keys_split[1], shape, jnp.float32).astype(dtype)
       values = jax.random.normal(keys_split[2], shape, jnp.float32).astype(dtype)
-      name = f"full D={head_dim} G={group} {jnp.dtype(dtype).name}"
-      row = {"name": name}
-      try:
-        ref_out, _ = decode_attention_reference(queries, keys, values, lengths, sm_scale=0.1)
-        out, lse = attention_dispatch.decode_attention(
-          queries,
-          keys,
-          values,
-          lengths,
-          sm_scale=0.1,
-          implementation="interpret" if interpret else "pallas",
+      # The Mosaic GPU kernel takes 16-bit caches only (wgmma operands).
+      lowerings = ["triton", "mosaic_gpu"] if not on_tpu and dtype != jnp.float32 else [None]
+      for lowering in lowerings:
+        name = f"full D={head_dim} G={group} {jnp.dtype(dtype).name}" + (
+          f" {lowering}" if lowering else ""
         )
-        row["relative_error"] = relative_error(out, ref_out)
-      except Exception as e:
-        row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
-      results.append(row)
-      print("  check", row, flush=True)
+        row = {"name": name}
+        try:
+          ref_out, _ = decode_attention_reference(queries, keys, values, lengths, sm_scale=0.1)
+          out, lse = attention_dispatch.decode_attention(
+            queries,
+            keys,
+            values,
+            lengths,
+            sm_scale=0.1,
+            implementation="interpret" if interpret else "pallas",
+            kernel_config={"lowering": lowering} if lowering else None,
+          )
+          row["relative_error"] = relative_error(out, ref_out)
+        except Exception as e:
+          row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        results.append(row)
+        print("  check", row, flush=True)
   return results
 
 
-def sweep(args) -> tuple[dict, dict]:
-  """Times kernel settings at 32k (kivi2 and bf16); returns the best of each."""
+def sweep(args) -> tuple[dict, dict, dict]:
+  """Times kernel settings at 32k; returns the best kivi2 config, the best bf16 Triton config and
+  the best bf16 Mosaic GPU config."""
   batch, kv_heads, group, head_dim = args.batch, args.kv_heads, args.group, args.head_dim
   tokens = args.sweep_context
   sm_scale = 1.0 / math.sqrt(head_dim)
@@ -295,7 +304,11 @@ def sweep(args) -> tuple[dict, dict]:
     group_size=args.group_size,
     dtype=jnp.bfloat16,
   )
-  best_quantized, best_full = ({}, float("inf")), ({}, float("inf"))
+  best_quantized, best_full, best_mosaic = (
+    ({}, float("inf")),
+    ({}, float("inf")),
+    ({}, float("inf")),
+  )
   quantized_configs = [
     dict(variant="reshape", block_tokens=128, num_warps=4, num_stages=3, num_splits=32),
     dict(variant="planar", unroll=2, num_warps=4, num_stages=2, num_splits=8),
@@ -356,22 +369,41 @@ def sweep(args) -> tuple[dict, dict]:
   shape = (batch, kv_heads, tokens, head_dim)
   keys = jax.random.normal(keys_split[2], shape).astype(jnp.bfloat16)
   values = jax.random.normal(keys_split[3], shape).astype(jnp.bfloat16)
-  for block_tokens in (32, 64):
-    for num_stages in (2,):
-      config = dict(block_tokens=block_tokens, num_warps=4, num_stages=num_stages)
-      op = lambda q, k, v, lens, config=config: attention_dispatch.decode_attention(
-        q, k, v, lens, sm_scale=sm_scale, implementation="pallas", kernel_config=config
-      )
-      try:
-        seconds = time_op(op, (queries, keys, values, lengths), iters=args.iters, repeats=3)
-      except Exception as e:  # a setting that fails to compile is reported, not fatal
-        print(f"  sweep bf16 {config}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-        continue
-      print(f"  sweep bf16 {config}: {seconds * 1e6:.1f} us", flush=True)
-      if seconds < best_full[1]:
-        best_full = (config, seconds)
-  print(f"best kivi2 config {best_quantized}, best bf16 config {best_full}", flush=True)
-  return best_quantized[0], best_full[0]
+  full_configs = [dict(block_tokens=b, num_warps=4, num_stages=2) for b in (32, 64)]
+  # Mosaic GPU (TMA ring of num_stages slots, wgmma): (block_tokens, num_stages, num_splits)
+  for block_tokens, num_stages, num_splits in (
+    (64, 2, None),
+    (64, 3, None),
+    (64, 4, None),
+    (128, 2, None),
+    (128, 3, None),
+    (64, 3, 32),
+  ):
+    config = dict(lowering="mosaic_gpu", block_tokens=block_tokens, num_stages=num_stages)
+    if num_splits is not None:
+      config["num_splits"] = num_splits
+    full_configs.append(config)
+  for config in full_configs:
+    op = lambda q, k, v, lens, config=config: attention_dispatch.decode_attention(
+      q, k, v, lens, sm_scale=sm_scale, implementation="pallas", kernel_config=config
+    )
+    try:
+      seconds = time_op(op, (queries, keys, values, lengths), iters=args.iters, repeats=3)
+    except Exception as e:  # a setting that fails to compile is reported, not fatal
+      print(f"  sweep bf16 {config}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      continue
+    print(f"  sweep bf16 {config}: {seconds * 1e6:.1f} us", flush=True)
+    if config.get("lowering") == "mosaic_gpu":
+      if seconds < best_mosaic[1]:
+        best_mosaic = ({k: v for k, v in config.items() if k != "lowering"}, seconds)
+    elif seconds < best_full[1]:
+      best_full = (config, seconds)
+  print(
+    f"best kivi2 config {best_quantized}, best bf16 config {best_full}, best Mosaic GPU bf16 "
+    f"config {best_mosaic}",
+    flush=True,
+  )
+  return best_quantized[0], best_full[0], best_mosaic[0]
 
 
 def run(args) -> dict:
@@ -405,11 +437,14 @@ def run(args) -> dict:
   )
   kernel_config = json.loads(args.kernel_config) if args.kernel_config else {}
   full_kernel_config = json.loads(args.full_kernel_config) if args.full_kernel_config else {}
+  mosaic_kernel_config = json.loads(args.mosaic_kernel_config) if args.mosaic_kernel_config else {}
   if args.check:
     results["check"] = check_grid(args)
   if args.sweep and not args.small:
-    kernel_config, full_kernel_config = sweep(args)
+    kernel_config, full_kernel_config, mosaic_kernel_config = sweep(args)
   results["kernel_config"], results["full_kernel_config"] = kernel_config, full_kernel_config
+  results["mosaic_kernel_config"] = mosaic_kernel_config
+  on_gpu = backend in ("gpu", "cuda")
 
   for tokens in args.contexts:
     key = jax.random.key(tokens)
@@ -477,6 +512,19 @@ def run(args) -> dict:
       bf16_bytes,
       reference_full,
     )
+    if on_gpu or args.small:  # the Mosaic GPU kernel (interpret mode in the CPU smoke run)
+      record(
+        "mosaic_bf16",
+        functools.partial(
+          attention_dispatch.decode_attention,
+          sm_scale=sm_scale,
+          implementation=implementation,
+          kernel_config={"lowering": "mosaic_gpu", **mosaic_kernel_config},
+        ),
+        (queries, keys, values, lengths),
+        bf16_bytes,
+        reference_full,
+      )
     del keys, values, reference_full
 
     variants = [("kivi2", 2, 0, 0), ("kivi4", 4, 0, 0)]
@@ -565,7 +613,14 @@ def main():
     "--kernel-config",
     help="JSON dict of quantized-kernel settings (block_tokens, num_warps, num_stages, num_splits)",
   )
-  parser.add_argument("--full-kernel-config", help="JSON dict of full-precision kernel settings")
+  parser.add_argument(
+    "--full-kernel-config", help="JSON dict of full-precision (Triton) kernel settings"
+  )
+  parser.add_argument(
+    "--mosaic-kernel-config",
+    help="JSON dict of the Mosaic GPU full-precision kernel's settings (block_tokens, "
+    "num_stages, num_splits) for the mosaic_bf16 row",
+  )
   parser.add_argument(
     "--check",
     action="store_true",

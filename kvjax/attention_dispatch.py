@@ -1,7 +1,8 @@
 """Chooses how decode attention over a cache segment is computed: Pallas kernel or jnp reference.
 
 implementation:
-  "auto"       the Pallas kernel of the current backend (Triton lowering on GPU, Mosaic on TPU),
+  "auto"       the Pallas kernel of the current backend (on GPU the Triton lowering, or Mosaic
+               GPU with kernel_config={"lowering": "mosaic_gpu"}; Mosaic on TPU),
                the jnp reference on CPU;
   "pallas"     the current backend's kernel (ValueError on CPU: use "interpret");
   "reference"  the jnp reference;
@@ -18,8 +19,8 @@ from typing import Any, Literal
 import jax
 
 from pallas_kernels import (
+  decode_attention_gpu,
   decode_attention_tpu,
-  decode_attention_triton,
   quantized_decode_attention_tpu,
   quantized_decode_attention_triton,
 )
@@ -100,16 +101,22 @@ def decode_attention(
 ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of one query position over the valid slots of a full-precision segment.
 
-  kernel_config: optional kernel settings (block_tokens, num_splits, and on GPU num_warps,
-  num_stages).
+  kernel_config: optional kernel settings (block_tokens, num_splits; on GPU num_stages, and
+  "lowering": "triton" (default; also num_warps) or "mosaic_gpu", see
+  `pallas_kernels.decode_attention_gpu`).
   """
   family, interpret = _choose(implementation, kernel_backend)
+  if family == "gpu":
+    decode_attention_gpu.check_config(kernel_config or {})
   if family != "reference":
-    module = decode_attention_triton if family == "gpu" else decode_attention_tpu
-    reason = module.unsupported_reason(queries, keys)
+    reason = (
+      decode_attention_gpu.unsupported_reason(queries, keys, kernel_config or {})
+      if family == "gpu"
+      else decode_attention_tpu.unsupported_reason(queries, keys)
+    )
     if reason is None:
       kernel = (
-        decode_attention_triton.decode_attention_gpu
+        decode_attention_gpu.decode_attention_gpu
         if family == "gpu"
         else decode_attention_tpu.decode_attention_tpu
       )

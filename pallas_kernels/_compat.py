@@ -18,6 +18,13 @@ def _triton_module():
 
 
 @functools.cache
+def _mosaic_gpu_module():
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=g-import-not-at-top
+
+  return plgpu
+
+
+@functools.cache
 def _tpu_module():
   from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
 
@@ -33,6 +40,19 @@ def triton_compiler_params(num_warps: int, num_stages: int):
   plgpu = _triton_module()
   params_class = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
   return params_class(num_warps=num_warps, num_stages=num_stages)
+
+
+def mosaic_gpu_compiler_params():
+  """Warpgroup semantics: arrays are per warpgroup and Mosaic GPU infers their register layouts
+  (the style of jax's own Hopper kernels)."""
+  plgpu = _mosaic_gpu_module()
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+
+
+def mosaic_gpu_interpret_params():
+  """What a Mosaic GPU kernel takes as `interpret=` to run on CPU: buffers the kernel allocates,
+  its outputs included, start as NaN, so an element it never writes shows."""
+  return _mosaic_gpu_module().InterpretGPUParams()
 
 
 def tpu_compiler_params(dimension_semantics: tuple[str, ...]):

@@ -8,8 +8,8 @@ loaded: the loop's trip count comes from the length), and writes a normalised pa
 and its log-sum-exp; `merge_split_partials` combines them.
 
 The Triton lowering is deprecated in favour of Mosaic GPU (jax >= 0.11 emits a
-DeprecationWarning when it lowers the kernel); `decode_attention_gpu` is the one entry point a
-Mosaic GPU kernel would replace.
+DeprecationWarning when it lowers the kernel); `decode_attention_gpu.decode_attention_gpu` is the
+one entry point, and picks this kernel or `decode_attention_mosaic_gpu`'s.
 """
 
 import functools
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
+from pallas_kernels.splits import SplitPlan, merge_split_partials, plan_full_precision_decode
 
 TILE_ROWS = 16  # smallest M of a tensor-core dot in Triton
 # Default flash-decoding split: enough programs for ~16 per SM, so rows of unequal length and the
@@ -170,9 +170,15 @@ def decode_attention_partials_triton(
   batch, kv_heads, group, head_dim = queries.shape
   tokens = keys.shape[2]
   rows = tile_rows(group)
-  target_programs = TARGET_PROGRAMS_PER_SM * _compat.gpu_multiprocessor_count()
-  plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, target_programs)
-  scaled_queries = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, keys.dtype)
+  plan, scaled_queries = plan_full_precision_decode(
+    queries,
+    keys,
+    rows=rows,
+    sm_scale=sm_scale,
+    block_tokens=block_tokens,
+    num_splits=num_splits,
+    target_programs=TARGET_PROGRAMS_PER_SM * _compat.gpu_multiprocessor_count(),
+  )
   row_spec = lambda *block: pl.BlockSpec(block, lambda b, h, s: (b, h) + (0,) * (len(block) - 2))
   in_specs = [
     pl.BlockSpec((None,), lambda b, h, s: (b,)),
@@ -215,12 +221,3 @@ def decode_attention_triton(queries, keys, values, lengths, *, sm_scale: float, 
     queries, keys, values, lengths, sm_scale=sm_scale, **config
   )
   return merge_split_partials(out, lse, queries.shape[2])
-
-
-def decode_attention_gpu(
-  queries, keys, values, lengths, *, sm_scale: float, interpret=False, **config
-):
-  """The GPU decode-attention kernel (today the Triton lowering; Mosaic GPU would go here)."""
-  return decode_attention_triton(
-    queries, keys, values, lengths, sm_scale=sm_scale, interpret=interpret, **config
-  )

@@ -47,6 +47,24 @@ def plan_splits(
   return SplitPlan(block_tokens, num_splits, blocks_per_split)
 
 
+def plan_full_precision_decode(
+  queries: jax.Array,  # [B, H, G, D]
+  keys: jax.Array,  # [B, H, T, D]
+  *,
+  rows: int,
+  sm_scale: float,
+  block_tokens: int,
+  num_splits: int | None,
+  target_programs: int,
+) -> tuple[SplitPlan, jax.Array]:
+  """The split plan of a full-precision segment and its queries, pre-scaled by sm_scale and
+  padded to `rows` in the cache dtype (what both GPU full-precision kernels start from)."""
+  batch, kv_heads = queries.shape[:2]
+  plan = plan_splits(keys.shape[2], block_tokens, batch * kv_heads, num_splits, target_programs)
+  scaled_queries = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, keys.dtype)
+  return plan, scaled_queries
+
+
 def pad_query_group(queries: jax.Array, rows: int, dtype) -> jax.Array:
   """[B,H,G,D] -> [B,H,rows,D] in `dtype`, zero rows appended (their outputs are dropped)."""
   group = queries.shape[2]
@@ -57,17 +75,25 @@ def pad_query_group(queries: jax.Array, rows: int, dtype) -> jax.Array:
 
 
 def merge_split_partials(
-  out_partials: jax.Array,  # f32 [B, H, S, rows, D]: each split's normalised output
+  out_partials: jax.Array,  # f32 [B, H, S, rows, D] (or [B, H, S, D, rows]): normalised outputs
   lse_partials: jax.Array,  # f32 [B, H, S, rows]: each split's log-sum-exp (-inf if empty)
   group: int,
+  *,
+  head_dim_last: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
-  """Exact merge over the splits, keeping the first `group` rows: (out [B,H,G,D], lse [B,H,G])."""
-  out_partials = out_partials[:, :, :, :group]
+  """Exact merge over the splits, keeping the first `group` rows: (out [B,H,G,D], lse [B,H,G]).
+
+  head_dim_last=False takes the outputs transposed, [B, H, S, D, rows] (a kernel that keeps its
+  accumulator with the head dim on the tensor core's M side), and merges them without a
+  transpose."""
   lse_partials = lse_partials[:, :, :, :group]
   total = jax.nn.logsumexp(lse_partials, axis=2)  # -inf where every split is empty
   safe_total = jnp.where(jnp.isfinite(total), total, 0.0)
   weights = jnp.where(
     jnp.isfinite(lse_partials), jnp.exp(lse_partials - safe_total[:, :, None]), 0.0
   )
-  out = jnp.einsum("bhsg,bhsgd->bhgd", weights, out_partials)
+  if head_dim_last:
+    out = jnp.einsum("bhsg,bhsgd->bhgd", weights, out_partials[:, :, :, :group])
+  else:
+    out = jnp.einsum("bhsg,bhsdg->bhgd", weights, out_partials[..., :group])
   return out, total

@@ -1,5 +1,8 @@
-"""The kernels lower for their real targets (Triton IR for CUDA, Mosaic for TPU) on a CPU-only
-machine: catches a primitive the real lowering does not support, which interpret mode cannot.
+"""The kernels lower for their real targets (Triton IR for CUDA, Mosaic GPU for sm_90, Mosaic for
+TPU) on a CPU-only machine: catches a primitive the real lowering does not support, which
+interpret mode cannot. For Mosaic GPU this runs its layout inference and its lowering to the
+GPU dialects (only the final compile to PTX is left to the GPU), with no target to fake: on a
+machine without a GPU, Mosaic GPU lowers for sm_90.
 
 The target device is faked by patching jax's private device-info lookups; where those internals
 moved (another jax version), the test is skipped rather than failing.
@@ -10,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.decode_attention_mosaic_gpu import decode_attention_mosaic_gpu
 from pallas_kernels.decode_attention_tpu import decode_attention_tpu
 from pallas_kernels.decode_attention_triton import decode_attention_triton
 from pallas_kernels.quantized_decode_attention_tpu import quantized_decode_attention_tpu
@@ -124,3 +128,27 @@ def test_tpu_kernels_lower_to_mosaic(fake_tpu_v5e):
     lengths,
   )
   assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize(
+  "head_dim,group,config",
+  [
+    (128, 4, dict(block_tokens=64, num_stages=2)),
+    (128, 8, dict(block_tokens=128, num_stages=3)),
+    (64, 1, dict(block_tokens=256, num_stages=3)),
+    (256, 16, dict(block_tokens=64, num_stages=2)),
+  ],
+)
+def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
+  queries = jax.ShapeDtypeStruct((2, 2, group, head_dim), jnp.bfloat16)
+  cache = jax.ShapeDtypeStruct((2, 2, 296, head_dim), jnp.bfloat16)  # 296: not a block multiple
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  text = _lower(
+    lambda q, k, v, lens: decode_attention_mosaic_gpu(q, k, v, lens, sm_scale=0.1, **config),
+    "cuda",
+    queries,
+    cache,
+    cache,
+    lengths,
+  )
+  assert "mosaic_gpu" in text

@@ -1,0 +1,46 @@
+"""The one GPU entry point for decode attention over a full-precision segment: picks the Pallas
+lowering. "triton" (the default, measured on an H100) or "mosaic_gpu" (TMA and warpgroup MMA;
+jax's successor to the deprecated Triton lowering, not yet timed on a GPU)."""
+
+from pallas_kernels import decode_attention_mosaic_gpu, decode_attention_triton
+
+LOWERINGS = ("triton", "mosaic_gpu")
+# kernel_config keys each lowering takes (besides "lowering").
+CONFIG_KEYS = {
+  "triton": ("block_tokens", "num_splits", "num_warps", "num_stages"),
+  "mosaic_gpu": ("block_tokens", "num_splits", "num_stages"),
+}
+
+
+def check_config(config: dict) -> str:
+  """The config's lowering; ValueError naming a bad lowering or a key it does not take."""
+  lowering = config.get("lowering", "triton")
+  if lowering not in LOWERINGS:
+    raise ValueError(f"lowering={lowering!r} is not supported; allowed: {', '.join(LOWERINGS)}")
+  unknown = sorted(set(config) - {"lowering", *CONFIG_KEYS[lowering]})
+  if unknown:
+    raise ValueError(
+      f"kernel_config keys {unknown} are not taken by lowering={lowering!r}; allowed: "
+      f"{', '.join(('lowering',) + CONFIG_KEYS[lowering])}"
+    )
+  return lowering
+
+
+def unsupported_reason(queries, keys, config: dict) -> str | None:
+  """Why the configured GPU kernel cannot take these shapes (None if it can)."""
+  if check_config(config) == "mosaic_gpu":
+    return decode_attention_mosaic_gpu.unsupported_reason(queries, keys)
+  return decode_attention_triton.unsupported_reason(queries, keys)
+
+
+def decode_attention_gpu(
+  queries, keys, values, lengths, *, sm_scale: float, interpret=False, **config
+):
+  """(out f32 [B,H,G,D], lse f32 [B,H,G]) by the configured lowering's kernel."""
+  settings = {key: value for key, value in config.items() if key != "lowering"}
+  kernel = (
+    decode_attention_mosaic_gpu.decode_attention_mosaic_gpu
+    if check_config(config) == "mosaic_gpu"
+    else decode_attention_triton.decode_attention_triton
+  )
+  return kernel(queries, keys, values, lengths, sm_scale=sm_scale, interpret=interpret, **settings)

@@ -1,0 +1,315 @@
+"""GPU decode attention over a full-precision K/V segment: Pallas with the Mosaic GPU lowering.
+
+The same contract and flash-decoding structure as `decode_attention_triton` (one query position
+per row, a KV head's query group as one tile, the sequence split across programs, per-row
+lengths, partials merged by log-sum-exp), written for Hopper's asynchronous units, which the
+Triton lowering leaves to its compiler:
+
+- K and V blocks arrive by TMA into a ring of `num_stages` shared-memory slots; block i + stages
+  - 1 is requested while block i is computed. A program asks for no block past its row's length.
+- Both products run on the warpgroup tensor core (wgmma) with the tokens on the M side, so the
+  query group only pads N (to 8 or a power of two) instead of M (64): scores^T [block, rows] =
+  K . Q^T, then out^T [D, rows] += V^T . P^T, P being stored to shared memory transposed so that
+  both of its operands share one 128-byte swizzle.
+- The capacity need not be a multiple of the block (the TMA unit fills a box's rows past it with
+  zeros), but it must be a multiple of 8: Mosaic GPU tiles the cache in 8-row tiles for the
+  swizzled copy. Other capacities are refused (`unsupported_reason`; the dispatch then falls
+  back to the jnp reference with a warning).
+- Slots past a row's length may hold anything, NaN included: masked scores become -inf, and a
+  block that holds such slots has their values zeroed in shared memory before the value product
+  (0 x NaN would otherwise poison the sum).
+
+The partial outputs come back as out^T [B, H, S, D, rows] (the accumulator's layout), merged by
+`merge_split_partials(..., head_dim_last=False)` without a transpose.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
+from pallas_kernels.splits import (
+  SplitPlan,
+  merge_split_partials,
+  next_power_of_two,
+  plan_full_precision_decode,
+)
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)  # wgmma's 16-bit operands
+BLOCK_TOKENS = (64, 128, 256)  # wgmma M is 64; P^T's rows must fill a 128-byte swizzle
+NUM_STAGES = (2, 3, 4)
+MAX_GROUP = 64
+MIN_ROWS = 8  # wgmma N is a multiple of 8
+# Hopper's shared memory per block (227 KiB of the SM's 228 KiB can go to one block).
+SHARED_MEMORY_BYTES = 227 * 1024
+# Default flash-decoding split, as for the Triton kernel: ~16 programs per SM.
+TARGET_PROGRAMS_PER_SM = 16
+LENGTH_WORDS = 4  # a TMA copy moves at least 16 bytes: lengths are padded to 4 int32
+# The TMA copy into the swizzled operand tiles sees the cache as 8-row tiles, so the capacity
+# must be a whole number of them (Mosaic GPU refuses a partial last tile).
+CAPACITY_MULTIPLE = 8
+
+
+def tile_rows(group: int) -> int:
+  """The wgmma N side: the query group padded to a power of two, at least 8."""
+  return max(MIN_ROWS, next_power_of_two(group))
+
+
+def unsupported_reason(queries, keys) -> str | None:
+  """Why this kernel cannot take these shapes (None if it can)."""
+  group, head_dim = queries.shape[2], queries.shape[3]
+  if head_dim not in SUPPORTED_HEAD_DIMS:
+    return f"head_dim={head_dim} (supported: {SUPPORTED_HEAD_DIMS})"
+  if group > MAX_GROUP:
+    return f"query group {group} > {MAX_GROUP}"
+  if keys.dtype not in SUPPORTED_DTYPES:
+    return f"cache dtype {keys.dtype} (supported: bfloat16, float16)"
+  if keys.shape[2] % CAPACITY_MULTIPLE:
+    return f"capacity {keys.shape[2]} (a multiple of {CAPACITY_MULTIPLE} is needed)"
+  return None
+
+
+def shared_memory_bytes(rows: int, head_dim: int, block_tokens: int, num_stages: int, itemsize):
+  """Bytes of shared memory one program allocates (the K/V ring dominates)."""
+  ring = 2 * num_stages * block_tokens * head_dim * itemsize
+  operands = (rows * head_dim + rows * block_tokens) * itemsize  # Q, P
+  results = (head_dim * rows + rows) * 4 + LENGTH_WORDS * 4  # out^T, lse (f32); lengths
+  return ring + operands + results
+
+
+def check_config(rows, head_dim, itemsize, *, block_tokens, num_stages, num_splits):
+  """ValueError naming the setting and its allowed values; raised before anything is traced."""
+  if block_tokens not in BLOCK_TOKENS:
+    raise ValueError(f"block_tokens={block_tokens!r} is not supported; allowed: {BLOCK_TOKENS}")
+  if num_stages not in NUM_STAGES:
+    raise ValueError(f"num_stages={num_stages!r} is not supported; allowed: {NUM_STAGES}")
+  if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+    raise ValueError(f"num_splits={num_splits!r} is not supported; allowed: None or an int >= 1")
+  needed = shared_memory_bytes(rows, head_dim, block_tokens, num_stages, itemsize)
+  if needed > SHARED_MEMORY_BYTES:
+    raise ValueError(
+      f"block_tokens={block_tokens} with num_stages={num_stages} needs {needed} bytes of shared "
+      f"memory at head_dim={head_dim}; at most {SHARED_MEMORY_BYTES} fit: lower either"
+    )
+
+
+def _swizzled(width: int, dtype):
+  """Shared-memory tiling and swizzle of a [rows, width] wgmma operand."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(width * bits, "decode attention operand")
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _decode_kernel(
+  lengths_gmem,  # int32 [>= B] (padded to LENGTH_WORDS)
+  queries_gmem,  # [B, H, rows, D], pre-scaled by sm_scale, cache dtype
+  keys_gmem,  # [B, H, T, D]
+  values_gmem,  # [B, H, T, D]
+  out_gmem,  # f32 [B, H, S, D, rows]: each split's normalised output, transposed
+  lse_gmem,  # f32 [B, H, S, rows]
+  lengths_smem,
+  queries_smem,  # [rows, D]
+  keys_smem,  # [stages, block, D]
+  values_smem,  # [stages, block, D]
+  probs_smem,  # [rows, block]: P, so that P^T is a transposed view like Q^T
+  out_smem,  # f32 [D, rows]
+  lse_smem,  # f32 [rows]
+  barriers,
+  *,
+  plan: SplitPlan,
+  tokens: int,
+  num_stages: int,
+):
+  row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
+  lengths_barrier, queries_barrier, keys_barriers, values_barriers = barriers
+  block = plan.block_tokens
+  rows, head_dim = queries_smem.shape
+  dtype = keys_smem.dtype
+
+  plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, lengths_barrier)
+  plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
+  plgpu.barrier_wait(lengths_barrier)
+  start = split * plan.split_tokens
+  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_smem[row]), tokens)
+  num_blocks = (jnp.maximum(end - start, 0) + block - 1) // block
+
+  def fetch(i):
+    slot = lax.rem(i, num_stages)
+    # A box that runs past the capacity is cut by the TMA unit: the rows past it arrive as 0.
+    source = (row, head, pl.ds(start + i * block, block))
+    plgpu.copy_gmem_to_smem(keys_gmem.at[source], keys_smem.at[slot], keys_barriers.at[slot])
+    plgpu.copy_gmem_to_smem(values_gmem.at[source], values_smem.at[slot], values_barriers.at[slot])
+
+  for i in range(num_stages - 1):
+    pl.when(i < num_blocks)(functools.partial(fetch, i))
+  plgpu.barrier_wait(queries_barrier)
+
+  def body(i, carry):
+    acc, running_max, running_sum = carry  # [D, rows], [rows], [rows]
+    slot = lax.rem(i, num_stages)
+    # Slot of block i - 1, whose products completed in the previous step.
+    pl.when(i + num_stages - 1 < num_blocks)(functools.partial(fetch, i + num_stages - 1))
+    first = start + i * block
+
+    plgpu.barrier_wait(keys_barriers.at[slot])
+
+    def scores_product(acc_ref):
+      plgpu.wgmma(acc_ref, keys_smem.at[slot], queries_smem.T)
+      return acc_ref[...]
+
+    scores = pl.run_scoped(scores_product, plgpu.ACC((block, rows), jnp.float32))
+    token = plgpu.broadcasted_iota(jnp.int32, (block, rows), 0, layout=plgpu.Layout.WGMMA)
+    valid = token + first < end
+    scores = jnp.where(valid, scores, -jnp.inf)
+    # A split's first block holds a valid token, so the max is finite from then on.
+    new_max = jnp.maximum(running_max, scores.max(axis=0))
+    correction = jnp.exp(running_max - new_max)
+    probs = jnp.exp(scores - lax.broadcast_in_dim(new_max, scores.shape, [1]))
+    running_sum = running_sum * correction + probs.sum(axis=0)
+    acc = acc * lax.broadcast_in_dim(correction, acc.shape, [1])
+    probs_smem.T[...] = probs.astype(dtype)
+
+    plgpu.barrier_wait(values_barriers.at[slot])
+
+    @pl.when(first + block > end)
+    def _zero_values_past_end():
+      token_rows = plgpu.broadcasted_iota(
+        jnp.int32, (block, head_dim), 0, layout=plgpu.Layout.WGMMA
+      )
+      before_end = token_rows + first < end
+      values_smem[slot] = jnp.where(before_end, values_smem[slot], jnp.zeros((), dtype))
+
+    plgpu.commit_smem()  # P (and zeroed values) visible to the tensor core
+
+    def values_product(acc_ref):
+      plgpu.wgmma(acc_ref, values_smem.at[slot].T, probs_smem.T)
+      return acc_ref[...]
+
+    update = pl.run_scoped(values_product, plgpu.ACC((head_dim, rows), jnp.float32))
+    return acc + update, new_max, running_sum
+
+  running_max = plgpu.layout_cast(
+    jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0)
+  )
+  running_sum = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+  acc = plgpu.layout_cast(jnp.zeros((head_dim, rows), jnp.float32), plgpu.Layout.WGMMA)
+  acc, running_max, running_sum = lax.fori_loop(
+    0, num_blocks, body, (acc, running_max, running_sum)
+  )
+
+  # A split with no valid token writes out 0 and lse -inf (it drops out of the merge).
+  nonempty = running_sum > 0
+  safe_sum = jnp.where(nonempty, running_sum, 1.0)
+  out_smem[...] = acc / lax.broadcast_in_dim(safe_sum, acc.shape, [1])
+  lse_smem[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[row, head, split])
+  plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, head, split])
+  plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("sm_scale", "block_tokens", "num_splits", "num_stages", "interpret"),
+)
+def _decode_attention_partials(
+  queries, keys, values, lengths, *, sm_scale, block_tokens, num_splits, num_stages, interpret
+):
+  batch, kv_heads, group, head_dim = queries.shape
+  tokens = keys.shape[2]
+  rows = tile_rows(group)
+  plan, scaled_queries = plan_full_precision_decode(
+    queries,
+    keys,
+    rows=rows,
+    sm_scale=sm_scale,
+    block_tokens=block_tokens,
+    num_splits=num_splits,
+    target_programs=TARGET_PROGRAMS_PER_SM * _compat.gpu_multiprocessor_count(),
+  )
+  padded_lengths = jnp.zeros((-(-batch // LENGTH_WORDS) * LENGTH_WORDS,), jnp.int32)
+  padded_lengths = padded_lengths.at[:batch].set(lengths.astype(jnp.int32))
+  dtype = keys.dtype
+  kernel = plgpu.kernel(
+    functools.partial(_decode_kernel, plan=plan, tokens=tokens, num_stages=num_stages),
+    out_type=(
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows), jnp.float32),
+    ),
+    grid=(batch, kv_heads, plan.num_splits),
+    grid_names=("row", "head", "split"),
+    scratch_types=dict(
+      lengths_smem=plgpu.SMEM(padded_lengths.shape, jnp.int32),
+      queries_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=_swizzled(head_dim, dtype)),
+      keys_smem=plgpu.SMEM(
+        (num_stages, block_tokens, head_dim), dtype, transforms=_swizzled(head_dim, dtype)
+      ),
+      values_smem=plgpu.SMEM(
+        (num_stages, block_tokens, head_dim), dtype, transforms=_swizzled(head_dim, dtype)
+      ),
+      probs_smem=plgpu.SMEM((rows, block_tokens), dtype, transforms=_swizzled(block_tokens, dtype)),
+      out_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
+      lse_smem=plgpu.SMEM((rows,), jnp.float32),
+      barriers=(
+        plgpu.Barrier(),
+        plgpu.Barrier(),
+        plgpu.Barrier(num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+      ),
+    ),
+    compiler_params=_compat.mosaic_gpu_compiler_params(),
+    interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
+  )
+  return kernel(padded_lengths, scaled_queries, keys, values)
+
+
+def decode_attention_partials_mosaic_gpu(
+  queries: jax.Array,  # [B, H, G, D]
+  keys: jax.Array,  # [B, H, T, D], bf16 or f16
+  values: jax.Array,  # [B, H, T, D]
+  lengths: jax.Array,  # int32 [B]
+  *,
+  sm_scale: float,
+  block_tokens: int = 64,
+  num_splits: int | None = None,
+  num_stages: int = 2,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """Per-split partials (out^T f32 [B,H,S,D,rows], lse f32 [B,H,S,rows]). Settings and shapes
+  are checked (ValueError) before anything is traced."""
+  rows, head_dim = tile_rows(queries.shape[2]), queries.shape[3]
+  check_config(
+    rows,
+    head_dim,
+    jnp.dtype(keys.dtype).itemsize,
+    block_tokens=block_tokens,
+    num_stages=num_stages,
+    num_splits=num_splits,
+  )
+  reason = unsupported_reason(queries, keys)
+  if reason is not None:
+    raise ValueError(f"the Mosaic GPU decode-attention kernel does not support {reason}")
+  return _decode_attention_partials(
+    queries,
+    keys,
+    values,
+    lengths,
+    sm_scale=sm_scale,
+    block_tokens=block_tokens,
+    num_splits=num_splits,
+    num_stages=num_stages,
+    interpret=interpret,
+  )
+
+
+def decode_attention_mosaic_gpu(queries, keys, values, lengths, *, sm_scale: float, **config):
+  """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as `decode_attention_reference`."""
+  out, lse = decode_attention_partials_mosaic_gpu(
+    queries, keys, values, lengths, sm_scale=sm_scale, **config
+  )
+  return merge_split_partials(out, lse, queries.shape[2], head_dim_last=False)
