@@ -42,11 +42,12 @@ def test_bad_kernel_config_is_named(config, match):
 
 
 @pytest.mark.parametrize("lowering", ["triton", "mosaic_gpu"])
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a fallback to the reference fails
 def test_dispatch_runs_either_lowering(lowering):
   rng = np.random.default_rng(4)
   queries = random_queries(rng, 2, 2, 4, 128)
-  keys, values = random_full_segment(rng, 2, 2, 150, 128, jnp.bfloat16)
-  lengths = jnp.asarray([150, 70], jnp.int32)
+  keys, values = random_full_segment(rng, 2, 2, 152, 128, jnp.bfloat16)
+  lengths = jnp.asarray([152, 70], jnp.int32)
   out, lse = attention_dispatch.decode_attention(
     queries,
     keys,
