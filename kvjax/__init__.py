@@ -18,6 +18,7 @@ from kvjax.cache_protocol import (
 from kvjax.decoder_protocol import CachedDecoder
 from kvjax.dense_cache import DenseLayerCache, FullCache
 from kvjax.generate import GenerateResult, decode, generate, prefill
+from kvjax.kernel_settings import KernelSettings
 from kvjax.layer_runs import StackedLayerCaches, flatten_layer_caches, run_layers
 from kvjax.method_registry import METHODS
 from kvjax.method_spec import describe_method, parse_method_spec
@@ -30,6 +31,7 @@ __all__ = [
   "DenseLayerCache",
   "FullCache",
   "GenerateResult",
+  "KernelSettings",
   "LayerCache",
   "METHODS",
   "ModelCacheShape",

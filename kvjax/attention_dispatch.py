@@ -34,7 +34,38 @@ Implementation = Literal["auto", "pallas", "reference", "interpret"]
 IMPLEMENTATIONS = ("auto", "pallas", "reference", "interpret")
 KERNEL_BACKENDS = ("gpu", "tpu")
 
+# kernel_config keys each kernel takes, by segment kind and kernel family (the full-precision
+# GPU kernel's keys depend on its lowering: `decode_attention_gpu.CONFIG_KEYS`).
+TPU_CONFIG_KEYS = ("block_tokens", "num_splits")
+QUANTIZED_GPU_CONFIG_KEYS = (
+  "variant",
+  "block_tokens",
+  "num_splits",
+  "num_warps",
+  "num_stages",
+  "unroll",
+)
+
 _warned: set[str] = set()
+
+
+def check_kernel_config(kernel_config: dict | None, *, quantized: bool, family: str) -> None:
+  """ValueError naming kernel_config keys the chosen kernel does not take (family "gpu" or
+  "tpu"; the reference takes any, since it ignores them)."""
+  config = kernel_config or {}
+  if family == "gpu" and not quantized:
+    decode_attention_gpu.check_config(config)
+    return
+  allowed = {"tpu": TPU_CONFIG_KEYS, "gpu": QUANTIZED_GPU_CONFIG_KEYS}.get(family)
+  if allowed is None:
+    return
+  unknown = sorted(set(config) - set(allowed))
+  if unknown:
+    kind = "quantized" if quantized else "full-precision"
+    raise ValueError(
+      f"kernel_config keys {unknown} are not taken by the {family} {kind} kernel; allowed: "
+      f"{', '.join(allowed)}"
+    )
 
 
 def check_implementation(implementation: str) -> None:
@@ -106,8 +137,7 @@ def decode_attention(
   `pallas_kernels.decode_attention_gpu`).
   """
   family, interpret = _choose(implementation, kernel_backend)
-  if family == "gpu":
-    decode_attention_gpu.check_config(kernel_config or {})
+  check_kernel_config(kernel_config, quantized=False, family=family)
   if family != "reference":
     reason = (
       decode_attention_gpu.unsupported_reason(queries, keys, kernel_config or {})
@@ -161,6 +191,7 @@ def quantized_decode_attention(
   `pallas_kernels.quantized_decode_attention_triton`).
   """
   family, interpret = _choose(implementation, kernel_backend)
+  check_kernel_config(kernel_config, quantized=True, family=family)
   check_quantized_inputs(
     queries,
     k_codes,

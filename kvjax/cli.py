@@ -24,6 +24,12 @@ def _add_generate(subparsers):
     "--implementation", default="auto", help="attention: auto|pallas|reference|interpret"
   )
   p.add_argument(
+    "--kernel-settings",
+    default=None,
+    help='Pallas kernel settings as JSON, e.g. \'{"full": {"lowering": "mosaic_gpu"}, '
+    '"quantized": {"variant": "folded"}}\' (see kvjax.kernel_settings)',
+  )
+  p.add_argument(
     "--layer-loop",
     choices=("unroll", "scan"),
     default="unroll",
@@ -34,6 +40,28 @@ def _add_generate(subparsers):
   p.set_defaults(run=run_generate)
 
 
+def kernel_settings_from_json(text: str | None):
+  """--kernel-settings: a JSON object with optional "full" and "quantized" dicts."""
+  import json
+
+  from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
+
+  if text is None:
+    return DEFAULT_KERNEL_SETTINGS
+  try:
+    settings = json.loads(text)
+  except json.JSONDecodeError as e:
+    raise SystemExit(f"error: --kernel-settings is not JSON: {e}") from e
+  if not isinstance(settings, dict) or set(settings) - {"full", "quantized"}:
+    raise SystemExit(
+      "error: --kernel-settings must be a JSON object with keys among: full, quantized"
+    )
+  try:
+    return KernelSettings(**settings)
+  except ValueError as e:
+    raise SystemExit(f"error: --kernel-settings: {e}") from e
+
+
 def run_generate(args) -> int:
   import jax
 
@@ -42,7 +70,11 @@ def run_generate(args) -> int:
   from kvjax.sampling import SamplingConfig
   from models.loading import load_model
 
-  cache_method = parse_method_spec(args.method, implementation=args.implementation)
+  cache_method = parse_method_spec(
+    args.method,
+    implementation=args.implementation,
+    kernel_settings=kernel_settings_from_json(args.kernel_settings),
+  )
   if args.temperature is None and (args.top_k is not None or args.top_p is not None):
     raise SystemExit("error: --top-k/--top-p need --temperature (greedy decoding otherwise)")
   sampling = SamplingConfig(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p)
@@ -137,6 +169,12 @@ def _add_compare(subparsers):
     "--implementation", default="auto", help="attention: auto|pallas|reference|interpret"
   )
   p.add_argument(
+    "--kernel-settings",
+    default=None,
+    help='Pallas kernel settings as JSON, e.g. \'{"full": {"lowering": "mosaic_gpu"}, '
+    '"quantized": {"variant": "folded"}}\' (see kvjax.kernel_settings)',
+  )
+  p.add_argument(
     "--layer-loop",
     choices=("scan", "unroll"),
     default="scan",
@@ -168,6 +206,7 @@ def run_compare(args) -> int:
     seed=args.seed,
     cache_dtype=args.cache_dtype,
     implementation=args.implementation,
+    kernel_settings=kernel_settings_from_json(args.kernel_settings),
   )
   if args.methods is None:
     specs = [
@@ -176,7 +215,9 @@ def run_compare(args) -> int:
   else:
     specs = args.methods
   for spec in specs:  # every spec is checked before the model loads
-    parse_method_spec(spec, implementation=args.implementation)
+    parse_method_spec(
+      spec, implementation=args.implementation, kernel_settings=config.kernel_settings
+    )
   text = load_text(args.text)
   from models.loading import load_model
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
 from kvjax.compact_rows import write_token_at_lengths, zero_past_lengths
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_registry import register_method
 
 
@@ -18,15 +19,29 @@ class DenseLayerCache(KeyValueArrays):
   values: jax.Array  # [batch, kv_heads, capacity, head_dim]
   lengths: jax.Array  # int32 [batch]
   implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+  kernel_settings: KernelSettings = dataclasses.field(
+    default=DEFAULT_KERNEL_SETTINGS, metadata=dict(static=True)
+  )
 
   @classmethod
-  def zeros(cls, *, batch, kv_heads, capacity, head_dim, dtype, implementation="auto"):
+  def zeros(
+    cls,
+    *,
+    batch,
+    kv_heads,
+    capacity,
+    head_dim,
+    dtype,
+    implementation="auto",
+    kernel_settings=DEFAULT_KERNEL_SETTINGS,
+  ):
     shape = (batch, kv_heads, capacity, head_dim)
     return cls(
       keys=jnp.zeros(shape, dtype),
       values=jnp.zeros(shape, dtype),
       lengths=jnp.zeros((batch,), jnp.int32),
       implementation=implementation,
+      kernel_settings=kernel_settings,
     )
 
   @property
@@ -70,6 +85,7 @@ class DenseLayerCache(KeyValueArrays):
       self.lengths,
       sm_scale=sm_scale,
       implementation=self.implementation,
+      kernel_config=self.kernel_settings.full_config(),
     )
     return out
 
@@ -84,6 +100,7 @@ class FullCache:
   """
 
   implementation: str = "auto"
+  kernel_settings: KernelSettings = DEFAULT_KERNEL_SETTINGS
 
   def __post_init__(self):
     attention_dispatch.check_implementation(self.implementation)
@@ -97,6 +114,7 @@ class FullCache:
       head_dim=head_dim,
       dtype=dtype,
       implementation=self.implementation,
+      kernel_settings=self.kernel_settings,
     )
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
@@ -112,6 +130,7 @@ class FullCache:
         head_dim=shape.head_dim,
         dtype=dtype,
         implementation=self.implementation,
+        kernel_settings=self.kernel_settings,
       )
     return self.allocate_storage(
       batch=batch,

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.kivi_cache import (
   KiviCodec,
   KiviLayerCache,
@@ -180,6 +181,7 @@ class Gear:
   block: int = 64
   iterations: int = 3
   implementation: str = "auto"
+  kernel_settings: KernelSettings = DEFAULT_KERNEL_SETTINGS
 
   def __post_init__(self):
     check_quantization_config(bits=self.bits, group_size=self.group_size)
@@ -210,6 +212,7 @@ class Gear:
       head_dim=head_dim,
       dtype=dtype,
       implementation=self.implementation,
+      kernel_settings=self.kernel_settings,
     )
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
 from kvjax.compact_rows import write_token_at_lengths
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_registry import register_method
 from kvjax.quantization.group_quantization import (
   check_quantization_config,
@@ -164,9 +165,23 @@ class KiviLayerCache:
   window_lengths: jax.Array  # int32 [B]: tokens in the window, in [0, window)
   codec: KiviCodec = dataclasses.field(metadata=dict(static=True))
   implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+  kernel_settings: KernelSettings = dataclasses.field(
+    default=DEFAULT_KERNEL_SETTINGS, metadata=dict(static=True)
+  )
 
   @classmethod
-  def zeros(cls, *, codec, batch, kv_heads, capacity, head_dim, dtype, implementation="auto"):
+  def zeros(
+    cls,
+    *,
+    codec,
+    batch,
+    kv_heads,
+    capacity,
+    head_dim,
+    dtype,
+    implementation="auto",
+    kernel_settings=DEFAULT_KERNEL_SETTINGS,
+  ):
     """A cache that holds at least `capacity` tokens per row."""
     codec.check_head_dim(head_dim)
     quantized_capacity = capacity // codec.window * codec.window
@@ -183,6 +198,7 @@ class KiviLayerCache:
       window_lengths=jnp.zeros((batch,), jnp.int32),
       codec=codec,
       implementation=implementation,
+      kernel_settings=kernel_settings,
     )
 
   @property
@@ -313,6 +329,7 @@ class KiviLayerCache:
           outliers=segment.outliers,
           block=self.window,
           implementation=self.implementation,
+          kernel_config=self.kernel_settings.quantized_config(),
         )
       )
     partials.append(
@@ -323,6 +340,7 @@ class KiviLayerCache:
         self.window_lengths,
         sm_scale=sm_scale,
         implementation=self.implementation,
+        kernel_config=self.kernel_settings.full_config(),
       )
     )
     out, _ = merge_attention_partials(partials)
@@ -388,6 +406,7 @@ class Kivi:
   group_size: int = 32
   residual: int = 128
   implementation: str = "auto"
+  kernel_settings: KernelSettings = DEFAULT_KERNEL_SETTINGS
 
   def __post_init__(self):
     check_quantization_config(bits=self.bits, group_size=self.group_size)
@@ -408,6 +427,7 @@ class Kivi:
       head_dim=head_dim,
       dtype=dtype,
       implementation=self.implementation,
+      kernel_settings=self.kernel_settings,
     )
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):

@@ -9,7 +9,12 @@ import typing
 
 from kvjax import methods as _register_all_methods  # noqa: F401  (fills the registry)
 from kvjax.attention_dispatch import check_implementation
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_registry import METHODS
+
+# Method fields a spec's `key=value` items never set: the composed storage, and how the method
+# runs (given by parse_method_spec's caller). `describe_method` leaves them out too.
+RUNTIME_FIELDS = ("storage", "implementation", "kernel_settings")
 
 
 def _coerce(method: str, name: str, raw: str, annotation):
@@ -40,11 +45,7 @@ def _parse_one(part: str):
     raise ValueError(f"unknown cache method {name!r}; available: {', '.join(sorted(METHODS))}")
   cls = METHODS[name]
   hints = typing.get_type_hints(cls)
-  fields = {
-    f.name
-    for f in dataclasses.fields(cls)
-    if f.init and f.name not in ("storage", "implementation")
-  }
+  fields = {f.name for f in dataclasses.fields(cls) if f.init and f.name not in RUNTIME_FIELDS}
   kwargs = {}
   for item in filter(None, (s.strip() for s in arg_text.split(","))):
     key, eq, raw = item.partition("=")
@@ -59,9 +60,21 @@ def _parse_one(part: str):
   return cls, kwargs
 
 
-def parse_method_spec(spec: str, *, implementation: str = "auto"):
-  """A cache method object from a spec string (see module docstring)."""
+def parse_method_spec(
+  spec: str,
+  *,
+  implementation: str = "auto",
+  kernel_settings: KernelSettings = DEFAULT_KERNEL_SETTINGS,
+):
+  """A cache method object from a spec string (see module docstring). `implementation` and
+  `kernel_settings` (which Pallas kernel settings its caches pass to the attention dispatch)
+  go to every part of a composition that attends."""
   check_implementation(implementation)
+  if not isinstance(kernel_settings, KernelSettings):
+    raise ValueError(
+      f"kernel_settings must be a kvjax.kernel_settings.KernelSettings, got "
+      f"{type(kernel_settings).__name__}"
+    )
   if not spec or not spec.strip():
     raise ValueError(f"empty cache method spec; available: {', '.join(sorted(METHODS))}")
   parsed = [_parse_one(part) for part in spec.split("+")]
@@ -74,8 +87,11 @@ def parse_method_spec(spec: str, *, implementation: str = "auto"):
     )
 
   def build(cls, kwargs, **extra):
-    if "implementation" in {f.name for f in dataclasses.fields(cls)}:
+    names = {f.name for f in dataclasses.fields(cls)}
+    if "implementation" in names:
       extra["implementation"] = implementation
+    if "kernel_settings" in names:
+      extra["kernel_settings"] = kernel_settings
     return cls(**kwargs, **extra)
 
   storage = build(*storages[0]) if storages else None
@@ -83,7 +99,7 @@ def parse_method_spec(spec: str, *, implementation: str = "auto"):
     return storage
   selection_cls, selection_kwargs = selections[0]
   if storage is None and "storage" in {f.name for f in dataclasses.fields(selection_cls)}:
-    storage = build(METHODS["full"], {})  # carries the implementation override
+    storage = build(METHODS["full"], {})  # carries the implementation and kernel settings
   return build(selection_cls, selection_kwargs, **({"storage": storage} if storage else {}))
 
 
@@ -95,7 +111,7 @@ def describe_method(method) -> str:
     params = [
       f"{f.name}={getattr(m, f.name)}"
       for f in dataclasses.fields(m)
-      if f.init and f.name not in ("storage", "implementation") and getattr(m, f.name) != f.default
+      if f.init and f.name not in RUNTIME_FIELDS and getattr(m, f.name) != f.default
     ]
     parts.append(m.method_name + (":" + ",".join(params) if params else ""))
   if storage is not None and storage.method_name == "full":

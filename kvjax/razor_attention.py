@@ -117,6 +117,7 @@ def attend_with_lse(storage_cache, queries, *, sm_scale):
       storage_cache.lengths,
       sm_scale=sm_scale,
       implementation=storage_cache.implementation,
+      kernel_config=storage_cache.kernel_settings.full_config(),
     )
   return storage_cache.attend_with_lse(queries, sm_scale=sm_scale)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import KeyValueArrays
 from kvjax.compact_rows import write_token_at_lengths
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 
 
 def ring_source_positions(lengths: jax.Array, window: int) -> tuple[jax.Array, jax.Array]:
@@ -33,15 +34,29 @@ class SlidingWindowLayerCache(KeyValueArrays):
   values: jax.Array  # [batch, kv_heads, window, head_dim]
   lengths: jax.Array  # int32 [batch]: tokens seen so far (may exceed the window)
   implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+  kernel_settings: KernelSettings = dataclasses.field(
+    default=DEFAULT_KERNEL_SETTINGS, metadata=dict(static=True)
+  )
 
   @classmethod
-  def zeros(cls, *, batch, kv_heads, window, head_dim, dtype, implementation="auto"):
+  def zeros(
+    cls,
+    *,
+    batch,
+    kv_heads,
+    window,
+    head_dim,
+    dtype,
+    implementation="auto",
+    kernel_settings=DEFAULT_KERNEL_SETTINGS,
+  ):
     shape = (batch, kv_heads, window, head_dim)
     return cls(
       keys=jnp.zeros(shape, dtype),
       values=jnp.zeros(shape, dtype),
       lengths=jnp.zeros((batch,), jnp.int32),
       implementation=implementation,
+      kernel_settings=kernel_settings,
     )
 
   @property
@@ -76,5 +91,6 @@ class SlidingWindowLayerCache(KeyValueArrays):
       jnp.minimum(self.lengths, self.window),
       sm_scale=sm_scale,
       implementation=self.implementation,
+      kernel_config=self.kernel_settings.full_config(),
     )
     return out

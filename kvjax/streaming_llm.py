@@ -28,6 +28,7 @@ from kvjax import attention_dispatch
 from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
 from kvjax.compact_rows import write_token_at_lengths
 from kvjax.dense_cache import FullCache
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_registry import register_method
 from kvjax.rope import rope_inverse_frequencies, rotate_by_positions
 from kvjax.selection.budgets import (
@@ -68,10 +69,23 @@ class StreamingLayerCache(KeyValueArrays):
   sinks: int = dataclasses.field(metadata=dict(static=True))
   rope_theta: float | None = dataclasses.field(default=None, metadata=dict(static=True))
   implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
+  kernel_settings: KernelSettings = dataclasses.field(
+    default=DEFAULT_KERNEL_SETTINGS, metadata=dict(static=True)
+  )
 
   @classmethod
   def zeros(
-    cls, *, batch, kv_heads, sinks, window, head_dim, dtype, rope_theta=None, implementation="auto"
+    cls,
+    *,
+    batch,
+    kv_heads,
+    sinks,
+    window,
+    head_dim,
+    dtype,
+    rope_theta=None,
+    implementation="auto",
+    kernel_settings=DEFAULT_KERNEL_SETTINGS,
   ):
     shape = (batch, kv_heads, sinks + window, head_dim)
     return cls(
@@ -81,6 +95,7 @@ class StreamingLayerCache(KeyValueArrays):
       sinks=sinks,
       rope_theta=rope_theta,
       implementation=implementation,
+      kernel_settings=kernel_settings,
     )
 
   @property
@@ -130,6 +145,7 @@ class StreamingLayerCache(KeyValueArrays):
       jnp.minimum(self.lengths, self.slots),
       sm_scale=sm_scale,
       implementation=self.implementation,
+      kernel_config=self.kernel_settings.full_config(),
     )
     return out
 
@@ -152,6 +168,7 @@ class StreamingLLM:
   positions: str = "original"
   rope_theta: float | None = None
   implementation: str = "auto"
+  kernel_settings: KernelSettings = DEFAULT_KERNEL_SETTINGS
   storage: Any = FullCache()
 
   def __post_init__(self):
@@ -212,4 +229,5 @@ class StreamingLLM:
       dtype=dtype,
       rope_theta=self.rope_theta if self.positions == "in_cache" else None,
       implementation=self.implementation,
+      kernel_settings=self.kernel_settings,
     )

@@ -10,6 +10,7 @@ from kvjax.eval.cache_size import cache_bytes_after_context, context_elements
 from kvjax.eval.continuation import ContinuationScores, sample_text_windows
 from kvjax.eval.needle import build_needle_prompts, run_needle
 from kvjax.eval.speed import speed_record, timed_prefill, timed_teacher_force
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_spec import describe_method, parse_method_spec
 
 TASKS = ("ppl", "kl", "passkey", "passkey_agnostic", "speed")
@@ -24,6 +25,7 @@ class CompareConfig:
   seed: int = 0
   cache_dtype: str = "bfloat16"
   implementation: str = "auto"
+  kernel_settings: KernelSettings = DEFAULT_KERNEL_SETTINGS
 
   def __post_init__(self):
     unknown = set(self.tasks) - set(TASKS)
@@ -56,12 +58,21 @@ def compare_methods(
   called after each method with the records so far (to save partial results of long runs).
   """
   methods = [
-    parse_method_spec(s, implementation=config.implementation) if isinstance(s, str) else s
+    parse_method_spec(
+      s, implementation=config.implementation, kernel_settings=config.kernel_settings
+    )
+    if isinstance(s, str)
+    else s
     for s in method_specs
   ]
   names = [describe_method(m) for m in methods]
   if "full" not in names:
-    methods.insert(0, parse_method_spec("full", implementation=config.implementation))
+    methods.insert(
+      0,
+      parse_method_spec(
+        "full", implementation=config.implementation, kernel_settings=config.kernel_settings
+      ),
+    )
     names.insert(0, "full")
   needed = config.context_len + config.continuation_len
   if max_context is not None and needed > max_context:

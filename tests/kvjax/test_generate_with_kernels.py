@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from kvjax.generate import generate
+from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import parse_method_spec
+from pallas_kernels import decode_attention_gpu, quantized_decode_attention_triton
 from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
 KERNEL_CONFIG = dataclasses.replace(TINY_CONFIG, head_dim=64)
@@ -40,3 +42,48 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
     for implementation in ("reference", "interpret")
   }
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
+
+
+@pytest.mark.parametrize(
+  "spec, settings, cache_dtype",
+  [
+    # The Mosaic GPU kernel takes 16-bit caches; capacity 37 + 3 = 40, a multiple of 8.
+    ("full", KernelSettings(full={"lowering": "mosaic_gpu"}), jnp.bfloat16),
+    (
+      "kivi:bits=2,group_size=16,residual=16",
+      KernelSettings(quantized={"variant": "folded"}),
+      jnp.float32,
+    ),
+  ],
+)
+@pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
+def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dtype, monkeypatch):
+  """The settings a method carries pick the kernel its caches run (here in interpret mode)."""
+  seen = []
+
+  def recording(module, name):
+    kernel = getattr(module, name)
+
+    def record(*args, **kwargs):
+      seen.append({k: v for k, v in kwargs.items() if k in ("lowering", "variant")})
+      return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, record)
+
+  recording(decode_attention_gpu, "decode_attention_gpu")
+  recording(quantized_decode_attention_triton, "quantized_decode_attention_gpu")
+  decoder, params = tiny_decoder(config=KERNEL_CONFIG)
+  tokens = {
+    implementation: generate(
+      decoder,
+      params,
+      PROMPTS,
+      max_new_tokens=3,
+      cache_dtype=cache_dtype,
+      cache_method=parse_method_spec(spec, implementation=implementation, kernel_settings=settings),
+    ).tokens
+    for implementation in ("reference", "interpret")
+  }
+  np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
+  wanted = settings.full_config() or settings.quantized_config()
+  assert wanted in seen, seen

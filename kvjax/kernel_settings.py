@@ -1,0 +1,72 @@
+"""Kernel settings a cache carries into the attention dispatch: the `kernel_config` of its
+full-precision segments and of its quantized segments (see `attention_dispatch`).
+
+Frozen and hashable, so caches hold them as static pytree metadata and a jitted generate loop
+compiles once per setting. Checked when built: unknown keys or values raise ValueError naming
+them, before anything is traced. Which keys a kernel takes depends on the backend the cache
+runs on; a key the chosen kernel does not take raises when the cache first attends.
+"""
+
+import dataclasses
+from typing import Any
+
+from kvjax.attention_dispatch import QUANTIZED_GPU_CONFIG_KEYS, TPU_CONFIG_KEYS
+from pallas_kernels import decode_attention_gpu
+from pallas_kernels.quantized_decode_attention_triton import VARIANTS
+
+FULL_KEYS = tuple(
+  dict.fromkeys(
+    ("lowering",) + sum(decode_attention_gpu.CONFIG_KEYS.values(), ()) + TPU_CONFIG_KEYS
+  )
+)
+QUANTIZED_KEYS = tuple(dict.fromkeys(QUANTIZED_GPU_CONFIG_KEYS + TPU_CONFIG_KEYS))
+Setting = tuple[tuple[str, Any], ...]
+
+
+def _frozen(name: str, config, allowed: tuple[str, ...]) -> Setting:
+  if config is None:
+    return ()
+  if isinstance(config, tuple):
+    config = dict(config)
+  if not isinstance(config, dict):
+    raise ValueError(f"kernel settings {name} must be a dict, got {type(config).__name__}")
+  unknown = sorted(set(config) - set(allowed))
+  if unknown:
+    raise ValueError(
+      f"kernel settings {name}: unknown keys {unknown}; allowed: {', '.join(allowed)}"
+    )
+  for key, value in config.items():
+    if not (value is None or isinstance(value, (int, str))) or isinstance(value, bool):
+      raise ValueError(f"kernel settings {name}: {key}={value!r} must be an int, a string or None")
+  return tuple(sorted(config.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+  """`full`: kernel_config of full-precision segments (e.g. {"lowering": "mosaic_gpu"});
+  `quantized`: of quantized segments (e.g. {"variant": "folded"}). Dicts or item tuples."""
+
+  full: Setting = ()
+  quantized: Setting = ()
+
+  def __post_init__(self):
+    object.__setattr__(self, "full", _frozen("full", self.full, FULL_KEYS))
+    object.__setattr__(self, "quantized", _frozen("quantized", self.quantized, QUANTIZED_KEYS))
+    full = dict(self.full)
+    if "lowering" in full:
+      decode_attention_gpu.check_config({"lowering": full["lowering"]})
+    variant = dict(self.quantized).get("variant")
+    if variant is not None and variant not in VARIANTS:
+      raise ValueError(
+        f"kernel settings quantized: variant={variant!r} is not supported; allowed: "
+        f"{', '.join(VARIANTS)}"
+      )
+
+  def full_config(self) -> dict | None:
+    return dict(self.full) or None
+
+  def quantized_config(self) -> dict | None:
+    return dict(self.quantized) or None
+
+
+DEFAULT_KERNEL_SETTINGS = KernelSettings()

@@ -1,0 +1,94 @@
+"""Kernel settings: checked when built, hashable (static pytree metadata), carried by every part
+of a composition into its caches, and from the CLI."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kvjax import attention_dispatch
+from kvjax.cli import main
+from kvjax.dense_cache import DenseLayerCache
+from kvjax.kernel_settings import KernelSettings
+from kvjax.method_spec import describe_method, parse_method_spec
+
+SETTINGS = KernelSettings(
+  full={"lowering": "mosaic_gpu", "block_tokens": 64}, quantized={"variant": "folded"}
+)
+
+
+def test_settings_are_frozen_hashable_and_give_back_their_dicts():
+  again = KernelSettings(
+    full=(("block_tokens", 64), ("lowering", "mosaic_gpu")), quantized=SETTINGS.quantized
+  )
+  assert again == SETTINGS and hash(again) == hash(SETTINGS)
+  assert SETTINGS.full_config() == {"lowering": "mosaic_gpu", "block_tokens": 64}
+  assert SETTINGS.quantized_config() == {"variant": "folded"}
+  assert KernelSettings().full_config() is None and KernelSettings().quantized_config() is None
+
+
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (dict(full={"lowering": "cuda"}), "lowering='cuda' is not supported; allowed: triton"),
+    (dict(quantized={"variant": "fast"}), "variant='fast' is not supported; allowed: folded"),
+    (dict(full={"variant": "folded"}), r"full: unknown keys \['variant'\]"),
+    (dict(quantized={"lowering": "triton"}), r"quantized: unknown keys \['lowering'\]"),
+    (dict(full={"block_tokens": 6.4}), "block_tokens=6.4 must be an int"),
+    (dict(full={"num_stages": True}), "num_stages=True must be an int"),
+    (dict(full=[("block_tokens", 64)]), "full must be a dict"),
+  ],
+)
+def test_bad_settings_name_what_is_wrong(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    KernelSettings(**kwargs)
+
+
+def test_every_part_of_a_composition_carries_the_settings():
+  method = parse_method_spec(
+    "snapkv:budget=64+kivi:bits=4", implementation="interpret", kernel_settings=SETTINGS
+  )
+  assert method.storage.kernel_settings == SETTINGS  # SnapKV attends through its storage
+  assert describe_method(method) == "snapkv:budget=64+kivi:bits=4"
+  selection_only = parse_method_spec("snapkv:budget=64", kernel_settings=SETTINGS)
+  assert selection_only.storage.kernel_settings == SETTINGS  # the implicit full storage
+  with pytest.raises(ValueError, match="kernel_settings must be a kvjax.kernel_settings"):
+    parse_method_spec("full", kernel_settings={"full": {}})
+
+
+def test_caches_keep_settings_as_static_metadata():
+  cache = parse_method_spec("full", kernel_settings=SETTINGS).allocate_storage(
+    batch=1, kv_heads=1, capacity=8, head_dim=64, dtype=jnp.bfloat16
+  )
+  assert isinstance(cache, DenseLayerCache) and cache.kernel_settings == SETTINGS
+  leaves, treedef = jax.tree_util.tree_flatten(cache)
+  assert len(leaves) == 3  # keys, values, lengths: the settings are not traced
+  assert jax.tree_util.tree_unflatten(treedef, leaves).kernel_settings == SETTINGS
+
+
+@pytest.mark.parametrize(
+  "quantized, family, message",
+  [
+    (True, "gpu", r"keys \['lowering'\] are not taken by the gpu quantized kernel"),
+    (False, "tpu", r"keys \['lowering'\] are not taken by the tpu full-precision kernel"),
+    (False, "gpu", r"keys \['variant'\] are not taken by lowering='triton'"),
+  ],
+)
+def test_dispatch_refuses_keys_its_kernel_does_not_take(quantized, family, message):
+  config = {"lowering": "mosaic_gpu"} if family != "gpu" or quantized else {"variant": "folded"}
+  with pytest.raises(ValueError, match=message):
+    attention_dispatch.check_kernel_config(config, quantized=quantized, family=family)
+  attention_dispatch.check_kernel_config(config, quantized=quantized, family="reference")
+
+
+@pytest.mark.parametrize(
+  "text, message",
+  [
+    ("{", "--kernel-settings is not JSON"),
+    ('{"fast": {}}', "keys among: full, quantized"),
+    ('{"quantized": {"variant": "fast"}}', "variant='fast' is not supported"),
+  ],
+)
+def test_cli_kernel_settings_errors(text, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(["generate", "--prompt", "x", "--kernel-settings", text])
+  assert message in capsys.readouterr().err + str(exit_info.value)
