@@ -20,15 +20,7 @@ def _add_generate(subparsers):
   p.add_argument("--top-p", type=float, default=None)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--method", default="full", help="cache method spec, e.g. full, kivi:bits=4")
-  p.add_argument(
-    "--implementation", default="auto", help="attention: auto|pallas|reference|interpret"
-  )
-  p.add_argument(
-    "--kernel-settings",
-    default=None,
-    help='Pallas kernel settings as JSON, e.g. \'{"full": {"lowering": "mosaic_gpu"}, '
-    '"quantized": {"variant": "folded"}}\' (see kvjax.kernel_settings)',
-  )
+  _add_attention_arguments(p)
   p.add_argument(
     "--layer-loop",
     choices=("unroll", "scan"),
@@ -38,6 +30,19 @@ def _add_generate(subparsers):
   )
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(run=run_generate)
+
+
+def _add_attention_arguments(p):
+  """--implementation and --kernel-settings: how a command's caches compute attention."""
+  p.add_argument(
+    "--implementation", default="auto", help="attention: auto|pallas|reference|interpret"
+  )
+  p.add_argument(
+    "--kernel-settings",
+    default=None,
+    help='Pallas kernel settings as JSON, e.g. \'{"full": {"lowering": "mosaic_gpu"}, '
+    '"quantized": {"variant": "folded"}}\' (see kvjax.kernel_settings)',
+  )
 
 
 def kernel_settings_from_json(text: str | None):
@@ -165,15 +170,7 @@ def _add_compare(subparsers):
     help="text windows for ppl/kl, and needles per depth (default 1: a quick look; use 4+)",
   )
   p.add_argument("--cache-dtype", default="bfloat16", help="bfloat16|float16|float32")
-  p.add_argument(
-    "--implementation", default="auto", help="attention: auto|pallas|reference|interpret"
-  )
-  p.add_argument(
-    "--kernel-settings",
-    default=None,
-    help='Pallas kernel settings as JSON, e.g. \'{"full": {"lowering": "mosaic_gpu"}, '
-    '"quantized": {"variant": "folded"}}\' (see kvjax.kernel_settings)',
-  )
+  _add_attention_arguments(p)
   p.add_argument(
     "--layer-loop",
     choices=("scan", "unroll"),

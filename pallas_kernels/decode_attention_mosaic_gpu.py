@@ -47,8 +47,6 @@ MAX_GROUP = 64
 MIN_ROWS = 8  # wgmma N is a multiple of 8
 # Hopper's shared memory per block (227 KiB of the SM's 228 KiB can go to one block).
 SHARED_MEMORY_BYTES = 227 * 1024
-# Default flash-decoding split, as for the Triton kernel: ~16 programs per SM.
-TARGET_PROGRAMS_PER_SM = 16
 LENGTH_WORDS = 4  # a TMA copy moves at least 16 bytes: lengths are padded to 4 int32
 # The TMA copy into the swizzled operand tiles sees the cache as 8-row tiles, so the capacity
 # must be a whole number of them (Mosaic GPU refuses a partial last tile).
@@ -230,7 +228,6 @@ def _decode_attention_partials(
     sm_scale=sm_scale,
     block_tokens=block_tokens,
     num_splits=num_splits,
-    target_programs=TARGET_PROGRAMS_PER_SM * _compat.gpu_multiprocessor_count(),
   )
   padded_lengths = jnp.zeros((-(-batch // LENGTH_WORDS) * LENGTH_WORDS,), jnp.int32)
   padded_lengths = padded_lengths.at[:batch].set(lengths.astype(jnp.int32))

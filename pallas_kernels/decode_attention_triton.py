@@ -22,9 +22,6 @@ from pallas_kernels import _compat
 from pallas_kernels.splits import SplitPlan, merge_split_partials, plan_full_precision_decode
 
 TILE_ROWS = 16  # smallest M of a tensor-core dot in Triton
-# Default flash-decoding split: enough programs for ~16 per SM, so rows of unequal length and the
-# last wave balance out (H100 run 1: 32 splits beat 9 by 10-15% at batch 8 x 8 KV heads).
-TARGET_PROGRAMS_PER_SM = 16
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
@@ -177,7 +174,6 @@ def decode_attention_partials_triton(
     sm_scale=sm_scale,
     block_tokens=block_tokens,
     num_splits=num_splits,
-    target_programs=TARGET_PROGRAMS_PER_SM * _compat.gpu_multiprocessor_count(),
   )
   row_spec = lambda *block: pl.BlockSpec(block, lambda b, h, s: (b, h) + (0,) * (len(block) - 2))
   in_specs = [

@@ -43,7 +43,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat
 from pallas_kernels.bit_packing import check_bits
 from pallas_kernels.decode_attention_triton import (
-  TARGET_PROGRAMS_PER_SM,
   _dot_nn,
   _dot_nt,
   load_token_rows,
@@ -77,6 +76,7 @@ from pallas_kernels.joined_fields import (
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
 from pallas_kernels.splits import (
   SplitPlan,
+  gpu_target_programs,
   is_power_of_two,
   merge_split_partials,
   pad_query_group,
@@ -515,8 +515,7 @@ def quantized_decode_attention_partials_triton(
     rows = folded_rows(group, step_tokens, head_dim, group_size)
   else:
     rows = tile_rows(group)
-  target_programs = TARGET_PROGRAMS_PER_SM * _compat.gpu_multiprocessor_count()
-  plan = plan_splits(tokens, step_tokens, batch * kv_heads, num_splits, target_programs)
+  plan = plan_splits(tokens, step_tokens, batch * kv_heads, num_splits, gpu_target_programs())
   scaled_queries = queries.astype(jnp.float32) * sm_scale
   prefix = []
   key_order = np.arange(head_dim, dtype=np.int32)
