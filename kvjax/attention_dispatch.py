@@ -44,6 +44,7 @@ QUANTIZED_GPU_CONFIG_KEYS = (
   "num_warps",
   "num_stages",
   "unroll",
+  "prefetch",
 )
 
 _warned: set[str] = set()
@@ -187,7 +188,8 @@ def quantized_decode_attention(
 
   Storage layout: see `pallas_kernels.quantized_decode_attention_reference`. Configuration
   errors raise ValueError before anything is traced. On GPU, `kernel_config` may pick the
-  kernel variant: {"variant": "reshape" (default) | "joined" | "folded" | "planar"} (see
+  kernel variant: {"variant": "folded" (default) | "joined" | "reshape" | "planar"} and, for
+  "folded", {"prefetch": True (default) | False} (see
   `pallas_kernels.quantized_decode_attention_triton`).
   """
   family, interpret = _choose(implementation, kernel_backend)

@@ -21,6 +21,7 @@ FULL_KEYS = tuple(
 )
 QUANTIZED_KEYS = tuple(dict.fromkeys(QUANTIZED_GPU_CONFIG_KEYS + TPU_CONFIG_KEYS))
 Setting = tuple[tuple[str, Any], ...]
+BOOLEAN_KEYS = ("prefetch",)  # switches; every other setting is a number, a name or None
 
 
 def _frozen(name: str, config, allowed: tuple[str, ...]) -> Setting:
@@ -36,7 +37,10 @@ def _frozen(name: str, config, allowed: tuple[str, ...]) -> Setting:
       f"kernel settings {name}: unknown keys {unknown}; allowed: {', '.join(allowed)}"
     )
   for key, value in config.items():
-    if not (value is None or isinstance(value, (int, str))) or isinstance(value, bool):
+    if key in BOOLEAN_KEYS:
+      if not isinstance(value, bool):
+        raise ValueError(f"kernel settings {name}: {key}={value!r} must be True or False")
+    elif not (value is None or isinstance(value, (int, str))) or isinstance(value, bool):
       raise ValueError(f"kernel settings {name}: {key}={value!r} must be an int, a string or None")
   return tuple(sorted(config.items()))
 

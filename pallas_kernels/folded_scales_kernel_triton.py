@@ -21,7 +21,9 @@ the bf16 numbers 128 + code (exact: bf16 has 8 significant bits), and one packed
 subtraction of 128 (HADD2) leaves the two codes themselves, exact: three instructions per pair
 of elements. (Keeping the 128 in the operand and taking it out through the bias saves the
 subtraction but costs two sums of the rounded Q' / P' per block, 184 instructions per 128-token
-iteration against 128 HADD2, and leaves a cancellation of 128 x sum(Q') in every score.)
+iteration against 128 HADD2, and leaves a cancellation of 128 x sum(Q') in every score.) The
+compiler in jaxlib 0.11.2 does not keep to three: on an H100 the AND and the OR are two LOP3 and
+the pairs are re-paired with PRMT before they are staged (benchmarks/KERNEL_NOTES.md, v8).
 Otherwise (8-bit codes, f16 or f32 operands) each code is an exact float through the 2^23
 magic number.
 
@@ -148,10 +150,16 @@ def folded_kernel(
   group_size: int,
   has_lowrank: bool = False,
   has_outliers: bool = False,
+  prefetch: bool = False,
 ):
   """One step = one block of `plan.block_tokens` tokens (one GEAR block for GEAR caches), one
   dot for K and one for V. `rest`: the GEAR refs if any, optional aliased starting contents of
-  the outputs, then (out_ref, lse_ref)."""
+  the outputs, then (out_ref, lse_ref).
+
+  `prefetch`: each step issues the loads of the next block before its own arithmetic and
+  carries them (register double buffering), so the global-memory latency of one block hides
+  behind the work of the previous one. Loads past the split's end are masked off (no memory
+  read), so the last step's prefetch costs no traffic."""
   out_ref, lse_ref = rest[-2:]
   gear = GearRefs.take(rest[:-2], has_lowrank, has_outliers)
   block = plan.block_tokens
@@ -168,19 +176,38 @@ def folded_kernel(
   token_is_in_group = (offsets // group_size)[None, None, :] == group_offsets[:, None, None]
   last_group = tokens // group_size - 1
 
-  def body(i, carry):
-    running_max, running_sum, acc, value_bias, gear_acc = carry
-    first = start + i * block
+  def load_keys(first):
     valid = first + offsets < end  # [block]; masked lanes read no memory
-
-    k_words = load_token_rows(k_codes_ref, first, block, valid)
-    k_code = unpack_codes_for_dot(k_words, bits, compute_dtype)  # [block, D]
     group_rows = jnp.minimum(first // group_size + group_offsets, last_group)[:, None]
+    return (
+      load_token_rows(k_codes_ref, first, block, valid),
+      k_scale_ref[group_rows, order[None, :]],  # [groups, D]
+      k_min_ref[group_rows, order[None, :]],
+    )
+
+  def load_values(first):
+    valid = first + offsets < end
+    return tuple(
+      load_token_rows(ref, first, block, valid)  # [block, W] / [block, value_groups]
+      for ref in (v_codes_ref, v_scale_ref, v_min_ref)
+    )
+
+  def body(i, carry):
+    running_max, running_sum, acc, value_bias, gear_acc, prefetched = carry
+    first = start + i * block
+    valid = first + offsets < end
+    if prefetch:
+      (k_words, k_scale, k_min), loaded_values = prefetched
+      prefetched = (load_keys(first + block), load_values(first + block))
+    else:
+      k_words, k_scale, k_min = load_keys(first)
+
+    k_code = unpack_codes_for_dot(k_words, bits, compute_dtype)  # [block, D]
     # compute_dtype is the scales' own dtype (`compute_dtype_for`), so this multiplies in bf16
     # (HMUL2, a pair per instruction) for bf16 caches: the product of two bf16 numbers is exact
     # in float32, so it is bit for bit the float32 product and cast, at half the instructions.
-    k_scale = k_scale_ref[group_rows, order[None, :]].astype(compute_dtype)  # [groups, D]
-    k_min = k_min_ref[group_rows, order[None, :]].astype(jnp.float32)
+    k_scale = k_scale.astype(compute_dtype)
+    k_min = k_min.astype(jnp.float32)
     stacked_queries = queries_in_compute_dtype[None, :, :] * k_scale[:, None, :]
     key_bias = jnp.sum(queries[None, :, :] * k_min[:, None, :], axis=2)  # [groups, rows]
     stacked_scores = _dot_nt(stacked_queries.reshape(key_groups * rows, head_dim), k_code).reshape(
@@ -196,12 +223,9 @@ def folded_kernel(
       running_max, running_sum, scores, valid
     )  # probs [rows, block]
 
-    v_words = load_token_rows(v_codes_ref, first, block, valid)
+    v_words, v_scale, v_min = loaded_values if prefetch else load_values(first)
     v_code = unpack_codes_for_dot(v_words, bits, compute_dtype)  # [block, D]
-    v_scale, v_min = (
-      load_token_rows(ref, first, block, valid).astype(jnp.float32).T  # [value_groups, block]
-      for ref in (v_scale_ref, v_min_ref)
-    )
+    v_scale, v_min = (x.astype(jnp.float32).T for x in (v_scale, v_min))  # [value_groups, block]
     stacked_probs = (probs[None, :, :] * v_scale[:, None, :]).astype(compute_dtype)
     bias_update = jnp.sum(probs[None, :, :] * v_min[:, None, :], axis=2)  # [value_groups, rows]
     # Transposed so that M is the head dim: a wgmma on sm_90 (see the module docstring).
@@ -212,7 +236,7 @@ def folded_kernel(
       gear_acc = gear_acc * correction[:, None] + gear_value_terms(
         gear, probs, first // block, first, valid, order, compute_dtype
       )
-    return running_max, running_sum, acc, value_bias, gear_acc
+    return running_max, running_sum, acc, value_bias, gear_acc, prefetched
 
   init = (
     jnp.full((rows,), -jnp.inf, jnp.float32),
@@ -221,8 +245,11 @@ def folded_kernel(
     jnp.zeros((value_groups, rows), jnp.float32),
     # GEAR's value terms are [rows, D] per block: their own accumulator, not one per group.
     jnp.zeros((rows, head_dim) if gear.present else (), jnp.float32),
+    (load_keys(start), load_values(start)) if prefetch else (),
   )
-  running_max, running_sum, acc, value_bias, gear_acc = jax.lax.fori_loop(0, num_blocks, body, init)
+  running_max, running_sum, acc, value_bias, gear_acc, _ = jax.lax.fori_loop(
+    0, num_blocks, body, init
+  )
   position_group = (order // group_size)[None, None, :]  # value group of each position
   in_group = position_group == jnp.arange(value_groups, dtype=jnp.int32)[:, None, None]
   out = jnp.sum(jnp.where(in_group, acc + value_bias[:, :, None], 0.0), axis=0)  # [rows, D]

@@ -16,18 +16,20 @@ field k holds channels [k*W, (k+1)*W)), converted to float with the 2^23 "magic 
 instead of a slow int-to-float conversion), scaled, and fed to tensor-core dots. Scales stay
 at their stored granularity in memory and are broadcast in registers.
 
-Four variants (`variant=`): "reshape" (default) as just described, one dot for K and one for
-V per block; "joined" has the same one-dot-per-block structure but joins the bit fields with
-`stack` (`joined_fields`: no reshape, so no layout conversion through shared memory; channels
-in a fixed permutation applied to q and undone on the output), keeps each block's key groups as
-a leading axis so their scale rows broadcast in registers, and dequantizes with one FMA per
-element (`float_unpacking`). "folded" (`folded_scales_kernel_triton`) dequantizes
-nothing: key scales are folded into one copy of q per key group and value scales into one copy
-of p per value channel group, the copies stacked along the rows of the same two dots, and 2/4-bit
-codes become bf16 operands with two integer ops per pair. "planar" folds the scales too, but
-with one small dot per key group and per value channel group. On H100 "planar" measured slower
-than "reshape" (many small dots and barriers per token); "joined" and "folded" are not yet
-measured on a GPU (their static SASS cost: benchmarks/KERNEL_NOTES.md).
+Four variants (`variant=`): "reshape" as just described, one dot for K and one for V per block;
+"joined" has the same one-dot-per-block structure but joins the bit fields with `stack`
+(`joined_fields`: no reshape, so no layout conversion through shared memory; channels in a fixed
+permutation applied to q and undone on the output), keeps each block's key groups as a leading axis
+so their scale rows broadcast in registers, and dequantizes with one FMA per element
+(`float_unpacking`). "folded" (`folded_scales_kernel_triton`) dequantizes nothing: key scales are
+folded into one copy of q per key group and value scales into one copy of p per value channel group,
+the copies stacked along the rows of the same two dots, and 2/4-bit codes become bf16 operands with
+a shift, an AND-OR and a packed subtraction per pair (the compiled code spends more: KERNEL_NOTES
+v8). "planar" folds the scales too, but with one small dot per key group and per value channel
+group. Measured on H100 at 32k (KIVI-2, benchmarks/RESULTS.md): folded 296 us (265 us with
+`prefetch`, the next block's loads issued one step ahead), reshape 470, joined 468, planar 856; so
+"folded" with prefetch is the default of `quantized_decode_attention_triton`, falling back to
+"joined" and then "reshape" where it does not apply.
 
 GEAR's low-rank and outlier terms are fused in every variant, one GEAR block per step (so
 `block_tokens == block`), by `gear_terms_triton`.
@@ -434,6 +436,7 @@ def output_channel_order(head_dim: int, bits: int, group_size: int, variant: str
     "interpret",
     "variant",
     "unroll",
+    "prefetch",
   ),
 )
 def quantized_decode_attention_partials_triton(
@@ -460,6 +463,7 @@ def quantized_decode_attention_partials_triton(
   interpret: bool = False,
   variant: str = "reshape",
   unroll: int = 2,
+  prefetch: bool | None = None,
 ):
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows], rows = `partial_rows`);
   see module doc.
@@ -468,11 +472,13 @@ def quantized_decode_attention_partials_triton(
   first, then un-permute the small merged array). `initial_partials` (optional) are the output
   buffers' starting contents (aliased), so tests can poison them.
 
-  variant "reshape" (default, the faster one measured on H100): `block_tokens` (default 128)
-  per step, K and V fully dequantized in registers through a broadcast + reshape, one dot each.
+  variant "reshape" (this function's default; `quantized_decode_attention_triton` defaults to
+  "folded"): `block_tokens` (default 128) per step, K and V fully dequantized in registers
+  through a broadcast + reshape, one dot each.
   variant "joined": as "reshape" without layout conversions (see the module doc).
   variant "folded": scales folded into stacked q / p, no per-element dequantization (GEAR:
-  one GEAR block per step, its terms in an accumulator of their own).
+  one GEAR block per step, its terms in an accumulator of their own). `prefetch` (folded
+  only; None means on for folded): each step issues the next block's loads and carries them.
   variant "planar": one key group of `group_size` tokens per sub-step, `unroll` sub-steps per
   loop step, scales folded into q / p, bit fields joined without layout conversion, one dot
   per value channel group (slower on H100: see benchmarks/KERNEL_NOTES.md).
@@ -480,6 +486,15 @@ def quantized_decode_attention_partials_triton(
   check_bits(bits)
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} is not supported; allowed: {', '.join(VARIANTS)}")
+  if prefetch is not None and not isinstance(prefetch, bool):
+    raise ValueError(f"prefetch={prefetch!r} must be True, False or None (the variant's default)")
+  if prefetch is not None and variant != "folded":
+    raise ValueError(
+      f"prefetch={prefetch!r} is a setting of variant='folded' only; got variant={variant!r}"
+    )
+  # Measured on H100 at 32k (KERNEL_NOTES v8): 265 us with the next block's loads issued one
+  # step ahead against 290-302 us without.
+  prefetch = variant == "folded" if prefetch is None else prefetch
   sizes = check_quantized_inputs(
     queries,
     k_codes,
@@ -568,7 +583,7 @@ def quantized_decode_attention_partials_triton(
     has_outliers=outliers is not None,
   )
   if variant == "folded":
-    kernel = functools.partial(folded_kernel, **common)
+    kernel = functools.partial(folded_kernel, prefetch=prefetch, **common)
   elif variant == "planar":
     kernel = functools.partial(_planar_kernel, unroll=unroll, gear_block=block, **common)
   else:
@@ -653,15 +668,17 @@ def quantized_decode_attention_triton(
   lowrank=None,
   outliers=None,
   block=64,
-  variant="reshape",
+  variant="folded",
   **config,
 ):
   """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the reference.
 
+  Default variant "folded" with `prefetch` on (the fastest measured on H100; KERNEL_NOTES v8).
   Variants "planar" / "joined" fall back to "reshape" where `planar_supported` /
   `joined_supported` is False; "folded" falls back to "joined" (then "reshape") where
   `folded_supported` is False or the query group exceeds `FOLDED_MAX_GROUP` (its
-  stacked accumulator holds value_groups x rows x D floats: 64 registers per thread at 8 rows).
+  stacked accumulator holds value_groups x rows x D floats: 64 registers per thread at 8 rows);
+  a fallback variant runs without `prefetch`.
   """
   head_dim = queries.shape[3]
   gear_block = block if lowrank is not None or outliers is not None else None
@@ -676,6 +693,8 @@ def quantized_decode_attention_triton(
     variant == "joined" and not joined_supported(head_dim, bits, group_size)
   ):
     variant = "reshape"
+  if variant != "folded":
+    config.pop("prefetch", None)  # a folded-only setting; the fallback variants have no such loop
   out, lse = quantized_decode_attention_partials_triton(
     queries,
     k_codes,

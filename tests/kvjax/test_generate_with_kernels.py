@@ -51,7 +51,8 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
     ("full", KernelSettings(full={"lowering": "mosaic_gpu"}), jnp.bfloat16),
     (
       "kivi:bits=2,group_size=16,residual=16",
-      KernelSettings(quantized={"variant": "folded"}),
+      # Not the default ("folded"), so the recorded call shows the setting arrived.
+      KernelSettings(quantized={"variant": "reshape"}),
       jnp.float32,
     ),
   ],

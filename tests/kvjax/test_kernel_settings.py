@@ -12,7 +12,8 @@ from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import describe_method, parse_method_spec
 
 SETTINGS = KernelSettings(
-  full={"lowering": "mosaic_gpu", "block_tokens": 64}, quantized={"variant": "folded"}
+  full={"lowering": "mosaic_gpu", "block_tokens": 64},
+  quantized={"variant": "folded", "prefetch": False},
 )
 
 
@@ -22,7 +23,7 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
   )
   assert again == SETTINGS and hash(again) == hash(SETTINGS)
   assert SETTINGS.full_config() == {"lowering": "mosaic_gpu", "block_tokens": 64}
-  assert SETTINGS.quantized_config() == {"variant": "folded"}
+  assert SETTINGS.quantized_config() == {"variant": "folded", "prefetch": False}
   assert KernelSettings().full_config() is None and KernelSettings().quantized_config() is None
 
 
@@ -35,6 +36,8 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
     (dict(quantized={"lowering": "triton"}), r"quantized: unknown keys \['lowering'\]"),
     (dict(full={"block_tokens": 6.4}), "block_tokens=6.4 must be an int"),
     (dict(full={"num_stages": True}), "num_stages=True must be an int"),
+    (dict(quantized={"prefetch": 1}), "prefetch=1 must be True or False"),
+    (dict(quantized={"prefetch": None}), "prefetch=None must be True or False"),
     (dict(full=[("block_tokens", 64)]), "full must be a dict"),
   ],
 )

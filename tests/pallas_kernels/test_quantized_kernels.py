@@ -174,17 +174,20 @@ def test_triton_joined_kernel_matches_reference(bits, head_dim, group, gear, dty
 
 
 @pytest.mark.parametrize(
-  "bits,head_dim,group,gear,dtype,block_tokens",
+  "bits,head_dim,group,gear,dtype,block_tokens,prefetch",
   [
-    (2, 128, 4, False, jnp.bfloat16, 128),
-    (4, 64, 1, False, jnp.bfloat16, 64),
-    (8, 128, 8, False, jnp.bfloat16, 128),
-    (2, 64, 3, False, jnp.float32, 64),
-    (2, 128, 4, True, jnp.bfloat16, None),  # GEAR: one GEAR block (64 tokens) per step
-    (4, 64, 2, True, jnp.float32, None),
+    (2, 128, 4, False, jnp.bfloat16, 128, False),
+    (2, 128, 4, False, jnp.bfloat16, 64, True),  # 2 blocks per split: the last prefetch is past it
+    (4, 64, 1, False, jnp.bfloat16, 64, False),
+    (8, 128, 8, False, jnp.bfloat16, 128, True),
+    (2, 64, 3, False, jnp.float32, 64, False),
+    (2, 128, 4, True, jnp.bfloat16, None, False),  # GEAR: one GEAR block (64 tokens) per step
+    (4, 64, 2, True, jnp.float32, None, True),
   ],
 )
-def test_triton_folded_kernel_matches_reference(bits, head_dim, group, gear, dtype, block_tokens):
+def test_triton_folded_kernel_matches_reference(
+  bits, head_dim, group, gear, dtype, block_tokens, prefetch
+):
   _check_triton(
     bits,
     head_dim,
@@ -192,9 +195,30 @@ def test_triton_folded_kernel_matches_reference(bits, head_dim, group, gear, dty
     gear,
     dtype,
     "folded",
-    seed=bits * head_dim + group + 2,
+    seed=bits * head_dim + group + 2 + prefetch,
     block_tokens=block_tokens,
+    prefetch=prefetch,
   )
+
+
+def test_prefetch_is_a_folded_setting():
+  queries, segment, lengths, kwargs, reference = _case(9, 2, 64, 2, False, jnp.bfloat16)
+  for variant in ("reshape", "joined", "planar"):
+    for prefetch in (True, False):
+      with pytest.raises(ValueError, match=f"prefetch={prefetch} is a setting of variant='folded'"):
+        triton_kernel.quantized_decode_attention_partials_triton(
+          queries, *segment[:6], lengths, variant=variant, prefetch=prefetch, **kwargs
+        )
+  with pytest.raises(ValueError, match="prefetch=1 must be True, False or None"):
+    triton_kernel.quantized_decode_attention_partials_triton(
+      queries, *segment[:6], lengths, variant="folded", prefetch=1, **kwargs
+    )
+  # Where "folded" falls back (16 query heads per KV head), the fallback runs without it.
+  queries, segment, lengths, kwargs, reference = _case(6, 2, 64, 16, False, jnp.bfloat16)
+  out, lse = triton_kernel.quantized_decode_attention_triton(
+    queries, *segment[:6], lengths, prefetch=True, interpret=triton_interpret(), **kwargs
+  )
+  assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.bfloat16, True))
 
 
 @pytest.mark.parametrize("variant", ["reshape", "joined", "folded", "planar"])
