@@ -65,6 +65,11 @@ class KernelSettings:
         f"kernel settings quantized: variant={variant!r} is not supported; allowed: "
         f"{', '.join(VARIANTS)}"
       )
+    if "prefetch" in dict(self.quantized) and variant not in (None, "folded"):
+      raise ValueError(
+        f"kernel settings quantized: prefetch is a setting of variant 'folded' only; got "
+        f"variant={variant!r}"
+      )
 
   def full_config(self) -> dict | None:
     return dict(self.full) or None

@@ -38,6 +38,10 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
     (dict(full={"num_stages": True}), "num_stages=True must be an int"),
     (dict(quantized={"prefetch": 1}), "prefetch=1 must be True or False"),
     (dict(quantized={"prefetch": None}), "prefetch=None must be True or False"),
+    (
+      dict(quantized={"variant": "reshape", "prefetch": True}),
+      "prefetch is a setting of variant 'folded' only; got variant='reshape'",
+    ),
     (dict(full=[("block_tokens", 64)]), "full must be a dict"),
   ],
 )
