@@ -12,7 +12,10 @@ from typing import Any
 
 from kvjax.attention_dispatch import QUANTIZED_GPU_CONFIG_KEYS, TPU_CONFIG_KEYS
 from pallas_kernels import decode_attention_gpu
-from pallas_kernels.quantized_decode_attention_triton import VARIANTS
+from pallas_kernels.quantized_decode_attention_triton import (
+  DEFAULT_VARIANT,
+  check_variant_settings,
+)
 
 FULL_KEYS = tuple(
   dict.fromkeys(
@@ -59,17 +62,11 @@ class KernelSettings:
     full = dict(self.full)
     if "lowering" in full:
       decode_attention_gpu.check_config({"lowering": full["lowering"]})
-    variant = dict(self.quantized).get("variant")
-    if variant is not None and variant not in VARIANTS:
-      raise ValueError(
-        f"kernel settings quantized: variant={variant!r} is not supported; allowed: "
-        f"{', '.join(VARIANTS)}"
-      )
-    if "prefetch" in dict(self.quantized) and variant not in (None, "folded"):
-      raise ValueError(
-        f"kernel settings quantized: prefetch is a setting of variant 'folded' only; got "
-        f"variant={variant!r}"
-      )
+    quantized = dict(self.quantized)
+    try:
+      check_variant_settings(quantized.get("variant", DEFAULT_VARIANT), quantized.get("prefetch"))
+    except ValueError as e:
+      raise ValueError(f"kernel settings quantized: {e}") from None
 
   def full_config(self) -> dict | None:
     return dict(self.full) or None

@@ -176,8 +176,11 @@ def folded_kernel(
   token_is_in_group = (offsets // group_size)[None, None, :] == group_offsets[:, None, None]
   last_group = tokens // group_size - 1
 
+  def tokens_valid(first):
+    return first + offsets < end  # [block]; masked lanes read no memory
+
   def load_keys(first):
-    valid = first + offsets < end  # [block]; masked lanes read no memory
+    valid = tokens_valid(first)
     group_rows = jnp.minimum(first // group_size + group_offsets, last_group)[:, None]
     return (
       load_token_rows(k_codes_ref, first, block, valid),
@@ -186,7 +189,7 @@ def folded_kernel(
     )
 
   def load_values(first):
-    valid = first + offsets < end
+    valid = tokens_valid(first)
     return tuple(
       load_token_rows(ref, first, block, valid)  # [block, W] / [block, value_groups]
       for ref in (v_codes_ref, v_scale_ref, v_min_ref)
@@ -195,7 +198,7 @@ def folded_kernel(
   def body(i, carry):
     running_max, running_sum, acc, value_bias, gear_acc, prefetched = carry
     first = start + i * block
-    valid = first + offsets < end
+    valid = tokens_valid(first)
     if prefetch:
       (k_words, k_scale, k_min), loaded_values = prefetched
       prefetched = (load_keys(first + block), load_values(first + block))

@@ -40,7 +40,7 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
     (dict(quantized={"prefetch": None}), "prefetch=None must be True or False"),
     (
       dict(quantized={"variant": "reshape", "prefetch": True}),
-      "prefetch is a setting of variant 'folded' only; got variant='reshape'",
+      "quantized: prefetch=True is a setting of variant='folded' only; got variant='reshape'",
     ),
     (dict(full=[("block_tokens", 64)]), "full must be a dict"),
   ],
