@@ -47,6 +47,7 @@ from kvjax import attention_dispatch
 from pallas_kernels.decode_attention_reference import decode_attention_reference
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
 from pallas_kernels.random_inputs import random_quantized_segment
+from pallas_kernels.subnormal_codes import CODE_OPERANDS
 
 
 def time_op(op, args, *, iters: int, repeats: int) -> float:
@@ -347,17 +348,23 @@ def sweep(args) -> tuple[dict, dict, dict]:
         config["num_splits"] = num_splits
       quantized_configs.append(config)
   # The ncu profile of folded (KERNEL_NOTES v8) showed 17% of warp stalls waiting on global
-  # loads: the same settings with the next block's loads issued one step ahead.
-  for block_tokens, num_warps, num_stages in ((128, 4, 3), (128, 4, 2), (64, 4, 3), (128, 2, 3)):
-    quantized_configs.append(
-      dict(
-        variant="folded",
-        block_tokens=block_tokens,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        prefetch=True,
+  # loads: the same settings with the next block's loads issued one step ahead, with both code
+  # encodings (v9: "subnormal" unpacks a pair in one AND, "offset" in a shift, an AND-OR and a
+  # subtraction).
+  for code_operand in CODE_OPERANDS:
+    for block_tokens, num_warps, num_stages in ((128, 4, 3), (128, 4, 2), (64, 4, 3), (128, 2, 3)):
+      quantized_configs.append(
+        dict(
+          variant="folded",
+          block_tokens=block_tokens,
+          num_warps=num_warps,
+          num_stages=num_stages,
+          prefetch=True,
+          code_operand=code_operand,
+        )
       )
-    )
+  if args.sweep_configs:
+    quantized_configs = json.loads(args.sweep_configs)
   for config in quantized_configs:
     op = lambda q, s, lens, config=config: attention_dispatch.quantized_decode_attention(
       q,
@@ -378,6 +385,9 @@ def sweep(args) -> tuple[dict, dict, dict]:
     if seconds < best_quantized[1]:
       best_quantized = (config, seconds)
   del segment
+  if args.sweep_configs:  # a focused sweep of quantized settings only
+    print(f"best kivi2 config {best_quantized}", flush=True)
+    return best_quantized[0], {}, {}
   shape = (batch, kv_heads, tokens, head_dim)
   keys = jax.random.normal(keys_split[2], shape).astype(jnp.bfloat16)
   values = jax.random.normal(keys_split[3], shape).astype(jnp.bfloat16)
@@ -648,6 +658,10 @@ def main():
     "--sweep", action="store_true", help="time kernel settings at --sweep-context and use the best"
   )
   parser.add_argument("--sweep-context", type=int, default=32768)
+  parser.add_argument(
+    "--sweep-configs",
+    help="JSON list of quantized kernel_config dicts: --sweep times only these (no bf16 sweep)",
+  )
   args = parser.parse_args()
   if args.small:
     args.batch, args.kv_heads, args.group, args.head_dim = 2, 2, 4, 64

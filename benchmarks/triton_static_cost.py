@@ -269,7 +269,7 @@ def kernel_cases(args):
       overrides = dict(item.split("=", 1) for item in args.config)
       config = json.loads(overrides.get(variant, "{}"))
       config.setdefault("num_warps", 4)
-      config.setdefault("num_stages", 3 if variant != "planar" else 2)
+      config.setdefault("num_stages", 3 if variant in ("reshape", "joined") else 2)
       if variant == "planar":
         config.setdefault("unroll", 2)
         step = group_size * config["unroll"]

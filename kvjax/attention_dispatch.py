@@ -45,6 +45,7 @@ QUANTIZED_GPU_CONFIG_KEYS = (
   "num_stages",
   "unroll",
   "prefetch",
+  "code_operand",
 )
 
 _warned: set[str] = set()
@@ -189,8 +190,8 @@ def quantized_decode_attention(
   Storage layout: see `pallas_kernels.quantized_decode_attention_reference`. Configuration
   errors raise ValueError before anything is traced. On GPU, `kernel_config` may pick the
   kernel variant: {"variant": "folded" (default) | "joined" | "reshape" | "planar"} and, for
-  "folded", {"prefetch": True (default) | False} (see
-  `pallas_kernels.quantized_decode_attention_triton`).
+  "folded", {"prefetch": True (default) | False, "code_operand": "subnormal" (default for bf16
+  2- and 4-bit codes) | "offset"} (see `pallas_kernels.quantized_decode_attention_triton`).
   """
   family, interpret = _choose(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=True, family=family)

@@ -64,7 +64,11 @@ class KernelSettings:
       decode_attention_gpu.check_config({"lowering": full["lowering"]})
     quantized = dict(self.quantized)
     try:
-      check_variant_settings(quantized.get("variant", DEFAULT_VARIANT), quantized.get("prefetch"))
+      check_variant_settings(
+        quantized.get("variant", DEFAULT_VARIANT),
+        quantized.get("prefetch"),
+        quantized.get("code_operand"),
+      )
     except ValueError as e:
       raise ValueError(f"kernel settings quantized: {e}") from None
 

@@ -24,8 +24,11 @@ subtraction but costs two sums of the rounded Q' / P' per block, 184 instruction
 iteration against 128 HADD2, and leaves a cancellation of 128 x sum(Q') in every score.) The
 compiler in jaxlib 0.11.2 does not keep to three: on an H100 the AND and the OR are two LOP3 and
 the pairs are re-paired with PRMT before they are staged (benchmarks/KERNEL_NOTES.md, v8).
-Otherwise (8-bit codes, f16 or f32 operands) each code is an exact float through the 2^23
-magic number.
+`code_operand="subnormal"` (the default where it applies, `subnormal_codes`) avoids both: each
+code masked in place is the subnormal bf16 number code * 2^(q - 133), one AND per pair, and the
+powers of two move to the queries, the probabilities and the output (v9: 1543 -> 907
+instructions per block on the H100). Otherwise (8-bit codes, f16 or f32 operands) each code is
+an exact float through the 2^23 magic number.
 
 On sm_90 the value dot is taken transposed, update^T = codes^T . P'^T, so that its M side is
 the head dim (>= 64) and Triton emits a warpgroup MMA (wgmma) that reads P'^T from shared
@@ -54,6 +57,13 @@ from pallas_kernels.float_unpacking import MAGIC_2_23
 from pallas_kernels.gear_terms_triton import GearRefs, gear_score_terms, gear_value_terms
 from pallas_kernels.joined_fields import join_fields
 from pallas_kernels.splits import SplitPlan
+from pallas_kernels.subnormal_codes import (
+  PROBS_SCALE,
+  SCORE_SCALE,
+  dot_with_code_operand,
+  output_position_scale,
+  subnormal_code_pairs,
+)
 
 BF16_128 = 0x4300  # bf16 bits of 128.0: OR-ing in a code c < 128 gives 128 + c exactly
 
@@ -87,17 +97,22 @@ def folded_channel_order(head_dim: int, bits: int, compute_dtype) -> np.ndarray:
   return join_fields([field(k) for k in range(fields)])[0]
 
 
-def unpack_codes_for_dot(words: jax.Array, bits: int, compute_dtype) -> jax.Array:
+def unpack_codes_for_dot(
+  words: jax.Array, bits: int, compute_dtype, code_operand: str = "offset"
+) -> jax.Array:
   """uint32 [rows, W] planar words -> [rows, D] codes as exact `compute_dtype` numbers,
   positions in `folded_channel_order`.
 
   bf16 pairs: fields j and j + n/2 of a word sit 16 bits apart, so one shift moves both to the
   bottom of their half, one AND-OR with the bits of 128.0 makes the pair (128 + c_j,
   128 + c_{j+n/2}) and one packed subtraction of 128 makes it (c_j, c_{j+n/2}), all exact;
-  the pair is the 32-bit register the tensor core reads.
+  the pair is the 32-bit register the tensor core reads. `code_operand="subnormal"`: one AND
+  per pair makes (c_j, c_{j+n/2}) * 2^(q - 133) instead (`subnormal_codes`).
   """
   fields = 32 // bits
   field_mask = (1 << bits) - 1
+  if uses_bf16_pairs(bits, compute_dtype) and code_operand == "subnormal":
+    return _join_pairs(subnormal_code_pairs(words, bits))
   if uses_bf16_pairs(bits, compute_dtype):
     half = fields // 2
     pairs = []
@@ -137,6 +152,7 @@ def folded_kernel(
   lengths_ref,
   order_ref,
   queries_ref,
+  code_queries_ref,
   k_codes_ref,
   k_scale_ref,
   k_min_ref,
@@ -151,10 +167,15 @@ def folded_kernel(
   has_lowrank: bool = False,
   has_outliers: bool = False,
   prefetch: bool = False,
+  code_operand: str = "offset",
+  interpret: bool = False,
 ):
   """One step = one block of `plan.block_tokens` tokens (one GEAR block for GEAR caches), one
   dot for K and one for V. `rest`: the GEAR refs if any, optional aliased starting contents of
-  the outputs, then (out_ref, lse_ref).
+  the outputs, then (out_ref, lse_ref). `queries_ref` feeds the key bias and GEAR's terms,
+  `code_queries_ref` the key dot: the same queries, pre-scaled per position for
+  `code_operand="subnormal"` (bf16 2- and 4-bit codes as small bit patterns, `subnormal_codes`;
+  `interpret`: that dot emulated, since XLA on CPU flushes subnormals).
 
   `prefetch`: each step issues the loads of the next block before its own arithmetic and
   carries them (register double buffering), so the global-memory latency of one block hides
@@ -167,7 +188,9 @@ def folded_kernel(
   start, end, num_blocks = split_block_range(plan, lengths_ref[()], tokens)
   queries_in_compute_dtype = queries_ref[...]  # [rows, D] folded order, pre-scaled
   queries = queries_in_compute_dtype.astype(jnp.float32)
+  code_queries = code_queries_ref[...]  # [rows, D]
   compute_dtype = queries_ref.dtype
+  subnormal = code_operand == "subnormal" and uses_bf16_pairs(bits, compute_dtype)
   rows, head_dim = queries.shape
   value_groups = head_dim // group_size
   order = order_ref[...]  # [D] int32: channel at each position
@@ -205,17 +228,23 @@ def folded_kernel(
     else:
       k_words, k_scale, k_min = load_keys(first)
 
-    k_code = unpack_codes_for_dot(k_words, bits, compute_dtype)  # [block, D]
+    k_code = unpack_codes_for_dot(k_words, bits, compute_dtype, code_operand)  # [block, D]
     # compute_dtype is the scales' own dtype (`compute_dtype_for`), so this multiplies in bf16
     # (HMUL2, a pair per instruction) for bf16 caches: the product of two bf16 numbers is exact
     # in float32, so it is bit for bit the float32 product and cast, at half the instructions.
     k_scale = k_scale.astype(compute_dtype)
     k_min = k_min.astype(jnp.float32)
-    stacked_queries = queries_in_compute_dtype[None, :, :] * k_scale[:, None, :]
+    stacked_queries = code_queries[None, :, :] * k_scale[:, None, :]
     key_bias = jnp.sum(queries[None, :, :] * k_min[:, None, :], axis=2)  # [groups, rows]
-    stacked_scores = _dot_nt(stacked_queries.reshape(key_groups * rows, head_dim), k_code).reshape(
-      key_groups, rows, block
-    )
+    stacked_scores = dot_with_code_operand(
+      _dot_nt,
+      stacked_queries.reshape(key_groups * rows, head_dim),
+      k_code,
+      codes_are_lhs=False,
+      emulate=subnormal and interpret,
+    ).reshape(key_groups, rows, block)
+    if subnormal:
+      stacked_scores = stacked_scores * SCORE_SCALE
     scores = jnp.sum(
       jnp.where(token_is_in_group, stacked_scores + key_bias[:, :, None], 0.0), axis=0
     )  # [rows, block]
@@ -227,12 +256,20 @@ def folded_kernel(
     )  # probs [rows, block]
 
     v_words, v_scale, v_min = loaded_values if prefetch else load_values(first)
-    v_code = unpack_codes_for_dot(v_words, bits, compute_dtype)  # [block, D]
+    v_code = unpack_codes_for_dot(v_words, bits, compute_dtype, code_operand)  # [block, D]
     v_scale, v_min = (x.astype(jnp.float32).T for x in (v_scale, v_min))  # [value_groups, block]
+    if subnormal:
+      v_scale = v_scale * PROBS_SCALE
     stacked_probs = (probs[None, :, :] * v_scale[:, None, :]).astype(compute_dtype)
     bias_update = jnp.sum(probs[None, :, :] * v_min[:, None, :], axis=2)  # [value_groups, rows]
     # Transposed so that M is the head dim: a wgmma on sm_90 (see the module docstring).
-    update = _dot_nn(v_code.T, stacked_probs.reshape(value_groups * rows, block).T).T
+    update = dot_with_code_operand(
+      _dot_nn,
+      v_code.T,
+      stacked_probs.reshape(value_groups * rows, block).T,
+      codes_are_lhs=True,
+      emulate=subnormal and interpret,
+    ).T
     acc = acc * correction[None, :, None] + update.reshape(value_groups, rows, head_dim)
     value_bias = value_bias * correction[None, :] + bias_update
     if gear.present:
@@ -255,6 +292,8 @@ def folded_kernel(
   )
   position_group = (order // group_size)[None, None, :]  # value group of each position
   in_group = position_group == jnp.arange(value_groups, dtype=jnp.int32)[:, None, None]
+  if subnormal:
+    acc = acc * output_position_scale(order, head_dim, bits)[None, None, :]
   out = jnp.sum(jnp.where(in_group, acc + value_bias[:, :, None], 0.0), axis=0)  # [rows, D]
   if gear.present:
     out = out + gear_acc

@@ -23,13 +23,15 @@ permutation applied to q and undone on the output), keeps each block's key group
 so their scale rows broadcast in registers, and dequantizes with one FMA per element
 (`float_unpacking`). "folded" (`folded_scales_kernel_triton`) dequantizes nothing: key scales are
 folded into one copy of q per key group and value scales into one copy of p per value channel group,
-the copies stacked along the rows of the same two dots, and 2/4-bit codes become bf16 operands with
-a shift, an AND-OR and a packed subtraction per pair (the compiled code spends more: KERNEL_NOTES
-v8). "planar" folds the scales too, but with one small dot per key group and per value channel
+the copies stacked along the rows of the same two dots, and 2/4-bit bf16 codes become operands with
+one AND per pair as small (subnormal) bf16 bit patterns (`code_operand="subnormal"`,
+`subnormal_codes`; "offset" is the older shift, AND-OR and packed subtraction of 128).
+"planar" folds the scales too, but with one small dot per key group and per value channel
 group. Measured on H100 at 32k (KIVI-2, benchmarks/RESULTS.md): folded 296 us (265 us with
-`prefetch`, the next block's loads issued one step ahead), reshape 470, joined 468, planar 856; so
-"folded" with prefetch is the default of `quantized_decode_attention_triton`, falling back to
-"joined" and then "reshape" where it does not apply.
+`prefetch`, the next block's loads issued one step ahead; 250-262 us with subnormal operands and 2
+stages), reshape 470, joined 468, planar 856; so "folded" with prefetch and subnormal operands is
+the default of `quantized_decode_attention_triton`, falling back to "joined" and then "reshape"
+where it does not apply.
 
 GEAR's low-rank and outlier terms are fused in every variant, one GEAR block per step (so
 `block_tokens == block`), by `gear_terms_triton`.
@@ -63,6 +65,7 @@ from pallas_kernels.folded_scales_kernel_triton import (
   folded_kernel,
   folded_rows,
   folded_supported,
+  uses_bf16_pairs,
 )
 from pallas_kernels.gear_terms_triton import (
   GearRefs,
@@ -84,6 +87,7 @@ from pallas_kernels.splits import (
   pad_query_group,
   plan_splits,
 )
+from pallas_kernels.subnormal_codes import CODE_OPERANDS, query_position_scale
 
 
 def unpack_to_float(words: jax.Array, bits: int) -> jax.Array:
@@ -408,11 +412,15 @@ def compute_dtype_for(scale_dtype):
 
 VARIANTS = ("folded", "joined", "planar", "reshape")
 DEFAULT_VARIANT = "folded"  # the fastest measured on H100 (KERNEL_NOTES v8)
+DEFAULT_CODE_OPERAND = "subnormal"
 
 
-def check_variant_settings(variant: str, prefetch: bool | None = None) -> None:
-  """ValueError naming a variant that does not exist, or a `prefetch` that is not a bool or is
-  given to a variant other than "folded" (None: the variant's default)."""
+def check_variant_settings(
+  variant: str, prefetch: bool | None = None, code_operand: str | None = None
+) -> None:
+  """ValueError naming a variant that does not exist, a `prefetch` that is not a bool, a
+  `code_operand` not in CODE_OPERANDS, or either given to a variant other than "folded" (None:
+  the variant's default)."""
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} is not supported; allowed: {', '.join(VARIANTS)}")
   if prefetch is not None and not isinstance(prefetch, bool):
@@ -421,6 +429,30 @@ def check_variant_settings(variant: str, prefetch: bool | None = None) -> None:
     raise ValueError(
       f"prefetch={prefetch!r} is a setting of variant='folded' only; got variant={variant!r}"
     )
+  if code_operand is not None and code_operand not in CODE_OPERANDS:
+    raise ValueError(
+      f"code_operand={code_operand!r} is not supported; allowed: {', '.join(CODE_OPERANDS)} "
+      "or None (the default)"
+    )
+  if code_operand is not None and variant != "folded":
+    raise ValueError(
+      f"code_operand={code_operand!r} is a setting of variant='folded' only; "
+      f"got variant={variant!r}"
+    )
+
+
+def resolve_code_operand(code_operand: str | None, bits: int, compute_dtype) -> str:
+  """The folded kernel's code encoding: "subnormal" applies to bf16 2- and 4-bit codes only
+  (ValueError if asked for elsewhere); None picks DEFAULT_CODE_OPERAND where it applies."""
+  applies = uses_bf16_pairs(bits, compute_dtype)
+  if code_operand == "subnormal" and not applies:
+    raise ValueError(
+      f"code_operand='subnormal' needs 2- or 4-bit codes with bf16 scales; got bits={bits}, "
+      f"scales in {jnp.dtype(compute_dtype).name}. Use 'offset' or None"
+    )
+  if code_operand is None:
+    return DEFAULT_CODE_OPERAND if applies else "offset"
+  return code_operand
 
 
 FOLDED_MAX_GROUP = 8  # query heads per KV head that `quantized_decode_attention_triton` folds
@@ -453,6 +485,7 @@ def output_channel_order(head_dim: int, bits: int, group_size: int, variant: str
     "variant",
     "unroll",
     "prefetch",
+    "code_operand",
   ),
 )
 def quantized_decode_attention_partials_triton(
@@ -475,11 +508,12 @@ def quantized_decode_attention_partials_triton(
   block_tokens: int | None = None,
   num_splits: int | None = None,
   num_warps: int = 4,
-  num_stages: int = 3,
+  num_stages: int | None = None,
   interpret: bool = False,
   variant: str = "reshape",
   unroll: int = 2,
   prefetch: bool | None = None,
+  code_operand: str | None = None,
 ):
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows], rows = `partial_rows`);
   see module doc.
@@ -495,12 +529,19 @@ def quantized_decode_attention_partials_triton(
   variant "folded": scales folded into stacked q / p, no per-element dequantization (GEAR:
   one GEAR block per step, its terms in an accumulator of their own). `prefetch` (folded
   only; None means on for folded): each step issues the next block's loads and carries them.
+  `num_stages` None: 2 for "folded", 3 for the others.
+  `code_operand` (folded only): how bf16 2- and 4-bit codes become tensor-core operands,
+  "subnormal" (one AND per pair, `subnormal_codes`) or "offset" (128 + code, minus 128); None
+  means DEFAULT_CODE_OPERAND where it applies, else "offset" (8-bit codes, f16/f32 caches).
   variant "planar": one key group of `group_size` tokens per sub-step, `unroll` sub-steps per
   loop step, scales folded into q / p, bit fields joined without layout conversion, one dot
   per value channel group (slower on H100: see benchmarks/KERNEL_NOTES.md).
   """
   check_bits(bits)
-  check_variant_settings(variant, prefetch)
+  check_variant_settings(variant, prefetch, code_operand)
+  if num_stages is None:
+    # Measured on H100 at 32k (KERNEL_NOTES v9): folded 250-254 us with 2 stages, 269 with 3.
+    num_stages = 2 if variant == "folded" else 3
   # Measured on H100 at 32k (KERNEL_NOTES v8): 265 us with the next block's loads issued one
   # step ahead against 290-302 us without.
   prefetch = variant == "folded" if prefetch is None else prefetch
@@ -537,6 +578,7 @@ def quantized_decode_attention_partials_triton(
         f"block_tokens={step_tokens}"
       )
     rows = folded_rows(group, step_tokens, head_dim, group_size)
+    code_operand = resolve_code_operand(code_operand, bits, compute_dtype)
   else:
     rows = tile_rows(group)
   plan = plan_splits(tokens, step_tokens, batch * kv_heads, num_splits, gpu_target_programs())
@@ -552,6 +594,12 @@ def quantized_decode_attention_partials_triton(
     prefix = [jnp.asarray(key_order), jnp.asarray(value_order)]
   natural_queries = pad_query_group(scaled_queries, rows, jnp.float32)
   scaled_queries = scaled_queries[..., key_order]  # the kernel's key channel order
+  code_queries = []  # the folded kernel's key-dot operand
+  if variant == "folded":
+    code_queries = scaled_queries
+    if code_operand == "subnormal":
+      code_queries = code_queries * query_position_scale(key_order, head_dim, bits)
+    code_queries = [pad_query_group(code_queries, rows, compute_dtype)]
   scaled_queries = pad_query_group(scaled_queries, rows, compute_dtype)
 
   def row_spec(array):  # this (row, KV head)'s whole slab; the kernel slices blocks itself
@@ -561,7 +609,7 @@ def quantized_decode_attention_partials_triton(
   def whole_spec(array):  # the same small array for every program
     return pl.BlockSpec(array.shape, lambda b, h, s: (0,) * array.ndim)
 
-  args = [scaled_queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min]
+  args = [scaled_queries, *code_queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min]
   args += gear_kernel_inputs(lowrank, outliers, natural_queries, key_order, sizes)
   in_specs = (
     [pl.BlockSpec((None,), lambda b, h, s: (b,))]
@@ -592,7 +640,13 @@ def quantized_decode_attention_partials_triton(
     has_outliers=outliers is not None,
   )
   if variant == "folded":
-    kernel = functools.partial(folded_kernel, prefetch=prefetch, **common)
+    kernel = functools.partial(
+      folded_kernel,
+      prefetch=prefetch,
+      code_operand=code_operand,
+      interpret=bool(interpret),
+      **common,
+    )
   elif variant == "planar":
     kernel = functools.partial(_planar_kernel, unroll=unroll, gear_block=block, **common)
   else:
@@ -703,7 +757,9 @@ def quantized_decode_attention_triton(
   ):
     variant = "reshape"
   if variant != "folded":
-    config.pop("prefetch", None)  # a folded-only setting; the fallback variants have no such loop
+    # folded-only settings; the fallback variants have no such loop or operands
+    config.pop("prefetch", None)
+    config.pop("code_operand", None)
   out, lse = quantized_decode_attention_partials_triton(
     queries,
     k_codes,

@@ -13,7 +13,7 @@ from kvjax.method_spec import describe_method, parse_method_spec
 
 SETTINGS = KernelSettings(
   full={"lowering": "mosaic_gpu", "block_tokens": 64},
-  quantized={"variant": "folded", "prefetch": False},
+  quantized={"variant": "folded", "prefetch": False, "code_operand": "offset"},
 )
 
 
@@ -23,7 +23,11 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
   )
   assert again == SETTINGS and hash(again) == hash(SETTINGS)
   assert SETTINGS.full_config() == {"lowering": "mosaic_gpu", "block_tokens": 64}
-  assert SETTINGS.quantized_config() == {"variant": "folded", "prefetch": False}
+  assert SETTINGS.quantized_config() == {
+    "variant": "folded",
+    "prefetch": False,
+    "code_operand": "offset",
+  }
   assert KernelSettings().full_config() is None and KernelSettings().quantized_config() is None
 
 
@@ -42,6 +46,15 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
       dict(quantized={"variant": "reshape", "prefetch": True}),
       "quantized: prefetch=True is a setting of variant='folded' only; got variant='reshape'",
     ),
+    (
+      dict(quantized={"code_operand": "magic"}),
+      "quantized: code_operand='magic' is not supported; allowed: subnormal, offset",
+    ),
+    (
+      dict(quantized={"variant": "joined", "code_operand": "offset"}),
+      "quantized: code_operand='offset' is a setting of variant='folded' only",
+    ),
+    (dict(full={"code_operand": "offset"}), r"full: unknown keys \['code_operand'\]"),
     (dict(full=[("block_tokens", 64)]), "full must be a dict"),
   ],
 )

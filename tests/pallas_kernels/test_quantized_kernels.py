@@ -174,20 +174,25 @@ def test_triton_joined_kernel_matches_reference(bits, head_dim, group, gear, dty
 
 
 @pytest.mark.parametrize(
-  "bits,head_dim,group,gear,dtype,block_tokens,prefetch",
+  "bits,head_dim,group,gear,dtype,block_tokens,prefetch,code_operand",
   [
-    (2, 128, 4, False, jnp.bfloat16, 128, False),
-    (2, 128, 4, False, jnp.bfloat16, 64, True),  # 2 blocks per split: the last prefetch is past it
-    (4, 64, 1, False, jnp.bfloat16, 64, False),
-    (8, 128, 8, False, jnp.bfloat16, 128, True),
-    (2, 64, 3, False, jnp.float32, 64, False),
-    (2, 128, 4, True, jnp.bfloat16, None, False),  # GEAR: one GEAR block (64 tokens) per step
-    (4, 64, 2, True, jnp.float32, None, True),
+    (2, 128, 4, False, jnp.bfloat16, 128, False, None),
+    (2, 128, 4, False, jnp.bfloat16, 128, True, "offset"),
+    # 2 blocks per split: the last prefetch is past it
+    (2, 128, 4, False, jnp.bfloat16, 64, True, "subnormal"),
+    (4, 64, 1, False, jnp.bfloat16, 64, False, None),
+    (4, 128, 2, False, jnp.bfloat16, 128, True, "offset"),
+    (8, 128, 8, False, jnp.bfloat16, 128, True, None),
+    (2, 64, 3, False, jnp.float32, 64, False, "offset"),
+    (2, 128, 4, True, jnp.bfloat16, None, False, None),  # GEAR: one GEAR block per step
+    (4, 64, 2, True, jnp.bfloat16, None, True, "offset"),
+    (4, 64, 2, True, jnp.float32, None, True, None),
   ],
 )
 def test_triton_folded_kernel_matches_reference(
-  bits, head_dim, group, gear, dtype, block_tokens, prefetch
+  bits, head_dim, group, gear, dtype, block_tokens, prefetch, code_operand
 ):
+  """None: the default code operand ("subnormal" for bf16 2- and 4-bit codes)."""
   _check_triton(
     bits,
     head_dim,
@@ -195,10 +200,25 @@ def test_triton_folded_kernel_matches_reference(
     gear,
     dtype,
     "folded",
-    seed=bits * head_dim + group + 2 + prefetch,
+    seed=bits * head_dim + group + 2 + prefetch + (code_operand == "offset"),
     block_tokens=block_tokens,
     prefetch=prefetch,
+    code_operand=code_operand,
   )
+
+
+def test_code_operand_is_a_folded_setting_for_bf16_pairs():
+  queries, segment, lengths, kwargs, reference = _case(9, 2, 64, 2, False, jnp.bfloat16)
+  call = triton_kernel.quantized_decode_attention_partials_triton
+  for variant in ("reshape", "joined", "planar"):
+    with pytest.raises(ValueError, match="code_operand='offset' is a setting of variant='folded'"):
+      call(queries, *segment[:6], lengths, variant=variant, code_operand="offset", **kwargs)
+  with pytest.raises(ValueError, match="code_operand='magic' is not supported; allowed: subnormal"):
+    call(queries, *segment[:6], lengths, variant="folded", code_operand="magic", **kwargs)
+  for bits, dtype in ((8, jnp.bfloat16), (2, jnp.float32)):
+    queries, segment, lengths, kwargs, reference = _case(9, bits, 64, 2, False, dtype)
+    with pytest.raises(ValueError, match="code_operand='subnormal' needs 2- or 4-bit codes"):
+      call(queries, *segment[:6], lengths, variant="folded", code_operand="subnormal", **kwargs)
 
 
 def test_prefetch_is_a_folded_setting():
@@ -228,12 +248,13 @@ def test_gear_outliers_in_several_one_hot_chunks(variant):
   _check_triton(2, 128, 4, True, jnp.bfloat16, variant, seed=11, outliers_per_block=164)
 
 
-def test_folded_zero_codes_make_zero_keys_exactly():
+@pytest.mark.parametrize("code_operand", ["offset", "subnormal"])
+def test_folded_zero_codes_make_zero_keys_exactly(code_operand):
   """All codes 0 and all minimums 0 make every key exactly 0, so attention is uniform and the
-  output is the mean of the values. The bf16-pair operands are built as 128 + code and must
-  come out as the code itself: any 128 left in them (or taken out through a rounded bias)
-  would put 128 x sum(q * k_scale) into the scores, which with scales x10 moves lse far from
-  log(T)."""
+  output is the mean of the values. The "offset" bf16-pair operands are built as 128 + code
+  and must come out as the code itself: any 128 left in them (or taken out through a rounded
+  bias) would put 128 x sum(q * k_scale) into the scores, which with scales x10 moves lse far
+  from log(T). The "subnormal" ones must be 0 whatever their scale."""
   rng = np.random.default_rng(7)
   head_dim, group = 128, 4
   queries = random_queries(rng, BATCH, KV_HEADS, group, head_dim) * 3.0
@@ -246,7 +267,13 @@ def test_folded_zero_codes_make_zero_keys_exactly():
   kwargs = dict(bits=2, group_size=GROUP_SIZE, sm_scale=head_dim**-0.5)
   arrays = (k_codes, segment.k_scale * 10.0, k_min) + tuple(segment[3:6])
   out, lse = triton_kernel.quantized_decode_attention_triton(
-    queries, *arrays, lengths, variant="folded", interpret=triton_interpret(), **kwargs
+    queries,
+    *arrays,
+    lengths,
+    variant="folded",
+    code_operand=code_operand,
+    interpret=triton_interpret(),
+    **kwargs,
   )
   ref_out, ref_lse = quantized_decode_attention_reference(queries, *arrays, lengths, **kwargs)
   np.testing.assert_allclose(np.asarray(lse), np.log(TOKENS), rtol=0, atol=1e-4)
