@@ -62,6 +62,7 @@ from pallas_kernels.subnormal_codes import (
   SCORE_SCALE,
   dot_with_code_operand,
   output_position_scale,
+  query_position_scale,
   subnormal_code_pairs,
 )
 
@@ -111,9 +112,9 @@ def unpack_codes_for_dot(
   """
   fields = 32 // bits
   field_mask = (1 << bits) - 1
-  if uses_bf16_pairs(bits, compute_dtype) and code_operand == "subnormal":
-    return _join_pairs(subnormal_code_pairs(words, bits))
   if uses_bf16_pairs(bits, compute_dtype):
+    if code_operand == "subnormal":
+      return _join_pairs(subnormal_code_pairs(words, bits))
     half = fields // 2
     pairs = []
     for j in range(half):
@@ -152,7 +153,6 @@ def folded_kernel(
   lengths_ref,
   order_ref,
   queries_ref,
-  code_queries_ref,
   k_codes_ref,
   k_scale_ref,
   k_min_ref,
@@ -172,10 +172,9 @@ def folded_kernel(
 ):
   """One step = one block of `plan.block_tokens` tokens (one GEAR block for GEAR caches), one
   dot for K and one for V. `rest`: the GEAR refs if any, optional aliased starting contents of
-  the outputs, then (out_ref, lse_ref). `queries_ref` feeds the key bias and GEAR's terms,
-  `code_queries_ref` the key dot: the same queries, pre-scaled per position for
-  `code_operand="subnormal"` (bf16 2- and 4-bit codes as small bit patterns, `subnormal_codes`;
-  `interpret`: that dot emulated, since XLA on CPU flushes subnormals).
+  the outputs, then (out_ref, lse_ref). `code_operand="subnormal"`: bf16 2- and 4-bit codes as
+  small bit patterns (`subnormal_codes`), the key dot's queries scaled per position once per
+  program (`interpret`: the two code dots emulated, since XLA on CPU flushes subnormals).
 
   `prefetch`: each step issues the loads of the next block before its own arithmetic and
   carries them (register double buffering), so the global-memory latency of one block hides
@@ -188,12 +187,15 @@ def folded_kernel(
   start, end, num_blocks = split_block_range(plan, lengths_ref[()], tokens)
   queries_in_compute_dtype = queries_ref[...]  # [rows, D] folded order, pre-scaled
   queries = queries_in_compute_dtype.astype(jnp.float32)
-  code_queries = code_queries_ref[...]  # [rows, D]
   compute_dtype = queries_ref.dtype
   subnormal = code_operand == "subnormal" and uses_bf16_pairs(bits, compute_dtype)
   rows, head_dim = queries.shape
   value_groups = head_dim // group_size
   order = order_ref[...]  # [D] int32: channel at each position
+  code_queries = queries_in_compute_dtype  # the key dot's operand
+  if subnormal:  # exact: a power of two per position, within bf16's range
+    position_scale = query_position_scale(order, head_dim, bits)[None, :]
+    code_queries = (queries * position_scale).astype(compute_dtype)
   offsets = jnp.arange(block, dtype=jnp.int32)
   group_offsets = jnp.arange(key_groups, dtype=jnp.int32)
   token_is_in_group = (offsets // group_size)[None, None, :] == group_offsets[:, None, None]

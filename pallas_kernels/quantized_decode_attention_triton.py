@@ -87,7 +87,7 @@ from pallas_kernels.splits import (
   pad_query_group,
   plan_splits,
 )
-from pallas_kernels.subnormal_codes import CODE_OPERANDS, query_position_scale
+from pallas_kernels.subnormal_codes import CODE_OPERANDS
 
 
 def unpack_to_float(words: jax.Array, bits: int) -> jax.Array:
@@ -413,6 +413,7 @@ def compute_dtype_for(scale_dtype):
 VARIANTS = ("folded", "joined", "planar", "reshape")
 DEFAULT_VARIANT = "folded"  # the fastest measured on H100 (KERNEL_NOTES v8)
 DEFAULT_CODE_OPERAND = "subnormal"
+FOLDED_SETTINGS = ("prefetch", "code_operand")  # kernel_config keys of variant "folded" only
 
 
 def check_variant_settings(
@@ -425,20 +426,16 @@ def check_variant_settings(
     raise ValueError(f"variant={variant!r} is not supported; allowed: {', '.join(VARIANTS)}")
   if prefetch is not None and not isinstance(prefetch, bool):
     raise ValueError(f"prefetch={prefetch!r} must be True, False or None (the variant's default)")
-  if prefetch is not None and variant != "folded":
-    raise ValueError(
-      f"prefetch={prefetch!r} is a setting of variant='folded' only; got variant={variant!r}"
-    )
   if code_operand is not None and code_operand not in CODE_OPERANDS:
     raise ValueError(
       f"code_operand={code_operand!r} is not supported; allowed: {', '.join(CODE_OPERANDS)} "
       "or None (the default)"
     )
-  if code_operand is not None and variant != "folded":
-    raise ValueError(
-      f"code_operand={code_operand!r} is a setting of variant='folded' only; "
-      f"got variant={variant!r}"
-    )
+  for name, value in zip(FOLDED_SETTINGS, (prefetch, code_operand)):
+    if value is not None and variant != "folded":
+      raise ValueError(
+        f"{name}={value!r} is a setting of variant='folded' only; got variant={variant!r}"
+      )
 
 
 def resolve_code_operand(code_operand: str | None, bits: int, compute_dtype) -> str:
@@ -594,12 +591,6 @@ def quantized_decode_attention_partials_triton(
     prefix = [jnp.asarray(key_order), jnp.asarray(value_order)]
   natural_queries = pad_query_group(scaled_queries, rows, jnp.float32)
   scaled_queries = scaled_queries[..., key_order]  # the kernel's key channel order
-  code_queries = []  # the folded kernel's key-dot operand
-  if variant == "folded":
-    code_queries = scaled_queries
-    if code_operand == "subnormal":
-      code_queries = code_queries * query_position_scale(key_order, head_dim, bits)
-    code_queries = [pad_query_group(code_queries, rows, compute_dtype)]
   scaled_queries = pad_query_group(scaled_queries, rows, compute_dtype)
 
   def row_spec(array):  # this (row, KV head)'s whole slab; the kernel slices blocks itself
@@ -609,7 +600,7 @@ def quantized_decode_attention_partials_triton(
   def whole_spec(array):  # the same small array for every program
     return pl.BlockSpec(array.shape, lambda b, h, s: (0,) * array.ndim)
 
-  args = [scaled_queries, *code_queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min]
+  args = [scaled_queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min]
   args += gear_kernel_inputs(lowrank, outliers, natural_queries, key_order, sizes)
   in_specs = (
     [pl.BlockSpec((None,), lambda b, h, s: (b,))]
@@ -757,9 +748,8 @@ def quantized_decode_attention_triton(
   ):
     variant = "reshape"
   if variant != "folded":
-    # folded-only settings; the fallback variants have no such loop or operands
-    config.pop("prefetch", None)
-    config.pop("code_operand", None)
+    for name in FOLDED_SETTINGS:  # the fallback variants have no such loop or operands
+      config.pop(name, None)
   out, lse = quantized_decode_attention_partials_triton(
     queries,
     k_codes,

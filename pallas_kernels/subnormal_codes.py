@@ -72,7 +72,7 @@ def power_of_two(exponents: jax.Array) -> jax.Array:
 
 def query_position_scale(order, head_dim: int, bits: int):
   """float32 [D] 2^(QUERY_EXPONENT - q) per position of `order` (channel at each position)."""
-  return power_of_two(QUERY_EXPONENT - code_exponent(jnp.asarray(order), head_dim, bits))
+  return power_of_two(QUERY_EXPONENT - code_exponent(order, head_dim, bits))
 
 
 def output_position_scale(order, head_dim: int, bits: int):
