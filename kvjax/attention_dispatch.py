@@ -46,6 +46,7 @@ QUANTIZED_GPU_CONFIG_KEYS = (
   "unroll",
   "prefetch",
   "code_operand",
+  "channel_parts",
 )
 
 _warned: set[str] = set()
@@ -191,7 +192,8 @@ def quantized_decode_attention(
   errors raise ValueError before anything is traced. On GPU, `kernel_config` may pick the
   kernel variant: {"variant": "folded" (default) | "joined" | "reshape" | "planar"} and, for
   "folded", {"prefetch": True (default) | False, "code_operand": "subnormal" (default for bf16
-  2- and 4-bit codes) | "offset"} (see `pallas_kernels.quantized_decode_attention_triton`).
+  2- and 4-bit codes) | "offset", "channel_parts": 1 (default) | 2 | 4} (see
+  `pallas_kernels.quantized_decode_attention_triton`).
   """
   family, interpret = _choose(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=True, family=family)

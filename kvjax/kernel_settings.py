@@ -68,6 +68,7 @@ class KernelSettings:
         quantized.get("variant", DEFAULT_VARIANT),
         quantized.get("prefetch"),
         quantized.get("code_operand"),
+        quantized.get("channel_parts"),
       )
     except ValueError as e:
       raise ValueError(f"kernel settings quantized: {e}") from None

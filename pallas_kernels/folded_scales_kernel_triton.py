@@ -44,7 +44,9 @@ are added to the scores and, being [rows, D] per block, to an accumulator of the
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
+from pallas_kernels import _compat
 from pallas_kernels.decode_attention_triton import (
   _dot_nn,
   _dot_nt,
@@ -84,18 +86,27 @@ def _join_pairs(pairs: list) -> jax.Array:
   )
 
 
-def folded_channel_order(head_dim: int, bits: int, compute_dtype) -> np.ndarray:
-  """numpy int32 [D]: channel at each position of the unpacked codes (keys and values)."""
+def folded_channel_order(
+  head_dim: int, bits: int, compute_dtype, channel_parts: int = 1
+) -> np.ndarray:
+  """numpy int32 [D]: channel at each position of the unpacked codes (keys and values), the
+  `channel_parts` parts side by side (part p unpacks words [p W/n, (p + 1) W/n) of a token)."""
   fields = 32 // bits
   width = head_dim // fields
+  part_width = width // channel_parts
 
-  def field(k):
-    return np.arange(k * width, (k + 1) * width, dtype=np.int32)[None, :]
+  def field(k, part):
+    first = k * width + part * part_width
+    return np.arange(first, first + part_width, dtype=np.int32)[None, :]
 
-  if uses_bf16_pairs(bits, compute_dtype):
-    half = fields // 2
-    return _join_pairs([(field(j), field(j + half)) for j in range(half)])[0]
-  return join_fields([field(k) for k in range(fields)])[0]
+  orders = []
+  for part in range(channel_parts):
+    if uses_bf16_pairs(bits, compute_dtype):
+      half = fields // 2
+      orders.append(_join_pairs([(field(j, part), field(j + half, part)) for j in range(half)])[0])
+    else:
+      orders.append(join_fields([field(k, part) for k in range(fields)])[0])
+  return np.concatenate(orders)
 
 
 def unpack_codes_for_dot(
@@ -149,6 +160,26 @@ def folded_supported(head_dim: int, bits: int, group_size: int, block_tokens: in
   return group_size % width == 0 and block_tokens % group_size == 0 and head_dim % group_size == 0
 
 
+CHANNEL_PARTS = (1, 2, 4)
+MIN_PART_CHANNELS = 16  # the K side of one bf16 tensor-core step
+
+
+def check_channel_parts(channel_parts: int, head_dim: int, bits: int) -> None:
+  """ValueError unless `channel_parts` is one of CHANNEL_PARTS, divides the words of a token and
+  leaves each part >= MIN_PART_CHANNELS channels."""
+  words = head_dim * bits // 32
+  if (
+    channel_parts not in CHANNEL_PARTS
+    or words % channel_parts
+    or head_dim // channel_parts < MIN_PART_CHANNELS
+  ):
+    raise ValueError(
+      f"channel_parts={channel_parts!r} must be one of {CHANNEL_PARTS} that divides the "
+      f"{words} code words of a token (head_dim={head_dim}, bits={bits}) and leaves "
+      f">= {MIN_PART_CHANNELS} channels per part"
+    )
+
+
 def folded_kernel(
   lengths_ref,
   order_ref,
@@ -168,34 +199,46 @@ def folded_kernel(
   has_outliers: bool = False,
   prefetch: bool = False,
   code_operand: str = "offset",
+  channel_parts: int = 1,
   interpret: bool = False,
 ):
   """One step = one block of `plan.block_tokens` tokens (one GEAR block for GEAR caches), one
-  dot for K and one for V. `rest`: the GEAR refs if any, optional aliased starting contents of
-  the outputs, then (out_ref, lse_ref). `code_operand="subnormal"`: bf16 2- and 4-bit codes as
-  small bit patterns (`subnormal_codes`), the key dot's queries scaled per position once per
-  program (`interpret`: the two code dots emulated, since XLA on CPU flushes subnormals).
+  dot for K and one for V per channel part. `rest`: the GEAR refs if any, optional aliased
+  starting contents of the outputs, then (out_ref, lse_ref). `code_operand="subnormal"`: bf16
+  2- and 4-bit codes as small bit patterns (`subnormal_codes`), the key dot's queries scaled per
+  position once per program (`interpret`: the two code dots emulated, since XLA on CPU flushes
+  subnormals).
 
   `prefetch`: each step issues the loads of the next block before its own arithmetic and
   carries them (register double buffering), so the global-memory latency of one block hides
   behind the work of the previous one. Loads past the split's end are masked off (no memory
-  read), so the last step's prefetch costs no traffic."""
+  read), so the last step's prefetch costs no traffic.
+
+  `channel_parts` n > 1: each token's code words are taken in n column slices, each unpacked
+  and multiplied on its own ([block, D/n] operands, keys' scores summed, values' products in
+  one accumulator per part), so only a 1/n-wide code tile is live in registers at a time: fewer
+  registers per thread (more programs per SM) for more, smaller dots (KERNEL_NOTES v10)."""
   out_ref, lse_ref = rest[-2:]
   gear = GearRefs.take(rest[:-2], has_lowrank, has_outliers)
   block = plan.block_tokens
   key_groups = block // group_size
   start, end, num_blocks = split_block_range(plan, lengths_ref[()], tokens)
-  queries_in_compute_dtype = queries_ref[...]  # [rows, D] folded order, pre-scaled
-  queries = queries_in_compute_dtype.astype(jnp.float32)
   compute_dtype = queries_ref.dtype
   subnormal = code_operand == "subnormal" and uses_bf16_pairs(bits, compute_dtype)
-  rows, head_dim = queries.shape
+  rows, head_dim = queries_ref.shape
   value_groups = head_dim // group_size
-  order = order_ref[...]  # [D] int32: channel at each position
-  code_queries = queries_in_compute_dtype  # the key dot's operand
-  if subnormal:  # exact: a power of two per position, within bf16's range
-    position_scale = query_position_scale(order, head_dim, bits)[None, :]
-    code_queries = (queries * position_scale).astype(compute_dtype)
+  part_words = k_codes_ref.shape[-1] // channel_parts
+  part_channels = head_dim // channel_parts
+  parts = [pl.ds(part * part_channels, part_channels) for part in range(channel_parts)]
+  orders = [order_ref[part] for part in parts]  # [D / n] int32: channel at each position
+  bias_queries, code_queries = [], []  # per part [rows, D / n]: f32, the key dot's operand
+  for part, order in zip(parts, orders):
+    part_queries = queries_ref[:, part]  # folded order, pre-scaled
+    bias_queries.append(part_queries.astype(jnp.float32))
+    if subnormal:  # exact: a power of two per position, within bf16's range
+      position_scale = query_position_scale(order, head_dim, bits)[None, :]
+      part_queries = (part_queries.astype(jnp.float32) * position_scale).astype(compute_dtype)
+    code_queries.append(part_queries)
   offsets = jnp.arange(block, dtype=jnp.int32)
   group_offsets = jnp.arange(key_groups, dtype=jnp.int32)
   token_is_in_group = (offsets // group_size)[None, None, :] == group_offsets[:, None, None]
@@ -204,47 +247,69 @@ def folded_kernel(
   def tokens_valid(first):
     return first + offsets < end  # [block]; masked lanes read no memory
 
+  def load_words(ref, first, valid):
+    return tuple(
+      _compat.triton_load(
+        ref.at[pl.ds(first, block), pl.ds(part * part_words, part_words)],
+        mask=valid[:, None],
+        other=0,
+      )  # [block, W / n]
+      for part in range(channel_parts)
+    )
+
   def load_keys(first):
     valid = tokens_valid(first)
     group_rows = jnp.minimum(first // group_size + group_offsets, last_group)[:, None]
     return (
-      load_token_rows(k_codes_ref, first, block, valid),
-      k_scale_ref[group_rows, order[None, :]],  # [groups, D]
-      k_min_ref[group_rows, order[None, :]],
+      load_words(k_codes_ref, first, valid),
+      tuple(k_scale_ref[group_rows, order[None, :]] for order in orders),  # [groups, D / n]
+      tuple(k_min_ref[group_rows, order[None, :]] for order in orders),
     )
 
   def load_values(first):
     valid = tokens_valid(first)
-    return tuple(
-      load_token_rows(ref, first, block, valid)  # [block, W] / [block, value_groups]
-      for ref in (v_codes_ref, v_scale_ref, v_min_ref)
+    return (
+      load_words(v_codes_ref, first, valid),
+      load_token_rows(v_scale_ref, first, block, valid),  # [block, value_groups]
+      load_token_rows(v_min_ref, first, block, valid),
     )
 
   def body(i, carry):
-    running_max, running_sum, acc, value_bias, gear_acc, prefetched = carry
+    running_max, running_sum, accs, value_bias, gear_accs, prefetched = carry
     first = start + i * block
     valid = tokens_valid(first)
     if prefetch:
-      (k_words, k_scale, k_min), loaded_values = prefetched
+      (k_words, k_scales, k_mins), loaded_values = prefetched
       prefetched = (load_keys(first + block), load_values(first + block))
     else:
-      k_words, k_scale, k_min = load_keys(first)
+      k_words, k_scales, k_mins = load_keys(first)
 
-    k_code = unpack_codes_for_dot(k_words, bits, compute_dtype, code_operand)  # [block, D]
-    # compute_dtype is the scales' own dtype (`compute_dtype_for`), so this multiplies in bf16
-    # (HMUL2, a pair per instruction) for bf16 caches: the product of two bf16 numbers is exact
-    # in float32, so it is bit for bit the float32 product and cast, at half the instructions.
-    k_scale = k_scale.astype(compute_dtype)
-    k_min = k_min.astype(jnp.float32)
-    stacked_queries = code_queries[None, :, :] * k_scale[:, None, :]
-    key_bias = jnp.sum(queries[None, :, :] * k_min[:, None, :], axis=2)  # [groups, rows]
-    stacked_scores = dot_with_code_operand(
-      _dot_nt,
-      stacked_queries.reshape(key_groups * rows, head_dim),
-      k_code,
-      codes_are_lhs=False,
-      emulate=subnormal and interpret,
-    ).reshape(key_groups, rows, block)
+    part_scores, part_biases = [], []  # summed over the parts below
+    for words, k_scale, k_min, part_queries, part_bias_queries in zip(
+      k_words, k_scales, k_mins, code_queries, bias_queries
+    ):
+      k_code = unpack_codes_for_dot(words, bits, compute_dtype, code_operand)  # [block, D / n]
+      # compute_dtype is the scales' own dtype (`compute_dtype_for`), so this multiplies in
+      # bf16 (HMUL2, a pair per instruction) for bf16 caches: the product of two bf16 numbers
+      # is exact in float32, so it is bit for bit the float32 product and cast, at half the
+      # instructions.
+      stacked_queries = part_queries[None, :, :] * k_scale.astype(compute_dtype)[:, None, :]
+      part_biases.append(
+        jnp.sum(part_bias_queries[None, :, :] * k_min.astype(jnp.float32)[:, None, :], axis=2)
+      )  # [groups, rows]
+      part_scores.append(
+        dot_with_code_operand(
+          _dot_nt,
+          stacked_queries.reshape(key_groups * rows, part_channels),
+          k_code,
+          codes_are_lhs=False,
+          emulate=subnormal and interpret,
+        ).reshape(key_groups, rows, block)
+      )
+    stacked_scores, key_bias = (
+      sum(part_scores[1:], part_scores[0]),
+      sum(part_biases[1:], part_biases[0]),
+    )
     if subnormal:
       stacked_scores = stacked_scores * SCORE_SCALE
     scores = jnp.sum(
@@ -258,45 +323,59 @@ def folded_kernel(
     )  # probs [rows, block]
 
     v_words, v_scale, v_min = loaded_values if prefetch else load_values(first)
-    v_code = unpack_codes_for_dot(v_words, bits, compute_dtype, code_operand)  # [block, D]
     v_scale, v_min = (x.astype(jnp.float32).T for x in (v_scale, v_min))  # [value_groups, block]
     if subnormal:
       v_scale = v_scale * PROBS_SCALE
     stacked_probs = (probs[None, :, :] * v_scale[:, None, :]).astype(compute_dtype)
+    stacked_probs = stacked_probs.reshape(value_groups * rows, block)
     bias_update = jnp.sum(probs[None, :, :] * v_min[:, None, :], axis=2)  # [value_groups, rows]
-    # Transposed so that M is the head dim: a wgmma on sm_90 (see the module docstring).
-    update = dot_with_code_operand(
-      _dot_nn,
-      v_code.T,
-      stacked_probs.reshape(value_groups * rows, block).T,
-      codes_are_lhs=True,
-      emulate=subnormal and interpret,
-    ).T
-    acc = acc * correction[None, :, None] + update.reshape(value_groups, rows, head_dim)
+    new_accs = []
+    for words, acc in zip(v_words, accs):
+      v_code = unpack_codes_for_dot(words, bits, compute_dtype, code_operand)  # [block, D / n]
+      # Transposed so that M is the head dim: a wgmma on sm_90 (see the module docstring).
+      update = dot_with_code_operand(
+        _dot_nn,
+        v_code.T,
+        stacked_probs.T,
+        codes_are_lhs=True,
+        emulate=subnormal and interpret,
+      ).T
+      new_accs.append(
+        acc * correction[None, :, None] + update.reshape(value_groups, rows, part_channels)
+      )
     value_bias = value_bias * correction[None, :] + bias_update
     if gear.present:
-      gear_acc = gear_acc * correction[:, None] + gear_value_terms(
-        gear, probs, first // block, first, valid, order, compute_dtype
+      gear_accs = tuple(
+        gear_acc * correction[:, None]
+        + gear_value_terms(gear, probs, first // block, first, valid, order, compute_dtype)
+        for gear_acc, order in zip(gear_accs, orders)
       )
-    return running_max, running_sum, acc, value_bias, gear_acc, prefetched
+    return running_max, running_sum, tuple(new_accs), value_bias, gear_accs, prefetched
 
   init = (
     jnp.full((rows,), -jnp.inf, jnp.float32),
     jnp.zeros((rows,), jnp.float32),
-    jnp.zeros((value_groups, rows, head_dim), jnp.float32),
+    tuple(
+      jnp.zeros((value_groups, rows, part_channels), jnp.float32) for _ in range(channel_parts)
+    ),
     jnp.zeros((value_groups, rows), jnp.float32),
-    # GEAR's value terms are [rows, D] per block: their own accumulator, not one per group.
-    jnp.zeros((rows, head_dim) if gear.present else (), jnp.float32),
+    # GEAR's value terms are [rows, D / n] per block and part: accumulators of their own.
+    tuple(jnp.zeros((rows, part_channels), jnp.float32) for _ in range(channel_parts))
+    if gear.present
+    else (),
     (load_keys(start), load_values(start)) if prefetch else (),
   )
-  running_max, running_sum, acc, value_bias, gear_acc, _ = jax.lax.fori_loop(
+  running_max, running_sum, accs, value_bias, gear_accs, _ = jax.lax.fori_loop(
     0, num_blocks, body, init
   )
-  position_group = (order // group_size)[None, None, :]  # value group of each position
-  in_group = position_group == jnp.arange(value_groups, dtype=jnp.int32)[:, None, None]
-  if subnormal:
-    acc = acc * output_position_scale(order, head_dim, bits)[None, None, :]
-  out = jnp.sum(jnp.where(in_group, acc + value_bias[:, :, None], 0.0), axis=0)  # [rows, D]
-  if gear.present:
-    out = out + gear_acc
-  store_split_partials(out_ref, lse_ref, running_max, running_sum, out)
+  outs = []
+  for index, (acc, order) in enumerate(zip(accs, orders)):
+    position_group = (order // group_size)[None, None, :]  # value group of each position
+    in_group = position_group == jnp.arange(value_groups, dtype=jnp.int32)[:, None, None]
+    if subnormal:
+      acc = acc * output_position_scale(order, head_dim, bits)[None, None, :]
+    out = jnp.sum(jnp.where(in_group, acc + value_bias[:, :, None], 0.0), axis=0)  # [rows, D/n]
+    if gear.present:
+      out = out + gear_accs[index]
+    outs.append(out)
+  store_split_partials(out_ref, lse_ref, running_max, running_sum, *outs)

@@ -61,6 +61,8 @@ from pallas_kernels.float_unpacking import (
   magic_dequantization_constants,
 )
 from pallas_kernels.folded_scales_kernel_triton import (
+  CHANNEL_PARTS,
+  check_channel_parts,
   folded_channel_order,
   folded_kernel,
   folded_rows,
@@ -413,15 +415,19 @@ def compute_dtype_for(scale_dtype):
 VARIANTS = ("folded", "joined", "planar", "reshape")
 DEFAULT_VARIANT = "folded"  # the fastest measured on H100 (KERNEL_NOTES v8)
 DEFAULT_CODE_OPERAND = "subnormal"
-FOLDED_SETTINGS = ("prefetch", "code_operand")  # kernel_config keys of variant "folded" only
+# kernel_config keys of variant "folded" only
+FOLDED_SETTINGS = ("prefetch", "code_operand", "channel_parts")
 
 
 def check_variant_settings(
-  variant: str, prefetch: bool | None = None, code_operand: str | None = None
+  variant: str,
+  prefetch: bool | None = None,
+  code_operand: str | None = None,
+  channel_parts: int | None = None,
 ) -> None:
   """ValueError naming a variant that does not exist, a `prefetch` that is not a bool, a
-  `code_operand` not in CODE_OPERANDS, or either given to a variant other than "folded" (None:
-  the variant's default)."""
+  `code_operand` not in CODE_OPERANDS, a `channel_parts` not in CHANNEL_PARTS, or any of them
+  given to a variant other than "folded" (None: the variant's default)."""
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} is not supported; allowed: {', '.join(VARIANTS)}")
   if prefetch is not None and not isinstance(prefetch, bool):
@@ -431,7 +437,14 @@ def check_variant_settings(
       f"code_operand={code_operand!r} is not supported; allowed: {', '.join(CODE_OPERANDS)} "
       "or None (the default)"
     )
-  for name, value in zip(FOLDED_SETTINGS, (prefetch, code_operand)):
+  if channel_parts is not None and (
+    isinstance(channel_parts, bool) or channel_parts not in CHANNEL_PARTS
+  ):
+    raise ValueError(
+      f"channel_parts={channel_parts!r} is not supported; allowed: "
+      f"{', '.join(map(str, CHANNEL_PARTS))} or None (1)"
+    )
+  for name, value in zip(FOLDED_SETTINGS, (prefetch, code_operand, channel_parts)):
     if value is not None and variant != "folded":
       raise ValueError(
         f"{name}={value!r} is a setting of variant='folded' only; got variant={variant!r}"
@@ -455,11 +468,13 @@ def resolve_code_operand(code_operand: str | None, bits: int, compute_dtype) -> 
 FOLDED_MAX_GROUP = 8  # query heads per KV head that `quantized_decode_attention_triton` folds
 
 
-def output_channel_order(head_dim: int, bits: int, group_size: int, variant: str, compute_dtype):
+def output_channel_order(
+  head_dim: int, bits: int, group_size: int, variant: str, compute_dtype, channel_parts=None
+):
   """numpy int32 [D]: channel at each position of the partial outputs' last axis (for "folded"
-  it depends on the operand dtype: `compute_dtype_for(scale dtype)`)."""
+  it depends on the operand dtype, `compute_dtype_for(scale dtype)`, and on `channel_parts`)."""
   if variant == "folded":
-    return folded_channel_order(head_dim, bits, compute_dtype)
+    return folded_channel_order(head_dim, bits, compute_dtype, channel_parts or 1)
   if variant == "reshape":
     return np.arange(head_dim, dtype=np.int32)
   if variant == "joined":
@@ -483,6 +498,7 @@ def output_channel_order(head_dim: int, bits: int, group_size: int, variant: str
     "unroll",
     "prefetch",
     "code_operand",
+    "channel_parts",
   ),
 )
 def quantized_decode_attention_partials_triton(
@@ -511,6 +527,7 @@ def quantized_decode_attention_partials_triton(
   unroll: int = 2,
   prefetch: bool | None = None,
   code_operand: str | None = None,
+  channel_parts: int | None = None,
 ):
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows], rows = `partial_rows`);
   see module doc.
@@ -530,12 +547,14 @@ def quantized_decode_attention_partials_triton(
   `code_operand` (folded only): how bf16 2- and 4-bit codes become tensor-core operands,
   "subnormal" (one AND per pair, `subnormal_codes`) or "offset" (128 + code, minus 128); None
   means DEFAULT_CODE_OPERAND where it applies, else "offset" (8-bit codes, f16/f32 caches).
+  `channel_parts` (folded only; None means 1): unpack and multiply each token's code words in
+  that many column slices, for fewer registers per thread (`folded_kernel`).
   variant "planar": one key group of `group_size` tokens per sub-step, `unroll` sub-steps per
   loop step, scales folded into q / p, bit fields joined without layout conversion, one dot
   per value channel group (slower on H100: see benchmarks/KERNEL_NOTES.md).
   """
   check_bits(bits)
-  check_variant_settings(variant, prefetch, code_operand)
+  check_variant_settings(variant, prefetch, code_operand, channel_parts)
   if num_stages is None:
     # Measured on H100 at 32k (KERNEL_NOTES v9): folded 250-254 us with 2 stages, 269 with 3.
     num_stages = 2 if variant == "folded" else 3
@@ -576,6 +595,8 @@ def quantized_decode_attention_partials_triton(
       )
     rows = folded_rows(group, step_tokens, head_dim, group_size)
     code_operand = resolve_code_operand(code_operand, bits, compute_dtype)
+    channel_parts = channel_parts or 1
+    check_channel_parts(channel_parts, head_dim, bits)
   else:
     rows = tile_rows(group)
   plan = plan_splits(tokens, step_tokens, batch * kv_heads, num_splits, gpu_target_programs())
@@ -583,7 +604,7 @@ def quantized_decode_attention_partials_triton(
   prefix = []
   key_order = np.arange(head_dim, dtype=np.int32)
   if variant == "folded":
-    key_order = folded_channel_order(head_dim, bits, compute_dtype)
+    key_order = folded_channel_order(head_dim, bits, compute_dtype, channel_parts)
     prefix = [jnp.asarray(key_order)]
   elif variant != "reshape":
     key_order = channel_orders(head_dim, bits, group_size)[0]
@@ -635,6 +656,7 @@ def quantized_decode_attention_partials_triton(
       folded_kernel,
       prefetch=prefetch,
       code_operand=code_operand,
+      channel_parts=channel_parts,
       interpret=bool(interpret),
       **common,
     )
@@ -770,7 +792,12 @@ def quantized_decode_attention_triton(
   )
   out, lse = merge_split_partials(out, lse, queries.shape[2])
   order = output_channel_order(
-    queries.shape[3], bits, group_size, variant, compute_dtype_for(k_scale.dtype)
+    queries.shape[3],
+    bits,
+    group_size,
+    variant,
+    compute_dtype_for(k_scale.dtype),
+    config.get("channel_parts"),
   )
   if variant != "reshape":
     out = out[..., _inverse_permutation(order)]

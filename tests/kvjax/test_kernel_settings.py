@@ -55,6 +55,14 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
       "quantized: code_operand='offset' is a setting of variant='folded' only",
     ),
     (dict(full={"code_operand": "offset"}), r"full: unknown keys \['code_operand'\]"),
+    (
+      dict(quantized={"channel_parts": 3}),
+      "quantized: channel_parts=3 is not supported; allowed: 1, 2, 4",
+    ),
+    (
+      dict(quantized={"variant": "planar", "channel_parts": 2}),
+      "quantized: channel_parts=2 is a setting of variant='folded' only",
+    ),
     (dict(full=[("block_tokens", 64)]), "full must be a dict"),
   ],
 )

@@ -57,6 +57,26 @@ def test_folded_channel_order_is_a_permutation_with_word_pairs_adjacent():
       np.testing.assert_array_equal(high // width - low // width, 16 // bits)
 
 
+def test_channel_parts_take_their_own_words_and_unpack_to_the_order():
+  rng = np.random.default_rng(0)
+  for head_dim, bits, dtype, parts in itertools.product((64, 128), (2, 4, 8), DTYPES, (1, 2, 4)):
+    width = head_dim * bits // 32
+    if width % parts:
+      continue
+    order = folded_channel_order(head_dim, bits, dtype, parts)
+    np.testing.assert_array_equal(np.sort(order), np.arange(head_dim))
+    codes = rng.integers(0, 2**bits, size=(4, head_dim))
+    words = np.asarray(pack_codes(jnp.asarray(codes, jnp.int32), bits))
+    part_width, part_channels = width // parts, head_dim // parts
+    for part in range(parts):
+      positions = order[part * part_channels : (part + 1) * part_channels]
+      # Channel c sits in word c % W: part p holds exactly the channels of its own words.
+      assert set(positions % width) == set(range(part * part_width, (part + 1) * part_width))
+      part_words = jnp.asarray(words[:, part * part_width : (part + 1) * part_width])
+      operands = unpack_codes_for_dot(part_words, bits, dtype)
+      np.testing.assert_array_equal(np.asarray(operands, np.float32), codes[:, positions])
+
+
 def test_folded_rows_fill_the_smallest_tensor_core_tile():
   for group, block, head_dim in itertools.product((1, 2, 3, 4, 8), (32, 64, 128), (64, 128)):
     rows = folded_rows(group, block, head_dim, 32)

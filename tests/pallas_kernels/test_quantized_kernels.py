@@ -96,7 +96,12 @@ def _check_triton(
   assert_all_written(out_p, lse_p)
   out, lse = merge_split_partials(out_p, lse_p, group)
   order = triton_kernel.output_channel_order(
-    head_dim, bits, GROUP_SIZE, variant, triton_kernel.compute_dtype_for(jnp.dtype(dtype))
+    head_dim,
+    bits,
+    GROUP_SIZE,
+    variant,
+    triton_kernel.compute_dtype_for(jnp.dtype(dtype)),
+    config.get("channel_parts"),
   )
   out = out[..., np.argsort(order)]
   assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(dtype, interpret))
@@ -174,25 +179,32 @@ def test_triton_joined_kernel_matches_reference(bits, head_dim, group, gear, dty
 
 
 @pytest.mark.parametrize(
-  "bits,head_dim,group,gear,dtype,block_tokens,prefetch,code_operand",
+  "bits,head_dim,group,gear,dtype,block_tokens,prefetch,code_operand,channel_parts",
   [
-    (2, 128, 4, False, jnp.bfloat16, 128, False, None),
-    (2, 128, 4, False, jnp.bfloat16, 128, True, "offset"),
+    (2, 128, 4, False, jnp.bfloat16, 128, False, None, None),
+    (2, 128, 4, False, jnp.bfloat16, 128, True, "offset", None),
     # 2 blocks per split: the last prefetch is past it
-    (2, 128, 4, False, jnp.bfloat16, 64, True, "subnormal"),
-    (4, 64, 1, False, jnp.bfloat16, 64, False, None),
-    (4, 128, 2, False, jnp.bfloat16, 128, True, "offset"),
-    (8, 128, 8, False, jnp.bfloat16, 128, True, None),
-    (2, 64, 3, False, jnp.float32, 64, False, "offset"),
-    (2, 128, 4, True, jnp.bfloat16, None, False, None),  # GEAR: one GEAR block per step
-    (4, 64, 2, True, jnp.bfloat16, None, True, "offset"),
-    (4, 64, 2, True, jnp.float32, None, True, None),
+    (2, 128, 4, False, jnp.bfloat16, 64, True, "subnormal", None),
+    (4, 64, 1, False, jnp.bfloat16, 64, False, None, None),
+    (4, 128, 2, False, jnp.bfloat16, 128, True, "offset", None),
+    (8, 128, 8, False, jnp.bfloat16, 128, True, None, None),
+    (2, 64, 3, False, jnp.float32, 64, False, "offset", None),
+    (2, 128, 4, True, jnp.bfloat16, None, False, None, None),  # GEAR: one GEAR block per step
+    (4, 64, 2, True, jnp.bfloat16, None, True, "offset", None),
+    (4, 64, 2, True, jnp.float32, None, True, None, None),
+    # Each token's words in column slices (`channel_parts`)
+    (2, 128, 4, False, jnp.bfloat16, 64, True, "subnormal", 2),
+    (2, 128, 4, False, jnp.bfloat16, 64, False, "offset", 4),
+    (4, 64, 2, False, jnp.bfloat16, 64, True, None, 2),
+    (8, 128, 1, False, jnp.float32, 64, False, None, 2),
+    (2, 128, 4, True, jnp.bfloat16, None, True, None, 2),  # GEAR's value terms per part
+    (2, 64, 8, False, jnp.bfloat16, 64, False, None, 4),  # one word per part
   ],
 )
 def test_triton_folded_kernel_matches_reference(
-  bits, head_dim, group, gear, dtype, block_tokens, prefetch, code_operand
+  bits, head_dim, group, gear, dtype, block_tokens, prefetch, code_operand, channel_parts
 ):
-  """None: the default code operand ("subnormal" for bf16 2- and 4-bit codes)."""
+  """None: the default code operand ("subnormal" for bf16 2- and 4-bit codes), one part."""
   _check_triton(
     bits,
     head_dim,
@@ -200,11 +212,33 @@ def test_triton_folded_kernel_matches_reference(
     gear,
     dtype,
     "folded",
-    seed=bits * head_dim + group + 2 + prefetch + (code_operand == "offset"),
+    seed=bits * head_dim + group + 2 + prefetch + (code_operand == "offset") + (channel_parts or 1),
     block_tokens=block_tokens,
     prefetch=prefetch,
     code_operand=code_operand,
+    channel_parts=channel_parts,
   )
+
+
+def test_channel_parts_is_a_folded_setting_that_divides_the_words():
+  call = triton_kernel.quantized_decode_attention_partials_triton
+  queries, segment, lengths, kwargs, reference = _case(9, 2, 64, 2, False, jnp.bfloat16)
+  with pytest.raises(ValueError, match="channel_parts=2 is a setting of variant='folded'"):
+    call(queries, *segment[:6], lengths, variant="joined", channel_parts=2, **kwargs)
+  for bad in (3, 0, True, "2"):
+    with pytest.raises(
+      ValueError, match=f"channel_parts={bad!r} is not supported; allowed: 1, 2, 4"
+    ):
+      call(queries, *segment[:6], lengths, variant="folded", channel_parts=bad, **kwargs)
+  # 8-bit codes at D 32 would leave 8 channels per part: refused before tracing.
+  with pytest.raises(ValueError, match="channel_parts=4 must be one of"):
+    triton_kernel.check_channel_parts(4, 32, 8)
+  # Where "folded" falls back (16 query heads per KV head), the fallback runs without it.
+  queries, segment, lengths, kwargs, reference = _case(6, 2, 64, 16, False, jnp.bfloat16)
+  out, lse = triton_kernel.quantized_decode_attention_triton(
+    queries, *segment[:6], lengths, channel_parts=2, interpret=triton_interpret(), **kwargs
+  )
+  assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.bfloat16, True))
 
 
 def test_code_operand_is_a_folded_setting_for_bf16_pairs():
