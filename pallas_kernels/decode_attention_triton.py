@@ -41,10 +41,11 @@ def tile_rows(group: int) -> int:
   return max(TILE_ROWS, 1 << (group - 1).bit_length())
 
 
-def load_token_rows(ref, first, count: int, valid):
-  """Rows first .. first + count - 1 of a [tokens, C] ref; rows where `valid` [count] is False
-  read no memory and come back as 0."""
-  return _compat.triton_load(ref.at[pl.ds(first, count), :], mask=valid[:, None], other=0)
+def load_token_rows(ref, first, count: int, valid, columns=slice(None)):
+  """Rows first .. first + count - 1 of a [tokens, C] ref (`columns`: a slice of its C
+  columns, all by default); rows where `valid` [count] is False read no memory and come back
+  as 0."""
+  return _compat.triton_load(ref.at[pl.ds(first, count), columns], mask=valid[:, None], other=0)
 
 
 def _dot_nt(a, b):

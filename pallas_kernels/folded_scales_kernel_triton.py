@@ -46,7 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
 from pallas_kernels.decode_attention_triton import (
   _dot_nn,
   _dot_nt,
@@ -237,7 +236,7 @@ def folded_kernel(
     bias_queries.append(part_queries.astype(jnp.float32))
     if subnormal:  # exact: a power of two per position, within bf16's range
       position_scale = query_position_scale(order, head_dim, bits)[None, :]
-      part_queries = (part_queries.astype(jnp.float32) * position_scale).astype(compute_dtype)
+      part_queries = (bias_queries[-1] * position_scale).astype(compute_dtype)
     code_queries.append(part_queries)
   offsets = jnp.arange(block, dtype=jnp.int32)
   group_offsets = jnp.arange(key_groups, dtype=jnp.int32)
@@ -247,13 +246,9 @@ def folded_kernel(
   def tokens_valid(first):
     return first + offsets < end  # [block]; masked lanes read no memory
 
-  def load_words(ref, first, valid):
+  def load_words(ref, first, valid):  # per part [block, W / n]
     return tuple(
-      _compat.triton_load(
-        ref.at[pl.ds(first, block), pl.ds(part * part_words, part_words)],
-        mask=valid[:, None],
-        other=0,
-      )  # [block, W / n]
+      load_token_rows(ref, first, block, valid, pl.ds(part * part_words, part_words))
       for part in range(channel_parts)
     )
 
@@ -345,10 +340,11 @@ def folded_kernel(
       )
     value_bias = value_bias * correction[None, :] + bias_update
     if gear.present:
+      gear_updates = gear_value_terms(
+        gear, probs, first // block, first, valid, orders, compute_dtype
+      )
       gear_accs = tuple(
-        gear_acc * correction[:, None]
-        + gear_value_terms(gear, probs, first // block, first, valid, order, compute_dtype)
-        for gear_acc, order in zip(gear_accs, orders)
+        gear_acc * correction[:, None] + update for gear_acc, update in zip(gear_accs, gear_updates)
       )
     return running_max, running_sum, tuple(new_accs), value_bias, gear_accs, prefetched
 

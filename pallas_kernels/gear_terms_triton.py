@@ -108,22 +108,24 @@ def gear_value_terms(
   gear_index,
   first,
   valid: jax.Array,
-  channels: jax.Array,
+  channel_sets: list,
   compute_dtype,
   token_shift=0,
-) -> jax.Array:
-  """float32 [rows, C]: GEAR's addition to the value update of the unnormalised probabilities
-  `probs` float32 [rows, block], for the C channels `channels` (all D of them in the kernel's
-  order, or one value group's)."""
+) -> list:
+  """[float32 [rows, C]] per entry of `channel_sets` (int32 [C] channels each: all D of them in
+  the kernel's order, or one value group's, or one channel part's): GEAR's addition to the value
+  update of the unnormalised probabilities `probs` float32 [rows, block] for those channels.
+  p A_v and p at the outliers' tokens are computed once for all the sets."""
   rows, block = probs.shape
   head_dim = gear.head_dim
-  terms = jnp.zeros((rows, channels.shape[0]), jnp.float32)
+  terms = [jnp.zeros((rows, channels.shape[0]), jnp.float32) for channels in channel_sets]
   if gear.lowrank is not None:
     _, _, v_a_ref, v_b_ref = gear.lowrank
     v_a = load_token_rows(v_a_ref, first, block, valid).astype(jnp.float32)  # [block, r]
-    v_b = v_b_ref[gear_index, channels, :].astype(jnp.float32)  # [D, r]
     p_a = jnp.sum(probs[:, :, None] * v_a[None, :, :], axis=1)  # [rows, r]
-    terms = terms + jnp.sum(p_a[:, None, :] * v_b[None, :, :], axis=2)
+    for index, channels in enumerate(channel_sets):
+      v_b = v_b_ref[gear_index, channels, :].astype(jnp.float32)  # [C, r]
+      terms[index] = terms[index] + jnp.sum(p_a[:, None, :] * v_b[None, :, :], axis=2)
   if gear.outliers is not None:
     _, _, v_index_ref, v_value_ref = gear.outliers
     probs_c = probs.astype(compute_dtype)
@@ -132,10 +134,11 @@ def gear_value_terms(
       v_value = v_value_ref[gear_index, chunk].astype(jnp.float32)
       token_hot = _token_hot(v_index, head_dim, token_shift, block)  # [chunk, block]
       p_at_outlier = _dot_nt(probs_c, token_hot.astype(compute_dtype))  # [rows, chunk]
-      channel_hot = jnp.bitwise_and(v_index, head_dim - 1)[:, None] == channels[None, :]
-      terms = terms + _dot_nn(
-        (p_at_outlier * v_value[None, :]).astype(compute_dtype), channel_hot.astype(compute_dtype)
-      )
+      weighted = (p_at_outlier * v_value[None, :]).astype(compute_dtype)
+      outlier_channel = jnp.bitwise_and(v_index, head_dim - 1)[:, None]
+      for index, channels in enumerate(channel_sets):
+        channel_hot = outlier_channel == channels[None, :]  # [chunk, C]
+        terms[index] = terms[index] + _dot_nn(weighted, channel_hot.astype(compute_dtype))
   return terms
 
 

@@ -272,9 +272,10 @@ def _quantized_decode_block_loop(
     probs_c = probs.astype(compute_dtype)
     update = _dot_nn(probs_c, values.astype(compute_dtype))  # [rows, D]
     if gear.present:
-      update = update + gear_value_terms(
-        gear, probs, first // block, first, valid, value_channels, compute_dtype
+      [gear_update] = gear_value_terms(
+        gear, probs, first // block, first, valid, [value_channels], compute_dtype
       )
+      update = update + gear_update
     return running_max, running_sum, acc * correction[:, None] + update
 
   init = (
@@ -364,6 +365,17 @@ def _planar_kernel(
     # Values, per channel group c: sum_t (p_t * v_scale[t, c]) codes[t, group c]
     #                               + sum_t p_t * v_min[t, c].
     v_words = load_token_rows(v_codes_ref, first, block, valid)
+    if gear.present:  # per value group [rows, value_group], p A_v / p at the outliers once
+      gear_updates = gear_value_terms(
+        gear,
+        probs,
+        gear_index,
+        first,
+        valid,
+        [value_order_ref[pl.ds(c * value_group, value_group)] for c in range(num_value_groups)],
+        compute_dtype,
+        token_shift=offset_in_gear_block,
+      )
     new_accs = []
     for c in range(num_value_groups):
       v_scale, v_min = load_value_group_stats(v_scale_ref, v_min_ref, first, block, c, valid)
@@ -378,18 +390,8 @@ def _planar_kernel(
         (probs * v_scale[None, :]).astype(compute_dtype), v_code.astype(compute_dtype)
       )  # [rows, value_group]
       update = update + jnp.sum(probs * v_min[None, :], axis=1)[:, None]
-      if gear.present:  # this group's channels only (recomputing p A_v / p at the outliers)
-        group_order = value_order_ref[pl.ds(c * value_group, value_group)]  # [value_group]
-        update = update + gear_value_terms(
-          gear,
-          probs,
-          gear_index,
-          first,
-          valid,
-          group_order,
-          compute_dtype,
-          token_shift=offset_in_gear_block,
-        )
+      if gear.present:
+        update = update + gear_updates[c]
       new_accs.append(accs[c] * correction[:, None] + update)
     return running_max, running_sum, tuple(new_accs)
 
