@@ -12,6 +12,9 @@ bf16 cache, contexts 8k / 32k / 128k, every row full. Measured in one run:
              interpret mode in --small);
   kivi2 / kivi4  the fused dequantize-attention kernel on 2/4-bit codes (group 32, bf16 stats);
   gear2      the same with GEAR terms fused (rank 4, 2% outliers, block 64);
+  gear2_xla_terms  the same GEAR cache with kernel setting gear_terms="xla": the kernel reads
+             the codes as for KIVI, XLA computes the low-rank and outlier terms around it
+             (`pallas_kernels/gear_terms_xla.py`; --gear-xla-kernel-config adds settings);
   kivi2_xla / kivi4_xla / gear2_xla  the same compressed caches through the jnp reference path
              (dequantize, then attention) compiled by XLA, i.e. `implementation="reference"`;
              its bytes column is the compressed cache's too (it reads those, and writes and
@@ -460,6 +463,10 @@ def run(args) -> dict:
   kernel_config = json.loads(args.kernel_config) if args.kernel_config else {}
   full_kernel_config = json.loads(args.full_kernel_config) if args.full_kernel_config else {}
   mosaic_kernel_config = json.loads(args.mosaic_kernel_config) if args.mosaic_kernel_config else {}
+  gear_xla_kernel_config = (
+    json.loads(args.gear_xla_kernel_config) if args.gear_xla_kernel_config else {}
+  )
+  results["gear_xla_kernel_config"] = gear_xla_kernel_config
   if args.check:
     results["check"] = check_grid(args)
   if args.sweep and not args.small:
@@ -496,7 +503,7 @@ def run(args) -> dict:
         row["relative_error"] = relative_error(out, reference)
       rows.append(row)
       print(
-        f"  {tokens:>7} {name:<12} {seconds * 1e6:9.1f} us  {nbytes / 1e6:9.1f} MB  "
+        f"  {tokens:>7} {name:<16} {seconds * 1e6:9.1f} us  {nbytes / 1e6:9.1f} MB  "
         f"{row['gbps']:7.0f} GB/s  {100 * row['fraction_of_copy']:5.1f}% of copy"
         + (f"  rel.err {row['relative_error']:.2e}" if "relative_error" in row else ""),
         flush=True,
@@ -571,7 +578,15 @@ def run(args) -> dict:
         queries, segment, lengths
       )
 
-      def op(q, segment, lengths, bits=bits, group_size=group_size, path=implementation):
+      def op(
+        q,
+        segment,
+        lengths,
+        bits=bits,
+        group_size=group_size,
+        path=implementation,
+        config=kernel_config,
+      ):
         # GEAR arrays come in as arguments (a closure would make them compile-time constants).
         return attention_dispatch.quantized_decode_attention(
           q,
@@ -583,11 +598,20 @@ def run(args) -> dict:
           lowrank=segment.lowrank,
           outliers=segment.outliers,
           implementation=path,
-          kernel_config=kernel_config,  # unused on the reference path
+          kernel_config=config,  # unused on the reference path
         )
 
       nbytes = quantized_bytes(segment, lengths, tokens)
       record(name, op, (queries, segment, lengths), nbytes, reference)
+      if rank or outliers:
+        xla_terms_config = {**kernel_config, "gear_terms": "xla", **gear_xla_kernel_config}
+        record(
+          f"{name}_xla_terms",
+          functools.partial(op, config=xla_terms_config),
+          (queries, segment, lengths),
+          nbytes,
+          reference,
+        )
       # The same compressed cache through the jnp path (dequantize, then attention) compiled by
       # XLA: what `implementation="reference"` costs a user on this device. (It is the function
       # the errors are measured against, so it has no error column.)
@@ -607,13 +631,13 @@ def run(args) -> dict:
     f"{copy['gbps']:.0f} GB/s; time = median per call"
   )
   print(
-    f"{'context':>8} {'op':<12} {'us/call':>9} {'MB read':>9} {'GB/s':>7} "
+    f"{'context':>8} {'op':<16} {'us/call':>9} {'MB read':>9} {'GB/s':>7} "
     f"{'%copy':>6} {'x XLA bf16':>10} {'rel.err':>9}"
   )
   for row in results["rows"]:
     err = row.get("relative_error")
     print(
-      f"{row['context']:>8} {row['name']:<12} {row['seconds'] * 1e6:9.1f} "
+      f"{row['context']:>8} {row['name']:<16} {row['seconds'] * 1e6:9.1f} "
       f"{row['bytes'] / 1e6:9.1f} {row['gbps']:7.0f} {100 * row['fraction_of_copy']:6.1f} "
       f"{row['speedup_vs_xla_bf16']:10.2f} " + (f"{err:9.2e}" if err is not None else "")
     )
@@ -642,6 +666,10 @@ def main():
     "--mosaic-kernel-config",
     help="JSON dict of the Mosaic GPU full-precision kernel's settings (block_tokens, "
     "num_stages, num_splits) for the mosaic_bf16 row",
+  )
+  parser.add_argument(
+    "--gear-xla-kernel-config",
+    help='JSON dict of settings added for the gear2_xla_terms row (e.g. {"block_tokens": 64})',
   )
   parser.add_argument(
     "--check",

@@ -273,7 +273,7 @@ def kernel_cases(args):
       if variant == "planar":
         config.setdefault("unroll", 2)
         step = group_size * config["unroll"]
-      elif gear:
+      elif gear and config.get("gear_terms") != "xla":
         config.pop("block_tokens", None)  # one GEAR block per step
         step = defaults.block
       else:

@@ -47,6 +47,7 @@ QUANTIZED_GPU_CONFIG_KEYS = (
   "prefetch",
   "code_operand",
   "channel_parts",
+  "gear_terms",
 )
 
 _warned: set[str] = set()
@@ -192,8 +193,8 @@ def quantized_decode_attention(
   errors raise ValueError before anything is traced. On GPU, `kernel_config` may pick the
   kernel variant: {"variant": "folded" (default) | "joined" | "reshape" | "planar"} and, for
   "folded", {"prefetch": True (default) | False, "code_operand": "subnormal" (default for bf16
-  2- and 4-bit codes) | "offset", "channel_parts": 1 (default) | 2 | 4} (see
-  `pallas_kernels.quantized_decode_attention_triton`).
+  2- and 4-bit codes) | "offset", "channel_parts": 1 (default) | 2 | 4, "gear_terms": "kernel"
+  (default) | "xla"} (see `pallas_kernels.quantized_decode_attention_triton`).
   """
   family, interpret = _choose(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=True, family=family)

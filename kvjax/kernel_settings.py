@@ -69,6 +69,7 @@ class KernelSettings:
         quantized.get("prefetch"),
         quantized.get("code_operand"),
         quantized.get("channel_parts"),
+        quantized.get("gear_terms"),
       )
     except ValueError as e:
       raise ValueError(f"kernel settings quantized: {e}") from None

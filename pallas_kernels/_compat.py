@@ -36,6 +36,11 @@ def triton_load(ref, *, mask=None, other=None):
   return _triton_module().load(ref, mask=mask, other=other)
 
 
+def triton_store(ref, value, *, mask=None):
+  """Masked store through the Triton lowering's `store` (masked lanes write nothing)."""
+  _triton_module().store(ref, value, mask=mask)
+
+
 def triton_compiler_params(num_warps: int, num_stages: int):
   plgpu = _triton_module()
   params_class = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from pallas_kernels import _compat
 from pallas_kernels.decode_attention_triton import (
   _dot_nn,
   _dot_nt,
@@ -199,14 +200,15 @@ def folded_kernel(
   prefetch: bool = False,
   code_operand: str = "offset",
   channel_parts: int = 1,
+  score_io: bool = False,
   interpret: bool = False,
 ):
-  """One step = one block of `plan.block_tokens` tokens (one GEAR block for GEAR caches), one
-  dot for K and one for V per channel part. `rest`: the GEAR refs if any, optional aliased
-  starting contents of the outputs, then (out_ref, lse_ref). `code_operand="subnormal"`: bf16
-  2- and 4-bit codes as small bit patterns (`subnormal_codes`), the key dot's queries scaled per
-  position once per program (`interpret`: the two code dots emulated, since XLA on CPU flushes
-  subnormals).
+  """One step = one block of `plan.block_tokens` tokens (one GEAR block where the kernel
+  computes GEAR's terms), one dot for K and one for V per channel part. `rest`: the GEAR refs
+  if any, optional aliased starting contents of the outputs, then (out_ref, lse_ref).
+  `code_operand="subnormal"`: bf16 2- and 4-bit codes as small bit patterns (`subnormal_codes`),
+  the key dot's queries scaled per position once per program (`interpret`: the two code dots
+  emulated, since XLA on CPU flushes subnormals).
 
   `prefetch`: each step issues the loads of the next block before its own arithmetic and
   carries them (register double buffering), so the global-memory latency of one block hides
@@ -216,9 +218,15 @@ def folded_kernel(
   `channel_parts` n > 1: each token's code words are taken in n column slices, each unpacked
   and multiplied on its own ([block, D/n] operands, keys' scores summed, values' products in
   one accumulator per part), so only a 1/n-wide code tile is live in registers at a time: fewer
-  registers per thread (more programs per SM) for more, smaller dots (KERNEL_NOTES v10)."""
-  out_ref, lse_ref = rest[-2:]
-  gear = GearRefs.take(rest[:-2], has_lowrank, has_outliers)
+  registers per thread (more programs per SM) for more, smaller dots (KERNEL_NOTES v10).
+
+  `score_io`: GEAR's terms are computed by XLA around the kernel (`gear_terms_xla`), so the
+  kernel takes no GEAR refs but score_bias_ref float32 [R, T] (R: the query group padded to a
+  power of two), adds it to the scores, and has a third output scores_ref float32 [R, T] where
+  each step writes its valid tokens' scores as the softmax saw them."""
+  outputs = 3 if score_io else 2
+  out_ref, lse_ref = rest[-outputs:][:2]
+  gear = GearRefs.take(rest[:-outputs], has_lowrank, has_outliers)
   block = plan.block_tokens
   key_groups = block // group_size
   start, end, num_blocks = split_block_range(plan, lengths_ref[()], tokens)
@@ -242,6 +250,14 @@ def folded_kernel(
   group_offsets = jnp.arange(key_groups, dtype=jnp.int32)
   token_is_in_group = (offsets // group_size)[None, None, :] == group_offsets[:, None, None]
   last_group = tokens // group_size - 1
+  if score_io:
+    if gear.present:
+      raise ValueError("score_io replaces the kernel's GEAR terms; it takes no GEAR refs")
+    score_bias_ref, scores_ref = rest[0], rest[-1]
+    score_rows = scores_ref.shape[0]
+    # The padding query rows take the last real row's bias: a load with no mask and no extra
+    # memory traffic (the same addresses), and their scores are never used.
+    bias_rows = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), score_rows - 1)[:, None]
 
   def tokens_valid(first):
     return first + offsets < end  # [block]; masked lanes read no memory
@@ -313,6 +329,16 @@ def folded_kernel(
 
     if gear.present:
       scores = scores + gear_score_terms(gear, queries_ref, first // block, first, valid)
+    if score_io:
+      bias_tokens = jnp.minimum(first + offsets, tokens - 1)[None, :]
+      scores = scores + score_bias_ref[bias_rows, bias_tokens]
+      # Only the group's rows go out, split off in registers: a store of all rows with the
+      # padding rows masked would need in-bounds addresses for them, i.e. repeated ones, which
+      # interpret mode writes back in no fixed order.
+      real_scores = (
+        jnp.split(scores, rows // score_rows, axis=0)[0] if rows > score_rows else scores
+      )
+      _compat.triton_store(scores_ref.at[:, pl.ds(first, block)], real_scores, mask=valid[None, :])
     running_max, running_sum, correction, probs = online_softmax_step(
       running_max, running_sum, scores, valid
     )  # probs [rows, block]

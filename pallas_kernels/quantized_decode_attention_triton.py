@@ -34,7 +34,9 @@ the default of `quantized_decode_attention_triton`, falling back to "joined" and
 where it does not apply.
 
 GEAR's low-rank and outlier terms are fused in every variant, one GEAR block per step (so
-`block_tokens == block`), by `gear_terms_triton`.
+`block_tokens == block`), by `gear_terms_triton`; or, with the folded setting
+`gear_terms="xla"`, computed by XLA around the kernel (`gear_terms_xla`: a dense score bias in,
+the scores out), so that the kernel walks a GEAR segment as a KIVI one.
 """
 
 import functools
@@ -74,6 +76,11 @@ from pallas_kernels.gear_terms_triton import (
   gear_kernel_inputs,
   gear_score_terms,
   gear_value_terms,
+)
+from pallas_kernels.gear_terms_xla import (
+  check_gear_terms,
+  gear_score_bias,
+  gear_value_terms_from_scores,
 )
 from pallas_kernels.joined_fields import (
   channel_orders,
@@ -418,7 +425,7 @@ VARIANTS = ("folded", "joined", "planar", "reshape")
 DEFAULT_VARIANT = "folded"  # the fastest measured on H100 (KERNEL_NOTES v8)
 DEFAULT_CODE_OPERAND = "subnormal"
 # kernel_config keys of variant "folded" only
-FOLDED_SETTINGS = ("prefetch", "code_operand", "channel_parts")
+FOLDED_SETTINGS = ("prefetch", "code_operand", "channel_parts", "gear_terms")
 
 
 def check_variant_settings(
@@ -426,10 +433,12 @@ def check_variant_settings(
   prefetch: bool | None = None,
   code_operand: str | None = None,
   channel_parts: int | None = None,
+  gear_terms: str | None = None,
 ) -> None:
   """ValueError naming a variant that does not exist, a `prefetch` that is not a bool, a
-  `code_operand` not in CODE_OPERANDS, a `channel_parts` not in CHANNEL_PARTS, or any of them
-  given to a variant other than "folded" (None: the variant's default)."""
+  `code_operand` not in CODE_OPERANDS, a `channel_parts` not in CHANNEL_PARTS, a
+  `gear_terms` not in GEAR_TERMS, or any of them given to a variant other than "folded"
+  (None: the variant's default)."""
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} is not supported; allowed: {', '.join(VARIANTS)}")
   if prefetch is not None and not isinstance(prefetch, bool):
@@ -446,7 +455,8 @@ def check_variant_settings(
       f"channel_parts={channel_parts!r} is not supported; allowed: "
       f"{', '.join(map(str, CHANNEL_PARTS))} or None (1)"
     )
-  for name, value in zip(FOLDED_SETTINGS, (prefetch, code_operand, channel_parts)):
+  check_gear_terms(gear_terms)
+  for name, value in zip(FOLDED_SETTINGS, (prefetch, code_operand, channel_parts, gear_terms)):
     if value is not None and variant != "folded":
       raise ValueError(
         f"{name}={value!r} is a setting of variant='folded' only; got variant={variant!r}"
@@ -501,6 +511,7 @@ def output_channel_order(
     "prefetch",
     "code_operand",
     "channel_parts",
+    "gear_terms",
   ),
 )
 def quantized_decode_attention_partials_triton(
@@ -530,9 +541,13 @@ def quantized_decode_attention_partials_triton(
   prefetch: bool | None = None,
   code_operand: str | None = None,
   channel_parts: int | None = None,
+  gear_terms: str | None = None,
 ):
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows], rows = `partial_rows`);
-  see module doc.
+  see module doc. With `gear_terms="xla"` and a GEAR segment, also the scores f32 [B,H,R,T]
+  (R: the query group padded to a power of two; entries at or past a row's length unwritten),
+  and `out` lacks GEAR's value terms (`gear_terms_xla.gear_value_terms_from_scores` adds them
+  to the merged output).
 
   The partial outputs' channels are in `output_channel_order(...)` order (merge the splits
   first, then un-permute the small merged array). `initial_partials` (optional) are the output
@@ -543,20 +558,25 @@ def quantized_decode_attention_partials_triton(
   through a broadcast + reshape, one dot each.
   variant "joined": as "reshape" without layout conversions (see the module doc).
   variant "folded": scales folded into stacked q / p, no per-element dequantization (GEAR:
-  one GEAR block per step, its terms in an accumulator of their own). `prefetch` (folded
-  only; None means on for folded): each step issues the next block's loads and carries them.
+  one GEAR block per step, its terms in an accumulator of their own, unless `gear_terms` is
+  "xla"). `prefetch` (folded only; None means on for folded): each step issues the next
+  block's loads and carries them.
   `num_stages` None: 2 for "folded", 3 for the others.
   `code_operand` (folded only): how bf16 2- and 4-bit codes become tensor-core operands,
   "subnormal" (one AND per pair, `subnormal_codes`) or "offset" (128 + code, minus 128); None
   means DEFAULT_CODE_OPERAND where it applies, else "offset" (8-bit codes, f16/f32 caches).
   `channel_parts` (folded only; None means 1): unpack and multiply each token's code words in
   that many column slices, for fewer registers per thread (`folded_kernel`).
+  `gear_terms` (folded only; None means "kernel"): "xla" computes GEAR's low-rank and outlier
+  terms with XLA around the kernel (`gear_terms_xla`): the key terms as a dense score bias the
+  kernel adds, the value terms left to the caller; the kernel then walks `block_tokens` per
+  step as for KIVI, with no one-hot dots or rank-r broadcasts.
   variant "planar": one key group of `group_size` tokens per sub-step, `unroll` sub-steps per
   loop step, scales folded into q / p, bit fields joined without layout conversion, one dot
   per value channel group (slower on H100: see benchmarks/KERNEL_NOTES.md).
   """
   check_bits(bits)
-  check_variant_settings(variant, prefetch, code_operand, channel_parts)
+  check_variant_settings(variant, prefetch, code_operand, channel_parts, gear_terms)
   if num_stages is None:
     # Measured on H100 at 32k (KERNEL_NOTES v9): folded 250-254 us with 2 stages, 269 with 3.
     num_stages = 2 if variant == "folded" else 3
@@ -580,11 +600,12 @@ def quantized_decode_attention_partials_triton(
   )
   batch, kv_heads, group, head_dim, tokens = sizes[:5]
   gear = lowrank is not None or outliers is not None
+  score_io = gear and gear_terms == "xla"  # GEAR's terms around the kernel: it sees a KIVI segment
   step_tokens = tokens_per_step(
     variant,
     group_size,
     block_tokens=block_tokens,
-    gear_block=block if gear else None,
+    gear_block=block if gear and not score_io else None,
     unroll=unroll,
   )
   compute_dtype = compute_dtype_for(k_scale.dtype)
@@ -623,8 +644,13 @@ def quantized_decode_attention_partials_triton(
   def whole_spec(array):  # the same small array for every program
     return pl.BlockSpec(array.shape, lambda b, h, s: (0,) * array.ndim)
 
+  score_rows = 1 << (group - 1).bit_length()
   args = [scaled_queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min]
-  args += gear_kernel_inputs(lowrank, outliers, natural_queries, key_order, sizes)
+  if score_io:
+    scaled = natural_queries[:, :, :score_rows]
+    args.append(gear_score_bias(lowrank, outliers, scaled, tokens=tokens, block=block))
+  else:
+    args += gear_kernel_inputs(lowrank, outliers, natural_queries, key_order, sizes)
   in_specs = (
     [pl.BlockSpec((None,), lambda b, h, s: (b,))]
     + [whole_spec(x) for x in prefix]
@@ -640,18 +666,26 @@ def quantized_decode_attention_partials_triton(
     jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
     jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows), jnp.float32),
   ]
+  if score_io:  # every split writes its own tokens of the row's scores
+    out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, score_rows, tokens), jnp.float32))
+    out_specs.append(row_spec(out_shape[-1]))
   aliases = {}
   if initial_partials is not None:
+    if len(initial_partials) != len(out_shape):
+      raise ValueError(
+        f"initial_partials must hold {len(out_shape)} arrays (the outputs), got "
+        f"{len(initial_partials)}"
+      )
     in_specs += out_specs
-    aliases = {len(args): 0, len(args) + 1: 1}
+    aliases = {len(args) + index: index for index in range(len(out_shape))}
     args += list(initial_partials)
   common = dict(
     plan=plan,
     tokens=tokens,
     bits=bits,
     group_size=group_size,
-    has_lowrank=lowrank is not None,
-    has_outliers=outliers is not None,
+    has_lowrank=lowrank is not None and not score_io,
+    has_outliers=outliers is not None and not score_io,
   )
   if variant == "folded":
     kernel = functools.partial(
@@ -659,6 +693,7 @@ def quantized_decode_attention_partials_triton(
       prefetch=prefetch,
       code_operand=code_operand,
       channel_parts=channel_parts,
+      score_io=score_io,
       interpret=bool(interpret),
       **common,
     )
@@ -688,7 +723,8 @@ def partial_rows(
   gear_block: int | None = None,
 ) -> int:
   """Query rows of the partial outputs of `quantized_decode_attention_partials_triton`
-  (`gear_block`: the GEAR block of a GEAR cache, None for KIVI)."""
+  (`gear_block`: the GEAR block of a GEAR cache whose terms the kernel computes, None for KIVI
+  or `gear_terms="xla"`)."""
   if variant == "folded":
     step = tokens_per_step(variant, group_size, block_tokens=block_tokens, gear_block=gear_block)
     return folded_rows(group, step, head_dim, group_size)
@@ -756,10 +792,13 @@ def quantized_decode_attention_triton(
   `joined_supported` is False; "folded" falls back to "joined" (then "reshape") where
   `folded_supported` is False or the query group exceeds `FOLDED_MAX_GROUP` (its
   stacked accumulator holds value_groups x rows x D floats: 64 registers per thread at 8 rows);
-  a fallback variant runs without `prefetch`.
+  a fallback variant runs without the folded-only settings (FOLDED_SETTINGS), so it computes
+  GEAR's terms itself. `gear_terms="xla"` (folded): GEAR's value terms are added here, after the
+  split merge, from the scores the kernel wrote (`gear_terms_xla`).
   """
   head_dim = queries.shape[3]
-  gear_block = block if lowrank is not None or outliers is not None else None
+  gear = lowrank is not None or outliers is not None
+  gear_block = block if gear and config.get("gear_terms") != "xla" else None
   step = tokens_per_step(
     "folded", group_size, block_tokens=config.get("block_tokens"), gear_block=gear_block
   )
@@ -774,7 +813,7 @@ def quantized_decode_attention_triton(
   if variant != "folded":
     for name in FOLDED_SETTINGS:  # the fallback variants have no such loop or operands
       config.pop(name, None)
-  out, lse = quantized_decode_attention_partials_triton(
+  partials = quantized_decode_attention_partials_triton(
     queries,
     k_codes,
     k_scale,
@@ -792,7 +831,7 @@ def quantized_decode_attention_triton(
     variant=variant,
     **config,
   )
-  out, lse = merge_split_partials(out, lse, queries.shape[2])
+  out, lse = merge_split_partials(*partials[:2], queries.shape[2])
   order = output_channel_order(
     queries.shape[3],
     bits,
@@ -803,6 +842,10 @@ def quantized_decode_attention_triton(
   )
   if variant != "reshape":
     out = out[..., _inverse_permutation(order)]
+  if len(partials) == 3:  # gear_terms="xla": GEAR's value terms from the kernel's scores
+    out = out + gear_value_terms_from_scores(
+      lowrank, outliers, partials[2], lse, lengths, block=block, head_dim=head_dim
+    )
   return out, lse
 
 

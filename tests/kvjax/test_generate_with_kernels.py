@@ -55,6 +55,12 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       KernelSettings(quantized={"variant": "reshape"}),
       jnp.float32,
     ),
+    (
+      # GEAR's low-rank and outlier terms computed by XLA around the folded kernel.
+      "gear:bits=4,group_size=16,block=16,rank=2,outliers=0.02",
+      KernelSettings(quantized={"gear_terms": "xla"}),
+      jnp.float32,
+    ),
   ],
 )
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
@@ -66,7 +72,7 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
     kernel = getattr(module, name)
 
     def record(*args, **kwargs):
-      seen.append({k: v for k, v in kwargs.items() if k in ("lowering", "variant")})
+      seen.append({k: v for k, v in kwargs.items() if k in ("lowering", "variant", "gear_terms")})
       return kernel(*args, **kwargs)
 
     monkeypatch.setattr(module, name, record)

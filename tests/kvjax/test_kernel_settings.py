@@ -63,6 +63,14 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
       dict(quantized={"variant": "planar", "channel_parts": 2}),
       "quantized: channel_parts=2 is a setting of variant='folded' only",
     ),
+    (
+      dict(quantized={"gear_terms": "around"}),
+      "quantized: gear_terms='around' is not supported; allowed: kernel, xla",
+    ),
+    (
+      dict(quantized={"variant": "reshape", "gear_terms": "xla"}),
+      "quantized: gear_terms='xla' is a setting of variant='folded' only",
+    ),
     (dict(full=[("block_tokens", 64)]), "full must be a dict"),
   ],
 )

@@ -73,8 +73,17 @@ def fake_tpu_v5e(monkeypatch):
     pytest.skip(f"jax internals for a fake TPU target moved: {e}")
 
 
-@pytest.mark.parametrize("variant", ["reshape", "planar", "joined", "folded"])
-def test_triton_kernels_lower_to_triton_ir(fake_h100, variant):
+@pytest.mark.parametrize(
+  "variant,config",
+  [
+    ("reshape", {}),
+    ("planar", {}),
+    ("joined", {}),
+    ("folded", {}),
+    ("folded", {"gear_terms": "xla"}),  # a score bias in, the scores out
+  ],
+)
+def test_triton_kernels_lower_to_triton_ir(fake_h100, variant, config):
   queries, segment, lengths = _quantized_args(gear=True)
   text = _lower(
     lambda q, s, lens: quantized_decode_attention_triton(
@@ -87,6 +96,7 @@ def test_triton_kernels_lower_to_triton_ir(fake_h100, variant):
       lowrank=s.lowrank,
       outliers=s.outliers,
       variant=variant,
+      **config,
     ),
     "cuda",
     queries,

@@ -15,6 +15,7 @@ import pytest
 from pallas_kernels import decode_attention_tpu, gear_terms_triton
 from pallas_kernels import quantized_decode_attention_tpu as tpu_kernel
 from pallas_kernels import quantized_decode_attention_triton as triton_kernel
+from pallas_kernels.gear_terms_xla import gear_value_terms_from_scores
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
 from pallas_kernels.random_inputs import random_quantized_segment, random_queries
 from pallas_kernels.splits import merge_split_partials
@@ -30,14 +31,14 @@ TOKENS, GROUP_SIZE, BATCH, KV_HEADS, SPLITS = 256, 32, 3, 2, 2
 GEAR_BLOCK = 64  # the default `block` of the kernels and of `random_quantized_segment`
 
 
-def _case(seed, bits, head_dim, group, gear, dtype, outliers_per_block=20):
+def _case(seed, bits, head_dim, group, gear, dtype, outliers_per_block=20, tokens=TOKENS):
   rng = np.random.default_rng(seed)
   queries = random_queries(rng, BATCH, KV_HEADS, group, head_dim)
   segment = random_quantized_segment(
     rng,
     BATCH,
     KV_HEADS,
-    TOKENS,
+    tokens,
     head_dim,
     bits=bits,
     group_size=GROUP_SIZE,
@@ -46,7 +47,7 @@ def _case(seed, bits, head_dim, group, gear, dtype, outliers_per_block=20):
     outliers_per_block=outliers_per_block if gear else 0,
   )
   # A full row, a row ending mid-group, an empty row.
-  lengths = jnp.asarray([TOKENS, int(rng.integers(1, TOKENS)) | 1, 0], jnp.int32)
+  lengths = jnp.asarray([tokens, int(rng.integers(1, tokens)) | 1, 0], jnp.int32)
   kwargs = dict(
     bits=bits,
     group_size=GROUP_SIZE,
@@ -66,33 +67,39 @@ def _poison(rows, head_dim):
 
 
 def _check_triton(
-  bits, head_dim, group, gear, dtype, variant, seed, outliers_per_block=20, **config
+  bits, head_dim, group, gear, dtype, variant, seed, outliers_per_block=20, tokens=TOKENS, **config
 ):
   queries, segment, lengths, kwargs, reference = _case(
-    seed, bits, head_dim, group, gear, dtype, outliers_per_block
+    seed, bits, head_dim, group, gear, dtype, outliers_per_block, tokens
   )
   interpret = triton_interpret()
-  out_p, lse_p = triton_kernel.quantized_decode_attention_partials_triton(
+  xla_terms = gear and config.get("gear_terms") == "xla"
+  poison = _poison(
+    triton_kernel.partial_rows(
+      group,
+      head_dim,
+      GROUP_SIZE,
+      variant,
+      config.get("block_tokens"),
+      gear_block=GEAR_BLOCK if gear and not xla_terms else None,
+    ),
+    head_dim,
+  )
+  if xla_terms:  # the kernel's scores too, for GEAR's value terms (gear_terms_xla)
+    score_rows = 1 << (group - 1).bit_length()
+    poison += (jnp.full((BATCH, KV_HEADS, score_rows, tokens), jnp.nan, jnp.float32),)
+  partials = triton_kernel.quantized_decode_attention_partials_triton(
     queries,
     *segment[:6],
     lengths,
-    _poison(
-      triton_kernel.partial_rows(
-        group,
-        head_dim,
-        GROUP_SIZE,
-        variant,
-        config.get("block_tokens"),
-        gear_block=GEAR_BLOCK if gear else None,
-      ),
-      head_dim,
-    ),
+    poison,
     num_splits=SPLITS,
     interpret=interpret,
     variant=variant,
     **kwargs,
     **config,
   )
+  out_p, lse_p = partials[:2]
   assert_all_written(out_p, lse_p)
   out, lse = merge_split_partials(out_p, lse_p, group)
   order = triton_kernel.output_channel_order(
@@ -104,6 +111,21 @@ def _check_triton(
     config.get("channel_parts"),
   )
   out = out[..., np.argsort(order)]
+  if xla_terms:
+    scores = np.asarray(partials[2])[:, :, :group]
+    inside = np.arange(tokens)[None, :] < np.asarray(lengths)[:, None]  # [B, T]
+    # Every score inside a row's length is written, none past it (the NaN poison stays).
+    assert not np.isnan(scores[np.broadcast_to(inside[:, None, None], scores.shape)]).any()
+    assert np.isnan(scores[np.broadcast_to(~inside[:, None, None], scores.shape)]).all()
+    out = out + gear_value_terms_from_scores(
+      segment.lowrank,
+      segment.outliers,
+      partials[2],
+      lse,
+      lengths,
+      block=GEAR_BLOCK,
+      head_dim=head_dim,
+    )
   assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(dtype, interpret))
 
 
@@ -179,32 +201,48 @@ def test_triton_joined_kernel_matches_reference(bits, head_dim, group, gear, dty
 
 
 @pytest.mark.parametrize(
-  "bits,head_dim,group,gear,dtype,block_tokens,prefetch,code_operand,channel_parts",
+  "bits,head_dim,group,gear,dtype,block_tokens,prefetch,code_operand,channel_parts,gear_terms",
   [
-    (2, 128, 4, False, jnp.bfloat16, 128, False, None, None),
-    (2, 128, 4, False, jnp.bfloat16, 128, True, "offset", None),
+    (2, 128, 4, False, jnp.bfloat16, 128, False, None, None, None),
+    (2, 128, 4, False, jnp.bfloat16, 128, True, "offset", None, None),
     # 2 blocks per split: the last prefetch is past it
-    (2, 128, 4, False, jnp.bfloat16, 64, True, "subnormal", None),
-    (4, 64, 1, False, jnp.bfloat16, 64, False, None, None),
-    (4, 128, 2, False, jnp.bfloat16, 128, True, "offset", None),
-    (8, 128, 8, False, jnp.bfloat16, 128, True, None, None),
-    (2, 64, 3, False, jnp.float32, 64, False, "offset", None),
-    (2, 128, 4, True, jnp.bfloat16, None, False, None, None),  # GEAR: one GEAR block per step
-    (4, 64, 2, True, jnp.bfloat16, None, True, "offset", None),
-    (4, 64, 2, True, jnp.float32, None, True, None, None),
+    (2, 128, 4, False, jnp.bfloat16, 64, True, "subnormal", None, None),
+    (4, 64, 1, False, jnp.bfloat16, 64, False, None, None, None),
+    (4, 128, 2, False, jnp.bfloat16, 128, True, "offset", None, None),
+    (8, 128, 8, False, jnp.bfloat16, 128, True, None, None, None),
+    (2, 64, 3, False, jnp.float32, 64, False, "offset", None, None),
+    (2, 128, 4, True, jnp.bfloat16, None, False, None, None, None),  # one GEAR block per step
+    (4, 64, 2, True, jnp.bfloat16, None, True, "offset", None, None),
+    (4, 64, 2, True, jnp.float32, None, True, None, None, "kernel"),
     # Each token's words in column slices (`channel_parts`)
-    (2, 128, 4, False, jnp.bfloat16, 64, True, "subnormal", 2),
-    (2, 128, 4, False, jnp.bfloat16, 64, False, "offset", 4),
-    (4, 64, 2, False, jnp.bfloat16, 64, True, None, 2),
-    (8, 128, 1, False, jnp.float32, 64, False, None, 2),
-    (2, 128, 4, True, jnp.bfloat16, None, True, None, 2),  # GEAR's value terms per part
-    (2, 64, 8, False, jnp.bfloat16, 64, False, None, 4),  # one word per part
+    (2, 128, 4, False, jnp.bfloat16, 64, True, "subnormal", 2, None),
+    (2, 128, 4, False, jnp.bfloat16, 64, False, "offset", 4, None),
+    (4, 64, 2, False, jnp.bfloat16, 64, True, None, 2, None),
+    (8, 128, 1, False, jnp.float32, 64, False, None, 2, None),
+    (2, 128, 4, True, jnp.bfloat16, None, True, None, 2, None),  # GEAR's value terms per part
+    (2, 64, 8, False, jnp.bfloat16, 64, False, None, 4, None),  # one word per part
+    # GEAR's terms by XLA around the kernel (`gear_terms_xla`): block_tokens as for KIVI
+    (2, 128, 4, True, jnp.bfloat16, 128, True, None, None, "xla"),
+    (4, 64, 3, True, jnp.float32, 64, False, None, None, "xla"),
+    (2, 64, 1, True, jnp.bfloat16, None, True, "offset", 2, "xla"),
+    (8, 128, 8, True, jnp.bfloat16, 32, True, None, None, "xla"),
+    (2, 128, 4, False, jnp.bfloat16, 128, True, None, None, "xla"),  # KIVI: nothing to do
   ],
 )
 def test_triton_folded_kernel_matches_reference(
-  bits, head_dim, group, gear, dtype, block_tokens, prefetch, code_operand, channel_parts
+  bits,
+  head_dim,
+  group,
+  gear,
+  dtype,
+  block_tokens,
+  prefetch,
+  code_operand,
+  channel_parts,
+  gear_terms,
 ):
-  """None: the default code operand ("subnormal" for bf16 2- and 4-bit codes), one part."""
+  """None: the default code operand ("subnormal" for bf16 2- and 4-bit codes), one part, GEAR's
+  terms in the kernel."""
   _check_triton(
     bits,
     head_dim,
@@ -217,7 +255,31 @@ def test_triton_folded_kernel_matches_reference(
     prefetch=prefetch,
     code_operand=code_operand,
     channel_parts=channel_parts,
+    gear_terms=gear_terms,
   )
+
+
+def test_gear_terms_by_xla_where_the_blocks_overhang_the_capacity():
+  """192 tokens (three GEAR blocks) in 128-token steps: the last step's loads and score stores
+  run past the capacity, masked."""
+  _check_triton(
+    2, 128, 4, True, jnp.bfloat16, "folded", seed=5, tokens=192, block_tokens=128, gear_terms="xla"
+  )
+
+
+def test_gear_terms_is_a_folded_setting():
+  call = triton_kernel.quantized_decode_attention_partials_triton
+  queries, segment, lengths, kwargs, reference = _case(9, 2, 64, 2, True, jnp.bfloat16)
+  with pytest.raises(ValueError, match="gear_terms='xla' is a setting of variant='folded'"):
+    call(queries, *segment[:6], lengths, variant="joined", gear_terms="xla", **kwargs)
+  with pytest.raises(ValueError, match="gear_terms='XLA' is not supported; allowed: kernel, xla"):
+    call(queries, *segment[:6], lengths, variant="folded", gear_terms="XLA", **kwargs)
+  # Where "folded" falls back (16 query heads per KV head), the fallback computes the terms.
+  queries, segment, lengths, kwargs, reference = _case(6, 2, 64, 16, True, jnp.bfloat16)
+  out, lse = triton_kernel.quantized_decode_attention_triton(
+    queries, *segment[:6], lengths, gear_terms="xla", interpret=triton_interpret(), **kwargs
+  )
+  assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.bfloat16, True))
 
 
 def test_channel_parts_is_a_folded_setting_that_divides_the_words():

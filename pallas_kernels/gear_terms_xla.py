@@ -1,0 +1,112 @@
+"""GEAR's low-rank and outlier terms computed by XLA around the decode kernel, not inside it.
+
+Inside the kernel (`gear_terms_triton`, `gear_terms="kernel"`) every step is one GEAR block
+of 64 tokens that builds one-hot [s, block] / [s, D] tiles for the outliers, stages them
+through shared memory and multiplies them, and broadcasts the rank-r products: statically
+3831 instructions and 70 barriers per 64 tokens for the folded GEAR-2 kernel, against 872
+and 16 per 128 tokens for KIVI-2 (benchmarks/KERNEL_NOTES.md, v11). With `gear_terms="xla"`
+the kernel sees only the quantized codes, as for a KIVI segment, and the rest goes around it:
+
+  before: gear_score_bias  bias[g, t] = q[g] . (A_k[t] B_k[j(t)]^T + key outliers of token t),
+          a dense [B, H, R, T] float32 that the kernel adds to its scores;
+  after:  gear_value_terms_from_scores  out[g] += sum_t p[g, t] (A_v[t] B_v[j(t)]^T + value
+          outliers of token t), p = exp(s - lse) from the scores s the kernel wrote and the
+          segment's log-sum-exp.
+
+Both are exact rewrites of the reference's terms (`quantized_decode_attention_reference`): the
+terms are linear in q and in the normalised probabilities. The kernel reads the bias and
+writes the scores, 16 bytes each per token and KV head at a query group of 4.
+"""
+
+import jax
+import jax.numpy as jnp
+
+GEAR_TERMS = ("kernel", "xla")  # where GEAR's low-rank and outlier terms are computed
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def check_gear_terms(gear_terms) -> None:
+  """ValueError unless `gear_terms` is one of GEAR_TERMS or None (the default, "kernel")."""
+  if gear_terms is not None and gear_terms not in GEAR_TERMS:
+    raise ValueError(
+      f"gear_terms={gear_terms!r} is not supported; allowed: {', '.join(GEAR_TERMS)} "
+      "or None (kernel)"
+    )
+
+
+def _outlier_positions(index: jax.Array, block: int, head_dim: int):
+  """int32 [B, H, J * s] token and channel of each outlier (flat index t_local * D + c within
+  GEAR block j)."""
+  index = index.astype(jnp.int32)
+  batch, kv_heads, blocks, count = index.shape
+  block_start = (jnp.arange(blocks, dtype=jnp.int32) * block)[None, None, :, None]
+  token = (block_start + index // head_dim).reshape(batch, kv_heads, blocks * count)
+  channel = (index % head_dim).reshape(batch, kv_heads, blocks * count)
+  return token, channel
+
+
+def gear_score_bias(
+  lowrank, outliers, scaled_queries: jax.Array, *, tokens: int, block: int
+) -> jax.Array:
+  """float32 [B, H, R, tokens]: GEAR's addition to the scores (low rank, then key outliers;
+  either may be None).
+
+  scaled_queries float32 [B, H, R, D]: the queries times sm_scale in natural channel order
+  (padding rows give padding rows); lowrank / outliers as the reference takes them."""
+  batch, kv_heads, rows, head_dim = scaled_queries.shape
+  blocks = tokens // block
+  bias = jnp.zeros((batch, kv_heads, rows, tokens), jnp.float32)
+  if lowrank is not None:
+    k_a, k_b = lowrank[0], lowrank[1]  # [B, H, T, r], [B, H, J, D, r]
+    q_b = jnp.einsum(
+      "bhgd,bhjdr->bhgjr", scaled_queries, k_b.astype(jnp.float32), precision=_HIGHEST
+    )
+    k_a = k_a.astype(jnp.float32).reshape(batch, kv_heads, blocks, block, -1)
+    bias = jnp.einsum("bhgjr,bhjkr->bhgjk", q_b, k_a, precision=_HIGHEST).reshape(bias.shape)
+  if outliers is not None:
+    token, channel = _outlier_positions(outliers[0], block, head_dim)
+    q_at_channel = jnp.take_along_axis(scaled_queries, channel[:, :, None, :], axis=-1)
+    value = outliers[1].astype(jnp.float32).reshape(token.shape)[:, :, None, :]
+    b, h, g = jnp.ogrid[:batch, :kv_heads, :rows]
+    bias = bias.at[b[..., None], h[..., None], g[..., None], token[:, :, None, :]].add(
+      q_at_channel * value
+    )
+  return bias
+
+
+def gear_value_terms_from_scores(
+  lowrank,
+  outliers,
+  scores: jax.Array,
+  lse: jax.Array,
+  lengths: jax.Array,
+  *,
+  block: int,
+  head_dim: int,
+) -> jax.Array:
+  """float32 [B, H, G, D]: GEAR's addition to the segment's normalised output.
+
+  scores float32 [B, H, >= G, T] as the kernel's softmax saw them (entries at or past a row's
+  length are never read: the kernel does not write them); lse float32 [B, H, G], the
+  segment's log-sum-exp; lengths int32 [B]."""
+  batch, kv_heads, group = lse.shape
+  tokens = scores.shape[-1]
+  blocks = tokens // block
+  inside = (jnp.arange(tokens) < lengths[:, None])[:, None, None, :]  # [B, 1, 1, T]
+  scores = jnp.where(inside, scores[:, :, :group], 0.0)
+  probs = jnp.where(inside, jnp.exp(scores - lse[..., None]), 0.0)  # [B, H, G, T]
+  terms = jnp.zeros((batch, kv_heads, group, head_dim), jnp.float32)
+  if lowrank is not None:
+    v_a, v_b = lowrank[2], lowrank[3]  # [B, H, T, r], [B, H, J, D, r]
+    v_a = v_a.astype(jnp.float32).reshape(batch, kv_heads, blocks, block, -1)
+    probs_blocks = probs.reshape(batch, kv_heads, group, blocks, block)
+    p_a = jnp.einsum("bhgjk,bhjkr->bhgjr", probs_blocks, v_a, precision=_HIGHEST)
+    terms = jnp.einsum("bhgjr,bhjdr->bhgd", p_a, v_b.astype(jnp.float32), precision=_HIGHEST)
+  if outliers is not None:
+    token, channel = _outlier_positions(outliers[2], block, head_dim)
+    p_at_token = jnp.take_along_axis(probs, token[:, :, None, :], axis=-1)  # [B, H, G, J s]
+    weighted = p_at_token * outliers[3].astype(jnp.float32).reshape(token.shape)[:, :, None, :]
+    b, h, g = jnp.ogrid[:batch, :kv_heads, :group]
+    terms = terms.at[b[..., None], h[..., None], g[..., None], channel[:, :, None, :]].add(weighted)
+  return terms
