@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.generate import generate
+from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import parse_method_spec
 from models.config import DecoderConfig
 from models.nnx_decoder import split_decoder
@@ -31,7 +32,15 @@ def main():
   decoder, params = split_decoder(random_decoder(CONFIG, seed=0))
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, 256, n).tolist() for n in (700, 333)]
-  for spec in ("full", "kivi:bits=4,residual=32", "kivi:bits=2,residual=32", "gear:bits=2"):
+  runs_to_check = [
+    ("full", KernelSettings()),
+    ("kivi:bits=4,residual=32", KernelSettings()),
+    ("kivi:bits=2,residual=32", KernelSettings()),
+    ("gear:bits=2", KernelSettings()),
+    # GEAR's low-rank and outlier terms by XLA around the kernel (KERNEL_NOTES v11)
+    ("gear:bits=2", KernelSettings(quantized={"gear_terms": "xla"})),
+  ]
+  for spec, settings in runs_to_check:
     runs = {
       impl: generate(
         decoder,
@@ -39,15 +48,17 @@ def main():
         prompts,
         max_new_tokens=16,
         cache_dtype=jnp.float32,
-        cache_method=parse_method_spec(spec, implementation=impl),
+        cache_method=parse_method_spec(spec, implementation=impl, kernel_settings=settings),
       )
       for impl in ("reference", "pallas")
     }
     same = np.array_equal(runs["pallas"].tokens, runs["reference"].tokens)
     agree = float(np.mean(runs["pallas"].tokens == runs["reference"].tokens))
+    label = spec + (f" {dict(settings.quantized)}" if settings.quantized else "")
+    speeds = {impl: f"{run.decode_tokens_per_s:.0f}" for impl, run in runs.items()}
     print(
-      f"{spec:28s} same tokens: {same} (agreement {agree:.2f}); decode tok/s "
-      f"reference {runs['reference'].decode_tokens_per_s:.0f}, pallas {runs['pallas'].decode_tokens_per_s:.0f}"
+      f"{label:28s} same tokens: {same} (agreement {agree:.2f}); decode tok/s "
+      f"reference {speeds['reference']}, pallas {speeds['pallas']}"
     )
 
 

@@ -2,6 +2,8 @@
 the score bias is q . (K_gear - K_kivi) and the value terms are sum_t p_t (V_gear - V_kivi)[t],
 with K / V materialised by `dequantize_segment` with and without the GEAR parts."""
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,32 +15,33 @@ from pallas_kernels.gear_terms_xla import (
   gear_value_terms_from_scores,
 )
 from pallas_kernels.quantized_decode_attention_reference import dequantize_segment
-from pallas_kernels.random_inputs import random_quantized_segment, random_queries
+from pallas_kernels.random_inputs import random_quantized_segment
 
 BATCH, KV_HEADS, GROUP, TOKENS, HEAD_DIM, BLOCK = 2, 3, 4, 192, 64, 64
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _segment(seed, rank, outliers_per_block):
+def _segment(seed, rank, outliers_per_block, tokens=TOKENS, head_dim=HEAD_DIM, block=BLOCK):
   rng = np.random.default_rng(seed)
   segment = random_quantized_segment(
     rng,
     BATCH,
     KV_HEADS,
-    TOKENS,
-    HEAD_DIM,
+    tokens,
+    head_dim,
     bits=2,
-    group_size=32,
+    group_size=16,
     dtype=jnp.bfloat16,
     rank=rank,
     outliers_per_block=outliers_per_block,
+    block=block,
   )
-  queries = random_queries(rng, BATCH, KV_HEADS, GROUP, HEAD_DIM)
-  return rng, segment, queries
+  return rng, segment
 
 
-def _gear_parts(segment):
+def _gear_parts(segment, block):
   """(K_gear - K_kivi, V_gear - V_kivi) float32 [B, H, T, D]."""
-  kwargs = dict(bits=2, group_size=32, block=BLOCK)
+  kwargs = dict(bits=2, group_size=16, block=block)
   gear_k, gear_v = dequantize_segment(
     *segment[:6], lowrank=segment.lowrank, outliers=segment.outliers, **kwargs
   )
@@ -46,41 +49,53 @@ def _gear_parts(segment):
   return gear_k - kivi_k, gear_v - kivi_v
 
 
-@pytest.mark.parametrize("rank,outliers_per_block", [(3, 20), (2, 0), (0, 41)])
-def test_score_bias_is_the_queries_times_the_gear_parts_of_the_keys(rank, outliers_per_block):
-  _, segment, queries = _segment(rank + outliers_per_block, rank, outliers_per_block)
-  key_part, _ = _gear_parts(segment)
-  bias = gear_score_bias(
-    segment.lowrank, segment.outliers, queries, tokens=TOKENS, block=BLOCK
-  )  # [B, H, G, T]
-  expected = jnp.einsum("bhgd,bhtd->bhgt", queries, key_part, precision=jax.lax.Precision.HIGHEST)
-  np.testing.assert_allclose(np.asarray(bias), np.asarray(expected), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("rank,outliers_per_block", [(3, 20), (2, 0), (0, 41)])
-def test_value_terms_are_the_probabilities_times_the_gear_parts_of_the_values(
-  rank, outliers_per_block
+@hypothesis.settings(max_examples=8, deadline=None)
+@hypothesis.given(
+  seed=st.integers(0, 2**16),
+  rank=st.integers(0, 3),
+  outliers_per_block=st.integers(0, 24),
+  head_dim=st.sampled_from([32, 64]),
+  block=st.sampled_from([16, 32]),
+  blocks=st.integers(1, 3),
+  group=st.integers(1, 4),
+)
+def test_gear_terms_are_the_gear_parts_of_the_dense_cache(
+  seed, rank, outliers_per_block, head_dim, block, blocks, group
 ):
-  rng, segment, _ = _segment(10 + rank + outliers_per_block, rank, outliers_per_block)
-  _, value_part = _gear_parts(segment)
-  lengths = jnp.asarray([TOKENS, 77], jnp.int32)
-  scores = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, GROUP, TOKENS)), jnp.float32)
-  inside = jnp.arange(TOKENS)[None, :] < lengths[:, None]
-  masked = jnp.where(inside[:, None, None, :], scores, -jnp.inf)
+  """bias = q . (K_gear - K_kivi); value terms = sum_t p_t (V_gear - V_kivi)[t], p normalised
+  over each row's length; the scores past a row's length are NaN (never written by the kernel)
+  and must not reach the terms."""
+  hypothesis.assume(rank or outliers_per_block)
+  tokens = blocks * block
+  rng, segment = _segment(seed, rank, outliers_per_block, tokens, head_dim, block)
+  key_part, value_part = _gear_parts(segment, block)
+  queries = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, group, head_dim)), jnp.float32)
+  bias = gear_score_bias(segment.lowrank, segment.outliers, queries, tokens=tokens, block=block)
+  expected_bias = jnp.einsum("bhgd,bhtd->bhgt", queries, key_part, precision=HIGHEST)
+  np.testing.assert_allclose(np.asarray(bias), np.asarray(expected_bias), rtol=1e-5, atol=1e-5)
+
+  lengths = jnp.asarray([tokens, int(rng.integers(1, tokens + 1))], jnp.int32)
+  inside = (jnp.arange(tokens)[None, :] < lengths[:, None])[:, None, None, :]
+  scores = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, group, tokens)), jnp.float32)
+  masked = jnp.where(inside, scores, -jnp.inf)
   lse = jax.nn.logsumexp(masked, axis=-1)
-  # Entries past a row's length are never written by the kernel: NaN must not reach the sum.
-  scores = jnp.where(inside[:, None, None, :], scores, jnp.nan)
   terms = gear_value_terms_from_scores(
-    segment.lowrank, segment.outliers, scores, lse, lengths, block=BLOCK, head_dim=HEAD_DIM
+    segment.lowrank,
+    segment.outliers,
+    jnp.where(inside, scores, jnp.nan),
+    lse,
+    lengths,
+    block=block,
+    head_dim=head_dim,
   )
   probs = jnp.exp(masked - lse[..., None])
-  expected = jnp.einsum("bhgt,bhtd->bhgd", probs, value_part, precision=jax.lax.Precision.HIGHEST)
+  expected = jnp.einsum("bhgt,bhtd->bhgd", probs, value_part, precision=HIGHEST)
   assert np.all(np.isfinite(np.asarray(terms)))
   np.testing.assert_allclose(np.asarray(terms), np.asarray(expected), rtol=1e-5, atol=1e-6)
 
 
 def test_value_terms_of_an_empty_row_are_zero():
-  _, segment, _ = _segment(3, 2, 20)
+  _, segment = _segment(3, 2, 20)
   lengths = jnp.asarray([0, TOKENS], jnp.int32)
   scores = jnp.full((BATCH, KV_HEADS, GROUP, TOKENS), jnp.nan, jnp.float32)
   scores = scores.at[1].set(0.0)
