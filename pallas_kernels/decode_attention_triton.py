@@ -19,7 +19,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.splits import SplitPlan, merge_split_partials, plan_full_precision_decode
+from pallas_kernels.splits import (
+  SplitPlan,
+  merge_split_partials,
+  next_power_of_two,
+  plan_full_precision_decode,
+)
 
 TILE_ROWS = 16  # smallest M of a tensor-core dot in Triton
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -38,7 +43,7 @@ def unsupported_reason(queries, keys) -> str | None:
 
 
 def tile_rows(group: int) -> int:
-  return max(TILE_ROWS, 1 << (group - 1).bit_length())
+  return max(TILE_ROWS, next_power_of_two(group))
 
 
 def load_token_rows(ref, first, count: int, valid, columns=slice(None)):

@@ -31,6 +31,16 @@ def field_at_mantissa_bit(words: jax.Array, bits: int, field: int) -> jax.Array:
   return jax.lax.bitcast_convert_type((moved & mask) | jnp.uint32(MAGIC_2_23), jnp.float32)
 
 
+def bf16_halves(words: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """uint32 words -> (low, high): the two 16-bit halves of each word read as bf16 bit patterns
+  (a pair of tensor-core operands held in one register)."""
+  low = jax.lax.bitcast_convert_type(words.astype(jnp.uint16), jnp.bfloat16)
+  high = jax.lax.bitcast_convert_type(
+    jnp.right_shift(words, jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16
+  )
+  return low, high
+
+
 def magic_dequantization_constants(scale, minimum, bits: int):
   """(step, shifted_min) such that field_at_mantissa_bit(...) * step + shifted_min equals
   code * scale + minimum."""

@@ -55,10 +55,10 @@ from pallas_kernels.decode_attention_triton import (
   split_block_range,
   store_split_partials,
 )
-from pallas_kernels.float_unpacking import MAGIC_2_23
+from pallas_kernels.float_unpacking import MAGIC_2_23, bf16_halves
 from pallas_kernels.gear_terms_triton import GearRefs, gear_score_terms, gear_value_terms
 from pallas_kernels.joined_fields import join_fields
-from pallas_kernels.splits import SplitPlan
+from pallas_kernels.splits import SplitPlan, next_power_of_two
 from pallas_kernels.subnormal_codes import (
   PROBS_SCALE,
   SCORE_SCALE,
@@ -131,10 +131,7 @@ def unpack_codes_for_dot(
     for j in range(half):
       both = jnp.right_shift(words, jnp.uint32(bits * j)) if j else words
       both = (both & jnp.uint32(field_mask * 0x00010001)) | jnp.uint32(BF16_128 * 0x00010001)
-      low = jax.lax.bitcast_convert_type(both.astype(jnp.uint16), jnp.bfloat16)
-      high = jax.lax.bitcast_convert_type(
-        jnp.right_shift(both, jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16
-      )
+      low, high = bf16_halves(both)
       bias = jnp.bfloat16(128.0)
       pairs.append((low - bias, high - bias))
     return _join_pairs(pairs)
@@ -151,7 +148,7 @@ def folded_rows(group: int, block_tokens: int, head_dim: int, group_size: int) -
   """Query rows per program: the group padded to a power of two, and far enough that the
   stacked operands have >= 16 rows (the smallest tensor-core tile)."""
   stacks = min(block_tokens // group_size, head_dim // group_size)
-  return max(1 << (group - 1).bit_length(), -(-16 // stacks))
+  return max(next_power_of_two(group), -(-16 // stacks))
 
 
 def folded_supported(head_dim: int, bits: int, group_size: int, block_tokens: int) -> bool:

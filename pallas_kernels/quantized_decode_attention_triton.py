@@ -93,6 +93,7 @@ from pallas_kernels.splits import (
   gpu_target_programs,
   is_power_of_two,
   merge_split_partials,
+  next_power_of_two,
   pad_query_group,
   plan_splits,
 )
@@ -644,7 +645,7 @@ def quantized_decode_attention_partials_triton(
   def whole_spec(array):  # the same small array for every program
     return pl.BlockSpec(array.shape, lambda b, h, s: (0,) * array.ndim)
 
-  score_rows = 1 << (group - 1).bit_length()
+  score_rows = next_power_of_two(group)
   args = [scaled_queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min]
   if score_io:
     scaled = natural_queries[:, :, :score_rows]

@@ -27,6 +27,8 @@ on an H100 by the native tests). XLA on CPU flushes subnormals to zero, so in in
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.float_unpacking import bf16_halves
+
 CODE_OPERANDS = ("subnormal", "offset")
 QUERY_EXPONENT = 69
 PROBS_EXPONENT = 64
@@ -55,12 +57,7 @@ def subnormal_code_pairs(words: jax.Array, bits: int) -> list:
     position = bits * j
     source = words if position + bits <= _LOW_BYTE else upper_bytes
     bit = position % _LOW_BYTE
-    both = source & jnp.uint32((field_mask << bit) * 0x00010001)
-    low = jax.lax.bitcast_convert_type(both.astype(jnp.uint16), jnp.bfloat16)
-    high = jax.lax.bitcast_convert_type(
-      jnp.right_shift(both, jnp.uint32(16)).astype(jnp.uint16), jnp.bfloat16
-    )
-    pairs.append((low, high))
+    pairs.append(bf16_halves(source & jnp.uint32((field_mask << bit) * 0x00010001)))
   return pairs
 
 

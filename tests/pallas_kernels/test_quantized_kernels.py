@@ -18,7 +18,7 @@ from pallas_kernels import quantized_decode_attention_triton as triton_kernel
 from pallas_kernels.gear_terms_xla import gear_value_terms_from_scores
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
 from pallas_kernels.random_inputs import random_quantized_segment, random_queries
-from pallas_kernels.splits import merge_split_partials
+from pallas_kernels.splits import merge_split_partials, next_power_of_two
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
@@ -86,7 +86,7 @@ def _check_triton(
     head_dim,
   )
   if xla_terms:  # the kernel's scores too, for GEAR's value terms (gear_terms_xla)
-    score_rows = 1 << (group - 1).bit_length()
+    score_rows = next_power_of_two(group)
     poison += (jnp.full((BATCH, KV_HEADS, score_rows, tokens), jnp.nan, jnp.float32),)
   partials = triton_kernel.quantized_decode_attention_partials_triton(
     queries,
