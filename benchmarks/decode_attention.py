@@ -11,6 +11,11 @@ bf16 cache, contexts 8k / 32k / 128k, every row full. Measured in one run:
   mosaic_bf16  the full-precision Mosaic GPU kernel (TMA, wgmma) on the bf16 cache (GPU only;
              interpret mode in --small);
   kivi2 / kivi4  the fused dequantize-attention kernel on 2/4-bit codes (group 32, bf16 stats);
+  kivi2_mosaic / kivi4_mosaic  the same caches through the Mosaic GPU quantized kernel
+             (`pallas_kernels/quantized_decode_attention_mosaic_gpu.py`: TMA ring, K and V
+             dequantized into swizzled bf16 tiles, wgmma; --quantized-mosaic-kernel-config adds
+             settings; GPU only, interpret mode in --small; left out where it does not take the
+             segment, e.g. 2-bit codes at head_dim 64);
   gear2      the same with GEAR terms fused (rank 4, 2% outliers, block 64);
   gear2_xla_terms  the same GEAR cache with kernel setting gear_terms="xla": the kernel reads
              the codes as for KIVI, XLA computes the low-rank and outlier terms around it
@@ -47,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import attention_dispatch
+from pallas_kernels import quantized_decode_attention_mosaic_gpu
 from pallas_kernels.decode_attention_reference import decode_attention_reference
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
 from pallas_kernels.random_inputs import random_quantized_segment
@@ -467,6 +473,12 @@ def run(args) -> dict:
     json.loads(args.gear_xla_kernel_config) if args.gear_xla_kernel_config else {}
   )
   results["gear_xla_kernel_config"] = gear_xla_kernel_config
+  mosaic_settings = args.quantized_mosaic_kernel_config
+  quantized_mosaic_config = {
+    "lowering": "mosaic_gpu",
+    **(json.loads(mosaic_settings) if mosaic_settings else {}),
+  }
+  results["quantized_mosaic_kernel_config"] = quantized_mosaic_config
   if args.check:
     results["check"] = check_grid(args)
   if args.sweep and not args.small:
@@ -603,6 +615,24 @@ def run(args) -> dict:
 
       nbytes = quantized_bytes(segment, lengths, tokens)
       record(name, op, (queries, segment, lengths), nbytes, reference)
+      mosaic_refusal = quantized_decode_attention_mosaic_gpu.unsupported_reason(
+        queries,
+        segment.k_codes,
+        segment.k_scale,
+        segment.v_scale,
+        bits=bits,
+        group_size=group_size,
+        lowrank=segment.lowrank,
+        outliers=segment.outliers,
+      )
+      if (on_gpu or args.small) and mosaic_refusal is None:
+        record(
+          f"{name}_mosaic",
+          functools.partial(op, config=quantized_mosaic_config),
+          (queries, segment, lengths),
+          nbytes,
+          reference,
+        )
       if rank or outliers:
         xla_terms_config = {**kernel_config, "gear_terms": "xla", **gear_xla_kernel_config}
         record(
@@ -666,6 +696,11 @@ def main():
     "--mosaic-kernel-config",
     help="JSON dict of the Mosaic GPU full-precision kernel's settings (block_tokens, "
     "num_stages, num_splits) for the mosaic_bf16 row",
+  )
+  parser.add_argument(
+    "--quantized-mosaic-kernel-config",
+    help="JSON dict of the Mosaic GPU quantized kernel's settings (block_tokens, num_stages, "
+    "num_splits) for the kivi2_mosaic / kivi4_mosaic rows",
   )
   parser.add_argument(
     "--gear-xla-kernel-config",

@@ -21,8 +21,8 @@ import jax
 from pallas_kernels import (
   decode_attention_gpu,
   decode_attention_tpu,
+  quantized_decode_attention_gpu,
   quantized_decode_attention_tpu,
-  quantized_decode_attention_triton,
 )
 from pallas_kernels.decode_attention_reference import decode_attention_reference
 from pallas_kernels.quantized_decode_attention_reference import (
@@ -34,21 +34,9 @@ Implementation = Literal["auto", "pallas", "reference", "interpret"]
 IMPLEMENTATIONS = ("auto", "pallas", "reference", "interpret")
 KERNEL_BACKENDS = ("gpu", "tpu")
 
-# kernel_config keys each kernel takes, by segment kind and kernel family (the full-precision
-# GPU kernel's keys depend on its lowering: `decode_attention_gpu.CONFIG_KEYS`).
+# kernel_config keys the TPU kernels take (the GPU kernels' keys depend on their lowering:
+# `decode_attention_gpu.CONFIG_KEYS`, `quantized_decode_attention_gpu.CONFIG_KEYS`).
 TPU_CONFIG_KEYS = ("block_tokens", "num_splits")
-QUANTIZED_GPU_CONFIG_KEYS = (
-  "variant",
-  "block_tokens",
-  "num_splits",
-  "num_warps",
-  "num_stages",
-  "unroll",
-  "prefetch",
-  "code_operand",
-  "channel_parts",
-  "gear_terms",
-)
 
 _warned: set[str] = set()
 
@@ -57,18 +45,17 @@ def check_kernel_config(kernel_config: dict | None, *, quantized: bool, family: 
   """ValueError naming kernel_config keys the chosen kernel does not take (family "gpu" or
   "tpu"; the reference takes any, since it ignores them)."""
   config = kernel_config or {}
-  if family == "gpu" and not quantized:
-    decode_attention_gpu.check_config(config)
+  if family == "gpu":
+    (quantized_decode_attention_gpu if quantized else decode_attention_gpu).check_config(config)
     return
-  allowed = {"tpu": TPU_CONFIG_KEYS, "gpu": QUANTIZED_GPU_CONFIG_KEYS}.get(family)
-  if allowed is None:
+  if family != "tpu":
     return
-  unknown = sorted(set(config) - set(allowed))
+  unknown = sorted(set(config) - set(TPU_CONFIG_KEYS))
   if unknown:
     kind = "quantized" if quantized else "full-precision"
     raise ValueError(
-      f"kernel_config keys {unknown} are not taken by the {family} {kind} kernel; allowed: "
-      f"{', '.join(allowed)}"
+      f"kernel_config keys {unknown} are not taken by the tpu {kind} kernel; allowed: "
+      f"{', '.join(TPU_CONFIG_KEYS)}"
     )
 
 
@@ -112,12 +99,12 @@ def _choose(implementation: str, kernel_backend: str | None) -> tuple[str, bool]
   return family, False
 
 
-def _warn_fallback_once(kernel: str, reason: str) -> None:
+def _warn_fallback_once(kernel: str, reason: str, instead: str = "the jnp reference") -> None:
   key = f"{kernel}: {reason}"
   if key not in _warned:
     _warned.add(key)
     warnings.warn(
-      f"{kernel} does not support {reason}; using the jnp reference instead",
+      f"{kernel} does not support {reason}; using {instead} instead",
       RuntimeWarning,
       stacklevel=3,
     )
@@ -194,7 +181,9 @@ def quantized_decode_attention(
   kernel variant: {"variant": "folded" (default) | "joined" | "reshape" | "planar"} and, for
   "folded", {"prefetch": True (default) | False, "code_operand": "subnormal" (default for bf16
   2- and 4-bit codes) | "offset", "channel_parts": 1 (default) | 2 | 4, "gear_terms": "kernel"
-  (default) | "xla"} (see `pallas_kernels.quantized_decode_attention_triton`).
+  (default) | "xla"} (see `pallas_kernels.quantized_decode_attention_triton`); or
+  {"lowering": "mosaic_gpu"} (also block_tokens, num_splits, num_stages; KIVI segments, others
+  run the Triton kernel with a warning; see `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = _choose(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=True, family=family)
@@ -223,23 +212,24 @@ def quantized_decode_attention(
   )
   arrays = (queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths)
   if family != "reference":
-    module = (
-      quantized_decode_attention_triton if family == "gpu" else quantized_decode_attention_tpu
+    module = quantized_decode_attention_gpu if family == "gpu" else quantized_decode_attention_tpu
+    segment = dict(
+      bits=bits, group_size=group_size, lowrank=lowrank, outliers=outliers, block=block
     )
-    reason = module.unsupported_reason(
-      queries,
-      k_codes,
-      k_scale,
-      v_scale,
-      bits=bits,
-      group_size=group_size,
-      lowrank=lowrank,
-      outliers=outliers,
-      block=block,
-    )
+    reason = module.unsupported_reason(queries, k_codes, k_scale, v_scale, **segment)
     if reason is None:
+      if family == "gpu":
+        fallback = quantized_decode_attention_gpu.mosaic_gpu_fallback_reason(
+          queries, k_codes, k_scale, v_scale, config=kernel_config or {}, **segment
+        )
+        if fallback is not None:
+          _warn_fallback_once(
+            "the Mosaic GPU quantized decode-attention kernel",
+            fallback,
+            instead="the Triton kernel with its default settings",
+          )
       kernel = (
-        quantized_decode_attention_triton.quantized_decode_attention_gpu
+        quantized_decode_attention_gpu.quantized_decode_attention_gpu
         if family == "gpu"
         else quantized_decode_attention_tpu.quantized_decode_attention_tpu
       )

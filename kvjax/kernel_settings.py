@@ -10,8 +10,8 @@ runs on; a key the chosen kernel does not take raises when the cache first atten
 import dataclasses
 from typing import Any
 
-from kvjax.attention_dispatch import QUANTIZED_GPU_CONFIG_KEYS, TPU_CONFIG_KEYS
-from pallas_kernels import decode_attention_gpu
+from kvjax.attention_dispatch import TPU_CONFIG_KEYS
+from pallas_kernels import decode_attention_gpu, quantized_decode_attention_gpu
 from pallas_kernels.quantized_decode_attention_triton import (
   DEFAULT_VARIANT,
   check_variant_settings,
@@ -22,7 +22,11 @@ FULL_KEYS = tuple(
     ("lowering",) + sum(decode_attention_gpu.CONFIG_KEYS.values(), ()) + TPU_CONFIG_KEYS
   )
 )
-QUANTIZED_KEYS = tuple(dict.fromkeys(QUANTIZED_GPU_CONFIG_KEYS + TPU_CONFIG_KEYS))
+QUANTIZED_KEYS = tuple(
+  dict.fromkeys(
+    ("lowering",) + sum(quantized_decode_attention_gpu.CONFIG_KEYS.values(), ()) + TPU_CONFIG_KEYS
+  )
+)
 Setting = tuple[tuple[str, Any], ...]
 BOOLEAN_KEYS = ("prefetch",)  # switches; every other setting is a number, a name or None
 
@@ -64,6 +68,10 @@ class KernelSettings:
       decode_attention_gpu.check_config({"lowering": full["lowering"]})
     quantized = dict(self.quantized)
     try:
+      if quantized.get("lowering", "triton") != "triton":
+        # Another lowering's keys: checked whole, as that kernel takes them.
+        quantized_decode_attention_gpu.check_config(quantized)
+        return
       check_variant_settings(
         quantized.get("variant", DEFAULT_VARIANT),
         quantized.get("prefetch"),

@@ -96,11 +96,63 @@ def check_config(rows, head_dim, itemsize, *, block_tokens, num_stages, num_spli
     )
 
 
-def _swizzled(width: int, dtype):
+def swizzled_operand_transforms(width: int, dtype):
   """Shared-memory tiling and swizzle of a [rows, width] wgmma operand."""
   bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(width * bits, "decode attention operand")
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def initial_softmax_state(rows: int, head_dim: int):
+  """(acc^T [D, rows] zeros, running max [rows] -inf, running sum [rows] zeros) in the wgmma
+  accumulator's layouts: the carry of `online_softmax_step`."""
+  running_max = plgpu.layout_cast(
+    jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0)
+  )
+  running_sum = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
+  acc = plgpu.layout_cast(jnp.zeros((head_dim, rows), jnp.float32), plgpu.Layout.WGMMA)
+  return acc, running_max, running_sum
+
+
+def online_softmax_step(scores, valid, state, probs_smem):
+  """Masks scores^T [block, rows] where not `valid`, rescales the state's accumulator to the new
+  running max and stores P^T to `probs_smem` (transposed, [rows, block], not yet committed).
+  Returns the updated state."""
+  acc, running_max, running_sum = state
+  scores = jnp.where(valid, scores, -jnp.inf)
+  # A split's first block holds a valid token, so the max is finite from then on.
+  new_max = jnp.maximum(running_max, scores.max(axis=0))
+  correction = jnp.exp(running_max - new_max)
+  probs = jnp.exp(scores - lax.broadcast_in_dim(new_max, scores.shape, [1]))
+  running_sum = running_sum * correction + probs.sum(axis=0)
+  acc = acc * lax.broadcast_in_dim(correction, acc.shape, [1])
+  probs_smem.T[...] = probs.astype(probs_smem.dtype)
+  return acc, new_max, running_sum
+
+
+def value_product(values_tile, probs_smem, acc):
+  """acc + V^T . P^T on wgmma (V [block, D] and P [rows, block] in shared memory, committed)."""
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, values_tile.T, probs_smem.T)
+    return acc_ref[...]
+
+  return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
+
+
+def write_partials(state, out_smem, lse_smem, out_gmem, lse_gmem):
+  """The split's normalised out^T and lse, through shared memory to `out_gmem` / `lse_gmem`
+  (the program's slices). A split with no valid token writes out 0 and lse -inf (it drops out
+  of the merge)."""
+  acc, running_max, running_sum = state
+  nonempty = running_sum > 0
+  safe_sum = jnp.where(nonempty, running_sum, 1.0)
+  out_smem[...] = acc / lax.broadcast_in_dim(safe_sum, acc.shape, [1])
+  lse_smem[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+  plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
+  plgpu.wait_smem_to_gmem(0)
 
 
 def _decode_kernel(
@@ -147,8 +199,7 @@ def _decode_kernel(
     pl.when(i < num_blocks)(functools.partial(fetch, i))
   plgpu.barrier_wait(queries_barrier)
 
-  def body(i, carry):
-    acc, running_max, running_sum = carry  # [D, rows], [rows], [rows]
+  def body(i, state):
     slot = lax.rem(i, num_stages)
     # Slot of block i - 1, whose products completed in the previous step.
     pl.when(i + num_stages - 1 < num_blocks)(functools.partial(fetch, i + num_stages - 1))
@@ -162,15 +213,9 @@ def _decode_kernel(
 
     scores = pl.run_scoped(scores_product, plgpu.ACC((block, rows), jnp.float32))
     token = plgpu.broadcasted_iota(jnp.int32, (block, rows), 0, layout=plgpu.Layout.WGMMA)
-    valid = token + first < end
-    scores = jnp.where(valid, scores, -jnp.inf)
-    # A split's first block holds a valid token, so the max is finite from then on.
-    new_max = jnp.maximum(running_max, scores.max(axis=0))
-    correction = jnp.exp(running_max - new_max)
-    probs = jnp.exp(scores - lax.broadcast_in_dim(new_max, scores.shape, [1]))
-    running_sum = running_sum * correction + probs.sum(axis=0)
-    acc = acc * lax.broadcast_in_dim(correction, acc.shape, [1])
-    probs_smem.T[...] = probs.astype(dtype)
+    acc, running_max, running_sum = online_softmax_step(
+      scores, token + first < end, state, probs_smem
+    )
 
     plgpu.barrier_wait(values_barriers.at[slot])
 
@@ -183,32 +228,12 @@ def _decode_kernel(
       values_smem[slot] = jnp.where(before_end, values_smem[slot], jnp.zeros((), dtype))
 
     plgpu.commit_smem()  # P (and zeroed values) visible to the tensor core
+    return value_product(values_smem.at[slot], probs_smem, acc), running_max, running_sum
 
-    def values_product(acc_ref):
-      plgpu.wgmma(acc_ref, values_smem.at[slot].T, probs_smem.T)
-      return acc_ref[...]
-
-    update = pl.run_scoped(values_product, plgpu.ACC((head_dim, rows), jnp.float32))
-    return acc + update, new_max, running_sum
-
-  running_max = plgpu.layout_cast(
-    jnp.full((rows,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(0)
+  state = lax.fori_loop(0, num_blocks, body, initial_softmax_state(rows, head_dim))
+  write_partials(
+    state, out_smem, lse_smem, out_gmem.at[row, head, split], lse_gmem.at[row, head, split]
   )
-  running_sum = plgpu.layout_cast(jnp.zeros((rows,), jnp.float32), plgpu.Layout.WGMMA.reduce(0))
-  acc = plgpu.layout_cast(jnp.zeros((head_dim, rows), jnp.float32), plgpu.Layout.WGMMA)
-  acc, running_max, running_sum = lax.fori_loop(
-    0, num_blocks, body, (acc, running_max, running_sum)
-  )
-
-  # A split with no valid token writes out 0 and lse -inf (it drops out of the merge).
-  nonempty = running_sum > 0
-  safe_sum = jnp.where(nonempty, running_sum, 1.0)
-  out_smem[...] = acc / lax.broadcast_in_dim(safe_sum, acc.shape, [1])
-  lse_smem[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[row, head, split])
-  plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, head, split])
-  plgpu.wait_smem_to_gmem(0)
 
 
 @functools.partial(
@@ -232,6 +257,7 @@ def _decode_attention_partials(
   padded_lengths = jnp.zeros((-(-batch // LENGTH_WORDS) * LENGTH_WORDS,), jnp.int32)
   padded_lengths = padded_lengths.at[:batch].set(lengths.astype(jnp.int32))
   dtype = keys.dtype
+  operand = functools.partial(swizzled_operand_transforms, dtype=dtype)
   kernel = plgpu.kernel(
     functools.partial(_decode_kernel, plan=plan, tokens=tokens, num_stages=num_stages),
     out_type=(
@@ -242,14 +268,14 @@ def _decode_attention_partials(
     grid_names=("row", "head", "split"),
     scratch_types=dict(
       lengths_smem=plgpu.SMEM(padded_lengths.shape, jnp.int32),
-      queries_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=_swizzled(head_dim, dtype)),
+      queries_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=operand(head_dim)),
       keys_smem=plgpu.SMEM(
-        (num_stages, block_tokens, head_dim), dtype, transforms=_swizzled(head_dim, dtype)
+        (num_stages, block_tokens, head_dim), dtype, transforms=operand(head_dim)
       ),
       values_smem=plgpu.SMEM(
-        (num_stages, block_tokens, head_dim), dtype, transforms=_swizzled(head_dim, dtype)
+        (num_stages, block_tokens, head_dim), dtype, transforms=operand(head_dim)
       ),
-      probs_smem=plgpu.SMEM((rows, block_tokens), dtype, transforms=_swizzled(block_tokens, dtype)),
+      probs_smem=plgpu.SMEM((rows, block_tokens), dtype, transforms=operand(block_tokens)),
       out_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
       lse_smem=plgpu.SMEM((rows,), jnp.float32),
       barriers=(

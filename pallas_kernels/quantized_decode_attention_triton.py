@@ -854,8 +854,3 @@ def _inverse_permutation(order):
   inverse = np.empty_like(order)
   inverse[order] = np.arange(len(order), dtype=order.dtype)
   return inverse
-
-
-def quantized_decode_attention_gpu(*args, interpret=False, **kwargs):
-  """The GPU quantized decode kernel (today the Triton lowering; Mosaic GPU would go here)."""
-  return quantized_decode_attention_triton(*args, interpret=interpret, **kwargs)

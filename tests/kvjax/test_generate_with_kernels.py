@@ -13,7 +13,7 @@ import pytest
 from kvjax.generate import generate
 from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import parse_method_spec
-from pallas_kernels import decode_attention_gpu, quantized_decode_attention_triton
+from pallas_kernels import decode_attention_gpu, quantized_decode_attention_gpu
 from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
 KERNEL_CONFIG = dataclasses.replace(TINY_CONFIG, head_dim=64)
@@ -56,6 +56,12 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       jnp.float32,
     ),
     (
+      # The Mosaic GPU quantized kernel: 16-bit staging, 8 code words per token at 4 bits.
+      "kivi:bits=4,group_size=16,residual=16",
+      KernelSettings(quantized={"lowering": "mosaic_gpu"}),
+      jnp.bfloat16,
+    ),
+    (
       # GEAR's low-rank and outlier terms computed by XLA around the folded kernel.
       "gear:bits=4,group_size=16,block=16,rank=2,outliers=0.02",
       KernelSettings(quantized={"gear_terms": "xla"}),
@@ -78,7 +84,7 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
     monkeypatch.setattr(module, name, record)
 
   recording(decode_attention_gpu, "decode_attention_gpu")
-  recording(quantized_decode_attention_triton, "quantized_decode_attention_gpu")
+  recording(quantized_decode_attention_gpu, "quantized_decode_attention_gpu")
   decoder, params = tiny_decoder(config=KERNEL_CONFIG)
   tokens = {
     implementation: generate(

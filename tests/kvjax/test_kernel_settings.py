@@ -37,7 +37,19 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
     (dict(full={"lowering": "cuda"}), "lowering='cuda' is not supported; allowed: triton"),
     (dict(quantized={"variant": "fast"}), "variant='fast' is not supported; allowed: folded"),
     (dict(full={"variant": "folded"}), r"full: unknown keys \['variant'\]"),
-    (dict(quantized={"lowering": "triton"}), r"quantized: unknown keys \['lowering'\]"),
+    (
+      dict(quantized={"lowering": "cuda"}),
+      "quantized: lowering='cuda' is not supported; allowed: triton, mosaic_gpu",
+    ),
+    (
+      dict(quantized={"lowering": "mosaic_gpu", "prefetch": True}),
+      r"quantized: kernel_config keys \['prefetch'\] are not taken by the quantized kernel of "
+      "lowering='mosaic_gpu'",
+    ),
+    (
+      dict(quantized={"lowering": "mosaic_gpu", "num_stages": 5}),
+      r"quantized: num_stages=5 is not supported; allowed: \(2, 3, 4\)",
+    ),
     (dict(full={"block_tokens": 6.4}), "block_tokens=6.4 must be an int"),
     (dict(full={"num_stages": True}), "num_stages=True must be an int"),
     (dict(quantized={"prefetch": 1}), "prefetch=1 must be True or False"),
@@ -102,15 +114,30 @@ def test_caches_keep_settings_as_static_metadata():
 
 
 @pytest.mark.parametrize(
-  "quantized, family, message",
+  "config, quantized, family, message",
   [
-    (True, "gpu", r"keys \['lowering'\] are not taken by the gpu quantized kernel"),
-    (False, "tpu", r"keys \['lowering'\] are not taken by the tpu full-precision kernel"),
-    (False, "gpu", r"keys \['variant'\] are not taken by lowering='triton'"),
+    (
+      {"lowering": "mosaic_gpu", "variant": "folded"},
+      True,
+      "gpu",
+      r"keys \['variant'\] are not taken by the quantized kernel of lowering='mosaic_gpu'",
+    ),
+    (
+      {"lowering": "mosaic_gpu"},
+      True,
+      "tpu",
+      r"keys \['lowering'\] are not taken by the tpu quantized kernel",
+    ),
+    (
+      {"lowering": "mosaic_gpu"},
+      False,
+      "tpu",
+      r"keys \['lowering'\] are not taken by the tpu full-precision kernel",
+    ),
+    ({"variant": "folded"}, False, "gpu", r"keys \['variant'\] are not taken by lowering='triton'"),
   ],
 )
-def test_dispatch_refuses_keys_its_kernel_does_not_take(quantized, family, message):
-  config = {"lowering": "mosaic_gpu"} if family != "gpu" or quantized else {"variant": "folded"}
+def test_dispatch_refuses_keys_its_kernel_does_not_take(config, quantized, family, message):
   with pytest.raises(ValueError, match=message):
     attention_dispatch.check_kernel_config(config, quantized=quantized, family=family)
   attention_dispatch.check_kernel_config(config, quantized=quantized, family="reference")

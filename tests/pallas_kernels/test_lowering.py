@@ -16,6 +16,9 @@ import pytest
 from pallas_kernels.decode_attention_mosaic_gpu import decode_attention_mosaic_gpu
 from pallas_kernels.decode_attention_tpu import decode_attention_tpu
 from pallas_kernels.decode_attention_triton import decode_attention_triton
+from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
+  quantized_decode_attention_mosaic_gpu,
+)
 from pallas_kernels.quantized_decode_attention_tpu import quantized_decode_attention_tpu
 from pallas_kernels.quantized_decode_attention_triton import quantized_decode_attention_triton
 from pallas_kernels.random_inputs import random_quantized_segment
@@ -159,6 +162,41 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
     queries,
     cache,
     cache,
+    lengths,
+  )
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize(
+  "bits,head_dim,group,group_size,config",
+  [
+    (2, 128, 4, 32, dict(block_tokens=128, num_stages=3)),
+    (4, 128, 8, 128, dict(block_tokens=64, num_stages=2)),
+    (8, 64, 1, 16, dict(block_tokens=64, num_stages=4)),
+  ],
+)
+def test_mosaic_gpu_quantized_kernel_lowers_for_sm90(bits, head_dim, group, group_size, config):
+  """Layout inference included: the code words and statistics are pinned to wgmma layouts (left
+  to inference, the search ran for over 10 minutes without an answer)."""
+  segment = random_quantized_segment(
+    np.random.default_rng(0),
+    2,
+    2,
+    256,
+    head_dim,
+    bits=bits,
+    group_size=group_size,
+    dtype=jnp.bfloat16,
+  )
+  queries = jax.ShapeDtypeStruct((2, 2, group, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  text = _lower(
+    lambda q, s, lens: quantized_decode_attention_mosaic_gpu(
+      q, *s[:6], lens, bits=bits, group_size=group_size, sm_scale=0.1, **config
+    ),
+    "cuda",
+    queries,
+    segment,
     lengths,
   )
   assert "mosaic_gpu" in text
