@@ -80,14 +80,22 @@ def shared_memory_bytes(rows: int, head_dim: int, block_tokens: int, num_stages:
   return ring + operands + results
 
 
+def check_settings(*, block_tokens, num_stages, num_splits, block_choices=BLOCK_TOKENS) -> None:
+  """ValueError naming a setting outside its allowed values (None: the default); the checks of
+  the Mosaic GPU kernels' settings that need no shapes."""
+  if block_tokens is not None and block_tokens not in block_choices:
+    raise ValueError(f"block_tokens={block_tokens!r} is not supported; allowed: {block_choices}")
+  if num_stages is not None and num_stages not in NUM_STAGES:
+    raise ValueError(f"num_stages={num_stages!r} is not supported; allowed: {NUM_STAGES}")
+  if num_splits is not None and (
+    isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1
+  ):
+    raise ValueError(f"num_splits={num_splits!r} is not supported; allowed: None or an int >= 1")
+
+
 def check_config(rows, head_dim, itemsize, *, block_tokens, num_stages, num_splits):
   """ValueError naming the setting and its allowed values; raised before anything is traced."""
-  if block_tokens not in BLOCK_TOKENS:
-    raise ValueError(f"block_tokens={block_tokens!r} is not supported; allowed: {BLOCK_TOKENS}")
-  if num_stages not in NUM_STAGES:
-    raise ValueError(f"num_stages={num_stages!r} is not supported; allowed: {NUM_STAGES}")
-  if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-    raise ValueError(f"num_splits={num_splits!r} is not supported; allowed: None or an int >= 1")
+  check_settings(block_tokens=block_tokens, num_stages=num_stages, num_splits=num_splits)
   needed = shared_memory_bytes(rows, head_dim, block_tokens, num_stages, itemsize)
   if needed > SHARED_MEMORY_BYTES:
     raise ValueError(
@@ -101,6 +109,22 @@ def swizzled_operand_transforms(width: int, dtype):
   bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(width * bits, "decode attention operand")
   return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def padded_lengths(lengths: jax.Array) -> jax.Array:
+  """int32 lengths padded with zeros to a multiple of LENGTH_WORDS (one TMA copy's minimum)."""
+  batch = lengths.shape[0]
+  padded = jnp.zeros((-(-batch // LENGTH_WORDS) * LENGTH_WORDS,), jnp.int32)
+  return padded.at[:batch].set(lengths.astype(jnp.int32))
+
+
+def split_bounds(lengths_smem, row, split, plan: SplitPlan, tokens: int):
+  """(start, end, number of blocks) of this program's split: its tokens [start, end) are the
+  split's range cut at the row's length and the capacity."""
+  start = split * plan.split_tokens
+  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_smem[row]), tokens)
+  num_blocks = (jnp.maximum(end - start, 0) + plan.block_tokens - 1) // plan.block_tokens
+  return start, end, num_blocks
 
 
 def initial_softmax_state(rows: int, head_dim: int):
@@ -184,9 +208,7 @@ def _decode_kernel(
   plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, lengths_barrier)
   plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
   plgpu.barrier_wait(lengths_barrier)
-  start = split * plan.split_tokens
-  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_smem[row]), tokens)
-  num_blocks = (jnp.maximum(end - start, 0) + block - 1) // block
+  start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
 
   def fetch(i):
     slot = lax.rem(i, num_stages)
@@ -254,8 +276,7 @@ def _decode_attention_partials(
     block_tokens=block_tokens,
     num_splits=num_splits,
   )
-  padded_lengths = jnp.zeros((-(-batch // LENGTH_WORDS) * LENGTH_WORDS,), jnp.int32)
-  padded_lengths = padded_lengths.at[:batch].set(lengths.astype(jnp.int32))
+  lengths = padded_lengths(lengths)
   dtype = keys.dtype
   operand = functools.partial(swizzled_operand_transforms, dtype=dtype)
   kernel = plgpu.kernel(
@@ -267,7 +288,7 @@ def _decode_attention_partials(
     grid=(batch, kv_heads, plan.num_splits),
     grid_names=("row", "head", "split"),
     scratch_types=dict(
-      lengths_smem=plgpu.SMEM(padded_lengths.shape, jnp.int32),
+      lengths_smem=plgpu.SMEM(lengths.shape, jnp.int32),
       queries_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=operand(head_dim)),
       keys_smem=plgpu.SMEM(
         (num_stages, block_tokens, head_dim), dtype, transforms=operand(head_dim)
@@ -288,7 +309,7 @@ def _decode_attention_partials(
     compiler_params=_compat.mosaic_gpu_compiler_params(),
     interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
   )
-  return kernel(padded_lengths, scaled_queries, keys, values)
+  return kernel(lengths, scaled_queries, keys, values)
 
 
 def decode_attention_partials_mosaic_gpu(

@@ -89,10 +89,12 @@ def quantized_decode_attention_gpu(
   segment = dict(bits=bits, group_size=group_size, lowrank=lowrank, outliers=outliers, block=block)
   settings = {key: value for key, value in config.items() if key != "lowering"}
   if check_config(config) == "mosaic_gpu":
-    if mosaic_gpu_fallback_reason(*arrays[:3], arrays[5], config=config, **segment) is None:
-      kernel = quantized_decode_attention_mosaic_gpu.quantized_decode_attention_mosaic_gpu
+    mosaic_gpu = quantized_decode_attention_mosaic_gpu
+    if mosaic_gpu.unsupported_reason(*arrays[:3], v_scale, **segment) is None:
       quantization = dict(bits=bits, group_size=group_size)
-      return kernel(*arrays, **quantization, sm_scale=sm_scale, interpret=interpret, **settings)
+      return mosaic_gpu.quantized_decode_attention_mosaic_gpu(
+        *arrays, **quantization, sm_scale=sm_scale, interpret=interpret, **settings
+      )
     settings = {}  # the Triton kernel's defaults: the Mosaic GPU settings are not its own
   return quantized_decode_attention_triton.quantized_decode_attention_triton(
     *arrays, sm_scale=sm_scale, interpret=interpret, **segment, **settings

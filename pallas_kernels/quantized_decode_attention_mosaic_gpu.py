@@ -40,15 +40,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
+from pallas_kernels import decode_attention_mosaic_gpu as full_precision
 from pallas_kernels.bit_packing import check_bits
 from pallas_kernels.decode_attention_mosaic_gpu import (
   CAPACITY_MULTIPLE,
   LENGTH_WORDS,
   MAX_GROUP,
-  NUM_STAGES,
   SHARED_MEMORY_BYTES,
   initial_softmax_state,
   online_softmax_step,
+  padded_lengths,
+  split_bounds,
   swizzled_operand_transforms,
   tile_rows,
   value_product,
@@ -70,9 +72,15 @@ CHUNK_TOKENS = 64
 WORDS_MULTIPLE = 8
 
 
-def compute_dtype_for(scale_dtype) -> jnp.dtype:
-  """The staged operands' dtype: float16 for float16 statistics, bfloat16 otherwise."""
+def staged_dtype_for(scale_dtype) -> jnp.dtype:
+  """The staged K / V tiles' dtype: float16 for float16 statistics, bfloat16 otherwise (wgmma
+  takes 16-bit operands; unlike the Triton kernels' `compute_dtype_for`, f32 statistics too)."""
   return jnp.dtype(jnp.float16 if jnp.dtype(scale_dtype) == jnp.float16 else jnp.bfloat16)
+
+
+def key_groups_per_block(block_tokens: int, group_size: int) -> int:
+  """Rows of key statistics a ring slot holds: the block's key groups, or the one spanning it."""
+  return max(1, block_tokens // group_size)
 
 
 def _wgmma_layout(array):
@@ -113,7 +121,7 @@ def shared_memory_bytes(
 ):
   """Bytes of shared memory one program allocates."""
   words = head_dim * bits // 32
-  key_groups = max(1, block_tokens // group_size)
+  key_groups = key_groups_per_block(block_tokens, group_size)
   value_groups = head_dim // group_size
   slot = (
     2 * block_tokens * words * 4
@@ -129,14 +137,12 @@ def shared_memory_bytes(
 def check_settings(*, block_tokens=None, num_splits=None, num_stages=None) -> None:
   """ValueError naming a setting outside its allowed values (None: the default); the checks
   that need no shapes."""
-  if block_tokens is not None and block_tokens not in BLOCK_TOKENS:
-    raise ValueError(f"block_tokens={block_tokens!r} is not supported; allowed: {BLOCK_TOKENS}")
-  if num_stages is not None and num_stages not in NUM_STAGES:
-    raise ValueError(f"num_stages={num_stages!r} is not supported; allowed: {NUM_STAGES}")
-  if num_splits is not None and (
-    isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1
-  ):
-    raise ValueError(f"num_splits={num_splits!r} is not supported; allowed: None or an int >= 1")
+  full_precision.check_settings(
+    block_tokens=block_tokens,
+    num_stages=num_stages,
+    num_splits=num_splits,
+    block_choices=BLOCK_TOKENS,
+  )
 
 
 def check_config(
@@ -252,9 +258,7 @@ def _quantized_decode_kernel(
   plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, lengths_barrier)
   plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
   plgpu.barrier_wait(lengths_barrier)
-  start = split * plan.split_tokens
-  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_smem[row]), tokens)
-  num_blocks = (jnp.maximum(end - start, 0) + block - 1) // block
+  start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
 
   sources = (k_codes_gmem, k_scale_gmem, k_min_gmem, v_codes_gmem, v_stats_gmem)
   destinations = (k_words_smem, k_scale_smem, k_min_smem, v_words_smem, v_stats_smem)
@@ -363,14 +367,13 @@ def _quantized_decode_attention_partials(
   batch, kv_heads, group, head_dim = queries.shape
   tokens, words = k_codes.shape[2], k_codes.shape[3]
   rows = tile_rows(group)
-  dtype = compute_dtype_for(k_scale.dtype)
+  dtype = staged_dtype_for(k_scale.dtype)
   stat_dtype = k_scale.dtype
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, gpu_target_programs())
   scaled_queries = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, dtype)
   v_stats = group_major_value_stats(v_scale, v_min)
-  padded_lengths = jnp.zeros((-(-batch // LENGTH_WORDS) * LENGTH_WORDS,), jnp.int32)
-  padded_lengths = padded_lengths.at[:batch].set(lengths.astype(jnp.int32))
-  key_groups = max(1, block_tokens // group_size)
+  lengths = padded_lengths(lengths)
+  key_groups = key_groups_per_block(block_tokens, group_size)
   value_groups = head_dim // group_size
   operand = functools.partial(swizzled_operand_transforms, dtype=dtype)
   kernel = plgpu.kernel(
@@ -389,7 +392,7 @@ def _quantized_decode_attention_partials(
     grid=(batch, kv_heads, plan.num_splits),
     grid_names=("row", "head", "split"),
     scratch_types=dict(
-      lengths_smem=plgpu.SMEM(padded_lengths.shape, jnp.int32),
+      lengths_smem=plgpu.SMEM(lengths.shape, jnp.int32),
       queries_smem=plgpu.SMEM((rows, head_dim), dtype, transforms=operand(head_dim)),
       k_words_smem=plgpu.SMEM((num_stages, block_tokens, words), jnp.uint32),
       k_scale_smem=plgpu.SMEM((num_stages, key_groups, head_dim), stat_dtype),
@@ -410,7 +413,7 @@ def _quantized_decode_attention_partials(
     compiler_params=_compat.mosaic_gpu_compiler_params(),
     interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
   )
-  return kernel(padded_lengths, scaled_queries, k_codes, k_scale, k_min, v_codes, v_stats)
+  return kernel(lengths, scaled_queries, k_codes, k_scale, k_min, v_codes, v_stats)
 
 
 def quantized_decode_attention_partials_mosaic_gpu(
@@ -442,7 +445,7 @@ def quantized_decode_attention_partials_mosaic_gpu(
     bits,
     group_size,
     jnp.dtype(k_scale.dtype).itemsize,
-    compute_dtype_for(k_scale.dtype).itemsize,
+    staged_dtype_for(k_scale.dtype).itemsize,
     block_tokens=block_tokens,
     num_stages=num_stages,
     num_splits=num_splits,

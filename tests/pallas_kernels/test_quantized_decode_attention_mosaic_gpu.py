@@ -164,8 +164,8 @@ def test_value_statistics_are_joined_group_major():
   np.testing.assert_array_equal(joined[:, :, 4 + 1, :], minimum[..., 1])
 
 
-def _zeros_segment(*, head_dim=128, bits=2, group_size=32, tokens=256, group=4, dtype=None):
-  dtype = dtype or jnp.bfloat16
+def _zeros_segment(*, head_dim=128, bits=2, group_size=32, tokens=256, group=4):
+  dtype = jnp.bfloat16
   words = head_dim * bits // 32
   codes = jnp.zeros((1, 1, tokens, words), jnp.uint32)
   key_stats = jnp.zeros((1, 1, tokens // group_size, head_dim), dtype)
