@@ -37,8 +37,9 @@ def main():
     ("kivi:bits=4,residual=32", KernelSettings()),
     ("kivi:bits=2,residual=32", KernelSettings()),
     ("gear:bits=2", KernelSettings()),
-    # GEAR's low-rank and outlier terms by XLA around the kernel (KERNEL_NOTES v11)
-    ("gear:bits=2", KernelSettings(quantized={"gear_terms": "xla"})),
+    # GEAR's low-rank and outlier terms fused into the kernel (the default since KERNEL_NOTES
+    # v13 has XLA compute them around it)
+    ("gear:bits=2", KernelSettings(quantized={"gear_terms": "kernel"})),
     # The Mosaic GPU quantized kernel (KERNEL_NOTES v12); 2-bit codes at head_dim 64 are 4 words
     # per token, which it does not take, so 4-bit.
     ("kivi:bits=4,residual=32", KernelSettings(quantized={"lowering": "mosaic_gpu"})),

@@ -6,6 +6,10 @@ profiler (Nsight Compute) to attach to. Prints nothing but the time of the last 
       --set full --import-source no -o rep \
       python benchmarks/profile_quantized_kernel.py --bits 2 --kernel-config '{"prefetch": false}'
 
+For a GEAR segment (`--rank 4 --outliers 163`, the benchmark's GEAR-2) the time splits between
+the kernel and XLA's work around it; `ncu --metrics gpu__time_duration.sum` without a kernel
+filter lists every kernel the call launches with its duration.
+
 The Pallas kernel is named after its `pallas_call` (`quantized_decode_attention_<bits>bit_triton`);
 with jax's default preallocation of GPU memory the profiled process ran out of memory and crashed
 under ncu. `benchmarks/ncu_sass_summary.py` reads the report's SASS page.
@@ -32,6 +36,10 @@ def main():
   parser.add_argument("--bits", type=int, default=2, choices=(2, 4, 8))
   parser.add_argument("--group-size", type=int, default=32)
   parser.add_argument("--calls", type=int, default=3)
+  parser.add_argument("--rank", type=int, default=0, help="GEAR's low rank (0: none)")
+  parser.add_argument(
+    "--outliers", type=int, default=0, help="GEAR's outliers per 64-token block (0: none)"
+  )
   parser.add_argument("--kernel-config", default="{}", help="JSON dict, as decode_attention.py")
   parser.add_argument("--implementation", default="pallas", choices=("pallas", "interpret"))
   args = parser.parse_args()
@@ -47,6 +55,8 @@ def main():
     bits=args.bits,
     group_size=args.group_size,
     dtype=jnp.bfloat16,
+    rank=args.rank,
+    outliers_per_block=args.outliers,
   )
   lengths = jnp.full((batch,), args.tokens, jnp.int32)
   kernel_config = json.loads(args.kernel_config)
@@ -61,6 +71,8 @@ def main():
       group_size=args.group_size,
       sm_scale=1.0 / math.sqrt(head_dim),
       implementation=args.implementation,
+      lowrank=segment.lowrank,
+      outliers=segment.outliers,
       kernel_config=kernel_config,
     )
 

@@ -23,6 +23,14 @@ import jax.numpy as jnp
 
 GEAR_TERMS = ("kernel", "xla")  # where GEAR's low-rank and outlier terms are computed
 
+# The value outliers are summed into this many partial [D, G] accumulators per KV head (GEAR
+# block j adds into j mod OUTLIER_SLOTS), then the partials are added. With one accumulator all
+# of a head's outliers meet on D addresses, and the atomic adds of the scatter serialise. On an
+# H100 at 32k (batch 8, 8 KV heads, query group 4, 2% outliers; benchmarks/gear_terms_parts.py,
+# KERNEL_NOTES v13): one scalar per outlier and query row into one accumulator 1366 us, into 32
+# accumulators 390 us; one G-window per outlier into 32 accumulators (this) 347 us.
+OUTLIER_SLOTS = 32
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -75,6 +83,26 @@ def gear_score_bias(
   return bias
 
 
+def _value_outlier_terms(outliers, probs: jax.Array, *, block: int, head_dim: int) -> jax.Array:
+  """float32 [B, H, G, D]: sum over value outliers i of p[g, token_i] * value_i at channel_i.
+
+  probs float32 [B, H, G, T]. Each outlier adds one G-vector: the probabilities are gathered
+  and scattered as windows of G contiguous floats ([B, H, T, G] and [B, H, slots, D, G]), one
+  index per outlier instead of one per outlier and query row."""
+  batch, kv_heads, group, _ = probs.shape
+  token, channel = _outlier_positions(outliers[2], block, head_dim)  # [B, H, J s]
+  per_block = outliers[2].shape[-1]
+  slots = min(OUTLIER_SLOTS, outliers[2].shape[2])
+  slot = (jnp.arange(token.shape[-1], dtype=jnp.int32) // per_block) % slots
+  b = jnp.arange(batch)[:, None, None]
+  h = jnp.arange(kv_heads)[None, :, None]
+  p_at_token = jnp.swapaxes(probs, 2, 3)[b, h, token]  # [B, H, J s, G]
+  weighted = p_at_token * outliers[3].astype(jnp.float32).reshape(token.shape)[..., None]
+  partials = jnp.zeros((batch, kv_heads, slots, head_dim, group), jnp.float32)
+  partials = partials.at[b, h, slot[None, None, :], channel].add(weighted)
+  return jnp.swapaxes(partials.sum(axis=2), 2, 3)
+
+
 def gear_value_terms_from_scores(
   lowrank,
   outliers,
@@ -104,9 +132,5 @@ def gear_value_terms_from_scores(
     p_a = jnp.einsum("bhgjk,bhjkr->bhgjr", probs_blocks, v_a, precision=_HIGHEST)
     terms = jnp.einsum("bhgjr,bhjdr->bhgd", p_a, v_b.astype(jnp.float32), precision=_HIGHEST)
   if outliers is not None:
-    token, channel = _outlier_positions(outliers[2], block, head_dim)
-    p_at_token = jnp.take_along_axis(probs, token[:, :, None, :], axis=-1)  # [B, H, G, J s]
-    weighted = p_at_token * outliers[3].astype(jnp.float32).reshape(token.shape)[:, :, None, :]
-    b, h, g = jnp.ogrid[:batch, :kv_heads, :group]
-    terms = terms.at[b[..., None], h[..., None], g[..., None], channel[:, :, None, :]].add(weighted)
+    terms = terms + _value_outlier_terms(outliers, probs, block=block, head_dim=head_dim)
   return terms

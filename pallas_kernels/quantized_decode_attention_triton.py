@@ -35,8 +35,9 @@ where it does not apply.
 
 GEAR's low-rank and outlier terms are fused in every variant, one GEAR block per step (so
 `block_tokens == block`), by `gear_terms_triton`; or, with the folded setting
-`gear_terms="xla"`, computed by XLA around the kernel (`gear_terms_xla`: a dense score bias in,
-the scores out), so that the kernel walks a GEAR segment as a KIVI one.
+`gear_terms="xla"` (the default of `quantized_decode_attention_triton` since it measured twice
+as fast on H100, KERNEL_NOTES v13), computed by XLA around the kernel (`gear_terms_xla`: a
+dense score bias in, the scores out), so that the kernel walks a GEAR segment as a KIVI one.
 """
 
 import functools
@@ -425,6 +426,10 @@ def compute_dtype_for(scale_dtype):
 VARIANTS = ("folded", "joined", "planar", "reshape")
 DEFAULT_VARIANT = "folded"  # the fastest measured on H100 (KERNEL_NOTES v8)
 DEFAULT_CODE_OPERAND = "subnormal"
+# Where the folded kernel's callers get GEAR's terms computed unless they ask: measured on an
+# H100 (KERNEL_NOTES v13, batch 8, 8 KV heads, rank 4, 2% outliers) "xla" took 429 / 1085 /
+# 4274 us at 8k / 32k / 128k against 609 / 2139 / 8126 us for "kernel".
+DEFAULT_GEAR_TERMS = "xla"
 # kernel_config keys of variant "folded" only
 FOLDED_SETTINGS = ("prefetch", "code_operand", "channel_parts", "gear_terms")
 
@@ -568,7 +573,8 @@ def quantized_decode_attention_partials_triton(
   means DEFAULT_CODE_OPERAND where it applies, else "offset" (8-bit codes, f16/f32 caches).
   `channel_parts` (folded only; None means 1): unpack and multiply each token's code words in
   that many column slices, for fewer registers per thread (`folded_kernel`).
-  `gear_terms` (folded only; None means "kernel"): "xla" computes GEAR's low-rank and outlier
+  `gear_terms` (folded only; None means "kernel" in this function, DEFAULT_GEAR_TERMS in
+  `quantized_decode_attention_triton`): "xla" computes GEAR's low-rank and outlier
   terms with XLA around the kernel (`gear_terms_xla`): the key terms as a dense score bias the
   kernel adds, the value terms left to the caller; the kernel then walks `block_tokens` per
   step as for KIVI, with no one-hot dots or rank-r broadcasts.
@@ -794,11 +800,14 @@ def quantized_decode_attention_triton(
   `folded_supported` is False or the query group exceeds `FOLDED_MAX_GROUP` (its
   stacked accumulator holds value_groups x rows x D floats: 64 registers per thread at 8 rows);
   a fallback variant runs without the folded-only settings (FOLDED_SETTINGS), so it computes
-  GEAR's terms itself. `gear_terms="xla"` (folded): GEAR's value terms are added here, after the
-  split merge, from the scores the kernel wrote (`gear_terms_xla`).
+  GEAR's terms itself. `gear_terms` (folded) defaults to DEFAULT_GEAR_TERMS here; with "xla",
+  GEAR's value terms are added here, after the split merge, from the scores the kernel wrote
+  (`gear_terms_xla`).
   """
   head_dim = queries.shape[3]
   gear = lowrank is not None or outliers is not None
+  if gear and variant == "folded" and config.get("gear_terms") is None:
+    config["gear_terms"] = DEFAULT_GEAR_TERMS
   gear_block = block if gear and config.get("gear_terms") != "xla" else None
   step = tokens_per_step(
     "folded", group_size, block_tokens=config.get("block_tokens"), gear_block=gear_block

@@ -282,6 +282,33 @@ def test_gear_terms_is_a_folded_setting():
   assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.bfloat16, True))
 
 
+@pytest.mark.parametrize(
+  "gear,config,expected",
+  [
+    (True, {}, "xla"),  # DEFAULT_GEAR_TERMS, measured faster on H100 (KERNEL_NOTES v13)
+    (True, {"gear_terms": "kernel"}, "kernel"),
+    (True, {"gear_terms": "xla"}, "xla"),
+    (False, {}, None),  # KIVI: nothing to place
+    (True, {"variant": "joined"}, None),  # not a setting of the other variants
+  ],
+)
+def test_gear_terms_default_and_choice_reach_the_partials(gear, config, expected, monkeypatch):
+  seen = []
+  partials = triton_kernel.quantized_decode_attention_partials_triton
+
+  def record(*args, **kwargs):
+    seen.append(kwargs.get("gear_terms"))
+    return partials(*args, **kwargs)
+
+  monkeypatch.setattr(triton_kernel, "quantized_decode_attention_partials_triton", record)
+  queries, segment, lengths, kwargs, reference = _case(4, 2, 64, 2, gear, jnp.bfloat16)
+  out, lse = triton_kernel.quantized_decode_attention_triton(
+    queries, *segment[:6], lengths, interpret=triton_interpret(), **kwargs, **config
+  )
+  assert seen == [expected]
+  assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.bfloat16, True))
+
+
 def test_channel_parts_is_a_folded_setting_that_divides_the_words():
   call = triton_kernel.quantized_decode_attention_partials_triton
   queries, segment, lengths, kwargs, reference = _case(9, 2, 64, 2, False, jnp.bfloat16)

@@ -1,0 +1,187 @@
+"""Where a GEAR-2 decode-attention call spends its time on a GPU: the kernel alone (the same codes
+as a KIVI segment), the kernel with GEAR's terms fused, and each part of GEAR's terms as XLA
+computes them around the kernel (`pallas_kernels.gear_terms_xla`, `gear_terms="xla"`), with
+the earlier formulation of the value-outlier sum beside the current one.
+
+    PYTHONPATH=. python benchmarks/gear_terms_parts.py [--contexts 8192 32768 131072] \
+        [--parts-context 32768] [--out parts.json]
+
+Shapes are decode_attention.py's GEAR-2 row: batch 8, 8 KV heads, 4 query heads per KV head,
+head_dim 128, groups of 64, rank 4, 163 outliers (2%) per 64-token block for keys and values.
+The whole attention calls are timed as decode_attention.py times its rows (a jitted loop of
+`--iters` dependent calls, median of `--repeats`), at every context; each part is jitted alone
+at `--parts-context` and timed as the median of `--repeats` loops of `--iters` calls
+(dispatched back to back, blocked once per loop).
+"""
+
+import argparse
+import json
+import math
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.decode_attention import time_op
+from kvjax import attention_dispatch
+from pallas_kernels import gear_terms_xla
+from pallas_kernels.random_inputs import random_quantized_segment
+
+
+def time_call(fn, args, *, iters: int, repeats: int) -> float:
+  """Median seconds per call of the jitted `fn(*args)`."""
+  jitted = jax.jit(fn)
+  jax.block_until_ready(jitted(*args))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(iters):
+      result = jitted(*args)
+    jax.block_until_ready(result)
+    samples.append((time.perf_counter() - start) / iters)
+  return statistics.median(samples)
+
+
+def value_outliers_scalar_scatter(outliers, probs, *, block: int, head_dim: int, slots: int):
+  """GEAR's value-outlier term by a scatter of one scalar per outlier and query row into `slots`
+  partial accumulators (GEAR block j into j mod slots), summed afterwards: gear_terms_xla's
+  formulation before v13 with slots=1."""
+  batch, kv_heads, group, _ = probs.shape
+  token, channel = gear_terms_xla._outlier_positions(outliers[2], block, head_dim)
+  count = outliers[2].shape[-1]
+  slot = (jnp.arange(token.shape[-1], dtype=jnp.int32) // count) % slots
+  p_at_token = jnp.take_along_axis(probs, token[:, :, None, :], axis=-1)
+  weighted = p_at_token * outliers[3].astype(jnp.float32).reshape(token.shape)[:, :, None, :]
+  terms = jnp.zeros((batch, kv_heads, group, slots, head_dim), jnp.float32)
+  b, h, g = jnp.ogrid[:batch, :kv_heads, :group]
+  terms = terms.at[
+    b[..., None], h[..., None], g[..., None], slot[None, None, None, :], channel[:, :, None, :]
+  ].add(weighted)
+  return terms.sum(axis=3)
+
+
+def gear_segment(tokens: int):
+  """Queries, the GEAR-2 segment and lengths of decode_attention.py's gear2 row."""
+  keys = jax.random.split(jax.random.key(tokens), 2)
+  queries = jax.random.normal(keys[0], (BATCH, KV_HEADS, GROUP, HEAD_DIM)).astype(jnp.bfloat16)
+  segment = random_quantized_segment(
+    keys[1],
+    BATCH,
+    KV_HEADS,
+    tokens,
+    HEAD_DIM,
+    bits=2,
+    group_size=BLOCK,
+    dtype=jnp.bfloat16,
+    rank=RANK,
+    outliers_per_block=int(0.02 * BLOCK * HEAD_DIM),
+  )
+  return queries, segment, jnp.full((BATCH,), tokens, jnp.int32)
+
+
+def attention(lowrank: bool, outliers: bool, config: dict):
+  """op(queries, segment, lengths) -> (out, lse) through the dispatch's Pallas path."""
+
+  def call(queries, segment, lengths):
+    return attention_dispatch.quantized_decode_attention(
+      queries,
+      *segment[:6],
+      lengths,
+      bits=2,
+      group_size=BLOCK,
+      sm_scale=1.0 / math.sqrt(HEAD_DIM),
+      lowrank=segment.lowrank if lowrank else None,
+      outliers=segment.outliers if outliers else None,
+      implementation="pallas",
+      kernel_config=config,
+    )
+
+  return call
+
+
+BATCH, KV_HEADS, GROUP, HEAD_DIM, BLOCK, RANK = 8, 8, 4, 128, 64, 4
+
+CALLS = {
+  "kernel, codes only (KIVI-2)": attention(False, False, {}),
+  "kernel, GEAR terms fused": attention(True, True, {}),
+  "kernel + XLA terms (gear_terms=xla)": attention(True, True, {"gear_terms": "xla"}),
+  "kernel + XLA low rank only": attention(True, False, {"gear_terms": "xla"}),
+  "kernel + XLA outliers only": attention(False, True, {"gear_terms": "xla"}),
+}
+
+
+def parts(tokens: int, queries, segment, lengths) -> dict:
+  """name -> (fn, args): GEAR's terms, each computed alone as gear_terms_xla does."""
+  scaled_queries = queries.astype(jnp.float32) / math.sqrt(HEAD_DIM)
+  scores = jax.random.normal(jax.random.key(1), (BATCH, KV_HEADS, GROUP, tokens), jnp.float32)
+  lse = jax.nn.logsumexp(scores, axis=-1)
+  probs = jnp.exp(scores - lse[..., None])
+  terms = dict(block=BLOCK, head_dim=HEAD_DIM)
+  return {
+    "score bias, low rank": (
+      lambda q, s: gear_terms_xla.gear_score_bias(s.lowrank, None, q, tokens=tokens, block=BLOCK),
+      (scaled_queries, segment),
+    ),
+    "score bias, outliers": (
+      lambda q, s: gear_terms_xla.gear_score_bias(None, s.outliers, q, tokens=tokens, block=BLOCK),
+      (scaled_queries, segment),
+    ),
+    "value terms, low rank": (
+      lambda p, s: gear_terms_xla.gear_value_terms_from_scores(
+        s.lowrank, None, p, lse, lengths, **terms
+      ),
+      (scores, segment),
+    ),
+    "value terms, outliers (as gear_terms_xla)": (
+      lambda p, s: gear_terms_xla.gear_value_terms_from_scores(
+        None, s.outliers, p, lse, lengths, **terms
+      ),
+      (scores, segment),
+    ),
+    "value outliers, scalar scatter, 1 slot": (
+      lambda p, s: value_outliers_scalar_scatter(s.outliers, p, slots=1, **terms),
+      (probs, segment),
+    ),
+    "value outliers, scalar scatter, 32 slots": (
+      lambda p, s: value_outliers_scalar_scatter(s.outliers, p, slots=32, **terms),
+      (probs, segment),
+    ),
+  }
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+  parser.add_argument("--parts-context", type=int, default=32768)
+  parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--out", help="write the times as JSON here")
+  args = parser.parse_args()
+  results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "us": {}}
+  print(f"{results['device']}, jax {jax.__version__}", flush=True)
+  for tokens in sorted(set(args.contexts) | {args.parts_context}):
+    queries, segment, lengths = gear_segment(tokens)
+    timed = {}
+    if tokens in args.contexts:
+      for name, op in CALLS.items():
+        timed[name] = (time_op, op, (queries, segment, lengths))
+    if tokens == args.parts_context:
+      for name, (fn, fn_args) in parts(tokens, queries, segment, lengths).items():
+        timed[name] = (time_call, fn, fn_args)
+    for name, (timer, fn, fn_args) in timed.items():
+      try:
+        seconds = timer(fn, fn_args, iters=args.iters, repeats=args.repeats)
+      except Exception as e:  # one call failing to compile is reported, not fatal
+        print(f"  {tokens:>7} {name:<42} {type(e).__name__}: {str(e)[:200]}", flush=True)
+        continue
+      results["us"][f"{tokens} {name}"] = seconds * 1e6
+      print(f"  {tokens:>7} {name:<42} {seconds * 1e6:9.1f} us", flush=True)
+    del segment
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
