@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import gear_terms_xla
 from pallas_kernels.gear_terms_xla import (
   check_gear_terms,
   gear_score_bias,
@@ -49,7 +50,7 @@ def _gear_parts(segment, block):
   return gear_k - kivi_k, gear_v - kivi_v
 
 
-@hypothesis.settings(max_examples=8, deadline=None)
+@hypothesis.settings(max_examples=5, deadline=None)
 @hypothesis.given(
   seed=st.integers(0, 2**16),
   rank=st.integers(0, 3),
@@ -118,3 +119,26 @@ def test_gear_terms_names_its_allowed_values():
       ValueError, match=f"gear_terms={bad!r} is not supported; allowed: kernel, xla"
     ):
       check_gear_terms(bad)
+
+
+def test_value_outliers_wrap_around_the_partial_accumulators(monkeypatch):
+  """Five GEAR blocks into two partial accumulators (blocks 0, 2, 4 share one): the sum is the
+  dense cache's, whatever the number of accumulators."""
+  block, blocks = 16, 5
+  tokens = block * blocks
+  rng, segment = _segment(11, 0, 12, tokens, HEAD_DIM, block)
+  _, value_part = _gear_parts(segment, block)
+  scores = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, GROUP, tokens)), jnp.float32)
+  lengths = jnp.asarray([tokens, tokens - 7], jnp.int32)
+  inside = (jnp.arange(tokens)[None, :] < lengths[:, None])[:, None, None, :]
+  masked = jnp.where(inside, scores, -jnp.inf)
+  lse = jax.nn.logsumexp(masked, axis=-1)
+  expected = jnp.einsum(
+    "bhgt,bhtd->bhgd", jnp.exp(masked - lse[..., None]), value_part, precision=HIGHEST
+  )
+  for slots in (2, 1, 32):
+    monkeypatch.setattr(gear_terms_xla, "OUTLIER_SLOTS", slots)
+    terms = gear_value_terms_from_scores(
+      None, segment.outliers, scores, lse, lengths, block=block, head_dim=HEAD_DIM
+    )
+    np.testing.assert_allclose(np.asarray(terms), np.asarray(expected), rtol=1e-5, atol=1e-6)

@@ -82,8 +82,8 @@ def fake_tpu_v5e(monkeypatch):
     ("reshape", {}),
     ("planar", {}),
     ("joined", {}),
-    ("folded", {}),
-    ("folded", {"gear_terms": "xla"}),  # a score bias in, the scores out
+    ("folded", {}),  # GEAR's terms by XLA (the default): a score bias in, the scores out
+    ("folded", {"gear_terms": "kernel"}),  # GEAR's terms fused, one GEAR block per step
   ],
 )
 def test_triton_kernels_lower_to_triton_ir(fake_h100, variant, config):

@@ -167,7 +167,7 @@ def test_triton_kernel_matches_reference(bits, head_dim, group, gear, dtype):
   "bits,head_dim,group,gear,dtype",
   [
     (2, 64, 4, False, jnp.float32),
-    (4, 128, 2, True, jnp.bfloat16),
+    pytest.param(4, 128, 2, True, jnp.bfloat16, marks=pytest.mark.slow),  # the slowest variant
   ],
 )
 def test_triton_planar_kernel_matches_reference(bits, head_dim, group, gear, dtype):
@@ -293,20 +293,24 @@ def test_gear_terms_is_a_folded_setting():
   ],
 )
 def test_gear_terms_default_and_choice_reach_the_partials(gear, config, expected, monkeypatch):
+  """What quantized_decode_attention_triton asks of the partials function (stopped there: the
+  kernels themselves are checked against the reference above)."""
   seen = []
-  partials = triton_kernel.quantized_decode_attention_partials_triton
+
+  class Stop(Exception):
+    pass
 
   def record(*args, **kwargs):
     seen.append(kwargs.get("gear_terms"))
-    return partials(*args, **kwargs)
+    raise Stop
 
   monkeypatch.setattr(triton_kernel, "quantized_decode_attention_partials_triton", record)
-  queries, segment, lengths, kwargs, reference = _case(4, 2, 64, 2, gear, jnp.bfloat16)
-  out, lse = triton_kernel.quantized_decode_attention_triton(
-    queries, *segment[:6], lengths, interpret=triton_interpret(), **kwargs, **config
-  )
+  queries, segment, lengths, kwargs, _ = _case(4, 2, 64, 2, gear, jnp.bfloat16)
+  with pytest.raises(Stop):
+    triton_kernel.quantized_decode_attention_triton(
+      queries, *segment[:6], lengths, interpret=triton_interpret(), **kwargs, **config
+    )
   assert seen == [expected]
-  assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.bfloat16, True))
 
 
 def test_channel_parts_is_a_folded_setting_that_divides_the_words():
@@ -364,7 +368,17 @@ def test_prefetch_is_a_folded_setting():
   assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.bfloat16, True))
 
 
-@pytest.mark.parametrize("variant", ["reshape", "joined", "folded", "planar"])
+@pytest.mark.parametrize(
+  "variant",
+  [
+    "folded",
+    # The other variants share gear_terms_triton's chunking; slow since GEAR's default became
+    # terms by XLA around folded (KERNEL_NOTES v13).
+    pytest.param("reshape", marks=pytest.mark.slow),
+    pytest.param("joined", marks=pytest.mark.slow),
+    pytest.param("planar", marks=pytest.mark.slow),
+  ],
+)
 def test_gear_outliers_in_several_one_hot_chunks(variant):
   """164 outliers per GEAR block (GEAR's 2% of 64 x 128) are taken in 3 chunks of 64."""
   assert gear_terms_triton.padded_outlier_count(164) == 192
