@@ -16,6 +16,10 @@ bf16 cache, contexts 8k / 32k / 128k, every row full. Measured in one run:
              dequantized into swizzled bf16 tiles, wgmma; --quantized-mosaic-kernel-config adds
              settings; GPU only, interpret mode in --small; left out where it does not take the
              segment, e.g. 2-bit codes at head_dim 64);
+  kivi2_mosaic_folded / kivi4_mosaic_folded  the same caches through the folded Mosaic GPU
+             kernel (`pallas_kernels/quantized_decode_attention_folded_mosaic_gpu.py`: the same
+             ring, scales folded into stacked queries / probabilities, codes staged by masking
+             as subnormal bf16 operands; --folded-mosaic-kernel-config adds settings);
   gear2      the same with GEAR terms (rank 4, 2% outliers, block 64), by default
              (gear_terms="xla") computed by XLA around the kernel, which reads the codes as
              for KIVI (`pallas_kernels/gear_terms_xla.py`);
@@ -54,7 +58,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import attention_dispatch
-from pallas_kernels import quantized_decode_attention_mosaic_gpu
+from pallas_kernels import (
+  quantized_decode_attention_folded_mosaic_gpu,
+  quantized_decode_attention_mosaic_gpu,
+)
 from pallas_kernels.decode_attention_reference import decode_attention_reference
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
 from pallas_kernels.random_inputs import random_quantized_segment
@@ -298,8 +305,8 @@ def check_grid(args) -> list[dict]:
 
 def sweep(args) -> tuple[dict, dict, dict, dict | None]:
   """Times kernel settings at 32k; returns the best kivi2 config (Triton), the best bf16 Triton
-  config, the best bf16 Mosaic GPU config and the best kivi2 Mosaic GPU config (None when no
-  Mosaic GPU quantized config was swept)."""
+  config, the best bf16 Mosaic GPU config and the best kivi2 Mosaic GPU config per variant
+  ({variant: config}, "dequantize" and / or "folded": those swept)."""
   batch, kv_heads, group, head_dim = args.batch, args.kv_heads, args.group, args.head_dim
   tokens = args.sweep_context
   sm_scale = 1.0 / math.sqrt(head_dim)
@@ -317,12 +324,12 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None]:
     group_size=args.group_size,
     dtype=jnp.bfloat16,
   )
-  best_quantized, best_full, best_mosaic, best_quantized_mosaic = (
+  best_quantized, best_full, best_mosaic = (
     ({}, float("inf")),
     ({}, float("inf")),
     ({}, float("inf")),
-    (None, float("inf")),
   )
+  best_quantized_mosaic = {}  # variant -> (config, seconds)
   quantized_configs = [
     dict(variant="reshape", block_tokens=128, num_warps=4, num_stages=3, num_splits=32),
     dict(variant="planar", unroll=2, num_warps=4, num_stages=2, num_splits=8),
@@ -395,11 +402,12 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None]:
       print(f"  sweep kivi2 {config}: {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
     print(f"  sweep kivi2 {config}: {seconds * 1e6:.1f} us", flush=True)
-    # The Mosaic GPU configs compete among themselves: the table times that kernel in its own
-    # row, beside the Triton kernel's.
+    # The Mosaic GPU configs compete among themselves, per variant: the table times each in
+    # its own row, beside the Triton kernel's.
     if config.get("lowering") == "mosaic_gpu":
-      if seconds < best_quantized_mosaic[1]:
-        best_quantized_mosaic = (config, seconds)
+      variant = config.get("variant", "dequantize")
+      if seconds < best_quantized_mosaic.get(variant, (None, float("inf")))[1]:
+        best_quantized_mosaic[variant] = (config, seconds)
     elif seconds < best_quantized[1]:
       best_quantized = (config, seconds)
   del segment
@@ -408,7 +416,7 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None]:
       f"best kivi2 config {best_quantized}, best kivi2 Mosaic GPU config {best_quantized_mosaic}",
       flush=True,
     )
-    return best_quantized[0], {}, {}, best_quantized_mosaic[0]
+    return best_quantized[0], {}, {}, {k: v[0] for k, v in best_quantized_mosaic.items()}
   shape = (batch, kv_heads, tokens, head_dim)
   keys = jax.random.normal(keys_split[2], shape).astype(jnp.bfloat16)
   values = jax.random.normal(keys_split[3], shape).astype(jnp.bfloat16)
@@ -446,7 +454,8 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None]:
     f"config {best_mosaic}",
     flush=True,
   )
-  return best_quantized[0], best_full[0], best_mosaic[0], best_quantized_mosaic[0]
+  best_mosaic_configs = {k: v[0] for k, v in best_quantized_mosaic.items()}
+  return best_quantized[0], best_full[0], best_mosaic[0], best_mosaic_configs
 
 
 def run(args) -> dict:
@@ -492,11 +501,18 @@ def run(args) -> dict:
   }
   if args.check:
     results["check"] = check_grid(args)
+  folded_settings = args.folded_mosaic_kernel_config
+  folded_mosaic_config = {
+    "lowering": "mosaic_gpu",
+    "variant": "folded",
+    **(json.loads(folded_settings) if folded_settings else {}),
+  }
   if args.sweep and not args.small:
     kernel_config, full_kernel_config, mosaic_kernel_config, swept_mosaic = sweep(args)
-    if swept_mosaic is not None:
-      quantized_mosaic_config = swept_mosaic
+    quantized_mosaic_config = swept_mosaic.get("dequantize", quantized_mosaic_config)
+    folded_mosaic_config = swept_mosaic.get("folded", folded_mosaic_config)
   results["quantized_mosaic_kernel_config"] = quantized_mosaic_config
+  results["folded_mosaic_kernel_config"] = folded_mosaic_config
   results["kernel_config"], results["full_kernel_config"] = kernel_config, full_kernel_config
   results["mosaic_kernel_config"] = mosaic_kernel_config
   on_gpu = backend in ("gpu", "cuda")
@@ -529,7 +545,7 @@ def run(args) -> dict:
         row["relative_error"] = relative_error(out, reference)
       rows.append(row)
       print(
-        f"  {tokens:>7} {name:<16} {seconds * 1e6:9.1f} us  {nbytes / 1e6:9.1f} MB  "
+        f"  {tokens:>7} {name:<20} {seconds * 1e6:9.1f} us  {nbytes / 1e6:9.1f} MB  "
         f"{row['gbps']:7.0f} GB/s  {100 * row['fraction_of_copy']:5.1f}% of copy"
         + (f"  rel.err {row['relative_error']:.2e}" if "relative_error" in row else ""),
         flush=True,
@@ -647,6 +663,25 @@ def run(args) -> dict:
           nbytes,
           reference,
         )
+      folded_refusal = quantized_decode_attention_folded_mosaic_gpu.unsupported_reason(
+        queries,
+        segment.k_codes,
+        segment.k_scale,
+        segment.v_scale,
+        bits=bits,
+        group_size=group_size,
+        lowrank=segment.lowrank,
+        outliers=segment.outliers,
+        block_tokens=folded_mosaic_config.get("block_tokens"),
+      )
+      if (on_gpu or args.small) and folded_refusal is None:
+        record(
+          f"{name}_mosaic_folded",
+          functools.partial(op, config=folded_mosaic_config),
+          (queries, segment, lengths),
+          nbytes,
+          reference,
+        )
       if rank or outliers:
         kernel_terms_config = {
           **kernel_config,
@@ -679,13 +714,13 @@ def run(args) -> dict:
     f"{copy['gbps']:.0f} GB/s; time = median per call"
   )
   print(
-    f"{'context':>8} {'op':<16} {'us/call':>9} {'MB read':>9} {'GB/s':>7} "
+    f"{'context':>8} {'op':<20} {'us/call':>9} {'MB read':>9} {'GB/s':>7} "
     f"{'%copy':>6} {'x XLA bf16':>10} {'rel.err':>9}"
   )
   for row in results["rows"]:
     err = row.get("relative_error")
     print(
-      f"{row['context']:>8} {row['name']:<16} {row['seconds'] * 1e6:9.1f} "
+      f"{row['context']:>8} {row['name']:<20} {row['seconds'] * 1e6:9.1f} "
       f"{row['bytes'] / 1e6:9.1f} {row['gbps']:7.0f} {100 * row['fraction_of_copy']:6.1f} "
       f"{row['speedup_vs_xla_bf16']:10.2f} " + (f"{err:9.2e}" if err is not None else "")
     )
@@ -719,6 +754,11 @@ def main():
     "--quantized-mosaic-kernel-config",
     help="JSON dict of the Mosaic GPU quantized kernel's settings (block_tokens, num_stages, "
     "num_splits) for the kivi2_mosaic / kivi4_mosaic rows",
+  )
+  parser.add_argument(
+    "--folded-mosaic-kernel-config",
+    help="JSON dict of the folded Mosaic GPU quantized kernel's settings (block_tokens, "
+    "num_stages, num_splits) for the kivi2_mosaic_folded / kivi4_mosaic_folded rows",
   )
   parser.add_argument(
     "--gear-kernel-terms-config",

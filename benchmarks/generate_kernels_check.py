@@ -43,15 +43,22 @@ def main():
     # The Mosaic GPU quantized kernel (KERNEL_NOTES v12); 2-bit codes at head_dim 64 are 4 words
     # per token, which it does not take, so 4-bit.
     ("kivi:bits=4,residual=32", KernelSettings(quantized={"lowering": "mosaic_gpu"})),
+    # The folded Mosaic GPU kernel takes bf16 statistics only: a bf16 cache (KERNEL_NOTES v14).
+    (
+      "kivi:bits=4,residual=32",
+      KernelSettings(quantized={"lowering": "mosaic_gpu", "variant": "folded"}),
+      jnp.bfloat16,
+    ),
   ]
-  for spec, settings in runs_to_check:
+  for spec, settings, *cache_dtype in runs_to_check:
+    cache_dtype = cache_dtype[0] if cache_dtype else jnp.float32
     runs = {
       impl: generate(
         decoder,
         params,
         prompts,
         max_new_tokens=16,
-        cache_dtype=jnp.float32,
+        cache_dtype=cache_dtype,
         cache_method=parse_method_spec(spec, implementation=impl, kernel_settings=settings),
       )
       for impl in ("reference", "pallas")
@@ -59,6 +66,7 @@ def main():
     same = np.array_equal(runs["pallas"].tokens, runs["reference"].tokens)
     agree = float(np.mean(runs["pallas"].tokens == runs["reference"].tokens))
     label = spec + (f" {dict(settings.quantized)}" if settings.quantized else "")
+    label += f" {jnp.dtype(cache_dtype).name}" if cache_dtype != jnp.float32 else ""
     speeds = {impl: f"{run.decode_tokens_per_s:.0f}" for impl, run in runs.items()}
     print(
       f"{label:28s} same tokens: {same} (agreement {agree:.2f}); decode tok/s "

@@ -1,16 +1,45 @@
 """The one GPU entry point for decode attention over a quantized (KIVI / GEAR) segment: picks the
 Pallas lowering. "triton" (the default, measured on an H100; its variants and settings are
 `quantized_decode_attention_triton`'s) or "mosaic_gpu" (TMA ring and warpgroup MMA; KIVI
-segments only, not yet timed on a GPU).
+segments only), in one of two variants: "dequantize" (the default: K and V dequantized element
+by element and staged in bf16; measured on an H100, slower than Triton's folded variant) or
+"folded" (scales folded into stacked queries and probabilities, codes staged by masking alone as
+subnormal bf16 operands; `quantized_decode_attention_folded_mosaic_gpu`, not yet run on a GPU).
 
-A segment the Mosaic GPU kernel does not take (GEAR terms, head dims other than 64 / 128, fewer
-than 8 code words per token, ...) runs on the Triton kernel with its default settings:
-`mosaic_gpu_fallback_reason` says why, so the caller can warn.
+A segment the chosen Mosaic GPU kernel does not take (GEAR terms, head dims other than 64 / 128,
+fewer than 8 code words per token, for "folded" also 8-bit codes and non-bf16 statistics, ...)
+runs on the Triton kernel with its default settings: `mosaic_gpu_fallback_reason` says why, so the
+caller can warn.
 """
 
-from pallas_kernels import quantized_decode_attention_mosaic_gpu, quantized_decode_attention_triton
+from pallas_kernels import (
+  quantized_decode_attention_folded_mosaic_gpu,
+  quantized_decode_attention_mosaic_gpu,
+  quantized_decode_attention_triton,
+)
 
 LOWERINGS = ("triton", "mosaic_gpu")
+MOSAIC_GPU_VARIANTS = ("dequantize", "folded")
+MOSAIC_GPU_MODULES = {
+  "dequantize": quantized_decode_attention_mosaic_gpu,
+  "folded": quantized_decode_attention_folded_mosaic_gpu,
+}
+
+
+def _dequantizing_kernel(*arrays, **settings):
+  return quantized_decode_attention_mosaic_gpu.quantized_decode_attention_mosaic_gpu(
+    *arrays, **settings
+  )
+
+
+def _folded_kernel(*arrays, **settings):
+  return quantized_decode_attention_folded_mosaic_gpu.folded_decode_attention_mosaic_gpu(
+    *arrays, **settings
+  )
+
+
+# Looked up when called, so that tests can wrap the module functions.
+MOSAIC_GPU_KERNELS = {"dequantize": _dequantizing_kernel, "folded": _folded_kernel}
 # kernel_config keys each lowering takes (besides "lowering").
 CONFIG_KEYS = {
   "triton": (
@@ -25,7 +54,7 @@ CONFIG_KEYS = {
     "channel_parts",
     "gear_terms",
   ),
-  "mosaic_gpu": ("block_tokens", "num_splits", "num_stages"),
+  "mosaic_gpu": ("variant", "block_tokens", "num_splits", "num_stages"),
 }
 
 
@@ -41,10 +70,23 @@ def check_config(config: dict) -> str:
       f"lowering={lowering!r}; allowed: {', '.join(('lowering',) + CONFIG_KEYS[lowering])}"
     )
   if lowering == "mosaic_gpu":
-    quantized_decode_attention_mosaic_gpu.check_settings(
-      **{key: value for key, value in config.items() if key != "lowering"}
-    )
+    _mosaic_gpu_module(config)
+    quantized_decode_attention_mosaic_gpu.check_settings(**_mosaic_gpu_settings(config))
   return lowering
+
+
+def _mosaic_gpu_module(config: dict):
+  variant = config.get("variant", "dequantize")
+  if variant not in MOSAIC_GPU_VARIANTS:
+    raise ValueError(
+      f"variant={variant!r} is not a Mosaic GPU quantized kernel; allowed: "
+      f"{', '.join(MOSAIC_GPU_VARIANTS)}"
+    )
+  return MOSAIC_GPU_MODULES[variant]
+
+
+def _mosaic_gpu_settings(config: dict) -> dict:
+  return {key: value for key, value in config.items() if key not in ("lowering", "variant")}
 
 
 def unsupported_reason(queries, k_codes, k_scale, v_scale, **segment) -> str | None:
@@ -60,8 +102,8 @@ def mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, *, config: di
   does not ask for it, or the Mosaic GPU kernel takes the segment)."""
   if check_config(config) != "mosaic_gpu":
     return None
-  return quantized_decode_attention_mosaic_gpu.unsupported_reason(
-    queries, k_codes, k_scale, v_scale, **segment
+  return _mosaic_gpu_module(config).unsupported_reason(
+    queries, k_codes, k_scale, v_scale, block_tokens=config.get("block_tokens"), **segment
   )
 
 
@@ -89,12 +131,15 @@ def quantized_decode_attention_gpu(
   segment = dict(bits=bits, group_size=group_size, lowrank=lowrank, outliers=outliers, block=block)
   settings = {key: value for key, value in config.items() if key != "lowering"}
   if check_config(config) == "mosaic_gpu":
-    mosaic_gpu = quantized_decode_attention_mosaic_gpu
-    if mosaic_gpu.unsupported_reason(*arrays[:3], v_scale, **segment) is None:
+    module = _mosaic_gpu_module(config)
+    settings = _mosaic_gpu_settings(config)
+    block_tokens = settings.get("block_tokens")
+    if (
+      module.unsupported_reason(*arrays[:3], v_scale, block_tokens=block_tokens, **segment) is None
+    ):
       quantization = dict(bits=bits, group_size=group_size)
-      return mosaic_gpu.quantized_decode_attention_mosaic_gpu(
-        *arrays, **quantization, sm_scale=sm_scale, interpret=interpret, **settings
-      )
+      kernel = MOSAIC_GPU_KERNELS[config.get("variant", "dequantize")]
+      return kernel(*arrays, **quantization, sm_scale=sm_scale, interpret=interpret, **settings)
     settings = {}  # the Triton kernel's defaults: the Mosaic GPU settings are not its own
   return quantized_decode_attention_triton.quantized_decode_attention_triton(
     *arrays, sm_scale=sm_scale, interpret=interpret, **segment, **settings

@@ -216,6 +216,27 @@ def _dequantize_chunk(words, bits, scale_of_field, minimum_of_field, dtype, vali
   return jnp.concatenate(fields, axis=1)
 
 
+def fetch_block(
+  sources, destinations, barriers, i, *, row, head, start, block, group_size, num_stages
+):
+  """Starts the TMA copies of block i of this program's split into ring slot i % num_stages:
+  `sources` (k codes, k_scale, k_min, v codes, group-major value statistics in global memory),
+  their ring `destinations` and one barrier array per stream."""
+  slot = lax.rem(i, num_stages)
+  first = start + i * block
+  token_box = pl.ds(first, block)
+  group_box = pl.ds(first // group_size, destinations[1].shape[1])
+  boxes = (
+    (row, head, token_box),
+    (row, head, group_box),
+    (row, head, group_box),
+    (row, head, token_box),
+    (row, head, slice(None), token_box),
+  )
+  for source, destination, box, barrier in zip(sources, destinations, boxes, barriers):
+    plgpu.copy_gmem_to_smem(source.at[box], destination.at[slot], barrier.at[slot])
+
+
 def _quantized_decode_kernel(
   lengths_gmem,  # int32 [>= B] (padded to LENGTH_WORDS)
   queries_gmem,  # [B, H, rows, D], pre-scaled by sm_scale, compute dtype
@@ -251,7 +272,6 @@ def _quantized_decode_kernel(
   block = plan.block_tokens
   rows, head_dim = queries_smem.shape
   words = k_words_smem.shape[2]
-  key_groups = k_scale_smem.shape[1]
   value_groups = v_stats_smem.shape[1] // 2
   dtype = keys_smem.dtype
 
@@ -260,23 +280,18 @@ def _quantized_decode_kernel(
   plgpu.barrier_wait(lengths_barrier)
   start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
 
-  sources = (k_codes_gmem, k_scale_gmem, k_min_gmem, v_codes_gmem, v_stats_gmem)
-  destinations = (k_words_smem, k_scale_smem, k_min_smem, v_words_smem, v_stats_smem)
-
-  def fetch(i):
-    slot = lax.rem(i, num_stages)
-    first = start + i * block
-    token_box = pl.ds(first, block)
-    group_box = pl.ds(first // group_size, key_groups)
-    boxes = (
-      (row, head, token_box),
-      (row, head, group_box),
-      (row, head, group_box),
-      (row, head, token_box),
-      (row, head, slice(None), token_box),
-    )
-    for source, destination, box, barrier in zip(sources, destinations, boxes, stream_barriers):
-      plgpu.copy_gmem_to_smem(source.at[box], destination.at[slot], barrier.at[slot])
+  fetch = functools.partial(
+    fetch_block,
+    (k_codes_gmem, k_scale_gmem, k_min_gmem, v_codes_gmem, v_stats_gmem),
+    (k_words_smem, k_scale_smem, k_min_smem, v_words_smem, v_stats_smem),
+    stream_barriers,
+    row=row,
+    head=head,
+    start=start,
+    block=block,
+    group_size=group_size,
+    num_stages=num_stages,
+  )
 
   for i in range(num_stages - 1):
     pl.when(i < num_blocks)(functools.partial(fetch, i))

@@ -61,6 +61,12 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       KernelSettings(quantized={"lowering": "mosaic_gpu"}),
       jnp.bfloat16,
     ),
+    (
+      # The folded Mosaic GPU quantized kernel: bf16 statistics, 2 or 4 bits.
+      "kivi:bits=4,group_size=16,residual=16",
+      KernelSettings(quantized={"lowering": "mosaic_gpu", "variant": "folded"}),
+      jnp.bfloat16,
+    ),
     pytest.param(
       # GEAR's low-rank and outlier terms fused into the folded kernel (not the default: XLA
       # computes them around it, KERNEL_NOTES v13; slow: 20 s in interpret mode).

@@ -117,10 +117,16 @@ def test_caches_keep_settings_as_static_metadata():
   "config, quantized, family, message",
   [
     (
-      {"lowering": "mosaic_gpu", "variant": "folded"},
+      {"lowering": "mosaic_gpu", "code_operand": "offset"},
       True,
       "gpu",
-      r"keys \['variant'\] are not taken by the quantized kernel of lowering='mosaic_gpu'",
+      r"keys \['code_operand'\] are not taken by the quantized kernel of lowering='mosaic_gpu'",
+    ),
+    (
+      {"lowering": "mosaic_gpu", "variant": "planar"},
+      True,
+      "gpu",
+      r"variant='planar' is not a Mosaic GPU quantized kernel; allowed: dequantize, folded",
     ),
     (
       {"lowering": "mosaic_gpu"},

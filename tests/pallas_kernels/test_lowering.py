@@ -16,6 +16,9 @@ import pytest
 from pallas_kernels.decode_attention_mosaic_gpu import decode_attention_mosaic_gpu
 from pallas_kernels.decode_attention_tpu import decode_attention_tpu
 from pallas_kernels.decode_attention_triton import decode_attention_triton
+from pallas_kernels.quantized_decode_attention_folded_mosaic_gpu import (
+  folded_decode_attention_mosaic_gpu,
+)
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
   quantized_decode_attention_mosaic_gpu,
 )
@@ -168,16 +171,27 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
 
 
 @pytest.mark.parametrize(
-  "bits,head_dim,group,group_size,config",
+  "kernel,bits,head_dim,group,group_size,config",
   [
-    (2, 128, 4, 32, dict(block_tokens=128, num_stages=3)),
-    (4, 128, 8, 128, dict(block_tokens=64, num_stages=2)),
-    (8, 64, 1, 16, dict(block_tokens=64, num_stages=4)),
+    ("dequantize", 2, 128, 4, 32, dict(block_tokens=128, num_stages=3)),
+    ("dequantize", 4, 128, 8, 128, dict(block_tokens=64, num_stages=2)),
+    ("dequantize", 8, 64, 1, 16, dict(block_tokens=64, num_stages=4)),
+    ("folded", 2, 128, 4, 32, dict(block_tokens=128, num_stages=2)),
+    ("folded", 4, 128, 8, 16, dict(block_tokens=64, num_stages=3)),
+    ("folded", 4, 64, 3, 64, dict(block_tokens=128, num_stages=4)),
   ],
 )
-def test_mosaic_gpu_quantized_kernel_lowers_for_sm90(bits, head_dim, group, group_size, config):
+def test_mosaic_gpu_quantized_kernels_lower_for_sm90(
+  kernel, bits, head_dim, group, group_size, config
+):
   """Layout inference included: the code words and statistics are pinned to wgmma layouts (left
-  to inference, the search ran for over 10 minutes without an answer)."""
+  to inference, the search ran for over 10 minutes without an answer). For "folded" this is its
+  native path (subnormal patterns bitcast to bf16, stacked Q' / P' stored transposed, column
+  slices of the stacked scores and accumulator), which interpret mode does not take."""
+  function = {
+    "dequantize": quantized_decode_attention_mosaic_gpu,
+    "folded": folded_decode_attention_mosaic_gpu,
+  }[kernel]
   segment = random_quantized_segment(
     np.random.default_rng(0),
     2,
@@ -191,7 +205,7 @@ def test_mosaic_gpu_quantized_kernel_lowers_for_sm90(bits, head_dim, group, grou
   queries = jax.ShapeDtypeStruct((2, 2, group, head_dim), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   text = _lower(
-    lambda q, s, lens: quantized_decode_attention_mosaic_gpu(
+    lambda q, s, lens: function(
       q, *s[:6], lens, bits=bits, group_size=group_size, sm_scale=0.1, **config
     ),
     "cuda",

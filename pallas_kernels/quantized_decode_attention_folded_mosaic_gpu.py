@@ -1,0 +1,523 @@
+"""GPU decode attention over a quantized (KIVI) K/V segment: Mosaic GPU, scales folded into the
+small operands, codes as subnormal bf16 operands (`kernel_config={"lowering": "mosaic_gpu",
+"variant": "folded"}`).
+
+The ring, the TMA copies and the two warpgroup products of `quantized_decode_attention_mosaic_gpu`
+(v12), without its per-element dequantization, which its profile on an H100 showed it spends ~10
+instructions per cached element on (KERNEL_NOTES v13). As in the Triton "folded" variant
+(`folded_scales_kernel_triton`), the scales move to the small operand of each product, one copy
+per quantization group, stacked along the product's N side:
+
+  keys:   scores^T [block, KG * rows] = codes [block, D] . Q'^T, Q'[k, r, c] = q[r, c] k_scale[k, c]
+          (KG key groups per block); each token keeps the columns of its own group k and adds the
+          bias q . k_min[k].
+  values: acc^T [D, VG * rows] += codes^T [D, block] . P'^T, P'[k, r, t] = p[r, t] v_scale[t, k]
+          (VG value groups per head); after the last block each channel c keeps the columns of
+          its group c // group_size and adds sum_t p v_min[t, k], accumulated beside.
+
+The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
+place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
+the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
+c and c + D/2 (fields j and j + n/2 of the planar packing), so the low halves of the n/2 pairs,
+side by side, are channels [0, D/2) in order and the high halves [D/2, D): the staged tiles are in
+channel order, the order the statistics arrive in, and nothing is permuted.
+
+In interpret mode (CPU, where XLA flushes subnormals to zero) each masked pattern m is staged as
+the bf16 number m instead and the powers of two change to match (`_Exponents`): the same products
+within f32 rounding, without a subnormal anywhere. That the tensor cores take subnormal bf16
+operands exactly is checked only natively (it is for the Triton kernels, v9).
+
+Slots past a row's length may hold anything, NaN included: scores past it are masked to -inf
+before the softmax, a key group starting past it is picked by no valid token (selects, not
+products, keep its NaN statistics out), and P' and the value-minimum terms are zeroed past it
+(codes are integers; statistics are not). Statistics must be bfloat16 (the folded operands are
+bf16 products); 2- and 4-bit codes; whole key groups per block.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
+from pallas_kernels import quantized_decode_attention_mosaic_gpu as dequantizing
+from pallas_kernels.decode_attention_mosaic_gpu import (
+  LENGTH_WORDS,
+  SHARED_MEMORY_BYTES,
+  initial_softmax_state,
+  padded_lengths,
+  split_bounds,
+  swizzled_operand_transforms,
+  tile_rows,
+  write_partials,
+)
+from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
+  CHUNK_TOKENS,
+  fetch_block,
+  group_major_value_stats,
+)
+from pallas_kernels.splits import (
+  gpu_target_programs,
+  merge_split_partials,
+  pad_query_group,
+  plan_splits,
+)
+from pallas_kernels.subnormal_codes import PROBS_EXPONENT, QUERY_EXPONENT
+
+SUPPORTED_BITS = (2, 4)  # two fields of a word per pair of bf16 operands, each below bit 8
+MAX_STACK = 256  # wgmma's largest N
+_LOW_BYTE = 8
+_SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exponents:
+  """Powers of two that keep the products exact: a staged code c at bit q is c * 2^(q - code)."""
+
+  code: int  # 133 natively (subnormal patterns), 0 emulated (the pattern read as an integer)
+  query: int  # Q' carries 2^(query - q) per channel
+  probs: int  # P' carries 2^probs
+
+  @classmethod
+  def for_run(cls, emulate: bool) -> "_Exponents":
+    if emulate:
+      return cls(code=0, query=0, probs=0)
+    return cls(code=_SUBNORMAL_UNIT_EXPONENT, query=QUERY_EXPONENT, probs=PROBS_EXPONENT)
+
+
+def code_bit(channels, head_dim: int, bits: int):
+  """Bit q within its byte at which each channel's code sits once masked (int arrays)."""
+  width = head_dim * bits // 32
+  return (bits * (channels // width)) % _LOW_BYTE
+
+
+def stacks(block_tokens: int, head_dim: int, group_size: int, rows: int) -> tuple[int, int]:
+  """(N of the key product, N of the value product): rows per key group of a block, per value
+  group of the head."""
+  return block_tokens // group_size * rows, head_dim // group_size * rows
+
+
+def unsupported_reason(
+  queries, k_codes, k_scale, v_scale, *, bits, group_size, block_tokens=None, **segment
+) -> str | None:
+  """Why this kernel cannot take this segment (None if it can); the dequantizing Mosaic GPU
+  kernel's limits, and its own."""
+  reason = dequantizing.unsupported_reason(
+    queries, k_codes, k_scale, v_scale, bits=bits, group_size=group_size, **segment
+  )
+  if reason is not None:
+    return reason
+  if bits not in SUPPORTED_BITS:
+    return f"bits={bits} (the folded variant takes {SUPPORTED_BITS})"
+  if jnp.dtype(k_scale.dtype) != jnp.bfloat16:
+    return f"statistics dtype {k_scale.dtype} (the folded variant takes bfloat16)"
+  head_dim = queries.shape[3]
+  if head_dim % group_size:
+    return f"group_size={group_size} does not divide head_dim={head_dim}"
+  block = block_tokens or DEFAULT_BLOCK_TOKENS
+  if block % group_size:
+    return f"group_size={group_size} with block_tokens={block} (whole key groups per block)"
+  rows = tile_rows(queries.shape[2])
+  if max(stacks(block, head_dim, group_size, rows)) > MAX_STACK:
+    return (
+      f"query group {queries.shape[2]} with group_size={group_size}: a stacked operand would "
+      f"have more than {MAX_STACK} rows"
+    )
+  return None
+
+
+DEFAULT_BLOCK_TOKENS = 128
+
+
+def shared_memory_bytes(rows, head_dim, bits, group_size, block_tokens, num_stages):
+  """Bytes of shared memory one program allocates."""
+  words = head_dim * bits // 32
+  key_rows, value_rows = stacks(block_tokens, head_dim, group_size, rows)
+  slot = (
+    2 * block_tokens * words * 4
+    + 2 * (block_tokens // group_size) * head_dim * 2
+    + 2 * (head_dim // group_size) * block_tokens * 2
+  )
+  staged = block_tokens * head_dim * 2  # one bf16 code tile: K, then V
+  operands = (key_rows * head_dim + value_rows * block_tokens) * 2  # Q', P'
+  queries = 2 * head_dim * rows * 4
+  results = (head_dim * rows + rows) * 4 + LENGTH_WORDS * 4
+  return num_stages * slot + staged + operands + queries + results
+
+
+def check_config(rows, head_dim, bits, group_size, *, block_tokens, num_stages, num_splits):
+  """ValueError naming the setting and its allowed values; raised before anything is traced."""
+  dequantizing.check_settings(
+    block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
+  )
+  needed = shared_memory_bytes(rows, head_dim, bits, group_size, block_tokens, num_stages)
+  if needed > SHARED_MEMORY_BYTES:
+    raise ValueError(
+      f"block_tokens={block_tokens} with num_stages={num_stages} needs {needed} bytes of shared "
+      f"memory; at most {SHARED_MEMORY_BYTES} fit: lower either"
+    )
+
+
+def _wgmma(array):
+  return plgpu.layout_cast(array, plgpu.Layout.WGMMA)
+
+
+def _row_vector(vector):
+  """[n] f32 -> the layout of a [n, m] wgmma array's per-row values."""
+  return plgpu.layout_cast(vector.astype(jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+
+def _operand_halves(masked, emulate: bool):
+  """uint32 words holding one masked code per 16-bit half -> (low, high) bf16 operands."""
+  halves = (masked, lax.shift_right_logical(masked, jnp.uint32(16)))
+  if emulate:  # the pattern m < 0x100 as the number m (exact in bf16)
+    return tuple(
+      (half & jnp.uint32(0xFFFF)).astype(jnp.float32).astype(jnp.bfloat16) for half in halves
+    )
+  return tuple(lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.bfloat16) for half in halves)
+
+
+def stage_codes(words, bits: int, emulate: bool):
+  """uint32 [chunk, W] planar words -> bf16 [chunk, D] operands in channel order: field k of
+  word w holds channel k W + w, and pair j = fields (j, j + n/2) sits in the word's two halves."""
+  fields = 32 // bits
+  field_mask = (1 << bits) - 1
+  upper_bytes = lax.shift_right_logical(words, jnp.uint32(_LOW_BYTE))
+  lows, highs = [], []
+  for j in range(fields // 2):
+    position = bits * j
+    source = words if position + bits <= _LOW_BYTE else upper_bytes
+    mask = (field_mask << (position % _LOW_BYTE)) * 0x00010001
+    low, high = _operand_halves(source & jnp.uint32(mask), emulate)
+    lows.append(low)
+    highs.append(high)
+  return jnp.concatenate(lows + highs, axis=1)
+
+
+def _power_of_two(exponents):
+  """f32 2^e for int32 e in the normal range, built from its bits (exact)."""
+  return lax.bitcast_convert_type(lax.shift_left(exponents + 127, jnp.int32(23)), jnp.float32)
+
+
+def _stage_block(codes_smem, words_smem, *, slot, bits, emulate):
+  """Stages ring slot `slot` of `words_smem` ([stages, block, W] code words) into `codes_smem`
+  ([block, D] bf16), one 64-token wgmma row tile at a time."""
+  for c in range(codes_smem.shape[0] // CHUNK_TOKENS):
+    chunk = pl.ds(c * CHUNK_TOKENS, CHUNK_TOKENS)
+    codes_smem[chunk, :] = stage_codes(_wgmma(words_smem[slot, chunk, :]), bits, emulate)
+
+
+def _folded_kernel(
+  lengths_gmem,  # int32 [>= B]
+  queries_gmem,  # f32 [B, H, 2, D, rows]: q^T scaled by sm_scale; also by 2^(query - q)
+  k_codes_gmem,  # uint32 [B, H, T, W]
+  k_scale_gmem,  # bf16 [B, H, T / group_size, D]
+  k_min_gmem,
+  v_codes_gmem,
+  v_stats_gmem,  # bf16 [B, H, 2 * D / group_size, T]: scales, then minimums
+  out_gmem,  # f32 [B, H, S, D, rows]
+  lse_gmem,  # f32 [B, H, S, rows]
+  lengths_smem,
+  queries_smem,  # f32 [2, D, rows]: for the key bias, for Q'
+  k_words_smem,  # [stages, block, W]
+  k_scale_smem,  # [stages, KG, D]
+  k_min_smem,
+  v_words_smem,
+  v_stats_smem,  # [stages, 2 * VG, block]
+  codes_smem,  # bf16 [block, D]: the staged key codes, then the value codes
+  key_stack_smem,  # bf16 [KG * rows, D]: Q'
+  value_stack_smem,  # bf16 [VG * rows, block]: P'
+  out_smem,
+  lse_smem,
+  barriers,
+  *,
+  plan,
+  tokens: int,
+  num_stages: int,
+  bits: int,
+  group_size: int,
+  emulate: bool,
+):
+  row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
+  lengths_barrier, queries_barrier, stream_barriers = barriers
+  block = plan.block_tokens
+  head_dim, rows = queries_smem.shape[1:]
+  key_groups = k_scale_smem.shape[1]
+  value_groups = v_stats_smem.shape[1] // 2
+  exponents = _Exponents.for_run(emulate)
+  score_scale = 2.0 ** (exponents.code - exponents.query)
+  probs_scale = 2.0**exponents.probs
+
+  plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, lengths_barrier)
+  plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
+  plgpu.barrier_wait(lengths_barrier)
+  start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
+  fetch = functools.partial(
+    fetch_block,
+    (k_codes_gmem, k_scale_gmem, k_min_gmem, v_codes_gmem, v_stats_gmem),
+    (k_words_smem, k_scale_smem, k_min_smem, v_words_smem, v_stats_smem),
+    stream_barriers,
+    row=row,
+    head=head,
+    start=start,
+    block=block,
+    group_size=group_size,
+    num_stages=num_stages,
+  )
+  for i in range(num_stages - 1):
+    pl.when(i < num_blocks)(functools.partial(fetch, i))
+  plgpu.barrier_wait(queries_barrier)
+  bias_queries = _wgmma(queries_smem[0])  # [D, rows]
+  code_queries = _wgmma(queries_smem[1])
+
+  def body(i, state):
+    acc, running_max, running_sum, value_bias = state
+    slot = lax.rem(i, num_stages)
+    pl.when(i + num_stages - 1 < num_blocks)(functools.partial(fetch, i + num_stages - 1))
+    first = start + i * block
+    for barrier in stream_barriers:
+      plgpu.barrier_wait(barrier.at[slot])
+
+    stage = functools.partial(_stage_block, codes_smem, slot=slot, bits=bits, emulate=emulate)
+    stage(k_words_smem)
+    key_bias = []  # per key group [rows]: q . k_min
+    for k in range(key_groups):
+      broadcast = functools.partial(
+        lax.broadcast_in_dim, shape=(head_dim, rows), broadcast_dimensions=[0]
+      )
+      k_scale = broadcast(_row_vector(k_scale_smem[slot, k, :]))
+      key_stack_smem.at[pl.ds(k * rows, rows)].T[...] = (code_queries * k_scale).astype(
+        jnp.bfloat16
+      )
+      k_min = broadcast(_row_vector(k_min_smem[slot, k, :]))
+      key_bias.append((bias_queries * k_min).sum(axis=0))
+    plgpu.commit_smem()  # staged codes and Q' visible to the tensor core
+
+    def key_product(acc_ref):
+      plgpu.wgmma(acc_ref, codes_smem, key_stack_smem.T)
+      return acc_ref[...]
+
+    stacked_scores = pl.run_scoped(key_product, plgpu.ACC((block, key_groups * rows), jnp.float32))
+    token = plgpu.broadcasted_iota(jnp.int32, (block, rows), 0, layout=plgpu.Layout.WGMMA)
+    scores = jnp.zeros((block, rows), jnp.float32)
+    for k in range(key_groups):
+      group_scores = stacked_scores[:, k * rows : (k + 1) * rows] * score_scale
+      group_scores = group_scores + lax.broadcast_in_dim(key_bias[k], (block, rows), [1])
+      scores = jnp.where(token // group_size == k, group_scores, scores)
+
+    valid = token + first < end
+    scores = jnp.where(valid, scores, -jnp.inf)
+    # A split's first block holds a valid token, so the max is finite from then on.
+    new_max = jnp.maximum(running_max, scores.max(axis=0))
+    correction = jnp.exp(running_max - new_max)
+    probs = jnp.exp(scores - lax.broadcast_in_dim(new_max, scores.shape, [1]))
+    running_sum = running_sum * correction + probs.sum(axis=0)
+
+    # The key product has completed (its result was read): the tile takes the value codes.
+    # One tile instead of two keeps two programs per SM (`shared_memory_bytes`).
+    stage(v_words_smem)
+    new_value_bias = []
+    for k in range(value_groups):
+      per_token = functools.partial(
+        lax.broadcast_in_dim, shape=(block, rows), broadcast_dimensions=[0]
+      )
+      v_scale = per_token(_row_vector(v_stats_smem[slot, k, :]))
+      v_min = per_token(_row_vector(v_stats_smem[slot, value_groups + k, :]))
+      # Past the length p is 0 but the statistics may be NaN: selects, not products.
+      stacked = jnp.where(valid, probs * (v_scale * probs_scale), 0.0)
+      value_stack_smem.at[pl.ds(k * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
+      update = jnp.where(valid, probs * v_min, 0.0).sum(axis=0)
+      new_value_bias.append(value_bias[k] * correction + update)
+    plgpu.commit_smem()  # the staged value codes and P' visible to the tensor core
+
+    def value_product(acc_ref):
+      plgpu.wgmma(acc_ref, codes_smem.T, value_stack_smem.T)
+      return acc_ref[...]
+
+    stacked_correction = jnp.concatenate(
+      [lax.broadcast_in_dim(correction, (head_dim, rows), [1])] * value_groups, axis=1
+    )
+    update = pl.run_scoped(value_product, plgpu.ACC((head_dim, value_groups * rows), jnp.float32))
+    return acc * stacked_correction + update, new_max, running_sum, tuple(new_value_bias)
+
+  _, running_max, running_sum = initial_softmax_state(rows, head_dim)
+  init = (
+    _wgmma(jnp.zeros((head_dim, value_groups * rows), jnp.float32)),
+    running_max,
+    running_sum,
+    tuple(running_sum for _ in range(value_groups)),  # zeros [rows], the same layout
+  )
+  acc, running_max, running_sum, value_bias = lax.fori_loop(0, num_blocks, body, init)
+
+  channel = plgpu.broadcasted_iota(jnp.int32, (head_dim, rows), 0, layout=plgpu.Layout.WGMMA)
+  output_scale = _power_of_two(exponents.code - exponents.probs - code_bit(channel, head_dim, bits))
+  out = jnp.zeros((head_dim, rows), jnp.float32)
+  for k in range(value_groups):
+    group_out = acc[:, k * rows : (k + 1) * rows] * output_scale
+    group_out = group_out + lax.broadcast_in_dim(value_bias[k], (head_dim, rows), [1])
+    out = jnp.where(channel // group_size == k, group_out, out)
+  write_partials(
+    (out, running_max, running_sum),
+    out_smem,
+    lse_smem,
+    out_gmem.at[row, head, split],
+    lse_gmem.at[row, head, split],
+  )
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "bits",
+    "group_size",
+    "sm_scale",
+    "block_tokens",
+    "num_splits",
+    "num_stages",
+    "interpret",
+  ),
+)
+def _folded_partials(
+  queries,
+  k_codes,
+  k_scale,
+  k_min,
+  v_codes,
+  v_scale,
+  v_min,
+  lengths,
+  *,
+  bits,
+  group_size,
+  sm_scale,
+  block_tokens,
+  num_splits,
+  num_stages,
+  interpret,
+):
+  batch, kv_heads, group, head_dim = queries.shape
+  tokens, words = k_codes.shape[2], k_codes.shape[3]
+  rows = tile_rows(group)
+  exponents = _Exponents.for_run(interpret)
+  plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, gpu_target_programs())
+  scaled = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, jnp.float32)
+  bias_queries = jnp.swapaxes(scaled, 2, 3)  # [B, H, D, rows]
+  channel_scale = _power_of_two(
+    exponents.query - code_bit(jnp.arange(head_dim, dtype=jnp.int32), head_dim, bits)
+  )
+  stacked_queries = jnp.stack([bias_queries, bias_queries * channel_scale[:, None]], axis=2)
+  v_stats = group_major_value_stats(v_scale, v_min)
+  lengths = padded_lengths(lengths)
+  key_groups = block_tokens // group_size
+  value_groups = head_dim // group_size
+  key_rows, value_rows = stacks(block_tokens, head_dim, group_size, rows)
+  operand = functools.partial(swizzled_operand_transforms, dtype=jnp.bfloat16)
+  kernel = plgpu.kernel(
+    functools.partial(
+      _folded_kernel,
+      plan=plan,
+      tokens=tokens,
+      num_stages=num_stages,
+      bits=bits,
+      group_size=group_size,
+      emulate=interpret,
+    ),
+    out_type=(
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows), jnp.float32),
+    ),
+    grid=(batch, kv_heads, plan.num_splits),
+    grid_names=("row", "head", "split"),
+    scratch_types=dict(
+      lengths_smem=plgpu.SMEM(lengths.shape, jnp.int32),
+      queries_smem=plgpu.SMEM((2, head_dim, rows), jnp.float32),
+      k_words_smem=plgpu.SMEM((num_stages, block_tokens, words), jnp.uint32),
+      k_scale_smem=plgpu.SMEM((num_stages, key_groups, head_dim), jnp.bfloat16),
+      k_min_smem=plgpu.SMEM((num_stages, key_groups, head_dim), jnp.bfloat16),
+      v_words_smem=plgpu.SMEM((num_stages, block_tokens, words), jnp.uint32),
+      v_stats_smem=plgpu.SMEM((num_stages, 2 * value_groups, block_tokens), jnp.bfloat16),
+      codes_smem=plgpu.SMEM((block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
+      key_stack_smem=plgpu.SMEM((key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
+      value_stack_smem=plgpu.SMEM(
+        (value_rows, block_tokens), jnp.bfloat16, transforms=operand(block_tokens)
+      ),
+      out_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
+      lse_smem=plgpu.SMEM((rows,), jnp.float32),
+      barriers=(
+        plgpu.Barrier(),
+        plgpu.Barrier(),
+        tuple(plgpu.Barrier(num_barriers=num_stages) for _ in range(5)),
+      ),
+    ),
+    compiler_params=_compat.mosaic_gpu_compiler_params(),
+    interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
+  )
+  return kernel(lengths, stacked_queries, k_codes, k_scale, k_min, v_codes, v_stats)
+
+
+def folded_partials_mosaic_gpu(
+  queries: jax.Array,  # [B, H, G, D]
+  k_codes: jax.Array,  # uint32 [B, H, T, D * bits / 32]
+  k_scale: jax.Array,  # bf16 [B, H, T / group_size, D]
+  k_min: jax.Array,
+  v_codes: jax.Array,  # uint32 [B, H, T, D * bits / 32]
+  v_scale: jax.Array,  # bf16 [B, H, T, D / group_size]
+  v_min: jax.Array,
+  lengths: jax.Array,  # int32 [B]
+  *,
+  bits: int,
+  group_size: int,
+  sm_scale: float,
+  block_tokens: int = DEFAULT_BLOCK_TOKENS,
+  num_splits: int | None = None,
+  num_stages: int = 2,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """Per-split partials (out^T f32 [B,H,S,D,rows], lse f32 [B,H,S,rows]). Settings and shapes
+  are checked (ValueError) before anything is traced."""
+  dequantizing.check_settings(
+    block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
+  )
+  reason = unsupported_reason(
+    queries, k_codes, k_scale, v_scale, bits=bits, group_size=group_size, block_tokens=block_tokens
+  )
+  if reason is not None:
+    raise ValueError(
+      f"the folded Mosaic GPU quantized decode-attention kernel does not support {reason}"
+    )
+  check_config(
+    tile_rows(queries.shape[2]),
+    queries.shape[3],
+    bits,
+    group_size,
+    block_tokens=block_tokens,
+    num_stages=num_stages,
+    num_splits=num_splits,
+  )
+  return _folded_partials(
+    queries,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    lengths,
+    bits=bits,
+    group_size=group_size,
+    sm_scale=sm_scale,
+    block_tokens=block_tokens,
+    num_splits=num_splits,
+    num_stages=num_stages,
+    interpret=interpret,
+  )
+
+
+def folded_decode_attention_mosaic_gpu(*arrays, **settings):
+  """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the jnp reference (KIVI segments)."""
+  out, lse = folded_partials_mosaic_gpu(*arrays, **settings)
+  return merge_split_partials(out, lse, arrays[0].shape[2], head_dim_last=False)

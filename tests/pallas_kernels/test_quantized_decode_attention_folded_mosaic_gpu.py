@@ -1,0 +1,219 @@
+"""The folded Mosaic GPU quantized (KIVI) decode kernel against the jnp reference, its code
+staging against the codes, and the GPU entry point that picks it.
+
+Interpret mode on CPU (compiled with KVJAX_NATIVE_KERNELS=1 on a GPU machine). Interpret mode
+stages each masked code pattern m as the number m (XLA on CPU flushes subnormals); the native
+bit patterns are checked here outside a kernel (`test_staged_codes_*`), and the tensor cores'
+handling of them only on a GPU. Inputs are poisoned as in the dequantizing kernel's tests: NaN in
+every value statistic past a row's length and in every key group that starts past it, and every
+buffer the kernel allocates starts as NaN.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import attention_dispatch
+from pallas_kernels import quantized_decode_attention_folded_mosaic_gpu as folded
+from pallas_kernels import quantized_decode_attention_gpu
+from pallas_kernels.bit_packing import pack_codes
+from pallas_kernels.decode_attention_mosaic_gpu import tile_rows
+from pallas_kernels.quantized_decode_attention_reference import (
+  quantized_decode_attention_reference,
+)
+from pallas_kernels.splits import merge_split_partials
+from pallas_kernels.subnormal_codes import code_exponent
+from tests.pallas_kernels.kernel_checks import (
+  assert_all_written,
+  assert_matches_reference,
+  relative_tolerance,
+  triton_interpret,
+)
+from tests.pallas_kernels.test_quantized_decode_attention_mosaic_gpu import _inputs, _zeros_segment
+
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
+)
+
+
+def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **config):
+  rng = np.random.default_rng(seed)
+  arrays, clean = _inputs(
+    rng,
+    head_dim=head_dim,
+    group=group,
+    bits=bits,
+    group_size=group_size,
+    tokens=tokens,
+    dtype=jnp.bfloat16,
+    batch=batch,
+  )
+  quantization = dict(bits=bits, group_size=group_size)
+  sm_scale = head_dim**-0.5
+  interpret = triton_interpret()
+  out_t, lse_p = folded.folded_partials_mosaic_gpu(
+    *arrays, **quantization, sm_scale=sm_scale, interpret=interpret, **config
+  )
+  assert out_t.shape[-2:] == (head_dim, tile_rows(group)) and lse_p.shape[-1] == tile_rows(group)
+  assert_all_written(out_t, lse_p)
+  out, lse = merge_split_partials(out_t, lse_p, group, head_dim_last=False)
+  ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=sm_scale)
+  assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, interpret))
+
+
+@pytest.mark.parametrize(
+  "bits,head_dim,group,group_size,tokens,config",
+  [
+    (2, 128, 4, 32, 224, dict(block_tokens=128, num_stages=2, num_splits=1)),
+    (4, 128, 8, 32, 192, dict(block_tokens=64, num_stages=4, num_splits=2)),
+    (4, 64, 3, 64, 192, dict(block_tokens=128, num_stages=3)),
+    (2, 128, 2, 16, 256, dict(block_tokens=64, num_stages=2, num_splits=2)),
+    (2, 128, 1, 128, 256, dict(block_tokens=128, num_splits=3)),
+    pytest.param(4, 128, 16, 32, 160, dict(num_splits=2), marks=pytest.mark.slow),
+  ],
+)
+def test_folded_mosaic_gpu_kernel_matches_reference(
+  bits, head_dim, group, group_size, tokens, config
+):
+  """Capacities that are not a multiple of the block, 1 to 8 key groups per block and 1 to 8
+  value groups per head (stacks of 8 to 64 rows), query groups 1 to 16, 1 to 3 splits."""
+  _check(
+    head_dim=head_dim,
+    group=group,
+    bits=bits,
+    group_size=group_size,
+    tokens=tokens,
+    seed=bits * 7 + head_dim + group,
+    **config,
+  )
+
+
+def test_folded_mosaic_gpu_kernel_batch_of_unequal_rows():
+  """Five rows of different lengths, one of them empty, on the default settings."""
+  _check(head_dim=128, group=4, bits=2, group_size=32, tokens=160, batch=5, seed=5, num_splits=2)
+
+
+def _planar_words(rng, bits, head_dim, rows=64):
+  codes = rng.integers(0, 1 << bits, size=(rows, head_dim)).astype(np.uint32)
+  return codes, pack_codes(jnp.asarray(codes), bits)
+
+
+@pytest.mark.parametrize("bits,head_dim", [(2, 128), (4, 128), (4, 64)])
+def test_staged_codes_are_subnormal_patterns_in_channel_order(bits, head_dim):
+  """Natively each channel's operand is the bf16 bit pattern code << q (the number
+  code * 2^(q - 133)), q = the channel's bit in its byte, in channel order."""
+  codes, words = _planar_words(np.random.default_rng(bits), bits, head_dim)
+  staged = folded.stage_codes(words, bits, emulate=False)
+  assert staged.dtype == jnp.bfloat16 and staged.shape == codes.shape
+  patterns = np.asarray(jax.lax.bitcast_convert_type(staged, jnp.uint16)).astype(np.uint32)
+  bit = code_exponent(np.arange(head_dim), head_dim, bits)[None, :]
+  np.testing.assert_array_equal(patterns, codes << bit)
+  assert patterns.max() < 0x100  # the first two binades: linear in the pattern
+
+
+@pytest.mark.parametrize("bits,head_dim", [(2, 128), (4, 64)])
+def test_emulated_staged_codes_are_the_patterns_as_numbers(bits, head_dim):
+  codes, words = _planar_words(np.random.default_rng(bits + 1), bits, head_dim)
+  staged = np.asarray(folded.stage_codes(words, bits, emulate=True), np.float64)
+  bit = code_exponent(np.arange(head_dim), head_dim, bits)[None, :]
+  np.testing.assert_array_equal(staged, codes * 2.0**bit)
+
+
+def test_code_bit_is_the_subnormal_codes_exponent():
+  for bits, head_dim in [(2, 128), (4, 128), (2, 64), (4, 64)]:
+    channels = np.arange(head_dim)
+    np.testing.assert_array_equal(
+      folded.code_bit(channels, head_dim, bits), code_exponent(channels, head_dim, bits)
+    )
+
+
+@pytest.mark.parametrize(
+  "segment,config,match",
+  [
+    (dict(bits=8, head_dim=64, group_size=16), {}, r"bits=8 \(the folded variant takes \(2, 4\)"),
+    (dict(group_size=128), dict(block_tokens=64), "whole key groups per block"),
+    (dict(group=64, group_size=16), {}, "more than 256 rows"),
+    (dict(head_dim=64, bits=2), {}, "4 code words per token"),
+  ],
+)
+def test_folded_unsupported_segments_are_refused(segment, config, match):
+  arrays, quantization = _zeros_segment(**segment)
+  reason = folded.unsupported_reason(
+    arrays[0], arrays[1], arrays[2], arrays[5], **quantization, **config
+  )
+  assert reason is not None and re.search(match, reason), reason
+  with pytest.raises(ValueError, match=match):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **config)
+
+
+def test_folded_refuses_non_bf16_statistics():
+  arrays, quantization = _zeros_segment()
+  arrays = tuple(a.astype(jnp.float16) if a.dtype == jnp.bfloat16 else a for a in arrays)
+  with pytest.raises(ValueError, match="statistics dtype float16 .the folded variant"):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0)
+
+
+def test_bad_mosaic_gpu_variant_is_named():
+  with pytest.raises(ValueError, match="variant='fold' is not a Mosaic GPU quantized kernel; "):
+    quantized_decode_attention_gpu.check_config({"lowering": "mosaic_gpu", "variant": "fold"})
+  with pytest.raises(ValueError, match="allowed: dequantize, folded"):
+    quantized_decode_attention_gpu.check_config({"lowering": "mosaic_gpu", "variant": "planar"})
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a fallback fails
+def test_dispatch_runs_the_folded_mosaic_gpu_kernel(monkeypatch):
+  calls = []
+  kernel = folded.folded_decode_attention_mosaic_gpu
+
+  def recording(*args, **kwargs):
+    calls.append(kwargs)
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(folded, "folded_decode_attention_mosaic_gpu", recording)
+  arrays, clean = _inputs(
+    np.random.default_rng(9),
+    head_dim=128,
+    group=4,
+    bits=4,
+    group_size=32,
+    tokens=192,
+    dtype=jnp.bfloat16,
+  )
+  quantization = dict(bits=4, group_size=32)
+  out, lse = attention_dispatch.quantized_decode_attention(
+    *arrays,
+    **quantization,
+    sm_scale=0.1,
+    implementation="interpret",
+    kernel_config={"lowering": "mosaic_gpu", "variant": "folded", "num_stages": 3},
+  )
+  assert len(calls) == 1 and calls[0]["num_stages"] == 3 and "variant" not in calls[0]
+  ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=0.1)
+  assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, True))
+
+
+def test_f16_segment_asking_for_folded_runs_the_triton_kernel_with_a_warning(monkeypatch):
+  arrays, clean = _inputs(
+    np.random.default_rng(4),
+    head_dim=64,
+    group=2,
+    bits=4,
+    group_size=32,
+    tokens=128,
+    dtype=jnp.float16,
+  )
+  quantization = dict(bits=4, group_size=32)
+  monkeypatch.setattr(attention_dispatch, "_warned", set())
+  with pytest.warns(RuntimeWarning, match="statistics dtype float16.*Triton kernel"):
+    out, lse = attention_dispatch.quantized_decode_attention(
+      *arrays,
+      **quantization,
+      sm_scale=0.125,
+      implementation="interpret",
+      kernel_config={"lowering": "mosaic_gpu", "variant": "folded"},
+    )
+  ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=0.125)
+  assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.float16, True))
