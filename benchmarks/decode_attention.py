@@ -58,10 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import attention_dispatch
-from pallas_kernels import (
-  quantized_decode_attention_folded_mosaic_gpu,
-  quantized_decode_attention_mosaic_gpu,
-)
+from pallas_kernels import quantized_decode_attention_gpu
 from pallas_kernels.decode_attention_reference import decode_attention_reference
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
 from pallas_kernels.random_inputs import random_quantized_segment
@@ -645,52 +642,38 @@ def run(args) -> dict:
 
       nbytes = quantized_bytes(segment, lengths, tokens)
       record(name, op, (queries, segment, lengths), nbytes, reference)
-      mosaic_refusal = quantized_decode_attention_mosaic_gpu.unsupported_reason(
-        queries,
-        segment.k_codes,
-        segment.k_scale,
-        segment.v_scale,
-        bits=bits,
-        group_size=group_size,
-        lowrank=segment.lowrank,
-        outliers=segment.outliers,
-      )
-      if (on_gpu or args.small) and mosaic_refusal is None:
-        record(
-          f"{name}_mosaic",
-          functools.partial(op, config=quantized_mosaic_config),
-          (queries, segment, lengths),
-          nbytes,
-          reference,
+
+      configured_rows = []  # (row name, kernel_config) timed on the same segment
+      # Each Mosaic GPU variant in its own row, where it takes the segment (where it does not,
+      # the entry point would run the Triton kernel: the same row again).
+      for suffix, mosaic_config in (
+        ("_mosaic", quantized_mosaic_config),
+        ("_mosaic_folded", folded_mosaic_config),
+      ):
+        refusal = quantized_decode_attention_gpu.mosaic_gpu_fallback_reason(
+          queries,
+          segment.k_codes,
+          segment.k_scale,
+          segment.v_scale,
+          config=mosaic_config,
+          bits=bits,
+          group_size=group_size,
+          lowrank=segment.lowrank,
+          outliers=segment.outliers,
         )
-      folded_refusal = quantized_decode_attention_folded_mosaic_gpu.unsupported_reason(
-        queries,
-        segment.k_codes,
-        segment.k_scale,
-        segment.v_scale,
-        bits=bits,
-        group_size=group_size,
-        lowrank=segment.lowrank,
-        outliers=segment.outliers,
-        block_tokens=folded_mosaic_config.get("block_tokens"),
-      )
-      if (on_gpu or args.small) and folded_refusal is None:
-        record(
-          f"{name}_mosaic_folded",
-          functools.partial(op, config=folded_mosaic_config),
-          (queries, segment, lengths),
-          nbytes,
-          reference,
-        )
+        if (on_gpu or args.small) and refusal is None:
+          configured_rows.append((f"{name}{suffix}", mosaic_config))
       if rank or outliers:
         kernel_terms_config = {
           **kernel_config,
           "gear_terms": "kernel",
           **gear_kernel_terms_config,
         }
+        configured_rows.append((f"{name}_kernel_terms", kernel_terms_config))
+      for row_name, config in configured_rows:
         record(
-          f"{name}_kernel_terms",
-          functools.partial(op, config=kernel_terms_config),
+          row_name,
+          functools.partial(op, config=config),
           (queries, segment, lengths),
           nbytes,
           reference,

@@ -55,10 +55,13 @@ from pallas_kernels.decode_attention_mosaic_gpu import (
   tile_rows,
   write_partials,
 )
+from pallas_kernels.float_unpacking import bf16_halves
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
   CHUNK_TOKENS,
   fetch_block,
   group_major_value_stats,
+  wgmma_layout,
+  wgmma_row_vector,
 )
 from pallas_kernels.splits import (
   gpu_target_programs,
@@ -66,11 +69,17 @@ from pallas_kernels.splits import (
   pad_query_group,
   plan_splits,
 )
-from pallas_kernels.subnormal_codes import PROBS_EXPONENT, QUERY_EXPONENT
+from pallas_kernels.subnormal_codes import (
+  PROBS_EXPONENT,
+  QUERY_EXPONENT,
+  code_exponent,
+  masked_code_pairs,
+  power_of_two,
+)
 
 SUPPORTED_BITS = (2, 4)  # two fields of a word per pair of bf16 operands, each below bit 8
 MAX_STACK = 256  # wgmma's largest N
-_LOW_BYTE = 8
+DEFAULT_BLOCK_TOKENS = 128
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
 
@@ -87,12 +96,6 @@ class _Exponents:
     if emulate:
       return cls(code=0, query=0, probs=0)
     return cls(code=_SUBNORMAL_UNIT_EXPONENT, query=QUERY_EXPONENT, probs=PROBS_EXPONENT)
-
-
-def code_bit(channels, head_dim: int, bits: int):
-  """Bit q within its byte at which each channel's code sits once masked (int arrays)."""
-  width = head_dim * bits // 32
-  return (bits * (channels // width)) % _LOW_BYTE
 
 
 def stacks(block_tokens: int, head_dim: int, group_size: int, rows: int) -> tuple[int, int]:
@@ -130,9 +133,6 @@ def unsupported_reason(
   return None
 
 
-DEFAULT_BLOCK_TOKENS = 128
-
-
 def shared_memory_bytes(rows, head_dim, bits, group_size, block_tokens, num_stages):
   """Bytes of shared memory one program allocates."""
   words = head_dim * bits // 32
@@ -162,45 +162,22 @@ def check_config(rows, head_dim, bits, group_size, *, block_tokens, num_stages, 
     )
 
 
-def _wgmma(array):
-  return plgpu.layout_cast(array, plgpu.Layout.WGMMA)
-
-
-def _row_vector(vector):
-  """[n] f32 -> the layout of a [n, m] wgmma array's per-row values."""
-  return plgpu.layout_cast(vector.astype(jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-
-
-def _operand_halves(masked, emulate: bool):
-  """uint32 words holding one masked code per 16-bit half -> (low, high) bf16 operands."""
-  halves = (masked, lax.shift_right_logical(masked, jnp.uint32(16)))
-  if emulate:  # the pattern m < 0x100 as the number m (exact in bf16)
-    return tuple(
-      (half & jnp.uint32(0xFFFF)).astype(jnp.float32).astype(jnp.bfloat16) for half in halves
-    )
-  return tuple(lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.bfloat16) for half in halves)
+def _emulated_halves(masked):
+  """uint32 words holding one masked code per 16-bit half -> (low, high) bf16: each pattern
+  m < 0x100 as the number m (exact in bf16), for interpret mode."""
+  halves = (masked & jnp.uint32(0xFFFF), lax.shift_right_logical(masked, jnp.uint32(16)))
+  return tuple(half.astype(jnp.float32).astype(jnp.bfloat16) for half in halves)
 
 
 def stage_codes(words, bits: int, emulate: bool):
   """uint32 [chunk, W] planar words -> bf16 [chunk, D] operands in channel order: field k of
   word w holds channel k W + w, and pair j = fields (j, j + n/2) sits in the word's two halves."""
-  fields = 32 // bits
-  field_mask = (1 << bits) - 1
-  upper_bytes = lax.shift_right_logical(words, jnp.uint32(_LOW_BYTE))
   lows, highs = [], []
-  for j in range(fields // 2):
-    position = bits * j
-    source = words if position + bits <= _LOW_BYTE else upper_bytes
-    mask = (field_mask << (position % _LOW_BYTE)) * 0x00010001
-    low, high = _operand_halves(source & jnp.uint32(mask), emulate)
+  for masked in masked_code_pairs(words, bits):
+    low, high = _emulated_halves(masked) if emulate else bf16_halves(masked)
     lows.append(low)
     highs.append(high)
   return jnp.concatenate(lows + highs, axis=1)
-
-
-def _power_of_two(exponents):
-  """f32 2^e for int32 e in the normal range, built from its bits (exact)."""
-  return lax.bitcast_convert_type(lax.shift_left(exponents + 127, jnp.int32(23)), jnp.float32)
 
 
 def _stage_block(codes_smem, words_smem, *, slot, bits, emulate):
@@ -208,7 +185,7 @@ def _stage_block(codes_smem, words_smem, *, slot, bits, emulate):
   ([block, D] bf16), one 64-token wgmma row tile at a time."""
   for c in range(codes_smem.shape[0] // CHUNK_TOKENS):
     chunk = pl.ds(c * CHUNK_TOKENS, CHUNK_TOKENS)
-    codes_smem[chunk, :] = stage_codes(_wgmma(words_smem[slot, chunk, :]), bits, emulate)
+    codes_smem[chunk, :] = stage_codes(wgmma_layout(words_smem[slot, chunk, :]), bits, emulate)
 
 
 def _folded_kernel(
@@ -271,8 +248,13 @@ def _folded_kernel(
   for i in range(num_stages - 1):
     pl.when(i < num_blocks)(functools.partial(fetch, i))
   plgpu.barrier_wait(queries_barrier)
-  bias_queries = _wgmma(queries_smem[0])  # [D, rows]
-  code_queries = _wgmma(queries_smem[1])
+  bias_queries = wgmma_layout(queries_smem[0])  # [D, rows]
+  code_queries = wgmma_layout(queries_smem[1])
+  # A [n] per-row vector over the columns: per channel of [D, rows], per token of [block, rows].
+  per_channel = functools.partial(
+    lax.broadcast_in_dim, shape=(head_dim, rows), broadcast_dimensions=[0]
+  )
+  per_token = functools.partial(lax.broadcast_in_dim, shape=(block, rows), broadcast_dimensions=[0])
 
   def body(i, state):
     acc, running_max, running_sum, value_bias = state
@@ -286,14 +268,11 @@ def _folded_kernel(
     stage(k_words_smem)
     key_bias = []  # per key group [rows]: q . k_min
     for k in range(key_groups):
-      broadcast = functools.partial(
-        lax.broadcast_in_dim, shape=(head_dim, rows), broadcast_dimensions=[0]
-      )
-      k_scale = broadcast(_row_vector(k_scale_smem[slot, k, :]))
+      k_scale = per_channel(wgmma_row_vector(k_scale_smem[slot, k, :]))
       key_stack_smem.at[pl.ds(k * rows, rows)].T[...] = (code_queries * k_scale).astype(
         jnp.bfloat16
       )
-      k_min = broadcast(_row_vector(k_min_smem[slot, k, :]))
+      k_min = per_channel(wgmma_row_vector(k_min_smem[slot, k, :]))
       key_bias.append((bias_queries * k_min).sum(axis=0))
     plgpu.commit_smem()  # staged codes and Q' visible to the tensor core
 
@@ -322,11 +301,8 @@ def _folded_kernel(
     stage(v_words_smem)
     new_value_bias = []
     for k in range(value_groups):
-      per_token = functools.partial(
-        lax.broadcast_in_dim, shape=(block, rows), broadcast_dimensions=[0]
-      )
-      v_scale = per_token(_row_vector(v_stats_smem[slot, k, :]))
-      v_min = per_token(_row_vector(v_stats_smem[slot, value_groups + k, :]))
+      v_scale = per_token(wgmma_row_vector(v_stats_smem[slot, k, :]))
+      v_min = per_token(wgmma_row_vector(v_stats_smem[slot, value_groups + k, :]))
       # Past the length p is 0 but the statistics may be NaN: selects, not products.
       stacked = jnp.where(valid, probs * (v_scale * probs_scale), 0.0)
       value_stack_smem.at[pl.ds(k * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
@@ -346,7 +322,7 @@ def _folded_kernel(
 
   _, running_max, running_sum = initial_softmax_state(rows, head_dim)
   init = (
-    _wgmma(jnp.zeros((head_dim, value_groups * rows), jnp.float32)),
+    wgmma_layout(jnp.zeros((head_dim, value_groups * rows), jnp.float32)),
     running_max,
     running_sum,
     tuple(running_sum for _ in range(value_groups)),  # zeros [rows], the same layout
@@ -354,7 +330,9 @@ def _folded_kernel(
   acc, running_max, running_sum, value_bias = lax.fori_loop(0, num_blocks, body, init)
 
   channel = plgpu.broadcasted_iota(jnp.int32, (head_dim, rows), 0, layout=plgpu.Layout.WGMMA)
-  output_scale = _power_of_two(exponents.code - exponents.probs - code_bit(channel, head_dim, bits))
+  output_scale = power_of_two(
+    exponents.code - exponents.probs - code_exponent(channel, head_dim, bits)
+  )
   out = jnp.zeros((head_dim, rows), jnp.float32)
   for k in range(value_groups):
     group_out = acc[:, k * rows : (k + 1) * rows] * output_scale
@@ -406,8 +384,8 @@ def _folded_partials(
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, gpu_target_programs())
   scaled = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, jnp.float32)
   bias_queries = jnp.swapaxes(scaled, 2, 3)  # [B, H, D, rows]
-  channel_scale = _power_of_two(
-    exponents.query - code_bit(jnp.arange(head_dim, dtype=jnp.int32), head_dim, bits)
+  channel_scale = power_of_two(
+    exponents.query - code_exponent(jnp.arange(head_dim, dtype=jnp.int32), head_dim, bits)
   )
   stacked_queries = jnp.stack([bias_queries, bias_queries * channel_scale[:, None]], axis=2)
   v_stats = group_major_value_stats(v_scale, v_min)

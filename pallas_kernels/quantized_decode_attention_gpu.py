@@ -19,27 +19,13 @@ from pallas_kernels import (
 )
 
 LOWERINGS = ("triton", "mosaic_gpu")
-MOSAIC_GPU_VARIANTS = ("dequantize", "folded")
-MOSAIC_GPU_MODULES = {
-  "dequantize": quantized_decode_attention_mosaic_gpu,
-  "folded": quantized_decode_attention_folded_mosaic_gpu,
+# Mosaic GPU variant -> (its module, the name of its entry point there). The entry point is looked
+# up when called, so that tests can wrap it.
+MOSAIC_GPU_KERNELS = {
+  "dequantize": (quantized_decode_attention_mosaic_gpu, "quantized_decode_attention_mosaic_gpu"),
+  "folded": (quantized_decode_attention_folded_mosaic_gpu, "folded_decode_attention_mosaic_gpu"),
 }
-
-
-def _dequantizing_kernel(*arrays, **settings):
-  return quantized_decode_attention_mosaic_gpu.quantized_decode_attention_mosaic_gpu(
-    *arrays, **settings
-  )
-
-
-def _folded_kernel(*arrays, **settings):
-  return quantized_decode_attention_folded_mosaic_gpu.folded_decode_attention_mosaic_gpu(
-    *arrays, **settings
-  )
-
-
-# Looked up when called, so that tests can wrap the module functions.
-MOSAIC_GPU_KERNELS = {"dequantize": _dequantizing_kernel, "folded": _folded_kernel}
+MOSAIC_GPU_VARIANTS = tuple(MOSAIC_GPU_KERNELS)
 # kernel_config keys each lowering takes (besides "lowering").
 CONFIG_KEYS = {
   "triton": (
@@ -70,19 +56,20 @@ def check_config(config: dict) -> str:
       f"lowering={lowering!r}; allowed: {', '.join(('lowering',) + CONFIG_KEYS[lowering])}"
     )
   if lowering == "mosaic_gpu":
-    _mosaic_gpu_module(config)
+    _mosaic_gpu_kernel(config)
     quantized_decode_attention_mosaic_gpu.check_settings(**_mosaic_gpu_settings(config))
   return lowering
 
 
-def _mosaic_gpu_module(config: dict):
+def _mosaic_gpu_kernel(config: dict):
+  """(module, entry point name) of the config's Mosaic GPU variant; ValueError naming a bad one."""
   variant = config.get("variant", "dequantize")
   if variant not in MOSAIC_GPU_VARIANTS:
     raise ValueError(
       f"variant={variant!r} is not a Mosaic GPU quantized kernel; allowed: "
       f"{', '.join(MOSAIC_GPU_VARIANTS)}"
     )
-  return MOSAIC_GPU_MODULES[variant]
+  return MOSAIC_GPU_KERNELS[variant]
 
 
 def _mosaic_gpu_settings(config: dict) -> dict:
@@ -102,7 +89,8 @@ def mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, *, config: di
   does not ask for it, or the Mosaic GPU kernel takes the segment)."""
   if check_config(config) != "mosaic_gpu":
     return None
-  return _mosaic_gpu_module(config).unsupported_reason(
+  module, _ = _mosaic_gpu_kernel(config)
+  return module.unsupported_reason(
     queries, k_codes, k_scale, v_scale, block_tokens=config.get("block_tokens"), **segment
   )
 
@@ -131,15 +119,16 @@ def quantized_decode_attention_gpu(
   segment = dict(bits=bits, group_size=group_size, lowrank=lowrank, outliers=outliers, block=block)
   settings = {key: value for key, value in config.items() if key != "lowering"}
   if check_config(config) == "mosaic_gpu":
-    module = _mosaic_gpu_module(config)
-    settings = _mosaic_gpu_settings(config)
-    block_tokens = settings.get("block_tokens")
-    if (
-      module.unsupported_reason(*arrays[:3], v_scale, block_tokens=block_tokens, **segment) is None
-    ):
-      quantization = dict(bits=bits, group_size=group_size)
-      kernel = MOSAIC_GPU_KERNELS[config.get("variant", "dequantize")]
-      return kernel(*arrays, **quantization, sm_scale=sm_scale, interpret=interpret, **settings)
+    if mosaic_gpu_fallback_reason(*arrays[:3], v_scale, config=config, **segment) is None:
+      module, entry_point = _mosaic_gpu_kernel(config)
+      return getattr(module, entry_point)(
+        *arrays,
+        bits=bits,
+        group_size=group_size,
+        sm_scale=sm_scale,
+        interpret=interpret,
+        **_mosaic_gpu_settings(config),
+      )
     settings = {}  # the Triton kernel's defaults: the Mosaic GPU settings are not its own
   return quantized_decode_attention_triton.quantized_decode_attention_triton(
     *arrays, sm_scale=sm_scale, interpret=interpret, **segment, **settings

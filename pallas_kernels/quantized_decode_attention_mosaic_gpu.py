@@ -83,8 +83,15 @@ def key_groups_per_block(block_tokens: int, group_size: int) -> int:
   return max(1, block_tokens // group_size)
 
 
-def _wgmma_layout(array):
+def wgmma_layout(array):
+  """`array` pinned to the wgmma register layout (left to Mosaic GPU's layout inference, the
+  unpacking's layouts took over 10 minutes to search)."""
   return plgpu.layout_cast(array, plgpu.Layout.WGMMA)
+
+
+def wgmma_row_vector(vector):
+  """[n] -> f32 in the layout of a [n, m] wgmma array's per-row values."""
+  return plgpu.layout_cast(vector.astype(jnp.float32), plgpu.Layout.WGMMA.reduce(1))
 
 
 def unsupported_reason(
@@ -196,8 +203,7 @@ def _value_statistic(stats_smem, offset, field, *, slot, chunk, words, group_siz
   field `field`'s value group, per token of 64-token chunk `chunk`."""
   group = field * words // group_size
   vector = stats_smem[slot, offset + group, pl.ds(chunk * CHUNK_TOKENS, CHUNK_TOKENS)]
-  vector = plgpu.layout_cast(vector.astype(jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-  return lax.broadcast_in_dim(vector, (CHUNK_TOKENS, words), [0])
+  return lax.broadcast_in_dim(wgmma_row_vector(vector), (CHUNK_TOKENS, words), [0])
 
 
 def _dequantize_chunk(words, bits, scale_of_field, minimum_of_field, dtype, valid=None):
@@ -312,7 +318,7 @@ def _quantized_decode_kernel(
         _key_statistic, slot=slot, chunk=c, token=token, group_size=group_size
       )
       keys_smem[chunk_rows, :] = _dequantize_chunk(
-        _wgmma_layout(k_words_smem[slot, chunk_rows, :]),
+        wgmma_layout(k_words_smem[slot, chunk_rows, :]),
         bits,
         functools.partial(key_stat, k_scale_smem),
         functools.partial(key_stat, k_min_smem),
@@ -322,7 +328,7 @@ def _quantized_decode_kernel(
         _value_statistic, v_stats_smem, slot=slot, chunk=c, words=words, group_size=group_size
       )
       values_smem[chunk_rows, :] = _dequantize_chunk(
-        _wgmma_layout(v_words_smem[slot, chunk_rows, :]),
+        wgmma_layout(v_words_smem[slot, chunk_rows, :]),
         bits,
         functools.partial(value_stat, 0),
         functools.partial(value_stat, value_groups),

@@ -46,9 +46,10 @@ def code_exponent(channels, head_dim: int, bits: int):
   return (bits * (channels // width)) % _LOW_BYTE
 
 
-def subnormal_code_pairs(words: jax.Array, bits: int) -> list:
-  """uint32 [rows, W] planar words -> [(low, high)] bf16 [rows, W] per pair of fields (j,
-  j + n/2), the same pairs as the offset encoding; element value code * 2^(q - 133)."""
+def masked_code_pairs(words: jax.Array, bits: int) -> list:
+  """uint32 [rows, W] planar words -> one uint32 [rows, W] per pair of fields (j, j + n/2): field
+  j's code masked in place in the low half, field j + n/2's in the high half, each at bit
+  `code_exponent` of its half (fields above bit 7 of a half taken from `word >> 8`)."""
   fields = 32 // bits
   field_mask = (1 << bits) - 1
   upper_bytes = jnp.right_shift(words, jnp.uint32(_LOW_BYTE))
@@ -57,8 +58,14 @@ def subnormal_code_pairs(words: jax.Array, bits: int) -> list:
     position = bits * j
     source = words if position + bits <= _LOW_BYTE else upper_bytes
     bit = position % _LOW_BYTE
-    pairs.append(bf16_halves(source & jnp.uint32((field_mask << bit) * 0x00010001)))
+    pairs.append(source & jnp.uint32((field_mask << bit) * 0x00010001))
   return pairs
+
+
+def subnormal_code_pairs(words: jax.Array, bits: int) -> list:
+  """uint32 [rows, W] planar words -> [(low, high)] bf16 [rows, W] per pair of fields (j,
+  j + n/2), the same pairs as the offset encoding; element value code * 2^(q - 133)."""
+  return [bf16_halves(masked) for masked in masked_code_pairs(words, bits)]
 
 
 def power_of_two(exponents: jax.Array) -> jax.Array:

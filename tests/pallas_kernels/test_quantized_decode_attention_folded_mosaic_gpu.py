@@ -122,14 +122,6 @@ def test_emulated_staged_codes_are_the_patterns_as_numbers(bits, head_dim):
   np.testing.assert_array_equal(staged, codes * 2.0**bit)
 
 
-def test_code_bit_is_the_subnormal_codes_exponent():
-  for bits, head_dim in [(2, 128), (4, 128), (2, 64), (4, 64)]:
-    channels = np.arange(head_dim)
-    np.testing.assert_array_equal(
-      folded.code_bit(channels, head_dim, bits), code_exponent(channels, head_dim, bits)
-    )
-
-
 @pytest.mark.parametrize(
   "segment,config,match",
   [
@@ -161,38 +153,6 @@ def test_bad_mosaic_gpu_variant_is_named():
     quantized_decode_attention_gpu.check_config({"lowering": "mosaic_gpu", "variant": "fold"})
   with pytest.raises(ValueError, match="allowed: dequantize, folded"):
     quantized_decode_attention_gpu.check_config({"lowering": "mosaic_gpu", "variant": "planar"})
-
-
-@pytest.mark.filterwarnings("error::RuntimeWarning")  # a fallback fails
-def test_dispatch_runs_the_folded_mosaic_gpu_kernel(monkeypatch):
-  calls = []
-  kernel = folded.folded_decode_attention_mosaic_gpu
-
-  def recording(*args, **kwargs):
-    calls.append(kwargs)
-    return kernel(*args, **kwargs)
-
-  monkeypatch.setattr(folded, "folded_decode_attention_mosaic_gpu", recording)
-  arrays, clean = _inputs(
-    np.random.default_rng(9),
-    head_dim=128,
-    group=4,
-    bits=4,
-    group_size=32,
-    tokens=192,
-    dtype=jnp.bfloat16,
-  )
-  quantization = dict(bits=4, group_size=32)
-  out, lse = attention_dispatch.quantized_decode_attention(
-    *arrays,
-    **quantization,
-    sm_scale=0.1,
-    implementation="interpret",
-    kernel_config={"lowering": "mosaic_gpu", "variant": "folded", "num_stages": 3},
-  )
-  assert len(calls) == 1 and calls[0]["num_stages"] == 3 and "variant" not in calls[0]
-  ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=0.1)
-  assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, True))
 
 
 def test_f16_segment_asking_for_folded_runs_the_triton_kernel_with_a_warning(monkeypatch):

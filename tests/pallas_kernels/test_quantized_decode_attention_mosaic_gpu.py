@@ -243,18 +243,22 @@ def test_bad_quantized_gpu_config_is_named(config, match):
     )
 
 
+@pytest.mark.parametrize(
+  "variant,settings",
+  [("dequantize", {"num_splits": 2}), ("folded", {"variant": "folded", "num_stages": 3})],
+)
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # a fallback fails
-def test_dispatch_runs_the_mosaic_gpu_quantized_kernel(monkeypatch):
+def test_dispatch_runs_the_mosaic_gpu_quantized_kernel(variant, settings, monkeypatch):
+  """The variant's own kernel is called, with its settings (and not the variant key)."""
   calls = []
-  kernel = quantized_decode_attention_mosaic_gpu.quantized_decode_attention_mosaic_gpu
+  module, entry_point = quantized_decode_attention_gpu.MOSAIC_GPU_KERNELS[variant]
+  kernel = getattr(module, entry_point)
 
   def recording(*args, **kwargs):
     calls.append(kwargs)
     return kernel(*args, **kwargs)
 
-  monkeypatch.setattr(
-    quantized_decode_attention_mosaic_gpu, "quantized_decode_attention_mosaic_gpu", recording
-  )
+  monkeypatch.setattr(module, entry_point, recording)
   arrays, clean = _inputs(
     np.random.default_rng(9),
     head_dim=128,
@@ -270,9 +274,11 @@ def test_dispatch_runs_the_mosaic_gpu_quantized_kernel(monkeypatch):
     **quantization,
     sm_scale=0.1,
     implementation="interpret",
-    kernel_config={"lowering": "mosaic_gpu", "num_splits": 2},
+    kernel_config={"lowering": "mosaic_gpu", **settings},
   )
-  assert len(calls) == 1 and calls[0]["num_splits"] == 2
+  expected = {key: value for key, value in settings.items() if key != "variant"}
+  assert len(calls) == 1 and "variant" not in calls[0]
+  assert {key: calls[0][key] for key in expected} == expected
   ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=0.1)
   assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, True))
 
