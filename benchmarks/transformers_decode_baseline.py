@@ -161,7 +161,9 @@ def main() -> None:
     "decode_note": "new_tokens single-token forwards with DynamicCache after prefill; "
     "prefill time excluded; greedy argmax; one warm-up run, then `repeats` timed runs, "
     "prefill_s / decode_s are their medians",
-    "prompt_source": "pydoc_data.topics (topics joined in sorted-key order), first prompt_tokens tokens",
+    "prompt_source": (
+      "pydoc_data.topics (topics joined in sorted-key order), first prompt_tokens tokens"
+    ),
     "generated_ids": generated,
     "load_s": round(load_s, 2),
     "torch_version": torch.__version__,

@@ -91,9 +91,16 @@ def parse_sass(text: str) -> list[tuple[int, str, str]]:
 
 
 def main_loop_instructions(instructions) -> list[tuple[str, str]]:
-  """(opcode, operands) of the longest backward-branch region (the kernel's main loop)."""
+  """(opcode, operands) of the longest backward-branch region (the kernel's main loop).
+  Branches placed after the first EXIT are out-of-line stubs (Mosaic GPU's mbarrier try-wait
+  retries jump back into the body from there) and bound no loop."""
+  exit_address = min(
+    (address for address, opcode, _ in instructions if opcode.startswith("EXIT")), default=None
+  )
   loops = []
   for address, opcode, operands in instructions:
+    if exit_address is not None and address > exit_address:
+      break
     if opcode.startswith("BRA"):
       target = re.search(r"0x([0-9a-f]+)", operands)
       if target and int(target.group(1), 16) < address:
@@ -201,13 +208,47 @@ def compile_sm90(ttir: str, *, num_warps: int, num_stages: int, workdir: str, na
   cubin = os.path.join(workdir, f"{name}.cubin")
   with open(cubin, "wb") as f:
     f.write(kernel.asm["cubin"])
+  sass, usage = disassemble(cubin)
+  return sass, usage, kernel.asm["ttgir"]
+
+
+def quantized_call_shapes(batch, heads, group, head_dim, tokens, bits, group_size):
+  """Abstract (queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths) of a
+  quantized decode-attention call: KIVI's layout, bf16 statistics."""
+  import jax
+  import jax.numpy as jnp
+
+  words = head_dim * bits // 32
+  key_stats = (batch, heads, tokens // group_size, head_dim)
+  value_stats = (batch, heads, tokens, head_dim // group_size)
+  codes = (batch, heads, tokens, words)
+  return tuple(
+    jax.ShapeDtypeStruct(dims, dtype)
+    for dims, dtype in (
+      ((batch, heads, group, head_dim), jnp.bfloat16),
+      (codes, jnp.uint32),
+      (key_stats, jnp.bfloat16),
+      (key_stats, jnp.bfloat16),
+      (codes, jnp.uint32),
+      (value_stats, jnp.bfloat16),
+      (value_stats, jnp.bfloat16),
+      ((batch,), jnp.int32),
+    )
+  )
+
+
+def disassemble(cubin: str) -> tuple[str, str]:
+  """(`cuobjdump -sass`, `cuobjdump -res-usage`) of a cubin, with the `triton` package's
+  cuobjdump."""
+  import triton
+
   tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
   cuobjdump = os.path.join(tools, "cuobjdump")
   sass = subprocess.run([cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True)
   usage = subprocess.run(
     [cuobjdump, "-res-usage", cubin], capture_output=True, text=True, check=True
   )
-  return sass.stdout, usage.stdout, kernel.asm["ttgir"]
+  return sass.stdout, usage.stdout
 
 
 def kernel_cases(args):
@@ -238,18 +279,8 @@ def kernel_cases(args):
   # GEAR: the `gear` method's defaults (group 64, block 64, rank 2), outliers as asked.
   defaults = Gear(outliers=args.gear_outliers)
   for bits, gear in itertools.product(args.bits, (False, True) if args.gear else (False,)):
-    words = head_dim * bits // 32
     group_size = defaults.group_size if gear else 32
-    quantized = (
-      shape((batch, heads, group, head_dim), jnp.bfloat16),
-      shape((batch, heads, tokens, words), jnp.uint32),
-      shape((batch, heads, tokens // group_size, head_dim), jnp.bfloat16),
-      shape((batch, heads, tokens // group_size, head_dim), jnp.bfloat16),
-      shape((batch, heads, tokens, words), jnp.uint32),
-      shape((batch, heads, tokens, head_dim // group_size), jnp.bfloat16),
-      shape((batch, heads, tokens, head_dim // group_size), jnp.bfloat16),
-      shape((batch,), jnp.int32),
-    )
+    quantized = quantized_call_shapes(batch, heads, group, head_dim, tokens, bits, group_size)
     gear_arrays = {}
     if gear:
       blocks, rank = tokens // defaults.block, defaults.rank

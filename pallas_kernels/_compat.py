@@ -47,11 +47,11 @@ def triton_compiler_params(num_warps: int, num_stages: int):
   return params_class(num_warps=num_warps, num_stages=num_stages)
 
 
-def mosaic_gpu_compiler_params():
+def mosaic_gpu_compiler_params(**settings):
   """Warpgroup semantics: arrays are per warpgroup and Mosaic GPU infers their register layouts
-  (the style of jax's own Hopper kernels)."""
+  (the style of jax's own Hopper kernels). `settings` are further CompilerParams fields."""
   plgpu = _mosaic_gpu_module()
-  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup)
+  return plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **settings)
 
 
 def mosaic_gpu_interpret_params():

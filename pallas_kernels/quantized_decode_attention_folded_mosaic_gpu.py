@@ -80,6 +80,9 @@ from pallas_kernels.subnormal_codes import (
 SUPPORTED_BITS = (2, 4)  # two fields of a word per pair of bf16 operands, each below bit 8
 MAX_STACK = 256  # wgmma's largest N
 DEFAULT_BLOCK_TOKENS = 128
+# Room for a stacked [D, KG * rows] or [block, VG * rows] sum to cross the four warps in one round
+# (two barriers) instead of several.
+REDUCTION_SCRATCH_BYTES = 8192
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
 
@@ -146,7 +149,7 @@ def shared_memory_bytes(rows, head_dim, bits, group_size, block_tokens, num_stag
   operands = (key_rows * head_dim + value_rows * block_tokens) * 2  # Q', P'
   queries = 2 * head_dim * rows * 4
   results = (head_dim * rows + rows) * 4 + LENGTH_WORDS * 4
-  return num_stages * slot + staged + operands + queries + results
+  return num_stages * slot + staged + operands + queries + results + REDUCTION_SCRATCH_BYTES
 
 
 def check_config(rows, head_dim, bits, group_size, *, block_tokens, num_stages, num_splits):
@@ -255,6 +258,9 @@ def _folded_kernel(
     lax.broadcast_in_dim, shape=(head_dim, rows), broadcast_dimensions=[0]
   )
   per_token = functools.partial(lax.broadcast_in_dim, shape=(block, rows), broadcast_dimensions=[0])
+  token_in_block = plgpu.broadcasted_iota(
+    jnp.int32, (block,), 0, layout=plgpu.Layout.WGMMA.reduce(1)
+  )
 
   def body(i, state):
     acc, running_max, running_sum, value_bias = state
@@ -265,15 +271,23 @@ def _folded_kernel(
       plgpu.barrier_wait(barrier.at[slot])
 
     stage = functools.partial(_stage_block, codes_smem, slot=slot, bits=bits, emulate=emulate)
+    # The code tile was last read by the previous block's value product: each warp has waited
+    # for it, but the tile is overwritten only once all four have.
+    plgpu.commit_smem()
     stage(k_words_smem)
-    key_bias = []  # per key group [rows]: q . k_min
     for k in range(key_groups):
       k_scale = per_channel(wgmma_row_vector(k_scale_smem[slot, k, :]))
       key_stack_smem.at[pl.ds(k * rows, rows)].T[...] = (code_queries * k_scale).astype(
         jnp.bfloat16
       )
-      k_min = per_channel(wgmma_row_vector(k_min_smem[slot, k, :]))
-      key_bias.append((bias_queries * k_min).sum(axis=0))
+    # q . k_min for every key group in one reduction: [KG * rows]
+    key_bias = jnp.concatenate(
+      [
+        bias_queries * per_channel(wgmma_row_vector(k_min_smem[slot, k, :]))
+        for k in range(key_groups)
+      ],
+      axis=1,
+    ).sum(axis=0)
     plgpu.commit_smem()  # staged codes and Q' visible to the tensor core
 
     def key_product(acc_ref):
@@ -283,9 +297,11 @@ def _folded_kernel(
     stacked_scores = pl.run_scoped(key_product, plgpu.ACC((block, key_groups * rows), jnp.float32))
     token = plgpu.broadcasted_iota(jnp.int32, (block, rows), 0, layout=plgpu.Layout.WGMMA)
     scores = jnp.zeros((block, rows), jnp.float32)
+    stacked_scores = stacked_scores * score_scale + lax.broadcast_in_dim(
+      key_bias, stacked_scores.shape, [1]
+    )
     for k in range(key_groups):
-      group_scores = stacked_scores[:, k * rows : (k + 1) * rows] * score_scale
-      group_scores = group_scores + lax.broadcast_in_dim(key_bias[k], (block, rows), [1])
+      group_scores = stacked_scores[:, k * rows : (k + 1) * rows]
       scores = jnp.where(token // group_size == k, group_scores, scores)
 
     valid = token + first < end
@@ -299,15 +315,20 @@ def _folded_kernel(
     # The key product has completed (its result was read): the tile takes the value codes.
     # One tile instead of two keeps two programs per SM (`shared_memory_bytes`).
     stage(v_words_smem)
-    new_value_bias = []
+    # Past the length p is 0 but the statistics may be NaN: they are zeroed there (a select per
+    # token, before the broadcast over rows), and then products may be taken.
+    valid_token = token_in_block + first < end
+    value_minimum_terms = []
     for k in range(value_groups):
-      v_scale = per_token(wgmma_row_vector(v_stats_smem[slot, k, :]))
-      v_min = per_token(wgmma_row_vector(v_stats_smem[slot, value_groups + k, :]))
-      # Past the length p is 0 but the statistics may be NaN: selects, not products.
-      stacked = jnp.where(valid, probs * (v_scale * probs_scale), 0.0)
+      v_scale = jnp.where(valid_token, wgmma_row_vector(v_stats_smem[slot, k, :]), 0.0)
+      v_min = jnp.where(valid_token, wgmma_row_vector(v_stats_smem[slot, value_groups + k, :]), 0.0)
+      stacked = probs * per_token(v_scale * probs_scale)
       value_stack_smem.at[pl.ds(k * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
-      update = jnp.where(valid, probs * v_min, 0.0).sum(axis=0)
-      new_value_bias.append(value_bias[k] * correction + update)
+      value_minimum_terms.append(probs * per_token(v_min))
+    stacked_correction_row = jnp.concatenate([correction] * value_groups)
+    new_value_bias = value_bias * stacked_correction_row + jnp.concatenate(
+      value_minimum_terms, axis=1
+    ).sum(axis=0)
     plgpu.commit_smem()  # the staged value codes and P' visible to the tensor core
 
     def value_product(acc_ref):
@@ -318,14 +339,14 @@ def _folded_kernel(
       [lax.broadcast_in_dim(correction, (head_dim, rows), [1])] * value_groups, axis=1
     )
     update = pl.run_scoped(value_product, plgpu.ACC((head_dim, value_groups * rows), jnp.float32))
-    return acc * stacked_correction + update, new_max, running_sum, tuple(new_value_bias)
+    return acc * stacked_correction + update, new_max, running_sum, new_value_bias
 
   _, running_max, running_sum = initial_softmax_state(rows, head_dim)
   init = (
     wgmma_layout(jnp.zeros((head_dim, value_groups * rows), jnp.float32)),
     running_max,
     running_sum,
-    tuple(running_sum for _ in range(value_groups)),  # zeros [rows], the same layout
+    jnp.concatenate([running_sum] * value_groups),  # zeros [VG * rows], the same layout
   )
   acc, running_max, running_sum, value_bias = lax.fori_loop(0, num_blocks, body, init)
 
@@ -334,10 +355,11 @@ def _folded_kernel(
     exponents.code - exponents.probs - code_exponent(channel, head_dim, bits)
   )
   out = jnp.zeros((head_dim, rows), jnp.float32)
+  stacked_out = acc * jnp.concatenate([output_scale] * value_groups, axis=1) + lax.broadcast_in_dim(
+    value_bias, acc.shape, [1]
+  )
   for k in range(value_groups):
-    group_out = acc[:, k * rows : (k + 1) * rows] * output_scale
-    group_out = group_out + lax.broadcast_in_dim(value_bias[k], (head_dim, rows), [1])
-    out = jnp.where(channel // group_size == k, group_out, out)
+    out = jnp.where(channel // group_size == k, stacked_out[:, k * rows : (k + 1) * rows], out)
   write_partials(
     (out, running_max, running_sum),
     out_smem,
@@ -431,7 +453,16 @@ def _folded_partials(
         tuple(plgpu.Barrier(num_barriers=num_stages) for _ in range(5)),
       ),
     ),
-    compiler_params=_compat.mosaic_gpu_compiler_params(),
+    # The stores need none of the barriers Pallas would put around each of them: every tile a
+    # thread writes (the staged codes, Q', P') is read only by the tensor core after
+    # `commit_smem` (a fence and a barrier), and is next written only after a later barrier (a
+    # `commit_smem`, or a cross-warp reduction's), by which every warp has waited for the
+    # product that read it; TMA refills a ring slot only after the last `commit_smem` of the
+    # step that read it. With the stacked reductions: 11 barriers per 128-token block, down from
+    # 51 (sm_90a SASS, `benchmarks/mosaic_static_cost.py`).
+    compiler_params=_compat.mosaic_gpu_compiler_params(
+      unsafe_no_auto_barriers=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES
+    ),
     interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
   )
   return kernel(lengths, stacked_queries, k_codes, k_scale, k_min, v_codes, v_stats)

@@ -1,0 +1,223 @@
+"""Static cost of the Mosaic GPU quantized decode kernels on a machine without a GPU.
+
+Compiles a kernel the way the GPU machine does, through jax's CUDA plugin, but for a compile-only
+H100 (XLA's deviceless compilation: a PJRT topology built from a target description instead of
+an attached device). Mosaic GPU's own pipeline turns the kernel into PTX there and dumps it;
+ptxas compiles that PTX for sm_90a, and the SASS of the main loop is read off as in
+`triton_static_cost.py` (same `loop_cost`): warp instructions per loop iteration by opcode,
+barriers, registers, shared memory, and the issue floor at the benchmark shape.
+
+What it is good for: comparing Mosaic kernels and their settings between GPU sessions. Against
+Nsight Compute on an H100 (KERNEL_NOTES v13), the dequantizing kernel's loop counts 2771
+instructions here and 2685 executed there, and the same 254-255 registers.
+
+Setup, in its own environment (the CUDA plugin must not sit in the test environment: on a
+machine without a GPU every jax import would try, and fail, to start CUDA):
+
+  python3 -m venv .venv-mosaic-analysis
+  .venv-mosaic-analysis/bin/pip install -e ".[dev,kernel-analysis]"
+  .venv-mosaic-analysis/bin/pip install --no-deps "jax-cuda13-plugin==$(
+    .venv-mosaic-analysis/bin/python -c 'import jax; print(jax.__version__)')" \
+    "jax-cuda13-pjrt==$(.venv-mosaic-analysis/bin/python -c 'import jax; print(jax.__version__)')"
+
+plus a CUDA >= 13 `ptxas` on PATH or under $MOSAIC_GPU_CUDA_ROOT/bin, with libdevice under
+$MOSAIC_GPU_CUDA_ROOT/nvvm/libdevice (default root /usr/local/cuda). cuobjdump is taken from the
+`triton` package (the kernel-analysis extra). No GPU and no CUDA driver are needed. Example:
+
+  PYTHONPATH=. .venv-mosaic-analysis/bin/python benchmarks/mosaic_static_cost.py \
+    --variants dequantize folded --bits 2 4
+"""
+
+import argparse
+import functools
+import glob
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+# The plugin refuses to start without cuDNN and the other CUDA libraries a device run needs;
+# compiling needs none of them. Read when jax loads its plugins, so set before jax is imported.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+DUMP_DIRECTORY = tempfile.mkdtemp(prefix="mosaic_static_cost_")
+os.environ["MOSAIC_GPU_DUMP_TO"] = DUMP_DIRECTORY
+os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
+os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import triton_static_cost  # noqa: E402  (needs the environment above first)
+
+# What XLA needs to know of the device to compile for it (GpuTargetConfigProto, text format):
+# an H100 SXM's published limits.
+H100_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 84942979072
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 feature_extension: ACCELERATED_FEATURES }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+  thread_dim_limit_x: 1024
+  thread_dim_limit_y: 1024
+  thread_dim_limit_z: 64
+  device_vendor: "NVIDIA Corporation"
+  platform_version: "Compute Capability 9.0a"
+  name: "NVIDIA H100 80GB HBM3"
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+BENCHMARK_SHAPE = dict(batch=8, kv_heads=8, group=4, head_dim=128, tokens=32768, group_size=32)
+
+
+def compile_only_device():
+  """A jax device standing for one H100 that can be compiled for but not run on."""
+  from jax._src import xla_bridge
+
+  topology = xla_bridge.make_pjrt_topology(
+    "cuda", "", topology="1x1x1", target_config=H100_TARGET_CONFIG
+  )
+  return topology._make_compile_only_devices()[0]
+
+
+def kernel_call(variant: str, bits: int, settings: dict):
+  """(function, abstract arguments) of one quantized Mosaic GPU kernel at the benchmark shape."""
+  from pallas_kernels import quantized_decode_attention_gpu
+
+  shape = BENCHMARK_SHAPE
+  module, entry_point = quantized_decode_attention_gpu.MOSAIC_GPU_KERNELS[variant]
+  call = functools.partial(
+    getattr(module, entry_point),
+    bits=bits,
+    group_size=shape["group_size"],
+    sm_scale=shape["head_dim"] ** -0.5,
+    **settings,
+  )
+  arguments = triton_static_cost.quantized_call_shapes(
+    shape["batch"],
+    shape["kv_heads"],
+    shape["group"],
+    shape["head_dim"],
+    shape["tokens"],
+    bits,
+    shape["group_size"],
+  )
+  return call, arguments
+
+
+def ptx_of(function, arguments, device) -> tuple[str, str]:
+  """(PTX, Mosaic's resource summary) of the one Mosaic GPU kernel in `function`."""
+  import jax
+
+  for stale in glob.glob(os.path.join(DUMP_DIRECTORY, "*")):
+    os.remove(stale)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in arguments]
+  jax.jit(function).trace(*placed).lower(lowering_platforms=("cuda",)).compile()
+  ptx = glob.glob(os.path.join(DUMP_DIRECTORY, "*.ptx"))
+  if len(ptx) != 1:
+    raise RuntimeError(f"expected one Mosaic GPU kernel's PTX in {DUMP_DIRECTORY}, found {ptx}")
+  resources = glob.glob(os.path.join(DUMP_DIRECTORY, "*.resources.txt"))
+  with open(ptx[0]) as f:
+    text = f.read()
+  summary = ""
+  if resources:
+    with open(resources[0]) as f:
+      summary = f.read()
+  return text, summary
+
+
+def tool(name: str) -> str:
+  root = os.environ.get("MOSAIC_GPU_CUDA_ROOT", "/usr/local/cuda")
+  for candidate in (os.path.join(root, "bin", name), shutil.which(name)):
+    if candidate and os.path.exists(candidate):
+      return candidate
+  raise FileNotFoundError(f"{name} not found under {root}/bin or on PATH (CUDA >= 13 needed)")
+
+
+def sass_of(ptx: str, workdir: str, name: str) -> tuple[str, str]:
+  """(SASS listing, cuobjdump resource usage) of PTX compiled for sm_90a."""
+  source = os.path.join(workdir, f"{name}.ptx")
+  cubin = os.path.join(workdir, f"{name}.cubin")
+  with open(source, "w") as f:
+    f.write(ptx)
+  subprocess.run([tool("ptxas"), "-arch=sm_90a", "-O3", source, "-o", cubin], check=True)
+  return triton_static_cost.disassemble(cubin)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument(
+    "--variants", nargs="+", default=["dequantize", "folded"], choices=["dequantize", "folded"]
+  )
+  parser.add_argument("--bits", nargs="+", type=int, default=[2], choices=[2, 4])
+  parser.add_argument(
+    "--configs",
+    default="[{}]",
+    help='JSON list of kernel settings, e.g. \'[{}, {"block_tokens": 64, "num_stages": 4}]\'',
+  )
+  parser.add_argument("--out", help="write the rows as JSON here")
+  args = parser.parse_args()
+
+  device = compile_only_device()
+  shape = BENCHMARK_SHAPE
+  programs_tokens = shape["batch"] * shape["kv_heads"] * shape["tokens"]
+  rows = []
+  with tempfile.TemporaryDirectory() as workdir:
+    for variant in args.variants:
+      for bits in args.bits:
+        for settings in json.loads(args.configs):
+          settings = {"block_tokens": 128, "num_stages": 2, **settings}
+          label = f"kivi{bits} {variant} " + ",".join(
+            f"{key}={value}" for key, value in sorted(settings.items())
+          )
+          ptx, resources = ptx_of(*kernel_call(variant, bits, settings), device)
+          sass, usage = sass_of(ptx, workdir, f"{variant}{bits}")
+          cost = triton_static_cost.loop_cost(
+            label,
+            sass,
+            usage,
+            "",
+            tokens_per_iteration=settings["block_tokens"],
+            warps=4,  # one warpgroup per program
+          )
+          shared = re.search(r"smem_scratch_bytes=(\d+)", resources)
+          cost.shared_bytes = int(shared.group(1)) if shared else -1
+          rows.append((cost, cost.floors_us(programs_tokens=programs_tokens)))
+
+  print(
+    "| kernel | regs | shared KB | instr/iter/warp | tokens/iter | thread instr/elem "
+    "| barriers/iter | issue floor us |"
+  )
+  print("|---|---:|---:|---:|---:|---:|---:|---:|")
+  for cost, floors in rows:
+    print(
+      f"| {cost.name} | {cost.registers} | {cost.shared_bytes / 1024:.0f} | {cost.instructions} "
+      f"| {cost.tokens_per_iteration} | {cost.per_element(shape['head_dim']):.1f} "
+      f"| {cost.barriers} | {floors['issue_us']:.0f} |"
+    )
+  for cost, _ in rows:
+    print(f"{cost.name}: {cost.opcodes}")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump([{**vars(cost), **floors} for cost, floors in rows], f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+  main()
