@@ -220,4 +220,7 @@ def main():
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  finally:
+    shutil.rmtree(DUMP_DIRECTORY, ignore_errors=True)

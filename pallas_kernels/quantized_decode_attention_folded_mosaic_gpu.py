@@ -335,8 +335,8 @@ def _folded_kernel(
       plgpu.wgmma(acc_ref, codes_smem.T, value_stack_smem.T)
       return acc_ref[...]
 
-    stacked_correction = jnp.concatenate(
-      [lax.broadcast_in_dim(correction, (head_dim, rows), [1])] * value_groups, axis=1
+    stacked_correction = lax.broadcast_in_dim(
+      stacked_correction_row, (head_dim, value_groups * rows), [1]
     )
     update = pl.run_scoped(value_product, plgpu.ACC((head_dim, value_groups * rows), jnp.float32))
     return acc * stacked_correction + update, new_max, running_sum, new_value_bias
