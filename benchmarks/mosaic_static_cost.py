@@ -5,7 +5,8 @@ H100 (XLA's deviceless compilation: a PJRT topology built from a target descript
 an attached device). Mosaic GPU's own pipeline turns the kernel into PTX there and dumps it;
 ptxas compiles that PTX for sm_90a, and the SASS of the main loop is read off as in
 `triton_static_cost.py` (same `loop_cost`): warp instructions per loop iteration by opcode,
-barriers, registers, shared memory, and the issue floor at the benchmark shape.
+barriers, registers, shared memory, the programs an SM can hold with those (CUDA's occupancy
+rules), and the issue floor at the benchmark shape.
 
 What it is good for: comparing Mosaic kernels and their settings between GPU sessions. Against
 Nsight Compute on an H100 (KERNEL_NOTES v13), the dequantizing kernel's loop counts 2771
@@ -83,7 +84,26 @@ platform_name: "CUDA"
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
 
+# An H100 SM's limits on resident programs (CUDA occupancy rules for sm_90).
+REGISTERS_PER_SM = 65536
+REGISTER_GRANULE = 8  # registers per thread are allocated in steps of 8 (256 per warp)
+SHARED_BYTES_PER_SM = 233472
+SHARED_BYTES_RESERVED_PER_PROGRAM = 1024  # the driver's, beside the kernel's own
+WARPS_PER_SM = 64
+THREADS_PER_PROGRAM = 128  # one warpgroup
+
 BENCHMARK_SHAPE = dict(batch=8, kv_heads=8, group=4, head_dim=128, tokens=32768, group_size=32)
+
+
+def programs_per_sm(registers: int, shared_bytes: int) -> int:
+  """Programs of one warpgroup an SM can hold at once: the fewest its registers, its shared
+  memory and its warp slots allow."""
+  granted = -(-registers // REGISTER_GRANULE) * REGISTER_GRANULE
+  return min(
+    REGISTERS_PER_SM // (granted * THREADS_PER_PROGRAM),
+    SHARED_BYTES_PER_SM // (shared_bytes + SHARED_BYTES_RESERVED_PER_PROGRAM),
+    WARPS_PER_SM // (THREADS_PER_PROGRAM // 32),
+  )
 
 
 def compile_only_device():
@@ -195,20 +215,23 @@ def main():
             usage,
             "",
             tokens_per_iteration=settings["block_tokens"],
-            warps=4,  # one warpgroup per program
+            warps=THREADS_PER_PROGRAM // 32,
           )
           shared = re.search(r"smem_scratch_bytes=(\d+)", resources)
           cost.shared_bytes = int(shared.group(1)) if shared else -1
-          rows.append((cost, cost.floors_us(programs_tokens=programs_tokens)))
+          floors = cost.floors_us(programs_tokens=programs_tokens)
+          floors["programs_per_sm"] = programs_per_sm(cost.registers, cost.shared_bytes)
+          rows.append((cost, floors))
 
   print(
-    "| kernel | regs | shared KB | instr/iter/warp | tokens/iter | thread instr/elem "
-    "| barriers/iter | issue floor us |"
+    "| kernel | regs | shared KB | programs/SM | instr/iter/warp | tokens/iter "
+    "| thread instr/elem | barriers/iter | issue floor us |"
   )
-  print("|---|---:|---:|---:|---:|---:|---:|---:|")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
   for cost, floors in rows:
     print(
-      f"| {cost.name} | {cost.registers} | {cost.shared_bytes / 1024:.0f} | {cost.instructions} "
+      f"| {cost.name} | {cost.registers} | {cost.shared_bytes / 1024:.0f} "
+      f"| {floors['programs_per_sm']} | {cost.instructions} "
       f"| {cost.tokens_per_iteration} | {cost.per_element(shape['head_dim']):.1f} "
       f"| {cost.barriers} | {floors['issue_us']:.0f} |"
     )

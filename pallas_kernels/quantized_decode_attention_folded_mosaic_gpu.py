@@ -11,9 +11,20 @@ per quantization group, stacked along the product's N side:
   keys:   scores^T [block, KG * rows] = codes [block, D] . Q'^T, Q'[k, r, c] = q[r, c] k_scale[k, c]
           (KG key groups per block); each token keeps the columns of its own group k and adds the
           bias q . k_min[k].
-  values: acc^T [D, VG * rows] += codes^T [D, block] . P'^T, P'[k, r, t] = p[r, t] v_scale[t, k]
+  values: acc^T [D, tiles * rows] += codes^T [D, block] . P'^T, P'[k, r, t] = p[r, t] v_scale[t, k]
           (VG value groups per head); after the last block each channel c keeps the columns of
           its group c // group_size and adds sum_t p v_min[t, k], accumulated beside.
+
+The N side of a product is a multiple of 8 (`tile_rows`), so a query group of 4 fills half of
+each key group's columns. On the key side that cannot be helped: a token picks its group's
+columns, and a column's thread must hold the same query row for every token. On the value side
+it can: the padding query rows repeat the real ones (row j is row j % real_rows), so every
+column of p is a real row's probabilities, and `value_slots` value groups share one tile of
+`tile_rows` columns, each in its own slot of real_rows columns (P' picks each column's group
+with a select). For the shapes of record (group 4, 4 value groups) the value accumulator is
+[D, 16] instead of [D, 32]: 16 registers fewer, half the P' stores and accumulator rescaling;
+at block 64 the kernel then fits 163 registers, three programs per SM (KERNEL_NOTES v16). After
+the kernel, `pick_value_slots` takes each channel's rows from its group's slot.
 
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
@@ -66,6 +77,7 @@ from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
 from pallas_kernels.splits import (
   gpu_target_programs,
   merge_split_partials,
+  next_power_of_two,
   pad_query_group,
   plan_splits,
 )
@@ -101,10 +113,20 @@ class _Exponents:
     return cls(code=_SUBNORMAL_UNIT_EXPONENT, query=QUERY_EXPONENT, probs=PROBS_EXPONENT)
 
 
-def stacks(block_tokens: int, head_dim: int, group_size: int, rows: int) -> tuple[int, int]:
-  """(N of the key product, N of the value product): rows per key group of a block, per value
-  group of the head."""
-  return block_tokens // group_size * rows, head_dim // group_size * rows
+def value_slots(group: int) -> tuple[int, int]:
+  """(real rows, slots): the query group padded to a power of two, and how many value groups
+  share one `tile_rows(group)`-column tile of the value product, side by side."""
+  real_rows = next_power_of_two(group)
+  return real_rows, max(1, tile_rows(group) // real_rows)
+
+
+def stacks(block_tokens: int, head_dim: int, group_size: int, group: int) -> tuple[int, int]:
+  """(N of the key product, N of the value product): `tile_rows` columns per key group of a
+  block; per value tile, `value_slots` value groups of the head side by side."""
+  rows = tile_rows(group)
+  _, slots = value_slots(group)
+  value_tiles = -(-(head_dim // group_size) // slots)
+  return block_tokens // group_size * rows, value_tiles * rows
 
 
 def unsupported_reason(
@@ -127,8 +149,7 @@ def unsupported_reason(
   block = block_tokens or DEFAULT_BLOCK_TOKENS
   if block % group_size:
     return f"group_size={group_size} with block_tokens={block} (whole key groups per block)"
-  rows = tile_rows(queries.shape[2])
-  if max(stacks(block, head_dim, group_size, rows)) > MAX_STACK:
+  if max(stacks(block, head_dim, group_size, queries.shape[2])) > MAX_STACK:
     return (
       f"query group {queries.shape[2]} with group_size={group_size}: a stacked operand would "
       f"have more than {MAX_STACK} rows"
@@ -136,10 +157,11 @@ def unsupported_reason(
   return None
 
 
-def shared_memory_bytes(rows, head_dim, bits, group_size, block_tokens, num_stages):
+def shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_stages):
   """Bytes of shared memory one program allocates."""
   words = head_dim * bits // 32
-  key_rows, value_rows = stacks(block_tokens, head_dim, group_size, rows)
+  rows = tile_rows(group)
+  key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
   slot = (
     2 * block_tokens * words * 4
     + 2 * (block_tokens // group_size) * head_dim * 2
@@ -152,12 +174,12 @@ def shared_memory_bytes(rows, head_dim, bits, group_size, block_tokens, num_stag
   return num_stages * slot + staged + operands + queries + results + REDUCTION_SCRATCH_BYTES
 
 
-def check_config(rows, head_dim, bits, group_size, *, block_tokens, num_stages, num_splits):
+def check_config(group, head_dim, bits, group_size, *, block_tokens, num_stages, num_splits):
   """ValueError naming the setting and its allowed values; raised before anything is traced."""
   dequantizing.check_settings(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
-  needed = shared_memory_bytes(rows, head_dim, bits, group_size, block_tokens, num_stages)
+  needed = shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_stages)
   if needed > SHARED_MEMORY_BYTES:
     raise ValueError(
       f"block_tokens={block_tokens} with num_stages={num_stages} needs {needed} bytes of shared "
@@ -193,13 +215,13 @@ def _stage_block(codes_smem, words_smem, *, slot, bits, emulate):
 
 def _folded_kernel(
   lengths_gmem,  # int32 [>= B]
-  queries_gmem,  # f32 [B, H, 2, D, rows]: q^T scaled by sm_scale; also by 2^(query - q)
+  queries_gmem,  # f32 [B, H, 2, D, rows]: q^T x sm_scale (x 2^(query - q)); padding rows repeat
   k_codes_gmem,  # uint32 [B, H, T, W]
   k_scale_gmem,  # bf16 [B, H, T / group_size, D]
   k_min_gmem,
   v_codes_gmem,
   v_stats_gmem,  # bf16 [B, H, 2 * D / group_size, T]: scales, then minimums
-  out_gmem,  # f32 [B, H, S, D, rows]
+  out_gmem,  # f32 [B, H, S, D, rows]: channel c's rows in the slot of its value group
   lse_gmem,  # f32 [B, H, S, rows]
   lengths_smem,
   queries_smem,  # f32 [2, D, rows]: for the key bias, for Q'
@@ -220,6 +242,8 @@ def _folded_kernel(
   num_stages: int,
   bits: int,
   group_size: int,
+  real_rows: int,
+  slots: int,
   emulate: bool,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
@@ -228,6 +252,7 @@ def _folded_kernel(
   head_dim, rows = queries_smem.shape[1:]
   key_groups = k_scale_smem.shape[1]
   value_groups = v_stats_smem.shape[1] // 2
+  value_tiles = value_stack_smem.shape[0] // rows
   exponents = _Exponents.for_run(emulate)
   score_scale = 2.0 ** (exponents.code - exponents.query)
   probs_scale = 2.0**exponents.probs
@@ -261,6 +286,19 @@ def _folded_kernel(
   token_in_block = plgpu.broadcasted_iota(
     jnp.int32, (block,), 0, layout=plgpu.Layout.WGMMA.reduce(1)
   )
+  # Column j of value tile i holds query row j % real_rows of value group i * slots + j //
+  # real_rows: the padding query rows repeat the real ones, so probs[:, j] is that row's.
+  value_slot = plgpu.broadcasted_iota(jnp.int32, (block, rows), 1, layout=plgpu.Layout.WGMMA) // (
+    real_rows
+  )
+
+  def value_tile(per_group, i):
+    """[block, rows]: each column's value group's per-token vector. Slots past the last group
+    keep the tile's first group: no channel reads their columns."""
+    tile = per_token(per_group[i * slots])
+    for s in range(1, min(slots, value_groups - i * slots)):
+      tile = jnp.where(value_slot == s, per_token(per_group[i * slots + s]), tile)
+    return tile
 
   def body(i, state):
     acc, running_max, running_sum, value_bias = state
@@ -318,14 +356,20 @@ def _folded_kernel(
     # Past the length p is 0 but the statistics may be NaN: they are zeroed there (a select per
     # token, before the broadcast over rows), and then products may be taken.
     valid_token = token_in_block + first < end
+    v_scales = [
+      jnp.where(valid_token, wgmma_row_vector(v_stats_smem[slot, k, :]), 0.0) * probs_scale
+      for k in range(value_groups)
+    ]
+    v_mins = [
+      jnp.where(valid_token, wgmma_row_vector(v_stats_smem[slot, value_groups + k, :]), 0.0)
+      for k in range(value_groups)
+    ]
     value_minimum_terms = []
-    for k in range(value_groups):
-      v_scale = jnp.where(valid_token, wgmma_row_vector(v_stats_smem[slot, k, :]), 0.0)
-      v_min = jnp.where(valid_token, wgmma_row_vector(v_stats_smem[slot, value_groups + k, :]), 0.0)
-      stacked = probs * per_token(v_scale * probs_scale)
-      value_stack_smem.at[pl.ds(k * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
-      value_minimum_terms.append(probs * per_token(v_min))
-    stacked_correction_row = jnp.concatenate([correction] * value_groups)
+    for i in range(value_tiles):
+      stacked = probs * value_tile(v_scales, i)
+      value_stack_smem.at[pl.ds(i * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
+      value_minimum_terms.append(probs * value_tile(v_mins, i))
+    stacked_correction_row = jnp.concatenate([correction] * value_tiles)
     new_value_bias = value_bias * stacked_correction_row + jnp.concatenate(
       value_minimum_terms, axis=1
     ).sum(axis=0)
@@ -336,17 +380,17 @@ def _folded_kernel(
       return acc_ref[...]
 
     stacked_correction = lax.broadcast_in_dim(
-      stacked_correction_row, (head_dim, value_groups * rows), [1]
+      stacked_correction_row, (head_dim, value_tiles * rows), [1]
     )
-    update = pl.run_scoped(value_product, plgpu.ACC((head_dim, value_groups * rows), jnp.float32))
+    update = pl.run_scoped(value_product, plgpu.ACC((head_dim, value_tiles * rows), jnp.float32))
     return acc * stacked_correction + update, new_max, running_sum, new_value_bias
 
   _, running_max, running_sum = initial_softmax_state(rows, head_dim)
   init = (
-    wgmma_layout(jnp.zeros((head_dim, value_groups * rows), jnp.float32)),
+    wgmma_layout(jnp.zeros((head_dim, value_tiles * rows), jnp.float32)),
     running_max,
     running_sum,
-    jnp.concatenate([running_sum] * value_groups),  # zeros [VG * rows], the same layout
+    jnp.concatenate([running_sum] * value_tiles),  # zeros [tiles * rows], the same layout
   )
   acc, running_max, running_sum, value_bias = lax.fori_loop(0, num_blocks, body, init)
 
@@ -355,11 +399,15 @@ def _folded_kernel(
     exponents.code - exponents.probs - code_exponent(channel, head_dim, bits)
   )
   out = jnp.zeros((head_dim, rows), jnp.float32)
-  stacked_out = acc * jnp.concatenate([output_scale] * value_groups, axis=1) + lax.broadcast_in_dim(
+  stacked_out = acc * jnp.concatenate([output_scale] * value_tiles, axis=1) + lax.broadcast_in_dim(
     value_bias, acc.shape, [1]
   )
-  for k in range(value_groups):
-    out = jnp.where(channel // group_size == k, stacked_out[:, k * rows : (k + 1) * rows], out)
+  # Each channel takes its value group's tile; only the columns of the group's slot are its
+  # rows (`pick_value_slots` takes them after the kernel).
+  for i in range(value_tiles):
+    out = jnp.where(
+      channel // group_size // slots == i, stacked_out[:, i * rows : (i + 1) * rows], out
+    )
   write_partials(
     (out, running_max, running_sum),
     out_smem,
@@ -402,9 +450,13 @@ def _folded_partials(
   batch, kv_heads, group, head_dim = queries.shape
   tokens, words = k_codes.shape[2], k_codes.shape[3]
   rows = tile_rows(group)
+  real_rows, slots = value_slots(group)
   exponents = _Exponents.for_run(interpret)
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, gpu_target_programs())
-  scaled = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, jnp.float32)
+  # Padding rows repeat the real rows (row j is row j % real_rows), so every value slot's columns
+  # hold real probabilities.
+  scaled = pad_query_group(queries.astype(jnp.float32) * sm_scale, real_rows, jnp.float32)
+  scaled = scaled[:, :, jnp.arange(rows) % real_rows]
   bias_queries = jnp.swapaxes(scaled, 2, 3)  # [B, H, D, rows]
   channel_scale = power_of_two(
     exponents.query - code_exponent(jnp.arange(head_dim, dtype=jnp.int32), head_dim, bits)
@@ -414,7 +466,7 @@ def _folded_partials(
   lengths = padded_lengths(lengths)
   key_groups = block_tokens // group_size
   value_groups = head_dim // group_size
-  key_rows, value_rows = stacks(block_tokens, head_dim, group_size, rows)
+  key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
   operand = functools.partial(swizzled_operand_transforms, dtype=jnp.bfloat16)
   kernel = plgpu.kernel(
     functools.partial(
@@ -424,6 +476,8 @@ def _folded_partials(
       num_stages=num_stages,
       bits=bits,
       group_size=group_size,
+      real_rows=real_rows,
+      slots=slots,
       emulate=interpret,
     ),
     out_type=(
@@ -465,7 +519,18 @@ def _folded_partials(
     ),
     interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
   )
-  return kernel(lengths, stacked_queries, k_codes, k_scale, k_min, v_codes, v_stats)
+  out, lse = kernel(lengths, stacked_queries, k_codes, k_scale, k_min, v_codes, v_stats)
+  return pick_value_slots(out, group_size, real_rows), lse[..., :real_rows]
+
+
+def pick_value_slots(out: jax.Array, group_size: int, real_rows: int) -> jax.Array:
+  """f32 [B, H, S, D, rows] -> [B, H, S, D, real_rows]: channel c's rows from its value group's
+  slot, columns [s * real_rows, (s + 1) * real_rows) with s = (c // group_size) % slots."""
+  head_dim, rows = out.shape[-2:]
+  slots = rows // real_rows
+  slot = jnp.arange(head_dim) // group_size % slots
+  columns = slot[:, None] * real_rows + jnp.arange(real_rows)[None, :]  # [D, real_rows]
+  return jnp.take_along_axis(out, jnp.broadcast_to(columns, out.shape[:-1] + (real_rows,)), -1)
 
 
 def folded_partials_mosaic_gpu(
@@ -486,8 +551,8 @@ def folded_partials_mosaic_gpu(
   num_stages: int = 2,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """Per-split partials (out^T f32 [B,H,S,D,rows], lse f32 [B,H,S,rows]). Settings and shapes
-  are checked (ValueError) before anything is traced."""
+  """Per-split partials (out^T f32 [B,H,S,D,R], lse f32 [B,H,S,R]; R: the query group padded to
+  a power of two). Settings and shapes are checked (ValueError) before anything is traced."""
   dequantizing.check_settings(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
@@ -499,7 +564,7 @@ def folded_partials_mosaic_gpu(
       f"the folded Mosaic GPU quantized decode-attention kernel does not support {reason}"
     )
   check_config(
-    tile_rows(queries.shape[2]),
+    queries.shape[2],
     queries.shape[3],
     bits,
     group_size,

@@ -5,8 +5,9 @@ These fixtures let the kvjax Flax decoders be checked against Hugging Face
 
 Outputs (each directory is well under 1 MB)::
 
-    tests/fixtures/tiny_llama/{config.json, model.safetensors, generation_config.json, reference.npz}
-    tests/fixtures/tiny_mistral/{config.json, model.safetensors, generation_config.json, reference.npz}
+    tests/fixtures/tiny_llama/    config.json, model.safetensors, generation_config.json,
+                                  reference.npz
+    tests/fixtures/tiny_mistral/  the same four files
 
 ``tiny_llama``: GQA (8 query heads, 2 KV heads), head_dim=16 != hidden/heads=8,
 untied lm_head, llama3 RoPE scaling with original_max_position_embeddings=32 so
@@ -224,7 +225,8 @@ def check_sliding_window(model, cfg, long_ids) -> str:
     assert np.array_equal(vis, expected), f"layer {li}: visibility != (0 <= i-j < {W})"
     assert np.array_equal(invis, ~expected), f"layer {li}: masked keys get weight"
   print(
-    f"  attention weights (all {L} layers, all heads): key j visible from query i  <=>  0 <= i - j < {W}"
+    f"  attention weights (all {L} layers, all heads): "
+    f"key j visible from query i  <=>  0 <= i - j < {W}"
   )
 
   # 2) perturbation: last logits vs a changed token d positions back (2 layers => reach 2*(W-1))

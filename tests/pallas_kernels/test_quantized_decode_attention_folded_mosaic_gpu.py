@@ -20,11 +20,10 @@ from kvjax import attention_dispatch
 from pallas_kernels import quantized_decode_attention_folded_mosaic_gpu as folded
 from pallas_kernels import quantized_decode_attention_gpu
 from pallas_kernels.bit_packing import pack_codes
-from pallas_kernels.decode_attention_mosaic_gpu import tile_rows
 from pallas_kernels.quantized_decode_attention_reference import (
   quantized_decode_attention_reference,
 )
-from pallas_kernels.splits import merge_split_partials
+from pallas_kernels.splits import merge_split_partials, next_power_of_two
 from pallas_kernels.subnormal_codes import code_exponent
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
@@ -57,7 +56,8 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
   out_t, lse_p = folded.folded_partials_mosaic_gpu(
     *arrays, **quantization, sm_scale=sm_scale, interpret=interpret, **config
   )
-  assert out_t.shape[-2:] == (head_dim, tile_rows(group)) and lse_p.shape[-1] == tile_rows(group)
+  real_rows = next_power_of_two(group)
+  assert out_t.shape[-2:] == (head_dim, real_rows) and lse_p.shape[-1] == real_rows
   assert_all_written(out_t, lse_p)
   out, lse = merge_split_partials(out_t, lse_p, group, head_dim_last=False)
   ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=sm_scale)
@@ -79,7 +79,8 @@ def test_folded_mosaic_gpu_kernel_matches_reference(
   bits, head_dim, group, group_size, tokens, config
 ):
   """Capacities that are not a multiple of the block, 1 to 8 key groups per block and 1 to 8
-  value groups per head (stacks of 8 to 64 rows), query groups 1 to 16, 1 to 3 splits."""
+  value groups per head (stacks of 8 to 64 rows; value groups in 1, 2, 4 or 8 slots of a tile,
+  a last tile with an unused slot), query groups 1 to 16, 1 to 3 splits."""
   _check(
     head_dim=head_dim,
     group=group,
@@ -94,6 +95,33 @@ def test_folded_mosaic_gpu_kernel_matches_reference(
 def test_folded_mosaic_gpu_kernel_batch_of_unequal_rows():
   """Five rows of different lengths, one of them empty, on the default settings."""
   _check(head_dim=128, group=4, bits=2, group_size=32, tokens=160, batch=5, seed=5, num_splits=2)
+
+
+@pytest.mark.parametrize(
+  "block_tokens,head_dim,group_size,group,expected",
+  [
+    (128, 128, 32, 4, (32, 16)),  # the shapes of record: two value groups per tile
+    (64, 128, 16, 2, (32, 16)),  # eight value groups, four per tile
+    (128, 128, 32, 8, (32, 32)),  # a full query group: one per tile
+    (128, 64, 64, 3, (16, 8)),  # one value group, in the first of two slots
+    (128, 128, 128, 1, (8, 8)),
+  ],
+)
+def test_value_groups_share_a_tile_in_slots(block_tokens, head_dim, group_size, group, expected):
+  """(N of the key product, N of the value product): 8 columns per key group, and on the value
+  side 8 // R value groups per 8-column tile (R: the group padded to a power of two)."""
+  assert folded.stacks(block_tokens, head_dim, group_size, group) == expected
+
+
+def test_pick_value_slots_takes_each_channels_rows_from_its_groups_slot():
+  head_dim, rows, real_rows, group_size = 64, 8, 2, 8  # 8 value groups in 4 slots of 2 columns
+  out = np.arange(3 * head_dim * rows, dtype=np.float32).reshape(3, head_dim, rows)
+  picked = np.asarray(folded.pick_value_slots(jnp.asarray(out), group_size, real_rows))
+  for channel in range(head_dim):
+    slot = channel // group_size % (rows // real_rows)
+    np.testing.assert_array_equal(
+      picked[:, channel], out[:, channel, slot * real_rows : (slot + 1) * real_rows]
+    )
 
 
 def _planar_words(rng, bits, head_dim, rows=64):
