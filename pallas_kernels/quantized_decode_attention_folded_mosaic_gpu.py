@@ -117,7 +117,7 @@ def value_slots(group: int) -> tuple[int, int]:
   """(real rows, slots): the query group padded to a power of two, and how many value groups
   share one `tile_rows(group)`-column tile of the value product, side by side."""
   real_rows = next_power_of_two(group)
-  return real_rows, max(1, tile_rows(group) // real_rows)
+  return real_rows, tile_rows(group) // real_rows
 
 
 def stacks(block_tokens: int, head_dim: int, group_size: int, group: int) -> tuple[int, int]:
@@ -243,7 +243,6 @@ def _folded_kernel(
   bits: int,
   group_size: int,
   real_rows: int,
-  slots: int,
   emulate: bool,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
@@ -252,6 +251,7 @@ def _folded_kernel(
   head_dim, rows = queries_smem.shape[1:]
   key_groups = k_scale_smem.shape[1]
   value_groups = v_stats_smem.shape[1] // 2
+  slots = rows // real_rows  # value groups per value tile (`value_slots`)
   value_tiles = value_stack_smem.shape[0] // rows
   exponents = _Exponents.for_run(emulate)
   score_scale = 2.0 ** (exponents.code - exponents.query)
@@ -450,7 +450,7 @@ def _folded_partials(
   batch, kv_heads, group, head_dim = queries.shape
   tokens, words = k_codes.shape[2], k_codes.shape[3]
   rows = tile_rows(group)
-  real_rows, slots = value_slots(group)
+  real_rows, _ = value_slots(group)
   exponents = _Exponents.for_run(interpret)
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, gpu_target_programs())
   # Padding rows repeat the real rows (row j is row j % real_rows), so every value slot's columns
@@ -477,7 +477,6 @@ def _folded_partials(
       bits=bits,
       group_size=group_size,
       real_rows=real_rows,
-      slots=slots,
       emulate=interpret,
     ),
     out_type=(
