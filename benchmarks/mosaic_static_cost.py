@@ -6,7 +6,8 @@ an attached device). Mosaic GPU's own pipeline turns the kernel into PTX there a
 ptxas compiles that PTX for sm_90a, and the SASS of the main loop is read off as in
 `triton_static_cost.py` (same `loop_cost`): warp instructions per loop iteration by opcode,
 barriers, registers, shared memory, the programs an SM can hold with those (CUDA's occupancy
-rules), and the issue floor at the benchmark shape.
+rules), each warpgroup MMA's shadow (the instructions issued between the MMA and the wait for
+it, which overlap the tensor core), and the issue floor at the benchmark shape.
 
 What it is good for: comparing Mosaic kernels and their settings between GPU sessions. Against
 Nsight Compute on an H100 (KERNEL_NOTES v13), the dequantizing kernel's loop counts 2771
@@ -225,15 +226,16 @@ def main():
 
   print(
     "| kernel | regs | shared KB | programs/SM | instr/iter/warp | tokens/iter "
-    "| thread instr/elem | barriers/iter | issue floor us |"
+    "| thread instr/elem | barriers/iter | wgmma shadows | issue floor us |"
   )
-  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for cost, floors in rows:
     print(
       f"| {cost.name} | {cost.registers} | {cost.shared_bytes / 1024:.0f} "
       f"| {floors['programs_per_sm']} | {cost.instructions} "
       f"| {cost.tokens_per_iteration} | {cost.per_element(shape['head_dim']):.1f} "
-      f"| {cost.barriers} | {floors['issue_us']:.0f} |"
+      f"| {cost.barriers} | {' / '.join(map(str, cost.wgmma_shadows))} "
+      f"| {floors['issue_us']:.0f} |"
     )
   for cost, _ in rows:
     print(f"{cost.name}: {cost.opcodes}")

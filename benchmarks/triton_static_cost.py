@@ -113,6 +113,23 @@ def main_loop_instructions(instructions) -> list[tuple[str, str]]:
   ]
 
 
+def wgmma_shadows(body: list[tuple[str, str]]) -> list[int]:
+  """For each warpgroup MMA in a loop body (WARPGROUP.ARRIVE up to its WARPGROUP.DEPBAR wait),
+  the other instructions the warps issue in between: work that overlaps the tensor core
+  instead of waiting for it."""
+  shadows, open_count = [], None
+  for opcode, _ in body:
+    if opcode.startswith("WARPGROUP.ARRIVE"):
+      open_count = 0
+    elif opcode.startswith("WARPGROUP.DEPBAR"):
+      if open_count is not None:
+        shadows.append(open_count)
+      open_count = None
+    elif open_count is not None and not opcode.startswith("HGMMA"):
+      open_count += 1
+  return shadows
+
+
 @dataclass
 class LoopCost:
   name: str
@@ -126,6 +143,7 @@ class LoopCost:
   tokens_per_iteration: int
   warps: int
   opcodes: dict
+  wgmma_shadows: list  # `wgmma_shadows`: instructions issued while each warpgroup MMA runs
 
   def per_element(self, head_dim: int) -> float:
     """Thread instructions per cached K or V element (one lane of a warp instruction each)."""
@@ -163,6 +181,7 @@ def loop_cost(name, sass: str, resources: str, ttgir: str, *, tokens_per_iterati
     tokens_per_iteration=tokens_per_iteration,
     warps=warps,
     opcodes=dict(by_base.most_common(20)),
+    wgmma_shadows=wgmma_shadows(body_instructions),
   )
 
 

@@ -59,6 +59,27 @@ def test_loop_cost_counts_wavefronts_barriers_and_mma():
   assert floors["shared_us"] == pytest.approx(4 * 4 * 9 / 1.755e9 * 1e6)
 
 
+def test_wgmma_shadows_count_what_is_issued_between_each_mma_and_its_wait():
+  body = [
+    ("FMUL", ""),  # before the first MMA: not in a shadow
+    ("WARPGROUP.ARRIVE", ""),
+    ("HGMMA.64x32x16.F32.BF16", ""),
+    ("FFMA", ""),
+    ("HGMMA.64x32x16.F32.BF16", ""),
+    ("SHFL.BFLY", ""),
+    ("BAR.SYNC.DEFER_BLOCKING", ""),
+    ("WARPGROUP.DEPBAR.LE", ""),
+    ("FADD", ""),
+    ("WARPGROUP.ARRIVE", ""),
+    ("HGMMA.64x16x16.F32.BF16", ""),
+    ("WARPGROUP.DEPBAR.LE", ""),
+    ("WARPGROUP.DEPBAR.LE", ""),  # a second wait opens no shadow
+  ]
+  assert static_cost.wgmma_shadows(body) == [3, 0]
+  toy = static_cost.loop_cost("toy", SASS, "", "", tokens_per_iteration=32, warps=4)
+  assert toy.wgmma_shadows == []  # an mma.sync loop has no warpgroup MMA
+
+
 def test_a_listing_without_a_loop_is_refused():
   with pytest.raises(ValueError, match="no backward branch"):
     static_cost.main_loop_instructions(static_cost.parse_sass(SASS.replace("BRA 0x20", "BRA 0x90")))

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The next GPU session's work, one device call per step (KERNEL_NOTES "What to try next",
+# item 1): the folded Mosaic GPU kernel checked natively, then timed beside folded Triton,
+# then profiled. Each step ends well inside the device tool's 10-minute limit per call.
+#
+#   bash benchmarks/gpu_session.sh check    # native tests + generate check        (~5 min)
+#   bash benchmarks/gpu_session.sh sweep    # 32k sweep + the 32k table             (~4 min)
+#   bash benchmarks/gpu_session.sh ncu '{"lowering": "mosaic_gpu", "variant": "folded"}'
+#
+# Run from the repository root, on the device image's python3 (jax 0.11.2 with CUDA; nothing
+# to install: the kernels and checks import no package the image lacks). Logs and JSON go to
+# $OUT (the device tool's folder that comes back) or, without it, to ./gpu_session_out.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+out="${OUT:-gpu_session_out}"
+mkdir -p "$out"
+python="${PYTHON:-python3}"
+
+# The folded Mosaic rows: v16's default (block 128, 2 stages), 3 stages, and block 64, where
+# three programs fit per SM, with the planner's splits and with 37 (whole waves at 3 per SM).
+folded='{"lowering": "mosaic_gpu", "variant": "folded"'
+sweep_configs="[{}, ${folded}}, ${folded}, \"num_stages\": 3}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 4}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"num_splits\": 37}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 3, \"num_splits\": 37}]"
+
+case "${1:-}" in
+  check)
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/device.txt"
+    # Native, not interpret: this is what checks v15's removal of the automatic store barriers.
+    KVJAX_NATIVE_KERNELS=1 "$python" -m pytest -q -x -p no:cacheprovider \
+      tests/pallas_kernels/test_quantized_decode_attention_folded_mosaic_gpu.py \
+      tests/pallas_kernels/test_quantized_decode_attention_mosaic_gpu.py 2>&1 |
+      tee "$out/native_tests.log"
+    "$python" benchmarks/generate_kernels_check.py 2>&1 | tee "$out/generate_kernels_check.log"
+    ;;
+  sweep)
+    "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
+      --sweep-configs "$sweep_configs" --out "$out/decode_attention_sweep_32k.json" 2>&1 |
+      tee "$out/decode_attention_sweep_32k.log"
+    ;;
+  ncu)
+    config="${2:?ncu needs a kernel config, e.g. '{\"lowering\": \"mosaic_gpu\", \"variant\": \"folded\"}'}"
+    # Filtered to the Mosaic kernel: an unfiltered profile of XLA's fusions failed in v13.
+    ncu --target-processes all --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 \
+      --set full --import-source no -o "$out/folded_mosaic" -f \
+      "$python" benchmarks/profile_quantized_kernel.py --bits 2 --kernel-config "$config" 2>&1 |
+      tee "$out/ncu.log"
+    ncu --import "$out/folded_mosaic.ncu-rep" --page details > "$out/ncu_details.txt"
+    ncu --import "$out/folded_mosaic.ncu-rep" --page source --csv --print-source sass \
+      > "$out/ncu_sass.csv"
+    "$python" benchmarks/ncu_sass_summary.py "$out/ncu_sass.csv" | tee "$out/ncu_sass_summary.txt"
+    ;;
+  *)
+    echo "usage: $0 check | sweep | ncu '<kernel config JSON>'" >&2
+    exit 2
+    ;;
+esac
