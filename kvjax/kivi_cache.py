@@ -6,7 +6,9 @@ Storage of one layer (`KiviLayerCache`):
     `group_size` tokens, values per token over groups of `group_size` channels, codes packed
     into uint32 words, scales/minimums in the cache dtype at their true granularity;
   - a full-precision window of `window` (KIVI's residual R) slots holding each row's most
-    recent tokens, fewer than `window` of them between operations.
+    recent tokens, fewer than `window` of them between operations. A cache allocated for fewer
+    than R tokens never flushes a block, so its window has only as many slots as it was asked
+    to hold (short generations then cost what the full cache costs, not R tokens' worth).
 
 Segment schedule. The K and V of a token always live in the same segment, and the segment
 holds whole blocks of `window` tokens:
@@ -185,11 +187,13 @@ class KiviLayerCache:
     """A cache that holds at least `capacity` tokens per row."""
     codec.check_head_dim(head_dim)
     quantized_capacity = capacity // codec.window * codec.window
+    # A cache that never flushes a block needs no more window slots than tokens it holds.
+    window_slots = codec.window if quantized_capacity else max(int(capacity), 1)
     segment_shapes = jax.eval_shape(
       lambda keys, values: codec.encode(keys, values, dtype),
       *[jax.ShapeDtypeStruct((batch, kv_heads, quantized_capacity, head_dim), dtype)] * 2,
     )
-    window_shape = (batch, kv_heads, codec.window, head_dim)
+    window_shape = (batch, kv_heads, window_slots, head_dim)
     return cls(
       segment=jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), segment_shapes),
       window_keys=jnp.zeros(window_shape, dtype),
@@ -203,7 +207,13 @@ class KiviLayerCache:
 
   @property
   def window(self) -> int:
+    """Tokens per flushed block (KIVI's residual R)."""
     return self.codec.window
+
+  @property
+  def window_slots(self) -> int:
+    """Full-precision slots: `window`, or fewer in a cache smaller than one block."""
+    return self.window_keys.shape[2]
 
   @property
   def quantized_capacity(self) -> int:
@@ -211,7 +221,10 @@ class KiviLayerCache:
 
   @property
   def capacity(self) -> int:
-    """Most tokens a row can hold (the window is flushed as soon as it fills)."""
+    """Most tokens a row can hold (the window is flushed as soon as it fills; a cache smaller
+    than one block never flushes and holds as many tokens as its window has slots)."""
+    if not self.quantized_capacity:
+      return self.window_slots
     return self.quantized_capacity + self.window - 1
 
   @property
@@ -254,13 +267,14 @@ class KiviLayerCache:
       )
 
     # The window takes tokens [quantized_length, length) of each row, slot 0 onward.
-    token_index = jnp.minimum(quantized_lengths[:, None] + jnp.arange(window), prompt_len - 1)
+    slots = self.window_slots
+    token_index = jnp.minimum(quantized_lengths[:, None] + jnp.arange(slots), prompt_len - 1)
     token_index = jnp.broadcast_to(
-      token_index[:, None, :, None], (batch, kv_heads, window, head_dim)
+      token_index[:, None, :, None], (batch, kv_heads, slots, head_dim)
     )
-    in_window = (jnp.arange(window)[None, :] < window_lengths[:, None])[:, None, :, None]
+    in_window = (jnp.arange(slots)[None, :] < window_lengths[:, None])[:, None, :, None]
 
-    def gather_window(x):  # [B, H, prompt, D] -> [B, H, window, D], zero past the window length
+    def gather_window(x):  # [B, H, prompt, D] -> [B, H, slots, D], zero past the window length
       gathered = jnp.take_along_axis(x, token_index, axis=2)
       return jnp.where(in_window, gathered, jnp.zeros((), x.dtype))
 
@@ -279,7 +293,7 @@ class KiviLayerCache:
     window_values = write_token_at_lengths(self.window_values, values, self.window_lengths)
     window_lengths = self.window_lengths + 1
     # Rows whose window just filled. A cache smaller than one block (static) never flushes:
-    # it holds at most window - 1 tokens, and appending past that is a capacity error.
+    # it holds at most `window_slots` tokens, and appending past that is a capacity error.
     flush = (window_lengths == window) & (self.quantized_capacity > 0)  # bool [B]
 
     segment = self.segment
@@ -347,7 +361,8 @@ class KiviLayerCache:
     return out
 
   def dequantized(self) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(K, V float32 [B, H, quantized_capacity + window, D], lengths): every slot materialised.
+    """(K, V float32 [B, H, quantized_capacity + window_slots, D], lengths): every slot
+    materialised.
 
     Row b's tokens are slots [0, quantized_lengths[b]) then the window's [0, window_lengths[b])
     at slots quantized_capacity onward. Tests and analysis only; attention never does this.
@@ -367,7 +382,7 @@ class KiviLayerCache:
   @property
   def stored_elements(self) -> int:
     batch, kv_heads, _, head_dim = self.window_keys.shape
-    return 2 * batch * kv_heads * (self.quantized_capacity + self.window) * head_dim
+    return 2 * batch * kv_heads * (self.quantized_capacity + self.window_slots) * head_dim
 
   @property
   def bits_per_element(self) -> float:

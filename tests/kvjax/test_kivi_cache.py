@@ -207,11 +207,29 @@ def test_a_cache_smaller_than_one_block_keeps_everything_in_the_window():
     batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D, dtype=jnp.float32
   )
   assert cache.quantized_capacity == 0
-  keys, values = _random(0, B, H, PROMPT, D), _random(1, B, H, PROMPT, D)
+  # It never flushes, so its window has the slots it was asked for, not the residual's 64: it
+  # costs what the full cache of that capacity costs (plus one more lengths array).
+  assert cache.window_slots == cache.capacity == CAPACITY
+  full = FullCache().allocate_storage(
+    batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D, dtype=jnp.float32
+  )
+  assert cache.nbytes == full.nbytes + B * 4
+  keys, values = _random(0, B, H, CAPACITY, D), _random(1, B, H, CAPACITY, D)
   cache = _ingest(cache, keys, values, jnp.asarray([1, 40], jnp.int32))
   cache = _append(cache, keys[:, :, 40], values[:, :, 40])
   np.testing.assert_array_equal(cache.window_lengths, [2, 41])
   queries = _random(5, B, H, G, D)
+  np.testing.assert_allclose(
+    _attend(cache, queries, 0.2), explicit_attention(cache, queries, 0.2), atol=1e-5
+  )
+  # Row 1 fills every slot; its last token is kept and attended to.
+  rows = np.arange(B)
+  for step in range(CAPACITY - 41):
+    position = np.asarray([2, 41]) + step
+    cache = _append(cache, keys[rows, :, position], values[rows, :, position])
+  np.testing.assert_array_equal(cache.window_lengths, [9, CAPACITY])
+  np.testing.assert_array_equal(cache.room, [CAPACITY - 9, 0])
+  np.testing.assert_array_equal(cache.window_keys[1], keys[1])
   np.testing.assert_allclose(
     _attend(cache, queries, 0.2), explicit_attention(cache, queries, 0.2), atol=1e-5
   )
