@@ -16,7 +16,8 @@ head, for keys and for values separately, as a [block, head_dim] matrix X:
 
 K_hat = deq(codes) + S + A B^T. Storage is the pinned format of
 `pallas_kernels.quantized_decode_attention_reference` (factors `k_a [B,H,T,r]`,
-`k_b [B,H,T/block,D,r]`, COO outliers `[B,H,T/block,s]`, int32 flat index t_local*D + d).
+`k_b [B,H,T/block,D,r]`, COO outliers `[B,H,T/block,s]`, flat index t_local*D + d stored as
+uint16, 2 bytes per outlier, where a block has at most 2^16 entries, else int32).
 Attention sums the quantized, low-rank and sparse terms separately (no dequantized K/V for the
 whole context) and merges with the full-precision window by log-sum-exp, exactly as KIVI.
 

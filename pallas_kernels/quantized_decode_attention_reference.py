@@ -15,8 +15,10 @@ Storage (all arrays [batch, kv_heads, ...]; see DESIGN.md "Quantized storage"):
   v_scale, v_min [B, H, T, D/group_size]  (per token, groups of `group_size` channels).
 GEAR extras, per block of `block` tokens (block j holds tokens [j*block, (j+1)*block)):
   lowrank = (k_a [B,H,T,r], k_b [B,H,T/block,D,r], v_a, v_b): K[t] += k_a[t] @ k_b[j].T;
-  outliers = (k_index int32 [B,H,T/block,s], k_value [B,H,T/block,s], v_index, v_value):
-    flat index t_local*D + d within the block; K[j*block + t_local, d] += value.
+  outliers = (k_index [B,H,T/block,s], k_value [B,H,T/block,s], v_index, v_value):
+    flat index t_local*D + d within the block; K[j*block + t_local, d] += value. The caches
+    store the index as uint16 where a block has at most 2^16 elements (`outlier_index_dtype`);
+    any integer dtype is accepted.
 """
 
 import math
@@ -26,6 +28,16 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.bit_packing import check_bits, unpack_codes
+
+# Outlier indices are flat positions within one block; below this many elements they fit uint16.
+_UINT16_POSITIONS = 1 << 16
+
+
+def outlier_index_dtype(block_elements: int):
+  """The dtype GEAR's outlier indices are stored in, for blocks of `block_elements` (block x
+  head_dim) entries: uint16 (2 bytes instead of 4 per outlier) where every position fits."""
+  return jnp.uint16 if block_elements <= _UINT16_POSITIONS else jnp.int32
+
 
 # Chunk length the reference scans by (rounded to the storage's granularity): large enough
 # that each step is a few batched matmuls, small enough that a chunk's dequantized

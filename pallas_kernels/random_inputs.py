@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.bit_packing import pack_codes
+from pallas_kernels.quantized_decode_attention_reference import outlier_index_dtype
 
 
 class QuantizedSegment(NamedTuple):
@@ -163,8 +164,10 @@ def _random_quantized_segment(
   outliers = None
   if outliers_per_block:
     shape = (batch, kv_heads, tokens // block, outliers_per_block)
-    k_index = random.randint(keys[10], shape, 0, block * head_dim, jnp.int32)
-    v_index = random.randint(keys[11], shape, 0, block * head_dim, jnp.int32)
+    # In the caches' index dtype, so kernels and benchmarks read what a GEAR cache stores.
+    index_dtype = outlier_index_dtype(block * head_dim)
+    k_index = random.randint(keys[10], shape, 0, block * head_dim, jnp.int32).astype(index_dtype)
+    v_index = random.randint(keys[11], shape, 0, block * head_dim, jnp.int32).astype(index_dtype)
     value_keys = random.split(keys[9], 2)
     k_value = (3.0 * random.normal(value_keys[0], shape, jnp.float32)).astype(dtype)
     v_value = (3.0 * random.normal(value_keys[1], shape, jnp.float32)).astype(dtype)

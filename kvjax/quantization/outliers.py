@@ -1,7 +1,8 @@
 """GEAR's sparse outliers: the largest and smallest entries of a block, in fixed-count COO form.
 
-Static shapes: every block keeps exactly `2 * count_per_side` entries (int32 flat indices +
-values), whatever its data, so the storage is a plain array and jit never sees a ragged shape.
+Static shapes: every block keeps exactly `2 * count_per_side` entries (flat indices + values),
+whatever its data, so the storage is a plain array and jit never sees a ragged shape. Indices are
+uint16 where the rows have at most 2^16 entries (GEAR's 64 x 128 blocks: 8192), int32 beyond.
 """
 
 import math
@@ -10,9 +11,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.quantized_decode_attention_reference import outlier_index_dtype
+
 
 class Outliers(NamedTuple):
-  indices: jax.Array  # int32 [..., 2 * count_per_side]: largest first, then smallest
+  indices: jax.Array  # [..., 2 * count_per_side] `outlier_index_dtype(N)`: largest, then smallest
   values: jax.Array  # [..., 2 * count_per_side], same dtype as the input
   mask: jax.Array  # bool [..., N]: True at the extracted positions
 
@@ -44,7 +47,8 @@ def _extract_one(
   # even when ties (a constant block) would let top_k pick the same index from both ends.
   remaining = jnp.where(taken, jnp.inf, x.astype(jnp.float32))
   _, smallest_indices = jax.lax.top_k(-remaining, count_per_side)
-  indices = jnp.concatenate([largest_indices, smallest_indices]).astype(jnp.int32)
+  indices = jnp.concatenate([largest_indices, smallest_indices])
+  indices = indices.astype(outlier_index_dtype(x.shape[-1]))
   taken = taken.at[smallest_indices].set(True)
   return indices, x[indices], taken
 
@@ -64,7 +68,7 @@ def extract_outliers(
     )
   if count_per_side == 0:
     return Outliers(
-      indices=jnp.zeros(x.shape[:-1] + (0,), jnp.int32),
+      indices=jnp.zeros(x.shape[:-1] + (0,), outlier_index_dtype(elements)),
       values=jnp.zeros(x.shape[:-1] + (0,), x.dtype),
       mask=jnp.zeros(x.shape, bool),
     )
@@ -75,7 +79,7 @@ def extract_outliers(
 
 
 def scatter_outliers(
-  indices: jax.Array,  # int32 [..., s]
+  indices: jax.Array,  # integer [..., s]
   values: jax.Array,  # [..., s]
   elements: int,  # N
 ) -> jax.Array:  # float32 [..., N]

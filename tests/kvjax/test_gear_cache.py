@@ -35,7 +35,7 @@ def test_spec_strings_parse_to_gear_with_the_authors_defaults():
   )
   assert isinstance(cache, GearLayerCache) and cache.quantized_capacity == 192
   k_index, k_value, v_index, v_value = cache.segment.outliers
-  assert k_index.shape == v_value.shape == (1, 3, 3, 82) and k_index.dtype == jnp.int32
+  assert k_index.shape == v_value.shape == (1, 3, 3, 82) and k_index.dtype == jnp.uint16
   k_a, k_b, _, _ = cache.segment.lowrank
   assert k_a.shape == (1, 3, 192, 2) and k_b.shape == (1, 3, 3, 64, 2)
   gear_l = Gear(outliers=0).allocate_storage(
@@ -116,7 +116,7 @@ def test_storage_and_nbytes_count_codes_stats_factors_outliers_and_window():
   codes = 2 * B * H * 64 * (D // 8) * 4
   stats = 2 * B * H * (64 // 16) * D * 2 + 2 * B * H * 64 * (D // 16) * 2
   factors = 2 * (B * H * 64 * 2 * 2 + B * H * 2 * D * 2 * 2)
-  outliers = 2 * B * H * 2 * 2 * per_side * (4 + 2)
+  outliers = 2 * B * H * 2 * 2 * per_side * (2 + 2)  # uint16 index, bfloat16 value
   window = 2 * B * H * 32 * D * 2
   assert cache.nbytes == codes + stats + factors + outliers + window + 2 * B * 4
   assert cache.stored_elements == 2 * B * H * (64 + 32) * D

@@ -30,7 +30,7 @@ def test_extraction_keeps_exactly_the_count_and_the_extreme_entries(
   per_side = outlier_count_per_side(fraction, elements)
   out = jax.jit(extract_outliers, static_argnums=1)(jnp.asarray(x), per_side)
   indices, values, mask = (np.asarray(a) for a in out)
-  assert indices.shape == values.shape == (rows, 2 * per_side) and indices.dtype == np.int32
+  assert indices.shape == values.shape == (rows, 2 * per_side) and indices.dtype == np.uint16
   for row in range(rows):
     assert len(set(indices[row].tolist())) == 2 * per_side  # exactly the count, no repeats
     np.testing.assert_array_equal(values[row], x[row, indices[row]])
@@ -64,3 +64,16 @@ def test_count_rounding_is_half_up_with_at_least_one_per_side():
 def test_fractions_outside_zero_to_half_are_rejected(fraction):
   with pytest.raises(ValueError, match=r"outliers=.* must be a fraction in \[0, 0.5\)"):
     outlier_count_per_side(fraction, 64)
+
+
+@pytest.mark.parametrize("elements, dtype", [(1 << 16, np.uint16), ((1 << 16) + 1, np.int32)])
+def test_indices_are_uint16_while_every_position_fits_and_int32_beyond(elements, dtype):
+  # The extreme entries sit at the last positions, so a narrower dtype would wrap them around.
+  x = np.zeros((1, elements), np.float32)
+  x[0, -1], x[0, -2] = 5.0, -5.0
+  indices, values, mask = extract_outliers(jnp.asarray(x), 1)
+  assert indices.dtype == dtype
+  np.testing.assert_array_equal(indices, [[elements - 1, elements - 2]])
+  np.testing.assert_array_equal(values, [[5.0, -5.0]])
+  dense = scatter_outliers(indices, values, elements)
+  np.testing.assert_array_equal(dense, x)
