@@ -15,6 +15,13 @@ from kvjax.cache_protocol import (
   allocate_model_cache,
   model_cache_nbytes,
 )
+from kvjax.compressed_context import (
+  CompressedContext,
+  compress_context,
+  context_template,
+  continue_context,
+)
+from kvjax.context_checkpoint import restore_context, save_context
 from kvjax.decoder_protocol import CachedDecoder
 from kvjax.dense_cache import DenseLayerCache, FullCache
 from kvjax.generate import GenerateResult, decode, generate, prefill
@@ -28,6 +35,7 @@ from kvjax.sliding_window_cache import SlidingWindowLayerCache
 __all__ = [
   "CacheMethod",
   "CachedDecoder",
+  "CompressedContext",
   "DenseLayerCache",
   "FullCache",
   "GenerateResult",
@@ -39,6 +47,9 @@ __all__ = [
   "SlidingWindowLayerCache",
   "StackedLayerCaches",
   "allocate_model_cache",
+  "compress_context",
+  "context_template",
+  "continue_context",
   "decode",
   "describe_method",
   "flatten_layer_caches",
@@ -46,5 +57,7 @@ __all__ = [
   "model_cache_nbytes",
   "parse_method_spec",
   "prefill",
+  "restore_context",
   "run_layers",
+  "save_context",
 ]

@@ -10,14 +10,10 @@ every depth at 1k-2k tokens, so a loss is the compression's doing. Two settings:
 import dataclasses
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.generate import decode, prefill
-from kvjax.prompt_batch import pack_prompts
-from kvjax.sampling import SamplingConfig
-from kvjax.teacher_forcing import teacher_force
+from kvjax.compressed_context import compress_context, continue_context
 
 FILLER = (
   "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -94,48 +90,25 @@ def run_needle(
   pad_token_id: int = 0,
 ) -> dict:
   """Greedy answers for all prompts in one batch; accuracy overall and per depth."""
-  greedy = SamplingConfig()
   if query_aware:
-    tokens, lengths = pack_prompts(
-      [p.context_ids + p.question_ids for p in prompts], pad_token_id=pad_token_id
-    )
-    logits, caches = prefill(
-      decoder,
-      params,
-      tokens,
-      lengths,
-      cache_method=cache_method,
-      max_new_tokens=ANSWER_TOKENS,
-      cache_dtype=cache_dtype,
-    )
+    context_ids = [p.context_ids + p.question_ids for p in prompts]
+    fed = [[] for _ in prompts]
   else:
-    question_len = len(prompts[0].question_ids)
-    if any(len(p.question_ids) != question_len for p in prompts):
+    context_ids = [p.context_ids for p in prompts]
+    fed = [p.question_ids for p in prompts]
+    if len({len(question) for question in fed}) > 1:
       raise ValueError("query-agnostic needle prompts must share one question")
-    tokens, lengths = pack_prompts([p.context_ids for p in prompts], pad_token_id=pad_token_id)
-    logits, caches = prefill(
-      decoder,
-      params,
-      tokens,
-      lengths,
-      cache_method=cache_method,
-      max_new_tokens=question_len + ANSWER_TOKENS,
-      cache_dtype=cache_dtype,
-    )
-    question = np.array([p.question_ids for p in prompts], np.int32)
-    _, logits, caches = teacher_force(decoder, params, logits, caches, lengths, question)
-    lengths = lengths + question_len
-  answers, _, _, _ = decode(
+  context = compress_context(
     decoder,
     params,
-    logits,
-    caches,
-    lengths,
-    jax.random.key(0),
-    max_new_tokens=ANSWER_TOKENS,
-    sampling=greedy,
-    stop_token_ids=(),
+    context_ids,
+    cache_method=cache_method,
+    room=len(fed[0]) + ANSWER_TOKENS,
+    cache_dtype=cache_dtype,
     pad_token_id=pad_token_id,
+  )
+  answers, _ = continue_context(
+    decoder, params, context, fed, max_new_tokens=ANSWER_TOKENS, pad_token_id=pad_token_id
   )
   texts = [tokenizer.decode(np.asarray(row).tolist()) for row in answers]
   hits = [answer_has_key(text, p.key) for text, p in zip(texts, prompts)]

@@ -17,7 +17,6 @@ from kvjax.eval.continuation import score_continuation
 from kvjax.generate import generate, prefill
 from kvjax.method_registry import METHODS
 from kvjax.method_spec import parse_method_spec
-from kvjax.retrieval_heads import HeadProfile
 from kvjax.teacher_forcing import teacher_force
 from tests.kvjax.tiny_decoder import tiny_decoder
 
@@ -42,23 +41,6 @@ PROMPTS = [
   list(np.random.default_rng(1).integers(1, 64, 29)),
 ]
 CASES = [(name, spec, bound) for name, specs in MATRIX.items() for spec, bound in specs.items()]
-
-
-@pytest.fixture(scope="module")
-def profile_path(tmp_path_factory):
-  decoder, _ = tiny_decoder()
-  rng = np.random.default_rng(0)
-  shape = decoder.cache_shape
-  profile = HeadProfile.from_scores(
-    shape,
-    rng.random((shape.num_layers, shape.num_kv_heads)),
-    rng.random((shape.num_layers, shape.num_kv_heads)),
-    induction_ratio=0.25,
-    echo_ratio=0.0,
-  )
-  path = tmp_path_factory.mktemp("razor") / "tiny.json"
-  profile.save(path)
-  return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,118 @@
+"""Compress a ~2k-token document's cache once, save it to disk, restore it and ask it several
+questions with the embedded SmolLM2.
+
+python examples/reusable_context.py [--method SPEC] [--directory DIR]
+
+The document is CPython's reference text for the `try` statement (shipped with Python, read
+offline). Its cache is compressed before any question is seen (the query-agnostic setting: a
+reused cache cannot know the questions to come), written with orbax-checkpoint, restored into a
+template of the same method and shapes, and each question is fed through the restored
+compressed cache and answered. The answers from the restored context are checked against the
+answers from the context still in memory.
+"""
+
+import argparse
+import pathlib
+import tempfile
+import time
+from pydoc_data.topics import topics
+
+import jax
+
+from kvjax.compressed_context import compress_context, context_template, continue_context
+from kvjax.context_checkpoint import read_context_record, restore_context, save_context
+from kvjax.method_spec import parse_method_spec
+from models.loading import load_model
+
+QUESTIONS = (
+  "In one sentence: when does the finally clause of a try statement run?",
+  "Which exception does a bare except clause catch?",
+)
+ANSWER_TOKENS = 48
+PLACEHOLDER = "<<question>>"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--method", default="kivi:bits=4", help="cache method spec")
+  parser.add_argument("--directory", help="where to save the context (default: a temporary one)")
+  args = parser.parse_args(argv)
+
+  model = load_model("smollm2-135m", layer_loop="scan")
+  method = parse_method_spec(args.method)
+  chat = model.tokenizer.apply_chat_template(
+    [{"role": "user", "content": f"{topics['try']}\n\n{PLACEHOLDER}"}]
+  )
+  head, tail = chat.split(PLACEHOLDER)
+  document_ids = model.tokenizer.encode(head)
+  question_ids = [model.tokenizer.encode(q + tail) for q in QUESTIONS]
+  room = max(map(len, question_ids)) + ANSWER_TOKENS
+  print(f"document: {len(document_ids)} tokens, method {args.method}, room {room} tokens")
+
+  def ask(context, ids):
+    tokens, count = continue_context(
+      model.decoder,
+      model.params,
+      context,
+      [ids],
+      max_new_tokens=ANSWER_TOKENS,
+      stop_token_ids=model.stop_token_ids,
+    )
+    return tokens[0, : count[0]].tolist()
+
+  start = time.perf_counter()
+  context = jax.block_until_ready(
+    compress_context(model.decoder, model.params, [document_ids], cache_method=method, room=room)
+  )
+  full = context_template(
+    model.decoder,
+    model.params,
+    batch=1,
+    prompt_len=len(document_ids),
+    cache_method=parse_method_spec("full"),
+    room=room,
+  )
+  print(
+    f"compressed in {time.perf_counter() - start:.1f} s: cache {context.cache_bytes / 2**20:.2f} "
+    f"MiB (full cache {full.cache_bytes / 2**20:.2f} MiB, "
+    f"{full.cache_bytes / context.cache_bytes:.2f}x smaller)"
+  )
+
+  with tempfile.TemporaryDirectory() as scratch:
+    directory = pathlib.Path(args.directory or pathlib.Path(scratch) / "try_statement")
+    start = time.perf_counter()
+    disk_bytes = save_context(
+      directory,
+      context,
+      metadata={"model": "smollm2-135m", "method": args.method, "document": "topics['try']"},
+    )
+    print(
+      f"saved to {directory} in {time.perf_counter() - start:.1f} s: "
+      f"{disk_bytes / 2**20:.2f} MiB on disk"
+    )
+    start = time.perf_counter()
+    template = context_template(
+      model.decoder,
+      model.params,
+      batch=1,
+      prompt_len=len(document_ids),
+      cache_method=method,
+      room=room,
+    )
+    restored = restore_context(directory, template)
+    print(
+      f"restored in {time.perf_counter() - start:.1f} s "
+      f"(saved with {read_context_record(directory)['metadata']})\n"
+    )
+
+  for question, ids in zip(QUESTIONS, question_ids):
+    answer = ask(restored, ids)
+    same = answer == ask(context, ids)
+    print(f"Q: {question}\nA: {model.tokenizer.decode(answer)}")
+    print(f"(same answer from the context in memory: {same})\n")
+    if not same:
+      raise SystemExit("the restored context answered differently from the one in memory")
+
+
+if __name__ == "__main__":
+  main()

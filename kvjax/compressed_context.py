@@ -1,0 +1,185 @@
+"""A compressed context: a prompt's caches after prefill, kept to be continued many times.
+
+A long document is prefilled and compressed once; each question about it is then appended
+through the compressed caches (`kvjax.teacher_forcing.teacher_force`) and answered
+(`kvjax.decode`). JAX arrays are immutable, so the same context serves any number of
+questions, and `kvjax.context_checkpoint` saves it to disk for another process.
+
+    context = compress_context(decoder, params, [document], cache_method=method, room=256)
+    answer, num_generated = continue_context(
+      decoder, params, context, [question], max_new_tokens=64, stop_token_ids=stop_ids
+    )
+
+A question fed after the context was compressed is the query-agnostic setting: a selection
+method (SnapKV, PyramidKV, H2O) chose its tokens without seeing the question.
+"""
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache_protocol import CacheMethod, model_cache_nbytes
+from kvjax.cache_room import check_room
+from kvjax.decoder_protocol import CachedDecoder
+from kvjax.generate import decode, prefill
+from kvjax.prompt_batch import pack_prompts
+from kvjax.sampling import SamplingConfig
+from kvjax.teacher_forcing import teacher_force
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CompressedContext:
+  """What the next decode step needs after a prompt: the caches, each row's position and the
+  prediction of its next token."""
+
+  caches: tuple  # as the decoder's prefill returned them (layer caches or stacked runs)
+  lengths: jax.Array  # int32 [batch]: tokens each row has seen = position of its next token
+  next_logits: jax.Array  # [batch, vocab]: logits predicting each row's next token
+
+  @property
+  def cache_bytes(self) -> int:
+    """Bytes of every array the caches hold (codes, scales, indices, windows, lengths)."""
+    return model_cache_nbytes(self.caches)
+
+
+def _check_room(room: int) -> None:
+  if not isinstance(room, (int, np.integer)) or isinstance(room, bool) or room < 0:
+    raise ValueError(
+      f"room={room!r} must be an int >= 0: tokens each row can append after the context "
+      "(questions and answers)"
+    )
+
+
+def _prefill_context(
+  decoder, params, tokens, lengths, *, cache_method, room, cache_dtype
+) -> CompressedContext:
+  logits, caches = prefill(
+    decoder,
+    params,
+    tokens,
+    lengths,
+    cache_method=cache_method,
+    max_new_tokens=room,
+    cache_dtype=cache_dtype,
+  )
+  return CompressedContext(caches=caches, lengths=jnp.asarray(lengths), next_logits=logits)
+
+
+def compress_context(
+  decoder: CachedDecoder,
+  params: Any,
+  prompts: Sequence[Sequence[int]],
+  *,
+  cache_method: CacheMethod,
+  room: int,
+  cache_dtype=jnp.bfloat16,
+  pad_token_id: int = 0,
+) -> CompressedContext:
+  """Prefills `prompts` (token lists, any lengths) into caches of `cache_method` with `room`
+  tokens of space left per row (a method that evicts by design, such as StreamingLLM, has no
+  limit)."""
+  _check_room(room)
+  tokens, lengths = pack_prompts(prompts, pad_token_id=pad_token_id)
+  return _prefill_context(
+    decoder,
+    params,
+    tokens,
+    lengths,
+    cache_method=cache_method,
+    room=int(room),
+    cache_dtype=cache_dtype,
+  )
+
+
+def context_template(
+  decoder: CachedDecoder,
+  params: Any,
+  *,
+  batch: int,
+  prompt_len: int,
+  cache_method: CacheMethod,
+  room: int,
+  cache_dtype=jnp.bfloat16,
+) -> CompressedContext:
+  """The structure, shapes and dtypes (`jax.ShapeDtypeStruct` leaves, nothing computed) of the
+  context `compress_context` makes from `batch` prompts whose longest has `prompt_len` tokens:
+  what `kvjax.context_checkpoint.restore_context` restores into."""
+  _check_room(room)
+  for name, value in (("batch", batch), ("prompt_len", prompt_len)):
+    if not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"{name}={value!r} must be an int >= 1")
+  return jax.eval_shape(
+    functools.partial(
+      _prefill_context,
+      decoder,
+      params,
+      cache_method=cache_method,
+      room=int(room),
+      cache_dtype=cache_dtype,
+    ),
+    jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+    jax.ShapeDtypeStruct((batch,), jnp.int32),
+  )
+
+
+def continue_context(
+  decoder: CachedDecoder,
+  params: Any,
+  context: CompressedContext,
+  tokens: Sequence[Sequence[int]] | np.ndarray,
+  *,
+  max_new_tokens: int,
+  sampling: SamplingConfig = SamplingConfig(),
+  key: jax.Array | None = None,
+  stop_token_ids: Sequence[int] = (),
+  pad_token_id: int = 0,
+) -> tuple[np.ndarray, np.ndarray]:
+  """Feeds `tokens` (one equally long list per row, e.g. a question; may be empty) through the
+  context's caches, then generates up to `max_new_tokens` per row: (tokens int32 [batch,
+  max_new_tokens], pad after a row's stop token; num_generated int32 [batch]).
+
+  `context` is not changed, so it can be continued again. The caches need room for the fed
+  tokens plus `max_new_tokens - 1` (checked before anything runs).
+  """
+  if not isinstance(context, CompressedContext):
+    raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
+  batch = context.lengths.shape[0]
+  try:
+    fed = np.asarray(tokens, np.int32)
+  except ValueError:
+    fed = None  # ragged lists
+  if fed is None or fed.ndim != 2 or fed.shape[0] != batch:
+    raise ValueError(
+      f"tokens must be {batch} equally long token lists (one per context row), or an int "
+      f"array [{batch}, n]; got "
+      + (f"shape {fed.shape}" if fed is not None else f"lengths {[len(t) for t in tokens]}")
+    )
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+  if not sampling.greedy and key is None:
+    raise ValueError("key is required when sampling (temperature > 0)")
+  key = jax.random.key(0) if key is None else key
+  check_room(context.caches, fed.shape[1] + max_new_tokens - 1, caller="continue_context")
+  logits, caches, lengths = context.next_logits, context.caches, context.lengths
+  if fed.shape[1]:
+    _, logits, caches = teacher_force(decoder, params, logits, caches, lengths, fed)
+    lengths = lengths + fed.shape[1]
+  out_tokens, count, _, _ = decode(
+    decoder,
+    params,
+    logits,
+    caches,
+    lengths,
+    key,
+    max_new_tokens=max_new_tokens,
+    sampling=sampling,
+    stop_token_ids=tuple(int(t) for t in stop_token_ids),
+    pad_token_id=pad_token_id,
+  )
+  return np.asarray(out_tokens), np.asarray(count)

@@ -1,0 +1,205 @@
+"""Saving a compressed context to disk and restoring it (orbax-checkpoint).
+
+What is written is what the caches hold: a KIVI-2 cache's packed codes, scales, minimums and
+full-precision window, a SnapKV cache's kept tokens, never dequantized or dropped K/V. A saved
+directory holds `arrays/` (an orbax checkpoint of the context's non-empty arrays) and
+`kvjax_context.json` (written last, so its presence marks a complete save): the context's
+structure, every array's shape and dtype, the cache bytes, and the caller's metadata.
+
+A cache's configuration (method, bits, group size, budgets, retained heads) is static pytree
+metadata, which orbax does not store. So a context is restored into a template of the same
+structure (`kvjax.compressed_context.context_template`, or any context of the same method and
+shapes), and the saved structure is compared with the template's before any array is read: a
+template of another method or configuration is a `ValueError` naming the first difference,
+never arrays read into a cache that would misread them. How a cache runs (`implementation`,
+`kernel_settings`) is not part of what it stores: the template's apply, so a context saved on
+one machine runs with the kernels of another.
+"""
+
+import dataclasses
+import json
+import pathlib
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.compressed_context import CompressedContext
+
+FORMAT = "kvjax-context/1"
+METADATA_FILE = "kvjax_context.json"
+ARRAYS_DIR = "arrays"
+# Static fields that choose how a cache computes, not what its arrays mean.
+RUN_SETTINGS = ("implementation", "kernel_settings")
+
+
+def _is_array(node) -> bool:
+  return isinstance(node, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def describe_structure(node) -> Any:
+  """A JSON-able description of a pytree of kvjax caches: per node its type and static
+  settings (less RUN_SETTINGS), per array its shape and dtype. Equal descriptions flatten to
+  the same leaves in the same order."""
+  if node is None:
+    return None
+  if _is_array(node):
+    return {"shape": list(node.shape), "dtype": np.dtype(node.dtype).name}
+  if isinstance(node, (tuple, list)):
+    return [describe_structure(child) for child in node]
+  if isinstance(node, dict):
+    return {str(key): describe_structure(node[key]) for key in sorted(node)}
+  if dataclasses.is_dataclass(node) and not isinstance(node, type):
+    settings, children = {}, {}
+    for field in dataclasses.fields(node):
+      value = getattr(node, field.name)
+      static = field.metadata.get("static", False) or not field.metadata.get("pytree_node", True)
+      if not static:
+        children[field.name] = describe_structure(value)
+      elif field.name not in RUN_SETTINGS:
+        settings[field.name] = repr(value)
+    return {"type": type(node).__qualname__, "settings": settings, "children": children}
+  raise TypeError(
+    f"cannot save a {type(node).__qualname__} in a context: contexts hold kvjax caches "
+    "(dataclass pytrees), tuples, lists, dicts and arrays"
+  )
+
+
+def _first_difference(saved, template, path: str = "context") -> tuple[str, Any, Any] | None:
+  if type(saved) is not type(template):
+    return path, saved, template
+  if isinstance(saved, list):
+    if len(saved) != len(template):
+      return f"{path} (length)", len(saved), len(template)
+    for index, (a, b) in enumerate(zip(saved, template)):
+      found = _first_difference(a, b, f"{path}[{index}]")
+      if found:
+        return found
+    return None
+  if isinstance(saved, dict):
+    if sorted(saved) != sorted(template):
+      return f"{path} (keys)", sorted(saved), sorted(template)
+    for key in saved:
+      # A node's arrays are named by field alone: caches[0].storage, not .children.storage.
+      child_path = path if key == "children" else f"{path}.{key}"
+      found = _first_difference(saved[key], template[key], child_path)
+      if found:
+        return found
+    return None
+  return None if saved == template else (path, saved, template)
+
+
+def _disk_bytes(directory: pathlib.Path) -> int:
+  return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def _leaf_key(index: int) -> str:
+  return f"leaf_{index:05d}"
+
+
+def save_context(
+  directory: str | pathlib.Path,
+  context: CompressedContext,
+  *,
+  metadata: dict | None = None,
+  overwrite: bool = False,
+) -> int:
+  """Writes `context` to a new `directory` and returns the bytes written to disk.
+
+  `metadata`: anything JSON-serialisable to keep beside it (the method spec, the document's
+  name, the model). `overwrite=True` replaces a directory only if it holds a saved context.
+  """
+  import orbax.checkpoint as ocp  # imported here: orbax and tensorstore take a while to load
+
+  if not isinstance(context, CompressedContext):
+    raise ValueError(
+      f"context must be a kvjax.compressed_context.CompressedContext, got "
+      f"{type(context).__qualname__}"
+    )
+  if not isinstance(overwrite, bool):
+    raise ValueError(f"overwrite={overwrite!r} must be True or False")
+  try:
+    metadata_text = json.dumps(metadata if metadata is not None else {})
+  except TypeError as error:
+    raise ValueError(f"metadata must be JSON-serialisable: {error}") from None
+  directory = pathlib.Path(directory)
+  if directory.exists():
+    if not overwrite:
+      raise FileExistsError(f"directory={str(directory)!r} exists; pass overwrite=True")
+    if not (directory / METADATA_FILE).is_file():
+      raise FileExistsError(
+        f"directory={str(directory)!r} exists and holds no saved context ({METADATA_FILE}); "
+        "overwrite only replaces a saved context"
+      )
+    shutil.rmtree(directory)
+
+  leaves = jax.tree_util.tree_leaves(context)
+  # Orbax refuses zero-size arrays; they hold nothing, and restore rebuilds them from shapes.
+  arrays = {_leaf_key(i): leaf for i, leaf in enumerate(leaves) if leaf.size}
+  record = {
+    "format": FORMAT,
+    "structure": describe_structure(context),
+    "cache_bytes": context.cache_bytes,
+    "metadata": json.loads(metadata_text),
+  }
+  directory.mkdir(parents=True)
+  with ocp.StandardCheckpointer() as checkpointer:
+    checkpointer.save((directory / ARRAYS_DIR).absolute(), arrays)
+  (directory / METADATA_FILE).write_text(json.dumps(record, indent=1))
+  return _disk_bytes(directory)
+
+
+def read_context_record(directory: str | pathlib.Path) -> dict:
+  """The saved record: format, structure, cache_bytes and the caller's metadata."""
+  path = pathlib.Path(directory) / METADATA_FILE
+  if not path.is_file():
+    raise FileNotFoundError(
+      f"directory={str(directory)!r} holds no saved context ({METADATA_FILE} missing: "
+      "not saved by save_context, or the save did not finish)"
+    )
+  record = json.loads(path.read_text())
+  if record.get("format") != FORMAT:
+    raise ValueError(f"{path} has format {record.get('format')!r}; this kvjax reads {FORMAT!r}")
+  return record
+
+
+def restore_context(
+  directory: str | pathlib.Path, template: CompressedContext
+) -> CompressedContext:
+  """The context saved in `directory`, restored into `template`'s structure (its arrays or
+  `jax.ShapeDtypeStruct`s give shapes and dtypes, and shardings where they carry one; others
+  land on the default device)."""
+  import orbax.checkpoint as ocp  # imported here: orbax and tensorstore take a while to load
+
+  if not isinstance(template, CompressedContext):
+    raise ValueError(
+      f"template must be a kvjax.compressed_context.CompressedContext (context_template "
+      f"makes one), got {type(template).__qualname__}"
+    )
+  record = read_context_record(directory)
+  difference = _first_difference(record["structure"], describe_structure(template))
+  if difference:
+    where, saved, wanted = difference
+    raise ValueError(
+      f"the context in {str(directory)!r} does not fit the template: at {where} it holds "
+      f"{saved!r}, the template has {wanted!r} (restore with a template of the method, model "
+      "and shapes it was saved with)"
+    )
+
+  leaves, treedef = jax.tree_util.tree_flatten(template)
+  default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+  def target(leaf):
+    sharding = getattr(leaf, "sharding", None) or default
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+  targets = {_leaf_key(i): target(leaf) for i, leaf in enumerate(leaves) if leaf.size}
+  with ocp.StandardCheckpointer() as checkpointer:
+    arrays = checkpointer.restore((pathlib.Path(directory) / ARRAYS_DIR).absolute(), targets)
+  restored = [
+    arrays[_leaf_key(i)] if leaf.size else jnp.zeros(leaf.shape, leaf.dtype)
+    for i, leaf in enumerate(leaves)
+  ]
+  return jax.tree_util.tree_unflatten(treedef, restored)

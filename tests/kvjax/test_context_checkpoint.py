@@ -1,0 +1,197 @@
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.compressed_context import compress_context, context_template, continue_context
+from kvjax.context_checkpoint import (
+  METADATA_FILE,
+  describe_structure,
+  read_context_record,
+  restore_context,
+  save_context,
+)
+from kvjax.method_spec import parse_method_spec
+from tests.kvjax.test_method_matrix import CASES, PROMPTS
+from tests.kvjax.tiny_decoder import tiny_decoder
+
+QUESTIONS = [[5, 9, 11], [7, 3, 2]]
+ROOM = 8
+KIVI = "kivi:bits=2,group_size=16,residual=16"
+
+
+def _context(spec, layer_loop="unroll", room=ROOM, implementation="auto"):
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  method = parse_method_spec(spec, implementation=implementation)
+  return compress_context(decoder, params, PROMPTS, cache_method=method, room=room)
+
+
+def _template(spec, layer_loop="unroll", room=ROOM, implementation="auto"):
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  method = parse_method_spec(spec, implementation=implementation)
+  return context_template(decoder, params, batch=2, prompt_len=40, cache_method=method, room=room)
+
+
+def _assert_same_arrays(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert x.dtype == y.dtype
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize(
+  "layer_loop, spec",
+  [("unroll", c[1]) for c in CASES]
+  + [("scan", KIVI), ("scan", "gear:bits=2,group_size=16,block=16,rank=2")],
+  ids=[f"unroll-{c[1].split(',profile')[0]}" for c in CASES] + ["scan-kivi", "scan-gear"],
+)
+def test_a_restored_context_holds_the_saved_arrays(layer_loop, spec, profile_path, tmp_path):
+  spec = spec.format(profile=profile_path)
+  context = _context(spec, layer_loop)
+  disk_bytes = save_context(tmp_path / "context", context, metadata={"spec": spec})
+  restored = restore_context(tmp_path / "context", _template(spec, layer_loop))
+
+  _assert_same_arrays(restored, context)
+  assert restored.cache_bytes == context.cache_bytes
+  record = read_context_record(tmp_path / "context")
+  assert record["cache_bytes"] == context.cache_bytes and record["metadata"] == {"spec": spec}
+  files = [f for f in (tmp_path / "context").rglob("*") if f.is_file()]
+  assert disk_bytes == sum(f.stat().st_size for f in files)
+
+
+RESTORE_IN_ANOTHER_PROCESS = """
+import sys
+import numpy as np
+from kvjax.compressed_context import continue_context
+from kvjax.context_checkpoint import restore_context
+from tests.kvjax.test_context_checkpoint import QUESTIONS, _template
+from tests.kvjax.tiny_decoder import tiny_decoder
+
+decoder, params = tiny_decoder(layer_loop="scan")
+restored = restore_context(sys.argv[1], _template(sys.argv[2], "scan"))
+print(continue_context(decoder, params, restored, QUESTIONS, max_new_tokens=4)[0].tolist())
+"""
+
+
+def test_a_context_restored_in_another_process_answers_as_the_saved_one(tmp_path):
+  decoder, params = tiny_decoder(layer_loop="scan")
+  spec = f"snapkv:budget=16,window=4+{KIVI}"
+  context = _context(spec, "scan")
+  save_context(tmp_path / "context", context)
+  expected = continue_context(decoder, params, context, QUESTIONS, max_new_tokens=4)[0]
+  repository = pathlib.Path(__file__).parents[2]
+  run = subprocess.run(
+    [sys.executable, "-c", RESTORE_IN_ANOTHER_PROCESS, str(tmp_path / "context"), spec],
+    cwd=repository,
+    env=dict(os.environ, PYTHONPATH=str(repository), JAX_PLATFORMS="cpu"),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert json.loads(run.stdout.strip().splitlines()[-1]) == expected.tolist()
+
+
+def test_arrays_without_elements_are_rebuilt_from_the_template(tmp_path):
+  # 40 + 2 tokens are fewer than one block of 64: the quantized segment has no slots.
+  spec = "kivi:bits=2,group_size=16,residual=64"
+  context = _context(spec, room=2)
+  empty = [leaf.shape for leaf in jax.tree.leaves(context) if leaf.size == 0]
+  assert empty
+  save_context(tmp_path / "context", context)
+  _assert_same_arrays(restore_context(tmp_path / "context", _template(spec, room=2)), context)
+
+
+def test_a_context_of_arrays_serves_as_template_and_gives_its_shardings(tmp_path):
+  context = _context(KIVI)
+  save_context(tmp_path / "context", context)
+  template = jax.tree.map(jnp.zeros_like, _context(KIVI))
+  restored = restore_context(tmp_path / "context", template)
+  _assert_same_arrays(restored, context)
+  for leaf, like in zip(jax.tree.leaves(restored), jax.tree.leaves(template)):
+    assert leaf.sharding == like.sharding
+
+
+@pytest.mark.parametrize(
+  "saved, wanted, where",
+  [
+    # Other bits (and code shapes): the codec differs first.
+    (KIVI, "kivi:bits=4,group_size=16,residual=16", r"codec.*bits=2.*bits=4"),
+    # Same shapes, another meaning: only the static settings tell them apart.
+    ("streaming:budget=16,sinks=2", "streaming:budget=16,sinks=4", "sinks"),
+    ("snapkv:budget=16,window=4", "h2o:budget=16,window=4", "selector"),
+    # Another method altogether.
+    ("full", KIVI, "type"),
+  ],
+)
+def test_a_template_of_another_configuration_is_refused(saved, wanted, where, tmp_path):
+  save_context(tmp_path / "context", _context(saved))
+  with pytest.raises(ValueError, match=f"does not fit the template: at context.caches.*{where}"):
+    restore_context(tmp_path / "context", _template(wanted))
+
+
+def test_another_room_or_layer_loop_is_refused(tmp_path):
+  save_context(tmp_path / "context", _context(KIVI))
+  with pytest.raises(ValueError, match="shape"):
+    restore_context(tmp_path / "context", _template(KIVI, room=ROOM + 64))
+  with pytest.raises(ValueError, match="does not fit the template"):
+    restore_context(tmp_path / "context", _template(KIVI, layer_loop="scan"))
+
+
+def test_how_a_cache_runs_comes_from_the_template(tmp_path):
+  save_context(tmp_path / "context", _context(KIVI, implementation="reference"))
+  template = _template(KIVI, implementation="interpret")
+  restored = restore_context(tmp_path / "context", template)
+  assert jax.tree.structure(restored) == jax.tree.structure(template)
+  assert restored.caches[0].implementation == "interpret"
+
+
+def test_saving_never_replaces_what_is_not_a_saved_context(tmp_path):
+  first = _context(KIVI)
+  second = dataclasses.replace(first, lengths=jnp.asarray([7, 5], jnp.int32))
+  save_context(tmp_path / "context", first)
+  with pytest.raises(FileExistsError, match="pass overwrite=True"):
+    save_context(tmp_path / "context", second)
+  save_context(tmp_path / "context", second, overwrite=True)
+  restored = restore_context(tmp_path / "context", _template(KIVI))
+  np.testing.assert_array_equal(restored.lengths, [7, 5])
+
+  other = tmp_path / "notes"
+  other.mkdir()
+  (other / "keep.txt").write_text("mine")
+  with pytest.raises(FileExistsError, match="holds no saved context"):
+    save_context(other, first, overwrite=True)
+  assert (other / "keep.txt").read_text() == "mine"
+
+
+def test_bad_input_is_refused_before_anything_is_written(tmp_path):
+  context = _context(KIVI)
+  with pytest.raises(ValueError, match="metadata must be JSON-serialisable"):
+    save_context(tmp_path / "a", context, metadata={"array": np.ones(2)})
+  with pytest.raises(ValueError, match="context must be a kvjax.compressed_context"):
+    save_context(tmp_path / "a", context.caches)
+  with pytest.raises(ValueError, match="overwrite="):
+    save_context(tmp_path / "a", context, overwrite="yes")
+  assert not (tmp_path / "a").exists()
+  with pytest.raises(FileNotFoundError, match="holds no saved context"):
+    restore_context(tmp_path / "a", _template(KIVI))
+  with pytest.raises(ValueError, match="template must be a kvjax.compressed_context"):
+    restore_context(tmp_path / "a", context.caches)
+  with pytest.raises(TypeError, match="cannot save a object"):
+    describe_structure({"x": object()})
+
+
+def test_another_format_is_refused(tmp_path):
+  save_context(tmp_path / "context", _context(KIVI))
+  path = tmp_path / "context" / METADATA_FILE
+  record = json.loads(path.read_text())
+  path.write_text(json.dumps(dict(record, format="kvjax-context/0")))
+  with pytest.raises(ValueError, match="this kvjax reads 'kvjax-context/1'"):
+    restore_context(tmp_path / "context", _template(KIVI))
