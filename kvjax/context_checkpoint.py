@@ -145,8 +145,13 @@ def save_context(
     "metadata": json.loads(metadata_text),
   }
   directory.mkdir(parents=True)
-  with ocp.StandardCheckpointer() as checkpointer:
+  # Closed explicitly rather than in a `with` block, which not every orbax version supports.
+  checkpointer = ocp.StandardCheckpointer()
+  try:
     checkpointer.save((directory / ARRAYS_DIR).absolute(), arrays)
+    checkpointer.wait_until_finished()
+  finally:
+    checkpointer.close()
   (directory / METADATA_FILE).write_text(json.dumps(record, indent=1))
   return _disk_bytes(directory)
 
@@ -196,8 +201,11 @@ def restore_context(
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
   targets = {_leaf_key(i): target(leaf) for i, leaf in enumerate(leaves) if leaf.size}
-  with ocp.StandardCheckpointer() as checkpointer:
+  checkpointer = ocp.StandardCheckpointer()
+  try:
     arrays = checkpointer.restore((pathlib.Path(directory) / ARRAYS_DIR).absolute(), targets)
+  finally:
+    checkpointer.close()
   restored = [
     arrays[_leaf_key(i)] if leaf.size else jnp.zeros(leaf.shape, leaf.dtype)
     for i, leaf in enumerate(leaves)
