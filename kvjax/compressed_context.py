@@ -1,8 +1,8 @@
 """A compressed context: a prompt's caches after prefill, kept to be continued many times.
 
 A long document is prefilled and compressed once; each question about it is then appended
-through the compressed caches (`kvjax.teacher_forcing.teacher_force`) and answered
-(`kvjax.decode`). JAX arrays are immutable, so the same context serves any number of
+through the compressed caches (the loop of `kvjax.teacher_forcing.teacher_force`) and answered
+(the loop of `kvjax.decode`). JAX arrays are immutable, so the same context serves any number of
 questions, and `kvjax.context_checkpoint` saves it to disk for another process.
 
     context = compress_context(decoder, params, [document], cache_method=method, room=256)
@@ -26,10 +26,10 @@ import numpy as np
 from kvjax.cache_protocol import CacheMethod, model_cache_nbytes
 from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder
-from kvjax.generate import decode, prefill
+from kvjax.generate import _decode_in_jit, check_decode_arguments, prefill
 from kvjax.prompt_batch import pack_prompts
 from kvjax.sampling import SamplingConfig
-from kvjax.teacher_forcing import teacher_force
+from kvjax.teacher_forcing import _teacher_force_in_jit
 
 
 @jax.tree_util.register_dataclass
@@ -48,7 +48,7 @@ class CompressedContext:
     return model_cache_nbytes(self.caches)
 
 
-def _check_room(room: int) -> None:
+def _check_room_argument(room: int) -> None:
   if not isinstance(room, (int, np.integer)) or isinstance(room, bool) or room < 0:
     raise ValueError(
       f"room={room!r} must be an int >= 0: tokens each row can append after the context "
@@ -84,7 +84,7 @@ def compress_context(
   """Prefills `prompts` (token lists, any lengths) into caches of `cache_method` with `room`
   tokens of space left per row (a method that evicts by design, such as StreamingLLM, has no
   limit)."""
-  _check_room(room)
+  _check_room_argument(room)
   tokens, lengths = pack_prompts(prompts, pad_token_id=pad_token_id)
   return _prefill_context(
     decoder,
@@ -110,7 +110,7 @@ def context_template(
   """The structure, shapes and dtypes (`jax.ShapeDtypeStruct` leaves, nothing computed) of the
   context `compress_context` makes from `batch` prompts whose longest has `prompt_len` tokens:
   what `kvjax.context_checkpoint.restore_context` restores into."""
-  _check_room(room)
+  _check_room_argument(room)
   for name, value in (("batch", batch), ("prompt_len", prompt_len)):
     if not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -160,17 +160,15 @@ def continue_context(
       f"array [{batch}, n]; got "
       + (f"shape {fed.shape}" if fed is not None else f"lengths {[len(t) for t in tokens]}")
     )
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-  if not sampling.greedy and key is None:
-    raise ValueError("key is required when sampling (temperature > 0)")
-  key = jax.random.key(0) if key is None else key
+  key = check_decode_arguments(max_new_tokens, sampling, key)
+  # One room check for both loops, so the jitted loops are called without their own checks
+  # (each reads every layer's room back to the host).
   check_room(context.caches, fed.shape[1] + max_new_tokens - 1, caller="continue_context")
   logits, caches, lengths = context.next_logits, context.caches, context.lengths
   if fed.shape[1]:
-    _, logits, caches = teacher_force(decoder, params, logits, caches, lengths, fed)
+    _, logits, caches = _teacher_force_in_jit(decoder, params, logits, caches, lengths, fed)
     lengths = lengths + fed.shape[1]
-  out_tokens, count, _, _ = decode(
+  out_tokens, count, _, _ = _decode_in_jit(
     decoder,
     params,
     logits,

@@ -159,6 +159,18 @@ def decode(
 decode.lower = _decode_in_jit.lower
 
 
+def check_decode_arguments(
+  max_new_tokens: int, sampling: SamplingConfig, key: jax.Array | None
+) -> jax.Array:
+  """Refuses a decode that would emit nothing or sample without a key; returns the PRNG key to
+  use (a fixed one when decoding greedily, where it is never drawn from)."""
+  if max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+  if not sampling.greedy and key is None:
+    raise ValueError("key is required when sampling (temperature > 0)")
+  return jax.random.key(0) if key is None else key
+
+
 def _as_compact_batch(prompts, attention_mask, pad_token_id):
   if attention_mask is not None:
     return compact_padded_batch(np.asarray(prompts), attention_mask, pad_token_id=pad_token_id)
@@ -228,11 +240,7 @@ def generate(
   `max_cache_tokens` (e.g. the model's context length) bounds prompt + new tokens.
   Compilation happens ahead of time, so `compile_s` and the run times are measured apart.
   """
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-  if not sampling.greedy and key is None:
-    raise ValueError("key is required when sampling (temperature > 0)")
-  key = jax.random.key(0) if key is None else key
+  key = check_decode_arguments(max_new_tokens, sampling, key)
   tokens, lengths = _as_compact_batch(prompts, attention_mask, pad_token_id)
   if max_cache_tokens is not None and tokens.shape[1] + max_new_tokens > max_cache_tokens:
     raise ValueError(

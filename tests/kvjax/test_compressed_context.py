@@ -13,19 +13,17 @@ from kvjax.generate import generate, prefill
 from kvjax.method_spec import parse_method_spec
 from kvjax.prompt_batch import pack_prompts
 from kvjax.sampling import SamplingConfig
+from tests.kvjax.test_method_matrix import PROMPTS
 from tests.kvjax.tiny_decoder import tiny_decoder
 
-PROMPTS = [
-  list(np.random.default_rng(0).integers(1, 64, 40)),
-  list(np.random.default_rng(1).integers(1, 64, 29)),
-]
 QUESTIONS = [[5, 9, 11], [7, 3, 2]]
 KIVI = "kivi:bits=4,group_size=16,residual=16"
 
 
-def _assert_same_arrays(a, b):
+def assert_same_arrays(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert x.dtype == y.dtype
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -43,7 +41,7 @@ def test_compress_context_is_the_prefill_of_the_packed_prompts():
     max_new_tokens=6,
     cache_dtype=jnp.bfloat16,
   )
-  _assert_same_arrays(context.caches, caches)
+  assert_same_arrays(context.caches, caches)
   np.testing.assert_array_equal(context.next_logits, logits)
   np.testing.assert_array_equal(context.lengths, [40, 29])
   assert context.cache_bytes == sum(c.nbytes for c in caches)
@@ -92,7 +90,7 @@ def test_a_context_is_unchanged_by_continuing_and_answers_again_the_same():
   context = compress_context(decoder, params, PROMPTS, cache_method=parse_method_spec(KIVI), room=9)
   before = jax.tree.map(np.asarray, context)
   first, _ = continue_context(decoder, params, context, QUESTIONS, max_new_tokens=6)
-  _assert_same_arrays(context, before)
+  assert_same_arrays(context, before)
   other, _ = continue_context(decoder, params, context, [[1], [2]], max_new_tokens=6)
   again, _ = continue_context(decoder, params, context, QUESTIONS, max_new_tokens=6)
   np.testing.assert_array_equal(first, again)

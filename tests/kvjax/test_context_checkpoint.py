@@ -19,10 +19,10 @@ from kvjax.context_checkpoint import (
   save_context,
 )
 from kvjax.method_spec import parse_method_spec
+from tests.kvjax.test_compressed_context import QUESTIONS, assert_same_arrays
 from tests.kvjax.test_method_matrix import CASES, PROMPTS
 from tests.kvjax.tiny_decoder import tiny_decoder
 
-QUESTIONS = [[5, 9, 11], [7, 3, 2]]
 ROOM = 8
 KIVI = "kivi:bits=2,group_size=16,residual=16"
 
@@ -39,13 +39,6 @@ def _template(spec, layer_loop="unroll", room=ROOM, implementation="auto"):
   return context_template(decoder, params, batch=2, prompt_len=40, cache_method=method, room=room)
 
 
-def _assert_same_arrays(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    assert x.dtype == y.dtype
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 @pytest.mark.parametrize(
   "layer_loop, spec",
   [("unroll", c[1]) for c in CASES]
@@ -58,7 +51,7 @@ def test_a_restored_context_holds_the_saved_arrays(layer_loop, spec, profile_pat
   disk_bytes = save_context(tmp_path / "context", context, metadata={"spec": spec})
   restored = restore_context(tmp_path / "context", _template(spec, layer_loop))
 
-  _assert_same_arrays(restored, context)
+  assert_same_arrays(restored, context)
   assert restored.cache_bytes == context.cache_bytes
   record = read_context_record(tmp_path / "context")
   assert record["cache_bytes"] == context.cache_bytes and record["metadata"] == {"spec": spec}
@@ -106,7 +99,7 @@ def test_arrays_without_elements_are_rebuilt_from_the_template(tmp_path):
   empty = [leaf.shape for leaf in jax.tree.leaves(context) if leaf.size == 0]
   assert empty
   save_context(tmp_path / "context", context)
-  _assert_same_arrays(restore_context(tmp_path / "context", _template(spec, room=2)), context)
+  assert_same_arrays(restore_context(tmp_path / "context", _template(spec, room=2)), context)
 
 
 def test_a_context_of_arrays_serves_as_template_and_gives_its_shardings(tmp_path):
@@ -114,7 +107,7 @@ def test_a_context_of_arrays_serves_as_template_and_gives_its_shardings(tmp_path
   save_context(tmp_path / "context", context)
   template = jax.tree.map(jnp.zeros_like, _context(KIVI))
   restored = restore_context(tmp_path / "context", template)
-  _assert_same_arrays(restored, context)
+  assert_same_arrays(restored, context)
   for leaf, like in zip(jax.tree.leaves(restored), jax.tree.leaves(template)):
     assert leaf.sharding == like.sharding
 
