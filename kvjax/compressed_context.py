@@ -1,9 +1,9 @@
 """A compressed context: a prompt's caches after prefill, kept to be continued many times.
 
 A long document is prefilled and compressed once; each question about it is then appended
-through the compressed caches (the loop of `kvjax.teacher_forcing.teacher_force`) and answered
-(the loop of `kvjax.decode`). JAX arrays are immutable, so the same context serves any number of
-questions, and `kvjax.context_checkpoint` saves it to disk for another process.
+through the compressed caches and answered, in the one loop of `kvjax.decode`. JAX arrays are
+immutable, so the same context serves any number of questions, and `kvjax.context_checkpoint`
+saves it to disk for another process.
 
     context = compress_context(decoder, params, [document], cache_method=method, room=256)
     answer, num_generated = continue_context(
@@ -29,7 +29,6 @@ from kvjax.decoder_protocol import CachedDecoder
 from kvjax.generate import _decode_in_jit, check_decode_arguments, prefill
 from kvjax.prompt_batch import pack_prompts
 from kvjax.sampling import SamplingConfig
-from kvjax.teacher_forcing import _teacher_force_in_jit
 
 
 @jax.tree_util.register_dataclass
@@ -140,44 +139,62 @@ def continue_context(
   stop_token_ids: Sequence[int] = (),
   pad_token_id: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-  """Feeds `tokens` (one equally long list per row, e.g. a question; may be empty) through the
-  context's caches, then generates up to `max_new_tokens` per row: (tokens int32 [batch,
-  max_new_tokens], pad after a row's stop token; num_generated int32 [batch]).
+  """Feeds `tokens` (one token list per row, e.g. a question; lists may differ in length or be
+  empty; or an int array [batch, n]) through the context's caches, then generates up to
+  `max_new_tokens` per row: (tokens int32 [batch, max_new_tokens], pad after a row's stop token;
+  num_generated int32 [batch]).
 
-  `context` is not changed, so it can be continued again. The caches need room for the fed
-  tokens plus `max_new_tokens - 1` (checked before anything runs).
+  Feeding and generating run in one loop on device: a row fed a shorter list starts generating
+  sooner. `context` is not changed, so it can be continued again. The caches need room for the
+  longest list plus `max_new_tokens - 1` (checked before anything runs).
   """
   if not isinstance(context, CompressedContext):
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
-  batch = context.lengths.shape[0]
-  try:
-    fed = np.asarray(tokens, np.int32)
-  except ValueError:
-    fed = None  # ragged lists
-  if fed is None or fed.ndim != 2 or fed.shape[0] != batch:
-    raise ValueError(
-      f"tokens must be {batch} equally long token lists (one per context row), or an int "
-      f"array [{batch}, n]; got "
-      + (f"shape {fed.shape}" if fed is not None else f"lengths {[len(t) for t in tokens]}")
-    )
+  feed_tokens, feed_lengths = _pack_fed_tokens(tokens, context.lengths.shape[0], pad_token_id)
   key = check_decode_arguments(max_new_tokens, sampling, key)
-  # One room check for both loops, so the jitted loops are called without their own checks
-  # (each reads every layer's room back to the host).
-  check_room(context.caches, fed.shape[1] + max_new_tokens - 1, caller="continue_context")
-  logits, caches, lengths = context.next_logits, context.caches, context.lengths
-  if fed.shape[1]:
-    _, logits, caches = _teacher_force_in_jit(decoder, params, logits, caches, lengths, fed)
-    lengths = lengths + fed.shape[1]
+  check_room(
+    context.caches, int(feed_lengths.max()) + max_new_tokens - 1, caller="continue_context"
+  )
   out_tokens, count, _, _ = _decode_in_jit(
     decoder,
     params,
-    logits,
-    caches,
-    lengths,
+    context.next_logits,
+    context.caches,
+    context.lengths,
     key,
+    feed_tokens,
+    feed_lengths,
     max_new_tokens=max_new_tokens,
     sampling=sampling,
     stop_token_ids=tuple(int(t) for t in stop_token_ids),
     pad_token_id=pad_token_id,
   )
   return np.asarray(out_tokens), np.asarray(count)
+
+
+def _pack_fed_tokens(tokens, batch: int, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """Token lists (any lengths, possibly empty) or an int array -> (int32 [batch, longest]
+  right-padded, lengths int32 [batch])."""
+  if isinstance(tokens, (np.ndarray, jax.Array)):
+    array = np.asarray(tokens)
+    if array.ndim != 2 or array.shape[0] != batch or not np.issubdtype(array.dtype, np.integer):
+      raise ValueError(
+        f"tokens must be {batch} token lists (one per context row) or an int array "
+        f"[{batch}, n]; got a {array.dtype} array of shape {array.shape}"
+      )
+    return array.astype(np.int32), np.full((batch,), array.shape[1], np.int32)
+  rows = list(tokens)
+  if len(rows) != batch or not all(isinstance(row, Sequence) for row in rows):
+    raise ValueError(
+      f"tokens must be {batch} token lists (one per context row) or an int array "
+      f"[{batch}, n]; got {len(rows)} items of types {sorted({type(r).__name__ for r in rows})}"
+    )
+  arrays = [np.asarray(row) for row in rows]
+  for index, array in enumerate(arrays):
+    if array.size and (array.ndim != 1 or not np.issubdtype(array.dtype, np.integer)):
+      raise ValueError(f"tokens[{index}] must be a list of int token ids, got {rows[index]!r}")
+  lengths = np.array([array.size for array in arrays], np.int32)
+  packed = np.full((batch, lengths.max(initial=0)), pad_token_id, np.int32)
+  for index, array in enumerate(arrays):
+    packed[index, : array.size] = array
+  return packed, lengths

@@ -76,10 +76,12 @@ def prefill(
 def _decode_in_jit(
   decoder: CachedDecoder,
   params: Any,
-  logits: jax.Array,  # [batch, vocab]: logits of the first new token
+  logits: jax.Array,  # [batch, vocab]: prediction for each row's next token
   caches: tuple,
-  lengths: jax.Array,  # int32 [batch]: prompt lengths (position of the first new token)
+  lengths: jax.Array,  # int32 [batch]: position of each row's next token
   key: jax.Array,
+  feed_tokens: jax.Array | None = None,  # int32 [batch, width]: fed before generating
+  feed_lengths: jax.Array | None = None,  # int32 [batch], each <= width
   *,
   max_new_tokens: int,
   sampling: SamplingConfig,
@@ -88,29 +90,49 @@ def _decode_in_jit(
 ) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
   """(tokens [batch, max_new_tokens], num_generated [batch], caches, decode steps run).
 
-  A `while_loop` on device: it ends after `max_new_tokens` tokens or as soon as every row
-  has emitted a stop token, whichever comes first.
+  A `while_loop` on device. Row r is first fed `feed_tokens[r, :feed_lengths[r]]` (appended
+  through the caches, nothing emitted), then generates; rows fed fewer tokens start generating
+  sooner, in the same steps. The loop ends when every row has `max_new_tokens` tokens or has
+  emitted a stop token.
   """
   stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
   batch = logits.shape[0]
-  keys = jax.random.split(key, max_new_tokens)
+  if feed_tokens is None:
+    feed_tokens = jnp.zeros((batch, 0), jnp.int32)
+    feed_lengths = jnp.zeros((batch,), jnp.int32)
+  feed_width = feed_tokens.shape[1]
+  # One key per loop step (the first max_new_tokens are generate's keys when nothing is fed).
+  keys = jax.random.split(key, feed_width + max_new_tokens)
+  last_choice = feed_lengths + max_new_tokens - 1  # the step choosing a row's last token
+  slots = jnp.arange(max_new_tokens)
 
-  def choose(index, logits, finished, tokens, count):
-    token = sample_next_token(logits, keys[index], sampling)
-    token = jnp.where(finished, pad_token_id, token)
-    tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, index, axis=1)
-    count = count + (~finished).astype(jnp.int32)
-    return token, finished | jnp.isin(token, stop_ids), tokens, count
+  def choose(step, logits, done, tokens, count):
+    token = sample_next_token(logits, keys[step], sampling)
+    if feed_width:
+      feeding = step < feed_lengths
+      fed = jax.lax.dynamic_index_in_dim(
+        feed_tokens, jnp.minimum(step, feed_width - 1), axis=1, keepdims=False
+      )
+    else:
+      feeding = jnp.zeros((batch,), bool)
+      fed = token
+    emitting = ~feeding & ~done
+    token = jnp.where(feeding, fed, jnp.where(done, pad_token_id, token))
+    slot = step - feed_lengths
+    tokens = jnp.where(emitting[:, None] & (slots == slot[:, None]), token[:, None], tokens)
+    count = count + emitting.astype(jnp.int32)
+    done = done | (emitting & (jnp.isin(token, stop_ids) | (count == max_new_tokens)))
+    return token, done, tokens, count
 
   def more(state):
-    index, _, _, finished, _, _ = state
-    return (index < max_new_tokens - 1) & ~jnp.all(finished)
+    step, _, _, done, _, _ = state
+    return ~jnp.all(done | (step >= last_choice))
 
   def step(state):
-    index, logits, caches, finished, tokens, count = state
-    token, finished, tokens, count = choose(index, logits, finished, tokens, count)
-    logits, caches = decoder.decode_step(params, token, lengths + index, caches)
-    return index + 1, logits, caches, finished, tokens, count
+    step, logits, caches, done, tokens, count = state
+    token, done, tokens, count = choose(step, logits, done, tokens, count)
+    logits, caches = decoder.decode_step(params, token, lengths + step, caches)
+    return step + 1, logits, caches, done, tokens, count
 
   state = (
     jnp.int32(0),
@@ -120,8 +142,8 @@ def _decode_in_jit(
     jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32),
     jnp.zeros((batch,), jnp.int32),
   )
-  steps, logits, caches, finished, tokens, count = jax.lax.while_loop(more, step, state)
-  _, _, tokens, count = choose(steps, logits, finished, tokens, count)
+  steps, logits, caches, done, tokens, count = jax.lax.while_loop(more, step, state)
+  _, _, tokens, count = choose(steps, logits, done, tokens, count)
   return tokens, count, caches, steps
 
 
@@ -137,11 +159,17 @@ def decode(
   sampling: SamplingConfig,
   stop_token_ids: tuple[int, ...],
   pad_token_id: int,
+  feed_tokens: jax.Array | np.ndarray | None = None,
+  feed_lengths: jax.Array | np.ndarray | None = None,
 ) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
   """The jitted decode loop (`_decode_in_jit`, same arguments and results), after checking on
-  the host that the caches have room for the `max_new_tokens - 1` tokens it feeds back
-  (kvjax.cache_room). `decode.lower` lowers the loop ahead of time, without the check."""
-  check_room(caches, max_new_tokens - 1, caller="decode")
+  the host the fed tokens (`feed_tokens` int32 [batch, width] with `feed_lengths` int32
+  [batch], both or neither) and that the caches have room for what the loop appends: the
+  longest row's fed tokens plus the `max_new_tokens - 1` tokens fed back.
+  `decode.lower` lowers the loop ahead of time, without the checks."""
+  batch = logits.shape[0]
+  longest_feed = check_feed(feed_tokens, feed_lengths, batch=batch)
+  check_room(caches, longest_feed + max_new_tokens - 1, caller="decode")
   return _decode_in_jit(
     decoder,
     params,
@@ -149,6 +177,8 @@ def decode(
     caches,
     lengths,
     key,
+    feed_tokens,
+    feed_lengths,
     max_new_tokens=max_new_tokens,
     sampling=sampling,
     stop_token_ids=stop_token_ids,
@@ -157,6 +187,30 @@ def decode(
 
 
 decode.lower = _decode_in_jit.lower
+
+
+def check_feed(feed_tokens, feed_lengths, *, batch: int) -> int:
+  """Checks fed tokens against the batch; returns the most tokens fed to one row."""
+  if feed_tokens is None and feed_lengths is None:
+    return 0
+  if feed_tokens is None or feed_lengths is None:
+    raise ValueError("feed_tokens and feed_lengths go together: give both or neither")
+  shape, lengths_shape = np.shape(feed_tokens), np.shape(feed_lengths)
+  if len(shape) != 2 or shape[0] != batch or lengths_shape != (batch,):
+    raise ValueError(
+      f"feed_tokens must be [batch={batch}, width] and feed_lengths [batch={batch}]; got "
+      f"{shape} and {lengths_shape}"
+    )
+  if not jnp.issubdtype(jnp.result_type(feed_tokens), jnp.integer):
+    raise ValueError(f"feed_tokens must hold integer token ids, got {jnp.result_type(feed_tokens)}")
+  if isinstance(feed_lengths, jax.core.Tracer):
+    return shape[1]  # checked no further inside a trace; the width bounds every row
+  fed = np.asarray(feed_lengths)
+  if fed.min(initial=0) < 0 or fed.max(initial=0) > shape[1]:
+    raise ValueError(
+      f"feed_lengths={fed.tolist()} must lie in [0, {shape[1]}] (feed_tokens' width)"
+    )
+  return int(fed.max(initial=0))
 
 
 def check_decode_arguments(

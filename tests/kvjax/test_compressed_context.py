@@ -9,14 +9,16 @@ from kvjax.compressed_context import (
   context_template,
   continue_context,
 )
-from kvjax.generate import generate, prefill
+from kvjax.generate import decode, generate, prefill
 from kvjax.method_spec import parse_method_spec
 from kvjax.prompt_batch import pack_prompts
 from kvjax.sampling import SamplingConfig
+from kvjax.teacher_forcing import teacher_force
 from tests.kvjax.test_method_matrix import PROMPTS
 from tests.kvjax.tiny_decoder import tiny_decoder
 
 QUESTIONS = [[5, 9, 11], [7, 3, 2]]
+RAGGED_QUESTIONS = [[5, 9, 11, 4, 8], [7]]
 KIVI = "kivi:bits=4,group_size=16,residual=16"
 
 
@@ -71,18 +73,83 @@ def test_continuing_with_nothing_fed_is_generate(spec):
   np.testing.assert_array_equal(count, expected.num_generated)
 
 
-def test_a_question_fed_after_a_full_cache_answers_like_the_whole_prompt():
+@pytest.mark.parametrize("questions", [QUESTIONS, RAGGED_QUESTIONS], ids=["equal", "ragged"])
+def test_questions_fed_after_a_full_cache_answer_like_their_whole_prompts(questions):
   decoder, params = tiny_decoder()
   method = parse_method_spec("full")
-  whole = [p + q for p, q in zip(PROMPTS, QUESTIONS)]
+  whole = [p + q for p, q in zip(PROMPTS, questions)]
   expected = generate(
     decoder, params, whole, max_new_tokens=6, cache_method=method, cache_dtype=jnp.float32
   )
+  room = max(map(len, questions)) + 6
   context = compress_context(
-    decoder, params, PROMPTS, cache_method=method, room=3 + 6, cache_dtype=jnp.float32
+    decoder, params, PROMPTS, cache_method=method, room=room, cache_dtype=jnp.float32
   )
-  tokens, _ = continue_context(decoder, params, context, QUESTIONS, max_new_tokens=6)
+  tokens, count = continue_context(decoder, params, context, questions, max_new_tokens=6)
   np.testing.assert_array_equal(tokens, expected.tokens)
+  np.testing.assert_array_equal(count, [6, 6])
+
+
+@pytest.mark.parametrize(
+  "spec", ["full", KIVI, "snapkv:budget=16,window=4", "streaming:budget=16,sinks=2"]
+)
+def test_feeding_in_the_decode_loop_is_teacher_forcing_then_decoding(spec):
+  decoder, params = tiny_decoder()
+  context = compress_context(decoder, params, PROMPTS, cache_method=parse_method_spec(spec), room=9)
+  _, logits, caches = teacher_force(
+    decoder, params, context.next_logits, context.caches, context.lengths, np.array(QUESTIONS)
+  )
+  expected, expected_count, _, _ = decode(
+    decoder,
+    params,
+    logits,
+    caches,
+    context.lengths + 3,
+    jax.random.key(0),
+    max_new_tokens=6,
+    sampling=SamplingConfig(),
+    stop_token_ids=(),
+    pad_token_id=0,
+  )
+  tokens, count = continue_context(decoder, params, context, QUESTIONS, max_new_tokens=6)
+  np.testing.assert_array_equal(tokens, expected)
+  np.testing.assert_array_equal(count, expected_count)
+
+
+@pytest.mark.parametrize("spec", [KIVI, "snapkv:budget=16,window=4", "streaming:budget=16,sinks=2"])
+def test_each_row_of_a_ragged_batch_answers_as_with_an_equal_length_batch(spec):
+  decoder, params = tiny_decoder()
+  context = compress_context(
+    decoder, params, PROMPTS, cache_method=parse_method_spec(spec), room=11
+  )
+  tokens, count = continue_context(decoder, params, context, RAGGED_QUESTIONS, max_new_tokens=6)
+  long_question, short_question = RAGGED_QUESTIONS
+  first, _ = continue_context(decoder, params, context, [long_question, [1] * 5], max_new_tokens=6)
+  second, _ = continue_context(
+    decoder, params, context, [[1] * 1, short_question], max_new_tokens=6
+  )
+  np.testing.assert_array_equal(tokens, np.stack([first[0], second[1]]))
+  np.testing.assert_array_equal(count, [6, 6])
+
+
+def test_a_row_that_stops_early_waits_while_a_longer_question_is_fed():
+  decoder, params = tiny_decoder()
+  context = compress_context(
+    decoder, params, PROMPTS, cache_method=parse_method_spec(KIVI), room=11
+  )
+  free, _ = continue_context(decoder, params, context, RAGGED_QUESTIONS, max_new_tokens=6)
+  stop = int(free[1, 1])  # the short question's second answer token
+  tokens, count = continue_context(
+    decoder, params, context, RAGGED_QUESTIONS, max_new_tokens=6, stop_token_ids=[stop]
+  )
+  row_stop = int(np.argmax(free[1] == stop)) + 1
+  np.testing.assert_array_equal(count[1], row_stop)
+  np.testing.assert_array_equal(tokens[1, :row_stop], free[1, :row_stop])
+  np.testing.assert_array_equal(tokens[1, row_stop:], 0)
+  first_stop = np.flatnonzero(free[0] == stop)
+  expected_first = first_stop[0] + 1 if first_stop.size else 6
+  np.testing.assert_array_equal(count[0], expected_first)
+  np.testing.assert_array_equal(tokens[0, :expected_first], free[0, :expected_first])
 
 
 def test_a_context_is_unchanged_by_continuing_and_answers_again_the_same():
@@ -121,12 +188,16 @@ def test_bad_arguments_are_refused_before_anything_runs():
   with pytest.raises(ValueError, match="prompt_len=0"):
     context_template(decoder, params, batch=1, prompt_len=0, cache_method=method, room=1)
   context = compress_context(decoder, params, PROMPTS, cache_method=method, room=4)
-  with pytest.raises(ValueError, match="equally long token lists"):
-    continue_context(decoder, params, context, [[1, 2], [3]], max_new_tokens=2)
-  with pytest.raises(ValueError, match=r"got shape \(1, 2\)"):
+  with pytest.raises(ValueError, match="got 1 items of types"):
     continue_context(decoder, params, context, [[1, 2]], max_new_tokens=2)
-  with pytest.raises(ValueError, match=r"got shape \(2,\)"):
+  with pytest.raises(ValueError, match=r"got 2 items of types \['int'\]"):
     continue_context(decoder, params, context, [1, 2], max_new_tokens=2)
+  with pytest.raises(ValueError, match=r"got a int32 array of shape \(1, 2\)"):
+    continue_context(decoder, params, context, np.ones((1, 2), np.int32), max_new_tokens=2)
+  with pytest.raises(ValueError, match=r"got a float32 array"):
+    continue_context(decoder, params, context, np.ones((2, 2), np.float32), max_new_tokens=2)
+  with pytest.raises(ValueError, match=r"tokens\[1\] must be a list of int token ids"):
+    continue_context(decoder, params, context, [[1, 2], [3.5]], max_new_tokens=2)
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     continue_context(decoder, params, context, [[1], [2]], max_new_tokens=0)
   with pytest.raises(ValueError, match="key is required"):
@@ -140,8 +211,8 @@ def test_bad_arguments_are_refused_before_anything_runs():
     )
   with pytest.raises(ValueError, match="context must be a CompressedContext"):
     continue_context(decoder, params, (context.caches,), [[1], [2]], max_new_tokens=2)
-  # The fed tokens and every new token but the last (never appended) must fit.
+  # The longest fed list and every new token but the last (never appended) must fit.
   room = int(rows_room(context.caches).min())
-  continue_context(decoder, params, context, QUESTIONS, max_new_tokens=room - 3 + 1)
+  continue_context(decoder, params, context, [[1, 2, 3], []], max_new_tokens=room - 3 + 1)
   with pytest.raises(ValueError, match=f"continue_context: appends {room + 1} tokens"):
-    continue_context(decoder, params, context, QUESTIONS, max_new_tokens=room - 3 + 2)
+    continue_context(decoder, params, context, [[], [1, 2, 3]], max_new_tokens=room - 3 + 2)

@@ -3,16 +3,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.generate import generate
+from kvjax.cache_protocol import allocate_model_cache
+from kvjax.dense_cache import FullCache
+from kvjax.generate import decode, generate, prefill
+from kvjax.prompt_batch import pack_prompts
 from kvjax.sampling import SamplingConfig
 from tests.kvjax.tiny_decoder import tiny_decoder
 
 
 def _greedy_reference(decoder, params, prompt, steps):
   """Greedy decoding by re-running the whole sequence each step (no cache reuse at all)."""
-  from kvjax.cache_protocol import allocate_model_cache
-  from kvjax.dense_cache import FullCache
-
   ids = list(prompt)
   for _ in range(steps):
     caches = allocate_model_cache(
@@ -118,3 +118,81 @@ def test_decoding_ends_early_once_every_row_stopped():
     decoder, params, [[3, 14, 15]], max_new_tokens=8, cache_dtype=jnp.float32, stop_token_ids=[stop]
   )
   assert stopped.decode_steps == first + 1
+
+
+GREEDY_FIVE_TOKENS = dict(
+  max_new_tokens=5, sampling=SamplingConfig(), stop_token_ids=(), pad_token_id=0
+)
+
+
+def _prefilled_full_cache(decoder, params, prompts, room):
+  tokens, lengths = pack_prompts(prompts)
+  logits, caches = prefill(
+    decoder,
+    params,
+    tokens,
+    lengths,
+    cache_method=FullCache(),
+    max_new_tokens=room,
+    cache_dtype=jnp.float32,
+  )
+  return logits, caches, lengths
+
+
+def test_decode_feeds_each_row_its_tokens_before_generating():
+  decoder, params = tiny_decoder()
+  prompts, fed = [[3, 14, 15], [9, 2, 6, 5]], [[8, 9, 7, 9], [3]]
+  logits, caches, lengths = _prefilled_full_cache(decoder, params, prompts, room=4 + 5)
+  tokens, count, _, steps = decode(
+    decoder,
+    params,
+    logits,
+    caches,
+    lengths,
+    jax.random.key(0),
+    feed_tokens=np.array([[8, 9, 7, 9], [3, 0, 0, 0]], np.int32),
+    feed_lengths=np.array([4, 1], np.int32),
+    **GREEDY_FIVE_TOKENS,
+  )
+  whole = generate(
+    decoder,
+    params,
+    [p + f for p, f in zip(prompts, fed)],
+    max_new_tokens=5,
+    cache_dtype=jnp.float32,
+  )
+  np.testing.assert_array_equal(tokens, whole.tokens)
+  np.testing.assert_array_equal(count, [5, 5])
+  assert int(steps) == 4 + 5 - 1  # the longest feed, then every new token but the last
+
+
+@pytest.mark.parametrize(
+  "feed, message",
+  [
+    (dict(feed_tokens=np.ones((2, 3), np.int32)), "give both or neither"),
+    (dict(feed_lengths=np.ones((2,), np.int32)), "give both or neither"),
+    (
+      dict(feed_tokens=np.ones((1, 3), np.int32), feed_lengths=np.ones((1,), np.int32)),
+      r"must be \[batch=2, width\] and feed_lengths \[batch=2\]; got \(1, 3\) and \(1,\)",
+    ),
+    (
+      dict(feed_tokens=np.ones((2, 3), np.float32), feed_lengths=np.ones((2,), np.int32)),
+      "integer token ids",
+    ),
+    (
+      dict(feed_tokens=np.ones((2, 3), np.int32), feed_lengths=np.array([4, 1], np.int32)),
+      r"feed_lengths=\[4, 1\] must lie in \[0, 3\]",
+    ),
+    (
+      dict(feed_tokens=np.ones((2, 3), np.int32), feed_lengths=np.array([3, 3], np.int32)),
+      "decode: appends 7 tokens per row",
+    ),
+  ],
+)
+def test_decode_refuses_bad_fed_tokens_before_tracing(feed, message):
+  decoder, params = tiny_decoder()
+  logits, caches, lengths = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)
+  with pytest.raises(ValueError, match=message):
+    decode(
+      decoder, params, logits, caches, lengths, jax.random.key(0), **GREEDY_FIVE_TOKENS, **feed
+    )
