@@ -22,12 +22,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from kvjax.cache_protocol import CacheMethod, model_cache_nbytes
 from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder
 from kvjax.generate import _decode_in_jit, check_decode_arguments, prefill
 from kvjax.prompt_batch import pack_prompts
+from kvjax.row_sharding import row_shardings
 from kvjax.sampling import SamplingConfig
 
 
@@ -79,20 +81,45 @@ def compress_context(
   room: int,
   cache_dtype=jnp.bfloat16,
   pad_token_id: int = 0,
+  row_sharding: NamedSharding | None = None,
 ) -> CompressedContext:
   """Prefills `prompts` (token lists, any lengths) into caches of `cache_method` with `room`
   tokens of space left per row (a method that evicts by design, such as StreamingLLM, has no
-  limit)."""
+  limit).
+
+  `row_sharding` (e.g. `NamedSharding(mesh, PartitionSpec("data"))`) spreads the rows over
+  devices: the prompts are placed that way, and every array of the context keeps its rows split
+  over the same devices (its batch axis, wherever it lies; arrays without one are replicated).
+  """
   _check_room_argument(room)
   tokens, lengths = pack_prompts(prompts, pad_token_id=pad_token_id)
-  return _prefill_context(
-    decoder,
-    params,
-    tokens,
-    lengths,
-    cache_method=cache_method,
-    room=int(room),
-    cache_dtype=cache_dtype,
+  settings = dict(cache_method=cache_method, room=int(room), cache_dtype=cache_dtype)
+  if row_sharding is None:
+    return _prefill_context(decoder, params, tokens, lengths, **settings)
+  shardings = row_shardings(
+    functools.partial(_context_shapes, decoder, params, prompt_len=tokens.shape[1], **settings),
+    tokens.shape[0],
+    row_sharding,
+  )
+  tokens, lengths = jax.device_put((tokens, lengths), row_sharding)
+  context = _prefill_context(decoder, params, tokens, lengths, **settings)
+  return jax.device_put(context, shardings)
+
+
+def _context_shapes(
+  decoder, params, batch, *, prompt_len, cache_method, room, cache_dtype
+) -> CompressedContext:
+  return jax.eval_shape(
+    functools.partial(
+      _prefill_context,
+      decoder,
+      params,
+      cache_method=cache_method,
+      room=room,
+      cache_dtype=cache_dtype,
+    ),
+    jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+    jax.ShapeDtypeStruct((batch,), jnp.int32),
   )
 
 
@@ -105,25 +132,33 @@ def context_template(
   cache_method: CacheMethod,
   room: int,
   cache_dtype=jnp.bfloat16,
+  row_sharding: NamedSharding | None = None,
 ) -> CompressedContext:
   """The structure, shapes and dtypes (`jax.ShapeDtypeStruct` leaves, nothing computed) of the
   context `compress_context` makes from `batch` prompts whose longest has `prompt_len` tokens:
-  what `kvjax.context_checkpoint.restore_context` restores into."""
+  what `kvjax.context_checkpoint.restore_context` restores into. With `row_sharding`, the leaves
+  carry the shardings `compress_context` gives with it, so a context is restored spread over
+  the devices."""
   _check_room_argument(room)
   for name, value in (("batch", batch), ("prompt_len", prompt_len)):
     if not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"{name}={value!r} must be an int >= 1")
-  return jax.eval_shape(
-    functools.partial(
-      _prefill_context,
-      decoder,
-      params,
-      cache_method=cache_method,
-      room=int(room),
-      cache_dtype=cache_dtype,
-    ),
-    jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
-    jax.ShapeDtypeStruct((batch,), jnp.int32),
+  shapes = functools.partial(
+    _context_shapes,
+    decoder,
+    params,
+    prompt_len=int(prompt_len),
+    cache_method=cache_method,
+    room=int(room),
+    cache_dtype=cache_dtype,
+  )
+  template = shapes(int(batch))
+  if row_sharding is None:
+    return template
+  return jax.tree.map(
+    lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+    template,
+    row_shardings(shapes, int(batch), row_sharding),
   )
 
 

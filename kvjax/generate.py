@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from kvjax.cache_protocol import CacheMethod, allocate_model_cache, model_cache_nbytes
 from kvjax.cache_room import check_room
@@ -22,6 +23,7 @@ from kvjax.decoder_protocol import CachedDecoder
 from kvjax.dense_cache import FullCache
 from kvjax.layer_runs import pytree_signature
 from kvjax.prompt_batch import compact_padded_batch, pack_prompts
+from kvjax.row_sharding import check_row_sharding
 from kvjax.sampling import SamplingConfig, sample_next_token
 
 
@@ -246,6 +248,7 @@ def _compiled_executables(decoder, params, tokens, lengths, key, prefill_static,
     decoder,
     pytree_signature(params),
     tokens.shape,
+    getattr(tokens, "sharding", None),
     pytree_signature(key),
     tuple(sorted((k, v) for k, v in prefill_static.items() if k != "cache_dtype")),
     jnp.dtype(prefill_static["cache_dtype"]).name,
@@ -286,12 +289,15 @@ def generate(
   pad_token_id: int = 0,
   key: jax.Array | None = None,
   max_cache_tokens: int | None = None,
+  row_sharding: NamedSharding | None = None,
 ) -> GenerateResult:
   """Generates up to `max_new_tokens` tokens for each prompt.
 
   `prompts`: token lists of any lengths, or a `[batch, tokens]` array (with a Hugging Face
   style `attention_mask` when it is left- or right-padded). `key` is required when sampling.
   `max_cache_tokens` (e.g. the model's context length) bounds prompt + new tokens.
+  `row_sharding` (e.g. `NamedSharding(mesh, PartitionSpec("data"))`) spreads the rows over
+  devices: the prompts are placed that way and the caches follow (`kvjax.row_sharding`).
   Compilation happens ahead of time, so `compile_s` and the run times are measured apart.
   """
   key = check_decode_arguments(max_new_tokens, sampling, key)
@@ -301,6 +307,9 @@ def generate(
       f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
       f"max_cache_tokens={max_cache_tokens}"
     )
+  if row_sharding is not None:
+    check_row_sharding(row_sharding, tokens.shape[0])
+    tokens, lengths = jax.device_put((tokens, lengths), row_sharding)
   prefill_static = dict(
     cache_method=cache_method, max_new_tokens=max_new_tokens, cache_dtype=cache_dtype
   )
@@ -323,7 +332,7 @@ def generate(
   return GenerateResult(
     tokens=np.asarray(out_tokens),
     num_generated=np.asarray(count),
-    prompt_lengths=lengths,
+    prompt_lengths=np.asarray(lengths),
     cache_bytes=model_cache_nbytes(caches),
     compile_s=compile_s,
     prefill_s=prefill_s,

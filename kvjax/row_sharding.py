@@ -1,0 +1,67 @@
+"""Spreading a batch's rows over devices: where every array of a context keeps its rows.
+
+Caches keep the batch at different axes (axis 0 in a layer's cache, axis 1 in the caches of
+layers stacked for `lax.scan`), and some of their arrays have no batch axis at all. The batch
+axis of each array is found by building the structure for two batch sizes with
+`jax.eval_shape` (nothing is computed) and seeing which axis changed; that axis is split over
+the devices the way `row_sharding` splits a `[batch]` array, and arrays without a batch axis are
+replicated on its mesh.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+
+def check_row_sharding(row_sharding: Any, batch: int) -> None:
+  """Refuses anything but a `NamedSharding` splitting one axis over mesh axes that divide
+  `batch`."""
+  if not isinstance(row_sharding, NamedSharding):
+    raise ValueError(
+      f"row_sharding must be a jax.sharding.NamedSharding splitting the batch axis, e.g. "
+      f"NamedSharding(mesh, PartitionSpec('data')); got {type(row_sharding).__qualname__}"
+    )
+  spec = tuple(row_sharding.spec)
+  if len(spec) != 1 or spec[0] is None:
+    raise ValueError(
+      f"row_sharding's spec must name the mesh axes of the batch axis alone, e.g. "
+      f"PartitionSpec('data') or PartitionSpec(('data', 'model')); got {row_sharding.spec}"
+    )
+  names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  devices = int(np.prod([row_sharding.mesh.shape[name] for name in names]))
+  if batch % devices:
+    raise ValueError(
+      f"batch={batch} rows cannot be split evenly over row_sharding's {devices} devices "
+      f"(mesh axes {names}); use a multiple of {devices} rows"
+    )
+
+
+def _batch_axis(small: jax.ShapeDtypeStruct, large: jax.ShapeDtypeStruct, where: str) -> int | None:
+  changed = [axis for axis, (a, b) in enumerate(zip(small.shape, large.shape)) if a != b]
+  if len(small.shape) != len(large.shape) or len(changed) > 1:
+    raise ValueError(
+      f"{where}: shapes {small.shape} and {large.shape} for two batch sizes do not show one "
+      "batch axis"
+    )
+  return changed[0] if changed else None
+
+
+def row_shardings(
+  shapes_for_batch: Callable[[int], Any], batch: int, row_sharding: NamedSharding
+) -> Any:
+  """A `NamedSharding` per leaf of `shapes_for_batch(batch)` (a pytree of shapes, e.g. from
+  `jax.eval_shape`): its batch axis split as `row_sharding` splits rows, or replicated."""
+  check_row_sharding(row_sharding, batch)
+  small, large = shapes_for_batch(batch), shapes_for_batch(batch + 1)
+  mesh, rows = row_sharding.mesh, row_sharding.spec[0]
+
+  def sharding(path, small_leaf, large_leaf):
+    axis = _batch_axis(small_leaf, large_leaf, jax.tree_util.keystr(path))
+    if axis is None:
+      return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, PartitionSpec(*([None] * axis), rows))
+
+  return jax.tree_util.tree_map_with_path(sharding, small, large)

@@ -1,0 +1,175 @@
+"""Contexts spread over devices by rows. The tests that need two devices run in a process of
+their own with two host CPU devices (XLA's device count is fixed when jax starts), started by
+the last test here; in a process that already has two devices they run directly."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kvjax.compressed_context import compress_context, context_template, continue_context
+from kvjax.context_checkpoint import restore_context, save_context
+from kvjax.generate import generate
+from kvjax.method_spec import parse_method_spec
+from kvjax.row_sharding import check_row_sharding, row_shardings
+from tests.kvjax.test_compressed_context import RAGGED_QUESTIONS, assert_same_arrays
+from tests.kvjax.test_method_matrix import PROMPTS
+from tests.kvjax.tiny_decoder import tiny_decoder
+
+SPECS = [
+  "kivi:bits=4,group_size=16,residual=16",
+  "snapkv:budget=16,window=4+kivi:bits=4,group_size=16,residual=16",
+]
+ROOM = 5 + 4 - 1  # the longest question and every answer token but the last
+two_devices = pytest.mark.skipif(jax.device_count() < 2, reason="needs two devices")
+
+
+def _rows(count=2):
+  mesh = Mesh(np.array(jax.devices()[:count]), ("data",))
+  return NamedSharding(mesh, PartitionSpec("data"))
+
+
+def _batch_axis_of(leaf):
+  spec = tuple(leaf.sharding.spec)
+  return spec.index("data") if "data" in spec else None
+
+
+@two_devices
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_context_compressed_by_rows_keeps_each_row_on_its_device(spec, layer_loop):
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  method = parse_method_spec(spec)
+  on_one = compress_context(decoder, params, PROMPTS, cache_method=method, room=ROOM)
+  spread = compress_context(
+    decoder, params, PROMPTS, cache_method=method, room=ROOM, row_sharding=_rows()
+  )
+  assert_same_arrays(spread, on_one)
+  batch_axes = set()
+  for leaf, single in zip(jax.tree.leaves(spread), jax.tree.leaves(on_one)):
+    axis = _batch_axis_of(leaf)
+    batch_axes.add(axis)
+    if axis is None:
+      assert leaf.sharding.is_fully_replicated
+      continue
+    assert leaf.shape[axis] == 2
+    for shard in leaf.addressable_shards:  # device i holds row i, and nothing else
+      row = shard.device.id
+      np.testing.assert_array_equal(
+        np.asarray(shard.data), np.take(np.asarray(single), [row], axis=axis)
+      )
+  # Layer caches keep rows at axis 0; caches stacked for the scan at axis 1.
+  assert batch_axes >= ({0, 1} if layer_loop == "scan" else {0})
+
+  tokens, count = continue_context(decoder, params, spread, RAGGED_QUESTIONS, max_new_tokens=4)
+  expected = continue_context(decoder, params, on_one, RAGGED_QUESTIONS, max_new_tokens=4)
+  np.testing.assert_array_equal(tokens, expected[0])
+  np.testing.assert_array_equal(count, expected[1])
+
+
+@two_devices
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+def test_a_context_saved_by_rows_is_restored_by_rows_or_onto_one_device(layer_loop, tmp_path):
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  method = parse_method_spec(SPECS[1])
+  spread = compress_context(
+    decoder, params, PROMPTS, cache_method=method, room=ROOM, row_sharding=_rows()
+  )
+  save_context(tmp_path / "context", spread)
+  shape = dict(batch=2, prompt_len=40, cache_method=method, room=ROOM)
+  template = context_template(decoder, params, **shape, row_sharding=_rows())
+  for leaf, like in zip(jax.tree.leaves(template), jax.tree.leaves(spread)):
+    assert leaf.sharding == like.sharding
+
+  restored = restore_context(tmp_path / "context", template)
+  assert_same_arrays(restored, spread)
+  for leaf, like in zip(jax.tree.leaves(restored), jax.tree.leaves(spread)):
+    assert leaf.sharding == like.sharding
+
+  on_one = restore_context(tmp_path / "context", context_template(decoder, params, **shape))
+  assert_same_arrays(on_one, spread)
+  assert all(leaf.sharding.device_set == {jax.devices()[0]} for leaf in jax.tree.leaves(on_one))
+
+
+@two_devices
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+def test_generate_by_rows_is_generate_on_one_device(layer_loop):
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  run = dict(max_new_tokens=5, cache_method=parse_method_spec(SPECS[1]))
+  on_one = generate(decoder, params, PROMPTS, **run)
+  spread = generate(decoder, params, PROMPTS, **run, row_sharding=_rows())
+  np.testing.assert_array_equal(spread.tokens, on_one.tokens)
+  np.testing.assert_array_equal(spread.num_generated, on_one.num_generated)
+  assert spread.cache_bytes == on_one.cache_bytes
+  with pytest.raises(ValueError, match=r"batch=3 rows cannot be split evenly"):
+    generate(decoder, params, PROMPTS + [[1, 2]], **run, row_sharding=_rows())
+
+
+@two_devices
+def test_bad_row_shardings_are_refused_before_anything_runs():
+  decoder, params = tiny_decoder()
+  method = parse_method_spec(SPECS[0])
+  mesh = _rows().mesh
+  bad = [
+    (jax.sharding.SingleDeviceSharding(jax.devices()[0]), "must be a jax.sharding.NamedSharding"),
+    (NamedSharding(mesh, PartitionSpec()), r"spec must name the mesh axes of the batch axis"),
+    (NamedSharding(mesh, PartitionSpec(None)), r"spec must name the mesh axes of the batch axis"),
+    (NamedSharding(mesh, PartitionSpec("data", None)), r"batch axis alone"),
+  ]
+  for sharding, message in bad:
+    with pytest.raises(ValueError, match=message):
+      compress_context(
+        decoder, params, PROMPTS, cache_method=method, room=ROOM, row_sharding=sharding
+      )
+  with pytest.raises(ValueError, match=r"batch=3 rows cannot be split evenly over .* 2 devices"):
+    context_template(
+      decoder,
+      params,
+      batch=3,
+      prompt_len=40,
+      cache_method=method,
+      room=ROOM,
+      row_sharding=_rows(),
+    )
+
+
+def test_each_leaf_is_split_at_the_axis_that_follows_the_batch():
+  rows = _rows(count=1)
+
+  def shapes(batch):
+    return {
+      "rows_first": jax.ShapeDtypeStruct((batch, 3), jnp.float32),
+      "stacked": jax.ShapeDtypeStruct((4, batch, 3), jnp.int8),
+      "no_rows": jax.ShapeDtypeStruct((5,), jnp.int32),
+    }
+
+  shardings = row_shardings(shapes, 2, rows)
+  assert shardings["rows_first"].spec == PartitionSpec("data")
+  assert shardings["stacked"].spec == PartitionSpec(None, "data")
+  assert shardings["no_rows"].spec == PartitionSpec()
+  with pytest.raises(ValueError, match=r"\['both'\]: shapes \(2, 2\) and \(3, 3\)"):
+    row_shardings(lambda b: {"both": jax.ShapeDtypeStruct((b, b), jnp.float32)}, 2, rows)
+  check_row_sharding(rows, 7)  # one device takes any number of rows
+
+
+@pytest.mark.skipif(jax.device_count() >= 2, reason="the tests above ran here")
+def test_the_two_device_tests_pass_on_two_host_devices():
+  repository = pathlib.Path(__file__).parents[2]
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+  run = subprocess.run(
+    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__],
+    cwd=repository,
+    env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=str(repository)),
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+  # Every test of this file but this one ran (none skipped) in the two-device process.
+  assert "10 passed, 1 skipped" in run.stdout, run.stdout[-1000:]
