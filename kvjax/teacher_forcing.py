@@ -1,7 +1,8 @@
 """Feeding known tokens through a (compressed) cache one decode step at a time.
 
-This is how evaluation scores a continuation *through the compressed cache*, and how a
-question is appended after a context was compressed (the query-agnostic setting).
+This is how evaluation scores a continuation *through the compressed cache*: the log-probs of
+every forced token. (`kvjax.decode` feeds tokens too, per row and without log-probs, before it
+generates: that is how `continue_context` appends a question to a compressed context.)
 """
 
 from functools import partial
