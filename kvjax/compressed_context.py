@@ -26,9 +26,9 @@ from jax.sharding import NamedSharding
 
 from kvjax.cache_protocol import CacheMethod, model_cache_nbytes
 from kvjax.cache_room import check_room
-from kvjax.decoder_protocol import CachedDecoder
+from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
 from kvjax.generate import _decode_in_jit, check_decode_arguments, prefill
-from kvjax.prompt_batch import pack_prompts
+from kvjax.prompt_batch import check_padded_token_ids, pack_prompts
 from kvjax.row_sharding import row_shardings
 from kvjax.sampling import SamplingConfig
 
@@ -93,6 +93,9 @@ def compress_context(
   """
   _check_room_argument(room)
   tokens, lengths = pack_prompts(prompts, pad_token_id=pad_token_id)
+  check_padded_token_ids(
+    tokens, pad_token_id=pad_token_id, vocab_size=decoder_vocab_size(decoder), name="prompts"
+  )
   settings = dict(cache_method=cache_method, room=int(room), cache_dtype=cache_dtype)
   if row_sharding is None:
     return _prefill_context(decoder, params, tokens, lengths, **settings)
@@ -186,6 +189,9 @@ def continue_context(
   if not isinstance(context, CompressedContext):
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
   feed_tokens, feed_lengths = _pack_fed_tokens(tokens, context.lengths.shape[0], pad_token_id)
+  check_padded_token_ids(
+    feed_tokens, pad_token_id=pad_token_id, vocab_size=context.next_logits.shape[-1], name="tokens"
+  )
   key = check_decode_arguments(max_new_tokens, sampling, key)
   check_room(
     context.caches, int(feed_lengths.max()) + max_new_tokens - 1, caller="continue_context"

@@ -18,7 +18,9 @@ from kvjax.cache_protocol import ModelCacheShape
 
 
 class CachedDecoder(Protocol):
-  """Must be hashable (it is a static argument of jitted functions)."""
+  """Must be hashable (it is a static argument of jitted functions). A decoder may also have
+  `vocab_size` (int): kvjax then refuses prompt ids past it before anything runs
+  (`decoder_vocab_size`); without it, only negative ids are refused up front."""
 
   @property
   def cache_shape(self) -> ModelCacheShape: ...
@@ -40,3 +42,9 @@ class CachedDecoder(Protocol):
     caches: tuple,  # as `prefill` or the previous step returned them
   ) -> tuple[jax.Array, tuple]:  # next-token logits [batch, vocab]
     ...
+
+
+def decoder_vocab_size(decoder) -> int | None:
+  """The decoder's `vocab_size` when it has one."""
+  size = getattr(decoder, "vocab_size", None)
+  return int(size) if size is not None else None

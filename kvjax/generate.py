@@ -19,10 +19,15 @@ from jax.sharding import NamedSharding
 
 from kvjax.cache_protocol import CacheMethod, allocate_model_cache, model_cache_nbytes
 from kvjax.cache_room import check_room
-from kvjax.decoder_protocol import CachedDecoder
+from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
 from kvjax.dense_cache import FullCache
 from kvjax.layer_runs import pytree_signature
-from kvjax.prompt_batch import compact_padded_batch, pack_prompts
+from kvjax.prompt_batch import (
+  check_padded_token_ids,
+  check_token_ids,
+  compact_padded_batch,
+  pack_prompts,
+)
 from kvjax.row_sharding import check_row_sharding
 from kvjax.sampling import SamplingConfig, sample_next_token
 
@@ -169,8 +174,8 @@ def decode(
   [batch], both or neither) and that the caches have room for what the loop appends: the
   longest row's fed tokens plus the `max_new_tokens - 1` tokens fed back.
   `decode.lower` lowers the loop ahead of time, without the checks."""
-  batch = logits.shape[0]
-  longest_feed = check_feed(feed_tokens, feed_lengths, batch=batch)
+  batch, vocab_size = logits.shape
+  longest_feed = check_feed(feed_tokens, feed_lengths, batch=batch, vocab_size=vocab_size)
   check_room(caches, longest_feed + max_new_tokens - 1, caller="decode")
   return _decode_in_jit(
     decoder,
@@ -191,8 +196,9 @@ def decode(
 decode.lower = _decode_in_jit.lower
 
 
-def check_feed(feed_tokens, feed_lengths, *, batch: int) -> int:
-  """Checks fed tokens against the batch; returns the most tokens fed to one row."""
+def check_feed(feed_tokens, feed_lengths, *, batch: int, vocab_size: int) -> int:
+  """Checks fed tokens against the batch and the vocabulary; returns the most tokens fed to
+  one row."""
   if feed_tokens is None and feed_lengths is None:
     return 0
   if feed_tokens is None or feed_lengths is None:
@@ -211,6 +217,11 @@ def check_feed(feed_tokens, feed_lengths, *, batch: int) -> int:
   if fed.min(initial=0) < 0 or fed.max(initial=0) > shape[1]:
     raise ValueError(
       f"feed_lengths={fed.tolist()} must lie in [0, {shape[1]}] (feed_tokens' width)"
+    )
+  if not isinstance(feed_tokens, jax.core.Tracer):
+    ids = np.asarray(feed_tokens)
+    check_token_ids(
+      ids[np.arange(shape[1])[None, :] < fed[:, None]], vocab_size=vocab_size, name="feed_tokens"
     )
   return int(fed.max(initial=0))
 
@@ -302,6 +313,9 @@ def generate(
   """
   key = check_decode_arguments(max_new_tokens, sampling, key)
   tokens, lengths = _as_compact_batch(prompts, attention_mask, pad_token_id)
+  check_padded_token_ids(
+    tokens, pad_token_id=pad_token_id, vocab_size=decoder_vocab_size(decoder), name="prompts"
+  )
   if max_cache_tokens is not None and tokens.shape[1] + max_new_tokens > max_cache_tokens:
     raise ValueError(
       f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "

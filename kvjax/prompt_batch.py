@@ -45,3 +45,25 @@ def compact_padded_batch(
       )
     rows.append(ids[real].tolist())
   return pack_prompts(rows, pad_token_id=pad_token_id)
+
+
+def check_padded_token_ids(
+  tokens: np.ndarray, *, pad_token_id: int, vocab_size: int | None, name: str
+) -> None:
+  """`check_token_ids` for `pad_token_id`, then for `tokens` padded with it."""
+  check_token_ids(np.array([pad_token_id]), vocab_size=vocab_size, name="pad_token_id")
+  check_token_ids(tokens, vocab_size=vocab_size, name=name)
+
+
+def check_token_ids(tokens: np.ndarray, *, vocab_size: int | None, name: str) -> None:
+  """Refuses ids outside [0, vocab_size) (only negative ones when the size is unknown): the
+  embedding lookup inside jit would read a wrapped row for a negative id and NaN past the end,
+  and generate from it without a word."""
+  tokens = np.asarray(tokens)
+  if tokens.size == 0:
+    return
+  low, high = int(tokens.min()), int(tokens.max())
+  if low < 0 or (vocab_size is not None and high >= vocab_size):
+    allowed = f"[0, {vocab_size - 1}]" if vocab_size is not None else ">= 0"
+    bad = low if low < 0 else high
+    raise ValueError(f"{name} holds token id {bad}; ids must be {allowed} (the model's vocabulary)")

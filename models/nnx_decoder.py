@@ -15,6 +15,7 @@ from models.decoder import Decoder
 class NNXCachedDecoder:
   graphdef: nnx.GraphDef
   cache_shape: ModelCacheShape
+  vocab_size: int
 
   def prefill(self, params, tokens, lengths, caches):
     return nnx.merge(self.graphdef, params).prefill(tokens, lengths, caches)
@@ -30,4 +31,4 @@ class NNXCachedDecoder:
 def split_decoder(model: Decoder) -> tuple[NNXCachedDecoder, nnx.State]:
   """(the pure decoder for kvjax.generate, its parameters)."""
   graphdef, params = nnx.split(model)
-  return NNXCachedDecoder(graphdef, model.cache_shape), params
+  return NNXCachedDecoder(graphdef, model.cache_shape, model.config.vocab_size), params

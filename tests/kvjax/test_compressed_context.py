@@ -198,6 +198,12 @@ def test_bad_arguments_are_refused_before_anything_runs():
     continue_context(decoder, params, context, np.ones((2, 2), np.float32), max_new_tokens=2)
   with pytest.raises(ValueError, match=r"tokens\[1\] must be a list of int token ids"):
     continue_context(decoder, params, context, [[1, 2], [3.5]], max_new_tokens=2)
+  with pytest.raises(ValueError, match=r"tokens holds token id 64; ids must be \[0, 63\]"):
+    continue_context(decoder, params, context, [[1, 64], [3]], max_new_tokens=2)
+  with pytest.raises(ValueError, match=r"pad_token_id holds token id -1"):
+    continue_context(decoder, params, context, [[1, 2], [3]], max_new_tokens=2, pad_token_id=-1)
+  with pytest.raises(ValueError, match=r"prompts holds token id 70; ids must be \[0, 63\]"):
+    compress_context(decoder, params, [[1, 70]], cache_method=method, room=2)
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     continue_context(decoder, params, context, [[1], [2]], max_new_tokens=0)
   with pytest.raises(ValueError, match="key is required"):

@@ -6,7 +6,7 @@ import pytest
 from kvjax.cache_protocol import allocate_model_cache
 from kvjax.dense_cache import FullCache
 from kvjax.generate import decode, generate, prefill
-from kvjax.prompt_batch import pack_prompts
+from kvjax.prompt_batch import check_token_ids, pack_prompts
 from kvjax.sampling import SamplingConfig
 from tests.kvjax.tiny_decoder import tiny_decoder
 
@@ -100,12 +100,27 @@ def test_generate_reports_timings_and_cache_bytes():
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=4, sampling=SamplingConfig(temperature=1.0)), "key is required"),
     (dict(max_new_tokens=500, max_cache_tokens=100), "exceeds max_cache_tokens"),
+    (dict(max_new_tokens=4, pad_token_id=64), r"pad_token_id holds token id 64; .* \[0, 63\]"),
   ],
 )
 def test_bad_generate_arguments_error_before_tracing(kwargs, message):
   decoder, params = tiny_decoder()
   with pytest.raises(ValueError, match=message):
     generate(decoder, params, [[1, 2, 3]], **kwargs)
+
+
+@pytest.mark.parametrize("bad_id, allowed", [(64, r"\[0, 63\]"), (-1, r"\[0, 63\]")])
+def test_token_ids_outside_the_vocabulary_are_refused(bad_id, allowed):
+  # Inside jit the embedding would read NaN past the end and wrap a negative id.
+  decoder, params = tiny_decoder()
+  with pytest.raises(ValueError, match=rf"prompts holds token id {bad_id}; ids must be {allowed}"):
+    generate(decoder, params, [[1, 2, 3], [4, bad_id]], max_new_tokens=2)
+
+
+def test_without_a_vocab_size_only_negative_ids_are_refused_up_front():
+  check_token_ids(np.array([0, 10**6]), vocab_size=None, name="prompts")
+  with pytest.raises(ValueError, match=r"prompts holds token id -3; ids must be >= 0"):
+    check_token_ids(np.array([5, -3]), vocab_size=None, name="prompts")
 
 
 def test_decoding_ends_early_once_every_row_stopped():
@@ -186,6 +201,10 @@ def test_decode_feeds_each_row_its_tokens_before_generating():
     (
       dict(feed_tokens=np.ones((2, 3), np.int32), feed_lengths=np.array([3, 3], np.int32)),
       "decode: appends 7 tokens per row",
+    ),
+    (  # only the fed part of a row counts: the 99 past row 1's length is never read
+      dict(feed_tokens=np.array([[1, 64], [2, 99]]), feed_lengths=np.array([2, 1], np.int32)),
+      r"feed_tokens holds token id 64; ids must be \[0, 63\]",
     ),
   ],
 )
