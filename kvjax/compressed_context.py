@@ -28,8 +28,8 @@ from kvjax.cache_protocol import CacheMethod, model_cache_nbytes
 from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
 from kvjax.generate import _decode_in_jit, check_decode_arguments, prefill
-from kvjax.prompt_batch import check_padded_token_ids, pack_prompts
-from kvjax.row_sharding import row_shardings
+from kvjax.prompt_batch import check_padded_token_ids, pack_prompts, pack_token_lists
+from kvjax.row_sharding import check_row_sharding, row_shardings
 from kvjax.sampling import SamplingConfig
 
 
@@ -99,14 +99,12 @@ def compress_context(
   settings = dict(cache_method=cache_method, room=int(room), cache_dtype=cache_dtype)
   if row_sharding is None:
     return _prefill_context(decoder, params, tokens, lengths, **settings)
-  shardings = row_shardings(
-    functools.partial(_context_shapes, decoder, params, prompt_len=tokens.shape[1], **settings),
-    tokens.shape[0],
-    row_sharding,
-  )
+  batch, prompt_len = tokens.shape
+  check_row_sharding(row_sharding, batch)
   tokens, lengths = jax.device_put((tokens, lengths), row_sharding)
   context = _prefill_context(decoder, params, tokens, lengths, **settings)
-  return jax.device_put(context, shardings)
+  one_more_row = _context_shapes(decoder, params, batch + 1, prompt_len=prompt_len, **settings)
+  return jax.device_put(context, row_shardings(context, one_more_row, row_sharding))
 
 
 def _context_shapes(
@@ -155,13 +153,14 @@ def context_template(
     room=int(room),
     cache_dtype=cache_dtype,
   )
-  template = shapes(int(batch))
   if row_sharding is None:
-    return template
+    return shapes(int(batch))
+  check_row_sharding(row_sharding, int(batch))
+  template = shapes(int(batch))
   return jax.tree.map(
     lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
     template,
-    row_shardings(shapes, int(batch), row_sharding),
+    row_shardings(template, shapes(int(batch) + 1), row_sharding),
   )
 
 
@@ -230,12 +229,4 @@ def _pack_fed_tokens(tokens, batch: int, pad_token_id: int) -> tuple[np.ndarray,
       f"tokens must be {batch} token lists (one per context row) or an int array "
       f"[{batch}, n]; got {len(rows)} items of types {sorted({type(r).__name__ for r in rows})}"
     )
-  arrays = [np.asarray(row) for row in rows]
-  for index, array in enumerate(arrays):
-    if array.size and (array.ndim != 1 or not np.issubdtype(array.dtype, np.integer)):
-      raise ValueError(f"tokens[{index}] must be a list of int token ids, got {rows[index]!r}")
-  lengths = np.array([array.size for array in arrays], np.int32)
-  packed = np.full((batch, lengths.max(initial=0)), pad_token_id, np.int32)
-  for index, array in enumerate(arrays):
-    packed[index, : array.size] = array
-  return packed, lengths
+  return pack_token_lists(rows, pad_token_id=pad_token_id, name="tokens")

@@ -11,12 +11,26 @@ def pack_prompts(
   """Ragged token lists -> (tokens int32 [batch, longest] right-padded, lengths int32 [batch])."""
   if len(prompts) == 0:
     raise ValueError("prompts must hold at least one prompt")
-  lengths = np.array([len(p) for p in prompts], np.int32)
+  tokens, lengths = pack_token_lists(prompts, pad_token_id=pad_token_id, name="prompts")
   if lengths.min() < 1:
     raise ValueError(f"every prompt needs at least one token; got lengths {lengths.tolist()}")
-  tokens = np.full((len(prompts), lengths.max()), pad_token_id, np.int32)
-  for row, prompt in enumerate(prompts):
-    tokens[row, : len(prompt)] = prompt
+  return tokens, lengths
+
+
+def pack_token_lists(
+  token_lists: Sequence[Sequence[int]], *, pad_token_id: int, name: str
+) -> tuple[np.ndarray, np.ndarray]:
+  """Token lists of any lengths, empty ones too -> (int32 [count, longest] right-padded with
+  `pad_token_id`, lengths int32 [count]). A list holding anything but int ids is refused by
+  `name[row]` (int32 would truncate 1.5 to 1 without a word)."""
+  arrays = [np.asarray(ids) for ids in token_lists]
+  for row, array in enumerate(arrays):
+    if array.size and (array.ndim != 1 or not np.issubdtype(array.dtype, np.integer)):
+      raise ValueError(f"{name}[{row}] must be a list of int token ids, got {token_lists[row]!r}")
+  lengths = np.array([array.size for array in arrays], np.int32)
+  tokens = np.full((len(arrays), lengths.max(initial=0)), pad_token_id, np.int32)
+  for row, array in enumerate(arrays):
+    tokens[row, : array.size] = array
   return tokens, lengths
 
 

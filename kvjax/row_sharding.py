@@ -8,7 +8,6 @@ the devices the way `row_sharding` splits a `[batch]` array, and arrays without 
 replicated on its mesh.
 """
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -49,19 +48,16 @@ def _batch_axis(small: jax.ShapeDtypeStruct, large: jax.ShapeDtypeStruct, where:
   return changed[0] if changed else None
 
 
-def row_shardings(
-  shapes_for_batch: Callable[[int], Any], batch: int, row_sharding: NamedSharding
-) -> Any:
-  """A `NamedSharding` per leaf of `shapes_for_batch(batch)` (a pytree of shapes, e.g. from
-  `jax.eval_shape`): its batch axis split as `row_sharding` splits rows, or replicated."""
-  check_row_sharding(row_sharding, batch)
-  small, large = shapes_for_batch(batch), shapes_for_batch(batch + 1)
+def row_shardings(shapes: Any, shapes_with_one_more_row: Any, row_sharding: NamedSharding) -> Any:
+  """A `NamedSharding` per leaf of `shapes` (arrays or `jax.ShapeDtypeStruct`s, e.g. from
+  `jax.eval_shape`): its batch axis, the one that grew in `shapes_with_one_more_row`, split as
+  `row_sharding` splits rows, or replicated. Check `row_sharding` first (`check_row_sharding`)."""
   mesh, rows = row_sharding.mesh, row_sharding.spec[0]
 
-  def sharding(path, small_leaf, large_leaf):
-    axis = _batch_axis(small_leaf, large_leaf, jax.tree_util.keystr(path))
+  def sharding(path, leaf, grown_leaf):
+    axis = _batch_axis(leaf, grown_leaf, jax.tree_util.keystr(path))
     if axis is None:
       return NamedSharding(mesh, PartitionSpec())
     return NamedSharding(mesh, PartitionSpec(*([None] * axis), rows))
 
-  return jax.tree_util.tree_map_with_path(sharding, small, large)
+  return jax.tree_util.tree_map_with_path(sharding, shapes, shapes_with_one_more_row)

@@ -34,3 +34,10 @@ def test_compact_padded_batch_rejects_bad_masks(mask):
 def test_empty_prompt_rejected():
   with pytest.raises(ValueError, match="at least one token"):
     pack_prompts([[1], []])
+
+
+def test_ids_that_are_not_ints_are_refused_not_truncated():
+  with pytest.raises(
+    ValueError, match=r"prompts\[1\] must be a list of int token ids, got \[2.5\]"
+  ):
+    pack_prompts([[1], [2.5]])

@@ -149,12 +149,13 @@ def test_each_leaf_is_split_at_the_axis_that_follows_the_batch():
       "no_rows": jax.ShapeDtypeStruct((5,), jnp.int32),
     }
 
-  shardings = row_shardings(shapes, 2, rows)
+  shardings = row_shardings(shapes(2), shapes(3), rows)
   assert shardings["rows_first"].spec == PartitionSpec("data")
   assert shardings["stacked"].spec == PartitionSpec(None, "data")
   assert shardings["no_rows"].spec == PartitionSpec()
   with pytest.raises(ValueError, match=r"\['both'\]: shapes \(2, 2\) and \(3, 3\)"):
-    row_shardings(lambda b: {"both": jax.ShapeDtypeStruct((b, b), jnp.float32)}, 2, rows)
+    both = {"both": jax.ShapeDtypeStruct((2, 2), jnp.float32)}
+    row_shardings(both, {"both": jax.ShapeDtypeStruct((3, 3), jnp.float32)}, rows)
   check_row_sharding(rows, 7)  # one device takes any number of rows
 
 
