@@ -42,8 +42,12 @@ class ToyDecoder:
   def decode_step(self, params, tokens, positions, caches):
     del positions  # this toy model has no position encoding
     q, k, v = self._qkv(params, tokens[:, None])
-    cache = caches[0].append(k[:, :, 0], v[:, :, 0])
-    return self._logits(params, cache.attend(q[:, :, :, 0], sm_scale=DIM**-0.5)), (cache,)
+    # append_and_attend: the new token stored, then attended over (caches that evict by the
+    # attention their tokens receive, h2o_decode, do both at once).
+    attended, cache = kvjax.append_and_attend(
+      caches[0], k[:, :, 0], v[:, :, 0], q[:, :, :, 0], sm_scale=DIM**-0.5
+    )
+    return self._logits(params, attended), (cache,)
 
 
 def main():

@@ -13,6 +13,7 @@ from kvjax.cache_protocol import (
   LayerCache,
   ModelCacheShape,
   allocate_model_cache,
+  append_and_attend,
   model_cache_nbytes,
 )
 from kvjax.compressed_context import (
@@ -47,6 +48,7 @@ __all__ = [
   "SlidingWindowLayerCache",
   "StackedLayerCaches",
   "allocate_model_cache",
+  "append_and_attend",
   "compress_context",
   "context_template",
   "continue_context",

@@ -47,6 +47,10 @@ class LayerCache(Protocol):
   A cache with a fixed capacity also has `room` (int32 [batch]: tokens each row can still
   take), which kvjax's loops check before appending (kvjax.cache_room); one that evicts by
   design has none.
+
+  A cache whose eviction depends on each decode step's attention (`h2o_decode`) also has
+  `append_and_attend` (same arguments and result as the function below); decoders run decode
+  steps through `append_and_attend(cache, ...)`, which uses it.
   """
 
   def ingest(
@@ -85,6 +89,24 @@ class LayerCache(Protocol):
   def stored_elements(self) -> int:
     """K and V elements the cache represents at capacity (for effective bits per element)."""
     ...
+
+
+def append_and_attend(
+  cache: LayerCache,
+  keys: jax.Array,  # [batch, kv_heads, head_dim]
+  values: jax.Array,  # [batch, kv_heads, head_dim]
+  queries: jax.Array,  # [batch, kv_heads, group, head_dim]
+  *,
+  sm_scale: float,
+) -> tuple[jax.Array, LayerCache]:  # ([batch, kv_heads, group, head_dim] float32, cache)
+  """One decode step of one layer: the new token stored, then its query's attention over
+  everything the cache holds. A cache that scores tokens by the attention they receive while
+  decoding does both in its own `append_and_attend`; every other cache appends, then attends."""
+  own = getattr(cache, "append_and_attend", None)
+  if own is not None:
+    return own(keys, values, queries, sm_scale=sm_scale)
+  cache = cache.append(keys, values)
+  return cache.attend(queries, sm_scale=sm_scale), cache
 
 
 class CacheMethod(Protocol):

@@ -7,8 +7,9 @@ Rule (per row, per KV head), when the row is longer than the budget:
   3. the top-(budget - window) tokens before the recent window are kept (heavy hitters), plus
      the last `window` tokens.
 The scores are accumulated over chunks of `query_chunk` queries, so the prompt x prompt matrix
-never exists whole. Decoding appends without further eviction (the original H2O re-scores at
-every step; this one-shot variant does not). Only the kept K/V are stored (in `storage`).
+never exists whole. Decoding appends without further eviction, so the cache holds budget +
+max_new_tokens; `h2o_decode` (kvjax.h2o_decode) is the original H2O, re-scored at every step
+in a cache that stays at the budget. Only the kept K/V are stored (in `storage`).
 """
 
 import dataclasses

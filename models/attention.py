@@ -3,6 +3,7 @@
 from einops import rearrange
 from flax import nnx
 
+from kvjax.cache_protocol import append_and_attend
 from kvjax.prefill_attention import causal_prompt_attention
 from kvjax.rope import apply_rope, rope_inverse_frequencies
 from models.config import DecoderConfig
@@ -53,6 +54,7 @@ class CachedAttention(nnx.Module):
   def decode_cache(self, qkv, cache):
     """One new token stored, then its query attends over everything the cache holds."""
     q, k, v = qkv
-    cache = cache.append(k[:, :, 0], v[:, :, 0])
-    attended = cache.attend(q[:, :, :, 0], sm_scale=self.sm_scale)
+    attended, cache = append_and_attend(
+      cache, k[:, :, 0], v[:, :, 0], q[:, :, :, 0], sm_scale=self.sm_scale
+    )
     return attended[:, :, :, None], cache

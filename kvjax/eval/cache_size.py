@@ -1,7 +1,9 @@
-"""True cache bytes after a context, read from the shapes the method allocates (no compute).
+"""True cache bytes, read from the shapes the method allocates (no compute).
 
 Caches have static shapes: ingesting a prompt fills the arrays allocated for it and never
-reshapes them, so the allocation's shapes are the bytes after the context.
+reshapes them, so the allocation's shapes are the bytes after the context; allocated with
+room for `new_tokens` more, they are the bytes held while those tokens are appended (a cache
+that evicts while decoding, `streaming` or `h2o_decode`, stays at its budget).
 """
 
 import jax
@@ -10,9 +12,17 @@ from kvjax.cache_protocol import allocate_model_cache, model_cache_nbytes
 
 
 def cache_bytes_after_context(
-  decoder, params, cache_method, *, context_len: int, cache_dtype, batch: int = 1
+  decoder,
+  params,
+  cache_method,
+  *,
+  context_len: int,
+  cache_dtype,
+  batch: int = 1,
+  new_tokens: int = 0,
 ) -> int:
-  """Bytes every array of the model's caches holds after ingesting a `context_len` prompt."""
+  """Bytes every array of the model's caches holds after ingesting a `context_len` prompt, in
+  caches allocated to take `new_tokens` more (the bytes after them too)."""
   del params  # the bytes depend on shapes only
   caches = jax.eval_shape(
     lambda: allocate_model_cache(
@@ -20,7 +30,7 @@ def cache_bytes_after_context(
       decoder.cache_shape,
       batch=batch,
       prompt_len=context_len,
-      max_new_tokens=0,
+      max_new_tokens=new_tokens,
       dtype=cache_dtype,
     )
   )

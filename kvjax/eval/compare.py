@@ -108,6 +108,14 @@ def compare_methods(
     record = dict(
       method=name,
       cache_bytes=cache_bytes,
+      cache_bytes_at_end=cache_bytes_after_context(
+        decoder,
+        params,
+        method,
+        context_len=config.context_len,
+        cache_dtype=dtype,
+        new_tokens=config.continuation_len,
+      ),
       full_cache_bytes=full_bytes,
       compression_ratio=full_bytes / cache_bytes,
       bits_per_element=8 * cache_bytes / elements,

@@ -7,6 +7,7 @@ import pathlib
 COLUMNS = (
   ("method", "method", "{}"),
   ("cache_bytes", "cache MiB", "{:.2f}"),
+  ("cache_bytes_at_end", "MiB at end", "{:.2f}"),
   ("compression_ratio", "x smaller", "{:.2f}"),
   ("bits_per_element", "bits/elem", "{:.2f}"),
   ("ppl", "ppl", "{:.3f}"),
@@ -23,7 +24,7 @@ def _cell(record, key, fmt):
   value = record.get(key)
   if value is None or (isinstance(value, float) and math.isnan(value)):
     return "-"
-  if key == "cache_bytes":
+  if key in ("cache_bytes", "cache_bytes_at_end"):
     value = value / 2**20
   text = fmt.format(value)
   by_depth = record.get(key.replace("_acc", "_acc_by_depth")) if key.endswith("_acc") else None

@@ -64,6 +64,7 @@ def test_records_are_complete(records, tmp_path):
   keys = {
     "method",
     "cache_bytes",
+    "cache_bytes_at_end",
     "full_cache_bytes",
     "compression_ratio",
     "bits_per_element",
@@ -99,12 +100,15 @@ def test_full_row_is_the_reference(records):
   assert full["kl"] == 0.0 and full["compression_ratio"] == 1.0
   # bf16 K and V of 2 layers x 2 KV heads x 48 tokens x 16 dims, plus int32 lengths.
   assert full["cache_bytes"] == 2 * (2 * 2 * 48 * 16 * 2 + 4)
+  # At the end it also holds the 16 continuation tokens.
+  assert full["cache_bytes_at_end"] == 2 * (2 * 2 * (48 + 16) * 16 * 2 + 4)
   assert full["bits_per_element"] == pytest.approx(16, rel=0.01)
 
 
 def test_keeping_only_the_last_token_is_worse_and_smaller(records):
   full, last_only = records
   assert last_only["cache_bytes"] < full["cache_bytes"] / 10
+  assert last_only["cache_bytes_at_end"] == last_only["cache_bytes"]  # its window never grows
   assert last_only["kl"] > 0.01
   assert last_only["ppl"] > full["ppl"]
 

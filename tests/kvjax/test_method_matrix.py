@@ -29,6 +29,8 @@ MATRIX = {
   "gear": {f"gear:bits=4,{GEAR},outliers=0.02": 5e-3, f"gear:bits=2,{GEAR},outliers=0": None},
   "snapkv": {"snapkv:budget=16,window=4,kernel=3": None, "snapkv:budget=64,window=4": 1e-6},
   "h2o": {"h2o:budget=16,window=4": None},
+  # budget=64 covers the 29-token context and its 11 forced tokens: nothing is evicted.
+  "h2o_decode": {"h2o_decode:budget=16,window=4": None, "h2o_decode:budget=64": 1e-6},
   "pyramidkv": {
     "pyramidkv:budget=16,window=4,kernel=3": None,
     f"pyramidkv:budget=16,window=4+kivi:bits=4,{QUANT}": None,

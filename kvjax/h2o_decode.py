@@ -1,0 +1,253 @@
+"""H2O as published: heavy hitters re-scored at every decode step, in a cache that never grows.
+
+Each KV head holds at most `budget` tokens in unordered slots: their K and V, their accumulated
+attention and their position. Rule, per row and KV head:
+  - prefill: the `h2o` rule (attention every prompt token receives from all later prompt
+    queries, softmax in float32, reduced over the query group by `gqa_reduce`; the last
+    `window` tokens plus the top-scoring older ones); kept tokens carry their prompt score;
+  - each decode step: the new token's query attends over the held tokens and the new token;
+    every token's attention probability (reduced over the query group) is added to its score;
+    then, if the slots are full, the lowest-scoring token outside the recent window (the last
+    `window` tokens, the new one included) is evicted and the new token takes its slot.
+Memory is `budget` tokens per KV head (plus a float32 score and an int32 position per slot)
+however many tokens are generated; the `h2o` method instead stops evicting after prefill and
+holds budget + max_new_tokens.
+
+Decode attention here is jnp (XLA), whatever `implementation` the caller asked for elsewhere:
+eviction needs each held token's probability at every step, which kvjax's flash-decoding kernels
+do not return. So `h2o_decode` accepts implementation "auto" or "reference" only.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
+from kvjax.compact_rows import zero_past_lengths
+from kvjax.dense_cache import FullCache
+from kvjax.h2o import h2o_token_scores
+from kvjax.method_registry import register_method
+from kvjax.selection.budgets import (
+  DEFAULT_BUDGET,
+  check_budget_or_ratio,
+  check_full_attention_model,
+  prompt_budget,
+)
+from kvjax.selection.pooling import check_gqa_reduce, reduce_query_group
+from kvjax.selection.token_choice import gather_tokens, keep_top_tokens_and_window
+
+# The attention of an h2o_decode cache is always computed with jnp (module docstring).
+IMPLEMENTATIONS = ("auto", "reference")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HeavyHitterEvictionCache(KeyValueArrays):
+  keys: jax.Array  # [batch, kv_heads, slots, head_dim], rotated at their original positions
+  values: jax.Array  # [batch, kv_heads, slots, head_dim]
+  scores: jax.Array  # float32 [batch, kv_heads, slots]: attention each held token has received
+  positions: jax.Array  # int32 [batch, kv_heads, slots]: each held token's position in its row
+  lengths: jax.Array  # int32 [batch]: slots in use (compact: slots [0, lengths))
+  seen: jax.Array  # int32 [batch]: tokens the row has seen (position of its next token)
+  window: int = dataclasses.field(metadata=dict(static=True))
+  gqa_reduce: str = dataclasses.field(metadata=dict(static=True))
+  prompt_sm_scale: float = dataclasses.field(metadata=dict(static=True))
+  query_chunk: int = dataclasses.field(metadata=dict(static=True))
+
+  @classmethod
+  def zeros(
+    cls, *, batch, kv_heads, slots, head_dim, dtype, window, gqa_reduce, sm_scale, query_chunk
+  ):
+    shape = (batch, kv_heads, slots)
+    return cls(
+      keys=jnp.zeros((*shape, head_dim), dtype),
+      values=jnp.zeros((*shape, head_dim), dtype),
+      scores=jnp.zeros(shape, jnp.float32),
+      positions=jnp.zeros(shape, jnp.int32),
+      lengths=jnp.zeros((batch,), jnp.int32),
+      seen=jnp.zeros((batch,), jnp.int32),
+      window=window,
+      gqa_reduce=gqa_reduce,
+      prompt_sm_scale=sm_scale,
+      query_chunk=query_chunk,
+    )
+
+  @property
+  def slots(self) -> int:
+    return self.keys.shape[2]
+
+  def ingest(self, keys, values, queries, lengths):
+    lengths = lengths.astype(jnp.int32)
+    batch, kv_heads, prompt_len, _ = keys.shape
+    scores = h2o_token_scores(
+      keys,
+      queries,
+      lengths,
+      gqa_reduce=self.gqa_reduce,
+      sm_scale=self.prompt_sm_scale,
+      query_chunk=self.query_chunk,
+    )
+    if prompt_len <= self.slots:
+      indices = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), scores.shape)
+      kept_lengths = lengths
+    else:
+      indices, kept_lengths = keep_top_tokens_and_window(
+        scores, lengths, budget=self.slots, window=self.window
+      )
+    kept = indices.shape[-1]
+
+    def into_slots(x):  # [batch, kv_heads, kept, ...] -> [batch, kv_heads, slots, ...]
+      x = zero_past_lengths(x, kept_lengths)
+      return jnp.pad(x, ((0, 0), (0, 0), (0, self.slots - kept)) + ((0, 0),) * (x.ndim - 3))
+
+    return dataclasses.replace(
+      self,
+      keys=into_slots(gather_tokens(keys, indices)).astype(self.keys.dtype),
+      values=into_slots(gather_tokens(values, indices)).astype(self.values.dtype),
+      scores=into_slots(jnp.take_along_axis(scores, indices, axis=2)),
+      positions=into_slots(indices),
+      lengths=kept_lengths,
+      seen=lengths,
+    )
+
+  def append_and_attend(self, keys, values, queries, *, sm_scale):
+    """kvjax.append_and_attend for this cache: attend over held + new, score, evict, store."""
+    q = queries.astype(jnp.float32)  # [batch, kv_heads, group, head_dim]
+    new_key, new_value = keys.astype(jnp.float32), values.astype(jnp.float32)
+    held = jnp.arange(self.slots)[None, None, :] < self.lengths[:, None, None]  # [b, 1, slots]
+    held_logits = jnp.einsum("bhgd,bhsd->bhgs", q, self.keys.astype(jnp.float32)) * sm_scale
+    held_logits = jnp.where(held[:, :, None, :], held_logits, -jnp.inf)
+    new_logit = jnp.einsum("bhgd,bhd->bhg", q, new_key) * sm_scale
+    top = jnp.maximum(held_logits.max(axis=-1), new_logit)
+    held_weights = jnp.exp(held_logits - top[..., None])
+    new_weight = jnp.exp(new_logit - top)
+    total = held_weights.sum(axis=-1) + new_weight
+    attended = (
+      jnp.einsum("bhgs,bhsd->bhgd", held_weights, self.values.astype(jnp.float32))
+      + new_weight[..., None] * new_value[:, :, None, :]
+    ) / total[..., None]
+
+    scores = self.scores + reduce_query_group(held_weights / total[..., None], self.gqa_reduce)
+    new_score = reduce_query_group((new_weight / total)[..., None], self.gqa_reduce)[..., 0]
+    # The new token is the last of the recent window; older held tokens in it are protected.
+    recent = self.positions > (self.seen - self.window)[:, None, None]
+    victim = jnp.argmin(jnp.where(recent, jnp.inf, scores), axis=-1)  # [batch, kv_heads]
+    full = (self.lengths >= self.slots)[:, None]
+    target = jnp.where(full, victim, self.lengths[:, None])
+    rows = jnp.arange(target.shape[0])[:, None]
+    heads = jnp.arange(target.shape[1])[None, :]
+
+    def place(stored, new):  # new: [batch, kv_heads, ...], one token per (row, head) at target
+      return stored.at[rows, heads, target].set(new.astype(stored.dtype))
+
+    cache = dataclasses.replace(
+      self,
+      keys=place(self.keys, keys),
+      values=place(self.values, values),
+      scores=place(scores, new_score),
+      positions=place(self.positions, jnp.broadcast_to(self.seen[:, None], target.shape)),
+      lengths=jnp.minimum(self.lengths + 1, self.slots),
+      seen=self.seen + 1,
+    )
+    return attended, cache
+
+  def append(self, keys, values):
+    raise TypeError(
+      "h2o_decode chooses what to evict from the attention of each step's query, so a decode "
+      "step must store and attend at once: call kvjax.append_and_attend(cache, keys, values, "
+      "queries, sm_scale=...) instead of append then attend"
+    )
+
+  def attend(self, queries, *, sm_scale):
+    """Attention over the held tokens only (a read: scores are not updated)."""
+    q = queries.astype(jnp.float32)
+    logits = jnp.einsum("bhgd,bhsd->bhgs", q, self.keys.astype(jnp.float32)) * sm_scale
+    held = jnp.arange(self.slots)[None, None, None, :] < self.lengths[:, None, None, None]
+    probs = jax.nn.softmax(jnp.where(held, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhgs,bhsd->bhgd", probs, self.values.astype(jnp.float32))
+
+
+@register_method("h2o_decode", kind="selection")
+@dataclasses.dataclass(frozen=True)
+class H2ODecode:
+  """Cache method `h2o_decode`: H2O re-scored at every decode step (module docstring).
+
+  `budget`: tokens each KV head holds, recent window included, at prefill and during decoding
+  alike (default 1024 when neither `budget` nor `ratio` is given); `ratio`: that budget as a
+  fraction of the padded (static) prompt length. `window`: recent tokens never evicted (default
+  half the budget, the paper's equal heavy and recent shares). A cache has fewer slots when the
+  prompt plus the new tokens fit in less. Stores its own full-precision slots: composing it
+  with a codec storage is not supported.
+  """
+
+  budget: int | None = None
+  ratio: float | None = None
+  window: int | None = None
+  gqa_reduce: str = "mean"
+  query_chunk: int = 512
+  storage: Any = FullCache()
+
+  def __post_init__(self):
+    if self.window is not None and self.window < 1:
+      raise ValueError(f"h2o_decode: window={self.window} must be >= 1 (or None: half the budget)")
+    if self.query_chunk < 1:
+      raise ValueError(f"h2o_decode: query_chunk={self.query_chunk} must be >= 1")
+    check_budget_or_ratio(
+      "h2o_decode",
+      self.budget,
+      self.ratio,
+      minimum=(self.window or 1) + 1,
+      minimum_what="window + 1 (a heavy-hitter slot)",
+    )
+    check_gqa_reduce("h2o_decode", self.gqa_reduce)
+    if type(self.storage) is not FullCache:
+      raise ValueError(
+        f"h2o_decode: storage {getattr(self.storage, 'method_name', self.storage)!r} is not "
+        "supported: it evicts from its own full-precision slots while decoding; use h2o_decode "
+        "alone (or h2o+<storage>, which stops evicting after prefill)"
+      )
+    if self.storage.implementation not in IMPLEMENTATIONS:
+      raise ValueError(
+        f"h2o_decode: implementation={self.storage.implementation!r}; allowed: "
+        f"{', '.join(IMPLEMENTATIONS)} (its decode attention needs every held token's "
+        "probability, which the Pallas kernels do not return, so it is always jnp)"
+      )
+
+  def budget_tokens(self, prompt_len: int) -> int:
+    """Tokens each KV head holds at most (before capping at prompt + new tokens)."""
+    minimum = (self.window or 1) + 1
+    if self.ratio is None:
+      return DEFAULT_BUDGET if self.budget is None else self.budget
+    tokens = prompt_budget(
+      "h2o_decode",
+      None,
+      self.ratio,
+      prompt_len,
+      minimum=minimum,
+      minimum_what="window + 1 (a heavy-hitter slot)",
+    )
+    return max(tokens, minimum)
+
+  def recent_window(self, budget: int) -> int:
+    return budget // 2 if self.window is None else self.window
+
+  def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
+    del layer
+    budget = self.budget_tokens(prompt_len)
+    slots = min(budget, prompt_len + max_new_tokens)
+    check_full_attention_model(shape, "h2o_decode", slots)
+    return HeavyHitterEvictionCache.zeros(
+      batch=batch,
+      kv_heads=shape.num_kv_heads,
+      slots=slots,
+      head_dim=shape.head_dim,
+      dtype=dtype,
+      # A cache smaller than the budget (prompt + new tokens fit) only evicts when fed past
+      # what it was allocated for; one slot then stays open to eviction.
+      window=min(self.recent_window(budget), max(slots - 1, 0)),
+      gqa_reduce=self.gqa_reduce,
+      sm_scale=shape.head_dim**-0.5,
+      query_chunk=self.query_chunk,
+    )
