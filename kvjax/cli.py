@@ -139,6 +139,7 @@ DEFAULT_COMPARE_METHODS = (
   "streaming:ratio=0.25",
   "snapkv:ratio=0.25",
   "snapkv:ratio=0.25+kivi:bits=4",
+  "h2o_decode:ratio=0.25",
 )
 
 
