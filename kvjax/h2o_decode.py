@@ -30,10 +30,9 @@ from kvjax.dense_cache import FullCache
 from kvjax.h2o import h2o_token_scores
 from kvjax.method_registry import register_method
 from kvjax.selection.budgets import (
-  DEFAULT_BUDGET,
+  budget_while_decoding,
   check_budget_or_ratio,
   check_full_attention_model,
-  prompt_budget,
 )
 from kvjax.selection.pooling import check_gqa_reduce, reduce_query_group
 from kvjax.selection.token_choice import gather_tokens, keep_top_tokens_and_window
@@ -116,9 +115,7 @@ class HeavyHitterEvictionCache(KeyValueArrays):
     """kvjax.append_and_attend for this cache: attend over held + new, score, evict, store."""
     q = queries.astype(jnp.float32)  # [batch, kv_heads, group, head_dim]
     new_key, new_value = keys.astype(jnp.float32), values.astype(jnp.float32)
-    held = jnp.arange(self.slots)[None, None, :] < self.lengths[:, None, None]  # [b, 1, slots]
-    held_logits = jnp.einsum("bhgd,bhsd->bhgs", q, self.keys.astype(jnp.float32)) * sm_scale
-    held_logits = jnp.where(held[:, :, None, :], held_logits, -jnp.inf)
+    held_logits = self._held_logits(q, sm_scale)
     new_logit = jnp.einsum("bhgd,bhd->bhg", q, new_key) * sm_scale
     top = jnp.maximum(held_logits.max(axis=-1), new_logit)
     held_weights = jnp.exp(held_logits - top[..., None])
@@ -162,11 +159,13 @@ class HeavyHitterEvictionCache(KeyValueArrays):
 
   def attend(self, queries, *, sm_scale):
     """Attention over the held tokens only (a read: scores are not updated)."""
-    q = queries.astype(jnp.float32)
+    probs = jax.nn.softmax(self._held_logits(queries.astype(jnp.float32), sm_scale), axis=-1)
+    return jnp.einsum("bhgs,bhsd->bhgd", probs, self.values.astype(jnp.float32))
+
+  def _held_logits(self, q, sm_scale):  # float32 [batch, kv_heads, group, slots], -inf unheld
     logits = jnp.einsum("bhgd,bhsd->bhgs", q, self.keys.astype(jnp.float32)) * sm_scale
     held = jnp.arange(self.slots)[None, None, None, :] < self.lengths[:, None, None, None]
-    probs = jax.nn.softmax(jnp.where(held, logits, -jnp.inf), axis=-1)
-    return jnp.einsum("bhgs,bhsd->bhgd", probs, self.values.astype(jnp.float32))
+    return jnp.where(held, logits, -jnp.inf)
 
 
 @register_method("h2o_decode", kind="selection")
@@ -194,13 +193,7 @@ class H2ODecode:
       raise ValueError(f"h2o_decode: window={self.window} must be >= 1 (or None: half the budget)")
     if self.query_chunk < 1:
       raise ValueError(f"h2o_decode: query_chunk={self.query_chunk} must be >= 1")
-    check_budget_or_ratio(
-      "h2o_decode",
-      self.budget,
-      self.ratio,
-      minimum=(self.window or 1) + 1,
-      minimum_what="window + 1 (a heavy-hitter slot)",
-    )
+    check_budget_or_ratio("h2o_decode", self.budget, self.ratio, **self._smallest_budget())
     check_gqa_reduce("h2o_decode", self.gqa_reduce)
     if type(self.storage) is not FullCache:
       raise ValueError(
@@ -217,18 +210,13 @@ class H2ODecode:
 
   def budget_tokens(self, prompt_len: int) -> int:
     """Tokens each KV head holds at most (before capping at prompt + new tokens)."""
-    minimum = (self.window or 1) + 1
-    if self.ratio is None:
-      return DEFAULT_BUDGET if self.budget is None else self.budget
-    tokens = prompt_budget(
-      "h2o_decode",
-      None,
-      self.ratio,
-      prompt_len,
-      minimum=minimum,
-      minimum_what="window + 1 (a heavy-hitter slot)",
+    tokens = budget_while_decoding(
+      "h2o_decode", self.budget, self.ratio, prompt_len, **self._smallest_budget()
     )
-    return max(tokens, minimum)
+    return max(tokens, self._smallest_budget()["minimum"])
+
+  def _smallest_budget(self) -> dict:
+    return dict(minimum=(self.window or 1) + 1, minimum_what="window + 1 (a heavy-hitter slot)")
 
   def recent_window(self, budget: int) -> int:
     return budget // 2 if self.window is None else self.window

@@ -32,10 +32,9 @@ from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_registry import register_method
 from kvjax.rope import rope_inverse_frequencies, rotate_by_positions
 from kvjax.selection.budgets import (
-  DEFAULT_BUDGET,
+  budget_while_decoding,
   check_budget_or_ratio,
   check_full_attention_model,
-  prompt_budget,
 )
 from kvjax.sliding_window_cache import ring_source_positions
 
@@ -202,17 +201,14 @@ class StreamingLLM:
 
   def slots(self, prompt_len: int, max_new_tokens: int) -> int:
     """Token slots per KV head: the budget, or fewer when prompt + new tokens fit in less."""
-    if self.ratio is None:
-      budget = DEFAULT_BUDGET if self.budget is None else self.budget
-    else:
-      budget = prompt_budget(
-        "streaming",
-        None,
-        self.ratio,
-        prompt_len,
-        minimum=self.sinks + 1,
-        minimum_what="sinks + a window of 1",
-      )
+    budget = budget_while_decoding(
+      "streaming",
+      self.budget,
+      self.ratio,
+      prompt_len,
+      minimum=self.sinks + 1,
+      minimum_what="sinks + a window of 1",
+    )
     return min(budget, prompt_len + max_new_tokens)
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):

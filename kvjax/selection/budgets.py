@@ -60,6 +60,24 @@ def prompt_budget(
   return min(tokens, prompt_len)
 
 
+def budget_while_decoding(
+  method: str,
+  budget: int | None,
+  ratio: float | None,
+  prompt_len: int,
+  *,
+  minimum: int,
+  minimum_what: str,
+) -> int:
+  """Tokens one KV head holds in a cache that evicts while decoding (`streaming`, `h2o_decode`):
+  `budget` (DEFAULT_BUDGET when neither is given), or `ratio` of the padded prompt. Unlike
+  `prompt_budget`, a given budget is not capped at the prompt: it bounds the prompt and the
+  generated tokens alike."""
+  if ratio is None:
+    return DEFAULT_BUDGET if budget is None else budget
+  return prompt_budget(method, None, ratio, prompt_len, minimum=minimum, minimum_what=minimum_what)
+
+
 def check_full_attention_model(shape: ModelCacheShape, method: str, capacity: int) -> None:
   """Selection caches attend over every kept token, which a sliding-window model never does."""
   if shape.sliding_window is not None and shape.sliding_window < capacity:

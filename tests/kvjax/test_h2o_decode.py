@@ -8,6 +8,7 @@ from kvjax.compressed_context import compress_context, continue_context
 from kvjax.generate import generate, prefill
 from kvjax.h2o_decode import H2ODecode
 from kvjax.method_spec import describe_method, parse_method_spec
+from kvjax.prompt_batch import pack_prompts
 from kvjax.teacher_forcing import teacher_force
 from tests.kvjax.test_h2o import numpy_accumulated_attention, numpy_h2o_kept
 from tests.kvjax.test_snapkv import numpy_reduce, softmax
@@ -161,10 +162,7 @@ def test_memory_stays_at_the_budget_however_many_tokens_are_generated():
 def test_prefill_choice_is_h2o_and_first_decode_step_agrees_with_it():
   """Before anything is evicted while decoding, h2o_decode holds what one-shot h2o keeps."""
   decoder, params = tiny_decoder()
-  tokens = np.zeros((2, 40), np.int32)
-  for row, prompt in enumerate(PROMPTS):
-    tokens[row, : len(prompt)] = prompt
-  lengths = np.array([40, 29], np.int32)
+  tokens, lengths = pack_prompts(PROMPTS)
   first_steps = {}
   for spec in ("h2o_decode:budget=16,window=4", "h2o:budget=16,window=4"):
     logits, caches = prefill(
