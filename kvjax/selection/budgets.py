@@ -46,17 +46,9 @@ def prompt_budget(
 
   Never more than the prompt: a budget at or above `prompt_len` keeps everything.
   """
-  if ratio is None:
-    tokens = DEFAULT_BUDGET if budget is None else budget
-  else:
-    # ceil, so that ratio=r keeps at least the fraction r (the epsilon absorbs float error:
-    # 0.3 * 10 = 3.0000000000000004).
-    tokens = math.ceil(ratio * prompt_len - 1e-9)
-    if tokens < minimum and tokens < prompt_len:
-      raise ValueError(
-        f"{method}: ratio={ratio} of a {prompt_len}-token prompt keeps {tokens} tokens, "
-        f"fewer than {minimum_what} = {minimum}; raise ratio or shrink the protected tokens"
-      )
+  tokens = budget_while_decoding(
+    method, budget, ratio, prompt_len, minimum=minimum, minimum_what=minimum_what
+  )
   return min(tokens, prompt_len)
 
 
@@ -75,7 +67,15 @@ def budget_while_decoding(
   generated tokens alike."""
   if ratio is None:
     return DEFAULT_BUDGET if budget is None else budget
-  return prompt_budget(method, None, ratio, prompt_len, minimum=minimum, minimum_what=minimum_what)
+  # ceil, so that ratio=r keeps at least the fraction r (the epsilon absorbs float error:
+  # 0.3 * 10 = 3.0000000000000004).
+  tokens = math.ceil(ratio * prompt_len - 1e-9)
+  if tokens < minimum and tokens < prompt_len:
+    raise ValueError(
+      f"{method}: ratio={ratio} of a {prompt_len}-token prompt keeps {tokens} tokens, "
+      f"fewer than {minimum_what} = {minimum}; raise ratio or shrink the protected tokens"
+    )
+  return tokens
 
 
 def check_full_attention_model(shape: ModelCacheShape, method: str, capacity: int) -> None:
