@@ -1,7 +1,9 @@
 """Using kvjax caches and `generate` with your own JAX model (no `models` import needed).
 
 A model only has to implement `prefill` and `decode_step` over a tuple of kvjax layer caches
-(kvjax.CachedDecoder). Here: a one-layer toy attention model written directly in jnp.
+(kvjax.CachedDecoder); `prefill_chunk` as well lets it prefill long prompts a chunk at a time
+(`prefill_chunk=` of generate / compress_context). Here: a one-layer toy attention model
+written directly in jnp.
 
     python examples/own_model_protocol.py
 """
@@ -12,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import kvjax
+from kvjax.chunk_attention import chunk_attention
 from kvjax.prefill_attention import causal_prompt_attention
 
 VOCAB, HEADS, KV_HEADS, DIM = 32, 4, 2, 16
@@ -39,6 +42,18 @@ class ToyDecoder:
     last = jnp.take_along_axis(out, (lengths - 1)[:, None, None, None, None], axis=3)[:, :, :, 0]
     return self._logits(params, last), (caches[0].ingest(k, v, q, lengths),)
 
+  def prefill_chunk(self, params, tokens, start, lengths, caches):
+    """Prompt positions [start, start + chunk): attend over what the cache holds and causally
+    within the chunk, then hand the chunk's real tokens to the cache."""
+    chunk = tokens.shape[1]
+    q, k, v = self._qkv(params, tokens)
+    held = caches[0].attend_chunk(q, sm_scale=DIM**-0.5)
+    out = chunk_attention(held, q, k, v, sm_scale=DIM**-0.5, sliding_window=None)
+    last = jnp.clip(lengths - 1 - start, 0, chunk - 1)
+    last = jnp.take_along_axis(out, last[:, None, None, None, None], axis=3)[:, :, :, 0]
+    counts = jnp.clip(lengths - start, 0, chunk)
+    return self._logits(params, last), (caches[0].ingest_chunk(k, v, q, counts),)
+
   def decode_step(self, params, tokens, positions, caches):
     del positions  # this toy model has no position encoding
     q, k, v = self._qkv(params, tokens[:, None])
@@ -60,7 +75,11 @@ def main():
     wv=jax.random.normal(keys[3], (DIM, KV_HEADS, DIM)) * 0.3,
     wo=jax.random.normal(keys[4], (KV_HEADS, group, DIM, VOCAB)) * 0.3,
   )
-  for spec in ("full", "kivi:bits=4,group_size=16,residual=16"):
+  for spec, prefill_chunk in (
+    ("full", None),
+    ("full", 16),
+    ("kivi:bits=4,group_size=16,residual=16", None),
+  ):
     result = kvjax.generate(
       ToyDecoder(),
       params,
@@ -68,8 +87,10 @@ def main():
       max_new_tokens=8,
       cache_method=kvjax.parse_method_spec(spec),
       cache_dtype=jnp.float32,
+      prefill_chunk=prefill_chunk,
     )
-    print(spec, result.tokens.tolist(), f"{result.cache_bytes} bytes")
+    name = spec if prefill_chunk is None else f"{spec},prefill_chunk={prefill_chunk}"
+    print(name, result.tokens.tolist(), f"{result.cache_bytes} bytes")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from kvjax.cache_protocol import (
   append_and_attend,
   model_cache_nbytes,
 )
+from kvjax.chunked_prefill import CHUNKED_PREFILL_METHODS, prefill_in_chunks
 from kvjax.compressed_context import (
   CompressedContext,
   compress_context,
@@ -34,6 +35,7 @@ from kvjax.sampling import SamplingConfig
 from kvjax.sliding_window_cache import SlidingWindowLayerCache
 
 __all__ = [
+  "CHUNKED_PREFILL_METHODS",
   "CacheMethod",
   "CachedDecoder",
   "CompressedContext",
@@ -59,6 +61,7 @@ __all__ = [
   "model_cache_nbytes",
   "parse_method_spec",
   "prefill",
+  "prefill_in_chunks",
   "restore_context",
   "run_layers",
   "save_context",

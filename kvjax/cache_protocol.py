@@ -17,6 +17,8 @@ from typing import Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from kvjax.compact_rows import write_tokens_at_lengths
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelCacheShape:
@@ -51,6 +53,14 @@ class LayerCache(Protocol):
   A cache whose eviction depends on each decode step's attention (`h2o_decode`) also has
   `append_and_attend` (same arguments and result as the function below); decoders run decode
   steps through `append_and_attend(cache, ...)`, which uses it.
+
+  A cache that can take a prompt in chunks (`kvjax.chunked_prefill`) also has
+  `attend_chunk(queries [batch, kv_heads, group, chunk, head_dim], *, sm_scale) -> (out f32
+  [batch, kv_heads, group, chunk, head_dim], lse f32 [batch, kv_heads, group, chunk])`: the
+  chunk's queries over every token held, all of which precede the chunk; and
+  `ingest_chunk(keys, values, queries, counts int32 [batch])`: the chunk's first `counts[b]`
+  tokens stored after row b's held tokens (compressed as the method compresses). One whose
+  support depends on its configuration has `chunked_prefill_refusal` (a reason, or None).
   """
 
   def ingest(
@@ -152,6 +162,12 @@ def allocate_model_cache(
   )
 
 
+def model_cache_shapes(method: CacheMethod, shape: ModelCacheShape, **allocation) -> tuple:
+  """`allocate_model_cache(method, shape, **allocation)`'s caches as `jax.ShapeDtypeStruct`
+  leaves (batch, prompt_len, max_new_tokens, dtype): nothing allocated."""
+  return jax.eval_shape(lambda: allocate_model_cache(method, shape, **allocation))
+
+
 class KeyValueArrays:
   """Size accounting of a cache whose storage is full-precision `keys` and `values` arrays
   (plus small bookkeeping leaves such as lengths, counted in `nbytes` too)."""
@@ -163,6 +179,16 @@ class KeyValueArrays:
   @property
   def stored_elements(self) -> int:
     return self.keys.size + self.values.size
+
+  def with_chunk_written(self, keys, values, slots, counts):
+    """This cache with a prompt chunk's tokens written at `slots` (int32 [batch, chunk]; a slot
+    past the storage drops its token) and `counts[b]` more tokens seen per row."""
+    return dataclasses.replace(
+      self,
+      keys=write_tokens_at_lengths(self.keys, keys, slots),
+      values=write_tokens_at_lengths(self.values, values, slots),
+      lengths=self.lengths + counts,
+    )
 
 
 def tree_nbytes(tree) -> int:

@@ -20,6 +20,7 @@ def _add_generate(subparsers):
   p.add_argument("--top-p", type=float, default=None)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--method", default="full", help="cache method spec, e.g. full, kivi:bits=4")
+  _add_prefill_chunk_argument(p)
   _add_attention_arguments(p)
   p.add_argument(
     "--layer-loop",
@@ -30,6 +31,18 @@ def _add_generate(subparsers):
   )
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(run=run_generate)
+
+
+def _add_prefill_chunk_argument(p):
+  from kvjax.chunked_prefill import CHUNKED_PREFILL_METHODS
+
+  p.add_argument(
+    "--prefill-chunk",
+    type=int,
+    default=None,
+    help="feed the prompt this many tokens at a time, compressing as it arrives (default: "
+    f"the whole prompt at once; methods: {', '.join(CHUNKED_PREFILL_METHODS)})",
+  )
 
 
 def _add_attention_arguments(p):
@@ -99,6 +112,7 @@ def run_generate(args) -> int:
     pad_token_id=loaded.stop_token_ids[0] if loaded.stop_token_ids else 0,
     key=jax.random.key(args.seed),
     max_cache_tokens=loaded.config.max_position_embeddings,
+    prefill_chunk=args.prefill_chunk,
   )
   output_ids = result.token_lists()[0]
   out_text = loaded.tokenizer.decode(output_ids)
@@ -171,6 +185,7 @@ def _add_compare(subparsers):
     help="text windows for ppl/kl, and needles per depth (default 1: a quick look; use 4+)",
   )
   p.add_argument("--cache-dtype", default="bfloat16", help="bfloat16|float16|float32")
+  _add_prefill_chunk_argument(p)
   _add_attention_arguments(p)
   p.add_argument(
     "--layer-loop",
@@ -205,6 +220,7 @@ def run_compare(args) -> int:
     cache_dtype=args.cache_dtype,
     implementation=args.implementation,
     kernel_settings=kernel_settings_from_json(args.kernel_settings),
+    prefill_chunk=args.prefill_chunk,
   )
   if args.methods is None:
     specs = [
@@ -228,7 +244,9 @@ def run_compare(args) -> int:
       f"model {args.model}, context {config.context_len} tokens, "
       f"continuation {config.continuation_len}, "
       f"{config.num_samples} samples, cache dtype {config.cache_dtype}, seed {config.seed}, "
-      f"layer loop {args.layer_loop}; "
+      f"layer loop {args.layer_loop}"
+      + (f", prefill in chunks of {config.prefill_chunk}" if config.prefill_chunk else "")
+      + "; "
       f"{machine}; wall {seconds:.0f}s"
     )
 

@@ -1,4 +1,4 @@
-"""Writing one token per row at each row's own length (rows of a batch differ in length)."""
+"""Writing tokens per row at each row's own length (rows of a batch differ in length)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +12,29 @@ def write_token_at_lengths(
   """`stored[b, :, lengths[b]] = token[b]` as one scatter (in place inside a scan carry)."""
   batch_index = jnp.arange(stored.shape[0])
   return stored.at[batch_index, :, lengths].set(token.astype(stored.dtype), mode="drop")
+
+
+def write_tokens_at_lengths(
+  stored: jax.Array,  # [batch, heads, capacity, ...]
+  tokens: jax.Array,  # [batch, heads, chunk, ...]
+  slots: jax.Array,  # int32 [batch, chunk]: slot of each token; >= capacity drops it
+) -> jax.Array:
+  """`stored[b, :, slots[b, j]] = tokens[b, :, j]` as one scatter (slots of a row distinct)."""
+  batch_index = jnp.arange(stored.shape[0])[:, None]
+  # Advanced indices on axes 0 and 2 around a slice put their broadcast shape first.
+  update = jnp.moveaxis(tokens, 2, 1).astype(stored.dtype)  # [batch, chunk, heads, ...]
+  return stored.at[batch_index, :, slots].set(update, mode="drop")
+
+
+def slots_after_lengths(
+  lengths: jax.Array,  # int32 [batch]: slots already used
+  counts: jax.Array,  # int32 [batch]: tokens to write, the first `counts[b]` of the chunk
+  chunk: int,
+  capacity: int,
+) -> jax.Array:  # int32 [batch, chunk]
+  """Slots `lengths[b] + j` for the first `counts[b]` tokens; `capacity` (dropped) past them."""
+  offsets = jnp.arange(chunk)[None, :]
+  return jnp.where(offsets < counts[:, None], lengths[:, None] + offsets, capacity)
 
 
 def zero_past_lengths(

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from kvjax.cache_protocol import CacheMethod, model_cache_nbytes
 from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
-from kvjax.generate import _decode_in_jit, check_decode_arguments, prefill
+from kvjax.generate import _decode_in_jit, check_decode_arguments, check_prefill_arguments, prefill
 from kvjax.prompt_batch import check_padded_token_ids, pack_prompts, pack_token_lists
 from kvjax.row_sharding import check_row_sharding, row_shardings
 from kvjax.sampling import SamplingConfig
@@ -58,7 +58,7 @@ def _check_room_argument(room: int) -> None:
 
 
 def _prefill_context(
-  decoder, params, tokens, lengths, *, cache_method, room, cache_dtype
+  decoder, params, tokens, lengths, *, cache_method, room, cache_dtype, prefill_chunk=None
 ) -> CompressedContext:
   logits, caches = prefill(
     decoder,
@@ -68,6 +68,7 @@ def _prefill_context(
     cache_method=cache_method,
     max_new_tokens=room,
     cache_dtype=cache_dtype,
+    prefill_chunk=prefill_chunk,
   )
   return CompressedContext(caches=caches, lengths=jnp.asarray(lengths), next_logits=logits)
 
@@ -82,10 +83,15 @@ def compress_context(
   cache_dtype=jnp.bfloat16,
   pad_token_id: int = 0,
   row_sharding: NamedSharding | None = None,
+  prefill_chunk: int | None = None,
 ) -> CompressedContext:
   """Prefills `prompts` (token lists, any lengths) into caches of `cache_method` with `room`
   tokens of space left per row (a method that evicts by design, such as StreamingLLM, has no
   limit).
+
+  `prefill_chunk` feeds the prompts that many tokens at a time, compressing as they arrive
+  (`kvjax.chunked_prefill`); the context has the same structure and shapes either way, so
+  `context_template` serves both.
 
   `row_sharding` (e.g. `NamedSharding(mesh, PartitionSpec("data"))`) spreads the rows over
   devices: the prompts are placed that way, and every array of the context keeps its rows split
@@ -97,12 +103,25 @@ def compress_context(
     tokens, pad_token_id=pad_token_id, vocab_size=decoder_vocab_size(decoder), name="prompts"
   )
   settings = dict(cache_method=cache_method, room=int(room), cache_dtype=cache_dtype)
+  check_prefill_arguments(
+    decoder,
+    batch=tokens.shape[0],
+    prompt_len=tokens.shape[1],
+    cache_method=cache_method,
+    max_new_tokens=int(room),
+    cache_dtype=cache_dtype,
+    prefill_chunk=prefill_chunk,
+  )
   if row_sharding is None:
-    return _prefill_context(decoder, params, tokens, lengths, **settings)
+    return _prefill_context(
+      decoder, params, tokens, lengths, prefill_chunk=prefill_chunk, **settings
+    )
   batch, prompt_len = tokens.shape
   check_row_sharding(row_sharding, batch)
   tokens, lengths = jax.device_put((tokens, lengths), row_sharding)
-  context = _prefill_context(decoder, params, tokens, lengths, **settings)
+  context = _prefill_context(
+    decoder, params, tokens, lengths, prefill_chunk=prefill_chunk, **settings
+  )
   one_more_row = _context_shapes(decoder, params, batch + 1, prompt_len=prompt_len, **settings)
   return jax.device_put(context, row_shardings(context, one_more_row, row_sharding))
 

@@ -34,6 +34,12 @@ class CachedDecoder(Protocol):
   ) -> tuple[jax.Array, tuple]:  # logits at each row's last prompt token [batch, vocab]
     ...
 
+  # Optional, for chunked prefill (`kvjax.chunked_prefill`): the chunk of prompt positions
+  # [start, start + chunk) through the caches holding the positions before it.
+  # def prefill_chunk(self, params, tokens: int32 [batch, chunk], start: int32 [],
+  #                   lengths: int32 [batch], caches) -> (logits [batch, vocab] at each row's
+  #                   last prompt token when it lies in the chunk, caches)
+
   def decode_step(
     self,
     params: Any,

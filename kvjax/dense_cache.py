@@ -7,9 +7,15 @@ import jax.numpy as jnp
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
-from kvjax.compact_rows import write_token_at_lengths, zero_past_lengths
+from kvjax.chunk_attention import attend_folded_chunk
+from kvjax.compact_rows import (
+  slots_after_lengths,
+  write_token_at_lengths,
+  zero_past_lengths,
+)
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_registry import register_method
+from pallas_kernels.decode_attention_reference import decode_attention_reference
 
 
 @jax.tree_util.register_dataclass
@@ -75,6 +81,21 @@ class DenseLayerCache(KeyValueArrays):
       keys=write_token_at_lengths(self.keys, keys, self.lengths),
       values=write_token_at_lengths(self.values, values, self.lengths),
       lengths=self.lengths + 1,
+    )
+
+  def ingest_chunk(self, keys, values, queries, counts):
+    """Stores the first `counts[b]` tokens of a prompt chunk after each row's tokens."""
+    del queries
+    slots = slots_after_lengths(self.lengths, counts, keys.shape[2], self.capacity)
+    return self.with_chunk_written(keys, values, slots, counts)
+
+  def attend_chunk(self, queries, *, sm_scale):
+    """(out, lse) of a prompt chunk's queries over every token held (all precede the chunk)."""
+    return attend_folded_chunk(
+      lambda q: decode_attention_reference(
+        q, self.keys, self.values, self.lengths, sm_scale=sm_scale
+      ),
+      queries,
     )
 
   def attend(self, queries, *, sm_scale):

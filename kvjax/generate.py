@@ -17,8 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from kvjax.cache_protocol import CacheMethod, allocate_model_cache, model_cache_nbytes
+from kvjax.cache_protocol import (
+  CacheMethod,
+  allocate_model_cache,
+  model_cache_nbytes,
+  model_cache_shapes,
+)
 from kvjax.cache_room import check_room
+from kvjax.chunked_prefill import check_chunked_prefill, check_prefill_chunk, prefill_in_chunks
 from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
 from kvjax.dense_cache import FullCache
 from kvjax.layer_runs import pytree_signature
@@ -53,7 +59,10 @@ class GenerateResult:
     return [row[:n].tolist() for row, n in zip(self.tokens, self.num_generated)]
 
 
-@partial(jax.jit, static_argnames=("decoder", "cache_method", "max_new_tokens", "cache_dtype"))
+@partial(
+  jax.jit,
+  static_argnames=("decoder", "cache_method", "max_new_tokens", "cache_dtype", "prefill_chunk"),
+)
 def prefill(
   decoder: CachedDecoder,
   params: Any,
@@ -63,8 +72,12 @@ def prefill(
   cache_method: CacheMethod,
   max_new_tokens: int,
   cache_dtype,
+  prefill_chunk: int | None = None,
 ) -> tuple[jax.Array, tuple]:
-  """Allocates the caches and ingests the prompts: (last-token logits [batch, vocab], caches)."""
+  """Allocates the caches and ingests the prompts: (last-token logits [batch, vocab], caches).
+
+  `prefill_chunk`: None feeds the prompt in one piece; an int feeds it that many tokens at a
+  time, compressing as it goes (`kvjax.chunked_prefill`)."""
   caches = allocate_model_cache(
     cache_method,
     decoder.cache_shape,
@@ -73,7 +86,40 @@ def prefill(
     max_new_tokens=max_new_tokens,
     dtype=cache_dtype,
   )
-  return decoder.prefill(params, tokens, lengths, caches)
+  if prefill_chunk is None:
+    return decoder.prefill(params, tokens, lengths, caches)
+  check_chunked_prefill(
+    decoder, caches, prefill_chunk, method_name=getattr(cache_method, "method_name", "")
+  )
+  return prefill_in_chunks(decoder, params, tokens, lengths, caches, chunk=prefill_chunk)
+
+
+def check_prefill_arguments(
+  decoder: CachedDecoder,
+  *,
+  batch: int,
+  prompt_len: int,
+  cache_method: CacheMethod,
+  max_new_tokens: int,
+  cache_dtype,
+  prefill_chunk: int | None,
+) -> None:
+  """Refuses, before anything is traced, a `prefill_chunk` the decoder or the method's caches
+  cannot take (the caches are only shaped, not allocated)."""
+  check_prefill_chunk(prefill_chunk)
+  if prefill_chunk is None:
+    return
+  caches = model_cache_shapes(
+    cache_method,
+    decoder.cache_shape,
+    batch=batch,
+    prompt_len=prompt_len,
+    max_new_tokens=max_new_tokens,
+    dtype=cache_dtype,
+  )
+  check_chunked_prefill(
+    decoder, caches, prefill_chunk, method_name=getattr(cache_method, "method_name", "")
+  )
 
 
 @partial(
@@ -301,6 +347,7 @@ def generate(
   key: jax.Array | None = None,
   max_cache_tokens: int | None = None,
   row_sharding: NamedSharding | None = None,
+  prefill_chunk: int | None = None,
 ) -> GenerateResult:
   """Generates up to `max_new_tokens` tokens for each prompt.
 
@@ -309,6 +356,8 @@ def generate(
   `max_cache_tokens` (e.g. the model's context length) bounds prompt + new tokens.
   `row_sharding` (e.g. `NamedSharding(mesh, PartitionSpec("data"))`) spreads the rows over
   devices: the prompts are placed that way and the caches follow (`kvjax.row_sharding`).
+  `prefill_chunk` feeds the prompts that many tokens at a time, compressing as they arrive
+  (`kvjax.chunked_prefill`: peak prefill memory follows the chunk, not the prompt).
   Compilation happens ahead of time, so `compile_s` and the run times are measured apart.
   """
   key = check_decode_arguments(max_new_tokens, sampling, key)
@@ -325,7 +374,13 @@ def generate(
     check_row_sharding(row_sharding, tokens.shape[0])
     tokens, lengths = jax.device_put((tokens, lengths), row_sharding)
   prefill_static = dict(
-    cache_method=cache_method, max_new_tokens=max_new_tokens, cache_dtype=cache_dtype
+    cache_method=cache_method,
+    max_new_tokens=max_new_tokens,
+    cache_dtype=cache_dtype,
+    prefill_chunk=prefill_chunk,
+  )
+  check_prefill_arguments(
+    decoder, batch=tokens.shape[0], prompt_len=tokens.shape[1], **prefill_static
   )
   decode_static = dict(
     max_new_tokens=max_new_tokens,

@@ -9,6 +9,9 @@ attention and their position. Rule, per row and KV head:
     every token's attention probability (reduced over the query group) is added to its score;
     then, if the slots are full, the lowest-scoring token outside the recent window (the last
     `window` tokens, the new one included) is evicted and the new token takes its slot.
+  - chunked prefill (`ingest_chunk`): each chunk's queries add their attention to the scores of
+    the held tokens and the chunk's, then the same choice as at prefill keeps `budget` of them;
+    chunks of one token are exactly decode steps.
 Memory is `budget` tokens per KV head (plus a float32 score and an int32 position per slot)
 however many tokens are generated; the `h2o` method instead stops evicting after prefill and
 holds budget + max_new_tokens.
@@ -25,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
+from kvjax.chunk_attention import attend_folded_chunk
 from kvjax.compact_rows import zero_past_lengths
 from kvjax.dense_cache import FullCache
 from kvjax.h2o import h2o_token_scores
@@ -36,6 +40,7 @@ from kvjax.selection.budgets import (
 )
 from kvjax.selection.pooling import check_gqa_reduce, reduce_query_group
 from kvjax.selection.token_choice import gather_tokens, keep_top_tokens_and_window
+from pallas_kernels.decode_attention_reference import decode_attention_reference
 
 # The attention of an h2o_decode cache is always computed with jnp (module docstring).
 IMPLEMENTATIONS = ("auto", "reference")
@@ -109,6 +114,72 @@ class HeavyHitterEvictionCache(KeyValueArrays):
       positions=into_slots(indices),
       lengths=kept_lengths,
       seen=lengths,
+    )
+
+  def ingest_chunk(self, keys, values, queries, counts):
+    """Chunked prefill: each of the chunk's first `counts[b]` queries attends over the held
+    tokens and the chunk's tokens up to itself; the attention each token receives (summed
+    over the chunk's queries, then reduced over the query group, as at prefill) is added to
+    its score; then the held and the chunk's tokens compete for the slots as at prefill: the
+    last `window` positions plus the top scores. A prompt in one chunk gets the prefill's
+    choice and scores."""
+    batch, kv_heads, group, chunk, _ = queries.shape
+    q = queries.astype(jnp.float32)
+    held_logits = self._held_logits(
+      q.reshape(batch, kv_heads, group * chunk, -1), self.prompt_sm_scale
+    )
+    held_logits = held_logits.reshape(batch, kv_heads, group, chunk, self.slots)
+    own_logits = jnp.einsum("bhgcd,bhkd->bhgck", q, keys.astype(jnp.float32)) * self.prompt_sm_scale
+    causal = jnp.arange(chunk)[None, :] <= jnp.arange(chunk)[:, None]  # [query, key]
+    own_logits = jnp.where(causal, own_logits, -jnp.inf)
+    probs = jax.nn.softmax(jnp.concatenate([held_logits, own_logits], axis=-1), axis=-1)
+    real_query = (jnp.arange(chunk)[None, :] < counts[:, None])[:, None, None, :, None]
+    received = reduce_query_group(jnp.where(real_query, probs, 0.0).sum(axis=3), self.gqa_reduce)
+
+    offsets = jnp.arange(chunk)[None, :]
+    positions = jnp.concatenate(
+      [
+        self.positions,
+        jnp.broadcast_to((self.seen[:, None] + offsets)[:, None, :], (batch, kv_heads, chunk)),
+      ],
+      axis=2,
+    )
+    scores = jnp.pad(self.scores, ((0, 0), (0, 0), (0, chunk))) + received
+    real = jnp.concatenate(
+      [jnp.arange(self.slots)[None, :] < self.lengths[:, None], offsets < counts[:, None]], axis=1
+    )[:, None, :]  # [batch, 1, slots + chunk]: held tokens and the chunk's real ones
+    seen = self.seen + counts
+    recent = positions >= (seen - self.window)[:, None, None]
+    priority = jnp.where(real, jnp.where(recent, jnp.inf, scores), -jnp.inf)
+    _, chosen = jax.lax.top_k(priority, self.slots)
+    # Compact: real tokens first (held slots, then the chunk's in order), then the padding.
+    candidates = priority.shape[-1]
+    is_real = jnp.take_along_axis(jnp.broadcast_to(real, priority.shape), chosen, axis=2)
+    chosen = jnp.sort(jnp.where(is_real, chosen, chosen + candidates), axis=-1) % candidates
+    kept_lengths = jnp.minimum(self.lengths + counts, self.slots)
+
+    def keep(x):  # [batch, kv_heads, slots + chunk, ...] -> [batch, kv_heads, slots, ...]
+      taken = jnp.take_along_axis(x, chosen.reshape(*chosen.shape, *([1] * (x.ndim - 3))), axis=2)
+      return zero_past_lengths(taken, kept_lengths)
+
+    return dataclasses.replace(
+      self,
+      keys=keep(jnp.concatenate([self.keys, keys.astype(self.keys.dtype)], axis=2)),
+      values=keep(jnp.concatenate([self.values, values.astype(self.values.dtype)], axis=2)),
+      scores=keep(scores),
+      positions=keep(positions),
+      lengths=kept_lengths,
+      seen=seen,
+    )
+
+  def attend_chunk(self, queries, *, sm_scale):
+    """(out, lse) of a prompt chunk's queries over the held tokens (scores are not updated:
+    `ingest_chunk` does that)."""
+    return attend_folded_chunk(
+      lambda q: decode_attention_reference(
+        q, self.keys, self.values, self.lengths, sm_scale=sm_scale
+      ),
+      queries,
     )
 
   def append_and_attend(self, keys, values, queries, *, sm_scale):

@@ -15,7 +15,10 @@ holds whole blocks of `window` tokens:
   - ingest of a row of length L: its first L - (L mod R) tokens are quantized, the last L mod R
     go to the window;
   - append: the token goes to the window; when the window then holds R tokens, the whole block
-    is quantized, written after the row's quantized tokens, and the window is emptied.
+    is quantized, written after the row's quantized tokens, and the window is emptied;
+  - ingest_chunk (chunked prefill): the window's tokens and the chunk's, in order, are cut into
+    blocks of R; whole blocks are quantized and written, the rest is the new window. So a
+    prompt in chunks ends with the codes a one-piece ingest makes.
 Deviation from the paper: KIVI keeps exactly the last R *values* in full precision (the oldest
 value is quantized as the R+1-th arrives) while keys flush in blocks of R. Here values follow
 the keys' block schedule, so between flushes the window holds 0..R-1 values (on average fewer
@@ -43,6 +46,7 @@ import jax.numpy as jnp
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
+from kvjax.chunk_attention import attend_folded_chunk
 from kvjax.compact_rows import write_token_at_lengths
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_registry import register_method
@@ -115,27 +119,29 @@ class KiviCodec:
 
 def _write_blocks(
   storage: QuantizedKV,  # [B, H, capacity-granular rows, ...]
-  block: QuantizedKV,  # one block of `window` tokens per row
+  blocks: QuantizedKV,  # `num_given` consecutive blocks of `window` tokens per row
   *,
-  start_tokens: jax.Array,  # int32 [B]: first token of the block (a multiple of window)
-  write: jax.Array,  # bool [B]: rows that flush
+  start_tokens: jax.Array,  # int32 [B]: first token of the first block (a multiple of window)
+  num_blocks: jax.Array,  # int32 [B]: blocks each row writes (its first ones; 0 writes none)
   window: int,
 ) -> QuantizedKV:
-  """`storage[b, :, rows of block b] = block[b]` for the rows in `write`: one scatter per array."""
+  """`storage[b, :, rows of blocks[b, :num_blocks[b]]] = ...`: one scatter per array."""
   batch = start_tokens.shape[0]
   batch_index = jnp.arange(batch)[:, None]
+  num_given = blocks.tokens // window
 
-  def write_array(stored, new):  # stored [B, H, rows, ...], new [B, H, rows_per_block, ...]
-    rows_per_block = new.shape[2]
-    first_row = (start_tokens // window) * rows_per_block
-    # Rows that do not flush write past the end, and mode="drop" discards them.
-    first_row = jnp.where(write, first_row, stored.shape[2])
-    row_index = first_row[:, None] + jnp.arange(rows_per_block)  # [B, rows_per_block]
+  def write_array(stored, new):  # stored [B, H, rows, ...], new [B, H, num_given * rpb, ...]
+    rows_per_block = new.shape[2] // num_given
+    offsets = jnp.arange(new.shape[2])
+    row_index = (start_tokens // window * rows_per_block)[:, None] + offsets  # [B, given rows]
+    # Rows past a row's blocks write past the end, and mode="drop" discards them.
+    written = offsets[None, :] < (num_blocks * rows_per_block)[:, None]
+    row_index = jnp.where(written, row_index, stored.shape[2])
     # Advanced indices on axes 0 and 2 around a slice put their broadcast shape first.
-    update = jnp.moveaxis(new, 2, 1).astype(stored.dtype)  # [B, rows_per_block, H, ...]
+    update = jnp.moveaxis(new, 2, 1).astype(stored.dtype)  # [B, given rows, H, ...]
     return stored.at[batch_index, :, row_index].set(update, mode="drop")
 
-  return jax.tree_util.tree_map(write_array, storage, block)
+  return jax.tree_util.tree_map(write_array, storage, blocks)
 
 
 def _zero_rows_past(
@@ -309,7 +315,11 @@ class KiviLayerCache:
         lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), block_shapes),
       )
       segment = _write_blocks(
-        segment, block, start_tokens=self.quantized_lengths, write=flush, window=window
+        segment,
+        block,
+        start_tokens=self.quantized_lengths,
+        num_blocks=flush.astype(jnp.int32),
+        window=window,
       )
 
     emptied = flush[:, None, None, None]
@@ -322,7 +332,64 @@ class KiviLayerCache:
       window_lengths=jnp.where(flush, 0, window_lengths),
     )
 
-  def attend(self, queries, *, sm_scale):
+  def ingest_chunk(self, keys, values, queries, counts):
+    """Stores the first `counts[b]` tokens of a prompt chunk after each row's tokens: the
+    window and the chunk together are cut into blocks, whole blocks are quantized, the rest is
+    the new window. Blocks start at multiples of `window`, as in `ingest`, so a prompt ingested
+    chunk by chunk gets the codes it gets in one piece."""
+    del queries
+    window, slots = self.window, self.window_slots
+    keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+    chunk = keys.shape[2]
+    combined_len = slots + chunk
+    offsets = jnp.arange(combined_len)[None, :]  # [1, slots + chunk]
+    from_chunk = offsets >= self.window_lengths[:, None]  # [B, slots + chunk]
+    chunk_index = jnp.clip(offsets - self.window_lengths[:, None], 0, chunk - 1)
+    totals = self.window_lengths + counts  # tokens of the window and the chunk, per row
+
+    def combine(held, new):  # window slots then the chunk's tokens: [B, H, slots + chunk, D]
+      taken = jnp.take_along_axis(new, chunk_index[:, None, :, None], axis=2)
+      held = jnp.pad(held, ((0, 0), (0, 0), (0, chunk), (0, 0)))
+      return jnp.where(from_chunk[:, None, :, None], taken, held)
+
+    combined_keys, combined_values = (
+      combine(self.window_keys, keys),
+      combine(self.window_values, values),
+    )
+    segment = self.segment
+    flushed = jnp.zeros_like(totals)
+    if self.quantized_capacity:  # static: a cache smaller than one block never flushes
+      given = combined_len // window * window
+      blocks = self.codec.encode(
+        combined_keys[:, :, :given], combined_values[:, :, :given], self.dtype
+      )
+      segment = _write_blocks(
+        segment,
+        blocks,
+        start_tokens=self.quantized_lengths,
+        num_blocks=totals // window,
+        window=window,
+      )
+      flushed = totals // window * window
+    window_lengths = totals - flushed
+    source = jnp.minimum(flushed[:, None] + jnp.arange(slots), combined_len - 1)
+    in_window = (jnp.arange(slots)[None, :] < window_lengths[:, None])[:, None, :, None]
+
+    def new_window(combined):  # [B, H, slots, D]: tokens [flushed, total) of each row
+      taken = jnp.take_along_axis(combined, source[:, None, :, None], axis=2)
+      return jnp.where(in_window, taken, jnp.zeros((), combined.dtype))
+
+    return dataclasses.replace(
+      self,
+      segment=segment,
+      window_keys=new_window(combined_keys),
+      window_values=new_window(combined_values),
+      quantized_lengths=self.quantized_lengths + flushed,
+      window_lengths=window_lengths,
+    )
+
+  def _attention_partials(self, queries, *, sm_scale, implementation):
+    """(out, lse) over the quantized segment (if any) and over the window."""
     partials = []
     if self.quantized_capacity:
       segment = self.segment
@@ -342,7 +409,7 @@ class KiviLayerCache:
           lowrank=segment.lowrank,
           outliers=segment.outliers,
           block=self.window,
-          implementation=self.implementation,
+          implementation=implementation,
           kernel_config=self.kernel_settings.quantized_config(),
         )
       )
@@ -353,12 +420,27 @@ class KiviLayerCache:
         self.window_values,
         self.window_lengths,
         sm_scale=sm_scale,
-        implementation=self.implementation,
+        implementation=implementation,
         kernel_config=self.kernel_settings.full_config(),
       )
     )
+    return partials
+
+  def attend(self, queries, *, sm_scale):
+    partials = self._attention_partials(
+      queries, sm_scale=sm_scale, implementation=self.implementation
+    )
     out, _ = merge_attention_partials(partials)
     return out
+
+  def attend_chunk(self, queries, *, sm_scale):
+    """(out, lse) of a prompt chunk's queries over every token held (all precede the chunk)."""
+    return attend_folded_chunk(
+      lambda q: merge_attention_partials(
+        self._attention_partials(q, sm_scale=sm_scale, implementation="reference")
+      ),
+      queries,
+    )
 
   def dequantized(self) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(K, V float32 [B, H, quantized_capacity + window_slots, D], lengths): every slot

@@ -89,6 +89,19 @@ def flatten_layer_caches(caches: Sequence[Any]) -> list:
   return flat
 
 
+def arrange_like(caches: Sequence[Any], template: Sequence[Any]) -> tuple:
+  """`caches` (layer caches, or runs of them) in the arrangement of `template` (e.g. the shapes
+  a decoder returns): stacked where the template has a `StackedLayerCaches`, loose elsewhere."""
+  flat = iter(flatten_layer_caches(caches))
+  arranged = []
+  for item in template:
+    if isinstance(item, StackedLayerCaches):
+      arranged.append(StackedLayerCaches(_stack([next(flat) for _ in range(item.num_layers)])))
+    else:
+      arranged.append(next(flat))
+  return tuple(arranged)
+
+
 def _stack(trees):
   return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import KeyValueArrays
+from kvjax.chunk_attention import masked_attention
 from kvjax.compact_rows import write_token_at_lengths
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 
@@ -82,6 +83,25 @@ class SlidingWindowLayerCache(KeyValueArrays):
       values=write_token_at_lengths(self.values, values, slot),
       lengths=self.lengths + 1,
     )
+
+  def ingest_chunk(self, keys, values, queries, counts):
+    """Stores the first `counts[b]` tokens of a prompt chunk; of those, only the last
+    `window` can still be seen, and only they are written (one write per slot)."""
+    del queries
+    offsets = jnp.arange(keys.shape[2])[None, :]
+    written = (offsets < counts[:, None]) & (offsets >= counts[:, None] - self.window)
+    slots = jnp.where(written, jnp.mod(self.lengths[:, None] + offsets, self.window), self.window)
+    return self.with_chunk_written(keys, values, slots, counts)
+
+  def attend_chunk(self, queries, *, sm_scale):
+    """(out, lse) of a prompt chunk's queries over the ring: the query at position
+    `lengths + i` sees the held tokens less than `window` positions back."""
+    positions, valid = ring_source_positions(self.lengths, self.window)  # [batch, window]
+    query_positions = self.lengths[:, None] + jnp.arange(queries.shape[3])  # [batch, chunk]
+    visible = valid[:, None, :] & (
+      query_positions[:, :, None] - positions[:, None, :] < self.window
+    )
+    return masked_attention(queries, self.keys, self.values, visible, sm_scale=sm_scale)
 
   def attend(self, queries, *, sm_scale):
     out, _ = attention_dispatch.decode_attention(

@@ -7,8 +7,11 @@ Rule (per row, per KV head), when the row is longer than the budget:
      kernel // 2, `pooling` max or avg);
   3. reduced over the KV head's query group (`gqa_reduce` mean, max or sum);
   4. the top-(budget - window) prefix tokens are kept, plus the window itself.
-Decoding appends without further eviction. Only `[window, prompt]` scores per head are ever
-built; the kept K/V alone are stored (in `storage`: full, kivi, gear), so the bytes are real.
+Chunked prefill (`ingest_chunk`, kvjax.chunked_prefill): after each chunk the held tokens and
+the chunk's compete for the budget by the rule above, scored by the chunk's last `window`
+queries. Decoding appends without further eviction. Only `[window, prompt]` scores per head are
+ever built; the kept K/V alone are stored (in `storage`: full, kivi, gear), so the bytes are
+real.
 """
 
 import dataclasses
@@ -41,8 +44,11 @@ def snapkv_token_scores(
   pooling: str,
   gqa_reduce: str,
   sm_scale: float,
+  first_query: jax.Array | None = None,  # int32 [batch]: no queries before this position
 ) -> jax.Array:  # float32 [batch, kv_heads, prompt]; meaningful before each row's window
-  summed = observation_window_attention(queries, keys, lengths, window=window, sm_scale=sm_scale)
+  summed = observation_window_attention(
+    queries, keys, lengths, window=window, sm_scale=sm_scale, first_query=first_query
+  )
   pooled = pool_scores(summed, lengths - window, kernel=kernel, pooling=pooling)
   return reduce_query_group(pooled, gqa_reduce)
 
@@ -59,6 +65,12 @@ class ObservationWindowSelector:
   sm_scale: float
 
   def kept_indices(self, keys, queries, lengths):
+    return self.kept_indices_of_candidates(keys, queries, lengths, first_query=None)
+
+  def kept_indices_of_candidates(self, keys, queries, lengths, first_query):
+    """The choice among `lengths[b]` candidates whose queries start at `first_query[b]`
+    (chunked prefill: held tokens, which have no queries left, then a chunk's tokens; None:
+    a prompt, every token with its query): the last `window` queries score them."""
     scores = snapkv_token_scores(
       keys,
       queries,
@@ -68,6 +80,7 @@ class ObservationWindowSelector:
       pooling=self.pooling,
       gqa_reduce=self.gqa_reduce,
       sm_scale=self.sm_scale,
+      first_query=first_query,
     )
     return keep_top_tokens_and_window(scores, lengths, budget=self.budget, window=self.window)
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
+from kvjax.chunk_attention import attend_folded_chunk
 from kvjax.compact_rows import write_token_at_lengths
 from kvjax.dense_cache import FullCache
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
@@ -37,6 +38,7 @@ from kvjax.selection.budgets import (
   check_full_attention_model,
 )
 from kvjax.sliding_window_cache import ring_source_positions
+from pallas_kernels.decode_attention_reference import decode_attention_reference
 
 POSITION_MODES = ("original", "in_cache")
 
@@ -127,6 +129,36 @@ class StreamingLayerCache(KeyValueArrays):
       keys=write_token_at_lengths(self.keys, keys, slot),
       values=write_token_at_lengths(self.values, values, slot),
       lengths=self.lengths + 1,
+    )
+
+  @property
+  def chunked_prefill_refusal(self) -> str | None:
+    if self.rope_theta is not None:
+      return (
+        "streaming with positions=in_cache re-rotates its sinks at every step; chunked "
+        "prefill supports positions=original"
+      )
+    return None
+
+  def ingest_chunk(self, keys, values, queries, counts):
+    """Stores the first `counts[b]` tokens of a prompt chunk where `append` would have left
+    them: sinks first, then the ring; only the tokens still held afterwards are written."""
+    del queries
+    positions = self.lengths[:, None] + jnp.arange(keys.shape[2])[None, :]  # [batch, chunk]
+    seen = (self.lengths + counts)[:, None]
+    ring_slot = self.sinks + jnp.mod(positions - self.sinks, max(self.window, 1))
+    slot = jnp.where(positions < self.sinks, positions, ring_slot)
+    kept = (positions < seen) & ((positions < self.sinks) | (positions >= seen - self.window))
+    slot = jnp.where(kept, slot, self.slots)
+    return self.with_chunk_written(keys, values, slot, counts)
+
+  def attend_chunk(self, queries, *, sm_scale):
+    """(out, lse) of a prompt chunk's queries over the sinks and the window held."""
+    return attend_folded_chunk(
+      lambda q: decode_attention_reference(
+        q, self.keys, self.values, jnp.minimum(self.lengths, self.slots), sm_scale=sm_scale
+      ),
+      queries,
     )
 
   def attend(self, queries, *, sm_scale):

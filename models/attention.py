@@ -4,6 +4,7 @@ from einops import rearrange
 from flax import nnx
 
 from kvjax.cache_protocol import append_and_attend
+from kvjax.chunk_attention import chunk_attention
 from kvjax.prefill_attention import causal_prompt_attention
 from kvjax.rope import apply_rope, rope_inverse_frequencies
 from models.config import DecoderConfig
@@ -50,6 +51,20 @@ class CachedAttention(nnx.Module):
       q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window
     )
     return attended, cache.ingest(k, v, q, lengths)
+
+  def prefill_chunk_cache(self, qkv, counts, cache):
+    """A prompt chunk's attention over the held tokens and itself, then the chunk's first
+    `counts[b]` tokens stored (compressed) after each row's held tokens."""
+    q, k, v = qkv
+    attended = chunk_attention(
+      cache.attend_chunk(q, sm_scale=self.sm_scale),
+      q,
+      k,
+      v,
+      sm_scale=self.sm_scale,
+      sliding_window=self.sliding_window,
+    )
+    return attended.astype(q.dtype), cache.ingest_chunk(k, v, q, counts)
 
   def decode_cache(self, qkv, cache):
     """One new token stored, then its query attends over everything the cache holds."""

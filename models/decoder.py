@@ -96,6 +96,31 @@ class Decoder(nnx.Module):
       x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return self._logits(x), tuple(new_caches)
 
+  def prefill_chunk(
+    self,
+    tokens: jax.Array,  # int32 [batch, chunk]: prompt positions [start, start + chunk)
+    start: jax.Array,  # int32 []: position of the chunk's first token
+    lengths: jax.Array,  # int32 [batch]: whole prompt lengths
+    caches: tuple,  # holding each row's tokens before `start`
+  ) -> tuple[jax.Array, tuple]:
+    """One chunk of a chunked prefill: logits [batch, vocab] at each row's last prompt token
+    where it lies in this chunk (elsewhere at the chunk's clipped end: not meaningful)."""
+    chunk = tokens.shape[1]
+    x = self.embed_tokens(tokens)
+    positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), tokens.shape)
+    counts = jnp.clip(lengths - start, 0, chunk).astype(jnp.int32)
+    attention = self.layers[0].self_attn
+    x, new_caches = self._run_layers(
+      x,
+      caches,
+      positions,
+      lambda qkv, cache: attention.prefill_chunk_cache(qkv, counts, cache),
+      keep_stacked=True,
+    )
+    last = jnp.clip(lengths - 1 - start, 0, chunk - 1)
+    x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    return self._logits(x), tuple(new_caches)
+
   def decode_step(
     self,
     tokens: jax.Array,  # int32 [batch]

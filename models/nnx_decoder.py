@@ -24,6 +24,10 @@ class NNXCachedDecoder:
     """Like `prefill`, with logits at every prompt position [batch, prompt, vocab]."""
     return nnx.merge(self.graphdef, params).prefill(tokens, lengths, caches, all_logits=True)
 
+  def prefill_chunk(self, params, tokens, start, lengths, caches):
+    """One chunk of a chunked prefill (`kvjax.chunked_prefill`)."""
+    return nnx.merge(self.graphdef, params).prefill_chunk(tokens, start, lengths, caches)
+
   def decode_step(self, params, tokens, positions, caches):
     return nnx.merge(self.graphdef, params).decode_step(tokens, positions, caches)
 

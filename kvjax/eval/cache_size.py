@@ -6,9 +6,7 @@ room for `new_tokens` more, they are the bytes held while those tokens are appen
 that evicts while decoding, `streaming` or `h2o_decode`, stays at its budget).
 """
 
-import jax
-
-from kvjax.cache_protocol import allocate_model_cache, model_cache_nbytes
+from kvjax.cache_protocol import model_cache_nbytes, model_cache_shapes
 
 
 def cache_bytes_after_context(
@@ -24,15 +22,13 @@ def cache_bytes_after_context(
   """Bytes every array of the model's caches holds after ingesting a `context_len` prompt, in
   caches allocated to take `new_tokens` more (the bytes after them too)."""
   del params  # the bytes depend on shapes only
-  caches = jax.eval_shape(
-    lambda: allocate_model_cache(
-      cache_method,
-      decoder.cache_shape,
-      batch=batch,
-      prompt_len=context_len,
-      max_new_tokens=new_tokens,
-      dtype=cache_dtype,
-    )
+  caches = model_cache_shapes(
+    cache_method,
+    decoder.cache_shape,
+    batch=batch,
+    prompt_len=context_len,
+    max_new_tokens=new_tokens,
+    dtype=cache_dtype,
   )
   return model_cache_nbytes(caches)
 

@@ -6,10 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from kvjax.chunked_prefill import check_prefill_chunk
 from kvjax.eval.cache_size import cache_bytes_after_context, context_elements
 from kvjax.eval.continuation import ContinuationScores, sample_text_windows
 from kvjax.eval.needle import build_needle_prompts, run_needle
 from kvjax.eval.speed import speed_record, timed_prefill, timed_teacher_force
+from kvjax.generate import check_prefill_arguments
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_spec import describe_method, parse_method_spec
 
@@ -26,8 +28,10 @@ class CompareConfig:
   cache_dtype: str = "bfloat16"
   implementation: str = "auto"
   kernel_settings: KernelSettings = DEFAULT_KERNEL_SETTINGS
+  prefill_chunk: int | None = None  # contexts fed this many tokens at a time (None: one piece)
 
   def __post_init__(self):
+    check_prefill_chunk(self.prefill_chunk)
     unknown = set(self.tasks) - set(TASKS)
     if unknown or not self.tasks:
       raise ValueError(
@@ -81,6 +85,16 @@ def compare_methods(
       f"exceeds the model's context of {max_context} tokens"
     )
   dtype = jnp.dtype(config.cache_dtype)
+  for method in methods:  # a method that cannot prefill in chunks is refused before any run
+    check_prefill_arguments(
+      decoder,
+      batch=1,
+      prompt_len=config.context_len,
+      cache_method=method,
+      max_new_tokens=config.continuation_len,
+      cache_dtype=dtype,
+      prefill_chunk=config.prefill_chunk,
+    )
   tasks = set(config.tasks)
   text_ids = np.asarray(tokenizer.encode(text), np.int32)
   windows = None
@@ -151,6 +165,7 @@ def compare_methods(
           query_aware=task == "passkey",
           cache_dtype=dtype,
           pad_token_id=pad_token_id,
+          prefill_chunk=config.prefill_chunk,
         )
         record[f"{task}_acc"] = result["accuracy"]
         record[f"{task}_acc_by_depth"] = result["by_depth"]
@@ -174,6 +189,7 @@ def _continuation_and_speed(decoder, params, method, windows, config, tasks, dty
     cache_method=method,
     max_new_tokens=continuation.shape[1],
     cache_dtype=dtype,
+    prefill_chunk=config.prefill_chunk,
   )
   logits, caches = prefilled.outputs
   forced = timed_teacher_force(decoder, params, logits, caches, lengths, continuation)

@@ -88,6 +88,7 @@ def run_needle(
   query_aware: bool,
   cache_dtype=jnp.bfloat16,
   pad_token_id: int = 0,
+  prefill_chunk: int | None = None,
 ) -> dict:
   """Greedy answers for all prompts in one batch; accuracy overall and per depth."""
   if query_aware:
@@ -104,6 +105,7 @@ def run_needle(
     room=max(len(question) for question in fed) + ANSWER_TOKENS,
     cache_dtype=cache_dtype,
     pad_token_id=pad_token_id,
+    prefill_chunk=prefill_chunk,
   )
   answers, _ = continue_context(
     decoder, params, context, fed, max_new_tokens=ANSWER_TOKENS, pad_token_id=pad_token_id

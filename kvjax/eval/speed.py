@@ -32,7 +32,15 @@ class TimedRun:
 
 
 def timed_prefill(
-  decoder, params, tokens, lengths, *, cache_method, max_new_tokens: int, cache_dtype
+  decoder,
+  params,
+  tokens,
+  lengths,
+  *,
+  cache_method,
+  max_new_tokens: int,
+  cache_dtype,
+  prefill_chunk: int | None = None,
 ) -> TimedRun:
   """(last-token logits, caches) of `kvjax.generate.prefill`, with its compile and run times."""
   return TimedRun(
@@ -40,7 +48,12 @@ def timed_prefill(
       prefill,
       decoder,
       (params, tokens, lengths),
-      dict(cache_method=cache_method, max_new_tokens=max_new_tokens, cache_dtype=cache_dtype),
+      dict(
+        cache_method=cache_method,
+        max_new_tokens=max_new_tokens,
+        cache_dtype=cache_dtype,
+        prefill_chunk=prefill_chunk,
+      ),
     )
   )
 

@@ -11,8 +11,12 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
+from einops import rearrange
 
 from kvjax.cache_protocol import ModelCacheShape
+from kvjax.compact_rows import slots_after_lengths, write_tokens_at_lengths
+from kvjax.dense_cache import DenseLayerCache
 from kvjax.selection.budgets import check_full_attention_model
 from kvjax.selection.token_choice import gather_tokens
 
@@ -54,6 +58,62 @@ class SelectedLayerCache:
       gather_tokens(keys, indices), gather_tokens(values, indices), None, kept_lengths
     )
     return dataclasses.replace(self, storage=storage)
+
+  @property
+  def chunked_prefill_refusal(self) -> str | None:
+    """Why this cache cannot take a prompt in chunks (kvjax.chunked_prefill), or None."""
+    if not hasattr(self.selector, "kept_indices_of_candidates"):
+      return (
+        f"{type(self.selector).__qualname__} scores the whole prompt at once (for H2O chunk "
+        "by chunk, use h2o_decode, which accumulates its scores)"
+      )
+    if not isinstance(self.storage, DenseLayerCache):
+      return (
+        f"its kept tokens are stored in {type(self.storage).__qualname__}; chunk by chunk, the "
+        "held tokens compete again with each chunk's, which needs them in full precision "
+        "(storage full)"
+      )
+    return None
+
+  def ingest_chunk(self, keys, values, queries, counts):
+    """Chunked prefill: the held tokens and the chunk's first `counts[b]` compete for the
+    budget (the selector's `kept_indices_of_candidates`), and the kept ones are stored."""
+    refusal = self.chunked_prefill_refusal
+    if refusal is not None:
+      raise ValueError(f"chunked prefill: {refusal}")
+    held = self.storage
+    chunk = keys.shape[2]
+    candidates = held.capacity + chunk
+    slots = slots_after_lengths(held.lengths, counts, chunk, candidates)
+
+    def after_held(stored, new):  # [b, h, capacity, ...] + chunk -> [b, h, candidates, ...]
+      padded = jnp.pad(stored, ((0, 0), (0, 0), (0, chunk)) + ((0, 0),) * (stored.ndim - 3))
+      return write_tokens_at_lengths(padded, new, slots)
+
+    batch, kv_heads, group, _, head_dim = queries.shape
+    # Held tokens have no queries any more: zeros there, never read (`first_query`).
+    no_queries = jnp.zeros((batch, kv_heads * group, held.capacity, head_dim), queries.dtype)
+    candidate_queries = rearrange(
+      after_held(no_queries, rearrange(queries, "b h g c d -> b (h g) c d")),
+      "b (h g) t d -> b h g t d",
+      g=group,
+    )
+    candidate_keys = after_held(held.keys, keys)
+    candidate_values = after_held(held.values, values)
+    totals = held.lengths + counts
+    indices, kept_lengths = self.selector.kept_indices_of_candidates(
+      candidate_keys, candidate_queries, totals, held.lengths
+    )
+    storage = held.ingest(
+      gather_tokens(candidate_keys, indices),
+      gather_tokens(candidate_values, indices),
+      None,
+      kept_lengths,
+    )
+    return dataclasses.replace(self, storage=storage)
+
+  def attend_chunk(self, queries, *, sm_scale):
+    return self.storage.attend_chunk(queries, sm_scale=sm_scale)
 
   def append(self, keys, values):
     return dataclasses.replace(self, storage=self.storage.append(keys, values))

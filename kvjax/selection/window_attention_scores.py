@@ -15,18 +15,20 @@ def observation_window_attention(
   *,
   window: int,
   sm_scale: float,
+  first_query: jax.Array | None = None,  # int32 [batch]: no queries before this position
 ) -> jax.Array:  # float32 [batch, kv_heads, group, prompt]
   """Attention the last `window` queries of each row pay to every key, summed over those queries.
 
   Only `[window, prompt]` scores per head exist (SnapKV's observation window): query i of the
   window sits at position lengths[b] - window + i, sees keys j <= its position (causal inside
   the window, padding keys never), softmax in float32. A row shorter than the window uses the
-  queries it has.
+  queries it has; so does a row whose queries start at `first_query` (chunked prefill: tokens
+  held from earlier chunks have keys but no queries left).
   """
   prompt_len = keys.shape[2]
   window = min(window, prompt_len)
   query_positions = lengths[:, None] + (jnp.arange(window) - window)[None, :]  # [batch, window]
-  query_exists = query_positions >= 0
+  query_exists = query_positions >= (0 if first_query is None else first_query[:, None])
   gather_at = jnp.clip(query_positions, 0, prompt_len - 1)
   window_queries = jnp.take_along_axis(
     queries, gather_at[:, None, None, :, None], axis=3

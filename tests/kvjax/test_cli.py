@@ -33,6 +33,11 @@ def test_generate_json_on_the_embedded_model(capsys):
     (["compare", "--tasks", "ppl,bleu"], "allowed: ppl,kl"),
     (["compare", "--text", "/nonexistent/file.txt", "--methods", "full"], "cannot read"),
     (["compare", "--layer-loop", "while"], "invalid choice: 'while'"),
+    (["compare", "--methods", "full", "--prefill-chunk", "0"], "prefill_chunk=0 must be"),
+    (
+      ["compare", "--methods", "full", "h2o:budget=32,window=4", "--prefill-chunk", "16"],
+      "cache method 'h2o' cannot prefill in chunks",
+    ),
   ],
 )
 def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
@@ -69,3 +74,19 @@ def test_compare_on_the_embedded_model_with_scanned_layers(tmp_path, capsys):
   assert [r["method"] for r in records] == ["full", kivi]
   assert records[0]["kl"] == 0.0 and records[1]["kl"] > 1e-4
   assert all(r["decode_tokens_per_s"] > 0 and r["speed_batch"] == 1 for r in records)
+
+
+def test_compare_with_the_context_prefilled_in_chunks(tmp_path, capsys):
+  """--prefill-chunk reaches the prefill: the full cache scores the continuation as in one
+  piece (up to its bf16 rounding of earlier chunks), and the header says so."""
+  argv = ["compare", "--methods", "full", "kivi:bits=4,residual=32", "--tasks", "ppl"]
+  argv += ["--context-len", "64", "--continuation-len", "8"]
+  assert main(argv + ["--out", str(tmp_path / "one_piece")]) == 0
+  assert main(argv + ["--out", str(tmp_path / "chunks"), "--prefill-chunk", "16"]) == 0
+  assert "prefill in chunks of 16" in capsys.readouterr().out
+  one_piece, chunks = (
+    json.loads((tmp_path / name / "results.json").read_text()) for name in ("one_piece", "chunks")
+  )
+  assert chunks[0]["method"] == "full"
+  assert chunks[0]["ppl"] == pytest.approx(one_piece[0]["ppl"], rel=2e-3)
+  assert chunks[1]["cache_bytes"] == one_piece[1]["cache_bytes"]

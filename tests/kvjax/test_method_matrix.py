@@ -1,17 +1,19 @@
 """The shared matrix every cache method runs through (kvpress style), on a tiny random model.
 
 Each registered method must: run under `generate` (jit + while_loop) for a batch of prompts of
-different lengths; report bytes that are exactly its arrays' bytes and (when it compresses)
-fewer than the full cache's; score a continuation through its cache with a finite, non-negative
-KL to the full cache; and near-lossless configurations must stay near the full cache.
+different lengths, with the prompt in one piece and in chunks (or refuse chunks clearly); report
+bytes that are exactly its arrays' bytes and (when it compresses) fewer than the full cache's;
+score a continuation through its cache with a finite, non-negative KL to the full cache; and
+near-lossless configurations must stay near the full cache.
 """
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.cache_protocol import model_cache_nbytes, tree_nbytes
+from kvjax.cache_protocol import model_cache_nbytes, model_cache_shapes, tree_nbytes
 from kvjax.cache_room import rows_room
+from kvjax.chunked_prefill import CHUNKED_PREFILL_METHODS, chunked_prefill_refusal
 from kvjax.eval.cache_size import cache_bytes_after_context
 from kvjax.eval.continuation import score_continuation
 from kvjax.generate import generate, prefill
@@ -121,3 +123,37 @@ def test_method(name, spec, kl_bound, profile_path, full_scores):
   if kl_bound is not None:
     assert kl <= kl_bound, f"{spec}: KL {kl} to the full cache exceeds {kl_bound}"
   assert np.all(np.isfinite(scores.logprobs))
+
+
+@pytest.mark.parametrize(
+  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+)
+def test_method_in_chunks(name, spec, kl_bound, profile_path):
+  """A method either prefills in chunks (same cache bytes; a lossless configuration the same
+  tokens) or refuses before anything runs, naming prefill_chunk."""
+  decoder, params = tiny_decoder()
+  method = parse_method_spec(spec.format(profile=profile_path))
+  run = lambda chunk: generate(
+    decoder,
+    params,
+    PROMPTS,
+    max_new_tokens=5,
+    cache_method=method,
+    cache_dtype=jnp.float32,
+    prefill_chunk=chunk,
+  )
+  caches = model_cache_shapes(
+    method, decoder.cache_shape, batch=2, prompt_len=40, max_new_tokens=5, dtype=jnp.float32
+  )
+  refusal = chunked_prefill_refusal(decoder, caches)
+  if refusal is not None:
+    assert name not in CHUNKED_PREFILL_METHODS or "+" in spec
+    with pytest.raises(ValueError, match="prefill_chunk=8: cache method"):
+      run(8)
+    return
+  assert name in CHUNKED_PREFILL_METHODS
+  one_piece, chunked = run(None), run(8)
+  assert chunked.tokens.shape == (2, 5) and np.all((chunked.tokens >= 0) & (chunked.tokens < 64))
+  assert chunked.cache_bytes == one_piece.cache_bytes
+  if kl_bound is not None and kl_bound <= 1e-6:
+    assert chunked.token_lists() == one_piece.token_lists()

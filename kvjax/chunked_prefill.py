@@ -1,0 +1,119 @@
+"""Chunked prefill: a prompt fed `chunk` tokens at a time, compressed as it arrives.
+
+A one-piece prefill holds every prompt token's activations at once (the MLP's alone are
+[batch, prompt, intermediate]), and a selection method sees the full-precision K/V of a whole
+layer before choosing. Fed in chunks, each chunk's queries attend over what the cache holds
+(`attend_chunk`) and causally over the chunk itself, then the cache absorbs the chunk
+(`ingest_chunk`), compressing it as it would any new tokens. Peak activation memory follows the
+chunk, not the prompt; the chunks run in one `lax.scan` inside jit (one compiled chunk step).
+
+What each method does with a chunk (the semantics differ from a one-piece prefill, and the
+quality difference is measured, README "Chunked prefill"):
+  - full: the chunk is stored; attention is exact, as in one piece. A sliding-window model's
+    ring buffer keeps the last `window` tokens and each query sees only its window.
+  - kivi, gear: whole blocks of `residual`/`block` tokens are quantized as they fill (the codes
+    a one-piece ingest makes); later chunks attend over the quantized earlier ones.
+  - streaming: sinks + the most recent `window` tokens; a chunk's queries see the held ones and
+    the chunk's own earlier tokens.
+  - snapkv, pyramidkv: after each chunk the held tokens and the chunk compete for the budget:
+    attention of the chunk's last `window` queries (pooled along held-then-chunk order) picks
+    the top tokens, and the last `window` tokens are kept. A prompt in one chunk is a plain
+    SnapKV prefill.
+  - h2o_decode: every chunk query's attention is added to the scores of the tokens it sees
+    (H2O's accumulation), then the lowest-scoring tokens outside the recent window go.
+Other methods (h2o's one-shot scores over the whole prompt, razor's per-head compensation
+token, selections stored with a codec) refuse, before anything is traced.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.layer_runs import arrange_like, flatten_layer_caches
+
+# Cache methods whose layer caches take a prompt in chunks (selections with `full` storage).
+CHUNKED_PREFILL_METHODS = ("full", "kivi", "gear", "streaming", "snapkv", "pyramidkv", "h2o_decode")
+
+
+def check_prefill_chunk(prefill_chunk) -> None:
+  if prefill_chunk is None:
+    return
+  if not isinstance(prefill_chunk, (int, np.integer)) or isinstance(prefill_chunk, bool):
+    raise ValueError(
+      f"prefill_chunk={prefill_chunk!r} must be None (the prompt in one piece) or an int >= 1 "
+      "(prompt tokens fed per chunk)"
+    )
+  if prefill_chunk < 1:
+    raise ValueError(
+      f"prefill_chunk={prefill_chunk} must be None (the prompt in one piece) or an int >= 1"
+    )
+
+
+def chunked_prefill_refusal(decoder, caches) -> str | None:
+  """Why `decoder` with these layer caches (arrays or shape structs) cannot prefill in chunks,
+  or None."""
+  if not callable(getattr(decoder, "prefill_chunk", None)):
+    return (
+      f"the decoder {type(decoder).__qualname__} has no prefill_chunk(params, tokens, start, "
+      "lengths, caches) (kvjax.decoder_protocol)"
+    )
+  for index, cache in enumerate(flatten_layer_caches(caches)):
+    refusal = getattr(cache, "chunked_prefill_refusal", None)
+    if refusal is None and not hasattr(cache, "ingest_chunk"):
+      refusal = f"its {type(cache).__qualname__} cannot take a prompt in chunks"
+    if refusal:
+      return f"layer {index}: {refusal}"
+  return None
+
+
+def check_chunked_prefill(decoder, caches, prefill_chunk, *, method_name: str = "") -> None:
+  """ValueError when `prefill_chunk` is set and the decoder or a layer cache cannot take it."""
+  check_prefill_chunk(prefill_chunk)
+  if prefill_chunk is None:
+    return
+  refusal = chunked_prefill_refusal(decoder, caches)
+  if refusal is not None:
+    method = f"cache method {method_name!r}" if method_name else "this cache method"
+    raise ValueError(
+      f"prefill_chunk={prefill_chunk}: {method} cannot prefill in chunks ({refusal}); "
+      f"methods that can: {', '.join(CHUNKED_PREFILL_METHODS)} (selections with full "
+      "storage); or prefill_chunk=None"
+    )
+
+
+def prefill_in_chunks(
+  decoder,
+  params,
+  tokens: jax.Array,  # int32 [batch, prompt], right-padded
+  lengths: jax.Array,  # int32 [batch]
+  caches: tuple,  # freshly allocated
+  *,
+  chunk: int,
+) -> tuple[jax.Array, tuple]:  # (logits at each row's last prompt token [batch, vocab], caches)
+  """The prompt fed `chunk` tokens at a time (traceable; see the module docstring)."""
+  batch, prompt_len = tokens.shape
+  chunk = min(int(chunk), prompt_len)
+  num_chunks = -(-prompt_len // chunk)
+  padded = jnp.pad(tokens, ((0, 0), (0, num_chunks * chunk - prompt_len)))
+  lengths = lengths.astype(jnp.int32)
+  last_chunk = (lengths - 1) // chunk  # the chunk holding each row's last prompt token
+
+  def run_chunk(caches, index):
+    start = (index * chunk).astype(jnp.int32)
+    piece = jax.lax.dynamic_slice_in_dim(padded, start, chunk, axis=1)
+    return decoder.prefill_chunk(params, piece, start, lengths, caches)
+
+  # Every chunk runs in one scan (one compiled chunk step; fresh caches are not constants
+  # there, which XLA would otherwise fold through the first chunk), so the carry starts in
+  # the arrangement the decoder returns (stacked runs of look-alike layers).
+  logits, returned = jax.eval_shape(run_chunk, caches, jnp.int32(0))
+  carry = (jnp.zeros(logits.shape, logits.dtype), arrange_like(caches, returned))
+
+  def step(carry, index):
+    logits, caches = carry
+    new_logits, caches = run_chunk(caches, index)
+    logits = jnp.where((last_chunk == index)[:, None], new_logits, logits)
+    return (logits, caches), None
+
+  (logits, caches), _ = jax.lax.scan(step, carry, jnp.arange(num_chunks, dtype=jnp.int32))
+  return logits, caches

@@ -1,0 +1,477 @@
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.cache_protocol import ModelCacheShape, append_and_attend, model_cache_shapes
+from kvjax.chunked_prefill import CHUNKED_PREFILL_METHODS, chunked_prefill_refusal
+from kvjax.compressed_context import compress_context, continue_context
+from kvjax.dense_cache import FullCache
+from kvjax.gear_cache import Gear
+from kvjax.generate import generate, prefill
+from kvjax.h2o_decode import H2ODecode
+from kvjax.kivi_cache import Kivi
+from kvjax.method_registry import METHODS
+from kvjax.method_spec import parse_method_spec
+from kvjax.pyramidkv import PyramidKV
+from kvjax.snapkv import SnapKV
+from kvjax.streaming_llm import StreamingLLM
+from tests.kvjax.test_snapkv import numpy_pool, numpy_reduce, numpy_top_and_window, softmax
+from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
+
+B, H, D, T = 3, 2, 16, 77
+LENGTHS = np.array([77, 50, 9], np.int32)
+TOKENS = np.random.default_rng(0).integers(1, 64, (B, 70)).astype(np.int32)
+TOKEN_LENGTHS = np.array([70, 45, 13], np.int32)
+
+
+def random_qkv(seed, group=2, head_dim=D):
+  rng = np.random.default_rng(seed)
+  return (
+    rng.normal(size=(B, H, group, T, head_dim)).astype(np.float32),
+    rng.normal(size=(B, H, T, head_dim)).astype(np.float32),
+    rng.normal(size=(B, H, T, head_dim)).astype(np.float32),
+  )
+
+
+def feed_in_chunks(cache, queries, keys, values, chunk, lengths=LENGTHS):
+  """`ingest_chunk` over the prompt, `chunk` positions at a time (the last chunk padded)."""
+  step = jax.jit(lambda c, k, v, q, n: c.ingest_chunk(k, v, q, n))
+  padded_len = -(-keys.shape[2] // chunk) * chunk
+
+  def pad(x, axis):
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, padded_len - x.shape[axis])
+    return jnp.pad(jnp.asarray(x), widths)
+
+  keys, values, queries = pad(keys, 2), pad(values, 2), pad(queries, 3)
+  for start in range(0, padded_len, chunk):
+    counts = jnp.asarray(np.clip(lengths - start, 0, chunk), jnp.int32)
+    piece = slice(start, start + chunk)
+    cache = step(cache, keys[:, :, piece], values[:, :, piece], queries[:, :, :, piece], counts)
+  return cache
+
+
+def allocate(method, group=2, head_dim=D, max_new_tokens=4, dtype=jnp.float32):
+  shape = ModelCacheShape(
+    num_layers=1, num_kv_heads=H, num_query_heads=H * group, head_dim=head_dim
+  )
+  return method.allocate(
+    shape, 0, batch=B, prompt_len=T, max_new_tokens=max_new_tokens, dtype=dtype
+  )
+
+
+def assert_trees_equal(a, b, float_atol=0.0):
+  """Integer leaves (codes, indices, lengths) equal; float leaves within `float_atol`."""
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(leaves_a) == len(leaves_b)
+  for x, y in zip(leaves_a, leaves_b, strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    if np.issubdtype(x.dtype, np.integer) or not float_atol:
+      np.testing.assert_array_equal(x, y)
+    else:
+      np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), atol=float_atol)
+
+
+def run_prefill(method, chunk, decoder_params=None, tokens=TOKENS, lengths=TOKEN_LENGTHS):
+  decoder, params = decoder_params or tiny_decoder()
+  return prefill(
+    decoder,
+    params,
+    jnp.asarray(tokens),
+    jnp.asarray(lengths),
+    cache_method=method,
+    max_new_tokens=5,
+    cache_dtype=jnp.float32,
+    prefill_chunk=chunk,
+  )
+
+
+# --- the full cache: chunks change nothing -------------------------------------------------
+
+
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+@pytest.mark.parametrize("chunk", [1, 8, 33, 70, 128])
+def test_full_cache_in_chunks_gives_the_one_piece_logits_and_cache(layer_loop, chunk):
+  decoder_params = tiny_decoder(layer_loop=layer_loop)
+  logits, caches = run_prefill(FullCache(), None, decoder_params)
+  chunk_logits, chunk_caches = run_prefill(FullCache(), chunk, decoder_params)
+  np.testing.assert_allclose(chunk_logits, logits, atol=2e-5)
+  assert jax.tree.structure(chunk_caches) == jax.tree.structure(caches)
+  for a, b in zip(jax.tree.leaves(chunk_caches), jax.tree.leaves(caches), strict=True):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+@pytest.mark.parametrize("chunk", [4, 16, 20, 70])
+def test_sliding_window_model_in_chunks_attends_within_its_window(chunk):
+  """Mistral-style: the ring buffer holds the window, each chunk query sees only its window."""
+  decoder_params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, sliding_window=16))
+  logits, caches = run_prefill(FullCache(), None, decoder_params)
+  assert type(caches[0]).__name__ == "SlidingWindowLayerCache"
+  chunk_logits, chunk_caches = run_prefill(FullCache(), chunk, decoder_params)
+  np.testing.assert_allclose(chunk_logits, logits, atol=2e-5)
+  for a, b in zip(jax.tree.leaves(chunk_caches), jax.tree.leaves(caches), strict=True):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_generate_in_chunks_gives_the_full_caches_tokens():
+  decoder, params = tiny_decoder()
+  prompts = [list(TOKENS[0, :61]), list(TOKENS[1, :17])]
+  one_piece = generate(decoder, params, prompts, max_new_tokens=12, cache_dtype=jnp.float32)
+  chunked = generate(
+    decoder, params, prompts, max_new_tokens=12, cache_dtype=jnp.float32, prefill_chunk=16
+  )
+  assert chunked.token_lists() == one_piece.token_lists()
+  assert chunked.cache_bytes == one_piece.cache_bytes
+
+
+# --- codecs and windows: the cache a one-piece ingest makes --------------------------------
+
+
+@pytest.mark.parametrize(
+  "method",
+  [
+    Kivi(bits=2, group_size=16, residual=32),
+    Kivi(bits=4, group_size=16, residual=128),  # T < residual: never flushes
+    Gear(bits=4, group_size=16, block=32),
+  ],
+  ids=["kivi2", "kivi4-no-flush", "gear4"],
+)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("chunk", [5, 16, 32, 40, 77])
+def test_quantized_cache_fed_in_chunks_holds_the_one_piece_codes(method, dtype, chunk):
+  queries, keys, values = random_qkv(1)
+  cache = allocate(method, dtype=dtype)
+  expected = cache.ingest(jnp.asarray(keys), jnp.asarray(values), None, jnp.asarray(LENGTHS))
+  # GEAR's low-rank factors come from float matmuls over however many blocks are encoded
+  # together, so they may differ in the last bits; codes, outlier indices and scales may not.
+  float_atol = 1e-5 if isinstance(method, Gear) and dtype == jnp.float32 else 0.0
+  assert_trees_equal(feed_in_chunks(cache, queries, keys, values, chunk), expected, float_atol)
+
+
+@pytest.mark.parametrize("sinks", [4, 0])
+@pytest.mark.parametrize("chunk", [1, 5, 16, 40, 77])
+def test_streaming_cache_fed_in_chunks_holds_the_sinks_and_the_last_window(sinks, chunk):
+  queries, keys, values = random_qkv(2)
+  cache = allocate(StreamingLLM(budget=20, sinks=sinks))
+  expected = cache.ingest(jnp.asarray(keys), jnp.asarray(values), None, jnp.asarray(LENGTHS))
+  assert_trees_equal(feed_in_chunks(cache, queries, keys, values, chunk), expected)
+
+
+@pytest.mark.parametrize(
+  "method",
+  [Kivi(bits=2, group_size=16, residual=16), StreamingLLM(budget=24, sinks=4)],
+  ids=["kivi", "streaming"],
+)
+def test_chunk_attention_over_held_tokens_equals_attention_over_their_dequantized_keys(method):
+  """attend_chunk: each chunk query, at every position, over what the cache holds."""
+  queries, keys, values = random_qkv(3)
+  cache = feed_in_chunks(allocate(method), queries, keys, values, 16)
+  chunk_queries = jnp.asarray(random_qkv(4)[0][:, :, :, :8])
+  out, lse = cache.attend_chunk(chunk_queries, sm_scale=D**-0.5)
+  for i in range(8):
+    expected = cache.attend(chunk_queries[:, :, :, i], sm_scale=D**-0.5)
+    np.testing.assert_allclose(out[:, :, :, i], expected, atol=2e-5)
+  assert np.all(np.isfinite(np.asarray(lse)))
+
+
+# --- SnapKV / PyramidKV: held tokens and each chunk compete for the budget -----------------
+
+
+def numpy_chunked_snapkv(queries, keys, chunk, *, budget, window, kernel, pooling, gqa_reduce):
+  """Chunked SnapKV, row by row and head by head, with Python lists: held positions."""
+  held = {}
+  for b, length in enumerate(LENGTHS):
+    for h in range(H):
+      kept = []
+      for start in range(0, length, chunk):
+        candidates = kept + list(range(start, min(start + chunk, length)))
+        total, count = len(candidates), min(chunk, length - start)
+        if total <= budget:
+          kept = candidates
+          continue
+        k = keys[b, h, candidates].astype(np.float64)
+        per_query_head = []
+        for g in range(queries.shape[2]):
+          summed = np.zeros(total)
+          for i in range(max(0, count - window), count):  # the chunk's observation queries
+            visible = total - count + i + 1
+            logits = k[:visible] @ queries[b, h, g, start + i].astype(np.float64) / np.sqrt(D)
+            summed[:visible] += softmax(logits[None])[0]
+          per_query_head.append(numpy_pool(summed[: total - window], kernel, pooling))
+        score = numpy_reduce(np.stack(per_query_head), gqa_reduce)
+        chosen = numpy_top_and_window(score, total, budget, window)
+        kept = [candidates[j] for j in chosen]
+      held[b, h] = kept
+  return held
+
+
+@pytest.mark.parametrize(
+  "chunk, budget, window, kernel, pooling, gqa_reduce",
+  [
+    (16, 24, 8, 7, "max", "mean"),
+    (10, 20, 4, 3, "avg", "max"),
+    (5, 30, 8, 5, "max", "sum"),  # chunks shorter than the window
+    (32, 12, 4, 1, "avg", "mean"),
+  ],
+)
+def test_snapkv_in_chunks_keeps_what_the_numpy_chunked_rule_keeps(
+  chunk, budget, window, kernel, pooling, gqa_reduce
+):
+  queries, keys, values = random_qkv(5)
+  # Positions as values: what the cache holds says which tokens it kept.
+  positions = np.broadcast_to(np.arange(T, dtype=np.float32)[:, None], (B, H, T, D)).copy()
+  method = SnapKV(
+    budget=budget, window=window, kernel=kernel, pooling=pooling, gqa_reduce=gqa_reduce
+  )
+  cache = feed_in_chunks(allocate(method), queries, keys, positions, chunk)
+  expected = numpy_chunked_snapkv(
+    queries,
+    keys,
+    chunk,
+    budget=budget,
+    window=window,
+    kernel=kernel,
+    pooling=pooling,
+    gqa_reduce=gqa_reduce,
+  )
+  held = np.asarray(cache.storage.values[..., 0]).astype(int)
+  for b, length in enumerate(LENGTHS):
+    assert int(cache.lengths[b]) == min(budget, length)
+    for h in range(H):
+      assert held[b, h, : int(cache.lengths[b])].tolist() == expected[b, h], (b, h)
+      np.testing.assert_array_equal(
+        cache.storage.keys[b, h, : int(cache.lengths[b])], keys[b, h, expected[b, h]]
+      )
+
+
+@pytest.mark.parametrize(
+  "method",
+  [SnapKV(budget=24, window=8, kernel=3), PyramidKV(budget=24, window=4), H2ODecode(budget=24)],
+  ids=["snapkv", "pyramidkv", "h2o_decode"],
+)
+@pytest.mark.parametrize("chunk", [70, 128])
+def test_a_prompt_in_one_chunk_is_the_one_piece_prefill(method, chunk):
+  logits, caches = run_prefill(method, None)
+  chunk_logits, chunk_caches = run_prefill(method, chunk)
+  np.testing.assert_allclose(chunk_logits, logits, atol=2e-5)
+  for a, b in zip(jax.tree.leaves(chunk_caches), jax.tree.leaves(caches), strict=True):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_selection_in_chunks_keeps_the_budget_and_changes_the_choice():
+  method = SnapKV(budget=24, window=8, kernel=3)
+  _, caches = run_prefill(method, None)
+  _, chunk_caches = run_prefill(method, 16)
+  for cache, chunk_cache in zip(caches, chunk_caches, strict=True):
+    assert chunk_cache.nbytes == cache.nbytes
+    np.testing.assert_array_equal(chunk_cache.lengths, np.minimum(TOKEN_LENGTHS, 24))
+  # Layer 0's K/V do not depend on attention: the chunked choice of it differs from the
+  # one-piece one (earlier chunks were chosen by their own windows), yet keeps the last 8.
+  assert not np.array_equal(chunk_caches[0].storage.keys, caches[0].storage.keys)
+  np.testing.assert_allclose(
+    chunk_caches[0].storage.keys[0, :, 16:24], caches[0].storage.keys[0, :, 16:24], atol=1e-5
+  )
+
+
+# --- h2o_decode: scores accumulate over chunks ----------------------------------------------
+
+
+def numpy_chunked_h2o(queries, keys, chunk, *, slots, window, gqa_reduce):
+  """H2O over chunks with Python lists: {(b, h): {held position: accumulated score}}."""
+  held_scores = {}
+  for b, length in enumerate(LENGTHS):
+    for h in range(H):
+      held = []  # dicts: position, score
+      for start in range(0, length, chunk):
+        count = min(chunk, length - start)
+        held += [dict(position=start + j, score=0.0) for j in range(count)]
+        k = keys[b, h, [t["position"] for t in held]].astype(np.float64)
+        received = np.zeros((queries.shape[2], len(held)))
+        for i in range(count):
+          visible = len(held) - count + i + 1
+          q = queries[b, h, :, start + i].astype(np.float64)  # [G, D]
+          received[:, :visible] += softmax(q @ k[:visible].T / np.sqrt(D))
+        for token, extra in zip(held, numpy_reduce(received, gqa_reduce), strict=True):
+          token["score"] += extra
+        if len(held) > slots:
+          seen = start + count
+          recent = [i for i, t in enumerate(held) if t["position"] >= seen - window]
+          older = [i for i, t in enumerate(held) if t["position"] < seen - window]
+          older = sorted(older, key=lambda i: -held[i]["score"])  # stable: earlier first
+          keep = sorted(recent + older[: slots - len(recent)])
+          held = [held[i] for i in keep]
+      held_scores[b, h] = {t["position"]: t["score"] for t in held}
+  return held_scores
+
+
+@pytest.mark.parametrize(
+  "chunk, budget, window, gqa_reduce",
+  [(16, 20, 6, "mean"), (7, 12, 4, "max"), (1, 10, 3, "sum"), (40, 30, 10, "mean")],
+)
+def test_h2o_decode_in_chunks_accumulates_what_the_numpy_chunked_rule_does(
+  chunk, budget, window, gqa_reduce
+):
+  queries, keys, values = random_qkv(6, group=3)
+  method = H2ODecode(budget=budget, window=window, gqa_reduce=gqa_reduce)
+  cache = feed_in_chunks(allocate(method, group=3), queries, keys, values, chunk)
+  expected = numpy_chunked_h2o(
+    queries, keys, chunk, slots=cache.slots, window=window, gqa_reduce=gqa_reduce
+  )
+  for b, length in enumerate(LENGTHS):
+    held = int(cache.lengths[b])
+    assert held == min(budget, length) and int(cache.seen[b]) == length
+    for h in range(H):
+      positions = np.asarray(cache.positions[b, h, :held]).tolist()
+      assert sorted(positions) == sorted(expected[b, h]), (b, h)
+      for position, score in zip(positions, np.asarray(cache.scores[b, h, :held])):
+        np.testing.assert_allclose(score, expected[b, h][position], rtol=1e-5, atol=1e-6)
+      np.testing.assert_array_equal(cache.keys[b, h, :held], keys[b, h, positions])
+
+
+def test_h2o_decode_in_chunks_of_one_is_h2o_decoding_token_by_token():
+  queries, keys, values = random_qkv(7)
+  method = H2ODecode(budget=12, window=4)
+  first = lambda x, axis: jnp.asarray(x).take(jnp.arange(1), axis=axis)
+  stepped = allocate(method).ingest(
+    first(keys, 2), first(values, 2), first(queries, 3), jnp.ones((B,), jnp.int32)
+  )
+  step = jax.jit(lambda c, k, v, q: append_and_attend(c, k, v, q, sm_scale=D**-0.5)[1])
+  # Only rows still in their prompt step (a batch steps together): the longest row here.
+  lengths = np.array([T, T, T], np.int32)
+  chunked = feed_in_chunks(allocate(method), queries, keys, values, 1, lengths=lengths)
+  for s in range(1, T):
+    stepped = step(stepped, keys[:, :, s], values[:, :, s], queries[:, :, :, s])
+  # A decode step puts the new token in the evicted slot; a chunk keeps its slots compact.
+  by_position = lambda cache: np.argsort(np.asarray(cache.positions), axis=-1)
+  for field in ("positions", "scores", "keys", "values"):
+    a, b = np.asarray(getattr(chunked, field)), np.asarray(getattr(stepped, field))
+    a = np.take_along_axis(a, by_position(chunked).reshape(*a.shape[:3], *[1] * (a.ndim - 3)), 2)
+    b = np.take_along_axis(b, by_position(stepped).reshape(*b.shape[:3], *[1] * (b.ndim - 3)), 2)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=field)
+
+
+# --- refusals, and the list of methods that can -------------------------------------------
+
+
+def test_the_listed_methods_prefill_in_chunks_and_the_others_refuse():
+  decoder, _ = tiny_decoder()
+  for name in METHODS:
+    spec = name if name != "razor" else None
+    if spec is None:
+      continue  # razor needs a head profile; refused below
+    caches = model_cache_shapes(
+      parse_method_spec(spec),
+      # Every method's defaults apply at head_dim 64 (the tiny model's 16 is below KIVI's
+      # default group).
+      dataclasses.replace(decoder.cache_shape, head_dim=64),
+      batch=1,
+      prompt_len=2048,
+      max_new_tokens=4,
+      dtype=jnp.float32,
+    )
+    refusal = chunked_prefill_refusal(decoder, caches)
+    assert (refusal is None) == (name in CHUNKED_PREFILL_METHODS), (name, refusal)
+
+
+@pytest.mark.parametrize(
+  "method, message",
+  [
+    ("h2o:budget=16,window=4", "scores the whole prompt at once"),
+    ("snapkv:budget=16,window=4+kivi:bits=4,group_size=16,residual=16", "storage full"),
+    ("streaming:budget=16,positions=in_cache,rope_theta=10000.0", "positions=original"),
+  ],
+)
+def test_methods_that_cannot_prefill_in_chunks_refuse_before_anything_runs(method, message):
+  decoder, params = tiny_decoder()
+  with pytest.raises(ValueError, match=message) as error:
+    generate(
+      decoder,
+      params,
+      [[1, 2, 3] * 10],
+      max_new_tokens=3,
+      cache_method=parse_method_spec(method),
+      prefill_chunk=8,
+    )
+  assert "prefill_chunk=8" in str(error.value)
+  assert ", ".join(CHUNKED_PREFILL_METHODS) in str(error.value)
+
+
+def test_razor_refuses_to_prefill_in_chunks(profile_path):
+  decoder, params = tiny_decoder()
+  method = parse_method_spec(f"razor:budget=12,sinks=2,profile={profile_path}")
+  with pytest.raises(ValueError, match="cannot prefill in chunks"):
+    generate(
+      decoder, params, [[1, 2, 3] * 10], max_new_tokens=3, cache_method=method, prefill_chunk=8
+    )
+
+
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True, "16"])
+def test_bad_prefill_chunk_values_are_refused(bad):
+  decoder, params = tiny_decoder()
+  with pytest.raises(ValueError, match="prefill_chunk=.* must be None .* or an int >= 1"):
+    generate(decoder, params, [[1, 2, 3]], max_new_tokens=2, prefill_chunk=bad)
+
+
+def test_a_decoder_without_prefill_chunk_is_refused():
+  decoder, params = tiny_decoder()
+
+  @dataclasses.dataclass(frozen=True)
+  class OnePieceDecoder:
+    cache_shape: ModelCacheShape
+
+    def prefill(self, params, tokens, lengths, caches):
+      return decoder.prefill(params, tokens, lengths, caches)
+
+    def decode_step(self, params, tokens, positions, caches):
+      return decoder.decode_step(params, tokens, positions, caches)
+
+  with pytest.raises(ValueError, match="has no prefill_chunk"):
+    generate(
+      OnePieceDecoder(decoder.cache_shape), params, [[1, 2]], max_new_tokens=2, prefill_chunk=4
+    )
+
+
+# --- what chunking is for: the prefill's working memory follows the chunk -------------------
+
+
+def test_chunked_prefill_needs_less_working_memory_than_one_piece():
+  """XLA's own accounting of the compiled prefill's temporary buffers (CPU)."""
+  decoder, params = tiny_decoder()
+  tokens = jnp.zeros((2, 512), jnp.int32)
+  lengths = jnp.full((2,), 512, jnp.int32)
+
+  def temp_bytes(method, chunk):
+    compiled = prefill.lower(
+      decoder,
+      params,
+      tokens,
+      lengths,
+      cache_method=method,
+      max_new_tokens=8,
+      cache_dtype=jnp.float32,
+      prefill_chunk=chunk,
+    ).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  for method in (FullCache(), Kivi(bits=2, group_size=16, residual=32)):
+    assert temp_bytes(method, 32) < temp_bytes(method, None) / 2, method
+
+
+# --- contexts in chunks -----------------------------------------------------------------------
+
+
+def test_a_context_compressed_in_chunks_answers_like_one_compressed_in_one_piece():
+  decoder, params = tiny_decoder()
+  prompts = [list(TOKENS[0, :61]), list(TOKENS[1, :17])]
+  kwargs = dict(cache_method=Kivi(bits=4, group_size=16, residual=16), room=12)
+  one_piece = compress_context(decoder, params, prompts, **kwargs)
+  chunked = compress_context(decoder, params, prompts, prefill_chunk=16, **kwargs)
+  assert jax.tree.structure(chunked) == jax.tree.structure(one_piece)
+  assert chunked.cache_bytes == one_piece.cache_bytes
+  # Quantized earlier chunks change later chunks' attention a little: close, not equal.
+  np.testing.assert_allclose(chunked.next_logits, one_piece.next_logits, atol=0.5)
+  answer, count = continue_context(decoder, params, chunked, [[5, 6], [7]], max_new_tokens=4)
+  assert answer.shape == (2, 4) and count.tolist() == [4, 4]
