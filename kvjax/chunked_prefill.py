@@ -18,20 +18,22 @@ quality difference is measured, README "Chunked prefill"):
   - snapkv, pyramidkv: after each chunk the held tokens and the chunk compete for the budget:
     attention of the chunk's last `window` queries (pooled along held-then-chunk order) picks
     the top tokens, and the last `window` tokens are kept. A prompt in one chunk is a plain
-    SnapKV prefill.
+    SnapKV prefill. With a codec storage (`snapkv+kivi`) the candidates wait in a
+    full-precision scratch of `budget` tokens and are encoded once, after the last chunk.
   - h2o_decode: every chunk query's attention is added to the scores of the tokens it sees
     (H2O's accumulation), then the lowest-scoring tokens outside the recent window go.
 Other methods (h2o's one-shot scores over the whole prompt, razor's per-head compensation
-token, selections stored with a codec) refuse, before anything is traced.
+token) refuse, before anything is traced. A layer cache may have `begin_chunks()` and
+`end_chunks()`, called before the first chunk and after the last.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.layer_runs import arrange_like, flatten_layer_caches
+from kvjax.layer_runs import StackedLayerCaches, arrange_like, flatten_layer_caches
 
-# Cache methods whose layer caches take a prompt in chunks (selections with `full` storage).
+# Cache methods whose layer caches take a prompt in chunks.
 CHUNKED_PREFILL_METHODS = ("full", "kivi", "gear", "streaming", "snapkv", "pyramidkv", "h2o_decode")
 
 
@@ -76,8 +78,7 @@ def check_chunked_prefill(decoder, caches, prefill_chunk, *, method_name: str = 
     method = f"cache method {method_name!r}" if method_name else "this cache method"
     raise ValueError(
       f"prefill_chunk={prefill_chunk}: {method} cannot prefill in chunks ({refusal}); "
-      f"methods that can: {', '.join(CHUNKED_PREFILL_METHODS)} (selections with full "
-      "storage); or prefill_chunk=None"
+      f"methods that can: {', '.join(CHUNKED_PREFILL_METHODS)}; or prefill_chunk=None"
     )
 
 
@@ -103,6 +104,7 @@ def prefill_in_chunks(
     piece = jax.lax.dynamic_slice_in_dim(padded, start, chunk, axis=1)
     return decoder.prefill_chunk(params, piece, start, lengths, caches)
 
+  caches = _each_layer(caches, "begin_chunks")
   # Every chunk runs in one scan (one compiled chunk step; fresh caches are not constants
   # there, which XLA would otherwise fold through the first chunk), so the carry starts in
   # the arrangement the decoder returns (stacked runs of look-alike layers).
@@ -116,4 +118,18 @@ def prefill_in_chunks(
     return (logits, caches), None
 
   (logits, caches), _ = jax.lax.scan(step, carry, jnp.arange(num_chunks, dtype=jnp.int32))
-  return logits, caches
+  return logits, _each_layer(caches, "end_chunks")
+
+
+def _each_layer(caches, hook: str) -> tuple:
+  """Every layer cache's `hook()` where it has one (stacked runs: layer by layer, restacked)."""
+  if not any(hasattr(cache, hook) for cache in flatten_layer_caches(caches)):
+    return tuple(caches)
+  call = lambda cache: getattr(cache, hook)() if hasattr(cache, hook) else cache
+  arranged = []
+  for item in caches:
+    if isinstance(item, StackedLayerCaches):  # one layer at a time: one layer's temporaries
+      arranged.append(StackedLayerCaches(jax.lax.map(call, item.stacked)))
+    else:
+      arranged.append(call(item))
+  return tuple(arranged)

@@ -5,6 +5,12 @@ attention) picks `budget` tokens per KV head; their K/V are gathered (in origina
 handed to the inner storage cache, which was allocated with room for exactly
 `budget + max_new_tokens` tokens. Decoding appends and attends through the inner cache, so a
 codec storage (`kivi`, `gear`) composes unchanged and the bytes are those of the kept tokens.
+
+Chunked prefill (kvjax.chunked_prefill): after each chunk, the held tokens and the chunk's
+compete for the budget again, which needs the held ones as computed. With a codec storage the
+candidates are therefore held in a full-precision scratch cache of `budget` tokens while the
+chunks run (`begin_chunks`), and handed to the codec once, after the last chunk (`end_chunks`):
+the codec then stores exactly what a one-piece prefill with the same choice would store.
 """
 
 import dataclasses
@@ -16,7 +22,7 @@ from einops import rearrange
 
 from kvjax.cache_protocol import ModelCacheShape
 from kvjax.compact_rows import slots_after_lengths, write_tokens_at_lengths
-from kvjax.dense_cache import DenseLayerCache
+from kvjax.dense_cache import DenseLayerCache, FullCache
 from kvjax.selection.budgets import check_full_attention_model
 from kvjax.selection.token_choice import gather_tokens
 
@@ -40,6 +46,10 @@ class TokenSelector(Protocol):
 class SelectedLayerCache:
   storage: Any  # inner layer cache with capacity budget + max_new_tokens
   selector: Any = dataclasses.field(metadata=dict(static=True))  # a TokenSelector
+  # Chunked prefill with a codec storage only: the candidates in full precision (module doc).
+  scratch: DenseLayerCache | None = None
+  # (batch, kv_heads, head_dim, dtype name) of that scratch; None when the storage is full.
+  scratch_layout: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def lengths(self) -> jax.Array:  # int32 [batch]: tokens held per row
@@ -67,21 +77,43 @@ class SelectedLayerCache:
         f"{type(self.selector).__qualname__} scores the whole prompt at once (for H2O chunk "
         "by chunk, use h2o_decode, which accumulates its scores)"
       )
-    if not isinstance(self.storage, DenseLayerCache):
-      return (
-        f"its kept tokens are stored in {type(self.storage).__qualname__}; chunk by chunk, the "
-        "held tokens compete again with each chunk's, which needs them in full precision "
-        "(storage full)"
-      )
     return None
+
+  @property
+  def _candidates(self) -> DenseLayerCache:
+    """Where chunked prefill keeps the held tokens as computed."""
+    return self.storage if self.scratch is None else self.scratch
+
+  def begin_chunks(self) -> "SelectedLayerCache":
+    """Before the first chunk: a full-precision scratch for the candidates when the storage is
+    a codec (a full storage holds them itself)."""
+    if self.scratch_layout is None:
+      return self
+    batch, kv_heads, head_dim, dtype = self.scratch_layout
+    scratch = FullCache().allocate_storage(
+      batch=batch,
+      kv_heads=kv_heads,
+      capacity=self.selector.budget,
+      head_dim=head_dim,
+      dtype=jnp.dtype(dtype),
+    )
+    return dataclasses.replace(self, scratch=scratch)
+
+  def end_chunks(self) -> "SelectedLayerCache":
+    """After the last chunk: the chosen tokens handed to the codec storage, scratch dropped."""
+    if self.scratch is None:
+      return self
+    scratch = self.scratch
+    storage = self.storage.ingest(scratch.keys, scratch.values, None, scratch.lengths)
+    return dataclasses.replace(self, storage=storage, scratch=None)
 
   def ingest_chunk(self, keys, values, queries, counts):
     """Chunked prefill: the held tokens and the chunk's first `counts[b]` compete for the
-    budget (the selector's `kept_indices_of_candidates`), and the kept ones are stored."""
+    budget (the selector's `kept_indices_of_candidates`), and the kept ones are held."""
     refusal = self.chunked_prefill_refusal
     if refusal is not None:
       raise ValueError(f"chunked prefill: {refusal}")
-    held = self.storage
+    held = self._candidates
     chunk = keys.shape[2]
     candidates = held.capacity + chunk
     slots = slots_after_lengths(held.lengths, counts, chunk, candidates)
@@ -104,16 +136,18 @@ class SelectedLayerCache:
     indices, kept_lengths = self.selector.kept_indices_of_candidates(
       candidate_keys, candidate_queries, totals, held.lengths
     )
-    storage = held.ingest(
+    held = held.ingest(
       gather_tokens(candidate_keys, indices),
       gather_tokens(candidate_values, indices),
       None,
       kept_lengths,
     )
-    return dataclasses.replace(self, storage=storage)
+    if self.scratch is None:
+      return dataclasses.replace(self, storage=held)
+    return dataclasses.replace(self, scratch=held)
 
   def attend_chunk(self, queries, *, sm_scale):
-    return self.storage.attend_chunk(queries, sm_scale=sm_scale)
+    return self._candidates.attend_chunk(queries, sm_scale=sm_scale)
 
   def append(self, keys, values):
     return dataclasses.replace(self, storage=self.storage.append(keys, values))
@@ -150,4 +184,6 @@ def allocate_selected_cache(
     head_dim=shape.head_dim,
     dtype=dtype,
   )
-  return SelectedLayerCache(storage=storage, selector=selector)
+  full = isinstance(storage, DenseLayerCache)
+  layout = None if full else (batch, shape.num_kv_heads, shape.head_dim, jnp.dtype(dtype).name)
+  return SelectedLayerCache(storage=storage, selector=selector, scratch_layout=layout)

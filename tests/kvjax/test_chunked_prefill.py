@@ -249,8 +249,13 @@ def test_snapkv_in_chunks_keeps_what_the_numpy_chunked_rule_keeps(
 
 @pytest.mark.parametrize(
   "method",
-  [SnapKV(budget=24, window=8, kernel=3), PyramidKV(budget=24, window=4), H2ODecode(budget=24)],
-  ids=["snapkv", "pyramidkv", "h2o_decode"],
+  [
+    SnapKV(budget=24, window=8, kernel=3),
+    PyramidKV(budget=24, window=4),
+    H2ODecode(budget=24),
+    PyramidKV(budget=24, window=4, storage=Kivi(bits=4, group_size=16, residual=16)),
+  ],
+  ids=["snapkv", "pyramidkv", "h2o_decode", "pyramidkv+kivi"],
 )
 @pytest.mark.parametrize("chunk", [70, 128])
 def test_a_prompt_in_one_chunk_is_the_one_piece_prefill(method, chunk):
@@ -259,6 +264,24 @@ def test_a_prompt_in_one_chunk_is_the_one_piece_prefill(method, chunk):
   np.testing.assert_allclose(chunk_logits, logits, atol=2e-5)
   for a, b in zip(jax.tree.leaves(chunk_caches), jax.tree.leaves(caches), strict=True):
     np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+@pytest.mark.parametrize("chunk", [8, 24, 40])
+def test_a_codec_storage_receives_the_chunked_choice_once_after_the_last_chunk(chunk):
+  """snapkv+kivi in chunks: candidates wait in full precision, then KIVI encodes the choice
+  the full-storage selection holds, as its own one-piece ingest would."""
+  queries, keys, values = random_qkv(8)
+  selection = dict(budget=24, window=8, kernel=3)
+  codec = Kivi(bits=2, group_size=16, residual=16)
+  full = feed_in_chunks(allocate(SnapKV(**selection)), queries, keys, values, chunk)
+  cache = allocate(SnapKV(**selection, storage=codec)).begin_chunks()
+  assert cache.scratch.capacity == 24
+  cache = feed_in_chunks(cache, queries, keys, values, chunk).end_chunks()
+  assert cache.scratch is None
+  expected = allocate(SnapKV(**selection, storage=codec)).storage.ingest(
+    full.storage.keys[:, :, :24], full.storage.values[:, :, :24], None, full.storage.lengths
+  )
+  assert_trees_equal(cache.storage, expected)
 
 
 def test_selection_in_chunks_keeps_the_budget_and_changes_the_choice():
@@ -380,7 +403,6 @@ def test_the_listed_methods_prefill_in_chunks_and_the_others_refuse():
   "method, message",
   [
     ("h2o:budget=16,window=4", "scores the whole prompt at once"),
-    ("snapkv:budget=16,window=4+kivi:bits=4,group_size=16,residual=16", "storage full"),
     ("streaming:budget=16,positions=in_cache,rope_theta=10000.0", "positions=original"),
   ],
 )
