@@ -48,7 +48,8 @@ class SelectedLayerCache:
   selector: Any = dataclasses.field(metadata=dict(static=True))  # a TokenSelector
   # Chunked prefill with a codec storage only: the candidates in full precision (module doc).
   scratch: DenseLayerCache | None = None
-  # (batch, kv_heads, head_dim, dtype name) of that scratch; None when the storage is full.
+  # (kv_heads, head_dim, dtype name) of that scratch; None when the storage is full. No batch:
+  # static metadata must not depend on it (kvjax.row_sharding finds batch axes by shapes).
   scratch_layout: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
@@ -89,9 +90,9 @@ class SelectedLayerCache:
     a codec (a full storage holds them itself)."""
     if self.scratch_layout is None:
       return self
-    batch, kv_heads, head_dim, dtype = self.scratch_layout
+    kv_heads, head_dim, dtype = self.scratch_layout
     scratch = FullCache().allocate_storage(
-      batch=batch,
+      batch=self.storage.lengths.shape[0],
       kv_heads=kv_heads,
       capacity=self.selector.budget,
       head_dim=head_dim,
@@ -185,5 +186,5 @@ def allocate_selected_cache(
     dtype=dtype,
   )
   full = isinstance(storage, DenseLayerCache)
-  layout = None if full else (batch, shape.num_kv_heads, shape.head_dim, jnp.dtype(dtype).name)
+  layout = None if full else (shape.num_kv_heads, shape.head_dim, jnp.dtype(dtype).name)
   return SelectedLayerCache(storage=storage, selector=selector, scratch_layout=layout)

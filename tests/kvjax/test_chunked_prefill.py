@@ -93,7 +93,7 @@ def run_prefill(method, chunk, decoder_params=None, tokens=TOKENS, lengths=TOKEN
 
 
 @pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
-@pytest.mark.parametrize("chunk", [1, 8, 33, 70, 128])
+@pytest.mark.parametrize("chunk", [1, 33, 128])
 def test_full_cache_in_chunks_gives_the_one_piece_logits_and_cache(layer_loop, chunk):
   decoder_params = tiny_decoder(layer_loop=layer_loop)
   logits, caches = run_prefill(FullCache(), None, decoder_params)
@@ -104,7 +104,7 @@ def test_full_cache_in_chunks_gives_the_one_piece_logits_and_cache(layer_loop, c
     np.testing.assert_allclose(a, b, atol=2e-5)
 
 
-@pytest.mark.parametrize("chunk", [4, 16, 20, 70])
+@pytest.mark.parametrize("chunk", [4, 20])
 def test_sliding_window_model_in_chunks_attends_within_its_window(chunk):
   """Mistral-style: the ring buffer holds the window, each chunk query sees only its window."""
   decoder_params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, sliding_window=16))
@@ -140,7 +140,7 @@ def test_generate_in_chunks_gives_the_full_caches_tokens():
   ids=["kivi2", "kivi4-no-flush", "gear4"],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("chunk", [5, 16, 32, 40, 77])
+@pytest.mark.parametrize("chunk", [5, 32, 77])
 def test_quantized_cache_fed_in_chunks_holds_the_one_piece_codes(method, dtype, chunk):
   queries, keys, values = random_qkv(1)
   cache = allocate(method, dtype=dtype)
@@ -152,7 +152,7 @@ def test_quantized_cache_fed_in_chunks_holds_the_one_piece_codes(method, dtype, 
 
 
 @pytest.mark.parametrize("sinks", [4, 0])
-@pytest.mark.parametrize("chunk", [1, 5, 16, 40, 77])
+@pytest.mark.parametrize("chunk", [1, 16, 77])
 def test_streaming_cache_fed_in_chunks_holds_the_sinks_and_the_last_window(sinks, chunk):
   queries, keys, values = random_qkv(2)
   cache = allocate(StreamingLLM(budget=20, sinks=sinks))
