@@ -18,7 +18,10 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from pallas_kernels.decode_attention_reference import merge_attention_partials
+from pallas_kernels.decode_attention_reference import (
+  decode_attention_reference,
+  merge_attention_partials,
+)
 
 # Queries attended together over the held tokens: bounds the scores to
 # [batch, kv_heads, group * QUERY_BLOCK, held] floats whatever the chunk size.
@@ -40,6 +43,20 @@ def attend_folded_chunk(
   out = rearrange(out, "n b h (g c) d -> b h g (n c) d", g=group)[:, :, :, :chunk]
   lse = rearrange(lse, "n b h (g c) -> b h g (n c)", g=group)[:, :, :, :chunk]
   return out, lse
+
+
+def attend_chunk_over_slots(
+  queries: jax.Array,  # [batch, kv_heads, group, chunk, head_dim]
+  keys: jax.Array,  # [batch, kv_heads, slots, head_dim]
+  values: jax.Array,  # [batch, kv_heads, slots, head_dim]
+  lengths: jax.Array,  # int32 [batch]: slots [0, length) hold tokens every query sees
+  *,
+  sm_scale: float,
+) -> tuple[jax.Array, jax.Array]:  # (out f32 [b, h, g, chunk, d], lse f32 [b, h, g, chunk])
+  """A chunk's queries over a full-precision segment whose valid slots all precede the chunk."""
+  return attend_folded_chunk(
+    lambda q: decode_attention_reference(q, keys, values, lengths, sm_scale=sm_scale), queries
+  )
 
 
 def masked_attention(

@@ -8,7 +8,7 @@ layer before choosing. Fed in chunks, each chunk's queries attend over what the 
 chunk, not the prompt; the chunks run in one `lax.scan` inside jit (one compiled chunk step).
 
 What each method does with a chunk (the semantics differ from a one-piece prefill, and the
-quality difference is measured, README "Chunked prefill"):
+quality difference is measured, README "Long prompts: chunked prefill"):
   - full: the chunk is stored; attention is exact, as in one piece. A sliding-window model's
     ring buffer keeps the last `window` tokens and each query sees only its window.
   - kivi, gear: whole blocks of `residual`/`block` tokens are quantized as they fill (the codes

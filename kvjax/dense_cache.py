@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
-from kvjax.chunk_attention import attend_folded_chunk
+from kvjax.chunk_attention import attend_chunk_over_slots
 from kvjax.compact_rows import (
   slots_after_lengths,
   write_token_at_lengths,
@@ -15,7 +15,6 @@ from kvjax.compact_rows import (
 )
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_registry import register_method
-from pallas_kernels.decode_attention_reference import decode_attention_reference
 
 
 @jax.tree_util.register_dataclass
@@ -91,12 +90,7 @@ class DenseLayerCache(KeyValueArrays):
 
   def attend_chunk(self, queries, *, sm_scale):
     """(out, lse) of a prompt chunk's queries over every token held (all precede the chunk)."""
-    return attend_folded_chunk(
-      lambda q: decode_attention_reference(
-        q, self.keys, self.values, self.lengths, sm_scale=sm_scale
-      ),
-      queries,
-    )
+    return attend_chunk_over_slots(queries, self.keys, self.values, self.lengths, sm_scale=sm_scale)
 
   def attend(self, queries, *, sm_scale):
     out, _ = attention_dispatch.decode_attention(

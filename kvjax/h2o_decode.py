@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
-from kvjax.chunk_attention import attend_folded_chunk
+from kvjax.chunk_attention import attend_chunk_over_slots
 from kvjax.compact_rows import zero_past_lengths
 from kvjax.dense_cache import FullCache
 from kvjax.h2o import h2o_token_scores
@@ -40,7 +40,6 @@ from kvjax.selection.budgets import (
 )
 from kvjax.selection.pooling import check_gqa_reduce, reduce_query_group
 from kvjax.selection.token_choice import gather_tokens, keep_top_tokens_and_window
-from pallas_kernels.decode_attention_reference import decode_attention_reference
 
 # The attention of an h2o_decode cache is always computed with jnp (module docstring).
 IMPLEMENTATIONS = ("auto", "reference")
@@ -175,12 +174,7 @@ class HeavyHitterEvictionCache(KeyValueArrays):
   def attend_chunk(self, queries, *, sm_scale):
     """(out, lse) of a prompt chunk's queries over the held tokens (scores are not updated:
     `ingest_chunk` does that)."""
-    return attend_folded_chunk(
-      lambda q: decode_attention_reference(
-        q, self.keys, self.values, self.lengths, sm_scale=sm_scale
-      ),
-      queries,
-    )
+    return attend_chunk_over_slots(queries, self.keys, self.values, self.lengths, sm_scale=sm_scale)
 
   def append_and_attend(self, keys, values, queries, *, sm_scale):
     """kvjax.append_and_attend for this cache: attend over held + new, score, evict, store."""

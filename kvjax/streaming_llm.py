@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
-from kvjax.chunk_attention import attend_folded_chunk
+from kvjax.chunk_attention import attend_chunk_over_slots
 from kvjax.compact_rows import write_token_at_lengths
 from kvjax.dense_cache import FullCache
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
@@ -38,7 +38,6 @@ from kvjax.selection.budgets import (
   check_full_attention_model,
 )
 from kvjax.sliding_window_cache import ring_source_positions
-from pallas_kernels.decode_attention_reference import decode_attention_reference
 
 POSITION_MODES = ("original", "in_cache")
 
@@ -119,11 +118,15 @@ class StreamingLayerCache(KeyValueArrays):
 
     return dataclasses.replace(self, keys=gather(keys), values=gather(values), lengths=lengths)
 
+  def _slot_of(self, positions: jax.Array) -> jax.Array:
+    """The slot a token at `positions` is written to. Sinks fill first; after them the ring
+    overwrites its oldest token. When the slots can hold every token ever seen (window may
+    then be 0) this is a plain append."""
+    ring_slot = self.sinks + jnp.mod(positions - self.sinks, max(self.window, 1))
+    return jnp.where(positions < self.sinks, positions, ring_slot)
+
   def append(self, keys, values):
-    # Sinks fill first; after them the ring overwrites its oldest token. When the slots can
-    # hold every token ever seen (window may then be 0) this is a plain append.
-    ring_slot = self.sinks + jnp.mod(self.lengths - self.sinks, max(self.window, 1))
-    slot = jnp.where(self.lengths < self.sinks, self.lengths, ring_slot)
+    slot = self._slot_of(self.lengths)
     return dataclasses.replace(
       self,
       keys=write_token_at_lengths(self.keys, keys, slot),
@@ -146,19 +149,14 @@ class StreamingLayerCache(KeyValueArrays):
     del queries
     positions = self.lengths[:, None] + jnp.arange(keys.shape[2])[None, :]  # [batch, chunk]
     seen = (self.lengths + counts)[:, None]
-    ring_slot = self.sinks + jnp.mod(positions - self.sinks, max(self.window, 1))
-    slot = jnp.where(positions < self.sinks, positions, ring_slot)
     kept = (positions < seen) & ((positions < self.sinks) | (positions >= seen - self.window))
-    slot = jnp.where(kept, slot, self.slots)
+    slot = jnp.where(kept, self._slot_of(positions), self.slots)
     return self.with_chunk_written(keys, values, slot, counts)
 
   def attend_chunk(self, queries, *, sm_scale):
     """(out, lse) of a prompt chunk's queries over the sinks and the window held."""
-    return attend_folded_chunk(
-      lambda q: decode_attention_reference(
-        q, self.keys, self.values, jnp.minimum(self.lengths, self.slots), sm_scale=sm_scale
-      ),
-      queries,
+    return attend_chunk_over_slots(
+      queries, self.keys, self.values, jnp.minimum(self.lengths, self.slots), sm_scale=sm_scale
     )
 
   def attend(self, queries, *, sm_scale):
