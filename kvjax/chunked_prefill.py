@@ -22,9 +22,13 @@ quality difference is measured, README "Long prompts: chunked prefill"):
     full-precision scratch of `budget` tokens and are encoded once, after the last chunk.
   - h2o_decode: every chunk query's attention is added to the scores of the tokens it sees
     (H2O's accumulation), then the lowest-scoring tokens outside the recent window go.
-Other methods (h2o's one-shot scores over the whole prompt, razor's per-head compensation
-token) refuse, before anything is traced. A layer cache may have `begin_chunks()` and
-`end_chunks()`, called before the first chunk and after the last.
+  - razor: retrieval heads store every chunk; the other heads keep sinks + the last `window`
+    tokens in a full-precision buffer and add each token leaving the window to float32 sums,
+    so the compensation token (the mean of every dropped token) is exact whatever the chunks.
+    A chunk's queries on those heads see sinks, window and the compensation token so far;
+    after the last chunk the storage receives what a one-piece ingest would give it.
+h2o's one-shot scores over the whole prompt refuse, before anything is traced. A layer cache
+may have `begin_chunks()` and `end_chunks()`, called before the first chunk and after the last.
 """
 
 import jax
@@ -34,7 +38,16 @@ import numpy as np
 from kvjax.layer_runs import StackedLayerCaches, arrange_like, flatten_layer_caches
 
 # Cache methods whose layer caches take a prompt in chunks.
-CHUNKED_PREFILL_METHODS = ("full", "kivi", "gear", "streaming", "snapkv", "pyramidkv", "h2o_decode")
+CHUNKED_PREFILL_METHODS = (
+  "full",
+  "kivi",
+  "gear",
+  "streaming",
+  "snapkv",
+  "pyramidkv",
+  "h2o_decode",
+  "razor",
+)
 
 
 def check_prefill_chunk(prefill_chunk) -> None:

@@ -37,6 +37,20 @@ def slots_after_lengths(
   return jnp.where(offsets < counts[:, None], lengths[:, None] + offsets, capacity)
 
 
+def held_then_chunk(
+  stored: jax.Array,  # [batch, heads, capacity, ...]: a row's first `held[b]` slots are tokens
+  new: jax.Array,  # [batch, heads, chunk, ...]
+  held: jax.Array,  # int32 [batch]
+  counts: jax.Array,  # int32 [batch]: the chunk's first `counts[b]` tokens are real
+) -> jax.Array:  # [batch, heads, capacity + chunk, ...]
+  """Each row's held tokens followed, without a gap, by its tokens of a prompt chunk: the
+  candidates a cache that compresses as chunks arrive chooses from."""
+  chunk = new.shape[2]
+  slots = slots_after_lengths(held, counts, chunk, stored.shape[2] + chunk)
+  padded = jnp.pad(stored, ((0, 0), (0, 0), (0, chunk)) + ((0, 0),) * (stored.ndim - 3))
+  return write_tokens_at_lengths(padded, new, slots)
+
+
 def zero_past_lengths(
   x: jax.Array,  # [batch, heads, tokens, ...]
   lengths: jax.Array,  # int32 [batch]

@@ -19,7 +19,18 @@ Compensation (`compensation=`):
     row, and merged with the storage's attention by log-sum-exp, which needs a storage that
     reports its log-sum-exp (`full`, or any layer cache with `attend_with_lse`).
 A row is compressed when it has tokens to drop (length > sinks + window); shorter rows keep
-every token. `budget` (tokens a local head keeps, sinks and compensation token included) or
+every token.
+
+Chunked prefill (kvjax.chunked_prefill): retrieval heads store each chunk in their storage. The
+local heads hold their sinks and last `window` tokens in a full-precision buffer of
+`sinks + window` tokens (`begin_chunks`), and every token that leaves the window is added to
+float32 sums, so the compensation token is the mean of exactly the tokens a one-piece ingest
+drops (as the cache dtype rounds them). A chunk's queries on a local head attend over sinks,
+window and the compensation token so far (weighted by its count with "weighted"). After the last
+chunk (`end_chunks`) the storage receives sinks, compensation token and window as a one-piece
+ingest would hand them over, so a codec storage encodes them once.
+
+`budget` (tokens a local head keeps, sinks and compensation token included) or
 `ratio` is a Python int at allocate time, from the padded (static) prompt length.
 """
 
@@ -33,6 +44,7 @@ import numpy as np
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
+from kvjax.compact_rows import held_then_chunk
 from kvjax.dense_cache import DenseLayerCache, FullCache
 from kvjax.method_registry import register_method
 from kvjax.retrieval_heads import HeadProfile
@@ -49,56 +61,115 @@ COMPENSATIONS = ("mean", "weighted")
 RAZOR_DEFAULT_BUDGET = 260
 
 
-def compress_local_heads(
-  keys: jax.Array,  # [batch, heads, prompt, head_dim]
-  values: jax.Array,  # [batch, heads, prompt, head_dim]
+def keep_sinks_and_window(
+  keys: jax.Array,  # [batch, heads, tokens, head_dim]: a row's first `lengths[b]` are tokens
+  values: jax.Array,  # [batch, heads, tokens, head_dim]
   lengths: jax.Array,  # int32 [batch]
   *,
   sinks: int,
   window: int,
-  compensation_in_storage: bool,
 ) -> dict[str, jax.Array]:
-  """Sinks + (compensation token) + window of each row, and the compensation token itself.
+  """Each row's first `sinks` and last `window` tokens, in order, and the sums of the others.
 
-  Returns `kept_keys/kept_values [batch, heads, sinks + c + window, head_dim]` (c = 1 when the
-  compensation token is stored among them, at slot `sinks`), `kept_lengths [batch]`,
-  `compensation_keys/compensation_values float32 [batch, heads, head_dim]` (means of the dropped
-  tokens, positions [sinks, length - window)) and `dropped_counts int32 [batch]`. A row with
-  nothing to drop keeps its tokens in order and has dropped_counts 0.
+  Returns `kept_keys/kept_values [batch, heads, sinks + window, head_dim]`, `kept_lengths
+  [batch]` (a row of at most `sinks + window` tokens keeps them all), `dropped_key_sums/
+  dropped_value_sums float32 [batch, heads, head_dim]` (positions [sinks, length - window)) and
+  `dropped_counts int32 [batch]`.
   """
-  prompt_len = keys.shape[2]
+  tokens = keys.shape[2]
   dropped_counts = jnp.maximum(lengths - sinks - window, 0).astype(jnp.int32)
   compressed = dropped_counts > 0
-  compensation_slots = 1 if compensation_in_storage else 0
-  slots = jnp.arange(sinks + compensation_slots + window)[None, :]
+  slots = jnp.arange(sinks + window)[None, :]
   window_start = (lengths - window)[:, None]
-  source = jnp.where(slots < sinks, slots, window_start + slots - sinks - compensation_slots)
-  source = jnp.clip(jnp.where(compressed[:, None], source, slots), 0, prompt_len - 1)
-  kept_keys = jnp.take_along_axis(keys, source[:, None, :, None], axis=2)
-  kept_values = jnp.take_along_axis(values, source[:, None, :, None], axis=2)
-
-  positions = jnp.arange(prompt_len)[None, :]
+  source = jnp.where(slots < sinks, slots, window_start + slots - sinks)
+  source = jnp.clip(jnp.where(compressed[:, None], source, slots), 0, tokens - 1)
+  positions = jnp.arange(tokens)[None, :]
   dropped = ((positions >= sinks) & (positions < window_start)).astype(jnp.float32)  # [b, t]
-  denominator = jnp.maximum(dropped_counts, 1).astype(jnp.float32)[:, None, None]
-  compensation_keys = jnp.einsum("bhtd,bt->bhd", keys.astype(jnp.float32), dropped) / denominator
-  compensation_values = (
-    jnp.einsum("bhtd,bt->bhd", values.astype(jnp.float32), dropped) / denominator
-  )
-  if compensation_in_storage:
-    put = lambda kept, token: kept.at[:, :, sinks].set(
-      jnp.where(compressed[:, None, None], token.astype(kept.dtype), kept[:, :, sinks])
-    )
-    kept_keys = put(kept_keys, compensation_keys)
-    kept_values = put(kept_values, compensation_values)
-  kept_lengths = jnp.where(compressed, slots.shape[1], jnp.minimum(lengths, slots.shape[1]))
+  dropped_sum = lambda x: jnp.einsum("bhtd,bt->bhd", x.astype(jnp.float32), dropped)
   return dict(
-    kept_keys=kept_keys,
-    kept_values=kept_values,
-    kept_lengths=kept_lengths.astype(jnp.int32),
-    compensation_keys=compensation_keys,
-    compensation_values=compensation_values,
+    kept_keys=jnp.take_along_axis(keys, source[:, None, :, None], axis=2),
+    kept_values=jnp.take_along_axis(values, source[:, None, :, None], axis=2),
+    kept_lengths=jnp.minimum(lengths, sinks + window).astype(jnp.int32),
+    dropped_key_sums=dropped_sum(keys),
+    dropped_value_sums=dropped_sum(values),
     dropped_counts=dropped_counts,
   )
+
+
+def mean_of_dropped(sums: jax.Array, counts: jax.Array) -> jax.Array:
+  """float32 [batch, heads, head_dim] means (zeros where nothing was dropped)."""
+  return sums / jnp.maximum(counts, 1).astype(jnp.float32)[:, None, None]
+
+
+def with_compensation_token(
+  kept_keys: jax.Array,  # [batch, heads, sinks + window, head_dim]
+  kept_values: jax.Array,
+  kept_lengths: jax.Array,  # int32 [batch]
+  compensation_keys: jax.Array,  # [batch, heads, head_dim]
+  compensation_values: jax.Array,
+  dropped_counts: jax.Array,  # int32 [batch]
+  *,
+  sinks: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # [b, h, sinks + 1 + window, d] twice, lengths
+  """The compensation token stored as an ordinary token at slot `sinks` of each compressed row
+  (its window one slot later); a row with nothing dropped keeps its tokens as they are."""
+  compressed = dropped_counts > 0
+
+  def put(kept, token):
+    shifted = jnp.concatenate(
+      [kept[:, :, :sinks], token[:, :, None].astype(kept.dtype), kept[:, :, sinks:]], axis=2
+    )
+    unchanged = jnp.pad(kept, ((0, 0), (0, 0), (0, 1), (0, 0)))
+    return jnp.where(compressed[:, None, None, None], shifted, unchanged)
+
+  lengths = kept_lengths + compressed.astype(jnp.int32)
+  return put(kept_keys, compensation_keys), put(kept_values, compensation_values), lengths
+
+
+def compensation_partial(
+  queries: jax.Array,  # [batch, heads, ..., head_dim]
+  compensation_keys: jax.Array,  # [batch, heads, head_dim]
+  compensation_values: jax.Array,  # [batch, heads, head_dim]
+  dropped_counts: jax.Array,  # int32 [batch]
+  *,
+  sm_scale: float,
+  weighted: bool,
+) -> tuple[
+  jax.Array, jax.Array
+]:  # (out f32 [batch, heads, ..., head_dim], lse [batch, heads, ...])
+  """The compensation token as one attention segment, for `merge_attention_partials`: its logit,
+  plus log n when it counts as the n tokens it replaces; -inf where nothing was dropped."""
+  logits = (
+    jnp.einsum(
+      "bh...d,bhd->bh...", queries.astype(jnp.float32), compensation_keys.astype(jnp.float32)
+    )
+    * sm_scale
+  )
+  counts = dropped_counts.reshape((-1,) + (1,) * (logits.ndim - 1))
+  if weighted:
+    logits = logits + jnp.log(jnp.maximum(counts, 1).astype(jnp.float32))
+  lse = jnp.where(counts > 0, logits, -jnp.inf)
+  value = compensation_values.astype(jnp.float32).reshape(
+    compensation_values.shape[:2] + (1,) * (queries.ndim - 3) + compensation_values.shape[2:]
+  )
+  return jnp.broadcast_to(value, queries.shape[:-1] + value.shape[-1:]), lse
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LocalHeadsInChunks:
+  """The non-retrieval heads while a prompt arrives in chunks: sinks and window as the cache
+  holds them, and the running sums of the tokens dropped so far (float32)."""
+
+  kept: DenseLayerCache  # [batch, local heads, sinks + window, head_dim]
+  dropped_key_sums: jax.Array  # float32 [batch, local heads, head_dim]
+  dropped_value_sums: jax.Array  # float32 [batch, local heads, head_dim]
+  dropped_counts: jax.Array  # int32 [batch]
+
+  def compensation(self, dtype) -> tuple[jax.Array, jax.Array]:
+    """The compensation token so far, rounded to the cache's dtype as it will be stored."""
+    mean = lambda sums: mean_of_dropped(sums, self.dropped_counts).astype(dtype)
+    return mean(self.dropped_key_sums), mean(self.dropped_value_sums)
 
 
 def supports_lse(storage_cache) -> bool:
@@ -135,6 +206,12 @@ class RazorLayerCache:
   sinks: int = dataclasses.field(metadata=dict(static=True))
   window: int | None = dataclasses.field(metadata=dict(static=True))  # None: no compression
   compensation: str = dataclasses.field(default="mean", metadata=dict(static=True))
+  # Chunked prefill of compressed local heads only (module docstring), between begin_chunks
+  # and end_chunks.
+  local_in_chunks: LocalHeadsInChunks | None = None
+  # (head_dim, dtype name) of that state; None when the local heads are not compressed. No
+  # batch: static metadata must not depend on it (kvjax.row_sharding finds batch axes by shapes).
+  local_layout: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def room(self) -> jax.Array | None:  # int32 [batch]: tokens every head's storage can take
@@ -144,6 +221,17 @@ class RazorLayerCache:
   def _split(self, x):  # heads on axis 1 -> (retrieval part, local part)
     take = lambda heads: x[:, np.asarray(heads)] if heads else None
     return take(self.retrieval_heads), take(self.local_heads)
+
+  def _join(self, retrieval_part, local_part):  # the inverse of _split
+    parts = [part for part in (retrieval_part, local_part) if part is not None]
+    if len(parts) == 1:
+      return parts[0]
+    restore = np.argsort(np.asarray(self.retrieval_heads + self.local_heads))
+    return jnp.concatenate(parts, axis=1)[:, restore]
+
+  @property
+  def _compresses_local_heads(self) -> bool:
+    return self.local is not None and self.window is not None
 
   def ingest(self, keys, values, queries, lengths):
     del queries  # the split is fixed by the head profile
@@ -155,28 +243,158 @@ class RazorLayerCache:
     updates = {}
     if self.retrieval is not None:
       updates["retrieval"] = self.retrieval.ingest(retrieval_keys, retrieval_values, None, lengths)
-    if self.local is not None:
-      if self.window is None:
-        updates["local"] = self.local.ingest(local_keys, local_values, None, lengths)
-      else:
-        part = compress_local_heads(
-          local_keys,
-          local_values,
-          lengths,
-          sinks=self.sinks,
-          window=self.window,
-          compensation_in_storage=self.compensation == "mean",
+    if self.local is not None and not self._compresses_local_heads:
+      updates["local"] = self.local.ingest(local_keys, local_values, None, lengths)
+    elif self.local is not None:
+      part = keep_sinks_and_window(
+        local_keys, local_values, lengths, sinks=self.sinks, window=self.window
+      )
+      updates.update(
+        self._local_storage_of(
+          part["kept_keys"],
+          part["kept_values"],
+          part["kept_lengths"],
+          mean_of_dropped(part["dropped_key_sums"], part["dropped_counts"]),
+          mean_of_dropped(part["dropped_value_sums"], part["dropped_counts"]),
+          part["dropped_counts"],
         )
-        updates["local"] = self.local.ingest(
-          part["kept_keys"], part["kept_values"], None, part["kept_lengths"]
-        )
-        if self.compensation == "weighted":
-          updates.update(
-            compensation_keys=part["compensation_keys"].astype(self.compensation_keys.dtype),
-            compensation_values=part["compensation_values"].astype(self.compensation_values.dtype),
-            dropped_counts=part["dropped_counts"],
-          )
+      )
     return dataclasses.replace(self, **updates)
+
+  def _local_storage_of(
+    self, kept_keys, kept_values, kept_lengths, compensation_keys, compensation_values, counts
+  ) -> dict:
+    """The fields holding compressed local heads: sinks + window, and the compensation token
+    in the storage ("mean") or beside it ("weighted")."""
+    if self.compensation == "mean":
+      keys, values, lengths = with_compensation_token(
+        kept_keys,
+        kept_values,
+        kept_lengths,
+        compensation_keys,
+        compensation_values,
+        counts,
+        sinks=self.sinks,
+      )
+      return dict(local=self.local.ingest(keys, values, None, lengths))
+    return dict(
+      local=self.local.ingest(kept_keys, kept_values, None, kept_lengths),
+      compensation_keys=compensation_keys.astype(self.compensation_keys.dtype),
+      compensation_values=compensation_values.astype(self.compensation_values.dtype),
+      dropped_counts=counts,
+    )
+
+  # --- chunked prefill (kvjax.chunked_prefill) ---------------------------------------------
+
+  @property
+  def chunked_prefill_refusal(self) -> str | None:
+    for part in (self.retrieval, None if self._compresses_local_heads else self.local):
+      if part is not None and not hasattr(part, "ingest_chunk"):
+        return f"razor's storage {type(part).__name__} cannot take a prompt in chunks"
+    return None
+
+  def begin_chunks(self) -> "RazorLayerCache":
+    """Before the first chunk: compressed local heads hold their sinks and window in a
+    full-precision buffer of `sinks + window` tokens, and the sums of what they drop."""
+    if not self._compresses_local_heads:
+      return self
+    head_dim, dtype = self.local_layout
+    batch, heads = self.local.lengths.shape[0], len(self.local_heads)
+    sums = jnp.zeros((batch, heads, head_dim), jnp.float32)
+    state = LocalHeadsInChunks(
+      kept=FullCache().allocate_storage(
+        batch=batch,
+        kv_heads=heads,
+        capacity=self.sinks + self.window,
+        head_dim=head_dim,
+        dtype=jnp.dtype(dtype),
+      ),
+      dropped_key_sums=sums,
+      dropped_value_sums=sums,
+      dropped_counts=jnp.zeros((batch,), jnp.int32),
+    )
+    return dataclasses.replace(self, local_in_chunks=state)
+
+  def end_chunks(self) -> "RazorLayerCache":
+    """After the last chunk: the local heads' sinks, window and compensation token (the mean of
+    every dropped token) stored as a one-piece ingest stores them."""
+    state = self.local_in_chunks
+    if state is None:
+      return self
+    compensation_keys, compensation_values = state.compensation(state.kept.keys.dtype)
+    updates = self._local_storage_of(
+      state.kept.keys,
+      state.kept.values,
+      state.kept.lengths,
+      compensation_keys,
+      compensation_values,
+      state.dropped_counts,
+    )
+    return dataclasses.replace(self, local_in_chunks=None, **updates)
+
+  def ingest_chunk(self, keys, values, queries, counts):
+    """Retrieval heads store the chunk; compressed local heads keep their sinks and the last
+    `window` of held + chunk tokens, adding the tokens that leave the window to the sums."""
+    del queries
+    (retrieval_keys, local_keys), (retrieval_values, local_values) = (
+      self._split(keys),
+      self._split(values),
+    )
+    updates = {}
+    if self.retrieval is not None:
+      updates["retrieval"] = self.retrieval.ingest_chunk(
+        retrieval_keys, retrieval_values, None, counts
+      )
+    if self.local is not None and not self._compresses_local_heads:
+      updates["local"] = self.local.ingest_chunk(local_keys, local_values, None, counts)
+    elif self.local is not None:
+      state = self.local_in_chunks
+      held = state.kept
+      # Cast first: the sums are of the tokens as the cache holds them, wherever they drop.
+      candidates = lambda stored, new: held_then_chunk(
+        stored, new.astype(stored.dtype), held.lengths, counts
+      )
+      part = keep_sinks_and_window(
+        candidates(held.keys, local_keys),
+        candidates(held.values, local_values),
+        held.lengths + counts,
+        sinks=self.sinks,
+        window=self.window,
+      )
+      updates["local_in_chunks"] = LocalHeadsInChunks(
+        kept=held.ingest(part["kept_keys"], part["kept_values"], None, part["kept_lengths"]),
+        dropped_key_sums=state.dropped_key_sums + part["dropped_key_sums"],
+        dropped_value_sums=state.dropped_value_sums + part["dropped_value_sums"],
+        dropped_counts=state.dropped_counts + part["dropped_counts"],
+      )
+    return dataclasses.replace(self, **updates)
+
+  def attend_chunk(self, queries, *, sm_scale):
+    """(out, lse) of a chunk's queries [b, heads, group, chunk, d] over what each head holds:
+    every earlier token (retrieval heads), or sinks + window + the compensation token so far."""
+    retrieval_queries, local_queries = self._split(queries)
+    partials = []
+    if self.retrieval is not None:
+      partials.append(self.retrieval.attend_chunk(retrieval_queries, sm_scale=sm_scale))
+    if self.local is not None and not self._compresses_local_heads:
+      partials.append(self.local.attend_chunk(local_queries, sm_scale=sm_scale))
+    elif self.local is not None:
+      state = self.local_in_chunks
+      held = state.kept.attend_chunk(local_queries, sm_scale=sm_scale)
+      compensation = compensation_partial(
+        local_queries,
+        *state.compensation(state.kept.keys.dtype),
+        state.dropped_counts,
+        sm_scale=sm_scale,
+        weighted=self.compensation == "weighted",
+      )
+      partials.append(merge_attention_partials([held, compensation]))
+    if len(partials) == 1:
+      return partials[0]
+    (retrieval_out, retrieval_lse), (local_out, local_lse) = partials
+    return self._join(retrieval_out, local_out), self._join(retrieval_lse, local_lse)
+
+  # --- decoding -----------------------------------------------------------------------------
 
   def append(self, keys, values):
     (retrieval_keys, local_keys), (retrieval_values, local_values) = (
@@ -193,35 +411,29 @@ class RazorLayerCache:
   def _attend_local(self, queries, sm_scale):
     if self.compensation_keys is None:
       return self.local.attend(queries, sm_scale=sm_scale)
-    out, lse = attend_with_lse(self.local, queries, sm_scale=sm_scale)
-    # The compensation token as one segment whose logit counts its n tokens: s + log n.
-    logits = (
-      jnp.einsum(
-        "bhgd,bhd->bhg", queries.astype(jnp.float32), self.compensation_keys.astype(jnp.float32)
-      )
-      * sm_scale
+    merged, _ = merge_attention_partials(
+      [
+        attend_with_lse(self.local, queries, sm_scale=sm_scale),
+        compensation_partial(
+          queries,
+          self.compensation_keys,
+          self.compensation_values,
+          self.dropped_counts,
+          sm_scale=sm_scale,
+          weighted=True,
+        ),
+      ]
     )
-    counts = self.dropped_counts[:, None, None]
-    compensation_lse = jnp.where(
-      counts > 0, logits + jnp.log(jnp.maximum(counts, 1).astype(jnp.float32)), -jnp.inf
-    )
-    compensation_out = jnp.broadcast_to(
-      self.compensation_values.astype(jnp.float32)[:, :, None, :], out.shape
-    )
-    merged, _ = merge_attention_partials([(out, lse), (compensation_out, compensation_lse)])
     return merged
 
   def attend(self, queries, *, sm_scale):
     retrieval_queries, local_queries = self._split(queries)
-    outs = []
-    if self.retrieval is not None:
-      outs.append(self.retrieval.attend(retrieval_queries, sm_scale=sm_scale))
-    if self.local is not None:
-      outs.append(self._attend_local(local_queries, sm_scale))
-    if not (self.retrieval_heads and self.local_heads):
-      return outs[0]
-    restore = np.argsort(np.asarray(self.retrieval_heads + self.local_heads))
-    return jnp.concatenate(outs, axis=1)[:, restore]
+    return self._join(
+      None
+      if self.retrieval is None
+      else self.retrieval.attend(retrieval_queries, sm_scale=sm_scale),
+      None if self.local is None else self._attend_local(local_queries, sm_scale),
+    )
 
   @property
   def compensation_nbytes(self) -> int:
@@ -344,4 +556,7 @@ class RazorAttention:
       sinks=self.sinks,
       window=kept - self.sinks - 1 if compress else None,
       compensation=self.compensation,
+      local_layout=(shape.head_dim, jnp.dtype(dtype).name)
+      if compress and local is not None
+      else None,
     )

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from einops import rearrange
 
 from kvjax.cache_protocol import ModelCacheShape
-from kvjax.compact_rows import slots_after_lengths, write_tokens_at_lengths
+from kvjax.compact_rows import held_then_chunk
 from kvjax.dense_cache import DenseLayerCache, FullCache
 from kvjax.selection.budgets import check_full_attention_model
 from kvjax.selection.token_choice import gather_tokens
@@ -115,13 +115,7 @@ class SelectedLayerCache:
     if refusal is not None:
       raise ValueError(f"chunked prefill: {refusal}")
     held = self._candidates
-    chunk = keys.shape[2]
-    candidates = held.capacity + chunk
-    slots = slots_after_lengths(held.lengths, counts, chunk, candidates)
-
-    def after_held(stored, new):  # [b, h, capacity, ...] + chunk -> [b, h, candidates, ...]
-      padded = jnp.pad(stored, ((0, 0), (0, 0), (0, chunk)) + ((0, 0),) * (stored.ndim - 3))
-      return write_tokens_at_lengths(padded, new, slots)
+    after_held = lambda stored, new: held_then_chunk(stored, new, held.lengths, counts)
 
     batch, kv_heads, group, _, head_dim = queries.shape
     # Held tokens have no queries any more: zeros there, never read (`first_query`).

@@ -16,8 +16,10 @@ from kvjax.kivi_cache import Kivi
 from kvjax.method_registry import METHODS
 from kvjax.method_spec import parse_method_spec
 from kvjax.pyramidkv import PyramidKV
+from kvjax.razor_attention import RazorAttention
 from kvjax.snapkv import SnapKV
 from kvjax.streaming_llm import StreamingLLM
+from tests.kvjax.test_razor_attention import make_profile, numpy_razor_local
 from tests.kvjax.test_snapkv import numpy_pool, numpy_reduce, numpy_top_and_window, softmax
 from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
@@ -376,24 +378,120 @@ def test_h2o_decode_in_chunks_of_one_is_h2o_decoding_token_by_token():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=field)
 
 
+# --- razor: the compensation token is the mean of every dropped token, whatever the chunks ---
+
+# KV head 1 is a retrieval head, head 0 keeps 3 sinks + a window of 16 + the compensation token.
+RAZOR_PROFILE = make_profile(
+  ModelCacheShape(num_layers=1, num_kv_heads=H, num_query_heads=2 * H, head_dim=D), [(0, 1)]
+)
+
+
+def razor(**settings):
+  return RazorAttention(profile=RAZOR_PROFILE, budget=20, sinks=3, **settings)
+
+
+def feed_razor_in_chunks(method, queries, keys, values, chunk, lengths=LENGTHS):
+  cache = allocate(method).begin_chunks()
+  assert cache.local_in_chunks.kept.capacity == 3 + 16
+  cache = feed_in_chunks(cache, queries, keys, values, chunk, lengths).end_chunks()
+  assert cache.local_in_chunks is None
+  return cache
+
+
+@pytest.mark.parametrize("compensation", ["mean", "weighted"])
+@pytest.mark.parametrize("chunk", [1, 5, 32, 77])
+def test_razor_fed_in_chunks_stores_what_a_one_piece_ingest_stores(compensation, chunk):
+  queries, keys, values = random_qkv(11)
+  expected = allocate(razor(compensation=compensation)).ingest(
+    jnp.asarray(keys), jnp.asarray(values), None, jnp.asarray(LENGTHS)
+  )
+  chunked = feed_razor_in_chunks(razor(compensation=compensation), queries, keys, values, chunk)
+  # The dropped tokens' sums are added chunk by chunk: the same up to float32 rounding.
+  assert_trees_equal(chunked, expected, float_atol=2e-6)
+  if compensation == "weighted":
+    np.testing.assert_array_equal(chunked.dropped_counts, np.maximum(LENGTHS - 19, 0))
+
+
+@pytest.mark.parametrize("chunk", [8, 40])
+def test_razor_codec_storage_receives_the_chunked_local_heads_once(chunk):
+  """razor+kivi in chunks: sinks, window and compensation token wait in full precision, then
+  KIVI encodes them as its own one-piece ingest would; retrieval heads are quantized as the
+  chunks arrive, with the one-piece codes."""
+  queries, keys, values = random_qkv(13)
+  codec = Kivi(bits=2, group_size=16, residual=16)
+  full = feed_razor_in_chunks(razor(), queries, keys, values, chunk)
+  cache = feed_razor_in_chunks(razor(storage=codec), queries, keys, values, chunk)
+  fresh = allocate(razor(storage=codec))
+  expected_local = fresh.local.ingest(
+    full.local.keys[:, :, :20], full.local.values[:, :, :20], None, full.local.lengths
+  )
+  assert_trees_equal(cache.local, expected_local)
+  one_piece = fresh.ingest(jnp.asarray(keys), jnp.asarray(values), None, jnp.asarray(LENGTHS))
+  assert_trees_equal(cache.retrieval, one_piece.retrieval)
+
+
+def numpy_attention_with_lse(q, k, v, scale, compensation=None, weighted=False):
+  """Softmax attention of q [n, d] over k, v [t, d] and an optional compensation token."""
+  logits = q @ k.T * scale
+  if compensation is not None:
+    comp_k, comp_v, count = compensation
+    comp_logit = q @ comp_k * scale + (np.log(count) if weighted else 0.0)
+    logits, v = np.concatenate([logits, comp_logit[:, None]], 1), np.concatenate([v, comp_v[None]])
+  top = logits.max(1, keepdims=True)
+  lse = top[:, 0] + np.log(np.exp(logits - top).sum(1))
+  return np.exp(logits - lse[:, None]) @ v, lse
+
+
+@pytest.mark.parametrize("compensation", ["mean", "weighted"])
+def test_razor_chunk_attention_sees_sinks_window_and_the_compensation_so_far(compensation):
+  queries, keys, values = random_qkv(12)
+  fed = np.minimum(LENGTHS, 40)  # rows of 40 tokens drop 21; the row of 9 drops nothing
+  cache = feed_in_chunks(
+    allocate(razor(compensation=compensation)).begin_chunks(), queries, keys, values, 16, fed
+  )
+  chunk_queries = random_qkv(14)[0][:, :, :, :8]
+  out, lse = cache.attend_chunk(jnp.asarray(chunk_queries), sm_scale=D**-0.5)
+  for b in range(B):
+    for h in range(H):
+      q = chunk_queries[b, h].reshape(-1, D)  # the chunk folded into the group
+      if h == 1:  # retrieval head: every earlier token
+        args = (keys[b, h, : fed[b]], values[b, h, : fed[b]])
+        expected = numpy_attention_with_lse(q, *args, D**-0.5)
+      else:
+        k, v, comp = numpy_razor_local(keys[b, h], values[b, h], fed[b], sinks=3, window=16)
+        expected = numpy_attention_with_lse(q, k, v, D**-0.5, comp, compensation == "weighted")
+      np.testing.assert_allclose(out[b, h].reshape(-1, D), expected[0], atol=1e-5)
+      np.testing.assert_allclose(lse[b, h].reshape(-1), expected[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("compensation", ["mean", "weighted"])
+def test_razor_prompt_in_one_chunk_is_the_one_piece_prefill(compensation, profile_path):
+  method = parse_method_spec(
+    f"razor:budget=12,sinks=2,compensation={compensation},profile={profile_path}"
+  )
+  logits, caches = run_prefill(method, None)
+  chunk_logits, chunk_caches = run_prefill(method, 70)
+  np.testing.assert_allclose(chunk_logits, logits, atol=2e-5)
+  assert jax.tree.structure(chunk_caches) == jax.tree.structure(caches)
+  for a, b in zip(jax.tree.leaves(chunk_caches), jax.tree.leaves(caches), strict=True):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+
+
 # --- refusals, and the list of methods that can -------------------------------------------
 
 
 def test_the_listed_methods_prefill_in_chunks_and_the_others_refuse():
   decoder, _ = tiny_decoder()
+  # Every method's defaults apply at head_dim 64 (the tiny model's 16 is below KIVI's default
+  # group).
+  shape = dataclasses.replace(decoder.cache_shape, head_dim=64)
   for name in METHODS:
-    spec = name if name != "razor" else None
-    if spec is None:
-      continue  # razor needs a head profile; refused below
+    if name == "razor":
+      method = RazorAttention(profile=make_profile(shape, [(0, 1), (1, 0)]))
+    else:
+      method = parse_method_spec(name)
     caches = model_cache_shapes(
-      parse_method_spec(spec),
-      # Every method's defaults apply at head_dim 64 (the tiny model's 16 is below KIVI's
-      # default group).
-      dataclasses.replace(decoder.cache_shape, head_dim=64),
-      batch=1,
-      prompt_len=2048,
-      max_new_tokens=4,
-      dtype=jnp.float32,
+      method, shape, batch=1, prompt_len=2048, max_new_tokens=4, dtype=jnp.float32
     )
     refusal = chunked_prefill_refusal(decoder, caches)
     assert (refusal is None) == (name in CHUNKED_PREFILL_METHODS), (name, refusal)
@@ -421,13 +519,17 @@ def test_methods_that_cannot_prefill_in_chunks_refuse_before_anything_runs(metho
   assert ", ".join(CHUNKED_PREFILL_METHODS) in str(error.value)
 
 
-def test_razor_refuses_to_prefill_in_chunks(profile_path):
-  decoder, params = tiny_decoder()
-  method = parse_method_spec(f"razor:budget=12,sinks=2,profile={profile_path}")
-  with pytest.raises(ValueError, match="cannot prefill in chunks"):
-    generate(
-      decoder, params, [[1, 2, 3] * 10], max_new_tokens=3, cache_method=method, prefill_chunk=8
-    )
+def test_razor_with_a_storage_that_cannot_take_chunks_refuses():
+  class OnlyWholePrompts:  # a user's storage with ingest and attend only
+    def __init__(self, dense):
+      self.lengths, self.nbytes = dense.lengths, dense.nbytes
+
+  cache = allocate(razor())
+  assert cache.chunked_prefill_refusal is None
+  refusing = dataclasses.replace(cache, retrieval=OnlyWholePrompts(cache.retrieval))
+  assert "storage OnlyWholePrompts cannot take a prompt in chunks" in (
+    refusing.chunked_prefill_refusal
+  )
 
 
 @pytest.mark.parametrize("bad", [0, -4, 2.5, True, "16"])

@@ -38,7 +38,10 @@ MATRIX = {
     f"pyramidkv:budget=16,window=4+kivi:bits=4,{QUANT}": None,
   },
   "streaming": {"streaming:budget=16,sinks=2": None},
-  "razor": {"razor:budget=12,sinks=2,profile={profile}": None},
+  "razor": {
+    "razor:budget=12,sinks=2,profile={profile}": None,
+    "razor:budget=12,sinks=2,compensation=weighted,profile={profile}": None,
+  },
 }
 PROMPTS = [
   list(np.random.default_rng(0).integers(1, 64, 40)),
