@@ -22,6 +22,7 @@ from kvjax.compressed_context import (
   compress_context,
   context_template,
   continue_context,
+  repeat_context,
 )
 from kvjax.context_checkpoint import restore_context, save_context
 from kvjax.decoder_protocol import CachedDecoder
@@ -54,6 +55,7 @@ __all__ = [
   "compress_context",
   "context_template",
   "continue_context",
+  "repeat_context",
   "decode",
   "describe_method",
   "flatten_layer_caches",

@@ -4,6 +4,8 @@ A *layer cache* is an immutable pytree (arrays are leaves, configuration is stat
 every operation returns a new cache, so caches thread through `jax.jit`, `lax.scan` and `vmap`.
 A *cache method* is a frozen configuration that allocates layer caches with static shapes.
 
+Every array a layer cache holds has the batch on axis 0 (kvjax.compressed_context.repeat_context
+relies on it; a run of stacked layers, kvjax.layer_runs, puts its layer axis before it).
 Stored K/V layout is `[batch, kv_heads, tokens, head_dim]`; rows are compact: the valid tokens
 of row `b` sit in slots `[0, lengths[b])` (prompts of different lengths are right-aligned to
 slot 0, whatever padding the caller used). Keys are stored after RoPE at their original

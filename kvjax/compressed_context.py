@@ -9,6 +9,10 @@ saves it to disk for another process.
     answer, num_generated = continue_context(
       decoder, params, context, [question], max_new_tokens=64, stop_token_ids=stop_ids
     )
+    # several questions at once: one row per question, the context repeated on device
+    answers, _ = continue_context(
+      decoder, params, repeat_context(context, len(questions)), questions, max_new_tokens=64
+    )
 
 A question fed after the context was compressed is the query-agnostic setting: a selection
 method (SnapKV, PyramidKV, H2O) chose its tokens without seeing the question.
@@ -28,6 +32,7 @@ from kvjax.cache_protocol import CacheMethod, model_cache_nbytes
 from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
 from kvjax.generate import _decode_in_jit, check_decode_arguments, check_prefill_arguments, prefill
+from kvjax.layer_runs import StackedLayerCaches
 from kvjax.prompt_batch import check_padded_token_ids, pack_prompts, pack_token_lists
 from kvjax.row_sharding import check_row_sharding, row_shardings
 from kvjax.sampling import SamplingConfig
@@ -231,6 +236,45 @@ def continue_context(
   return np.asarray(out_tokens), np.asarray(count)
 
 
+def repeat_context(context: CompressedContext, copies: int) -> CompressedContext:
+  """Each row of `context` repeated `copies` times, in order (row b becomes rows
+  `b * copies ... b * copies + copies - 1`): one compressed document asked `copies` questions
+  in one batch, `continue_context(decoder, params, repeat_context(context, n), questions)`.
+
+  The copies are made on device (`jnp.repeat`); they cost `copies` times the context's bytes.
+  The caches must keep every array's batch on axis 0 of a layer cache and axis 1 of a run of
+  stacked layers (kvjax.cache_protocol), as kvjax's methods and `kvjax.layer_runs` do; an array
+  that does not is refused by name.
+  """
+  if not isinstance(context, CompressedContext):
+    raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
+  if not isinstance(copies, (int, np.integer)) or isinstance(copies, bool) or copies < 1:
+    raise ValueError(f"copies={copies!r} must be an int >= 1 (rows made of each context row)")
+  batch = context.lengths.shape[0]
+
+  def repeat_rows(tree, axis: int, where: str):
+    def repeat(path, leaf):
+      if jnp.ndim(leaf) <= axis or jnp.shape(leaf)[axis] != batch:
+        raise ValueError(
+          f"repeat_context: {where}{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, "
+          f"not the context's {batch} rows on axis {axis} (kvjax.cache_protocol: a layer "
+          "cache keeps its batch on axis 0)"
+        )
+      return jnp.repeat(leaf, int(copies), axis=axis)
+
+    return jax.tree_util.tree_map_with_path(repeat, tree)
+
+  caches = tuple(
+    repeat_rows(item, 1 if isinstance(item, StackedLayerCaches) else 0, f"caches[{index}]")
+    for index, item in enumerate(context.caches)
+  )
+  return CompressedContext(
+    caches=caches,
+    lengths=jnp.repeat(context.lengths, int(copies), axis=0),
+    next_logits=jnp.repeat(context.next_logits, int(copies), axis=0),
+  )
+
+
 def _pack_fed_tokens(tokens, batch: int, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
   """Token lists (any lengths, possibly empty) or an int array -> (int32 [batch, longest]
   right-padded, lengths int32 [batch])."""
@@ -244,8 +288,16 @@ def _pack_fed_tokens(tokens, batch: int, pad_token_id: int) -> tuple[np.ndarray,
     return array.astype(np.int32), np.full((batch,), array.shape[1], np.int32)
   rows = list(tokens)
   if len(rows) != batch or not all(isinstance(row, Sequence) for row in rows):
+    several = len(rows) > batch and all(isinstance(row, Sequence) for row in rows)
+    hint = (
+      f"; to ask each context row {len(rows) // batch} questions, continue "
+      f"kvjax.repeat_context(context, {len(rows) // batch})"
+      if several and len(rows) % batch == 0
+      else ""
+    )
     raise ValueError(
       f"tokens must be {batch} token lists (one per context row) or an int array "
-      f"[{batch}, n]; got {len(rows)} items of types {sorted({type(r).__name__ for r in rows})}"
+      f"[{batch}, n]; got {len(rows)} items of types "
+      f"{sorted({type(r).__name__ for r in rows})}{hint}"
     )
   return pack_token_lists(rows, pad_token_id=pad_token_id, name="tokens")

@@ -26,3 +26,8 @@ def test_a_saved_and_restored_compressed_context_answers_like_the_one_in_memory(
   assert disk < cache * 1.05
   assert directory.is_dir()
   assert out.count("(same answer from the context in memory: True)") == 2
+  assert re.search(
+    r"2 questions one at a time: [\d.]+ s; in one batch \(repeat_context\): "
+    r"[\d.]+ s; same answers: True",
+    out,
+  )

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,9 @@ from kvjax.compressed_context import (
   compress_context,
   context_template,
   continue_context,
+  repeat_context,
 )
+from kvjax.dense_cache import FullCache
 from kvjax.generate import decode, generate, prefill
 from kvjax.method_spec import parse_method_spec
 from kvjax.prompt_batch import pack_prompts
@@ -177,6 +181,60 @@ def test_sampling_follows_the_key():
 
   np.testing.assert_array_equal(sample(0), sample(0))
   assert not np.array_equal(sample(0), sample(1))
+
+
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+@pytest.mark.parametrize(
+  "spec",
+  [KIVI, f"snapkv:budget=16,window=4+{KIVI}", "h2o_decode:budget=16,window=4", "razor"],
+)
+def test_a_repeated_context_answers_each_question_as_the_context_alone(
+  spec, layer_loop, profile_path
+):
+  if spec == "razor":
+    spec = f"razor:budget=12,sinks=2,profile={profile_path}"
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  context = compress_context(
+    decoder, params, PROMPTS[:1], cache_method=parse_method_spec(spec), room=11
+  )
+  questions = [[5, 9, 11, 4, 8], [7], [2, 2, 3]]
+  repeated = repeat_context(context, len(questions))
+  assert repeated.cache_bytes == 3 * context.cache_bytes
+  np.testing.assert_array_equal(repeated.lengths, [40, 40, 40])
+  tokens, count = continue_context(decoder, params, repeated, questions, max_new_tokens=6)
+  for row, question in enumerate(questions):
+    alone, alone_count = continue_context(decoder, params, context, [question], max_new_tokens=6)
+    np.testing.assert_array_equal(tokens[row], alone[0])
+    np.testing.assert_array_equal(count[row], alone_count[0])
+
+
+def test_repeating_a_context_of_several_rows_keeps_each_rows_copies_together():
+  decoder, params = tiny_decoder(layer_loop="scan")
+  context = compress_context(decoder, params, PROMPTS, cache_method=parse_method_spec(KIVI), room=4)
+  repeated = repeat_context(context, 2)
+  np.testing.assert_array_equal(repeated.lengths, [40, 40, 29, 29])
+  for run, repeated_run in zip(context.caches, repeated.caches, strict=True):
+    for x, y in zip(jax.tree.leaves(run), jax.tree.leaves(repeated_run), strict=True):
+      # Stacked layers keep the batch on axis 1.
+      np.testing.assert_array_equal(np.repeat(np.asarray(x), 2, axis=1), y)
+  assert_same_arrays(repeat_context(context, 1), context)
+
+
+def test_repeat_context_refuses_bad_copies_and_caches_without_the_batch_in_place():
+  decoder, params = tiny_decoder(layer_loop="unroll")
+  context = compress_context(decoder, params, PROMPTS[:1], cache_method=FullCache(), room=4)
+  for copies in (0, -2, 2.0, True, "3"):
+    with pytest.raises(ValueError, match=r"copies=.* must be an int >= 1"):
+      repeat_context(context, copies)
+  with pytest.raises(ValueError, match="must be a CompressedContext"):
+    repeat_context(context.caches, 2)
+  first = context.caches[0]
+  moved = dataclasses.replace(first, lengths=jnp.zeros((3,), jnp.int32))  # not [rows]
+  misplaced = dataclasses.replace(context, caches=(moved,) + tuple(context.caches[1:]))
+  with pytest.raises(ValueError, match=r"caches\[0\].*lengths.* has shape \(3,\)"):
+    repeat_context(misplaced, 2)
+  with pytest.raises(ValueError, match=r"continue kvjax.repeat_context\(context, 3\)"):
+    continue_context(decoder, params, context, [[1], [2], [3]], max_new_tokens=2)
 
 
 def test_bad_arguments_are_refused_before_anything_runs():

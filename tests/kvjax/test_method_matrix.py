@@ -7,6 +7,7 @@ score a continuation through its cache with a finite, non-negative KL to the ful
 near-lossless configurations must stay near the full cache.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -160,3 +161,18 @@ def test_method_in_chunks(name, spec, kl_bound, profile_path):
   assert chunked.cache_bytes == one_piece.cache_bytes
   if kl_bound is not None and kl_bound <= 1e-6:
     assert chunked.token_lists() == one_piece.token_lists()
+
+
+@pytest.mark.parametrize(
+  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+)
+def test_every_cache_array_keeps_the_batch_on_axis_0(name, spec, kl_bound, profile_path):
+  """The cache protocol's layout rule, which kvjax.repeat_context relies on: only axis 0 of a
+  layer cache's arrays grows with the batch."""
+  decoder, _ = tiny_decoder(layer_loop="unroll")
+  method = parse_method_spec(spec.format(profile=profile_path))
+  shapes = lambda batch: model_cache_shapes(
+    method, decoder.cache_shape, batch=batch, prompt_len=40, max_new_tokens=5, dtype=jnp.float32
+  )
+  for one, three in zip(jax.tree.leaves(shapes(1)), jax.tree.leaves(shapes(3)), strict=True):
+    assert one.shape[0] == 1 and three.shape == (3,) + one.shape[1:], (one.shape, three.shape)
