@@ -34,7 +34,7 @@ from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
 from kvjax.generate import _decode_in_jit, check_decode_arguments, check_prefill_arguments, prefill
 from kvjax.layer_runs import StackedLayerCaches
 from kvjax.prompt_batch import check_padded_token_ids, pack_prompts, pack_token_lists
-from kvjax.row_sharding import check_row_sharding, row_shardings
+from kvjax.row_sharding import check_row_sharding, row_shardings, rows_split_at
 from kvjax.sampling import SamplingConfig
 
 
@@ -236,43 +236,58 @@ def continue_context(
   return np.asarray(out_tokens), np.asarray(count)
 
 
-def repeat_context(context: CompressedContext, copies: int) -> CompressedContext:
+def repeat_context(
+  context: CompressedContext, copies: int, *, row_sharding: NamedSharding | None = None
+) -> CompressedContext:
   """Each row of `context` repeated `copies` times, in order (row b becomes rows
   `b * copies ... b * copies + copies - 1`): one compressed document asked `copies` questions
   in one batch, `continue_context(decoder, params, repeat_context(context, n), questions)`.
 
   The copies are made on device (`jnp.repeat`); they cost `copies` times the context's bytes.
-  The caches must keep every array's batch on axis 0 of a layer cache and axis 1 of a run of
-  stacked layers (kvjax.cache_protocol), as kvjax's methods and `kvjax.layer_runs` do; an array
-  that does not is refused by name.
+  `row_sharding` (as in `compress_context`) spreads the repeated rows over devices, so the
+  questions are answered data-parallel. The caches must keep every array's batch on axis 0 of a
+  layer cache and axis 1 of a run of stacked layers (kvjax.cache_protocol), as kvjax's methods
+  and `kvjax.layer_runs` do; an array that does not is refused by name.
   """
   if not isinstance(context, CompressedContext):
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
   if not isinstance(copies, (int, np.integer)) or isinstance(copies, bool) or copies < 1:
     raise ValueError(f"copies={copies!r} must be an int >= 1 (rows made of each context row)")
   batch = context.lengths.shape[0]
+  if row_sharding is not None:
+    check_row_sharding(row_sharding, batch * int(copies))
+  axes = _batch_axes(context)
+  repeated = jax.tree.map(
+    lambda leaf, axis: jnp.repeat(leaf, int(copies), axis=axis), context, axes
+  )
+  if row_sharding is None:
+    return repeated
+  return jax.device_put(
+    repeated, jax.tree.map(functools.partial(rows_split_at, row_sharding), axes)
+  )
 
-  def repeat_rows(tree, axis: int, where: str):
-    def repeat(path, leaf):
+
+def _batch_axes(context: CompressedContext) -> CompressedContext:
+  """The batch axis of every array of `context` (the cache protocol's layout), checked."""
+  batch = context.lengths.shape[0]
+
+  def axes_of(tree, axis: int, where: str):
+    def checked(path, leaf):
       if jnp.ndim(leaf) <= axis or jnp.shape(leaf)[axis] != batch:
         raise ValueError(
           f"repeat_context: {where}{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, "
           f"not the context's {batch} rows on axis {axis} (kvjax.cache_protocol: a layer "
           "cache keeps its batch on axis 0)"
         )
-      return jnp.repeat(leaf, int(copies), axis=axis)
+      return axis
 
-    return jax.tree_util.tree_map_with_path(repeat, tree)
+    return jax.tree_util.tree_map_with_path(checked, tree)
 
   caches = tuple(
-    repeat_rows(item, 1 if isinstance(item, StackedLayerCaches) else 0, f"caches[{index}]")
+    axes_of(item, 1 if isinstance(item, StackedLayerCaches) else 0, f"caches[{index}]")
     for index, item in enumerate(context.caches)
   )
-  return CompressedContext(
-    caches=caches,
-    lengths=jnp.repeat(context.lengths, int(copies), axis=0),
-    next_logits=jnp.repeat(context.next_logits, int(copies), axis=0),
-  )
+  return CompressedContext(caches=caches, lengths=0, next_logits=0)
 
 
 def _pack_fed_tokens(tokens, batch: int, pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:

@@ -52,12 +52,15 @@ def row_shardings(shapes: Any, shapes_with_one_more_row: Any, row_sharding: Name
   """A `NamedSharding` per leaf of `shapes` (arrays or `jax.ShapeDtypeStruct`s, e.g. from
   `jax.eval_shape`): its batch axis, the one that grew in `shapes_with_one_more_row`, split as
   `row_sharding` splits rows, or replicated. Check `row_sharding` first (`check_row_sharding`)."""
-  mesh, rows = row_sharding.mesh, row_sharding.spec[0]
 
   def sharding(path, leaf, grown_leaf):
-    axis = _batch_axis(leaf, grown_leaf, jax.tree_util.keystr(path))
-    if axis is None:
-      return NamedSharding(mesh, PartitionSpec())
-    return NamedSharding(mesh, PartitionSpec(*([None] * axis), rows))
+    return rows_split_at(row_sharding, _batch_axis(leaf, grown_leaf, jax.tree_util.keystr(path)))
 
   return jax.tree_util.tree_map_with_path(sharding, shapes, shapes_with_one_more_row)
+
+
+def rows_split_at(row_sharding: NamedSharding, axis: int | None) -> NamedSharding:
+  """An array's batch axis `axis` split as `row_sharding` splits rows (None: replicated)."""
+  if axis is None:
+    return NamedSharding(row_sharding.mesh, PartitionSpec())
+  return NamedSharding(row_sharding.mesh, PartitionSpec(*([None] * axis), row_sharding.spec[0]))

@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvjax.compressed_context import compress_context, context_template, continue_context
+from kvjax.compressed_context import (
+  compress_context,
+  context_template,
+  continue_context,
+  repeat_context,
+)
 from kvjax.context_checkpoint import restore_context, save_context
 from kvjax.generate import generate
 from kvjax.method_spec import parse_method_spec
@@ -112,6 +117,27 @@ def test_generate_by_rows_is_generate_on_one_device(layer_loop):
 
 
 @two_devices
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+def test_a_repeated_context_spread_by_rows_answers_its_questions_on_their_devices(layer_loop):
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  method = parse_method_spec(SPECS[1])
+  context = compress_context(decoder, params, PROMPTS[:1], cache_method=method, room=ROOM)
+  on_one = repeat_context(context, 2)
+  spread = repeat_context(context, 2, row_sharding=_rows())
+  assert_same_arrays(spread, on_one)
+  for leaf in jax.tree.leaves(spread):
+    axis = _batch_axis_of(leaf)
+    assert axis is not None and leaf.shape[axis] == 2
+    assert {shard.data.shape[axis] for shard in leaf.addressable_shards} == {1}
+  tokens, count = continue_context(decoder, params, spread, RAGGED_QUESTIONS, max_new_tokens=4)
+  expected = continue_context(decoder, params, on_one, RAGGED_QUESTIONS, max_new_tokens=4)
+  np.testing.assert_array_equal(tokens, expected[0])
+  np.testing.assert_array_equal(count, expected[1])
+  with pytest.raises(ValueError, match=r"batch=3 rows cannot be split evenly"):
+    repeat_context(context, 3, row_sharding=_rows())
+
+
+@two_devices
 def test_bad_row_shardings_are_refused_before_anything_runs():
   decoder, params = tiny_decoder()
   method = parse_method_spec(SPECS[0])
@@ -173,4 +199,4 @@ def test_the_two_device_tests_pass_on_two_host_devices():
   )
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
   # Every test of this file but this one ran (none skipped) in the two-device process.
-  assert "10 passed, 1 skipped" in run.stdout, run.stdout[-1000:]
+  assert "12 passed, 1 skipped" in run.stdout, run.stdout[-1000:]
