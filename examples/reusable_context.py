@@ -35,7 +35,6 @@ QUESTIONS = (
   "Which exception does a bare except clause catch?",
 )
 ANSWER_TOKENS = 48
-PLACEHOLDER = "<<question>>"
 
 
 def main(argv=None):
@@ -46,12 +45,9 @@ def main(argv=None):
 
   model = load_model("smollm2-135m", layer_loop="scan")
   method = parse_method_spec(args.method)
-  chat = model.tokenizer.apply_chat_template(
-    [{"role": "user", "content": f"{topics['try']}\n\n{PLACEHOLDER}"}]
+  document_ids, question_ids = model.tokenizer.chat_document_and_questions(
+    topics["try"], list(QUESTIONS)
   )
-  head, tail = chat.split(PLACEHOLDER)
-  document_ids = model.tokenizer.encode(head)
-  question_ids = [model.tokenizer.encode(q + tail) for q in QUESTIONS]
   room = max(map(len, question_ids)) + ANSWER_TOKENS
   print(f"document: {len(document_ids)} tokens, method {args.method}, room {room} tokens")
 

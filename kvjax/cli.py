@@ -10,7 +10,7 @@ DEFAULT_MODEL = "smollm2-135m"
 def _add_generate(subparsers):
   p = subparsers.add_parser("generate", help="generate text with a (compressed) KV cache")
   p.add_argument("--prompt", required=True, help="prompt text")
-  p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file or HF directory")
+  _add_model_argument(p)
   p.add_argument("--max-new-tokens", type=int, default=64)
   p.add_argument("--raw", action="store_true", help="do not apply the chat template")
   p.add_argument(
@@ -31,6 +31,10 @@ def _add_generate(subparsers):
   )
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(run=run_generate)
+
+
+def _add_model_argument(p):
+  p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file or HF directory")
 
 
 def _add_prefill_chunk_argument(p):
@@ -144,6 +148,100 @@ def run_generate(args) -> int:
   return 0
 
 
+def _add_ask(subparsers):
+  p = subparsers.add_parser(
+    "ask",
+    help="compress a document's cache once, then answer several questions about it in one batch",
+  )
+  p.add_argument("--document", required=True, help="UTF-8 text file")
+  p.add_argument(
+    "--question", action="append", required=True, help="a question (repeat for several)"
+  )
+  _add_model_argument(p)
+  p.add_argument("--method", default="kivi:bits=4", help="cache method spec of the document")
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  _add_prefill_chunk_argument(p)
+  _add_attention_arguments(p)
+  p.add_argument("--layer-loop", choices=("unroll", "scan"), default="scan")
+  p.add_argument("--save", default=None, help="also save the compressed context to this directory")
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  p.set_defaults(run=run_ask)
+
+
+def run_ask(args) -> int:
+  import time
+
+  import jax
+
+  from kvjax.compressed_context import compress_context, continue_context, repeat_context
+  from kvjax.context_checkpoint import save_context
+  from kvjax.method_spec import parse_method_spec
+  from models.loading import load_model
+
+  cache_method = parse_method_spec(
+    args.method,
+    implementation=args.implementation,
+    kernel_settings=kernel_settings_from_json(args.kernel_settings),
+  )
+  if args.max_new_tokens < 1:
+    raise SystemExit(f"error: --max-new-tokens={args.max_new_tokens} must be >= 1")
+  try:
+    document = open(args.document, encoding="utf-8").read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise SystemExit(f"error: cannot read --document {args.document}: {e}") from e
+  loaded = load_model(args.model, layer_loop=args.layer_loop)
+  document_ids, question_ids = loaded.tokenizer.chat_document_and_questions(document, args.question)
+  room = max(map(len, question_ids)) + args.max_new_tokens
+  start = time.perf_counter()
+  context = jax.block_until_ready(
+    compress_context(
+      loaded.decoder,
+      loaded.params,
+      [document_ids],
+      cache_method=cache_method,
+      room=room,
+      prefill_chunk=args.prefill_chunk,
+    )
+  )
+  compress_s = time.perf_counter() - start
+  if args.save:
+    save_context(args.save, context, metadata={"model": args.model, "method": args.method})
+  start = time.perf_counter()
+  tokens, counts = continue_context(
+    loaded.decoder,
+    loaded.params,
+    repeat_context(context, len(question_ids)),
+    question_ids,
+    max_new_tokens=args.max_new_tokens,
+    stop_token_ids=loaded.stop_token_ids,
+  )
+  answer_s = time.perf_counter() - start
+  answers = [loaded.tokenizer.decode(row[:n]) for row, n in zip(tokens, counts)]
+  record = dict(
+    model=args.model,
+    method=args.method,
+    document_tokens=len(document_ids),
+    cache_bytes=context.cache_bytes,
+    compress_s=compress_s,
+    answer_s=answer_s,
+    questions=args.question,
+    answers=answers,
+    answer_tokens=[int(n) for n in counts],
+  )
+  if args.json:
+    print(json.dumps(record))
+    return 0
+  for question, answer in zip(args.question, answers):
+    print(f"Q: {question}\nA: {answer}\n")
+  print(
+    f"[document {len(document_ids)} tokens, cache {context.cache_bytes / 2**20:.2f} MiB "
+    f"({args.method}); compressed in {compress_s:.1f} s, {len(answers)} questions answered in "
+    f"one batch in {answer_s:.1f} s, compile included]",
+    file=sys.stderr,
+  )
+  return 0
+
+
 # One or two of each family, picked so the default run takes a few minutes on a 2-core CPU
 # (each method is about 35-60 s there, mostly the 256 teacher-forced decode steps).
 DEFAULT_COMPARE_METHODS = (
@@ -161,7 +259,7 @@ def _add_compare(subparsers):
   p = subparsers.add_parser(
     "compare", help="measure cache methods against the full cache (memory, quality, speed)"
   )
-  p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file or HF directory")
+  _add_model_argument(p)
   p.add_argument(
     "--methods",
     nargs="+",
@@ -276,7 +374,7 @@ def _add_razor_profile(subparsers):
     "razor-profile",
     help="detect a model's retrieval heads for RazorAttention (data-free) and save the profile",
   )
-  p.add_argument("--model", default=DEFAULT_MODEL, help="short name, .gguf file or HF directory")
+  _add_model_argument(p)
   p.add_argument(
     "--output", required=True, help="profile JSON to write (use with razor:profile=PATH)"
   )
@@ -326,6 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="kvjax", description=__doc__)
   subparsers = parser.add_subparsers(dest="command", required=True)
   _add_generate(subparsers)
+  _add_ask(subparsers)
   _add_compare(subparsers)
   _add_razor_profile(subparsers)
   return parser

@@ -243,6 +243,19 @@ class Tokenizer:
         f"the chat template of {self.source} rejected these messages: {error}"
       ) from error
 
+  def chat_document_and_questions(
+    self, document: str, questions: list[str]
+  ) -> tuple[list[int], list[list[int]]]:
+    """A user turn `document + "\n\n" + question` for each question, cut where the question
+    begins: (the document's ids, shared by every question and compressed once; each question's
+    ids with the rest of the template, generation prompt included)."""
+    marker = "\x00question\x00"  # text no document or template holds
+    if marker in document:
+      raise ValueError("document holds a NUL-delimited marker kvjax uses to split the template")
+    chat = self.apply_chat_template([{"role": "user", "content": f"{document}\n\n{marker}"}])
+    head, tail = chat.split(marker)
+    return self.encode(head), [self.encode(question + tail) for question in questions]
+
   def _token_id(self, role: str) -> int | None:
     token = self.special_tokens[role]
     return None if token is None else self._backend.token_to_id(token)

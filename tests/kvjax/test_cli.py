@@ -34,6 +34,9 @@ def test_generate_json_on_the_embedded_model(capsys):
     (["compare", "--text", "/nonexistent/file.txt", "--methods", "full"], "cannot read"),
     (["compare", "--layer-loop", "while"], "invalid choice: 'while'"),
     (["compare", "--methods", "full", "--prefill-chunk", "0"], "prefill_chunk=0 must be"),
+    (["ask", "--document", "/nonexistent/doc.txt", "--question", "q"], "cannot read --document"),
+    (["ask", "--document", "/nonexistent/doc.txt"], "required: --question"),
+    (["ask", "--document", "x", "--question", "q", "--max-new-tokens", "0"], "must be >= 1"),
     (
       ["compare", "--methods", "full", "h2o:budget=32,window=4", "--prefill-chunk", "16"],
       "cache method 'h2o' cannot prefill in chunks",
@@ -45,6 +48,21 @@ def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
     main(argv)
   assert exit_info.value.code != 0
   assert message in capsys.readouterr().err + str(exit_info.value)
+
+
+def test_ask_answers_every_question_about_one_compressed_document(tmp_path, capsys):
+  from kvjax.context_checkpoint import read_context_record
+
+  document = tmp_path / "doc.txt"
+  document.write_text("The mayor of Quenby is Hilda Marsh. The river flows north.\n")
+  argv = ["ask", "--document", str(document), "--max-new-tokens", "4", "--json"]
+  argv += ["--question", "Who is the mayor?", "--question", "Where does the river flow?"]
+  assert main(argv + ["--save", str(tmp_path / "context")]) == 0
+  record = json.loads(capsys.readouterr().out)
+  assert record["questions"] == ["Who is the mayor?", "Where does the river flow?"]
+  assert len(record["answers"]) == 2 and all(1 <= n <= 4 for n in record["answer_tokens"])
+  assert record["method"] == "kivi:bits=4" and record["cache_bytes"] > 0
+  assert read_context_record(tmp_path / "context")["metadata"]["method"] == "kivi:bits=4"
 
 
 def test_razor_profile_command_writes_a_loadable_profile(tmp_path, capsys):

@@ -123,6 +123,17 @@ def test_smollm2_chat_template_matches_reference(smollm2, reference):
 
 
 @needs_smollm2
+def test_a_document_and_its_questions_split_one_chat_turn(smollm2):
+  document, questions = "The mill opens at nine.", ["When does it open?", "What opens?"]
+  document_ids, question_ids = smollm2.chat_document_and_questions(document, questions)
+  for question, ids in zip(questions, question_ids, strict=True):
+    whole = smollm2.apply_chat_template([{"role": "user", "content": f"{document}\n\n{question}"}])
+    assert smollm2.decode(document_ids + ids, skip_special_tokens=False) == whole
+  assert smollm2.decode(document_ids, skip_special_tokens=False).endswith(f"{document}\n\n")
+  with pytest.raises(ValueError, match="NUL-delimited marker"):
+    smollm2.chat_document_and_questions("a\x00question\x00b", questions)
+
+
 def test_smollm2_special_ids(smollm2):
   assert (smollm2.bos_id, smollm2.eos_id, smollm2.vocab_size) == (1, 2, 49152)
   assert smollm2.stop_ids == (0, 2)  # <|endoftext|>, <|im_end|>
