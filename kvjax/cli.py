@@ -175,6 +175,7 @@ def run_ask(args) -> int:
 
   from kvjax.compressed_context import compress_context, continue_context, repeat_context
   from kvjax.context_checkpoint import save_context
+  from kvjax.eval.text_corpus import load_text
   from kvjax.method_spec import parse_method_spec
   from models.loading import load_model
 
@@ -185,10 +186,7 @@ def run_ask(args) -> int:
   )
   if args.max_new_tokens < 1:
     raise SystemExit(f"error: --max-new-tokens={args.max_new_tokens} must be >= 1")
-  try:
-    document = open(args.document, encoding="utf-8").read()
-  except (OSError, UnicodeDecodeError) as e:
-    raise SystemExit(f"error: cannot read --document {args.document}: {e}") from e
+  document = load_text(args.document, name="--document")
   loaded = load_model(args.model, layer_loop=args.layer_loop)
   document_ids, question_ids = loaded.tokenizer.chat_document_and_questions(document, args.question)
   room = max(map(len, question_ids)) + args.max_new_tokens

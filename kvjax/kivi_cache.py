@@ -144,6 +144,18 @@ def _write_blocks(
   return jax.tree_util.tree_map(write_array, storage, blocks)
 
 
+def _window_tokens(
+  x: jax.Array,  # [B, H, tokens, D]
+  first: jax.Array,  # int32 [B]: each row's first token for the window
+  window_lengths: jax.Array,  # int32 [B]: tokens the window takes from there
+  slots: int,
+) -> jax.Array:  # [B, H, slots, D]: those tokens from slot 0, zeros past them
+  source = jnp.minimum(first[:, None] + jnp.arange(slots), x.shape[2] - 1)
+  taken = jnp.take_along_axis(x, source[:, None, :, None], axis=2)
+  in_window = (jnp.arange(slots)[None, :] < window_lengths[:, None])[:, None, :, None]
+  return jnp.where(in_window, taken, jnp.zeros((), x.dtype))
+
+
 def _zero_rows_past(
   segment: QuantizedKV,  # T tokens
   kept_tokens: jax.Array,  # int32 [B], multiples of every array's tokens-per-row
@@ -247,7 +259,7 @@ class KiviLayerCache:
 
   def ingest(self, keys, values, queries, lengths):
     del queries  # a codec stores every token it is given
-    batch, kv_heads, prompt_len, head_dim = keys.shape
+    prompt_len = keys.shape[2]
     if prompt_len > self.capacity:
       raise ValueError(f"prompt of {prompt_len} tokens exceeds cache capacity {self.capacity}")
     window = self.window
@@ -273,17 +285,9 @@ class KiviLayerCache:
       )
 
     # The window takes tokens [quantized_length, length) of each row, slot 0 onward.
-    slots = self.window_slots
-    token_index = jnp.minimum(quantized_lengths[:, None] + jnp.arange(slots), prompt_len - 1)
-    token_index = jnp.broadcast_to(
-      token_index[:, None, :, None], (batch, kv_heads, slots, head_dim)
+    gather_window = lambda x: _window_tokens(
+      x, quantized_lengths, window_lengths, self.window_slots
     )
-    in_window = (jnp.arange(slots)[None, :] < window_lengths[:, None])[:, None, :, None]
-
-    def gather_window(x):  # [B, H, prompt, D] -> [B, H, slots, D], zero past the window length
-      gathered = jnp.take_along_axis(x, token_index, axis=2)
-      return jnp.where(in_window, gathered, jnp.zeros((), x.dtype))
-
     return dataclasses.replace(
       self,
       segment=segment,
@@ -372,12 +376,8 @@ class KiviLayerCache:
       )
       flushed = totals // window * window
     window_lengths = totals - flushed
-    source = jnp.minimum(flushed[:, None] + jnp.arange(slots), combined_len - 1)
-    in_window = (jnp.arange(slots)[None, :] < window_lengths[:, None])[:, None, :, None]
-
-    def new_window(combined):  # [B, H, slots, D]: tokens [flushed, total) of each row
-      taken = jnp.take_along_axis(combined, source[:, None, :, None], axis=2)
-      return jnp.where(in_window, taken, jnp.zeros((), combined.dtype))
+    # Tokens [flushed, total) of each row's window + chunk.
+    new_window = lambda combined: _window_tokens(combined, flushed, window_lengths, slots)
 
     return dataclasses.replace(
       self,

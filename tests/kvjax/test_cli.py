@@ -34,7 +34,10 @@ def test_generate_json_on_the_embedded_model(capsys):
     (["compare", "--text", "/nonexistent/file.txt", "--methods", "full"], "cannot read"),
     (["compare", "--layer-loop", "while"], "invalid choice: 'while'"),
     (["compare", "--methods", "full", "--prefill-chunk", "0"], "prefill_chunk=0 must be"),
-    (["ask", "--document", "/nonexistent/doc.txt", "--question", "q"], "cannot read --document"),
+    (
+      ["ask", "--document", "/nonexistent/doc.txt", "--question", "q"],
+      "--document /nonexistent/doc.txt: cannot read as UTF-8 text",
+    ),
     (["ask", "--document", "/nonexistent/doc.txt"], "required: --question"),
     (["ask", "--document", "x", "--question", "q", "--max-new-tokens", "0"], "must be >= 1"),
     (
