@@ -9,7 +9,9 @@ reused cache cannot know the questions to come), written with orbax-checkpoint, 
 template of the same method and shapes, and each question is fed through the restored
 compressed cache and answered. The answers from the restored context are checked against the
 answers from the context still in memory, and then all questions are asked at once, in one
-batch of the context repeated on device (`repeat_context`), and must get the same answers.
+batch of the context repeated on device (`repeat_context`), which must give the same answers,
+and in one batch sharing the context held once (`share_context`: each question and answer kept
+in full precision beside it, so a quantizing method may answer a little differently).
 """
 
 import argparse
@@ -25,6 +27,7 @@ from kvjax.compressed_context import (
   context_template,
   continue_context,
   repeat_context,
+  share_context,
 )
 from kvjax.context_checkpoint import read_context_record, restore_context, save_context
 from kvjax.method_spec import parse_method_spec
@@ -120,27 +123,37 @@ def main(argv=None):
     if not same:
       raise SystemExit("the restored context answered differently from the one in memory")
 
-  # Every question at once: the context repeated on device, one row per question.
-  def ask_all():
+  # Every question at once, one row per question: the context repeated on device, or held
+  # once and shared by the rows, each keeping its question and answer in full precision.
+  def ask_all(rows):
     tokens, count = continue_context(
       model.decoder,
       model.params,
-      repeat_context(context, len(question_ids)),
+      rows,
       question_ids,
       max_new_tokens=ANSWER_TOKENS,
       stop_token_ids=model.stop_token_ids,
     )
     return [row[:n].tolist() for row, n in zip(tokens, count)]
 
-  ask_all()  # compile
-  start = time.perf_counter()
-  batched = ask_all()
-  print(
-    f"{len(QUESTIONS)} questions one at a time: {one_at_a_time_s:.1f} s; in one batch "
-    f"(repeat_context): {time.perf_counter() - start:.1f} s; same answers: {batched == answers}"
-  )
-  if batched != answers:
+  repeated = repeat_context(context, len(question_ids))
+  shared = share_context(model.decoder, context, len(question_ids), room=room)
+  timings, batched = {}, {}
+  for name, rows in (("repeat_context", repeated), ("share_context", shared)):
+    ask_all(rows)  # compile
+    start = time.perf_counter()
+    batched[name] = ask_all(rows)
+    timings[name] = time.perf_counter() - start
+  print(f"{len(QUESTIONS)} questions one at a time: {one_at_a_time_s:.1f} s")
+  for name, rows in (("repeat_context", repeated), ("share_context", shared)):
+    print(
+      f"in one batch ({name}): {timings[name]:.1f} s, caches {rows.cache_bytes / 2**20:.2f} "
+      f"MiB; same answers: {batched[name] == answers}"
+    )
+  if batched["repeat_context"] != answers:
     raise SystemExit("the questions asked in one batch were answered differently")
+  for question, answer in zip(QUESTIONS, batched["share_context"]):
+    print(f"Q: {question}\nA (share_context): {model.tokenizer.decode(answer)}")
 
 
 if __name__ == "__main__":

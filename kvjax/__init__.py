@@ -23,6 +23,7 @@ from kvjax.compressed_context import (
   context_template,
   continue_context,
   repeat_context,
+  share_context,
 )
 from kvjax.context_checkpoint import restore_context, save_context
 from kvjax.decoder_protocol import CachedDecoder
@@ -67,4 +68,5 @@ __all__ = [
   "restore_context",
   "run_layers",
   "save_context",
+  "share_context",
 ]

@@ -56,6 +56,13 @@ class LayerCache(Protocol):
   `append_and_attend` (same arguments and result as the function below); decoders run decode
   steps through `append_and_attend(cache, ...)`, which uses it.
 
+  A cache that can be read by several rows at once (kvjax.compressed_context.share_context)
+  also has `attend_with_lse(queries [batch, kv_heads, group, head_dim], *, sm_scale) -> (out
+  f32 [batch, kv_heads, group, head_dim], lse f32 [batch, kv_heads, group])`: `attend` with
+  the log-sum-exp of each query's logits, for any `group` (the rows' queries are folded into
+  it), so that its attention merges with another segment's; every kvjax cache but h2o_decode's
+  has it.
+
   A cache that can take a prompt in chunks (`kvjax.chunked_prefill`) also has
   `attend_chunk(queries [batch, kv_heads, group, chunk, head_dim], *, sm_scale) -> (out f32
   [batch, kv_heads, group, chunk, head_dim], lse f32 [batch, kv_heads, group, chunk])`: the

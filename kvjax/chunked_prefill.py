@@ -100,11 +100,14 @@ def prefill_in_chunks(
   params,
   tokens: jax.Array,  # int32 [batch, prompt], right-padded
   lengths: jax.Array,  # int32 [batch]
-  caches: tuple,  # freshly allocated
+  caches: tuple,  # freshly allocated, or holding `offsets[b]` tokens of row b
   *,
   chunk: int,
+  offsets: jax.Array | None = None,  # int32 [batch]: position of each row's first token
 ) -> tuple[jax.Array, tuple]:  # (logits at each row's last prompt token [batch, vocab], caches)
-  """The prompt fed `chunk` tokens at a time (traceable; see the module docstring)."""
+  """The prompt fed `chunk` tokens at a time (traceable; see the module docstring). With
+  `offsets`, the tokens continue caches that hold that many tokens per row (a row fed no token
+  gets zero logits)."""
   batch, prompt_len = tokens.shape
   chunk = min(int(chunk), prompt_len)
   num_chunks = -(-prompt_len // chunk)
@@ -115,7 +118,9 @@ def prefill_in_chunks(
   def run_chunk(caches, index):
     start = (index * chunk).astype(jnp.int32)
     piece = jax.lax.dynamic_slice_in_dim(padded, start, chunk, axis=1)
-    return decoder.prefill_chunk(params, piece, start, lengths, caches)
+    if offsets is None:
+      return decoder.prefill_chunk(params, piece, start, lengths, caches)
+    return decoder.prefill_chunk(params, piece, offsets + start, offsets + lengths, caches)
 
   caches = _each_layer(caches, "begin_chunks")
   # Every chunk runs in one scan (one compiled chunk step; fresh caches are not constants

@@ -163,7 +163,26 @@ def _add_ask(subparsers):
   _add_prefill_chunk_argument(p)
   _add_attention_arguments(p)
   p.add_argument("--layer-loop", choices=("unroll", "scan"), default="scan")
-  p.add_argument("--save", default=None, help="also save the compressed context to this directory")
+  p.add_argument(
+    "--rows",
+    choices=("shared", "repeated"),
+    default="shared",
+    help="shared: the document's cache held once for every question, each question and answer "
+    "in full precision beside it (kvjax.share_context); repeated: a copy of the cache per "
+    "question, decoded by the method as in generate (kvjax.repeat_context)",
+  )
+  p.add_argument(
+    "--feed-chunk",
+    type=int,
+    default=64,
+    help="with --rows shared: question tokens fed per step (0: one decode step per token)",
+  )
+  p.add_argument(
+    "--save",
+    default=None,
+    help="also save the compressed context to this directory (with --rows shared it has no "
+    "room of its own: restore it, then share it)",
+  )
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(run=run_ask)
 
@@ -172,8 +191,16 @@ def run_ask(args) -> int:
   import time
 
   import jax
+  import jax.numpy as jnp
 
-  from kvjax.compressed_context import compress_context, continue_context, repeat_context
+  from kvjax.cache_protocol import model_cache_shapes
+  from kvjax.compressed_context import (
+    check_shareable,
+    compress_context,
+    continue_context,
+    repeat_context,
+    share_context,
+  )
   from kvjax.context_checkpoint import save_context
   from kvjax.eval.text_corpus import load_text
   from kvjax.method_spec import parse_method_spec
@@ -186,10 +213,27 @@ def run_ask(args) -> int:
   )
   if args.max_new_tokens < 1:
     raise SystemExit(f"error: --max-new-tokens={args.max_new_tokens} must be >= 1")
+  if args.feed_chunk < 0:
+    raise SystemExit(f"error: --feed-chunk={args.feed_chunk} must be >= 0 (0: token by token)")
   document = load_text(args.document, name="--document")
   loaded = load_model(args.model, layer_loop=args.layer_loop)
   document_ids, question_ids = loaded.tokenizer.chat_document_and_questions(document, args.question)
   room = max(map(len, question_ids)) + args.max_new_tokens
+  shared = args.rows == "shared"
+  if shared:
+    try:
+      check_shareable(
+        model_cache_shapes(
+          cache_method,
+          loaded.decoder.cache_shape,
+          batch=1,
+          prompt_len=len(document_ids),
+          max_new_tokens=0,
+          dtype=jnp.bfloat16,
+        )
+      )
+    except ValueError as error:
+      raise SystemExit(f"error: --rows shared: {error}; use --rows repeated") from None
   start = time.perf_counter()
   context = jax.block_until_ready(
     compress_context(
@@ -197,7 +241,7 @@ def run_ask(args) -> int:
       loaded.params,
       [document_ids],
       cache_method=cache_method,
-      room=room,
+      room=0 if shared else room,
       prefill_chunk=args.prefill_chunk,
     )
   )
@@ -205,13 +249,24 @@ def run_ask(args) -> int:
   if args.save:
     save_context(args.save, context, metadata={"model": args.model, "method": args.method})
   start = time.perf_counter()
+  if shared:
+    rows = share_context(
+      loaded.decoder,
+      context,
+      len(question_ids),
+      room=room,
+      implementation=args.implementation,
+    )
+  else:
+    rows = repeat_context(context, len(question_ids))
   tokens, counts = continue_context(
     loaded.decoder,
     loaded.params,
-    repeat_context(context, len(question_ids)),
+    rows,
     question_ids,
     max_new_tokens=args.max_new_tokens,
     stop_token_ids=loaded.stop_token_ids,
+    feed_chunk=args.feed_chunk if shared and args.feed_chunk else None,
   )
   answer_s = time.perf_counter() - start
   answers = [loaded.tokenizer.decode(row[:n]) for row, n in zip(tokens, counts)]
@@ -219,7 +274,9 @@ def run_ask(args) -> int:
     model=args.model,
     method=args.method,
     document_tokens=len(document_ids),
-    cache_bytes=context.cache_bytes,
+    rows=args.rows,
+    context_bytes=context.cache_bytes,
+    cache_bytes=rows.cache_bytes,
     compress_s=compress_s,
     answer_s=answer_s,
     questions=args.question,
@@ -233,8 +290,9 @@ def run_ask(args) -> int:
     print(f"Q: {question}\nA: {answer}\n")
   print(
     f"[document {len(document_ids)} tokens, cache {context.cache_bytes / 2**20:.2f} MiB "
-    f"({args.method}); compressed in {compress_s:.1f} s, {len(answers)} questions answered in "
-    f"one batch in {answer_s:.1f} s, compile included]",
+    f"({args.method}); {len(answers)} questions' caches {rows.cache_bytes / 2**20:.2f} MiB "
+    f"({args.rows}); compressed in {compress_s:.1f} s, answered in one batch in "
+    f"{answer_s:.1f} s, compile included]",
     file=sys.stderr,
   )
   return 0

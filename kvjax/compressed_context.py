@@ -9,10 +9,9 @@ saves it to disk for another process.
     answer, num_generated = continue_context(
       decoder, params, context, [question], max_new_tokens=64, stop_token_ids=stop_ids
     )
-    # several questions at once: one row per question, the context repeated on device
-    answers, _ = continue_context(
-      decoder, params, repeat_context(context, len(questions)), questions, max_new_tokens=64
-    )
+    # several questions at once: one row per question, the context's caches held once
+    shared = share_context(decoder, context, len(questions), room=256)
+    answers, _ = continue_context(decoder, params, shared, questions, max_new_tokens=64)
 
 A question fed after the context was compressed is the query-agnostic setting: a selection
 method (SnapKV, PyramidKV, H2O) chose its tokens without seeing the question.
@@ -28,14 +27,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kvjax.attention_dispatch import IMPLEMENTATIONS
 from kvjax.cache_protocol import CacheMethod, model_cache_nbytes
 from kvjax.cache_room import check_room
+from kvjax.chunked_prefill import prefill_in_chunks
 from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
+from kvjax.dense_cache import FullCache
 from kvjax.generate import _decode_in_jit, check_decode_arguments, check_prefill_arguments, prefill
-from kvjax.layer_runs import StackedLayerCaches
+from kvjax.layer_runs import StackedLayerCaches, flatten_layer_caches
 from kvjax.prompt_batch import check_padded_token_ids, pack_prompts, pack_token_lists
 from kvjax.row_sharding import check_row_sharding, row_shardings, rows_split_at
 from kvjax.sampling import SamplingConfig
+from kvjax.shared_context_cache import SharedContextLayerCache, shared_context_refusal
 
 
 @jax.tree_util.register_dataclass
@@ -199,6 +202,7 @@ def continue_context(
   key: jax.Array | None = None,
   stop_token_ids: Sequence[int] = (),
   pad_token_id: int = 0,
+  feed_chunk: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
   """Feeds `tokens` (one token list per row, e.g. a question; lists may differ in length or be
   empty; or an int array [batch, n]) through the context's caches, then generates up to
@@ -208,6 +212,12 @@ def continue_context(
   Feeding and generating run in one loop on device: a row fed a shorter list starts generating
   sooner. `context` is not changed, so it can be continued again. The caches need room for the
   longest list plus `max_new_tokens - 1` (checked before anything runs).
+
+  `feed_chunk` (a shared context only, `share_context`): the lists are fed that many tokens at
+  a time, each chunk in one step of the decoder's `prefill_chunk` (every row's tokens at once,
+  attending over its context row, its tokens before the chunk and causally within it), instead
+  of one decode step per token; then the rows generate. The same attention, so the same
+  greedy tokens up to rounding; sampling draws other keys.
   """
   if not isinstance(context, CompressedContext):
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
@@ -216,15 +226,22 @@ def continue_context(
     feed_tokens, pad_token_id=pad_token_id, vocab_size=context.next_logits.shape[-1], name="tokens"
   )
   key = check_decode_arguments(max_new_tokens, sampling, key)
+  _check_feed_chunk(decoder, context, feed_chunk)
   check_room(
     context.caches, int(feed_lengths.max()) + max_new_tokens - 1, caller="continue_context"
   )
+  next_logits, caches, lengths = context.next_logits, context.caches, context.lengths
+  if feed_chunk is not None and feed_tokens.shape[1]:
+    next_logits, caches, lengths = _feed_in_chunks(
+      decoder, params, next_logits, caches, lengths, feed_tokens, feed_lengths, chunk=feed_chunk
+    )
+    feed_tokens, feed_lengths = None, None
   out_tokens, count, _, _ = _decode_in_jit(
     decoder,
     params,
-    context.next_logits,
-    context.caches,
-    context.lengths,
+    next_logits,
+    caches,
+    lengths,
     key,
     feed_tokens,
     feed_lengths,
@@ -234,6 +251,45 @@ def continue_context(
     pad_token_id=pad_token_id,
   )
   return np.asarray(out_tokens), np.asarray(count)
+
+
+def _check_copies(copies) -> None:
+  if not isinstance(copies, (int, np.integer)) or isinstance(copies, bool) or copies < 1:
+    raise ValueError(f"copies={copies!r} must be an int >= 1 (rows made of each context row)")
+
+
+def _check_feed_chunk(decoder, context: CompressedContext, feed_chunk) -> None:
+  if feed_chunk is None:
+    return
+  if not isinstance(feed_chunk, (int, np.integer)) or isinstance(feed_chunk, bool):
+    raise ValueError(
+      f"feed_chunk={feed_chunk!r} must be None (one decode step per fed token) or an int >= 1"
+    )
+  if feed_chunk < 1:
+    raise ValueError(f"feed_chunk={feed_chunk} must be None or an int >= 1")
+  if not is_shared(context):
+    raise ValueError(
+      f"feed_chunk={feed_chunk}: only a shared context (share_context) takes fed tokens in "
+      "chunks, appending them exactly; a method's own caches would compress each chunk as a "
+      "chunked prefill does. Share the context, or feed_chunk=None"
+    )
+  if not callable(getattr(decoder, "prefill_chunk", None)):
+    raise ValueError(
+      f"feed_chunk={feed_chunk}: the decoder {type(decoder).__qualname__} has no "
+      "prefill_chunk(params, tokens, start, lengths, caches) (kvjax.decoder_protocol)"
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("decoder", "chunk"))
+def _feed_in_chunks(
+  decoder, params, next_logits, caches, lengths, feed_tokens, feed_lengths, *, chunk
+):
+  """(logits predicting each row's token after its fed ones, caches, new lengths)."""
+  logits, caches = prefill_in_chunks(
+    decoder, params, feed_tokens, feed_lengths, caches, chunk=chunk, offsets=lengths
+  )
+  logits = jnp.where((feed_lengths > 0)[:, None], logits, next_logits)
+  return logits, caches, lengths + feed_lengths
 
 
 def repeat_context(
@@ -251,8 +307,8 @@ def repeat_context(
   """
   if not isinstance(context, CompressedContext):
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
-  if not isinstance(copies, (int, np.integer)) or isinstance(copies, bool) or copies < 1:
-    raise ValueError(f"copies={copies!r} must be an int >= 1 (rows made of each context row)")
+  _check_copies(copies)
+  _refuse_shared(context, "repeat_context")
   batch = context.lengths.shape[0]
   if row_sharding is not None:
     check_row_sharding(row_sharding, batch * int(copies))
@@ -265,6 +321,92 @@ def repeat_context(
   return jax.device_put(
     repeated, jax.tree.map(functools.partial(rows_split_at, row_sharding), axes)
   )
+
+
+def share_context(
+  decoder: CachedDecoder,
+  context: CompressedContext,
+  copies: int,
+  *,
+  room: int,
+  cache_dtype=jnp.bfloat16,
+  implementation: str = "auto",
+) -> CompressedContext:
+  """Each row of `context` made `copies` rows, as `repeat_context` orders them, with the
+  context's caches held once: `continue_context(decoder, params, share_context(decoder, context,
+  n, room=R), questions)` answers n questions about one compressed document in one batch.
+
+  Each row appends its own tokens (question, answer: up to `room` per row) to a full-precision
+  cache of its own (`cache_dtype`, decode attention by `implementation`), and a decode step
+  attends over its context row and its own tokens, merged by log-sum-exp
+  (kvjax.shared_context_cache). The context then costs its bytes once, not `copies` times, and
+  is read once per step for all its copies. The context's caches need no room of their own
+  (compress it with `room=0`).
+
+  What differs from `repeat_context`: tokens after the context are kept as computed, never
+  quantized or evicted, and the context's caches stay as compressed (a KIVI window is not
+  flushed, a StreamingLLM ring does not move). h2o_decode, which evicts by each step's
+  attention, cannot be shared, nor can a cache without `attend_with_lse`; both are refused by
+  name. A shared context is continued, not saved: save the context, and share it after
+  restoring.
+  """
+  if not isinstance(context, CompressedContext):
+    raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
+  _check_copies(copies)
+  _check_room_argument(room)
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation={implementation!r}; allowed: {', '.join(IMPLEMENTATIONS)}")
+  _refuse_shared(context, "share_context")
+  check_shareable(context.caches)
+  shape = decoder.cache_shape
+  own = FullCache(implementation=implementation).allocate_storage(
+    batch=context.lengths.shape[0] * int(copies),
+    kv_heads=shape.num_kv_heads,
+    capacity=int(room),
+    head_dim=shape.head_dim,
+    dtype=cache_dtype,
+  )
+
+  def shared(item):
+    if not isinstance(item, StackedLayerCaches):
+      return SharedContextLayerCache(context=item, own=own, copies=int(copies))
+    layers = item.num_layers
+    own_stack = jax.tree.map(lambda leaf: jnp.zeros((layers,) + leaf.shape, leaf.dtype), own)
+    return StackedLayerCaches(
+      SharedContextLayerCache(context=item.stacked, own=own_stack, copies=int(copies))
+    )
+
+  return CompressedContext(
+    caches=tuple(shared(item) for item in context.caches),
+    lengths=jnp.repeat(context.lengths, int(copies)),
+    next_logits=jnp.repeat(context.next_logits, int(copies), axis=0),
+  )
+
+
+def check_shareable(caches) -> None:
+  """ValueError naming the first layer whose cache `share_context` cannot share (`caches`: a
+  context's caches, or their `model_cache_shapes`, so a caller can check before prefilling)."""
+  for layer, cache in enumerate(flatten_layer_caches(caches)):
+    refusal = shared_context_refusal(cache)
+    if refusal is not None:
+      raise ValueError(f"share_context: layer {layer}'s cache cannot be shared: {refusal}")
+
+
+def is_shared(context: CompressedContext) -> bool:
+  """Whether `context` came from `share_context` (its caches are read by several rows each)."""
+  return any(
+    isinstance(cache, SharedContextLayerCache)
+    for item in context.caches
+    for cache in ([item.stacked] if isinstance(item, StackedLayerCaches) else [item])
+  )
+
+
+def _refuse_shared(context: CompressedContext, caller: str) -> None:
+  if is_shared(context):
+    raise ValueError(
+      f"{caller}: the context is shared already (share_context); share the original context "
+      "with all the copies needed instead"
+    )
 
 
 def _batch_axes(context: CompressedContext) -> CompressedContext:

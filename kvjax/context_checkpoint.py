@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.compressed_context import CompressedContext
+from kvjax.compressed_context import CompressedContext, is_shared
 
 FORMAT = "kvjax-context/1"
 METADATA_FILE = "kvjax_context.json"
@@ -117,6 +117,11 @@ def save_context(
     raise ValueError(
       f"context must be a kvjax.compressed_context.CompressedContext, got "
       f"{type(context).__qualname__}"
+    )
+  if is_shared(context):
+    raise ValueError(
+      "save_context: the context is shared (share_context); save the context it was shared "
+      "from, and share it again after restore_context"
     )
   if not isinstance(overwrite, bool):
     raise ValueError(f"overwrite={overwrite!r} must be True or False")

@@ -35,8 +35,10 @@ class CachedDecoder(Protocol):
     ...
 
   # Optional, for chunked prefill (`kvjax.chunked_prefill`): the chunk of prompt positions
-  # [start, start + chunk) through the caches holding the positions before it.
-  # def prefill_chunk(self, params, tokens: int32 [batch, chunk], start: int32 [],
+  # [start, start + chunk) through the caches holding the positions before it. `start` is one
+  # position for every row, or each row's own (int32 [batch]: feeding tokens in chunks after
+  # a context whose rows have different lengths, `continue_context(feed_chunk=...)`).
+  # def prefill_chunk(self, params, tokens: int32 [batch, chunk], start: int32 [] or [batch],
   #                   lengths: int32 [batch], caches) -> (logits [batch, vocab] at each row's
   #                   last prompt token when it lies in the chunk, caches)
 

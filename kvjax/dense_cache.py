@@ -92,8 +92,9 @@ class DenseLayerCache(KeyValueArrays):
     """(out, lse) of a prompt chunk's queries over every token held (all precede the chunk)."""
     return attend_chunk_over_slots(queries, self.keys, self.values, self.lengths, sm_scale=sm_scale)
 
-  def attend(self, queries, *, sm_scale):
-    out, _ = attention_dispatch.decode_attention(
+  def attend_with_lse(self, queries, *, sm_scale):
+    """(out, lse) of one query position per row over every token held."""
+    return attention_dispatch.decode_attention(
       queries,
       self.keys,
       self.values,
@@ -102,7 +103,9 @@ class DenseLayerCache(KeyValueArrays):
       implementation=self.implementation,
       kernel_config=self.kernel_settings.full_config(),
     )
-    return out
+
+  def attend(self, queries, *, sm_scale):
+    return self.attend_with_lse(queries, sm_scale=sm_scale)[0]
 
 
 @register_method("full", kind="storage")

@@ -426,12 +426,14 @@ class KiviLayerCache:
     )
     return partials
 
-  def attend(self, queries, *, sm_scale):
-    partials = self._attention_partials(
-      queries, sm_scale=sm_scale, implementation=self.implementation
+  def attend_with_lse(self, queries, *, sm_scale):
+    """(out, lse) of one query position per row over the quantized segment and the window."""
+    return merge_attention_partials(
+      self._attention_partials(queries, sm_scale=sm_scale, implementation=self.implementation)
     )
-    out, _ = merge_attention_partials(partials)
-    return out
+
+  def attend(self, queries, *, sm_scale):
+    return self.attend_with_lse(queries, sm_scale=sm_scale)[0]
 
   def attend_chunk(self, queries, *, sm_scale):
     """(out, lse) of a prompt chunk's queries over every token held (all precede the chunk)."""

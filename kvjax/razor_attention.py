@@ -17,7 +17,7 @@ Compensation (`compensation=`):
   - "weighted" (the paper): the compensation token counts as the n tokens it replaces — its
     attention logit gets + log(n). It is kept beside the storage in the cache dtype with n per
     row, and merged with the storage's attention by log-sum-exp, which needs a storage that
-    reports its log-sum-exp (`full`, or any layer cache with `attend_with_lse`).
+    reports its log-sum-exp (`full`, `kivi`, `gear`: any layer cache with `attend_with_lse`).
 A row is compressed when it has tokens to drop (length > sinks + window); shorter rows keep
 every token.
 
@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
 from kvjax.compact_rows import held_then_chunk
 from kvjax.dense_cache import DenseLayerCache, FullCache
@@ -173,24 +172,7 @@ class LocalHeadsInChunks:
 
 
 def supports_lse(storage_cache) -> bool:
-  return isinstance(storage_cache, DenseLayerCache) or callable(
-    getattr(storage_cache, "attend_with_lse", None)
-  )
-
-
-def attend_with_lse(storage_cache, queries, *, sm_scale):
-  """(out, lse [batch, heads, group]) of a storage cache, for merging with another segment."""
-  if isinstance(storage_cache, DenseLayerCache):
-    return attention_dispatch.decode_attention(
-      queries,
-      storage_cache.keys,
-      storage_cache.values,
-      storage_cache.lengths,
-      sm_scale=sm_scale,
-      implementation=storage_cache.implementation,
-      kernel_config=storage_cache.kernel_settings.full_config(),
-    )
-  return storage_cache.attend_with_lse(queries, sm_scale=sm_scale)
+  return callable(getattr(storage_cache, "attend_with_lse", None))
 
 
 @jax.tree_util.register_dataclass
@@ -408,12 +390,13 @@ class RazorLayerCache:
       updates["local"] = self.local.append(local_keys, local_values)
     return dataclasses.replace(self, **updates)
 
-  def _attend_local(self, queries, sm_scale):
+  def _attend_local_with_lse(self, queries, sm_scale):
+    held = self.local.attend_with_lse(queries, sm_scale=sm_scale)
     if self.compensation_keys is None:
-      return self.local.attend(queries, sm_scale=sm_scale)
-    merged, _ = merge_attention_partials(
+      return held
+    return merge_attention_partials(
       [
-        attend_with_lse(self.local, queries, sm_scale=sm_scale),
+        held,
         compensation_partial(
           queries,
           self.compensation_keys,
@@ -424,15 +407,33 @@ class RazorLayerCache:
         ),
       ]
     )
-    return merged
 
   def attend(self, queries, *, sm_scale):
+    if self.compensation_keys is None:
+      # Storages need not report their log-sum-exp unless compensation=weighted merges by it.
+      retrieval_queries, local_queries = self._split(queries)
+      return self._join(
+        None
+        if self.retrieval is None
+        else self.retrieval.attend(retrieval_queries, sm_scale=sm_scale),
+        None if self.local is None else self.local.attend(local_queries, sm_scale=sm_scale),
+      )
+    return self.attend_with_lse(queries, sm_scale=sm_scale)[0]
+
+  def attend_with_lse(self, queries, *, sm_scale):
+    """(out, lse) of one query position per row: each head over what it holds (a local head's
+    compensation token counted as `dropped_counts` tokens with compensation=weighted)."""
     retrieval_queries, local_queries = self._split(queries)
-    return self._join(
+    retrieval = (
       None
       if self.retrieval is None
-      else self.retrieval.attend(retrieval_queries, sm_scale=sm_scale),
-      None if self.local is None else self._attend_local(local_queries, sm_scale),
+      else self.retrieval.attend_with_lse(retrieval_queries, sm_scale=sm_scale)
+    )
+    local = None if self.local is None else self._attend_local_with_lse(local_queries, sm_scale)
+    pick = lambda part, i: None if part is None else part[i]
+    return (
+      self._join(pick(retrieval, 0), pick(local, 0)),
+      self._join(pick(retrieval, 1), pick(local, 1)),
     )
 
   @property

@@ -103,8 +103,9 @@ class SlidingWindowLayerCache(KeyValueArrays):
     )
     return masked_attention(queries, self.keys, self.values, visible, sm_scale=sm_scale)
 
-  def attend(self, queries, *, sm_scale):
-    out, _ = attention_dispatch.decode_attention(
+  def attend_with_lse(self, queries, *, sm_scale):
+    """(out, lse) of one query position per row over the tokens the ring holds."""
+    return attention_dispatch.decode_attention(
       queries,
       self.keys,
       self.values,
@@ -113,4 +114,6 @@ class SlidingWindowLayerCache(KeyValueArrays):
       implementation=self.implementation,
       kernel_config=self.kernel_settings.full_config(),
     )
-    return out
+
+  def attend(self, queries, *, sm_scale):
+    return self.attend_with_lse(queries, sm_scale=sm_scale)[0]

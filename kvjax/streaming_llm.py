@@ -160,6 +160,10 @@ class StreamingLayerCache(KeyValueArrays):
     )
 
   def attend(self, queries, *, sm_scale):
+    return self.attend_with_lse(queries, sm_scale=sm_scale)[0]
+
+  def attend_with_lse(self, queries, *, sm_scale):
+    """(out, lse) of one query position per row over the sinks and the window."""
     keys = self.keys
     if self.rope_theta is not None and self.sinks > 0:
       # In-cache positions: only the sinks move, forward by the number of evicted tokens.
@@ -167,7 +171,7 @@ class StreamingLayerCache(KeyValueArrays):
       inv_freq = rope_inverse_frequencies(keys.shape[-1], self.rope_theta)
       moved_sinks = rotate_by_positions(keys[:, :, : self.sinks], evicted, inv_freq)
       keys = keys.at[:, :, : self.sinks].set(moved_sinks.astype(keys.dtype))
-    out, _ = attention_dispatch.decode_attention(
+    return attention_dispatch.decode_attention(
       queries,
       keys,
       self.values,
@@ -176,7 +180,6 @@ class StreamingLayerCache(KeyValueArrays):
       implementation=self.implementation,
       kernel_config=self.kernel_settings.full_config(),
     )
-    return out
 
 
 @register_method("streaming", kind="selection")

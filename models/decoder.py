@@ -99,7 +99,7 @@ class Decoder(nnx.Module):
   def prefill_chunk(
     self,
     tokens: jax.Array,  # int32 [batch, chunk]: prompt positions [start, start + chunk)
-    start: jax.Array,  # int32 []: position of the chunk's first token
+    start: jax.Array,  # int32 [] or [batch]: position of the chunk's first token (per row)
     lengths: jax.Array,  # int32 [batch]: whole prompt lengths
     caches: tuple,  # holding each row's tokens before `start`
   ) -> tuple[jax.Array, tuple]:
@@ -107,7 +107,9 @@ class Decoder(nnx.Module):
     where it lies in this chunk (elsewhere at the chunk's clipped end: not meaningful)."""
     chunk = tokens.shape[1]
     x = self.embed_tokens(tokens)
-    positions = jnp.broadcast_to(start + jnp.arange(chunk, dtype=jnp.int32), tokens.shape)
+    positions = jnp.broadcast_to(
+      jnp.asarray(start)[..., None] + jnp.arange(chunk, dtype=jnp.int32), tokens.shape
+    )
     counts = jnp.clip(lengths - start, 0, chunk).astype(jnp.int32)
     attention = self.layers[0].self_attn
     x, new_caches = self._run_layers(

@@ -150,6 +150,9 @@ class SelectedLayerCache:
   def attend(self, queries, *, sm_scale):
     return self.storage.attend(queries, sm_scale=sm_scale)
 
+  def attend_with_lse(self, queries, *, sm_scale):
+    return self.storage.attend_with_lse(queries, sm_scale=sm_scale)
+
   @property
   def nbytes(self) -> int:
     return self.storage.nbytes

@@ -26,8 +26,12 @@ def test_a_saved_and_restored_compressed_context_answers_like_the_one_in_memory(
   assert disk < cache * 1.05
   assert directory.is_dir()
   assert out.count("(same answer from the context in memory: True)") == 2
-  assert re.search(
-    r"2 questions one at a time: [\d.]+ s; in one batch \(repeat_context\): "
-    r"[\d.]+ s; same answers: True",
-    out,
+  assert re.search(r"2 questions one at a time: [\d.]+ s", out)
+  repeated = re.search(
+    r"in one batch \(repeat_context\): [\d.]+ s, caches ([\d.]+) MiB; same answers: True", out
   )
+  shared = re.search(r"in one batch \(share_context\): [\d.]+ s, caches ([\d.]+) MiB", out)
+  # Two copies of the context, against one and two rows of 48 answer tokens and a question.
+  assert float(repeated.group(1)) == pytest.approx(2 * cache, rel=0.01)
+  assert cache < float(shared.group(1)) < float(repeated.group(1))
+  assert out.count("A (share_context): ") == 2

@@ -40,6 +40,7 @@ def test_generate_json_on_the_embedded_model(capsys):
     ),
     (["ask", "--document", "/nonexistent/doc.txt"], "required: --question"),
     (["ask", "--document", "x", "--question", "q", "--max-new-tokens", "0"], "must be >= 1"),
+    (["ask", "--document", "x", "--question", "q", "--feed-chunk", "-1"], "--feed-chunk=-1"),
     (
       ["compare", "--methods", "full", "h2o:budget=32,window=4", "--prefill-chunk", "16"],
       "cache method 'h2o' cannot prefill in chunks",
@@ -64,8 +65,32 @@ def test_ask_answers_every_question_about_one_compressed_document(tmp_path, caps
   record = json.loads(capsys.readouterr().out)
   assert record["questions"] == ["Who is the mayor?", "Where does the river flow?"]
   assert len(record["answers"]) == 2 and all(1 <= n <= 4 for n in record["answer_tokens"])
-  assert record["method"] == "kivi:bits=4" and record["cache_bytes"] > 0
+  assert record["method"] == "kivi:bits=4" and record["rows"] == "shared"
+  # SmolLM2: 30 layers, 3 KV heads of 64 dims; each question's own bf16 cache holds its
+  # longest question and its answer, beside the document's cache held once.
+  per_layer_and_row, rest = divmod(record["cache_bytes"] - record["context_bytes"], 30 * 2)
+  room, rest_of_row = divmod(per_layer_and_row - 4, 2 * 3 * 64 * 2)
+  assert rest == rest_of_row == 0 and room >= 4 + 1  # the 4 answer tokens and a question
   assert read_context_record(tmp_path / "context")["metadata"]["method"] == "kivi:bits=4"
+
+
+def test_ask_with_shared_or_repeated_rows_answers_alike_with_a_full_cache(tmp_path, capsys):
+  document = tmp_path / "doc.txt"
+  document.write_text("Pelle keeps three goats and a donkey named Bruno on the hill farm.\n")
+  argv = ["ask", "--document", str(document), "--max-new-tokens", "6", "--json"]
+  argv += ["--question", "What is the donkey called?", "--question", "How many goats?"]
+  argv += ["--method", "full"]
+  records = {}
+  for rows in ("shared", "repeated"):
+    assert main(argv + ["--rows", rows]) == 0
+    records[rows] = json.loads(capsys.readouterr().out)
+  assert main(argv + ["--feed-chunk", "0"]) == 0  # shared, token by token
+  assert json.loads(capsys.readouterr().out)["answers"] == records["shared"]["answers"]
+  assert records["shared"]["answers"] == records["repeated"]["answers"]
+  assert records["repeated"]["cache_bytes"] == 2 * records["repeated"]["context_bytes"]
+  assert records["shared"]["cache_bytes"] < records["repeated"]["cache_bytes"]
+  with pytest.raises(SystemExit, match="--rows shared: share_context: layer 0's cache cannot"):
+    main(argv[:-1] + ["h2o_decode:budget=16"])
 
 
 def test_razor_profile_command_writes_a_loadable_profile(tmp_path, capsys):

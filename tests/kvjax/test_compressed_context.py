@@ -11,7 +11,9 @@ from kvjax.compressed_context import (
   context_template,
   continue_context,
   repeat_context,
+  share_context,
 )
+from kvjax.context_checkpoint import save_context
 from kvjax.dense_cache import FullCache
 from kvjax.generate import decode, generate, prefill
 from kvjax.method_spec import parse_method_spec
@@ -24,6 +26,11 @@ from tests.kvjax.tiny_decoder import tiny_decoder
 QUESTIONS = [[5, 9, 11], [7, 3, 2]]
 RAGGED_QUESTIONS = [[5, 9, 11, 4, 8], [7]]
 KIVI = "kivi:bits=4,group_size=16,residual=16"
+
+
+def with_razor_profile(spec: str, profile_path: str) -> str:
+  """The spec, or for "razor" a RazorAttention spec with the tiny decoder's head profile."""
+  return f"razor:budget=12,sinks=2,profile={profile_path}" if spec == "razor" else spec
 
 
 def assert_same_arrays(a, b):
@@ -191,8 +198,7 @@ def test_sampling_follows_the_key():
 def test_a_repeated_context_answers_each_question_as_the_context_alone(
   spec, layer_loop, profile_path
 ):
-  if spec == "razor":
-    spec = f"razor:budget=12,sinks=2,profile={profile_path}"
+  spec = with_razor_profile(spec, profile_path)
   decoder, params = tiny_decoder(layer_loop=layer_loop)
   context = compress_context(
     decoder, params, PROMPTS[:1], cache_method=parse_method_spec(spec), room=11
@@ -280,3 +286,110 @@ def test_bad_arguments_are_refused_before_anything_runs():
   continue_context(decoder, params, context, [[1, 2, 3], []], max_new_tokens=room - 3 + 1)
   with pytest.raises(ValueError, match=f"continue_context: appends {room + 1} tokens"):
     continue_context(decoder, params, context, [[], [1, 2, 3]], max_new_tokens=room - 3 + 2)
+
+
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+@pytest.mark.parametrize("spec", ["full", "snapkv:budget=16,window=4", "razor"])
+def test_a_shared_context_answers_as_the_repeated_context(spec, layer_loop, profile_path):
+  """Methods whose decoding only appends to a full-precision storage: the context held once
+  answers every question as its copies do."""
+  spec = with_razor_profile(spec, profile_path)
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  method = parse_method_spec(spec)
+  questions = [[5, 9, 11, 4, 8], [7], [2, 2, 3], [1, 4], [], [9, 9, 9]]  # 3 per prompt
+  compress = lambda room: compress_context(
+    decoder, params, PROMPTS, cache_method=method, room=room, cache_dtype=jnp.float32
+  )
+  shared = share_context(decoder, compress(0), 3, room=11, cache_dtype=jnp.float32)
+  np.testing.assert_array_equal(shared.lengths, [40, 40, 40, 29, 29, 29])
+  tokens, count = continue_context(decoder, params, shared, questions, max_new_tokens=6)
+  expected, expected_count = continue_context(
+    decoder, params, repeat_context(compress(11), 3), questions, max_new_tokens=6
+  )
+  np.testing.assert_array_equal(tokens, expected)
+  np.testing.assert_array_equal(count, expected_count)
+
+
+def test_a_shared_context_holds_the_context_once_and_a_full_cache_per_row():
+  decoder, params = tiny_decoder(layer_loop="scan")
+  context = compress_context(decoder, params, PROMPTS, cache_method=parse_method_spec(KIVI), room=0)
+  shared = share_context(decoder, context, 4, room=7)
+  shape = decoder.cache_shape
+  rows = 2 * 4
+  # bf16 keys and values of 7 tokens per row and layer, and each row's int32 length.
+  own_bytes = shape.num_layers * rows * (2 * shape.num_kv_heads * 7 * shape.head_dim * 2 + 4)
+  assert shared.cache_bytes == context.cache_bytes + own_bytes
+  assert shared.cache_bytes < repeat_context(context, 4).cache_bytes
+  np.testing.assert_array_equal(rows_room(shared.caches), [7] * rows)
+  tokens, count = continue_context(decoder, params, shared, [[1, 2]] * rows, max_new_tokens=6)
+  assert tokens.shape == (rows, 6) and np.all(count == 6)
+  with pytest.raises(ValueError, match="continue_context: appends 8 tokens"):
+    continue_context(decoder, params, shared, [[1, 2, 3]] * rows, max_new_tokens=6)
+  # The context is not changed by continuing it: asked again, it answers the same.
+  again, _ = continue_context(decoder, params, shared, [[1, 2]] * rows, max_new_tokens=6)
+  np.testing.assert_array_equal(again, tokens)
+
+
+def test_share_context_refuses_bad_arguments_and_what_cannot_be_shared(tmp_path):
+  decoder, params = tiny_decoder()
+  context = compress_context(decoder, params, PROMPTS[:1], cache_method=FullCache(), room=0)
+  for copies in (0, 2.0, True, "3"):
+    with pytest.raises(ValueError, match=r"copies=.* must be an int >= 1"):
+      share_context(decoder, context, copies, room=4)
+  for room in (-1, True, 2.5):
+    with pytest.raises(ValueError, match="room="):
+      share_context(decoder, context, 2, room=room)
+  with pytest.raises(ValueError, match="implementation='gpu'; allowed: auto, pallas"):
+    share_context(decoder, context, 2, room=4, implementation="gpu")
+  with pytest.raises(ValueError, match="must be a CompressedContext"):
+    share_context(decoder, context.caches, 2, room=4)
+  shared = share_context(decoder, context, 2, room=4)
+  for refused in (
+    lambda: share_context(decoder, shared, 2, room=4),
+    lambda: repeat_context(shared, 2),
+  ):
+    with pytest.raises(ValueError, match="the context is shared already"):
+      refused()
+  with pytest.raises(ValueError, match="save the context it was shared from"):
+    save_context(tmp_path / "shared", shared)
+  evicting = compress_context(
+    decoder, params, PROMPTS[:1], cache_method=parse_method_spec("h2o_decode:budget=16"), room=0
+  )
+  with pytest.raises(ValueError, match="layer 0's cache cannot be shared: HeavyHitterEviction"):
+    share_context(decoder, evicting, 2, room=4)
+
+
+@pytest.mark.parametrize(
+  "spec, layer_loop", [("full", "unroll"), (KIVI, "scan"), ("razor", "scan")]
+)
+def test_a_shared_context_fed_in_chunks_answers_as_fed_token_by_token(
+  spec, layer_loop, profile_path
+):
+  spec = with_razor_profile(spec, profile_path)
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  context = compress_context(
+    decoder, params, PROMPTS, cache_method=parse_method_spec(spec), room=0, cache_dtype=jnp.float32
+  )
+  shared = share_context(decoder, context, 3, room=14, cache_dtype=jnp.float32)
+  # Ragged, one empty: rows of different context lengths (40, 29) start at their own positions.
+  questions = [[5, 9, 11, 4, 8, 3, 3], [7], [], [1, 4], [2, 2, 3, 3, 1], [9, 9, 9, 9, 9, 9, 9, 1]]
+  expected, expected_count = continue_context(decoder, params, shared, questions, max_new_tokens=6)
+  for chunk in (1, 3, 8, 16):
+    tokens, count = continue_context(
+      decoder, params, shared, questions, max_new_tokens=6, feed_chunk=chunk
+    )
+    np.testing.assert_array_equal(tokens, expected, err_msg=f"feed_chunk={chunk}")
+    np.testing.assert_array_equal(count, expected_count)
+
+
+def test_feed_chunk_is_refused_where_it_cannot_append_exactly():
+  decoder, params = tiny_decoder()
+  context = compress_context(decoder, params, PROMPTS, cache_method=FullCache(), room=8)
+  with pytest.raises(ValueError, match=r"feed_chunk=4: only a shared context"):
+    continue_context(decoder, params, context, [[1], [2]], max_new_tokens=2, feed_chunk=4)
+  shared = share_context(decoder, context, 1, room=8)
+  for chunk in (0, 2.0, True):
+    with pytest.raises(ValueError, match=r"feed_chunk=.* must be None"):
+      continue_context(decoder, params, shared, [[1], [2]], max_new_tokens=2, feed_chunk=chunk)
+  with pytest.raises(ValueError, match="continue_context: appends 9 tokens"):
+    continue_context(decoder, params, shared, [[1] * 8, [2]], max_new_tokens=2, feed_chunk=4)

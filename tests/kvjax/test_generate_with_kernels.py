@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax.compressed_context import compress_context, continue_context, share_context
 from kvjax.generate import generate
 from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import parse_method_spec
@@ -115,3 +116,26 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
   wanted = settings.full_config() or settings.quantized_config()
   assert wanted in seen, seen
+
+
+@pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
+def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group():
+  """Three rows per context row: their queries reach the kernel as one group three times as
+  large (a fallback to the reference would be an error here)."""
+  decoder, params = tiny_decoder(config=KERNEL_CONFIG, layer_loop="scan")
+  questions = [[5, 9], [7], [1, 2, 3], [4], [], [8, 8]]
+  tokens = {}
+  for implementation in ("reference", "interpret"):
+    method = parse_method_spec(
+      "kivi:bits=4,group_size=16,residual=16", implementation=implementation
+    )
+    context = compress_context(
+      decoder, params, PROMPTS, cache_method=method, room=0, cache_dtype=jnp.float32
+    )
+    shared = share_context(
+      decoder, context, 3, room=6, cache_dtype=jnp.float32, implementation=implementation
+    )
+    tokens[implementation], _ = continue_context(
+      decoder, params, shared, questions, max_new_tokens=3
+    )
+  np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])

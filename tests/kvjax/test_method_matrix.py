@@ -15,6 +15,7 @@ import pytest
 from kvjax.cache_protocol import model_cache_nbytes, model_cache_shapes, tree_nbytes
 from kvjax.cache_room import rows_room
 from kvjax.chunked_prefill import CHUNKED_PREFILL_METHODS, chunked_prefill_refusal
+from kvjax.compressed_context import compress_context, repeat_context, share_context
 from kvjax.eval.cache_size import cache_bytes_after_context
 from kvjax.eval.continuation import score_continuation
 from kvjax.generate import generate, prefill
@@ -176,3 +177,40 @@ def test_every_cache_array_keeps_the_batch_on_axis_0(name, spec, kl_bound, profi
   )
   for one, three in zip(jax.tree.leaves(shapes(1)), jax.tree.leaves(shapes(3)), strict=True):
     assert one.shape[0] == 1 and three.shape == (3,) + one.shape[1:], (one.shape, three.shape)
+
+
+@pytest.mark.parametrize(
+  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+)
+def test_method_shared_by_several_rows(name, spec, kl_bound, profile_path):
+  """A context held once for three rows per prompt (share_context) scores continuations as
+  the same context copied per row with each row's tokens kept beside it; where decoding only
+  appends to a full-precision storage, as the copied context itself. Or it is refused by
+  name."""
+  decoder, params = tiny_decoder(layer_loop="scan")
+  method = parse_method_spec(spec.format(profile=profile_path))
+  context = compress_context(
+    decoder, params, PROMPTS, cache_method=method, room=0, cache_dtype=jnp.float32
+  )
+  share = lambda context, copies: share_context(
+    decoder, context, copies, room=5, cache_dtype=jnp.float32
+  )
+  if name == "h2o_decode":
+    with pytest.raises(ValueError, match="evicts by the attention of each decode step"):
+      share(context, 3)
+    return
+  forced = np.random.default_rng(3).integers(1, 64, (6, 5)).astype(np.int32)
+  score = lambda context: np.asarray(
+    teacher_force(decoder, params, context.next_logits, context.caches, context.lengths, forced)[0]
+  )
+  shared = score(share(context, 3))
+  assert np.all(np.isfinite(shared))
+  # The three copies' queries folded into one read of the context, against three copies.
+  np.testing.assert_allclose(
+    shared, score(share(repeat_context(context, 3), 1)), rtol=1e-5, atol=1e-5
+  )
+  if name in ("full", "snapkv", "h2o", "razor") or (name == "pyramidkv" and "+" not in spec):
+    roomy = compress_context(
+      decoder, params, PROMPTS, cache_method=method, room=5, cache_dtype=jnp.float32
+    )
+    np.testing.assert_allclose(shared, score(repeat_context(roomy, 3)), rtol=1e-5, atol=1e-5)

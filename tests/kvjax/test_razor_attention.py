@@ -1,8 +1,12 @@
+import types
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kvjax.cache_protocol import ModelCacheShape, allocate_model_cache
+from kvjax.dense_cache import FullCache
+from kvjax.kivi_cache import Kivi
 from kvjax.method_spec import parse_method_spec
 from kvjax.razor_attention import RazorAttention
 from kvjax.retrieval_heads import HeadProfile
@@ -171,21 +175,34 @@ def test_bad_configurations_raise_clearly(kwargs, message):
     RazorAttention(**({"profile": PROFILE} | kwargs))
 
 
-def test_mean_compensation_composes_with_kivi_and_weighted_refuses_it_clearly():
-  kivi_cache = pytest.importorskip("kvjax.kivi_cache")
-  storage = kivi_cache.Kivi(bits=4, group_size=8, residual=8)
-  method = RazorAttention(profile=PROFILE, budget=12, sinks=3, storage=storage)
-  quantized, *_ = ingest_random(method, 0)
-  exact, *_ = ingest_random(RazorAttention(profile=PROFILE, budget=12, sinks=3), 0)
+@pytest.mark.parametrize("compensation", ["mean", "weighted"])
+def test_compensation_composes_with_kivi(compensation):
+  storage = Kivi(bits=4, group_size=8, residual=8)
+  settings = dict(profile=PROFILE, budget=12, sinks=3, compensation=compensation)
+  quantized, *_ = ingest_random(RazorAttention(**settings, storage=storage), 0)
+  exact, *_ = ingest_random(RazorAttention(**settings), 0)
   q = jnp.asarray(np.random.default_rng(7).normal(size=(B, 3, G, D)), jnp.float32)
   np.testing.assert_allclose(
     quantized.attend(q, sm_scale=0.35), exact.attend(q, sm_scale=0.35), atol=0.15
   )
+  out, lse = quantized.attend_with_lse(q, sm_scale=0.35)
+  np.testing.assert_allclose(out, quantized.attend(q, sm_scale=0.35), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(lse, exact.attend_with_lse(q, sm_scale=0.35)[1], atol=0.15)
+
+
+class StorageWithoutLse:
+  """A user's storage whose caches report no log-sum-exp."""
+
+  def allocate_storage(self, **allocation):
+    return types.SimpleNamespace(inner=FullCache().allocate_storage(**allocation))
+
+
+def test_weighted_compensation_refuses_a_storage_without_lse_clearly():
   message = "compensation=weighted needs a storage that reports its log-sum-exp"
   with pytest.raises(ValueError, match=message):
-    RazorAttention(profile=PROFILE, budget=12, compensation="weighted", storage=storage).allocate(
-      SHAPE, 0, batch=1, prompt_len=T, max_new_tokens=1, dtype=jnp.float32
-    )
+    RazorAttention(
+      profile=PROFILE, budget=12, compensation="weighted", storage=StorageWithoutLse()
+    ).allocate(SHAPE, 0, batch=1, prompt_len=T, max_new_tokens=1, dtype=jnp.float32)
 
 
 def test_generate_batch_of_two_lengths(tmp_path):
