@@ -348,7 +348,8 @@ def share_context(
   flushed, a StreamingLLM ring does not move). h2o_decode, which evicts by each step's
   attention, cannot be shared, nor can a cache without `attend_with_lse`; both are refused by
   name. A shared context is continued, not saved: save the context, and share it after
-  restoring.
+  restoring. On a sliding-window model (Mistral) a row must stay within the window (context
+  + `room` tokens), since the context's tokens cannot leave it; longer is refused.
   """
   if not isinstance(context, CompressedContext):
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
@@ -359,6 +360,13 @@ def share_context(
   _refuse_shared(context, "share_context")
   check_shareable(context.caches)
   shape = decoder.cache_shape
+  longest = int(np.max(np.asarray(context.lengths))) + int(room)
+  if shape.sliding_window is not None and longest > shape.sliding_window:
+    raise ValueError(
+      f"share_context: the model attends over a sliding window of {shape.sliding_window} "
+      f"tokens, and a row may reach {longest} (context + room={room}); a shared context "
+      "cannot move its window past its tokens: use repeat_context"
+    )
   own = FullCache(implementation=implementation).allocate_storage(
     batch=context.lengths.shape[0] * int(copies),
     kv_heads=shape.num_kv_heads,

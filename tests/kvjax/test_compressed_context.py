@@ -21,7 +21,7 @@ from kvjax.prompt_batch import pack_prompts
 from kvjax.sampling import SamplingConfig
 from kvjax.teacher_forcing import teacher_force
 from tests.kvjax.test_method_matrix import PROMPTS
-from tests.kvjax.tiny_decoder import tiny_decoder
+from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
 QUESTIONS = [[5, 9, 11], [7, 3, 2]]
 RAGGED_QUESTIONS = [[5, 9, 11, 4, 8], [7]]
@@ -393,3 +393,25 @@ def test_feed_chunk_is_refused_where_it_cannot_append_exactly():
       continue_context(decoder, params, shared, [[1], [2]], max_new_tokens=2, feed_chunk=chunk)
   with pytest.raises(ValueError, match="continue_context: appends 9 tokens"):
     continue_context(decoder, params, shared, [[1] * 8, [2]], max_new_tokens=2, feed_chunk=4)
+
+
+def test_a_sliding_window_model_shares_a_context_only_within_its_window():
+  decoder, params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, sliding_window=16))
+  short = [PROMPTS[0][:9], PROMPTS[1][:6]]
+  method = FullCache()
+  context = compress_context(
+    decoder, params, short, cache_method=method, room=0, cache_dtype=jnp.float32
+  )
+  questions = [[5, 9], [7], [1, 2, 3], [4]]
+  # 9 + 7 = 16 tokens at most: every token the rows see stays in the window.
+  shared = share_context(decoder, context, 2, room=7, cache_dtype=jnp.float32)
+  tokens, _ = continue_context(decoder, params, shared, questions, max_new_tokens=4)
+  roomy = compress_context(
+    decoder, params, short, cache_method=method, room=7, cache_dtype=jnp.float32
+  )
+  expected, _ = continue_context(
+    decoder, params, repeat_context(roomy, 2), questions, max_new_tokens=4
+  )
+  np.testing.assert_array_equal(tokens, expected)
+  with pytest.raises(ValueError, match="sliding window of 16 tokens, and a row may reach 17"):
+    share_context(decoder, context, 2, room=8)
