@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.generate_speed import pydoc_prompt_ids
 from kvjax.cache_protocol import model_cache_nbytes
 from kvjax.eval.machine import machine_description
 from kvjax.generate import prefill
@@ -31,13 +32,7 @@ MIB = 2**20
 
 
 def pydoc_prompt(tokenizer, length: int) -> np.ndarray:
-  from pydoc_data.topics import topics
-
-  text = "".join(topics[name] for name in sorted(topics))
-  ids = tokenizer.encode(text[: length * 12])[:length]
-  if len(ids) < length:
-    raise ValueError(f"pydoc text gave only {len(ids)} tokens; need {length}")
-  return np.asarray([ids], np.int32)
+  return np.asarray([pydoc_prompt_ids(tokenizer, length)], np.int32)
 
 
 def main():

@@ -22,6 +22,7 @@ import time
 import jax
 import numpy as np
 
+from benchmarks.generate_speed import pydoc_prompt_ids
 from kvjax.compressed_context import (
   compress_context,
   continue_context,
@@ -34,16 +35,6 @@ from models.loading import load_model
 
 HERE = pathlib.Path(__file__).parent
 MIB = 2**20
-
-
-def pydoc_ids(tokenizer, length: int) -> list[int]:
-  from pydoc_data.topics import topics
-
-  text = "".join(topics[name] for name in sorted(topics))
-  ids = tokenizer.encode(text[: length * 12])[:length]
-  if len(ids) < length:
-    raise ValueError(f"pydoc text gave only {len(ids)} tokens; need {length}")
-  return ids
 
 
 def timed_answers(model, rows, questions, new_tokens, feed_chunk=None):
@@ -68,7 +59,7 @@ def main(argv=None):
 
   model = load_model("smollm2-135m", layer_loop="scan")
   most = max(args.questions)
-  ids = pydoc_ids(model.tokenizer, args.context + most * args.question_tokens)
+  ids = pydoc_prompt_ids(model.tokenizer, args.context + most * args.question_tokens)
   document = ids[: args.context]
   all_questions = [
     ids[args.context + i * args.question_tokens : args.context + (i + 1) * args.question_tokens]

@@ -54,16 +54,18 @@ def main(argv=None):
   room = max(map(len, question_ids)) + ANSWER_TOKENS
   print(f"document: {len(document_ids)} tokens, method {args.method}, room {room} tokens")
 
-  def ask(context, ids):
+  def answer_rows(context, questions):  # one question per row of the context
     tokens, count = continue_context(
       model.decoder,
       model.params,
       context,
-      [ids],
+      questions,
       max_new_tokens=ANSWER_TOKENS,
       stop_token_ids=model.stop_token_ids,
     )
-    return tokens[0, : count[0]].tolist()
+    return [row[:n].tolist() for row, n in zip(tokens, count)]
+
+  ask = lambda context, ids: answer_rows(context, [ids])[0]
 
   start = time.perf_counter()
   context = jax.block_until_ready(
@@ -125,24 +127,13 @@ def main(argv=None):
 
   # Every question at once, one row per question: the context repeated on device, or held
   # once and shared by the rows, each keeping its question and answer in full precision.
-  def ask_all(rows):
-    tokens, count = continue_context(
-      model.decoder,
-      model.params,
-      rows,
-      question_ids,
-      max_new_tokens=ANSWER_TOKENS,
-      stop_token_ids=model.stop_token_ids,
-    )
-    return [row[:n].tolist() for row, n in zip(tokens, count)]
-
   repeated = repeat_context(context, len(question_ids))
   shared = share_context(model.decoder, context, len(question_ids), room=room)
   timings, batched = {}, {}
   for name, rows in (("repeat_context", repeated), ("share_context", shared)):
-    ask_all(rows)  # compile
+    answer_rows(rows, question_ids)  # compile
     start = time.perf_counter()
-    batched[name] = ask_all(rows)
+    batched[name] = answer_rows(rows, question_ids)
     timings[name] = time.perf_counter() - start
   print(f"{len(QUESTIONS)} questions one at a time: {one_at_a_time_s:.1f} s")
   for name, rows in (("repeat_context", repeated), ("share_context", shared)):

@@ -10,21 +10,30 @@ window's ring buffer, StreamingLLM) report no room and are never full.
 import jax
 import numpy as np
 
-from kvjax.layer_runs import flatten_layer_caches
+from kvjax.layer_runs import StackedLayerCaches
+
+
+def _room_of(item):  # int32 [batch] or [layers, batch], or None
+  if isinstance(item, StackedLayerCaches):
+    # Every layer's room at once, over the run's layer axis: slicing each layer's arrays out
+    # (flatten_layer_caches) would copy the whole run to read its lengths.
+    return jax.vmap(lambda cache: getattr(cache, "room", None))(item.stacked)
+  return getattr(item, "room", None)
 
 
 def rows_room(caches) -> np.ndarray | None:
   """Tokens each row can still take in every bounded layer cache (None: none is bounded, or
   the caches are traced values that cannot be read before the loop runs)."""
   rooms = []
-  for cache in flatten_layer_caches(caches):
-    room = getattr(cache, "room", None)
+  for item in caches:
+    room = _room_of(item)
     if room is None:
       continue
     if isinstance(room, jax.core.Tracer):
       return None
-    rooms.append(np.asarray(room))
-  return np.min(np.stack(rooms), axis=0) if rooms else None
+    room = np.asarray(room)
+    rooms.append(room.reshape(-1, room.shape[-1]))
+  return np.min(np.concatenate(rooms), axis=0) if rooms else None
 
 
 def check_room(caches, new_tokens: int, *, caller: str) -> None:

@@ -35,7 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.layer_runs import StackedLayerCaches, arrange_like, flatten_layer_caches
+from kvjax.layer_runs import (
+  StackedLayerCaches,
+  arrange_like,
+  flatten_layer_caches,
+  layer_cache_kinds,
+)
 
 # Cache methods whose layer caches take a prompt in chunks.
 CHUNKED_PREFILL_METHODS = (
@@ -72,7 +77,7 @@ def chunked_prefill_refusal(decoder, caches) -> str | None:
       f"the decoder {type(decoder).__qualname__} has no prefill_chunk(params, tokens, start, "
       "lengths, caches) (kvjax.decoder_protocol)"
     )
-  for index, cache in enumerate(flatten_layer_caches(caches)):
+  for index, cache in layer_cache_kinds(caches):
     refusal = getattr(cache, "chunked_prefill_refusal", None)
     if refusal is None and not hasattr(cache, "ingest_chunk"):
       refusal = f"its {type(cache).__qualname__} cannot take a prompt in chunks"

@@ -27,14 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from kvjax.attention_dispatch import IMPLEMENTATIONS
+from kvjax.attention_dispatch import check_implementation
 from kvjax.cache_protocol import CacheMethod, model_cache_nbytes
 from kvjax.cache_room import check_room
-from kvjax.chunked_prefill import prefill_in_chunks
+from kvjax.chunked_prefill import chunked_prefill_refusal, prefill_in_chunks
 from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
 from kvjax.dense_cache import FullCache
 from kvjax.generate import _decode_in_jit, check_decode_arguments, check_prefill_arguments, prefill
-from kvjax.layer_runs import StackedLayerCaches, flatten_layer_caches
+from kvjax.layer_runs import StackedLayerCaches, layer_cache_kinds
 from kvjax.prompt_batch import check_padded_token_ids, pack_prompts, pack_token_lists
 from kvjax.row_sharding import check_row_sharding, row_shardings, rows_split_at
 from kvjax.sampling import SamplingConfig
@@ -273,11 +273,9 @@ def _check_feed_chunk(decoder, context: CompressedContext, feed_chunk) -> None:
       "chunks, appending them exactly; a method's own caches would compress each chunk as a "
       "chunked prefill does. Share the context, or feed_chunk=None"
     )
-  if not callable(getattr(decoder, "prefill_chunk", None)):
-    raise ValueError(
-      f"feed_chunk={feed_chunk}: the decoder {type(decoder).__qualname__} has no "
-      "prefill_chunk(params, tokens, start, lengths, caches) (kvjax.decoder_protocol)"
-    )
+  refusal = chunked_prefill_refusal(decoder, context.caches)
+  if refusal is not None:
+    raise ValueError(f"feed_chunk={feed_chunk}: {refusal}")
 
 
 @functools.partial(jax.jit, static_argnames=("decoder", "chunk"))
@@ -355,8 +353,7 @@ def share_context(
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
   _check_copies(copies)
   _check_room_argument(room)
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation={implementation!r}; allowed: {', '.join(IMPLEMENTATIONS)}")
+  check_implementation(implementation)
   _refuse_shared(context, "share_context")
   check_shareable(context.caches)
   shape = decoder.cache_shape
@@ -394,7 +391,7 @@ def share_context(
 def check_shareable(caches) -> None:
   """ValueError naming the first layer whose cache `share_context` cannot share (`caches`: a
   context's caches, or their `model_cache_shapes`, so a caller can check before prefilling)."""
-  for layer, cache in enumerate(flatten_layer_caches(caches)):
+  for layer, cache in layer_cache_kinds(caches):
     refusal = shared_context_refusal(cache)
     if refusal is not None:
       raise ValueError(f"share_context: layer {layer}'s cache cannot be shared: {refusal}")
@@ -403,9 +400,7 @@ def check_shareable(caches) -> None:
 def is_shared(context: CompressedContext) -> bool:
   """Whether `context` came from `share_context` (its caches are read by several rows each)."""
   return any(
-    isinstance(cache, SharedContextLayerCache)
-    for item in context.caches
-    for cache in ([item.stacked] if isinstance(item, StackedLayerCaches) else [item])
+    isinstance(cache, SharedContextLayerCache) for _, cache in layer_cache_kinds(context.caches)
   )
 
 

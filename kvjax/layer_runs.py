@@ -89,6 +89,19 @@ def flatten_layer_caches(caches: Sequence[Any]) -> list:
   return flat
 
 
+def layer_cache_kinds(caches: Sequence[Any]) -> list[tuple[int, Any]]:
+  """(first layer, cache) per item of `caches`: a layer cache as it is, a stacked run's stacked
+  cache (each of its layers' class and static fields, its arrays with the layer axis first).
+  For checks of a cache's kind, without slicing every array of a run layer by layer as
+  `flatten_layer_caches` does."""
+  kinds, layer = [], 0
+  for item in caches:
+    stacked = isinstance(item, StackedLayerCaches)
+    kinds.append((layer, item.stacked if stacked else item))
+    layer += item.num_layers if stacked else 1
+  return kinds
+
+
 def arrange_like(caches: Sequence[Any], template: Sequence[Any]) -> tuple:
   """`caches` (layer caches, or runs of them) in the arrangement of `template` (e.g. the shapes
   a decoder returns): stacked where the template has a `StackedLayerCaches`, loose elsewhere."""

@@ -211,6 +211,13 @@ class RazorLayerCache:
     restore = np.argsort(np.asarray(self.retrieval_heads + self.local_heads))
     return jnp.concatenate(parts, axis=1)[:, restore]
 
+  def _join_partials(self, retrieval, local):  # (out, lse) of either part, or None
+    pick = lambda part, i: None if part is None else part[i]
+    return (
+      self._join(pick(retrieval, 0), pick(local, 0)),
+      self._join(pick(retrieval, 1), pick(local, 1)),
+    )
+
   @property
   def _compresses_local_heads(self) -> bool:
     return self.local is not None and self.window is not None
@@ -355,11 +362,11 @@ class RazorLayerCache:
     """(out, lse) of a chunk's queries [b, heads, group, chunk, d] over what each head holds:
     every earlier token (retrieval heads), or sinks + window + the compensation token so far."""
     retrieval_queries, local_queries = self._split(queries)
-    partials = []
+    retrieval = local = None
     if self.retrieval is not None:
-      partials.append(self.retrieval.attend_chunk(retrieval_queries, sm_scale=sm_scale))
+      retrieval = self.retrieval.attend_chunk(retrieval_queries, sm_scale=sm_scale)
     if self.local is not None and not self._compresses_local_heads:
-      partials.append(self.local.attend_chunk(local_queries, sm_scale=sm_scale))
+      local = self.local.attend_chunk(local_queries, sm_scale=sm_scale)
     elif self.local is not None:
       state = self.local_in_chunks
       held = state.kept.attend_chunk(local_queries, sm_scale=sm_scale)
@@ -370,11 +377,8 @@ class RazorLayerCache:
         sm_scale=sm_scale,
         weighted=self.compensation == "weighted",
       )
-      partials.append(merge_attention_partials([held, compensation]))
-    if len(partials) == 1:
-      return partials[0]
-    (retrieval_out, retrieval_lse), (local_out, local_lse) = partials
-    return self._join(retrieval_out, local_out), self._join(retrieval_lse, local_lse)
+      local = merge_attention_partials([held, compensation])
+    return self._join_partials(retrieval, local)
 
   # --- decoding -----------------------------------------------------------------------------
 
@@ -430,11 +434,7 @@ class RazorLayerCache:
       else self.retrieval.attend_with_lse(retrieval_queries, sm_scale=sm_scale)
     )
     local = None if self.local is None else self._attend_local_with_lse(local_queries, sm_scale)
-    pick = lambda part, i: None if part is None else part[i]
-    return (
-      self._join(pick(retrieval, 0), pick(local, 0)),
-      self._join(pick(retrieval, 1), pick(local, 1)),
-    )
+    return self._join_partials(retrieval, local)
 
   @property
   def compensation_nbytes(self) -> int:

@@ -19,7 +19,11 @@ from kvjax.pyramidkv import PyramidKV
 from kvjax.razor_attention import RazorAttention
 from kvjax.snapkv import SnapKV
 from kvjax.streaming_llm import StreamingLLM
-from tests.kvjax.test_razor_attention import make_profile, numpy_razor_local
+from tests.kvjax.test_razor_attention import (
+  make_profile,
+  numpy_attention_with_lse,
+  numpy_razor_local,
+)
 from tests.kvjax.test_snapkv import numpy_pool, numpy_reduce, numpy_top_and_window, softmax
 from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
@@ -428,18 +432,6 @@ def test_razor_codec_storage_receives_the_chunked_local_heads_once(chunk):
   assert_trees_equal(cache.local, expected_local)
   one_piece = fresh.ingest(jnp.asarray(keys), jnp.asarray(values), None, jnp.asarray(LENGTHS))
   assert_trees_equal(cache.retrieval, one_piece.retrieval)
-
-
-def numpy_attention_with_lse(q, k, v, scale, compensation=None, weighted=False):
-  """Softmax attention of q [n, d] over k, v [t, d] and an optional compensation token."""
-  logits = q @ k.T * scale
-  if compensation is not None:
-    comp_k, comp_v, count = compensation
-    comp_logit = q @ comp_k * scale + (np.log(count) if weighted else 0.0)
-    logits, v = np.concatenate([logits, comp_logit[:, None]], 1), np.concatenate([v, comp_v[None]])
-  top = logits.max(1, keepdims=True)
-  lse = top[:, 0] + np.log(np.exp(logits - top).sum(1))
-  return np.exp(logits - lse[:, None]) @ v, lse
 
 
 @pytest.mark.parametrize("compensation", ["mean", "weighted"])

@@ -339,7 +339,8 @@ def test_share_context_refuses_bad_arguments_and_what_cannot_be_shared(tmp_path)
   for room in (-1, True, 2.5):
     with pytest.raises(ValueError, match="room="):
       share_context(decoder, context, 2, room=room)
-  with pytest.raises(ValueError, match="implementation='gpu'; allowed: auto, pallas"):
+  message = "implementation='gpu' is not supported; allowed: auto, pallas"
+  with pytest.raises(ValueError, match=message):
     share_context(decoder, context, 2, room=4, implementation="gpu")
   with pytest.raises(ValueError, match="must be a CompressedContext"):
     share_context(decoder, context.caches, 2, room=4)

@@ -10,7 +10,7 @@ from kvjax.kivi_cache import Kivi
 from kvjax.method_spec import parse_method_spec
 from kvjax.razor_attention import RazorAttention
 from kvjax.retrieval_heads import HeadProfile
-from tests.kvjax.test_snapkv import run_generate, softmax
+from tests.kvjax.test_snapkv import run_generate
 from tests.kvjax.tiny_decoder import tiny_decoder
 
 B, G, D, T = 2, 2, 8, 40
@@ -45,14 +45,17 @@ def numpy_razor_local(keys, values, length, *, sinks, window):
   return keys[kept], values[kept], compensation
 
 
-def numpy_attention(q, k, v, scale, compensation=None, weighted=False):
-  logits = q @ k.T * scale  # [G, tokens]
-  if compensation is None:
-    return softmax(logits) @ v
-  comp_k, comp_v, count = compensation
-  comp_logit = q @ comp_k * scale + (np.log(count) if weighted else 0.0)
-  all_logits = np.concatenate([logits, comp_logit[:, None]], 1)
-  return softmax(all_logits) @ np.concatenate([v, comp_v[None]])
+def numpy_attention_with_lse(q, k, v, scale, compensation=None, weighted=False):
+  """Softmax attention of q [n, d] over k, v [t, d] and an optional compensation token (its
+  key, value and count; the count added to its logit as log n when `weighted`): (out, lse)."""
+  logits = q @ k.T * scale
+  if compensation is not None:
+    comp_k, comp_v, count = compensation
+    comp_logit = q @ comp_k * scale + (np.log(count) if weighted else 0.0)
+    logits, v = np.concatenate([logits, comp_logit[:, None]], 1), np.concatenate([v, comp_v[None]])
+  top = logits.max(1, keepdims=True)
+  lse = top[:, 0] + np.log(np.exp(logits - top).sum(1))
+  return np.exp(logits - lse[:, None]) @ v, lse
 
 
 def ingest_random(method, layer, seed=0, max_new_tokens=2):
@@ -105,7 +108,9 @@ def test_heads_keep_what_the_rule_says_and_attend_over_exactly_that(compensation
       else:
         k, v, comp = numpy_razor_local(keys[b, h], values[b, h], LENGTHS[b], sinks=3, window=8)
       k, v = np.concatenate([k, new_k[b, h][None]]), np.concatenate([v, new_v[b, h][None]])
-      expected = numpy_attention(q[b, h], k, v, 0.35, comp, weighted=compensation == "weighted")
+      expected, _ = numpy_attention_with_lse(
+        q[b, h], k, v, 0.35, comp, weighted=compensation == "weighted"
+      )
       np.testing.assert_allclose(out[b, h], expected, atol=1e-5)
 
 

@@ -9,6 +9,7 @@ from kvjax.dense_cache import DenseLayerCache
 from kvjax.h2o_decode import H2ODecode
 from kvjax.kivi_cache import Kivi
 from kvjax.shared_context_cache import SharedContextLayerCache, shared_context_refusal
+from tests.kvjax.test_razor_attention import numpy_attention_with_lse
 
 KV_HEADS, GROUP, HEAD_DIM = 2, 3, 16
 CONTEXT_LENGTHS = np.array([13, 5], np.int32)
@@ -47,13 +48,6 @@ def kivi_context(rng):
   return cache, held
 
 
-def numpy_attention(q, keys, values, scale):  # q [group, d], keys/values [tokens, d]
-  logits = q @ keys.T * scale
-  top = logits.max(-1, keepdims=True)
-  weights = np.exp(logits - top)
-  return weights @ values / weights.sum(-1, keepdims=True), np.log(weights.sum(-1)) + top[:, 0]
-
-
 def shared_cache(rng, context, copies, own_lengths, capacity):
   """A shared cache whose rows hold `own_lengths` random tokens of their own."""
   rows = len(own_lengths)
@@ -89,7 +83,7 @@ def test_each_row_attends_over_its_context_row_and_its_own_tokens(make_context, 
   for row in range(rows):
     for head in range(KV_HEADS):
       keys, values = tokens_seen(held, own_keys, own_values, own_lengths, copies, row, head)
-      expected_out, expected_lse = numpy_attention(
+      expected_out, expected_lse = numpy_attention_with_lse(
         np.asarray(queries[row, head]), keys, values, 0.3
       )
       np.testing.assert_allclose(out[row, head], expected_out, rtol=2e-5, atol=2e-5)
@@ -111,7 +105,7 @@ def test_a_chunks_queries_attend_over_the_context_row_and_the_own_tokens_before_
     for head in range(KV_HEADS):
       keys, values = tokens_seen(held, own_keys, own_values, own_lengths, copies, row, head)
       for position in range(chunk):
-        expected_out, expected_lse = numpy_attention(
+        expected_out, expected_lse = numpy_attention_with_lse(
           np.asarray(queries[row, head, :, position]), keys, values, 0.3
         )
         np.testing.assert_allclose(out[row, head, :, position], expected_out, atol=2e-5)
