@@ -1,11 +1,36 @@
+import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
 import jax
 import pytest
 
 # Tests import the repository's packages from the checkout, installed or not.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+# Many tests compile the same programs (each method's generate on the tiny model, in the method
+# matrix and again in the chunked-prefill, room and kernel tests), on fresh decoder objects that
+# jit's in-memory cache cannot match. XLA's persistent cache, keyed by the program itself, lets
+# one compile serve them all. The directory lives for one run (shared by its xdist workers,
+# which inherit this variable) so that every run compiles from nothing, as CI does.
+_COMPILATION_CACHE_VARIABLE = "KVJAX_TESTS_COMPILATION_CACHE"
+
+
+def pytest_configure(config):
+  if _COMPILATION_CACHE_VARIABLE not in os.environ:
+    os.environ[_COMPILATION_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="kvjax-tests-xla-")
+    config._kvjax_owns_compilation_cache = True
+  jax.config.update("jax_compilation_cache_dir", os.environ[_COMPILATION_CACHE_VARIABLE])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_unconfigure(config):
+  if getattr(config, "_kvjax_owns_compilation_cache", False):
+    shutil.rmtree(os.environ.pop(_COMPILATION_CACHE_VARIABLE), ignore_errors=True)
+
 
 # XLA on CPU keeps every compiled executable's code in memory mappings of its own (~270 per
 # interpret-mode kernel test). Linux caps a process at vm.max_map_count of them (65530 by

@@ -190,10 +190,15 @@ def test_sampling_follows_the_key():
   assert not np.array_equal(sample(0), sample(1))
 
 
-@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+# Each method under one layer loop (the loops score alike: test_layer_runs), each loop twice.
 @pytest.mark.parametrize(
-  "spec",
-  [KIVI, f"snapkv:budget=16,window=4+{KIVI}", "h2o_decode:budget=16,window=4", "razor"],
+  "spec, layer_loop",
+  [
+    (KIVI, "unroll"),
+    (f"snapkv:budget=16,window=4+{KIVI}", "scan"),
+    ("h2o_decode:budget=16,window=4", "unroll"),
+    ("razor", "scan"),
+  ],
 )
 def test_a_repeated_context_answers_each_question_as_the_context_alone(
   spec, layer_loop, profile_path

@@ -73,11 +73,6 @@ def test_method(name, spec, kl_bound, profile_path, full_scores):
   method = parse_method_spec(spec.format(profile=profile_path))
   assert type(method).method_name == name
 
-  result = generate(
-    decoder, params, PROMPTS, max_new_tokens=5, cache_method=method, cache_dtype=jnp.float32
-  )
-  assert result.tokens.shape == (2, 5) and np.all((result.tokens >= 0) & (result.tokens < 64))
-
   tokens, lengths = np.zeros((2, 40), np.int32), np.array([40, 29], np.int32)
   for row, prompt in enumerate(PROMPTS):
     tokens[row, : len(prompt)] = prompt
@@ -134,8 +129,9 @@ def test_method(name, spec, kl_bound, profile_path, full_scores):
   "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
 )
 def test_method_in_chunks(name, spec, kl_bound, profile_path):
-  """A method either prefills in chunks (same cache bytes; a lossless configuration the same
-  tokens) or refuses before anything runs, naming prefill_chunk."""
+  """A method generates from the prompt in one piece; it either prefills in chunks too (same
+  cache bytes; a lossless configuration the same tokens) or refuses before anything runs,
+  naming prefill_chunk."""
   decoder, params = tiny_decoder()
   method = parse_method_spec(spec.format(profile=profile_path))
   run = lambda chunk: generate(
@@ -150,6 +146,9 @@ def test_method_in_chunks(name, spec, kl_bound, profile_path):
   caches = model_cache_shapes(
     method, decoder.cache_shape, batch=2, prompt_len=40, max_new_tokens=5, dtype=jnp.float32
   )
+  one_piece = run(None)
+  assert one_piece.tokens.shape == (2, 5)
+  assert np.all((one_piece.tokens >= 0) & (one_piece.tokens < 64))
   refusal = chunked_prefill_refusal(decoder, caches)
   if refusal is not None:
     assert name not in CHUNKED_PREFILL_METHODS or "+" in spec
@@ -157,7 +156,7 @@ def test_method_in_chunks(name, spec, kl_bound, profile_path):
       run(8)
     return
   assert name in CHUNKED_PREFILL_METHODS
-  one_piece, chunked = run(None), run(8)
+  chunked = run(8)
   assert chunked.tokens.shape == (2, 5) and np.all((chunked.tokens >= 0) & (chunked.tokens < 64))
   assert chunked.cache_bytes == one_piece.cache_bytes
   if kl_bound is not None and kl_bound <= 1e-6:

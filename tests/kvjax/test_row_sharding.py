@@ -45,9 +45,10 @@ def _batch_axis_of(leaf):
   return spec.index("data") if "data" in spec else None
 
 
+# Each layout of the layer caches (rows at axis 0 unrolled, axis 1 stacked for the scan) once,
+# with each method: the two-device process runs these one after another.
 @two_devices
-@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec, layer_loop", [(SPECS[0], "unroll"), (SPECS[1], "scan")])
 def test_a_context_compressed_by_rows_keeps_each_row_on_its_device(spec, layer_loop):
   decoder, params = tiny_decoder(layer_loop=layer_loop)
   method = parse_method_spec(spec)
@@ -79,7 +80,7 @@ def test_a_context_compressed_by_rows_keeps_each_row_on_its_device(spec, layer_l
 
 
 @two_devices
-@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+@pytest.mark.parametrize("layer_loop", ["scan"])
 def test_a_context_saved_by_rows_is_restored_by_rows_or_onto_one_device(layer_loop, tmp_path):
   decoder, params = tiny_decoder(layer_loop=layer_loop)
   method = parse_method_spec(SPECS[1])
@@ -103,7 +104,7 @@ def test_a_context_saved_by_rows_is_restored_by_rows_or_onto_one_device(layer_lo
 
 
 @two_devices
-@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+@pytest.mark.parametrize("layer_loop", ["scan"])
 def test_generate_by_rows_is_generate_on_one_device(layer_loop):
   decoder, params = tiny_decoder(layer_loop=layer_loop)
   run = dict(max_new_tokens=5, cache_method=parse_method_spec(SPECS[1]))
@@ -117,7 +118,7 @@ def test_generate_by_rows_is_generate_on_one_device(layer_loop):
 
 
 @two_devices
-@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+@pytest.mark.parametrize("layer_loop", ["unroll"])
 def test_a_repeated_context_spread_by_rows_answers_its_questions_on_their_devices(layer_loop):
   decoder, params = tiny_decoder(layer_loop=layer_loop)
   method = parse_method_spec(SPECS[1])
@@ -199,4 +200,4 @@ def test_the_two_device_tests_pass_on_two_host_devices():
   )
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
   # Every test of this file but this one ran (none skipped) in the two-device process.
-  assert "12 passed, 1 skipped" in run.stdout, run.stdout[-1000:]
+  assert "7 passed, 1 skipped" in run.stdout, run.stdout[-1000:]
