@@ -148,21 +148,38 @@ def run_generate(args) -> int:
   return 0
 
 
+ASK_DEFAULT_METHOD = "kivi:bits=4"
+# What `kvjax ask --save` records beside the arrays, so that `kvjax ask --context` can rebuild the
+# template the context is restored into.
+ASK_RECORD_KEYS = ("model", "method", "document_tokens", "room", "layer_loop", "cache_dtype")
+
+
 def _add_ask(subparsers):
   p = subparsers.add_parser(
     "ask",
-    help="compress a document's cache once, then answer several questions about it in one batch",
+    help="compress a document's cache once (or restore one saved by --save), then answer "
+    "several questions about it in one batch",
   )
-  p.add_argument("--document", required=True, help="UTF-8 text file")
+  source = p.add_mutually_exclusive_group(required=True)
+  source.add_argument("--document", help="UTF-8 text file")
+  source.add_argument(
+    "--context",
+    help="a directory written by `kvjax ask --save`: its compressed document, restored "
+    "instead of compressing one (model, method and layer loop are the saved ones)",
+  )
   p.add_argument(
     "--question", action="append", required=True, help="a question (repeat for several)"
   )
   _add_model_argument(p)
-  p.add_argument("--method", default="kivi:bits=4", help="cache method spec of the document")
+  p.add_argument(
+    "--method",
+    default=None,
+    help=f"cache method spec of the document (default {ASK_DEFAULT_METHOD})",
+  )
   p.add_argument("--max-new-tokens", type=int, default=64)
   _add_prefill_chunk_argument(p)
   _add_attention_arguments(p)
-  p.add_argument("--layer-loop", choices=("unroll", "scan"), default="scan")
+  p.add_argument("--layer-loop", choices=("unroll", "scan"), default=None, help="default scan")
   p.add_argument(
     "--rows",
     choices=("shared", "repeated"),
@@ -174,17 +191,68 @@ def _add_ask(subparsers):
   p.add_argument(
     "--feed-chunk",
     type=int,
-    default=64,
-    help="with --rows shared: question tokens fed per step (0: one decode step per token)",
+    default=None,
+    help="with --rows shared: question tokens fed per step (default 64; 0: one decode step per "
+    "token); --rows repeated always feeds token by token",
   )
   p.add_argument(
     "--save",
     default=None,
-    help="also save the compressed context to this directory (with --rows shared it has no "
-    "room of its own: restore it, then share it)",
+    help="also save the compressed context to this directory, for --context (with --rows "
+    "shared it has no room of its own: --context shares it again)",
   )
   p.add_argument("--json", action="store_true", help="print one JSON object")
-  p.set_defaults(run=run_ask)
+  p.set_defaults(run=run_ask, model=None)
+
+
+def _check_ask_arguments(args) -> None:
+  if args.max_new_tokens < 1:
+    raise SystemExit(f"error: --max-new-tokens={args.max_new_tokens} must be >= 1")
+  if args.feed_chunk is not None and args.feed_chunk < 0:
+    raise SystemExit(f"error: --feed-chunk={args.feed_chunk} must be >= 0 (0: token by token)")
+  if args.feed_chunk is not None and args.rows == "repeated":
+    # A repeated context's method would compress each fed chunk as a chunked prefill does,
+    # so its rows are fed token by token, as generate decodes.
+    raise SystemExit(
+      f"error: --feed-chunk={args.feed_chunk} needs --rows shared (--rows repeated feeds "
+      "token by token)"
+    )
+  if args.context is not None:
+    for flag, value in (("--save", args.save), ("--prefill-chunk", args.prefill_chunk)):
+      if value is not None:
+        raise SystemExit(
+          f"error: {flag} compresses or saves a document; --context {args.context} is one "
+          "already compressed and saved"
+        )
+
+
+def _saved_ask_record(args) -> dict:
+  """The settings `kvjax ask --save` recorded with the context in `args.context`; an explicit
+  --model, --method or --layer-loop must be the saved one."""
+  from kvjax.context_checkpoint import read_context_record
+
+  try:
+    saved = read_context_record(args.context)["metadata"]
+  except (FileNotFoundError, ValueError) as error:
+    raise SystemExit(f"error: --context {args.context}: {error}") from None
+  missing = [key for key in ASK_RECORD_KEYS if key not in saved]
+  if missing:
+    raise SystemExit(
+      f"error: --context {args.context}: its metadata lacks {', '.join(missing)}: it was not "
+      "saved by `kvjax ask --save` (restore it in Python: kvjax.restore_context with a "
+      "kvjax.context_template)"
+    )
+  for flag, given, key in (
+    ("--model", args.model, "model"),
+    ("--method", args.method, "method"),
+    ("--layer-loop", args.layer_loop, "layer_loop"),
+  ):
+    if given is not None and given != saved[key]:
+      raise SystemExit(
+        f"error: {flag}={given} differs from the saved context's {saved[key]!r} "
+        f"(--context {args.context}); leave {flag} out"
+      )
+  return saved
 
 
 def run_ask(args) -> int:
@@ -197,29 +265,37 @@ def run_ask(args) -> int:
   from kvjax.compressed_context import (
     check_shareable,
     compress_context,
+    context_template,
     continue_context,
     repeat_context,
     share_context,
   )
-  from kvjax.context_checkpoint import save_context
+  from kvjax.context_checkpoint import restore_context, save_context
   from kvjax.eval.text_corpus import load_text
   from kvjax.method_spec import parse_method_spec
   from models.loading import load_model
 
+  _check_ask_arguments(args)
+  saved = _saved_ask_record(args) if args.context is not None else None
+  if saved is None:
+    model_name = args.model or DEFAULT_MODEL
+    method_spec = args.method or ASK_DEFAULT_METHOD
+    layer_loop = args.layer_loop or "scan"
+  else:
+    model_name, method_spec, layer_loop = saved["model"], saved["method"], saved["layer_loop"]
   cache_method = parse_method_spec(
-    args.method,
+    method_spec,
     implementation=args.implementation,
     kernel_settings=kernel_settings_from_json(args.kernel_settings),
   )
-  if args.max_new_tokens < 1:
-    raise SystemExit(f"error: --max-new-tokens={args.max_new_tokens} must be >= 1")
-  if args.feed_chunk < 0:
-    raise SystemExit(f"error: --feed-chunk={args.feed_chunk} must be >= 0 (0: token by token)")
-  document = load_text(args.document, name="--document")
-  loaded = load_model(args.model, layer_loop=args.layer_loop)
+  feed_chunk = 64 if args.feed_chunk is None else args.feed_chunk
+  document = "" if saved is not None else load_text(args.document, name="--document")
+  loaded = load_model(model_name, layer_loop=layer_loop)
+  # The questions' ids do not depend on the document: the chat template is cut where they begin.
   document_ids, question_ids = loaded.tokenizer.chat_document_and_questions(document, args.question)
   room = max(map(len, question_ids)) + args.max_new_tokens
   shared = args.rows == "shared"
+  document_tokens = len(document_ids) if saved is None else saved["document_tokens"]
   if shared:
     try:
       check_shareable(
@@ -227,27 +303,52 @@ def run_ask(args) -> int:
           cache_method,
           loaded.decoder.cache_shape,
           batch=1,
-          prompt_len=len(document_ids),
+          prompt_len=document_tokens,
           max_new_tokens=0,
           dtype=jnp.bfloat16,
         )
       )
     except ValueError as error:
       raise SystemExit(f"error: --rows shared: {error}; use --rows repeated") from None
+  # A shared context needs no room of its own: each question gets its own cache beside it.
+  context_room = (0 if shared else room) if saved is None else saved["room"]
   start = time.perf_counter()
-  context = jax.block_until_ready(
-    compress_context(
+  if saved is None:
+    context = jax.block_until_ready(
+      compress_context(
+        loaded.decoder,
+        loaded.params,
+        [document_ids],
+        cache_method=cache_method,
+        room=context_room,
+        prefill_chunk=args.prefill_chunk,
+      )
+    )
+  else:
+    template = context_template(
       loaded.decoder,
       loaded.params,
-      [document_ids],
+      batch=1,
+      prompt_len=document_tokens,
       cache_method=cache_method,
-      room=0 if shared else room,
-      prefill_chunk=args.prefill_chunk,
+      room=context_room,
+      cache_dtype=jnp.dtype(saved["cache_dtype"]),
     )
-  )
-  compress_s = time.perf_counter() - start
+    try:
+      context = jax.block_until_ready(restore_context(args.context, template))
+    except ValueError as error:
+      raise SystemExit(f"error: --context {args.context}: {error}") from None
+  context_s = time.perf_counter() - start
   if args.save:
-    save_context(args.save, context, metadata={"model": args.model, "method": args.method})
+    metadata = dict(
+      model=model_name,
+      method=method_spec,
+      document_tokens=document_tokens,
+      room=context_room,
+      layer_loop=layer_loop,
+      cache_dtype="bfloat16",
+    )
+    save_context(args.save, context, metadata=metadata)
   start = time.perf_counter()
   if shared:
     rows = share_context(
@@ -259,25 +360,35 @@ def run_ask(args) -> int:
     )
   else:
     rows = repeat_context(context, len(question_ids))
-  tokens, counts = continue_context(
-    loaded.decoder,
-    loaded.params,
-    rows,
-    question_ids,
-    max_new_tokens=args.max_new_tokens,
-    stop_token_ids=loaded.stop_token_ids,
-    feed_chunk=args.feed_chunk if shared and args.feed_chunk else None,
-  )
+  try:
+    tokens, counts = continue_context(
+      loaded.decoder,
+      loaded.params,
+      rows,
+      question_ids,
+      max_new_tokens=args.max_new_tokens,
+      stop_token_ids=loaded.stop_token_ids,
+      feed_chunk=feed_chunk if shared and feed_chunk else None,
+    )
+  except ValueError as error:
+    if saved is None or shared:
+      raise
+    # A context saved with room for its own questions may have too little for these.
+    raise SystemExit(
+      f"error: --context {args.context} --rows repeated: {error}; --rows shared gives every "
+      "question room of its own"
+    ) from None
   answer_s = time.perf_counter() - start
   answers = [loaded.tokenizer.decode(row[:n]) for row, n in zip(tokens, counts)]
   record = dict(
-    model=args.model,
-    method=args.method,
-    document_tokens=len(document_ids),
+    model=model_name,
+    method=method_spec,
+    document_tokens=document_tokens,
     rows=args.rows,
     context_bytes=context.cache_bytes,
     cache_bytes=rows.cache_bytes,
-    compress_s=compress_s,
+    compress_s=context_s if saved is None else None,
+    restore_s=context_s if saved is not None else None,
     answer_s=answer_s,
     questions=args.question,
     answers=answers,
@@ -288,11 +399,11 @@ def run_ask(args) -> int:
     return 0
   for question, answer in zip(args.question, answers):
     print(f"Q: {question}\nA: {answer}\n")
+  how = f"compressed in {context_s:.1f} s" if saved is None else f"restored in {context_s:.1f} s"
   print(
-    f"[document {len(document_ids)} tokens, cache {context.cache_bytes / 2**20:.2f} MiB "
-    f"({args.method}); {len(answers)} questions' caches {rows.cache_bytes / 2**20:.2f} MiB "
-    f"({args.rows}); compressed in {compress_s:.1f} s, answered in one batch in "
-    f"{answer_s:.1f} s, compile included]",
+    f"[document {document_tokens} tokens, cache {context.cache_bytes / 2**20:.2f} MiB "
+    f"({method_spec}); {len(answers)} questions' caches {rows.cache_bytes / 2**20:.2f} MiB "
+    f"({args.rows}); {how}, answered in one batch in {answer_s:.1f} s, compile included]",
     file=sys.stderr,
   )
   return 0

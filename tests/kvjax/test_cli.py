@@ -39,8 +39,22 @@ def test_generate_json_on_the_embedded_model(capsys):
       "--document /nonexistent/doc.txt: cannot read as UTF-8 text",
     ),
     (["ask", "--document", "/nonexistent/doc.txt"], "required: --question"),
+    (["ask", "--question", "q"], "one of the arguments --document --context is required"),
+    (["ask", "--document", "x", "--context", "y", "--question", "q"], "not allowed with"),
+    (
+      ["ask", "--context", "/nonexistent/ctx", "--question", "q"],
+      "--context /nonexistent/ctx: directory='/nonexistent/ctx' holds no saved context",
+    ),
+    (
+      ["ask", "--context", "/nonexistent/ctx", "--question", "q", "--save", "z"],
+      "--save compresses or saves a document; --context /nonexistent/ctx is one already",
+    ),
     (["ask", "--document", "x", "--question", "q", "--max-new-tokens", "0"], "must be >= 1"),
     (["ask", "--document", "x", "--question", "q", "--feed-chunk", "-1"], "--feed-chunk=-1"),
+    (
+      ["ask", "--document", "x", "--question", "q", "--rows", "repeated", "--feed-chunk", "8"],
+      "--feed-chunk=8 needs --rows shared",
+    ),
     (
       ["compare", "--methods", "full", "h2o:budget=32,window=4", "--prefill-chunk", "16"],
       "cache method 'h2o' cannot prefill in chunks",
@@ -73,6 +87,19 @@ def test_ask_answers_every_question_about_one_compressed_document(tmp_path, caps
   assert rest == rest_of_row == 0 and room >= 4 + 1  # the 4 answer tokens and a question
   assert read_context_record(tmp_path / "context")["metadata"]["method"] == "kivi:bits=4"
 
+  # Asked again in another run, from the saved context: restored, not compressed.
+  argv = ["ask", "--context", str(tmp_path / "context"), "--max-new-tokens", "4", "--json"]
+  argv += ["--question", "Who is the mayor?", "--question", "Where does the river flow?"]
+  assert main(argv) == 0
+  restored = json.loads(capsys.readouterr().out)
+  assert restored["answers"] == record["answers"] and restored["compress_s"] is None
+  assert restored["restore_s"] > 0 and restored["document_tokens"] == record["document_tokens"]
+  assert restored["context_bytes"] == record["context_bytes"]
+  with pytest.raises(SystemExit, match=r"--method=full differs from the saved context's 'kivi"):
+    main(argv + ["--method", "full"])
+  with pytest.raises(SystemExit, match=r"--layer-loop=unroll differs from the saved context's"):
+    main(argv + ["--layer-loop", "unroll"])
+
 
 def test_ask_with_shared_or_repeated_rows_answers_alike_with_a_full_cache(tmp_path, capsys):
   document = tmp_path / "doc.txt"
@@ -104,34 +131,26 @@ def test_razor_profile_command_writes_a_loadable_profile(tmp_path, capsys):
   assert "retrieval heads; wrote" in capsys.readouterr().out
 
 
-def test_compare_on_the_embedded_model_with_scanned_layers(tmp_path, capsys):
-  """The CLI end to end on SmolLM2, small: a table, results.json and the layer loop named."""
-  out = tmp_path / "compare"
+def test_compare_on_the_embedded_model_in_one_piece_and_in_chunks(tmp_path, capsys):
+  """The CLI end to end on SmolLM2, small: a table, results.json and the layer loop named; then
+  --prefill-chunk reaches the prefill: the full cache scores the continuation as in one piece
+  (up to its bf16 rounding of earlier chunks), and the header says so."""
   # residual=32: the 64-token context is quantized (with the default 128 the 72 tokens would all
   # stay in the full-precision window, and KIVI would be the full cache).
   kivi = "kivi:bits=4,residual=32"
-  argv = ["compare", "--methods", "full", kivi, "--tasks", "ppl,kl,speed"]
-  argv += ["--context-len", "64", "--continuation-len", "8", "--out", str(out)]
-  assert main(argv) == 0
+  argv = ["compare", "--methods", "full", kivi, "--context-len", "64", "--continuation-len", "8"]
+  assert main(argv + ["--tasks", "ppl,kl,speed", "--out", str(tmp_path / "one_piece")]) == 0
   printed = capsys.readouterr().out
   assert "layer loop scan" in printed and kivi in printed
-  records = json.loads((out / "results.json").read_text())
-  assert [r["method"] for r in records] == ["full", kivi]
-  assert records[0]["kl"] == 0.0 and records[1]["kl"] > 1e-4
-  assert all(r["decode_tokens_per_s"] > 0 and r["speed_batch"] == 1 for r in records)
+  one_piece = json.loads((tmp_path / "one_piece" / "results.json").read_text())
+  assert [r["method"] for r in one_piece] == ["full", kivi]
+  assert one_piece[0]["kl"] == 0.0 and one_piece[1]["kl"] > 1e-4
+  assert all(r["decode_tokens_per_s"] > 0 and r["speed_batch"] == 1 for r in one_piece)
 
-
-def test_compare_with_the_context_prefilled_in_chunks(tmp_path, capsys):
-  """--prefill-chunk reaches the prefill: the full cache scores the continuation as in one
-  piece (up to its bf16 rounding of earlier chunks), and the header says so."""
-  argv = ["compare", "--methods", "full", "kivi:bits=4,residual=32", "--tasks", "ppl"]
-  argv += ["--context-len", "64", "--continuation-len", "8"]
-  assert main(argv + ["--out", str(tmp_path / "one_piece")]) == 0
-  assert main(argv + ["--out", str(tmp_path / "chunks"), "--prefill-chunk", "16"]) == 0
+  argv += ["--tasks", "ppl", "--out", str(tmp_path / "chunks"), "--prefill-chunk", "16"]
+  assert main(argv) == 0
   assert "prefill in chunks of 16" in capsys.readouterr().out
-  one_piece, chunks = (
-    json.loads((tmp_path / name / "results.json").read_text()) for name in ("one_piece", "chunks")
-  )
+  chunks = json.loads((tmp_path / "chunks" / "results.json").read_text())
   assert chunks[0]["method"] == "full"
   assert chunks[0]["ppl"] == pytest.approx(one_piece[0]["ppl"], rel=2e-3)
   assert chunks[1]["cache_bytes"] == one_piece[1]["cache_bytes"]
