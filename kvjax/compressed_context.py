@@ -36,7 +36,12 @@ from kvjax.dense_cache import FullCache
 from kvjax.generate import _decode_in_jit, check_decode_arguments, check_prefill_arguments, prefill
 from kvjax.layer_runs import StackedLayerCaches, layer_cache_kinds
 from kvjax.prompt_batch import check_padded_token_ids, pack_prompts, pack_token_lists
-from kvjax.row_sharding import check_row_sharding, row_shardings, rows_split_at
+from kvjax.row_sharding import (
+  check_row_sharding,
+  row_device_count,
+  row_shardings,
+  rows_split_at,
+)
 from kvjax.sampling import SamplingConfig
 from kvjax.shared_context_cache import SharedContextLayerCache, shared_context_refusal
 
@@ -310,7 +315,7 @@ def repeat_context(
   batch = context.lengths.shape[0]
   if row_sharding is not None:
     check_row_sharding(row_sharding, batch * int(copies))
-  axes = _batch_axes(context)
+  axes = _batch_axes(context, "repeat_context")
   repeated = jax.tree.map(
     lambda leaf, axis: jnp.repeat(leaf, int(copies), axis=axis), context, axes
   )
@@ -329,6 +334,7 @@ def share_context(
   room: int,
   cache_dtype=jnp.bfloat16,
   implementation: str = "auto",
+  row_sharding: NamedSharding | None = None,
 ) -> CompressedContext:
   """Each row of `context` made `copies` rows, as `repeat_context` orders them, with the
   context's caches held once: `continue_context(decoder, params, share_context(decoder, context,
@@ -348,6 +354,12 @@ def share_context(
   name. A shared context is continued, not saved: save the context, and share it after
   restoring. On a sliding-window model (Mistral) a row must stay within the window (context
   + `room` tokens), since the context's tokens cannot leave it; longer is refused.
+
+  `row_sharding` (as in `compress_context`) spreads the rows over devices, each row's own cache
+  with it. The context goes with its copies where its rows split evenly over the devices
+  (each device then holds and reads only its context rows); otherwise (one document asked
+  questions on several devices) every device holds the whole context and reads it once per
+  step for the rows it answers.
   """
   if not isinstance(context, CompressedContext):
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
@@ -356,6 +368,10 @@ def share_context(
   check_implementation(implementation)
   _refuse_shared(context, "share_context")
   check_shareable(context.caches)
+  batch = context.lengths.shape[0]
+  if row_sharding is not None:
+    check_row_sharding(row_sharding, batch * int(copies))
+    context = _place_context_for_sharing(context, row_sharding)
   shape = decoder.cache_shape
   longest = int(np.max(np.asarray(context.lengths))) + int(room)
   if shape.sliding_window is not None and longest > shape.sliding_window:
@@ -365,26 +381,48 @@ def share_context(
       "cannot move its window past its tokens: use repeat_context"
     )
   own = FullCache(implementation=implementation).allocate_storage(
-    batch=context.lengths.shape[0] * int(copies),
+    batch=batch * int(copies),
     kv_heads=shape.num_kv_heads,
     capacity=int(room),
     head_dim=shape.head_dim,
     dtype=cache_dtype,
   )
+  # Rows at axis 0 of a layer's arrays, at axis 1 of a run of stacked layers.
+  by_rows = lambda tree, axis: (
+    tree
+    if row_sharding is None
+    else jax.device_put(tree, jax.tree.map(lambda _: rows_split_at(row_sharding, axis), tree))
+  )
 
   def shared(item):
     if not isinstance(item, StackedLayerCaches):
-      return SharedContextLayerCache(context=item, own=own, copies=int(copies))
+      return SharedContextLayerCache(context=item, own=by_rows(own, 0), copies=int(copies))
     layers = item.num_layers
     own_stack = jax.tree.map(lambda leaf: jnp.zeros((layers,) + leaf.shape, leaf.dtype), own)
     return StackedLayerCaches(
-      SharedContextLayerCache(context=item.stacked, own=own_stack, copies=int(copies))
+      SharedContextLayerCache(context=item.stacked, own=by_rows(own_stack, 1), copies=int(copies))
     )
 
   return CompressedContext(
     caches=tuple(shared(item) for item in context.caches),
-    lengths=jnp.repeat(context.lengths, int(copies)),
-    next_logits=jnp.repeat(context.next_logits, int(copies), axis=0),
+    lengths=by_rows(jnp.repeat(context.lengths, int(copies)), 0),
+    next_logits=by_rows(jnp.repeat(context.next_logits, int(copies), axis=0), 0),
+  )
+
+
+def _place_context_for_sharing(
+  context: CompressedContext, row_sharding: NamedSharding
+) -> CompressedContext:
+  """`context` split by rows over `row_sharding`'s devices where its rows divide evenly (each
+  row's copies, made in order, then land on its device), else replicated on every device."""
+  split = context.lengths.shape[0] % row_device_count(row_sharding) == 0
+  replicated = NamedSharding(row_sharding.mesh, jax.sharding.PartitionSpec())
+  return jax.device_put(
+    context,
+    jax.tree.map(
+      lambda axis: rows_split_at(row_sharding, axis) if split else replicated,
+      _batch_axes(context, "share_context"),
+    ),
   )
 
 
@@ -412,7 +450,7 @@ def _refuse_shared(context: CompressedContext, caller: str) -> None:
     )
 
 
-def _batch_axes(context: CompressedContext) -> CompressedContext:
+def _batch_axes(context: CompressedContext, caller: str) -> CompressedContext:
   """The batch axis of every array of `context` (the cache protocol's layout), checked."""
   batch = context.lengths.shape[0]
 
@@ -420,7 +458,7 @@ def _batch_axes(context: CompressedContext) -> CompressedContext:
     def checked(path, leaf):
       if jnp.ndim(leaf) <= axis or jnp.shape(leaf)[axis] != batch:
         raise ValueError(
-          f"repeat_context: {where}{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, "
+          f"{caller}: {where}{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, "
           f"not the context's {batch} rows on axis {axis} (kvjax.cache_protocol: a layer "
           "cache keeps its batch on axis 0)"
         )

@@ -29,13 +29,20 @@ def check_row_sharding(row_sharding: Any, batch: int) -> None:
       f"row_sharding's spec must name the mesh axes of the batch axis alone, e.g. "
       f"PartitionSpec('data') or PartitionSpec(('data', 'model')); got {row_sharding.spec}"
     )
+  devices = row_device_count(row_sharding)
   names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-  devices = int(np.prod([row_sharding.mesh.shape[name] for name in names]))
   if batch % devices:
     raise ValueError(
       f"batch={batch} rows cannot be split evenly over row_sharding's {devices} devices "
       f"(mesh axes {names}); use a multiple of {devices} rows"
     )
+
+
+def row_device_count(row_sharding: NamedSharding) -> int:
+  """How many parts `row_sharding` (checked by `check_row_sharding`) splits the rows into."""
+  axes = row_sharding.spec[0]
+  names = axes if isinstance(axes, tuple) else (axes,)
+  return int(np.prod([row_sharding.mesh.shape[name] for name in names]))
 
 
 def _batch_axis(small: jax.ShapeDtypeStruct, large: jax.ShapeDtypeStruct, where: str) -> int | None:

@@ -18,6 +18,7 @@ from kvjax.compressed_context import (
   context_template,
   continue_context,
   repeat_context,
+  share_context,
 )
 from kvjax.context_checkpoint import restore_context, save_context
 from kvjax.generate import generate
@@ -139,6 +140,41 @@ def test_a_repeated_context_spread_by_rows_answers_its_questions_on_their_device
 
 
 @two_devices
+@pytest.mark.parametrize("context_rows, layer_loop", [(1, "scan"), (2, "unroll")])
+def test_a_shared_context_spread_by_rows_answers_as_on_one_device(context_rows, layer_loop):
+  """Each row's own cache on its device; the context split with its copies when its rows
+  divide over the devices, else (one document) held whole on each."""
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  method = parse_method_spec(SPECS[0])
+  context = compress_context(decoder, params, PROMPTS[:context_rows], cache_method=method, room=0)
+  questions = [[5, 9, 11, 4, 8], [7], [2, 2, 3], [1, 4]]
+  share = lambda **sharding: share_context(
+    decoder, context, len(questions) // context_rows, room=ROOM, **sharding
+  )
+  on_one, spread = share(), share(row_sharding=_rows())
+  assert_same_arrays(spread, on_one)
+  for run, spread_run in zip(on_one.caches, spread.caches, strict=True):
+    stacked = hasattr(run, "stacked")
+    layer, spread_layer = (run.stacked, spread_run.stacked) if stacked else (run, spread_run)
+    for leaf in jax.tree.leaves(spread_layer.own):  # two of the four rows on each device
+      assert {shard.data.shape[int(stacked)] for shard in leaf.addressable_shards} == {2}
+    for leaf in jax.tree.leaves(spread_layer.context):
+      rows_held = {shard.data.shape[int(stacked)] for shard in leaf.addressable_shards}
+      assert rows_held == {1}, (context_rows, leaf.shape)  # its own row, or the only one
+      assert leaf.sharding.is_fully_replicated == (context_rows == 1)
+  for feed_chunk in (None, 3):
+    run = lambda shared, feed_chunk=feed_chunk: continue_context(
+      decoder, params, shared, questions, max_new_tokens=4, feed_chunk=feed_chunk
+    )
+    (tokens, count), (expected, expected_count) = run(spread), run(on_one)
+    np.testing.assert_array_equal(tokens, expected)
+    np.testing.assert_array_equal(count, expected_count)
+  if context_rows == 1:
+    with pytest.raises(ValueError, match=r"batch=3 rows cannot be split evenly"):
+      share_context(decoder, context, 3, room=ROOM, row_sharding=_rows())
+
+
+@two_devices
 def test_bad_row_shardings_are_refused_before_anything_runs():
   decoder, params = tiny_decoder()
   method = parse_method_spec(SPECS[0])
@@ -200,4 +236,4 @@ def test_the_two_device_tests_pass_on_two_host_devices():
   )
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
   # Every test of this file but this one ran (none skipped) in the two-device process.
-  assert "7 passed, 1 skipped" in run.stdout, run.stdout[-1000:]
+  assert "9 passed, 1 skipped" in run.stdout, run.stdout[-1000:]
