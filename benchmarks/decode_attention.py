@@ -32,7 +32,8 @@ bf16 cache, contexts 8k / 32k / 128k, every row full. Measured in one run:
              reads back its dequantized copy on top).
 
 Time per call: a jitted lax.fori_loop runs the op `--iters` times back to back (each call's
-query depends on the previous output, so nothing is hoisted), the wall time of the whole loop
+query depends on the previous output, and the cache passes an optimisation barrier with the
+query, so no computation is hoisted; see time_op for layouts), the wall time of the whole loop
 after block_until_ready is divided by the count; the median of `--repeats` such loops is
 reported, after a warm-up. Bytes: what the op must read (codes, scales, minimums, factors,
 outliers of the valid tokens; K and V for bf16); bandwidth = bytes / time. Each kernel's output
@@ -71,7 +72,13 @@ def time_op(op, args, *, iters: int, repeats: int) -> float:
   @jax.jit
   def loop(queries, *rest):
     def body(_, q):
-      out, _ = op(q, *rest)
+      # The cache passes a barrier together with the loop-carried query, so no computation on
+      # it is hoisted out of the loop (in decoding the cache changes every step). XLA may still
+      # carry it in the layout a kernel reads: the folded Mosaic wrapper's transpose of the
+      # value statistics then runs once, before the loop, as it does in kvjax's decode loop
+      # (benchmarks/value_stats_layout.py; a standalone jitted call pays it every time).
+      q, cache = jax.lax.optimization_barrier((q, rest))
+      out, _ = op(q, *cache)
       # A tiny data dependency on the previous output: calls run in order, none is hoisted.
       return (q.astype(jnp.float32) + 1e-6 * out).astype(q.dtype)
 
@@ -399,6 +406,7 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None]:
       print(f"  sweep kivi2 {config}: {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
     print(f"  sweep kivi2 {config}: {seconds * 1e6:.1f} us", flush=True)
+    args.sweep_timings.append({"config": config, "seconds": seconds})
     # The Mosaic GPU configs compete among themselves, per variant: the table times each in
     # its own row, beside the Triton kernel's.
     if config.get("lowering") == "mosaic_gpu":
@@ -505,7 +513,10 @@ def run(args) -> dict:
     **(json.loads(folded_settings) if folded_settings else {}),
   }
   if args.sweep and not args.small:
+    args.sweep_timings = results["sweep_kivi2"] = []
     kernel_config, full_kernel_config, mosaic_kernel_config, swept_mosaic = sweep(args)
+    if args.sweep_only:
+      return results
     quantized_mosaic_config = swept_mosaic.get("dequantize", quantized_mosaic_config)
     folded_mosaic_config = swept_mosaic.get("folded", folded_mosaic_config)
   results["quantized_mosaic_kernel_config"] = quantized_mosaic_config
@@ -766,7 +777,21 @@ def main():
     "--sweep-configs",
     help="JSON list of quantized kernel_config dicts: --sweep times only these (no bf16 sweep)",
   )
+  parser.add_argument(
+    "--sweep-only",
+    action="store_true",
+    help="with --sweep: stop after the sweep (its timings go to --out as sweep_kivi2)",
+  )
+  parser.add_argument(
+    "--query-group",
+    type=int,
+    help="query heads per KV head (default 4); the sweep's and the tables' queries",
+  )
   args = parser.parse_args()
+  if args.sweep_only and not args.sweep:
+    parser.error("--sweep-only needs --sweep")
+  if args.query_group is not None and args.query_group < 1:
+    parser.error(f"--query-group must be >= 1, got {args.query_group}")
   if args.small:
     args.batch, args.kv_heads, args.group, args.head_dim = 2, 2, 4, 64
     args.contexts = args.contexts or [256, 512]
@@ -777,6 +802,8 @@ def main():
     args.contexts = args.contexts or [8192, 32768, 131072]
     args.iters, args.repeats = args.iters or 20, args.repeats or 7
     args.copy_bytes = 1 << 30
+  if args.query_group is not None:
+    args.group = args.query_group
   results = run(args)
   if args.out:
     with open(args.out, "w") as f:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The next GPU session's work, one device call per step (KERNEL_NOTES "What to try next",
-# item 1): the folded Mosaic GPU kernel checked natively, then timed beside folded Triton,
-# then profiled. Each step ends well inside the device tool's 10-minute limit per call.
+# A GPU session's work on the folded Mosaic GPU kernel, one device call per step: checked
+# natively, then timed beside folded Triton, then profiled. Each step ends well inside the device
+# tool's 10-minute limit per call. First run on an H100 on 2026-11-24 (KERNEL_NOTES v18); rerun
+# it after a change to the Mosaic kernels.
 #
 #   bash benchmarks/gpu_session.sh check    # native tests + generate check        (~5 min)
 #   bash benchmarks/gpu_session.sh sweep    # 32k sweep + the 32k table             (~4 min)

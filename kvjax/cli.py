@@ -152,6 +152,8 @@ ASK_DEFAULT_METHOD = "kivi:bits=4"
 # What `kvjax ask --save` records beside the arrays, so that `kvjax ask --context` can rebuild the
 # template the context is restored into.
 ASK_RECORD_KEYS = ("model", "method", "document_tokens", "room", "layer_loop", "cache_dtype")
+# `ask` compresses its context in this dtype; `--save` records it and `--context` restores it.
+ASK_CACHE_DTYPE = "bfloat16"  # a name: jax is imported lazily
 
 
 def _add_ask(subparsers):
@@ -305,7 +307,7 @@ def run_ask(args) -> int:
           batch=1,
           prompt_len=document_tokens,
           max_new_tokens=0,
-          dtype=jnp.bfloat16,
+          dtype=jnp.dtype(ASK_CACHE_DTYPE),
         )
       )
     except ValueError as error:
@@ -322,6 +324,7 @@ def run_ask(args) -> int:
         cache_method=cache_method,
         room=context_room,
         prefill_chunk=args.prefill_chunk,
+        cache_dtype=jnp.dtype(ASK_CACHE_DTYPE),
       )
     )
   else:
@@ -346,7 +349,7 @@ def run_ask(args) -> int:
       document_tokens=document_tokens,
       room=context_room,
       layer_loop=layer_loop,
-      cache_dtype="bfloat16",
+      cache_dtype=ASK_CACHE_DTYPE,
     )
     save_context(args.save, context, metadata=metadata)
   start = time.perf_counter()

@@ -85,7 +85,8 @@ def test_ask_answers_every_question_about_one_compressed_document(tmp_path, caps
   per_layer_and_row, rest = divmod(record["cache_bytes"] - record["context_bytes"], 30 * 2)
   room, rest_of_row = divmod(per_layer_and_row - 4, 2 * 3 * 64 * 2)
   assert rest == rest_of_row == 0 and room >= 4 + 1  # the 4 answer tokens and a question
-  assert read_context_record(tmp_path / "context")["metadata"]["method"] == "kivi:bits=4"
+  saved = read_context_record(tmp_path / "context")["metadata"]
+  assert saved["method"] == "kivi:bits=4" and saved["cache_dtype"] == "bfloat16"
 
   # Asked again in another run, from the saved context: restored, not compressed.
   argv = ["ask", "--context", str(tmp_path / "context"), "--max-new-tokens", "4", "--json"]
