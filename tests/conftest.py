@@ -8,15 +8,29 @@ import tempfile
 # that inherit this environment) reads them. Most of a test's time is XLA compiling small programs
 # for the CPU, which then run for milliseconds: LLVM's full optimisation buys nothing there. These
 # two took a compile-bound subset (test_compressed_context + test_shared_context_cache) from 142 s
-# to 86 s on a 2-core machine. Flags the caller already set win.
+# to 86 s on a 2-core machine. Flags the caller already set win; KVJAX_TESTS_FAST_COMPILE=0 leaves
+# XLA's defaults. The caller's own XLA_FLAGS are kept in KVJAX_TESTS_CALLER_XLA_FLAGS, so that a
+# test starting a subprocess can start from them rather than from these.
 _FAST_COMPILE_FLAGS = {
   "--xla_backend_optimization_level": "0",
   "--xla_llvm_disable_expensive_passes": "true",
 }
-_caller_flags = os.environ.get("XLA_FLAGS", "")
+FAST_COMPILE_SWITCH = "KVJAX_TESTS_FAST_COMPILE"
+CALLER_FLAGS_VARIABLE = "KVJAX_TESTS_CALLER_XLA_FLAGS"
+_caller_flags = os.environ.setdefault(CALLER_FLAGS_VARIABLE, os.environ.get("XLA_FLAGS", ""))
+if os.environ.get(FAST_COMPILE_SWITCH, "1") not in ("0", "1"):
+  raise ValueError(
+    f"{FAST_COMPILE_SWITCH}={os.environ[FAST_COMPILE_SWITCH]!r}: allowed values are 0 (XLA's "
+    "default optimisation) and 1 (the default: fast compile flags)"
+  )
+_fast_compile = os.environ.get(FAST_COMPILE_SWITCH, "1") == "1"
 os.environ["XLA_FLAGS"] = " ".join(
   [_caller_flags]
-  + [f"{flag}={value}" for flag, value in _FAST_COMPILE_FLAGS.items() if flag not in _caller_flags]
+  + [
+    f"{flag}={value}"
+    for flag, value in _FAST_COMPILE_FLAGS.items()
+    if _fast_compile and flag not in _caller_flags
+  ]
 ).strip()
 
 import jax  # noqa: E402

@@ -227,21 +227,21 @@ def test_the_two_device_tests_pass_on_two_host_devices():
   repository = pathlib.Path(__file__).parents[2]
   # Compressing by rows is compared bit for bit with one device. With XLA's default optimisation
   # the split and the whole programs round alike; with conftest's fast-compile flags they differ
-  # in the last bit (4.8e-7), so the two-device process restores the defaults (which
-  # tests/conftest.py then leaves alone).
-  fast_compile = ("--xla_backend_optimization_level", "--xla_llvm_disable_expensive_passes")
-  flags = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(fast_compile)]
-    + [
-      "--xla_backend_optimization_level=3",
-      "--xla_llvm_disable_expensive_passes=false",
-      "--xla_force_host_platform_device_count=2",
-    ]
-  )
+  # in the last bit (4.8e-7), so the two-device process starts from the caller's XLA_FLAGS (kept
+  # by tests/conftest.py) and turns the fast flags off.
+  flags = os.environ.get("KVJAX_TESTS_CALLER_XLA_FLAGS", "")
+  flags = f"{flags} --xla_force_host_platform_device_count=2".strip()
+  settings = {
+    "XLA_FLAGS": flags,
+    "KVJAX_TESTS_CALLER_XLA_FLAGS": flags,
+    "KVJAX_TESTS_FAST_COMPILE": "0",
+    "JAX_PLATFORMS": "cpu",
+    "PYTHONPATH": str(repository),
+  }
   run = subprocess.run(
     [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__],
     cwd=repository,
-    env=dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", PYTHONPATH=str(repository)),
+    env=dict(os.environ, **settings),
     capture_output=True,
     text=True,
     timeout=600,
