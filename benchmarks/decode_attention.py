@@ -307,10 +307,11 @@ def check_grid(args) -> list[dict]:
   return results
 
 
-def sweep(args) -> tuple[dict, dict, dict, dict | None]:
+def sweep(args) -> tuple[dict, dict, dict, dict | None, list[dict]]:
   """Times kernel settings at 32k; returns the best kivi2 config (Triton), the best bf16 Triton
-  config, the best bf16 Mosaic GPU config and the best kivi2 Mosaic GPU config per variant
-  ({variant: config}, "dequantize" and / or "folded": those swept)."""
+  config, the best bf16 Mosaic GPU config, the best kivi2 Mosaic GPU config per variant
+  ({variant: config}, "dequantize" and / or "folded": those swept) and every kivi2 setting's
+  time ([{"config", "seconds"}])."""
   batch, kv_heads, group, head_dim = args.batch, args.kv_heads, args.group, args.head_dim
   tokens = args.sweep_context
   sm_scale = 1.0 / math.sqrt(head_dim)
@@ -334,6 +335,7 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None]:
     ({}, float("inf")),
   )
   best_quantized_mosaic = {}  # variant -> (config, seconds)
+  quantized_timings = []
   quantized_configs = [
     dict(variant="reshape", block_tokens=128, num_warps=4, num_stages=3, num_splits=32),
     dict(variant="planar", unroll=2, num_warps=4, num_stages=2, num_splits=8),
@@ -406,7 +408,7 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None]:
       print(f"  sweep kivi2 {config}: {type(e).__name__}: {str(e)[:300]}", flush=True)
       continue
     print(f"  sweep kivi2 {config}: {seconds * 1e6:.1f} us", flush=True)
-    args.sweep_timings.append({"config": config, "seconds": seconds})
+    quantized_timings.append({"config": config, "seconds": seconds})
     # The Mosaic GPU configs compete among themselves, per variant: the table times each in
     # its own row, beside the Triton kernel's.
     if config.get("lowering") == "mosaic_gpu":
@@ -421,7 +423,8 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None]:
       f"best kivi2 config {best_quantized}, best kivi2 Mosaic GPU config {best_quantized_mosaic}",
       flush=True,
     )
-    return best_quantized[0], {}, {}, {k: v[0] for k, v in best_quantized_mosaic.items()}
+    mosaic_configs = {k: v[0] for k, v in best_quantized_mosaic.items()}
+    return best_quantized[0], {}, {}, mosaic_configs, quantized_timings
   shape = (batch, kv_heads, tokens, head_dim)
   keys = jax.random.normal(keys_split[2], shape).astype(jnp.bfloat16)
   values = jax.random.normal(keys_split[3], shape).astype(jnp.bfloat16)
@@ -460,7 +463,7 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None]:
     flush=True,
   )
   best_mosaic_configs = {k: v[0] for k, v in best_quantized_mosaic.items()}
-  return best_quantized[0], best_full[0], best_mosaic[0], best_mosaic_configs
+  return best_quantized[0], best_full[0], best_mosaic[0], best_mosaic_configs, quantized_timings
 
 
 def run(args) -> dict:
@@ -513,8 +516,8 @@ def run(args) -> dict:
     **(json.loads(folded_settings) if folded_settings else {}),
   }
   if args.sweep and not args.small:
-    args.sweep_timings = results["sweep_kivi2"] = []
-    kernel_config, full_kernel_config, mosaic_kernel_config, swept_mosaic = sweep(args)
+    kernel_config, full_kernel_config, mosaic_kernel_config, swept_mosaic, timings = sweep(args)
+    results["sweep_kivi2"] = timings
     if args.sweep_only:
       return results
     quantized_mosaic_config = swept_mosaic.get("dequantize", quantized_mosaic_config)

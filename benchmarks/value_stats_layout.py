@@ -21,13 +21,11 @@ import argparse
 import math
 import os
 import re
-import statistics
 import sys
 import tempfile
-import time
 
 FOLDED_MOSAIC = {"lowering": "mosaic_gpu", "variant": "folded"}
-KIVI_GROUP = 32  # kivi's default group size: channels per value-statistics group
+KIVI_GROUP = 32  # kivi's default group size (both parts): channels per value-statistics group
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLED = re.compile(r"\b(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
@@ -105,6 +103,7 @@ def timing(args) -> None:
   import jax.numpy as jnp
 
   from benchmarks.decode_attention import time_op
+  from benchmarks.gear_terms_parts import time_call
   from kvjax import attention_dispatch
   from pallas_kernels.random_inputs import random_quantized_segment
 
@@ -112,7 +111,7 @@ def timing(args) -> None:
   keys = jax.random.split(jax.random.key(11), 2)
   queries = jax.random.normal(keys[0], (batch, kv_heads, group, head_dim)).astype(jnp.bfloat16)
   segment = random_quantized_segment(
-    keys[1], batch, kv_heads, tokens, head_dim, bits=2, group_size=32, dtype=jnp.bfloat16
+    keys[1], batch, kv_heads, tokens, head_dim, bits=2, group_size=KIVI_GROUP, dtype=jnp.bfloat16
   )
   lengths = jnp.full((batch,), tokens, jnp.int32)
   for name, config in (("folded Triton", {}), ("folded Mosaic GPU", FOLDED_MOSAIC)):
@@ -123,22 +122,13 @@ def timing(args) -> None:
         *segment[:6],
         lengths,
         bits=2,
-        group_size=32,
+        group_size=KIVI_GROUP,
         sm_scale=1 / math.sqrt(head_dim),
         implementation="pallas",
         kernel_config=config,
       )
 
-    call = jax.jit(op)
-    jax.block_until_ready(call(queries, segment, lengths))
-    samples = []
-    for _ in range(args.repeats):
-      start = time.perf_counter()
-      for _ in range(args.iters):
-        result = call(queries, segment, lengths)
-      jax.block_until_ready(result)
-      samples.append((time.perf_counter() - start) / args.iters)
-    host = statistics.median(samples)
+    host = time_call(op, (queries, segment, lengths), iters=args.iters, repeats=args.repeats)
     looped = time_op(op, (queries, segment, lengths), iters=args.iters, repeats=args.repeats)
     print(
       f"{tokens} tokens, {name:18s} host loop of jitted calls {host * 1e6:7.1f} us/call, "

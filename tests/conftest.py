@@ -18,12 +18,13 @@ _FAST_COMPILE_FLAGS = {
 FAST_COMPILE_SWITCH = "KVJAX_TESTS_FAST_COMPILE"
 CALLER_FLAGS_VARIABLE = "KVJAX_TESTS_CALLER_XLA_FLAGS"
 _caller_flags = os.environ.setdefault(CALLER_FLAGS_VARIABLE, os.environ.get("XLA_FLAGS", ""))
-if os.environ.get(FAST_COMPILE_SWITCH, "1") not in ("0", "1"):
+_fast_compile_setting = os.environ.get(FAST_COMPILE_SWITCH, "1")
+if _fast_compile_setting not in ("0", "1"):
   raise ValueError(
-    f"{FAST_COMPILE_SWITCH}={os.environ[FAST_COMPILE_SWITCH]!r}: allowed values are 0 (XLA's "
-    "default optimisation) and 1 (the default: fast compile flags)"
+    f"{FAST_COMPILE_SWITCH}={_fast_compile_setting!r}: allowed values are 0 (XLA's default "
+    "optimisation) and 1 (the default: fast compile flags)"
   )
-_fast_compile = os.environ.get(FAST_COMPILE_SWITCH, "1") == "1"
+_fast_compile = _fast_compile_setting == "1"
 os.environ["XLA_FLAGS"] = " ".join(
   [_caller_flags]
   + [
