@@ -2,7 +2,7 @@
 # A GPU session's work on the folded Mosaic GPU kernel, one device call per step: checked
 # natively, then timed beside folded Triton, then profiled. Each step ends well inside the device
 # tool's 10-minute limit per call. First run on an H100 on 2026-11-24 (KERNEL_NOTES v18); rerun
-# it after a change to the Mosaic kernels.
+# it after a change to the folded kernels (v19 changed both, Triton and Mosaic GPU, on CPU only).
 #
 #   bash benchmarks/gpu_session.sh check    # native tests + generate check        (~5 min)
 #   bash benchmarks/gpu_session.sh sweep    # 32k sweep + the 32k table             (~4 min)
@@ -18,13 +18,13 @@ out="${OUT:-gpu_session_out}"
 mkdir -p "$out"
 python="${PYTHON:-python3}"
 
-# The folded Mosaic rows: v16's default (block 128, 2 stages), 3 stages, and block 64, where
-# three programs fit per SM, with the planner's splits and with 37 (whole waves at 3 per SM).
+# The folded Mosaic rows (v19): block 128 with 2 stages, where three programs now fit per SM,
+# with the planner's 32 splits (5.2 waves) and with 37 (whole waves: 2368 programs, 6 x 396);
+# 3 stages (two per SM); block 64 with 4 stages (four per SM) and 3 stages.
 folded='{"lowering": "mosaic_gpu", "variant": "folded"'
-sweep_configs="[{}, ${folded}}, ${folded}, \"num_stages\": 3}, \
+sweep_configs="[{}, ${folded}}, ${folded}, \"num_splits\": 37}, ${folded}, \"num_stages\": 3}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 4}, \
-${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"num_splits\": 37}, \
-${folded}, \"block_tokens\": 64, \"num_stages\": 3, \"num_splits\": 37}]"
+${folded}, \"block_tokens\": 64, \"num_stages\": 3}]"
 
 case "${1:-}" in
   check)

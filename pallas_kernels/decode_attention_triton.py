@@ -71,16 +71,20 @@ def split_block_range(plan: SplitPlan, length, tokens: int):
   return start, end, (jnp.maximum(end - start, 0) + plan.block_tokens - 1) // plan.block_tokens
 
 
-def online_softmax_step(running_max, running_sum, scores, valid):
-  """One block of the online softmax over scores [rows, block]; tokens where `valid` [block] is
-  False get probability 0. Returns (new_max, new_sum, correction, probs): the caller rescales
-  its accumulators by `correction` [rows] and adds its probs-weighted values. The first block of
-  a split always holds a valid token, so new_max is finite from then on (no nan from
-  -inf - -inf), even for a later block with none (planar's unroll tail)."""
+def softmax_step_numerators(running_max, scores, valid):
+  """One block of the online softmax over scores [rows, block] without the sum over tokens:
+  (new_max, correction, probs), probs 0 where `valid` [block] is False. The caller rescales its
+  accumulators (and its denominator) by `correction` [rows]. The first block of a split always
+  holds a valid token, so new_max is finite from then on (no nan from -inf - -inf), even for a
+  later block with none (planar's unroll tail)."""
   scores = jnp.where(valid[None, :], scores, -jnp.inf)
   new_max = jnp.maximum(running_max, scores.max(axis=1))
-  correction = jnp.exp(running_max - new_max)
-  probs = jnp.exp(scores - new_max[:, None])
+  return new_max, jnp.exp(running_max - new_max), jnp.exp(scores - new_max[:, None])
+
+
+def online_softmax_step(running_max, running_sum, scores, valid):
+  """`softmax_step_numerators` and the denominator: (new_max, new_sum, correction, probs)."""
+  new_max, correction, probs = softmax_step_numerators(running_max, scores, valid)
   return new_max, running_sum * correction + probs.sum(axis=1), correction, probs
 
 

@@ -9,11 +9,14 @@ padding anyway):
 
   keys:    scores[h, t] = sum_c (q[h, c] * k_scale[g, c]) code[t, c] + sum_c q[h, c] k_min[g, c]
            with g = t // group_size: one dot  Q' [groups * rows, D] . codes^T [D, block],
-           then row block g is kept for the tokens of group g (a masked sum over groups).
+           then row block g is kept for the tokens of group g (a masked sum over groups). The
+           second sum, one number per key group and row, comes in computed (`key_bias`).
   values:  out[h, c] = sum_t (p[h, t] * v_scale[t, k]) code[t, c] + sum_t p[h, t] v_min[t, k]
            with k = c // group_size: one dot  P' [value_groups * rows, block] . codes [block, D]
            accumulated over blocks as [value_groups, rows, D]; row block k is kept for the
-           channels of group k once, after the last block.
+           channels of group k once, after the last block. The second sum and the softmax
+           denominator are kept per token ([value_groups, rows, block], [rows, block]) and
+           summed over tokens once, after the last block.
 
 The codes become tensor-core operands without an int-to-float conversion. For 2- and 4-bit
 codes with bf16 operands, `(word >> s) & (mask * 0x00010001) | 0x43004300` holds two codes as
@@ -51,7 +54,7 @@ from pallas_kernels.decode_attention_triton import (
   _dot_nn,
   _dot_nt,
   load_token_rows,
-  online_softmax_step,
+  softmax_step_numerators,
   split_block_range,
   store_split_partials,
 )
@@ -183,7 +186,7 @@ def folded_kernel(
   queries_ref,
   k_codes_ref,
   k_scale_ref,
-  k_min_ref,
+  key_bias_ref,  # f32 [T / group_size, rows]: q . k_min per key group (`key_bias`)
   v_codes_ref,
   v_scale_ref,
   v_min_ref,
@@ -235,14 +238,14 @@ def folded_kernel(
   part_channels = head_dim // channel_parts
   parts = [pl.ds(part * part_channels, part_channels) for part in range(channel_parts)]
   orders = [order_ref[part] for part in parts]  # [D / n] int32: channel at each position
-  bias_queries, code_queries = [], []  # per part [rows, D / n]: f32, the key dot's operand
+  code_queries = []  # per part [rows, D / n]: the key dot's operand
   for part, order in zip(parts, orders):
     part_queries = queries_ref[:, part]  # folded order, pre-scaled
-    bias_queries.append(part_queries.astype(jnp.float32))
     if subnormal:  # exact: a power of two per position, within bf16's range
       position_scale = query_position_scale(order, head_dim, bits)[None, :]
-      part_queries = (bias_queries[-1] * position_scale).astype(compute_dtype)
+      part_queries = (part_queries.astype(jnp.float32) * position_scale).astype(compute_dtype)
     code_queries.append(part_queries)
+  query_rows = jnp.arange(rows, dtype=jnp.int32)[None, :]
   offsets = jnp.arange(block, dtype=jnp.int32)
   group_offsets = jnp.arange(key_groups, dtype=jnp.int32)
   token_is_in_group = (offsets // group_size)[None, None, :] == group_offsets[:, None, None]
@@ -271,7 +274,7 @@ def folded_kernel(
     return (
       load_words(k_codes_ref, first, valid),
       tuple(k_scale_ref[group_rows, order[None, :]] for order in orders),  # [groups, D / n]
-      tuple(k_min_ref[group_rows, order[None, :]] for order in orders),
+      key_bias_ref[group_rows, query_rows],  # [groups, rows]
     )
 
   def load_values(first):
@@ -283,28 +286,23 @@ def folded_kernel(
     )
 
   def body(i, carry):
-    running_max, running_sum, accs, value_bias, gear_accs, prefetched = carry
+    running_max, sum_partials, accs, value_bias_partials, gear_accs, prefetched = carry
     first = start + i * block
     valid = tokens_valid(first)
     if prefetch:
-      (k_words, k_scales, k_mins), loaded_values = prefetched
+      (k_words, k_scales, key_bias), loaded_values = prefetched
       prefetched = (load_keys(first + block), load_values(first + block))
     else:
-      k_words, k_scales, k_mins = load_keys(first)
+      k_words, k_scales, key_bias = load_keys(first)
 
-    part_scores, part_biases = [], []  # summed over the parts below
-    for words, k_scale, k_min, part_queries, part_bias_queries in zip(
-      k_words, k_scales, k_mins, code_queries, bias_queries
-    ):
+    part_scores = []  # summed over the parts below
+    for words, k_scale, part_queries in zip(k_words, k_scales, code_queries):
       k_code = unpack_codes_for_dot(words, bits, compute_dtype, code_operand)  # [block, D / n]
       # compute_dtype is the scales' own dtype (`compute_dtype_for`), so this multiplies in
       # bf16 (HMUL2, a pair per instruction) for bf16 caches: the product of two bf16 numbers
       # is exact in float32, so it is bit for bit the float32 product and cast, at half the
       # instructions.
       stacked_queries = part_queries[None, :, :] * k_scale.astype(compute_dtype)[:, None, :]
-      part_biases.append(
-        jnp.sum(part_bias_queries[None, :, :] * k_min.astype(jnp.float32)[:, None, :], axis=2)
-      )  # [groups, rows]
       part_scores.append(
         dot_with_code_operand(
           _dot_nt,
@@ -314,10 +312,7 @@ def folded_kernel(
           emulate=subnormal and interpret,
         ).reshape(key_groups, rows, block)
       )
-    stacked_scores, key_bias = (
-      sum(part_scores[1:], part_scores[0]),
-      sum(part_biases[1:], part_biases[0]),
-    )
+    stacked_scores = sum(part_scores[1:], part_scores[0])
     if subnormal:
       stacked_scores = stacked_scores * SCORE_SCALE
     scores = jnp.sum(
@@ -336,9 +331,7 @@ def folded_kernel(
         jnp.split(scores, rows // score_rows, axis=0)[0] if rows > score_rows else scores
       )
       _compat.triton_store(scores_ref.at[:, pl.ds(first, block)], real_scores, mask=valid[None, :])
-    running_max, running_sum, correction, probs = online_softmax_step(
-      running_max, running_sum, scores, valid
-    )  # probs [rows, block]
+    running_max, correction, probs = softmax_step_numerators(running_max, scores, valid)
 
     v_words, v_scale, v_min = loaded_values if prefetch else load_values(first)
     v_scale, v_min = (x.astype(jnp.float32).T for x in (v_scale, v_min))  # [value_groups, block]
@@ -346,7 +339,6 @@ def folded_kernel(
       v_scale = v_scale * PROBS_SCALE
     stacked_probs = (probs[None, :, :] * v_scale[:, None, :]).astype(compute_dtype)
     stacked_probs = stacked_probs.reshape(value_groups * rows, block)
-    bias_update = jnp.sum(probs[None, :, :] * v_min[:, None, :], axis=2)  # [value_groups, rows]
     new_accs = []
     for words, acc in zip(v_words, accs):
       v_code = unpack_codes_for_dot(words, bits, compute_dtype, code_operand)  # [block, D / n]
@@ -361,7 +353,14 @@ def folded_kernel(
       new_accs.append(
         acc * correction[None, :, None] + update.reshape(value_groups, rows, part_channels)
       )
-    value_bias = value_bias * correction[None, :] + bias_update
+    # The softmax denominator and sum_t p v_min[t] per value group stay per token, rescaled like
+    # the accumulators, and are summed over tokens once after the loop: the tokens of a block
+    # are spread over the warps, so a sum over them crosses the warps through shared memory and
+    # a barrier every block (KERNEL_NOTES v19).
+    sum_partials = sum_partials * correction[:, None] + probs
+    value_bias_partials = (
+      value_bias_partials * correction[None, :, None] + probs[None, :, :] * v_min[:, None, :]
+    )  # [value_groups, rows, block]
     if gear.present:
       gear_updates = gear_value_terms(
         gear, probs, first // block, first, valid, orders, compute_dtype
@@ -369,24 +368,26 @@ def folded_kernel(
       gear_accs = tuple(
         gear_acc * correction[:, None] + update for gear_acc, update in zip(gear_accs, gear_updates)
       )
-    return running_max, running_sum, tuple(new_accs), value_bias, gear_accs, prefetched
+    return running_max, sum_partials, tuple(new_accs), value_bias_partials, gear_accs, prefetched
 
   init = (
     jnp.full((rows,), -jnp.inf, jnp.float32),
-    jnp.zeros((rows,), jnp.float32),
+    jnp.zeros((rows, block), jnp.float32),
     tuple(
       jnp.zeros((value_groups, rows, part_channels), jnp.float32) for _ in range(channel_parts)
     ),
-    jnp.zeros((value_groups, rows), jnp.float32),
+    jnp.zeros((value_groups, rows, block), jnp.float32),
     # GEAR's value terms are [rows, D / n] per block and part: accumulators of their own.
     tuple(jnp.zeros((rows, part_channels), jnp.float32) for _ in range(channel_parts))
     if gear.present
     else (),
     (load_keys(start), load_values(start)) if prefetch else (),
   )
-  running_max, running_sum, accs, value_bias, gear_accs, _ = jax.lax.fori_loop(
+  running_max, sum_partials, accs, value_bias_partials, gear_accs, _ = jax.lax.fori_loop(
     0, num_blocks, body, init
   )
+  running_sum = sum_partials.sum(axis=1)
+  value_bias = value_bias_partials.sum(axis=2)  # [value_groups, rows]
   outs = []
   for index, (acc, order) in enumerate(zip(accs, orders)):
     position_group = (order // group_size)[None, None, :]  # value group of each position

@@ -10,10 +10,16 @@ per quantization group, stacked along the product's N side:
 
   keys:   scores^T [block, KG * rows] = codes [block, D] . Q'^T, Q'[k, r, c] = q[r, c] k_scale[k, c]
           (KG key groups per block); each token keeps the columns of its own group k and adds the
-          bias q . k_min[k].
+          bias q . k_min[k], computed by XLA before the kernel (`key_bias`).
   values: acc^T [D, tiles * rows] += codes^T [D, block] . P'^T, P'[k, r, t] = p[r, t] v_scale[t, k]
           (VG value groups per head); after the last block each channel c keeps the columns of
           its group c // group_size and adds sum_t p v_min[t, k], accumulated beside.
+
+Tokens are the products' M side, spread over the four warps, so a sum over tokens crosses the
+warps through shared memory and two barriers. The loop has one such reduction per block, the row
+max: the softmax denominator and the value-minimum terms are kept per token ([block, rows] and
+[block, tiles * rows] in registers, rescaled like the accumulator) and summed once after the
+loop (KERNEL_NOTES v19: 11 barriers per 128-token block -> 5, 1326 -> 1115 instructions).
 
 The N side of a product is a multiple of 8 (`tile_rows`), so a query group of 4 fills half of
 each key group's columns. On the key side that cannot be helped: a token picks its group's
@@ -27,10 +33,9 @@ at block 64 the kernel then fits three programs per SM (KERNEL_NOTES v16). After
 `pick_value_slots` takes each channel's rows from its group's slot.
 
 A product runs on the tensor core until its accumulator is read, so each block's work that does
-not need a product's result is placed between the product and that read: the key-bias
-reduction in the key product's shadow, the softmax denominator and the value-minimum terms in
-the value product's (KERNEL_NOTES v17: ~300 instructions per 128-token block overlap the tensor
-core instead of ~90, with the same instruction count and 12 registers fewer at block 64).
+not need a product's result is placed between the product and that read: the key bias's load
+in the key product's shadow, the per-token denominator and value-minimum terms in the value
+product's (KERNEL_NOTES v17).
 
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
@@ -73,6 +78,7 @@ from pallas_kernels.decode_attention_mosaic_gpu import (
   write_partials,
 )
 from pallas_kernels.float_unpacking import bf16_halves
+from pallas_kernels.key_bias import key_bias
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
   CHUNK_TOKENS,
   fetch_block,
@@ -98,9 +104,10 @@ from pallas_kernels.subnormal_codes import (
 SUPPORTED_BITS = (2, 4)  # two fields of a word per pair of bf16 operands, each below bit 8
 MAX_STACK = 256  # wgmma's largest N
 DEFAULT_BLOCK_TOKENS = 128
-# Room for a stacked [D, KG * rows] or [block, VG * rows] sum to cross the four warps in one round
-# (two barriers) instead of several.
-REDUCTION_SCRATCH_BYTES = 8192
+# The one reduction over tokens left in the loop is the row max: 2 registers per thread (up to 8
+# rows) cross the four warps in one round. The sums over tokens run once, after the loop.
+REDUCTION_SCRATCH_BYTES = 1024
+_SHARED_MEMORY_ALIGNMENT = 1024  # Pallas Mosaic GPU's, per scratch buffer
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
 
@@ -164,20 +171,30 @@ def unsupported_reason(
 
 
 def shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_stages):
-  """Bytes of shared memory one program allocates."""
+  """Bytes of shared memory one program allocates, each buffer rounded up to the 1024-byte
+  alignment Pallas gives it (an upper bound: 72704 for the shapes of record, which compile to
+  71680)."""
   words = head_dim * bits // 32
   rows = tile_rows(group)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
-  slot = (
-    2 * block_tokens * words * 4
-    + 2 * (block_tokens // group_size) * head_dim * 2
-    + 2 * (head_dim // group_size) * block_tokens * 2
-  )
-  staged = block_tokens * head_dim * 2  # one bf16 code tile: K, then V
-  operands = (key_rows * head_dim + value_rows * block_tokens) * 2  # Q', P'
-  queries = 2 * head_dim * rows * 4
-  results = (head_dim * rows + rows) * 4 + LENGTH_WORDS * 4
-  return num_stages * slot + staged + operands + queries + results + REDUCTION_SCRATCH_BYTES
+  key_groups = block_tokens // group_size
+  ring = [
+    block_tokens * words * 4,  # key code words
+    key_groups * head_dim * 2,  # k_scale
+    key_groups * rows * 4,  # the key bias
+    block_tokens * words * 4,  # value code words
+    2 * (head_dim // group_size) * block_tokens * 2,  # value statistics
+  ]
+  buffers = [num_stages * size for size in ring] + [
+    LENGTH_WORDS * 4,
+    head_dim * rows * 4,  # the queries, then the output
+    block_tokens * head_dim * 2,  # one bf16 code tile: K, then V
+    max(key_rows * head_dim, value_rows * block_tokens) * 2,  # Q', then P'
+    rows * 4,  # lse
+    8 * (2 + 5 * num_stages),  # barriers
+    REDUCTION_SCRATCH_BYTES,
+  ]
+  return sum(-(-size // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT for size in buffers)
 
 
 def check_config(group, head_dim, bits, group_size, *, block_tokens, num_stages, num_splits):
@@ -221,25 +238,23 @@ def _stage_block(codes_smem, words_smem, *, slot, bits, emulate):
 
 def _folded_kernel(
   lengths_gmem,  # int32 [>= B]
-  queries_gmem,  # f32 [B, H, 2, D, rows]: q^T x sm_scale (x 2^(query - q)); padding rows repeat
+  queries_gmem,  # f32 [B, H, D, rows]: q^T x sm_scale x 2^(query - q); padding rows repeat
   k_codes_gmem,  # uint32 [B, H, T, W]
   k_scale_gmem,  # bf16 [B, H, T / group_size, D]
-  k_min_gmem,
+  key_bias_gmem,  # f32 [B, H, T / group_size, rows]: q . k_min per key group (`key_bias`)
   v_codes_gmem,
   v_stats_gmem,  # bf16 [B, H, 2 * D / group_size, T]: scales, then minimums
   out_gmem,  # f32 [B, H, S, D, rows]: channel c's rows in the slot of its value group
   lse_gmem,  # f32 [B, H, S, rows]
   lengths_smem,
-  queries_smem,  # f32 [2, D, rows]: for the key bias, for Q'
+  queries_smem,  # f32 [D, rows]: the queries, then the output (see `scratch_types`)
   k_words_smem,  # [stages, block, W]
   k_scale_smem,  # [stages, KG, D]
-  k_min_smem,
+  key_bias_smem,  # [stages, KG, rows]
   v_words_smem,
   v_stats_smem,  # [stages, 2 * VG, block]
   codes_smem,  # bf16 [block, D]: the staged key codes, then the value codes
-  key_stack_smem,  # bf16 [KG * rows, D]: Q'
-  value_stack_smem,  # bf16 [VG * rows, block]: P'
-  out_smem,
+  stacks_smem,  # bf16 Q' [KG * rows, D] and P' [VG * rows, block] in one buffer
   lse_smem,
   barriers,
   *,
@@ -254,7 +269,8 @@ def _folded_kernel(
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   lengths_barrier, queries_barrier, stream_barriers = barriers
   block = plan.block_tokens
-  head_dim, rows = queries_smem.shape[1:]
+  head_dim, rows = queries_smem.shape
+  key_stack_smem, value_stack_smem = stacks_smem
   key_groups = k_scale_smem.shape[1]
   value_groups = v_stats_smem.shape[1] // 2
   slots = rows // real_rows  # value groups per value tile (`value_slots`)
@@ -269,8 +285,8 @@ def _folded_kernel(
   start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
   fetch = functools.partial(
     fetch_block,
-    (k_codes_gmem, k_scale_gmem, k_min_gmem, v_codes_gmem, v_stats_gmem),
-    (k_words_smem, k_scale_smem, k_min_smem, v_words_smem, v_stats_smem),
+    (k_codes_gmem, k_scale_gmem, key_bias_gmem, v_codes_gmem, v_stats_gmem),
+    (k_words_smem, k_scale_smem, key_bias_smem, v_words_smem, v_stats_smem),
     stream_barriers,
     row=row,
     head=head,
@@ -282,8 +298,7 @@ def _folded_kernel(
   for i in range(num_stages - 1):
     pl.when(i < num_blocks)(functools.partial(fetch, i))
   plgpu.barrier_wait(queries_barrier)
-  bias_queries = wgmma_layout(queries_smem[0])  # [D, rows]
-  code_queries = wgmma_layout(queries_smem[1])
+  code_queries = wgmma_layout(queries_smem[...])  # [D, rows]
   # A [n] per-row vector over the columns: per channel of [D, rows], per token of [block, rows].
   per_channel = functools.partial(
     lax.broadcast_in_dim, shape=(head_dim, rows), broadcast_dimensions=[0]
@@ -307,7 +322,7 @@ def _folded_kernel(
     return tile
 
   def body(i, state):
-    acc, running_max, running_sum, value_bias = state
+    acc, running_max, sum_partials, value_bias_partials = state
     slot = lax.rem(i, num_stages)
     pl.when(i + num_stages - 1 < num_blocks)(functools.partial(fetch, i + num_stages - 1))
     first = start + i * block
@@ -328,15 +343,14 @@ def _folded_kernel(
 
     def key_product(acc_ref):
       plgpu.wgmma(acc_ref, codes_smem, key_stack_smem.T)
-      # Work that needs no scores runs while the tensor core computes them (reading the
-      # accumulator is what waits): q . k_min for every key group in one reduction, [KG * rows].
+      # Read while the tensor core computes the scores (reading the accumulator is what
+      # waits): every key group's bias, [KG * rows].
       key_bias = jnp.concatenate(
         [
-          bias_queries * per_channel(wgmma_row_vector(k_min_smem[slot, k, :]))
+          plgpu.layout_cast(key_bias_smem[slot, k, :], plgpu.Layout.WGMMA.reduce(0))
           for k in range(key_groups)
-        ],
-        axis=1,
-      ).sum(axis=0)
+        ]
+      )
       return acc_ref[...], key_bias
 
     stacked_scores, key_bias = pl.run_scoped(
@@ -359,7 +373,7 @@ def _folded_kernel(
     probs = jnp.exp(scores - lax.broadcast_in_dim(new_max, scores.shape, [1]))
 
     # The key product has completed (its result was read): the tile takes the value codes.
-    # One tile instead of two keeps two programs per SM (`shared_memory_bytes`).
+    # One tile instead of two keeps three programs per SM (`shared_memory_bytes`).
     stage(v_words_smem)
     # Past the length p is 0 but the statistics may be NaN: they are zeroed there (a select per
     # token, before the broadcast over rows), and then products may be taken.
@@ -372,39 +386,43 @@ def _folded_kernel(
       jnp.where(valid_token, wgmma_row_vector(v_stats_smem[slot, value_groups + k, :]), 0.0)
       for k in range(value_groups)
     ]
-    for i in range(value_tiles):
-      stacked = probs * value_tile(v_scales, i)
-      value_stack_smem.at[pl.ds(i * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
+    for t in range(value_tiles):
+      stacked = probs * value_tile(v_scales, t)
+      value_stack_smem.at[pl.ds(t * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
     stacked_correction_row = jnp.concatenate([correction] * value_tiles)
     plgpu.commit_smem()  # the staged value codes and P' visible to the tensor core
 
     def value_product(acc_ref):
       plgpu.wgmma(acc_ref, codes_smem.T, value_stack_smem.T)
-      # In the product's shadow: the softmax denominator, and sum_t p v_min[t] per value group,
-      # each carried with its correction.
-      new_running_sum = running_sum * correction + probs.sum(axis=0)
-      value_minimum_terms = [probs * value_tile(v_mins, i) for i in range(value_tiles)]
-      new_value_bias = value_bias * stacked_correction_row + jnp.concatenate(
-        value_minimum_terms, axis=1
-      ).sum(axis=0)
-      return acc_ref[...], new_running_sum, new_value_bias
+      # In the product's shadow: the softmax denominator and sum_t p v_min[t] per value group,
+      # kept per token slot and rescaled like the accumulator. Summed over tokens once, after
+      # the loop: a sum over tokens crosses the four warps through shared memory (KERNEL_NOTES
+      # v18: those round trips are where the kernel stalls).
+      new_sum_partials = sum_partials * per_token_correction + probs
+      new_value_bias_partials = value_bias_partials * jnp.concatenate(
+        [per_token_correction] * value_tiles, axis=1
+      ) + jnp.concatenate([probs * value_tile(v_mins, t) for t in range(value_tiles)], axis=1)
+      return acc_ref[...], new_sum_partials, new_value_bias_partials
 
+    per_token_correction = lax.broadcast_in_dim(correction, (block, rows), [1])
     stacked_correction = lax.broadcast_in_dim(
       stacked_correction_row, (head_dim, value_tiles * rows), [1]
     )
-    update, running_sum, new_value_bias = pl.run_scoped(
+    update, sum_partials, value_bias_partials = pl.run_scoped(
       value_product, plgpu.ACC((head_dim, value_tiles * rows), jnp.float32)
     )
-    return acc * stacked_correction + update, new_max, running_sum, new_value_bias
+    return acc * stacked_correction + update, new_max, sum_partials, value_bias_partials
 
-  _, running_max, running_sum = initial_softmax_state(rows, head_dim)
+  _, running_max, _ = initial_softmax_state(rows, head_dim)
   init = (
     wgmma_layout(jnp.zeros((head_dim, value_tiles * rows), jnp.float32)),
     running_max,
-    running_sum,
-    jnp.concatenate([running_sum] * value_tiles),  # zeros [tiles * rows], the same layout
+    wgmma_layout(jnp.zeros((block, rows), jnp.float32)),
+    wgmma_layout(jnp.zeros((block, value_tiles * rows), jnp.float32)),
   )
-  acc, running_max, running_sum, value_bias = lax.fori_loop(0, num_blocks, body, init)
+  acc, running_max, sum_partials, value_bias_partials = lax.fori_loop(0, num_blocks, body, init)
+  running_sum = sum_partials.sum(axis=0)
+  value_bias = value_bias_partials.sum(axis=0)
 
   channel = plgpu.broadcasted_iota(jnp.int32, (head_dim, rows), 0, layout=plgpu.Layout.WGMMA)
   output_scale = power_of_two(
@@ -416,13 +434,13 @@ def _folded_kernel(
   )
   # Each channel takes its value group's tile; only the columns of the group's slot are its
   # rows (`pick_value_slots` takes them after the kernel).
-  for i in range(value_tiles):
+  for t in range(value_tiles):
     out = jnp.where(
-      channel // group_size // slots == i, stacked_out[:, i * rows : (i + 1) * rows], out
+      channel // group_size // slots == t, stacked_out[:, t * rows : (t + 1) * rows], out
     )
   write_partials(
     (out, running_max, running_sum),
-    out_smem,
+    queries_smem,
     lse_smem,
     out_gmem.at[row, head, split],
     lse_gmem.at[row, head, split],
@@ -469,11 +487,10 @@ def _folded_partials(
   # hold real probabilities.
   scaled = pad_query_group(queries.astype(jnp.float32) * sm_scale, real_rows, jnp.float32)
   scaled = scaled[:, :, jnp.arange(rows) % real_rows]
-  bias_queries = jnp.swapaxes(scaled, 2, 3)  # [B, H, D, rows]
   channel_scale = power_of_two(
     exponents.query - code_exponent(jnp.arange(head_dim, dtype=jnp.int32), head_dim, bits)
   )
-  stacked_queries = jnp.stack([bias_queries, bias_queries * channel_scale[:, None]], axis=2)
+  code_queries = jnp.swapaxes(scaled, 2, 3) * channel_scale[:, None]  # [B, H, D, rows]
   v_stats = group_major_value_stats(v_scale, v_min)
   lengths = padded_lengths(lengths)
   key_groups = block_tokens // group_size
@@ -497,20 +514,25 @@ def _folded_partials(
     ),
     grid=(batch, kv_heads, plan.num_splits),
     grid_names=("row", "head", "split"),
+    # Buffers whose lifetimes do not overlap share memory, which brings a program of the shapes
+    # of record to 70 KB, so that an SM holds three (`shared_memory_bytes`):
+    # - the queries are read into registers before the loop, the output written after it;
+    # - Q' is read by the key product, P' written after every warp has read the scores (the
+    #   row max's cross-warp reduction is a barrier) and read by the value product, the next Q'
+    #   written after the next block's first `commit_smem`: the code tile's cycle.
     scratch_types=dict(
       lengths_smem=plgpu.SMEM(lengths.shape, jnp.int32),
-      queries_smem=plgpu.SMEM((2, head_dim, rows), jnp.float32),
+      queries_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
       k_words_smem=plgpu.SMEM((num_stages, block_tokens, words), jnp.uint32),
       k_scale_smem=plgpu.SMEM((num_stages, key_groups, head_dim), jnp.bfloat16),
-      k_min_smem=plgpu.SMEM((num_stages, key_groups, head_dim), jnp.bfloat16),
+      key_bias_smem=plgpu.SMEM((num_stages, key_groups, rows), jnp.float32),
       v_words_smem=plgpu.SMEM((num_stages, block_tokens, words), jnp.uint32),
       v_stats_smem=plgpu.SMEM((num_stages, 2 * value_groups, block_tokens), jnp.bfloat16),
       codes_smem=plgpu.SMEM((block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
-      key_stack_smem=plgpu.SMEM((key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
-      value_stack_smem=plgpu.SMEM(
-        (value_rows, block_tokens), jnp.bfloat16, transforms=operand(block_tokens)
+      stacks_smem=plgpu.RefUnion(
+        plgpu.SMEM((key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
+        plgpu.SMEM((value_rows, block_tokens), jnp.bfloat16, transforms=operand(block_tokens)),
       ),
-      out_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
       lse_smem=plgpu.SMEM((rows,), jnp.float32),
       barriers=(
         plgpu.Barrier(),
@@ -521,16 +543,17 @@ def _folded_partials(
     # The stores need none of the barriers Pallas would put around each of them: every tile a
     # thread writes (the staged codes, Q', P') is read only by the tensor core after
     # `commit_smem` (a fence and a barrier), and is next written only after a later barrier (a
-    # `commit_smem`, or a cross-warp reduction's), by which every warp has waited for the
-    # product that read it; TMA refills a ring slot only after the last `commit_smem` of the
-    # step that read it. With the stacked reductions: 11 barriers per 128-token block, down from
-    # 51 (sm_90a SASS, `benchmarks/mosaic_static_cost.py`).
+    # `commit_smem`, or the row max's cross-warp reduction), by which every warp has waited for
+    # the product that read it; TMA refills a ring slot only after the last `commit_smem` of the
+    # step that read it. 5 barriers per 128-token block, down from 51 (sm_90a SASS,
+    # `benchmarks/mosaic_static_cost.py`; KERNEL_NOTES v15, v19).
     compiler_params=_compat.mosaic_gpu_compiler_params(
       unsafe_no_auto_barriers=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES
     ),
     interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
   )
-  out, lse = kernel(lengths, stacked_queries, k_codes, k_scale, k_min, v_codes, v_stats)
+  bias = key_bias(scaled, k_min)  # [B, H, T / group_size, rows]
+  out, lse = kernel(lengths, code_queries, k_codes, k_scale, bias, v_codes, v_stats)
   return pick_value_slots(out, group_size, real_rows), lse[..., :real_rows]
 
 

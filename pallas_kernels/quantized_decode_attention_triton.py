@@ -88,6 +88,7 @@ from pallas_kernels.joined_fields import (
   join_fields,
   joined_value_order,
 )
+from pallas_kernels.key_bias import key_bias
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
 from pallas_kernels.splits import (
   SplitPlan,
@@ -652,7 +653,9 @@ def quantized_decode_attention_partials_triton(
     return pl.BlockSpec(array.shape, lambda b, h, s: (0,) * array.ndim)
 
   score_rows = next_power_of_two(group)
-  args = [scaled_queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min]
+  # The folded kernel takes q . k_min per key group instead of k_min (`key_bias`).
+  key_stats = key_bias(natural_queries, k_min) if variant == "folded" else k_min
+  args = [scaled_queries, k_codes, k_scale, key_stats, v_codes, v_scale, v_min]
   if score_io:
     scaled = natural_queries[:, :, :score_rows]
     args.append(gear_score_bias(lowrank, outliers, scaled, tokens=tokens, block=block))

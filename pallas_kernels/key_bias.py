@@ -1,0 +1,32 @@
+"""The key minimums' share of every score, q . k_min per key group, computed before the folded
+kernels instead of inside them.
+
+A KIVI key is k_scale[g, c] * code[t, c] + k_min[g, c] for the tokens t of key group g, so each
+score is (q * k_scale[g]) . code[t] + q . k_min[g]. The second term is the same for every token
+of the group: one number per key group and query row. The folded kernels used to compute it per
+block, a product and a sum over the channels. With the channels spread over the four warps (the
+Mosaic GPU kernel) or the tokens (Triton), every block paid for cross-warp sums through shared
+memory, where the folded Mosaic GPU kernel measured its stalls (KERNEL_NOTES v18). Computed here
+by XLA in one pass over k_min (8 bytes per token and head at head_dim 128, group 32), each block
+reads [key groups, rows] f32 instead of k_min's [key groups, D]: 1 byte per token and head at
+8 rows, against 8 for k_min.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def key_bias(queries: jax.Array, k_min: jax.Array) -> jax.Array:
+  """f32 [B, H, rows, D] queries (scaled by sm_scale, rows padded as the kernel pads them) and
+  [B, H, T / group_size, D] minimums -> f32 [B, H, T / group_size, rows]: q . k_min[g].
+
+  Minimums past a row's length may be NaN; their groups' biases are then NaN, and the kernels
+  pick no token of such a group (selects, not products)."""
+  return jnp.einsum(
+    "bhrd,bhgd->bhgr",
+    queries.astype(jnp.float32),
+    k_min.astype(jnp.float32),
+    # f32 throughout: XLA on GPU would otherwise take a TF32 product (10-bit mantissas).
+    precision=lax.Precision.HIGHEST,
+  )
