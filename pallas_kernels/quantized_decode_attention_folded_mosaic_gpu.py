@@ -82,7 +82,6 @@ from pallas_kernels.key_bias import key_bias
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
   CHUNK_TOKENS,
   fetch_block,
-  group_major_value_stats,
   wgmma_layout,
   wgmma_row_vector,
 )
@@ -243,7 +242,7 @@ def _folded_kernel(
   k_scale_gmem,  # bf16 [B, H, T / group_size, D]
   key_bias_gmem,  # f32 [B, H, T / group_size, rows]: q . k_min per key group (`key_bias`)
   v_codes_gmem,
-  v_stats_gmem,  # bf16 [B, H, 2 * D / group_size, T]: scales, then minimums
+  v_stats_gmem,  # uint32 [B, H, D / group_size, T]: (scale, minimum) bf16 pairs
   out_gmem,  # f32 [B, H, S, D, rows]: channel c's rows in the slot of its value group
   lse_gmem,  # f32 [B, H, S, rows]
   lengths_smem,
@@ -252,7 +251,7 @@ def _folded_kernel(
   k_scale_smem,  # [stages, KG, D]
   key_bias_smem,  # [stages, KG, rows]
   v_words_smem,
-  v_stats_smem,  # [stages, 2 * VG, block]
+  v_stats_smem,  # [stages, VG, block]
   codes_smem,  # bf16 [block, D]: the staged key codes, then the value codes
   stacks_smem,  # bf16 Q' [KG * rows, D] and P' [VG * rows, block] in one buffer
   lse_smem,
@@ -272,7 +271,7 @@ def _folded_kernel(
   head_dim, rows = queries_smem.shape
   key_stack_smem, value_stack_smem = stacks_smem
   key_groups = k_scale_smem.shape[1]
-  value_groups = v_stats_smem.shape[1] // 2
+  value_groups = v_stats_smem.shape[1]
   slots = rows // real_rows  # value groups per value tile (`value_slots`)
   value_tiles = value_stack_smem.shape[0] // rows
   exponents = _Exponents.for_run(emulate)
@@ -378,14 +377,14 @@ def _folded_kernel(
     # Past the length p is 0 but the statistics may be NaN: they are zeroed there (a select per
     # token, before the broadcast over rows), and then products may be taken.
     valid_token = token_in_block + first < end
+    v_pairs = [
+      plgpu.layout_cast(v_stats_smem[slot, k, :], plgpu.Layout.WGMMA.reduce(1))
+      for k in range(value_groups)
+    ]
     v_scales = [
-      jnp.where(valid_token, wgmma_row_vector(v_stats_smem[slot, k, :]), 0.0) * probs_scale
-      for k in range(value_groups)
+      jnp.where(valid_token, value_scale_of_pair(pair), 0.0) * probs_scale for pair in v_pairs
     ]
-    v_mins = [
-      jnp.where(valid_token, wgmma_row_vector(v_stats_smem[slot, value_groups + k, :]), 0.0)
-      for k in range(value_groups)
-    ]
+    v_mins = [jnp.where(valid_token, value_minimum_of_pair(pair), 0.0) for pair in v_pairs]
     for t in range(value_tiles):
       stacked = probs * value_tile(v_scales, t)
       value_stack_smem.at[pl.ds(t * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
@@ -491,7 +490,7 @@ def _folded_partials(
     exponents.query - code_exponent(jnp.arange(head_dim, dtype=jnp.int32), head_dim, bits)
   )
   code_queries = jnp.swapaxes(scaled, 2, 3) * channel_scale[:, None]  # [B, H, D, rows]
-  v_stats = group_major_value_stats(v_scale, v_min)
+  v_stats = group_major_value_stat_pairs(v_scale, v_min)
   lengths = padded_lengths(lengths)
   key_groups = block_tokens // group_size
   value_groups = head_dim // group_size
@@ -527,7 +526,7 @@ def _folded_partials(
       k_scale_smem=plgpu.SMEM((num_stages, key_groups, head_dim), jnp.bfloat16),
       key_bias_smem=plgpu.SMEM((num_stages, key_groups, rows), jnp.float32),
       v_words_smem=plgpu.SMEM((num_stages, block_tokens, words), jnp.uint32),
-      v_stats_smem=plgpu.SMEM((num_stages, 2 * value_groups, block_tokens), jnp.bfloat16),
+      v_stats_smem=plgpu.SMEM((num_stages, value_groups, block_tokens), jnp.uint32),
       codes_smem=plgpu.SMEM((block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
       stacks_smem=plgpu.RefUnion(
         plgpu.SMEM((key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
@@ -555,6 +554,28 @@ def _folded_partials(
   bias = key_bias(scaled, k_min)  # [B, H, T / group_size, rows]
   out, lse = kernel(lengths, code_queries, k_codes, k_scale, bias, v_codes, v_stats)
   return pick_value_slots(out, group_size, real_rows), lse[..., :real_rows]
+
+
+def group_major_value_stat_pairs(v_scale: jax.Array, v_min: jax.Array) -> jax.Array:
+  """bf16 [B, H, T, D/g] scale and minimum -> uint32 [B, H, D/g, T]: each token's scale in the
+  low half of a word and its minimum in the high half, so that the kernel reads both with one
+  32-bit load instead of two 16-bit ones (KERNEL_NOTES v18: its 16-bit statistics loads are
+  among its most stalled-on instructions). The same bytes as the two bf16 arrays; made in the
+  pass that turns them group-major for TMA (`group_major_value_stats`)."""
+  scale, minimum = (
+    lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) for x in (v_scale, v_min)
+  )
+  return jnp.swapaxes(scale | lax.shift_left(minimum, jnp.uint32(16)), 2, 3)
+
+
+def value_scale_of_pair(pair: jax.Array) -> jax.Array:
+  """uint32 (scale, minimum) pairs -> the scales as f32 (a bf16 is the top half of its f32)."""
+  return lax.bitcast_convert_type(lax.shift_left(pair, jnp.uint32(16)), jnp.float32)
+
+
+def value_minimum_of_pair(pair: jax.Array) -> jax.Array:
+  """uint32 (scale, minimum) pairs -> the minimums as f32."""
+  return lax.bitcast_convert_type(pair & jnp.uint32(0xFFFF0000), jnp.float32)
 
 
 def pick_value_slots(out: jax.Array, group_size: int, real_rows: int) -> jax.Array:

@@ -124,6 +124,27 @@ def test_pick_value_slots_takes_each_channels_rows_from_its_groups_slot():
     )
 
 
+def test_value_stat_pairs_give_back_every_bf16_exactly():
+  """Each (scale, minimum) word gives back both bf16 values bit for bit: signs, subnormals,
+  infinities and NaN (the statistics past a row's length) included; group-major."""
+  special = np.array([0.0, -0.0, 1e-40, -3.5, np.inf, -np.inf, np.nan, 65504.0], np.float32)
+  rng = np.random.default_rng(0)
+  values = np.concatenate([special, rng.standard_normal(56).astype(np.float32) * 100])
+  scale = jnp.asarray(values.reshape(1, 1, 16, 4), jnp.bfloat16)  # [B, H, T, D / g]
+  minimum = jnp.asarray(rng.permutation(values).reshape(1, 1, 16, 4), jnp.bfloat16)
+  pairs = folded.group_major_value_stat_pairs(scale, minimum)
+  assert pairs.dtype == jnp.uint32 and pairs.shape == (1, 1, 4, 16)
+
+  def bits_of(x):
+    return np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32))
+
+  for unpack, expected in (
+    (folded.value_scale_of_pair, scale),
+    (folded.value_minimum_of_pair, minimum),
+  ):
+    np.testing.assert_array_equal(bits_of(unpack(pairs)), bits_of(jnp.swapaxes(expected, 2, 3)))
+
+
 def _planar_words(rng, bits, head_dim, rows=64):
   codes = rng.integers(0, 1 << bits, size=(rows, head_dim)).astype(np.uint32)
   return codes, pack_codes(jnp.asarray(codes), bits)
