@@ -29,7 +29,8 @@ column of p is a real row's probabilities, and `value_slots` value groups share 
 `tile_rows` columns, each in its own slot of real_rows columns (P' picks each column's group
 with a select). For the shapes of record (group 4, 4 value groups) the value accumulator is
 [D, 16] instead of [D, 32]: 16 registers fewer, half the P' stores and accumulator rescaling;
-at block 64 the kernel then fits three programs per SM (KERNEL_NOTES v16). After the kernel,
+at block 64 the kernel then fitted three programs per SM (KERNEL_NOTES v16; since v19 three at
+block 128 and four at block 64). After the kernel,
 `pick_value_slots` takes each channel's rows from its group's slot.
 
 A product runs on the tensor core until its accumulator is read, so each block's work that does

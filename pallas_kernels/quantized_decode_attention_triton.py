@@ -25,7 +25,8 @@ so their scale rows broadcast in registers, and dequantizes with one FMA per ele
 folded into one copy of q per key group and value scales into one copy of p per value channel group,
 the copies stacked along the rows of the same two dots, and 2/4-bit bf16 codes become operands with
 one AND per pair as small (subnormal) bf16 bit patterns (`code_operand="subnormal"`,
-`subnormal_codes`; "offset" is the older shift, AND-OR and packed subtraction of 128).
+`subnormal_codes`; "offset" is the older shift, AND-OR and packed subtraction of 128); it reads
+q . k_min per key group, computed before the kernel (`key_bias`), instead of k_min.
 "planar" folds the scales too, but with one small dot per key group and per value channel
 group. Measured on H100 at 32k (KIVI-2, benchmarks/RESULTS.md): folded 296 us (265 us with
 `prefetch`, the next block's loads issued one step ahead; 250-262 us with subnormal operands and 2

@@ -69,16 +69,25 @@ def allocate(method, group=2, head_dim=D, max_new_tokens=4, dtype=jnp.float32):
   )
 
 
-def assert_trees_equal(a, b, float_atol=0.0):
-  """Integer leaves (codes, indices, lengths) equal; float leaves within `float_atol`."""
-  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
-  assert len(leaves_a) == len(leaves_b)
-  for x, y in zip(leaves_a, leaves_b, strict=True):
+def assert_trees_equal(a, b, float_atol=0.0, float_rtol=0.0, inexact=lambda path: True):
+  """Integer leaves (codes, indices, lengths) equal; float leaves whose key path `inexact`
+  accepts within `float_atol` + `float_rtol` * |b|, the others equal."""
+  leaves_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
+  leaves_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
+  assert tree_a == tree_b
+  for (path, x), (_, y) in zip(leaves_a, leaves_b, strict=True):
     x, y = np.asarray(x), np.asarray(y)
-    if np.issubdtype(x.dtype, np.integer) or not float_atol:
-      np.testing.assert_array_equal(x, y)
+    tolerant = (float_atol or float_rtol) and inexact(jax.tree_util.keystr(path))
+    if np.issubdtype(x.dtype, np.integer) or not tolerant:
+      np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
     else:
-      np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), atol=float_atol)
+      np.testing.assert_allclose(
+        x.astype(np.float32),
+        y.astype(np.float32),
+        atol=float_atol,
+        rtol=float_rtol,
+        err_msg=jax.tree_util.keystr(path),
+      )
 
 
 def run_prefill(method, chunk, decoder_params=None, tokens=TOKENS, lengths=TOKEN_LENGTHS):
@@ -152,9 +161,15 @@ def test_quantized_cache_fed_in_chunks_holds_the_one_piece_codes(method, dtype, 
   cache = allocate(method, dtype=dtype)
   expected = cache.ingest(jnp.asarray(keys), jnp.asarray(values), None, jnp.asarray(LENGTHS))
   # GEAR's low-rank factors come from float matmuls over however many blocks are encoded
-  # together, so they may differ in the last bits; codes, outlier indices and scales may not.
-  float_atol = 1e-5 if isinstance(method, Gear) and dtype == jnp.float32 else 0.0
-  assert_trees_equal(feed_in_chunks(cache, queries, keys, values, chunk), expected, float_atol)
+  # together, so they may differ in the last bits of f32, and so by one ulp once rounded to bf16
+  # (seen on an AVX-512 Xeon, not on an AMD EPYC); codes, outliers and scales may not.
+  tolerance = dict(float_atol=1e-5) if dtype == jnp.float32 else dict(float_rtol=2.0**-7)
+  assert_trees_equal(
+    feed_in_chunks(cache, queries, keys, values, chunk),
+    expected,
+    **(tolerance if isinstance(method, Gear) else {}),
+    inexact=lambda path: ".lowrank" in path,
+  )
 
 
 @pytest.mark.parametrize("sinks", [4, 0])

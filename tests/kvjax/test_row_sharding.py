@@ -41,6 +41,17 @@ def _rows(count=2):
   return NamedSharding(mesh, PartitionSpec("data"))
 
 
+def assert_same_compressed_context(spread, on_one):
+  """The caches and lengths bit for bit; the next-token logits within f32 rounding. Each device's
+  program multiplies one row by the output weights where the one-device program multiplies two,
+  and XLA's CPU matmul may sum in another order for another shape: 2.4e-6 apart on an AVX-512
+  Xeon, equal on an AMD EPYC."""
+  assert_same_arrays((spread.caches, spread.lengths), (on_one.caches, on_one.lengths))
+  np.testing.assert_allclose(
+    np.asarray(spread.next_logits), np.asarray(on_one.next_logits), rtol=1e-5, atol=1e-5
+  )
+
+
 def _batch_axis_of(leaf):
   spec = tuple(leaf.sharding.spec)
   return spec.index("data") if "data" in spec else None
@@ -57,9 +68,9 @@ def test_a_context_compressed_by_rows_keeps_each_row_on_its_device(spec, layer_l
   spread = compress_context(
     decoder, params, PROMPTS, cache_method=method, room=ROOM, row_sharding=_rows()
   )
-  assert_same_arrays(spread, on_one)
+  assert_same_compressed_context(spread, on_one)
   batch_axes = set()
-  for leaf, single in zip(jax.tree.leaves(spread), jax.tree.leaves(on_one)):
+  for leaf in jax.tree.leaves(spread):
     axis = _batch_axis_of(leaf)
     batch_axes.add(axis)
     if axis is None:
@@ -69,7 +80,7 @@ def test_a_context_compressed_by_rows_keeps_each_row_on_its_device(spec, layer_l
     for shard in leaf.addressable_shards:  # device i holds row i, and nothing else
       row = shard.device.id
       np.testing.assert_array_equal(
-        np.asarray(shard.data), np.take(np.asarray(single), [row], axis=axis)
+        np.asarray(shard.data), np.take(np.asarray(leaf), [row], axis=axis)
       )
   # Layer caches keep rows at axis 0; caches stacked for the scan at axis 1.
   assert batch_axes >= ({0, 1} if layer_loop == "scan" else {0})
