@@ -18,11 +18,13 @@ out="${OUT:-gpu_session_out}"
 mkdir -p "$out"
 python="${PYTHON:-python3}"
 
-# The folded Mosaic rows (v19): block 128 with 2 stages, where three programs now fit per SM,
-# with the planner's 32 splits (5.2 waves) and with 37 (whole waves: 2368 programs, 6 x 396);
+# Folded Triton's default, and without prefetch and with 3 stages (v19 changed its registers:
+# 219 -> 226). The folded Mosaic rows: block 128 with 2 stages, where three programs now fit per
+# SM, with the planner's 32 splits (5.2 waves) and with 37 (whole waves: 2368 programs, 6 x 396);
 # 3 stages (two per SM); block 64 with 4 stages (four per SM) and 3 stages.
 folded='{"lowering": "mosaic_gpu", "variant": "folded"'
-sweep_configs="[{}, ${folded}}, ${folded}, \"num_splits\": 37}, ${folded}, \"num_stages\": 3}, \
+sweep_configs="[{}, {\"prefetch\": false}, {\"num_stages\": 3}, \
+${folded}}, ${folded}, \"num_splits\": 37}, ${folded}, \"num_stages\": 3}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 4}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 3}]"
 
