@@ -19,7 +19,7 @@ Tokens are the products' M side, spread over the four warps, so a sum over token
 warps through shared memory and two barriers. The loop has one such reduction per block, the row
 max: the softmax denominator and the value-minimum terms are kept per token ([block, rows] and
 [block, tiles * rows] in registers, rescaled like the accumulator) and summed once after the
-loop (KERNEL_NOTES v19: 11 barriers per 128-token block -> 5, 1326 -> 1115 instructions).
+loop (KERNEL_NOTES v19: 11 -> 5 barriers per 128-token block).
 
 The N side of a product is a multiple of 8 (`tile_rows`), so a query group of 4 fills half of
 each key group's columns. On the key side that cannot be helped: a token picks its group's
@@ -560,9 +560,10 @@ def _folded_partials(
 def group_major_value_stat_pairs(v_scale: jax.Array, v_min: jax.Array) -> jax.Array:
   """bf16 [B, H, T, D/g] scale and minimum -> uint32 [B, H, D/g, T]: each token's scale in the
   low half of a word and its minimum in the high half, so that the kernel reads both with one
-  32-bit load instead of two 16-bit ones (KERNEL_NOTES v18: its 16-bit statistics loads are
-  among its most stalled-on instructions). The same bytes as the two bf16 arrays; made in the
-  pass that turns them group-major for TMA (`group_major_value_stats`)."""
+  32-bit load instead of two 16-bit ones (KERNEL_NOTES v18: 16-bit loads of the key statistics
+  were among its most stalled-on instructions; the value statistics were loaded the same way).
+  The same bytes as the two bf16 arrays, made in the pass that turns them group-major for TMA
+  (as `group_major_value_stats` does for the dequantizing kernel)."""
   scale, minimum = (
     lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) for x in (v_scale, v_min)
   )
