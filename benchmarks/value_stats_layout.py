@@ -1,8 +1,9 @@
 """Where the folded Mosaic GPU kernel's transpose of the value statistics runs, and its cost.
 
-The folded Mosaic GPU kernel reads the value statistics group-major ([B, H, 2 D / group, T]);
-the caches keep them token-major ([B, H, T, D / group]), so its wrapper transposes them at every
-call (KERNEL_NOTES v12, v18). Two parts, GPU only:
+The folded Mosaic GPU kernel reads the value statistics group-major (since v19 as uint32
+(scale, minimum) pairs, [B, H, D / group, T]; before, [B, H, 2 D / group, T] bf16); the caches
+keep them token-major ([B, H, T, D / group]), so its wrapper transposes them at every call
+(KERNEL_NOTES v12, v18, v19). Two parts, GPU only:
 
   timing  time per call at decode_attention.py's 32k shapes (KIVI-2, group 32), folded Triton
           (the default) and folded Mosaic GPU: from a host loop of jitted calls (each call takes
