@@ -69,24 +69,25 @@ def allocate(method, group=2, head_dim=D, max_new_tokens=4, dtype=jnp.float32):
   )
 
 
-def assert_trees_equal(a, b, float_atol=0.0, float_rtol=0.0, inexact=lambda path: True):
-  """Integer leaves (codes, indices, lengths) equal; float leaves whose key path `inexact`
-  accepts within `float_atol` + `float_rtol` * |b|, the others equal."""
+def assert_trees_equal(
+  a, b, float_atol=0.0, float_rtol=0.0, float_ulps=0, inexact=lambda path: True
+):
+  """Same structure and dtypes; integer leaves (codes, indices, lengths) equal; float leaves whose
+  key path `inexact` accepts within `float_atol` + rtol * |b|, rtol the larger of `float_rtol` and
+  `float_ulps` ulps of the leaf's dtype; the other float leaves equal."""
   leaves_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
   leaves_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
   assert tree_a == tree_b
   for (path, x), (_, y) in zip(leaves_a, leaves_b, strict=True):
-    x, y = np.asarray(x), np.asarray(y)
-    tolerant = (float_atol or float_rtol) and inexact(jax.tree_util.keystr(path))
+    x, y, name = np.asarray(x), np.asarray(y), jax.tree_util.keystr(path)
+    assert x.dtype == y.dtype, name
+    tolerant = (float_atol or float_rtol or float_ulps) and inexact(name)
     if np.issubdtype(x.dtype, np.integer) or not tolerant:
-      np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+      np.testing.assert_array_equal(x, y, err_msg=name)
     else:
+      rtol = max(float_rtol, float_ulps * float(jnp.finfo(x.dtype).eps))
       np.testing.assert_allclose(
-        x.astype(np.float32),
-        y.astype(np.float32),
-        atol=float_atol,
-        rtol=float_rtol,
-        err_msg=jax.tree_util.keystr(path),
+        x.astype(np.float32), y.astype(np.float32), atol=float_atol, rtol=rtol, err_msg=name
       )
 
 
@@ -163,7 +164,7 @@ def test_quantized_cache_fed_in_chunks_holds_the_one_piece_codes(method, dtype, 
   # GEAR's low-rank factors come from float matmuls over however many blocks are encoded
   # together, so they may differ in the last bits of f32, and so by one ulp once rounded to bf16
   # (seen on an AVX-512 Xeon, not on an AMD EPYC); codes, outliers and scales may not.
-  tolerance = dict(float_atol=1e-5) if dtype == jnp.float32 else dict(float_rtol=2.0**-7)
+  tolerance = dict(float_atol=1e-5) if dtype == jnp.float32 else dict(float_ulps=1)
   assert_trees_equal(
     feed_in_chunks(cache, queries, keys, values, chunk),
     expected,

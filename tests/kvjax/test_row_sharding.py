@@ -24,6 +24,7 @@ from kvjax.context_checkpoint import restore_context, save_context
 from kvjax.generate import generate
 from kvjax.method_spec import parse_method_spec
 from kvjax.row_sharding import check_row_sharding, row_shardings
+from tests.kvjax.test_chunked_prefill import assert_trees_equal
 from tests.kvjax.test_compressed_context import RAGGED_QUESTIONS, assert_same_arrays
 from tests.kvjax.test_method_matrix import PROMPTS
 from tests.kvjax.tiny_decoder import tiny_decoder
@@ -39,27 +40,6 @@ two_devices = pytest.mark.skipif(jax.device_count() < 2, reason="needs two devic
 def _rows(count=2):
   mesh = Mesh(np.array(jax.devices()[:count]), ("data",))
   return NamedSharding(mesh, PartitionSpec("data"))
-
-
-def assert_same_compressed_context(spread, on_one):
-  """Integer leaves (codes, lengths) bit for bit; float leaves within f32 rounding (1e-5) or one
-  ulp of a narrower dtype.
-  Each device's program computes one row where the one-device program computes two, and XLA's
-  CPU matmuls may sum in another order for another shape. Seen on an AVX-512 Xeon: next-token
-  logits 2.4e-6 apart (jax 0.12 and 0.11.2), and with jax 0.11.2 two of 1024 bf16 window keys one
-  ulp apart. On an AMD EPYC all leaves were equal."""
-  leaves, structure = jax.tree.flatten(spread)
-  assert structure == jax.tree.structure(on_one)
-  for x, y in zip(leaves, jax.tree.leaves(on_one), strict=True):
-    assert x.dtype == y.dtype
-    x, y = np.asarray(x), np.asarray(y)
-    if np.issubdtype(x.dtype, np.integer):
-      np.testing.assert_array_equal(x, y)
-    else:
-      tolerance = max(float(jnp.finfo(x.dtype).eps), 1e-5)
-      np.testing.assert_allclose(
-        x.astype(np.float32), y.astype(np.float32), rtol=tolerance, atol=tolerance
-      )
 
 
 def _batch_axis_of(leaf):
@@ -78,7 +58,12 @@ def test_a_context_compressed_by_rows_keeps_each_row_on_its_device(spec, layer_l
   spread = compress_context(
     decoder, params, PROMPTS, cache_method=method, room=ROOM, row_sharding=_rows()
   )
-  assert_same_compressed_context(spread, on_one)
+  # Codes and lengths bit for bit; floats within f32 rounding or one ulp of a narrower dtype. Each
+  # device's program computes one row where the one-device program computes two, and XLA's CPU
+  # matmuls may sum in another order for another shape. Seen on an AVX-512 Xeon: next-token
+  # logits 2.4e-6 apart (jax 0.12 and 0.11.2), and with jax 0.11.2 two of 1024 bf16 window keys
+  # one ulp apart. On an AMD EPYC all leaves were equal.
+  assert_trees_equal(spread, on_one, float_atol=1e-5, float_rtol=1e-5, float_ulps=1)
   batch_axes = set()
   for leaf in jax.tree.leaves(spread):
     axis = _batch_axis_of(leaf)
@@ -247,7 +232,7 @@ def test_each_leaf_is_split_at_the_axis_that_follows_the_batch():
 def test_the_two_device_tests_pass_on_two_host_devices():
   repository = pathlib.Path(__file__).parents[2]
   # Compressing by rows is compared with one device: codes and lengths bit for bit, floats within
-  # rounding (`assert_same_compressed_context`). On an AMD EPYC with XLA's default optimisation
+  # rounding (`assert_trees_equal`). On an AMD EPYC with XLA's default optimisation
   # the split and the whole programs rounded alike, and with conftest's fast-compile flags they
   # differed in the last bit (4.8e-7); the two-device process still starts from the caller's
   # XLA_FLAGS (kept by tests/conftest.py) and turns the fast flags off.
