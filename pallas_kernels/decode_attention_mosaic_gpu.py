@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
+from pallas_kernels.base_two_softmax import natural_log_sum_exp
 from pallas_kernels.splits import (
   SplitPlan,
   merge_split_partials,
@@ -139,15 +140,15 @@ def initial_softmax_state(rows: int, head_dim: int):
 
 
 def online_softmax_step(scores, valid, state, probs_smem):
-  """Masks scores^T [block, rows] where not `valid`, rescales the state's accumulator to the new
-  running max and stores P^T to `probs_smem` (transposed, [rows, block], not yet committed).
-  Returns the updated state."""
+  """Masks base-2 scores^T [block, rows] (`base_two_softmax`) where not `valid`, rescales the
+  state's accumulator to the new running max and stores P^T to `probs_smem` (transposed,
+  [rows, block], not yet committed). Returns the updated state."""
   acc, running_max, running_sum = state
   scores = jnp.where(valid, scores, -jnp.inf)
   # A split's first block holds a valid token, so the max is finite from then on.
   new_max = jnp.maximum(running_max, scores.max(axis=0))
-  correction = jnp.exp(running_max - new_max)
-  probs = jnp.exp(scores - lax.broadcast_in_dim(new_max, scores.shape, [1]))
+  correction = jnp.exp2(running_max - new_max)
+  probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [1]))
   running_sum = running_sum * correction + probs.sum(axis=0)
   acc = acc * lax.broadcast_in_dim(correction, acc.shape, [1])
   probs_smem.T[...] = probs.astype(probs_smem.dtype)
@@ -165,14 +166,14 @@ def value_product(values_tile, probs_smem, acc):
 
 
 def write_partials(state, out_smem, lse_smem, out_gmem, lse_gmem):
-  """The split's normalised out^T and lse, through shared memory to `out_gmem` / `lse_gmem`
-  (the program's slices). A split with no valid token writes out 0 and lse -inf (it drops out
-  of the merge)."""
+  """The split's normalised out^T and lse (natural units, from the base-2 state), through
+  shared memory to `out_gmem` / `lse_gmem` (the program's slices). A split with no valid token
+  writes out 0 and lse -inf (it drops out of the merge)."""
   acc, running_max, running_sum = state
   nonempty = running_sum > 0
   safe_sum = jnp.where(nonempty, running_sum, 1.0)
   out_smem[...] = acc / lax.broadcast_in_dim(safe_sum, acc.shape, [1])
-  lse_smem[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+  lse_smem[...] = jnp.where(nonempty, natural_log_sum_exp(running_max, safe_sum), -jnp.inf)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, out_gmem)
   plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
@@ -181,7 +182,7 @@ def write_partials(state, out_smem, lse_smem, out_gmem, lse_gmem):
 
 def _decode_kernel(
   lengths_gmem,  # int32 [>= B] (padded to LENGTH_WORDS)
-  queries_gmem,  # [B, H, rows, D], pre-scaled by sm_scale, cache dtype
+  queries_gmem,  # [B, H, rows, D], pre-scaled by sm_scale log2(e), cache dtype
   keys_gmem,  # [B, H, T, D]
   values_gmem,  # [B, H, T, D]
   out_gmem,  # f32 [B, H, S, D, rows]: each split's normalised output, transposed

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels.base_two_softmax import natural_log_sum_exp
 from pallas_kernels.splits import (
   SplitPlan,
   merge_split_partials,
@@ -72,14 +73,15 @@ def split_block_range(plan: SplitPlan, length, tokens: int):
 
 
 def softmax_step_numerators(running_max, scores, valid):
-  """One block of the online softmax over scores [rows, block] without the sum over tokens:
+  """One block of the online softmax over base-2 scores [rows, block] (`base_two_softmax`)
+  without the sum over tokens:
   (new_max, correction, probs), probs 0 where `valid` [block] is False. The caller rescales its
   accumulators (and its denominator) by `correction` [rows]. The first block of a split always
   holds a valid token, so new_max is finite from then on (no nan from -inf - -inf), even for a
   later block with none (planar's unroll tail)."""
   scores = jnp.where(valid[None, :], scores, -jnp.inf)
   new_max = jnp.maximum(running_max, scores.max(axis=1))
-  return new_max, jnp.exp(running_max - new_max), jnp.exp(scores - new_max[:, None])
+  return new_max, jnp.exp2(running_max - new_max), jnp.exp2(scores - new_max[:, None])
 
 
 def online_softmax_step(running_max, running_sum, scores, valid):
@@ -91,8 +93,9 @@ def online_softmax_step(running_max, running_sum, scores, valid):
 def store_split_partials(out_ref, lse_ref, running_max, running_sum, *accs):
   """Writes a split's partials from its online-softmax state: out = acc / sum (the `accs` are
   consecutive column blocks of out_ref [rows, D], one unless a kernel keeps its accumulator in
-  channel groups) and lse = max + log(sum). A row with no valid token in this split writes
-  out 0 and lse -inf, so it drops out of `merge_split_partials`."""
+  channel groups) and lse = (max + log2(sum)) ln 2, in natural units from the base-2 state. A
+  row with no valid token in this split writes out 0 and lse -inf, so it drops out of
+  `merge_split_partials`."""
   nonempty = running_sum > 0
   safe_sum = jnp.where(nonempty, running_sum, 1.0)
   if len(accs) == 1:
@@ -103,12 +106,12 @@ def store_split_partials(out_ref, lse_ref, running_max, running_sum, *accs):
       width = acc.shape[1]
       out_ref[:, pl.ds(column, width)] = jnp.where(nonempty[:, None], acc / safe_sum[:, None], 0.0)
       column += width
-  lse_ref[...] = jnp.where(nonempty, running_max + jnp.log(safe_sum), -jnp.inf)
+  lse_ref[...] = jnp.where(nonempty, natural_log_sum_exp(running_max, safe_sum), -jnp.inf)
 
 
 def _decode_kernel(
   lengths_ref,  # int32 [] (this row's length)
-  queries_ref,  # [rows, D], pre-scaled by sm_scale, cache dtype
+  queries_ref,  # [rows, D], pre-scaled by sm_scale log2(e), cache dtype
   keys_ref,  # [T, D] (this row and KV head)
   values_ref,  # [T, D]
   *rest,  # (unused aliased output buffers,) out_ref [rows, D] f32, lse_ref [rows] f32

@@ -223,7 +223,8 @@ def folded_kernel(
   `score_io`: GEAR's terms are computed by XLA around the kernel (`gear_terms_xla`), so the
   kernel takes no GEAR refs but score_bias_ref float32 [R, T] (R: the query group padded to a
   power of two), adds it to the scores, and has a third output scores_ref float32 [R, T] where
-  each step writes its valid tokens' scores as the softmax saw them."""
+  each step writes its valid tokens' scores as the softmax saw them: base-2 logits, as the bias
+  is (`base_two_softmax`)."""
   outputs = 3 if score_io else 2
   out_ref, lse_ref = rest[-outputs:][:2]
   gear = GearRefs.take(rest[:-outputs], has_lowrank, has_outliers)

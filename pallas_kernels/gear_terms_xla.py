@@ -10,8 +10,9 @@ the kernel sees only the quantized codes, as for a KIVI segment, and the rest go
   before: gear_score_bias  bias[g, t] = q[g] . (A_k[t] B_k[j(t)]^T + key outliers of token t),
           a dense [B, H, R, T] float32 that the kernel adds to its scores;
   after:  gear_value_terms_from_scores  out[g] += sum_t p[g, t] (A_v[t] B_v[j(t)]^T + value
-          outliers of token t), p = exp(s - lse) from the scores s the kernel wrote and the
-          segment's log-sum-exp.
+          outliers of token t), p = exp2(s - lse log2(e)) from the base-2 scores s the kernel
+          wrote (its softmax runs in base 2: `base_two_softmax`) and the segment's natural
+          log-sum-exp.
 
 Both are exact rewrites of the reference's terms (`quantized_decode_attention_reference`): the
 terms are linear in q and in the normalised probabilities. The kernel reads the bias and
@@ -20,6 +21,8 @@ writes the scores, 16 bytes each per token and KV head at a query group of 4.
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.base_two_softmax import LOG2_E
 
 GEAR_TERMS = ("kernel", "xla")  # where GEAR's low-rank and outlier terms are computed
 
@@ -60,8 +63,9 @@ def gear_score_bias(
   """float32 [B, H, R, tokens]: GEAR's addition to the scores (low rank, then key outliers;
   either may be None).
 
-  scaled_queries float32 [B, H, R, D]: the queries times sm_scale in natural channel order
-  (padding rows give padding rows); lowrank / outliers as the reference takes them."""
+  scaled_queries float32 [B, H, R, D]: the queries times sm_scale (times log2(e) for the GPU
+  kernels' base-2 scores; the bias is linear in them) in natural channel order (padding rows
+  give padding rows); lowrank / outliers as the reference takes them."""
   batch, kv_heads, rows, head_dim = scaled_queries.shape
   blocks = tokens // block
   bias = jnp.zeros((batch, kv_heads, rows, tokens), jnp.float32)
@@ -115,15 +119,15 @@ def gear_value_terms_from_scores(
 ) -> jax.Array:
   """float32 [B, H, G, D]: GEAR's addition to the segment's normalised output.
 
-  scores float32 [B, H, >= G, T] as the kernel's softmax saw them (entries at or past a row's
-  length are never read: the kernel does not write them); lse float32 [B, H, G], the
-  segment's log-sum-exp; lengths int32 [B]."""
+  scores float32 [B, H, >= G, T] as the kernel's softmax saw them, base-2 logits (s log2(e);
+  entries at or past a row's length are never read: the kernel does not write them); lse
+  float32 [B, H, G], the segment's log-sum-exp in natural units; lengths int32 [B]."""
   batch, kv_heads, group = lse.shape
   tokens = scores.shape[-1]
   blocks = tokens // block
   inside = (jnp.arange(tokens) < lengths[:, None])[:, None, None, :]  # [B, 1, 1, T]
   scores = jnp.where(inside, scores[:, :, :group], 0.0)
-  probs = jnp.where(inside, jnp.exp(scores - lse[..., None]), 0.0)  # [B, H, G, T]
+  probs = jnp.where(inside, jnp.exp2(scores - lse[..., None] * LOG2_E), 0.0)  # [B, H, G, T]
   terms = jnp.zeros((batch, kv_heads, group, head_dim), jnp.float32)
   if lowrank is not None:
     v_a, v_b = lowrank[2], lowrank[3]  # [B, H, T, r], [B, H, J, D, r]

@@ -18,7 +18,8 @@ from jax import lax
 
 
 def key_bias(queries: jax.Array, k_min: jax.Array) -> jax.Array:
-  """f32 [B, H, rows, D] queries (scaled by sm_scale, rows padded as the kernel pads them) and
+  """f32 [B, H, rows, D] queries (scaled as the kernel's are, by sm_scale log2(e): the bias is a
+  base-2 logit like the scores, `base_two_softmax`; rows padded as the kernel pads them) and
   [B, H, T / group_size, D] minimums -> f32 [B, H, T / group_size, rows]: q . k_min[g].
 
   Minimums past a row's length may be NaN; their groups' biases are then NaN, and the kernels

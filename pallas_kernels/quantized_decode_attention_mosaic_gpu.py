@@ -41,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
 from pallas_kernels import decode_attention_mosaic_gpu as full_precision
+from pallas_kernels.base_two_softmax import base_two_scale
 from pallas_kernels.bit_packing import check_bits
 from pallas_kernels.decode_attention_mosaic_gpu import (
   CAPACITY_MULTIPLE,
@@ -245,7 +246,7 @@ def fetch_block(
 
 def _quantized_decode_kernel(
   lengths_gmem,  # int32 [>= B] (padded to LENGTH_WORDS)
-  queries_gmem,  # [B, H, rows, D], pre-scaled by sm_scale, compute dtype
+  queries_gmem,  # [B, H, rows, D], pre-scaled by sm_scale log2(e), compute dtype
   k_codes_gmem,  # uint32 [B, H, T, W]
   k_scale_gmem,  # [B, H, T / group_size, D]
   k_min_gmem,
@@ -391,7 +392,9 @@ def _quantized_decode_attention_partials(
   dtype = staged_dtype_for(k_scale.dtype)
   stat_dtype = k_scale.dtype
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, gpu_target_programs())
-  scaled_queries = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, dtype)
+  scaled_queries = pad_query_group(
+    queries.astype(jnp.float32) * base_two_scale(sm_scale), rows, dtype
+  )
   v_stats = group_major_value_stats(v_scale, v_min)
   lengths = padded_lengths(lengths)
   key_groups = key_groups_per_block(block_tokens, group_size)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _compat
+from pallas_kernels.base_two_softmax import base_two_scale
 
 # Default flash-decoding split of the GPU kernels: enough programs for ~16 per SM, so rows of
 # unequal length and the last wave balance out (H100 run 1: 32 splits beat 9 by 10-15% at batch
@@ -68,13 +69,16 @@ def plan_full_precision_decode(
   block_tokens: int,
   num_splits: int | None,
 ) -> tuple[SplitPlan, jax.Array]:
-  """The split plan of a full-precision segment and its queries, pre-scaled by sm_scale and
-  padded to `rows` in the cache dtype (what both GPU full-precision kernels start from)."""
+  """The split plan of a full-precision segment and its queries, pre-scaled by sm_scale log2(e)
+  (the GPU kernels' softmax runs in base 2: `base_two_softmax`) and padded to `rows` in the
+  cache dtype (what both GPU full-precision kernels start from)."""
   batch, kv_heads = queries.shape[:2]
   plan = plan_splits(
     keys.shape[2], block_tokens, batch * kv_heads, num_splits, gpu_target_programs()
   )
-  scaled_queries = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, keys.dtype)
+  scaled_queries = pad_query_group(
+    queries.astype(jnp.float32) * base_two_scale(sm_scale), rows, keys.dtype
+  )
   return plan, scaled_queries
 
 

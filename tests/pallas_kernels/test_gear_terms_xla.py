@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import gear_terms_xla
+from pallas_kernels.base_two_softmax import LOG2_E
 from pallas_kernels.gear_terms_xla import (
   check_gear_terms,
   gear_score_bias,
@@ -83,7 +84,7 @@ def test_gear_terms_are_the_gear_parts_of_the_dense_cache(
   terms = gear_value_terms_from_scores(
     segment.lowrank,
     segment.outliers,
-    jnp.where(inside, scores, jnp.nan),
+    jnp.where(inside, scores * LOG2_E, jnp.nan),  # the kernel's base-2 scores
     lse,
     lengths,
     block=block,
@@ -139,6 +140,6 @@ def test_value_outliers_wrap_around_the_partial_accumulators(monkeypatch):
   for slots in (2, 1, 32):
     monkeypatch.setattr(gear_terms_xla, "OUTLIER_SLOTS", slots)
     terms = gear_value_terms_from_scores(
-      None, segment.outliers, scores, lse, lengths, block=block, head_dim=HEAD_DIM
+      None, segment.outliers, scores * LOG2_E, lse, lengths, block=block, head_dim=HEAD_DIM
     )
     np.testing.assert_allclose(np.asarray(terms), np.asarray(expected), rtol=1e-5, atol=1e-6)
