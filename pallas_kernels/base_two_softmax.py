@@ -4,11 +4,11 @@ The queries are scaled by sm_scale * log2(e) before a kernel sees them (XLA does
 small query array), so every score a kernel computes, and every term added to the scores
 (q . k_min, GEAR's low-rank and outlier terms, all linear in the queries), is a base-2 logit
 s2 = s log2(e), and exp(s - m) is exp2(s2 - m2). jnp.exp on f32 lowers to libdevice's accurate
-`__nv_expf` in Pallas-Triton (~15 SASS instructions, a range reduction around MUFU.EX2) and to a
-similar sequence in Mosaic GPU; jnp.exp2 to MUFU.EX2 with a denormal fix-up. Statically (sm_90a,
-32k shapes of record, KERNEL_NOTES v20) that takes the folded Triton KIVI-2 loop from 784 to 710
-instructions per 128 tokens, the bf16 Triton kernel from 252 to 205 per 32, and the folded
-Mosaic GPU loop from 1099 to 1057.
+`__nv_expf` in Pallas-Triton (~15 SASS instructions, a range reduction around MUFU.EX2), and in
+Mosaic GPU to a range reduction about 4 instructions longer than exp2's; jnp.exp2 is MUFU.EX2
+with a denormal fix-up. Statically (sm_90a, 32k shapes of record, KERNEL_NOTES v20) that takes
+the folded Triton KIVI-2 loop from 784 to 710 instructions per 128 tokens, the bf16 Triton
+kernel from 252 to 205 per 32, and the folded Mosaic GPU loop from 1099 to 1057.
 
 What leaves a kernel stays in natural units: the log-sum-exp of each split,
 (m2 + log2(sum)) ln 2, so `merge_split_partials` and every caller see the reference's contract.
