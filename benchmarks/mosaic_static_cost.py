@@ -1,4 +1,4 @@
-"""Static cost of the Mosaic GPU quantized decode kernels on a machine without a GPU.
+"""Static cost of the Mosaic GPU decode kernels (quantized; full-precision with --bf16), no GPU.
 
 Compiles a kernel the way the GPU machine does, through jax's CUDA plugin, but for a compile-only
 H100 (XLA's deviceless compilation: a PJRT topology built from a target description instead of
@@ -27,7 +27,10 @@ $MOSAIC_GPU_CUDA_ROOT/nvvm/libdevice (default root /usr/local/cuda). cuobjdump i
 `triton` package (the kernel-analysis extra). No GPU and no CUDA driver are needed. Example:
 
   PYTHONPATH=. .venv-mosaic-analysis/bin/python benchmarks/mosaic_static_cost.py \
-    --variants dequantize folded --bits 2 4
+    --variants dequantize folded --bits 2 4 --bf16
+
+(`--bf16` adds the full-precision kernel. Its loop count includes the branch that zeroes the
+values past a row's length, which runs only in a split's last block.)
 """
 
 import argparse
@@ -142,6 +145,27 @@ def kernel_call(variant: str, bits: int, settings: dict):
   return call, arguments
 
 
+def full_precision_call(settings: dict):
+  """(function, abstract arguments) of the full-precision (bf16) Mosaic GPU kernel at the
+  benchmark shape."""
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels import decode_attention_mosaic_gpu
+
+  shape = BENCHMARK_SHAPE
+  call = functools.partial(
+    decode_attention_mosaic_gpu.decode_attention_partials_mosaic_gpu,
+    sm_scale=shape["head_dim"] ** -0.5,
+    **settings,
+  )
+  batch, heads, group = shape["batch"], shape["kv_heads"], shape["group"]
+  cache = jax.ShapeDtypeStruct((batch, heads, shape["tokens"], shape["head_dim"]), jnp.bfloat16)
+  queries = jax.ShapeDtypeStruct((batch, heads, group, shape["head_dim"]), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((batch,), jnp.int32)
+  return call, (queries, cache, cache, lengths)
+
+
 def ptx_of(function, arguments, device) -> tuple[str, str]:
   """(PTX, Mosaic's resource summary) of the one Mosaic GPU kernel in `function`."""
   import jax
@@ -189,6 +213,11 @@ def main():
   )
   parser.add_argument("--bits", nargs="+", type=int, default=[2], choices=[2, 4])
   parser.add_argument(
+    "--bf16",
+    action="store_true",
+    help="also the full-precision kernel (decode_attention_mosaic_gpu, its default settings)",
+  )
+  parser.add_argument(
     "--configs",
     default="[{}]",
     help='JSON list of kernel settings, e.g. \'[{}, {"block_tokens": 64, "num_stages": 4}]\'',
@@ -199,30 +228,37 @@ def main():
   device = compile_only_device()
   shape = BENCHMARK_SHAPE
   programs_tokens = shape["batch"] * shape["kv_heads"] * shape["tokens"]
+  cases = []  # (label, file name, (function, arguments), tokens per iteration)
+  if args.bf16:
+    settings = {"block_tokens": 64, "num_stages": 2}  # the kernel's defaults
+    cases.append(("bf16", "bf16", full_precision_call(settings), settings["block_tokens"]))
+  for variant in args.variants:
+    for bits in args.bits:
+      for settings in json.loads(args.configs):
+        settings = {"block_tokens": 128, "num_stages": 2, **settings}
+        label = f"kivi{bits} {variant} " + ",".join(
+          f"{key}={value}" for key, value in sorted(settings.items())
+        )
+        call = kernel_call(variant, bits, settings)
+        cases.append((label, f"{variant}{bits}", call, settings["block_tokens"]))
   rows = []
   with tempfile.TemporaryDirectory() as workdir:
-    for variant in args.variants:
-      for bits in args.bits:
-        for settings in json.loads(args.configs):
-          settings = {"block_tokens": 128, "num_stages": 2, **settings}
-          label = f"kivi{bits} {variant} " + ",".join(
-            f"{key}={value}" for key, value in sorted(settings.items())
-          )
-          ptx, resources = ptx_of(*kernel_call(variant, bits, settings), device)
-          sass, usage = sass_of(ptx, workdir, f"{variant}{bits}")
-          cost = triton_static_cost.loop_cost(
-            label,
-            sass,
-            usage,
-            "",
-            tokens_per_iteration=settings["block_tokens"],
-            warps=THREADS_PER_PROGRAM // 32,
-          )
-          shared = re.search(r"smem_scratch_bytes=(\d+)", resources)
-          cost.shared_bytes = int(shared.group(1)) if shared else -1
-          floors = cost.floors_us(programs_tokens=programs_tokens)
-          floors["programs_per_sm"] = programs_per_sm(cost.registers, cost.shared_bytes)
-          rows.append((cost, floors))
+    for label, file_name, call, tokens_per_iteration in cases:
+      ptx, resources = ptx_of(*call, device)
+      sass, usage = sass_of(ptx, workdir, file_name)
+      cost = triton_static_cost.loop_cost(
+        label,
+        sass,
+        usage,
+        "",
+        tokens_per_iteration=tokens_per_iteration,
+        warps=THREADS_PER_PROGRAM // 32,
+      )
+      shared = re.search(r"smem_scratch_bytes=(\d+)", resources)
+      cost.shared_bytes = int(shared.group(1)) if shared else -1
+      floors = cost.floors_us(programs_tokens=programs_tokens)
+      floors["programs_per_sm"] = programs_per_sm(cost.registers, cost.shared_bytes)
+      rows.append((cost, floors))
 
   print(
     "| kernel | regs | shared KB | programs/SM | instr/iter/warp | tokens/iter "
