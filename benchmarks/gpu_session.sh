@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# A GPU session's work on the folded Mosaic GPU kernel, one device call per step: checked
-# natively, then timed beside folded Triton, then profiled. Each step ends well inside the device
-# tool's 10-minute limit per call. First run on an H100 on 2026-11-24 (KERNEL_NOTES v18); rerun
-# it after a change to the folded kernels (v19 changed both, Triton and Mosaic GPU, on CPU only).
+# A GPU session's work on the folded kernels, one device call per step: checked natively, then
+# timed (folded Mosaic GPU beside folded Triton), then profiled. Each step ends well inside the
+# device tool's 10-minute limit per call. First run on an H100 on 2026-11-24 (KERNEL_NOTES v18);
+# rerun it after a change to the kernels (v19 changed both folded kernels, v20 the softmax of
+# every GPU kernel, on CPU only).
 #
-#   bash benchmarks/gpu_session.sh check    # native tests + generate check        (~5 min)
+#   bash benchmarks/gpu_session.sh check    # Mosaic GPU native tests + generate check (~5 min)
+#   bash benchmarks/gpu_session.sh check_triton  # Triton and bf16 kernels' native tests
 #   bash benchmarks/gpu_session.sh sweep    # 32k sweep + the 32k table             (~4 min)
 #   bash benchmarks/gpu_session.sh ncu '{"lowering": "mosaic_gpu", "variant": "folded"}'
+#   bash benchmarks/gpu_session.sh ncu '{}'    # the default (folded Triton) kernel
 #
 # Run from the repository root, on the device image's python3 (jax 0.11.2 with CUDA; nothing
 # to install: the kernels and checks import no package the image lacks). Logs and JSON go to
@@ -42,6 +45,16 @@ case "${1:-}" in
     "$python" benchmarks/generate_kernels_check.py 2>&1 | tee "$out/generate_kernels_check.log"
     exit "$tests_status"
     ;;
+  check_triton)
+    # The Triton kernels (every variant, GEAR's terms both ways) and both bf16 kernels, natively:
+    # v20's base-2 softmax changed all of them.
+    KVJAX_NATIVE_KERNELS=1 "$python" -m pytest -q -p no:cacheprovider \
+      tests/pallas_kernels/test_quantized_kernels.py \
+      tests/pallas_kernels/test_folded_scales_kernel_triton.py \
+      tests/pallas_kernels/test_decode_attention_kernels.py \
+      tests/pallas_kernels/test_decode_attention_mosaic_gpu.py 2>&1 |
+      tee "$out/native_triton_tests.log"
+    ;;
   sweep)
     "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
       --sweep-configs "$sweep_configs" --out "$out/decode_attention_sweep_32k.json" 2>&1 |
@@ -49,18 +62,23 @@ case "${1:-}" in
     ;;
   ncu)
     config="${2:?ncu needs a kernel config, e.g. '{\"lowering\": \"mosaic_gpu\", \"variant\": \"folded\"}'}"
-    # Filtered to the Mosaic kernel: an unfiltered profile of XLA's fusions failed in v13.
-    ncu --target-processes all --kernel-name regex:mosaic --launch-skip 1 --launch-count 1 \
-      --set full --import-source no -o "$out/folded_mosaic" -f \
+    # Filtered to the Pallas kernel (an unfiltered profile of XLA's fusions failed in v13): a
+    # Mosaic GPU kernel's name holds "mosaic"; a Triton one is named after its pallas_call.
+    case "$config" in
+      *mosaic_gpu*) kernel_name=regex:mosaic report="$out/mosaic_kernel" ;;
+      *) kernel_name=regex:quantized_decode_attention report="$out/triton_kernel" ;;
+    esac
+    ncu --target-processes all --kernel-name "$kernel_name" --launch-skip 1 --launch-count 1 \
+      --set full --import-source no -o "$report" -f \
       "$python" benchmarks/profile_quantized_kernel.py --bits 2 --kernel-config "$config" 2>&1 |
       tee "$out/ncu.log"
-    ncu --import "$out/folded_mosaic.ncu-rep" --page details > "$out/ncu_details.txt"
-    ncu --import "$out/folded_mosaic.ncu-rep" --page source --csv --print-source sass \
+    ncu --import "$report.ncu-rep" --page details > "$out/ncu_details.txt"
+    ncu --import "$report.ncu-rep" --page source --csv --print-source sass \
       > "$out/ncu_sass.csv"
     "$python" benchmarks/ncu_sass_summary.py "$out/ncu_sass.csv" | tee "$out/ncu_sass_summary.txt"
     ;;
   *)
-    echo "usage: $0 check | sweep | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac
