@@ -74,11 +74,10 @@ def split_block_range(plan: SplitPlan, length, tokens: int):
 
 def softmax_step_numerators(running_max, scores, valid):
   """One block of the online softmax over base-2 scores [rows, block] (`base_two_softmax`)
-  without the sum over tokens:
-  (new_max, correction, probs), probs 0 where `valid` [block] is False. The caller rescales its
-  accumulators (and its denominator) by `correction` [rows]. The first block of a split always
-  holds a valid token, so new_max is finite from then on (no nan from -inf - -inf), even for a
-  later block with none (planar's unroll tail)."""
+  without the sum over tokens: (new_max, correction, probs), probs 0 where `valid` [block] is
+  False. The caller rescales its accumulators (and its denominator) by `correction` [rows]. The
+  first block of a split always holds a valid token, so new_max is finite from then on (no nan
+  from -inf - -inf), even for a later block with none (planar's unroll tail)."""
   scores = jnp.where(valid[None, :], scores, -jnp.inf)
   new_max = jnp.maximum(running_max, scores.max(axis=1))
   return new_max, jnp.exp2(running_max - new_max), jnp.exp2(scores - new_max[:, None])
