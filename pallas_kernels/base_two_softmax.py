@@ -28,9 +28,10 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 
-def base_two_scale(sm_scale: float) -> float:
-  """What the queries are multiplied by before a GPU kernel: scores come out as base-2 logits."""
-  return sm_scale * LOG2_E
+def base_two_queries(queries: jax.Array, sm_scale: float) -> jax.Array:
+  """float32 queries times sm_scale log2(e): what every GPU kernel starts from, so that its
+  scores come out as base-2 logits."""
+  return queries.astype(jnp.float32) * (sm_scale * LOG2_E)
 
 
 def natural_log_sum_exp(running_max: jax.Array, running_sum: jax.Array) -> jax.Array:

@@ -69,7 +69,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
 from pallas_kernels import quantized_decode_attention_mosaic_gpu as dequantizing
-from pallas_kernels.base_two_softmax import base_two_scale
+from pallas_kernels.base_two_softmax import base_two_queries
 from pallas_kernels.decode_attention_mosaic_gpu import (
   LENGTH_WORDS,
   SHARED_MEMORY_BYTES,
@@ -489,9 +489,7 @@ def _folded_partials(
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, gpu_target_programs())
   # Padding rows repeat the real rows (row j is row j % real_rows), so every value slot's columns
   # hold real probabilities.
-  scaled = pad_query_group(
-    queries.astype(jnp.float32) * base_two_scale(sm_scale), real_rows, jnp.float32
-  )
+  scaled = pad_query_group(base_two_queries(queries, sm_scale), real_rows, jnp.float32)
   scaled = scaled[:, :, jnp.arange(rows) % real_rows]
   channel_scale = power_of_two(
     exponents.query - code_exponent(jnp.arange(head_dim, dtype=jnp.int32), head_dim, bits)

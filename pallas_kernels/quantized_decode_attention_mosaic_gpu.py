@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
 from pallas_kernels import decode_attention_mosaic_gpu as full_precision
-from pallas_kernels.base_two_softmax import base_two_scale
+from pallas_kernels.base_two_softmax import base_two_queries
 from pallas_kernels.bit_packing import check_bits
 from pallas_kernels.decode_attention_mosaic_gpu import (
   CAPACITY_MULTIPLE,
@@ -392,9 +392,7 @@ def _quantized_decode_attention_partials(
   dtype = staged_dtype_for(k_scale.dtype)
   stat_dtype = k_scale.dtype
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, gpu_target_programs())
-  scaled_queries = pad_query_group(
-    queries.astype(jnp.float32) * base_two_scale(sm_scale), rows, dtype
-  )
+  scaled_queries = pad_query_group(base_two_queries(queries, sm_scale), rows, dtype)
   v_stats = group_major_value_stats(v_scale, v_min)
   lengths = padded_lengths(lengths)
   key_groups = key_groups_per_block(block_tokens, group_size)

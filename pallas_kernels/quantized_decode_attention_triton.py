@@ -49,7 +49,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.base_two_softmax import base_two_scale
+from pallas_kernels.base_two_softmax import base_two_queries
 from pallas_kernels.bit_packing import check_bits
 from pallas_kernels.decode_attention_triton import (
   _dot_nn,
@@ -633,7 +633,7 @@ def quantized_decode_attention_partials_triton(
   else:
     rows = tile_rows(group)
   plan = plan_splits(tokens, step_tokens, batch * kv_heads, num_splits, gpu_target_programs())
-  scaled_queries = queries.astype(jnp.float32) * base_two_scale(sm_scale)
+  scaled_queries = base_two_queries(queries, sm_scale)
   prefix = []
   key_order = np.arange(head_dim, dtype=np.int32)
   if variant == "folded":

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _compat
-from pallas_kernels.base_two_softmax import base_two_scale
+from pallas_kernels.base_two_softmax import base_two_queries
 
 # Default flash-decoding split of the GPU kernels: enough programs for ~16 per SM, so rows of
 # unequal length and the last wave balance out (H100 run 1: 32 splits beat 9 by 10-15% at batch
@@ -76,9 +76,7 @@ def plan_full_precision_decode(
   plan = plan_splits(
     keys.shape[2], block_tokens, batch * kv_heads, num_splits, gpu_target_programs()
   )
-  scaled_queries = pad_query_group(
-    queries.astype(jnp.float32) * base_two_scale(sm_scale), rows, keys.dtype
-  )
+  scaled_queries = pad_query_group(base_two_queries(queries, sm_scale), rows, keys.dtype)
   return plan, scaled_queries
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from pallas_kernels.base_two_softmax import (
   LN_2,
   LOG2_E,
-  base_two_scale,
+  base_two_queries,
   natural_log_sum_exp,
 )
 
@@ -18,7 +18,12 @@ from pallas_kernels.base_two_softmax import (
 def test_constants_are_inverse_logarithms():
   assert LOG2_E == math.log2(math.e)
   assert abs(LOG2_E * LN_2 - 1.0) < 1e-15
-  assert base_two_scale(0.125) == 0.125 * LOG2_E
+  queries = jnp.asarray([[1.0, -2.5, 3.0]], jnp.bfloat16)
+  scaled = base_two_queries(queries, 0.125)
+  assert scaled.dtype == jnp.float32
+  np.testing.assert_array_equal(
+    np.asarray(scaled), np.asarray([[1.0, -2.5, 3.0]], np.float32) * np.float32(0.125 * LOG2_E)
+  )
 
 
 @hypothesis.settings(deadline=None, max_examples=40)
