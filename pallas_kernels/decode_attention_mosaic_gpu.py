@@ -139,16 +139,24 @@ def initial_softmax_state(rows: int, head_dim: int):
   return acc, running_max, running_sum
 
 
-def online_softmax_step(scores, valid, state, probs_smem):
-  """Masks base-2 scores^T [block, rows] (`base_two_softmax`) where not `valid`, rescales the
-  state's accumulator to the new running max and stores P^T to `probs_smem` (transposed,
-  [rows, block], not yet committed). Returns the updated state."""
-  acc, running_max, running_sum = state
+def softmax_step_numerators(scores, valid, running_max):
+  """One block of the online softmax over base-2 scores^T [block, rows] (`base_two_softmax`),
+  masked where not `valid`, without the sum over tokens: (new_max, correction, probs) [rows],
+  [rows], [block, rows]. The caller rescales what it carries by `correction`."""
   scores = jnp.where(valid, scores, -jnp.inf)
   # A split's first block holds a valid token, so the max is finite from then on.
   new_max = jnp.maximum(running_max, scores.max(axis=0))
   correction = jnp.exp2(running_max - new_max)
   probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [1]))
+  return new_max, correction, probs
+
+
+def online_softmax_step(scores, valid, state, probs_smem):
+  """`softmax_step_numerators`, then the denominator; rescales the state's accumulator to the
+  new running max and stores P^T to `probs_smem` (transposed, [rows, block], not yet committed).
+  Returns the updated state."""
+  acc, running_max, running_sum = state
+  new_max, correction, probs = softmax_step_numerators(scores, valid, running_max)
   running_sum = running_sum * correction + probs.sum(axis=0)
   acc = acc * lax.broadcast_in_dim(correction, acc.shape, [1])
   probs_smem.T[...] = probs.astype(probs_smem.dtype)

@@ -75,6 +75,7 @@ from pallas_kernels.decode_attention_mosaic_gpu import (
   SHARED_MEMORY_BYTES,
   initial_softmax_state,
   padded_lengths,
+  softmax_step_numerators,
   split_bounds,
   swizzled_operand_transforms,
   tile_rows,
@@ -369,12 +370,7 @@ def _folded_kernel(
       group_scores = stacked_scores[:, k * rows : (k + 1) * rows]
       scores = jnp.where(token // group_size == k, group_scores, scores)
 
-    valid = token + first < end
-    scores = jnp.where(valid, scores, -jnp.inf)
-    # A split's first block holds a valid token, so the max is finite from then on.
-    new_max = jnp.maximum(running_max, scores.max(axis=0))
-    correction = jnp.exp2(running_max - new_max)
-    probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [1]))
+    new_max, correction, probs = softmax_step_numerators(scores, token + first < end, running_max)
 
     # The key product has completed (its result was read): the tile takes the value codes.
     # One tile instead of two keeps three programs per SM (`shared_memory_bytes`).
