@@ -22,6 +22,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax.lax import Precision
 
 from benchmarks.decode_attention import time_op
 from kvjax import attention_dispatch
@@ -101,6 +102,7 @@ def attention(lowrank: bool, outliers: bool, config: dict):
 
 
 BATCH, KV_HEADS, GROUP, HEAD_DIM, BLOCK, RANK = 8, 8, 4, 128, 64, 4
+HIGHEST = Precision.HIGHEST
 
 CALLS = {
   "kernel, codes only (KIVI-2)": attention(False, False, {}),
@@ -111,41 +113,78 @@ CALLS = {
 }
 
 
-def parts(tokens: int, queries, segment, lengths) -> dict:
-  """name -> (fn, args): GEAR's terms, each computed alone as gear_terms_xla does."""
+def score_bias_lowrank_einsums(lowrank, scaled_queries, *, tokens: int, block: int):
+  """GEAR's low-rank score bias as two einsums: gear_terms_xla's formulation before v21."""
+  batch, kv_heads, rows, _ = scaled_queries.shape
+  k_a, k_b = lowrank[0], lowrank[1]
+  q_b = jnp.einsum("bhgd,bhjdr->bhgjr", scaled_queries, k_b.astype(jnp.float32), precision=HIGHEST)
+  k_a = k_a.astype(jnp.float32).reshape(batch, kv_heads, tokens // block, block, -1)
+  bias = jnp.einsum("bhgjr,bhjkr->bhgjk", q_b, k_a, precision=HIGHEST)
+  return bias.reshape(batch, kv_heads, rows, tokens)
+
+
+def value_terms_lowrank_einsums(lowrank, scores, lse, lengths, *, block: int):
+  """GEAR's low-rank value terms as two einsums: gear_terms_xla's formulation before v21."""
+  probs = gear_terms_xla.normalised_probabilities(scores, lse, lengths)
+  batch, kv_heads, group, tokens = probs.shape
+  v_a, v_b = lowrank[2], lowrank[3]
+  v_a = v_a.astype(jnp.float32).reshape(batch, kv_heads, tokens // block, block, -1)
+  probs_blocks = probs.reshape(batch, kv_heads, group, tokens // block, block)
+  p_a = jnp.einsum("bhgjk,bhjkr->bhgjr", probs_blocks, v_a, precision=HIGHEST)
+  return jnp.einsum("bhgjr,bhjdr->bhgd", p_a, v_b.astype(jnp.float32), precision=HIGHEST)
+
+
+def part_inputs(queries, lengths, tokens: int) -> dict:
+  """The arrays the parts take besides the segment: queries times sm_scale, scores, their
+  log-sum-exp and the normalised probabilities, at the row's length `lengths`."""
   scaled_queries = queries.astype(jnp.float32) / math.sqrt(HEAD_DIM)
   scores = jax.random.normal(jax.random.key(1), (BATCH, KV_HEADS, GROUP, tokens), jnp.float32)
   lse = jax.nn.logsumexp(scores, axis=-1)
-  probs = jnp.exp(scores - lse[..., None])
+  return dict(
+    scaled_queries=scaled_queries,
+    scores=scores,
+    lse=lse,
+    probs=jnp.exp(scores - lse[..., None]),
+    lengths=lengths,
+  )
+
+
+def parts(tokens: int) -> dict:
+  """name -> fn(inputs, segment): GEAR's terms, each computed alone as gear_terms_xla does
+  (with earlier formulations beside them); `inputs` as `part_inputs` makes them."""
   terms = dict(block=BLOCK, head_dim=HEAD_DIM)
   return {
-    "score bias, low rank": (
-      lambda q, s: gear_terms_xla.gear_score_bias(s.lowrank, None, q, tokens=tokens, block=BLOCK),
-      (scaled_queries, segment),
+    "score bias, low rank and outliers": lambda x, s: gear_terms_xla.gear_score_bias(
+      s.lowrank, s.outliers, x["scaled_queries"], tokens=tokens, block=BLOCK
     ),
-    "score bias, outliers": (
-      lambda q, s: gear_terms_xla.gear_score_bias(None, s.outliers, q, tokens=tokens, block=BLOCK),
-      (scaled_queries, segment),
+    "value terms, low rank and outliers": lambda x, s: gear_terms_xla.gear_value_terms_from_scores(
+      s.lowrank, s.outliers, x["scores"], x["lse"], x["lengths"], **terms
     ),
-    "value terms, low rank": (
-      lambda p, s: gear_terms_xla.gear_value_terms_from_scores(
-        s.lowrank, None, p, lse, lengths, **terms
-      ),
-      (scores, segment),
+    "score bias, low rank": lambda x, s: gear_terms_xla.gear_score_bias(
+      s.lowrank, None, x["scaled_queries"], tokens=tokens, block=BLOCK
     ),
-    "value terms, outliers (as gear_terms_xla)": (
-      lambda p, s: gear_terms_xla.gear_value_terms_from_scores(
-        None, s.outliers, p, lse, lengths, **terms
-      ),
-      (scores, segment),
+    "score bias, low rank, einsums (before v21)": lambda x, s: score_bias_lowrank_einsums(
+      s.lowrank, x["scaled_queries"], tokens=tokens, block=BLOCK
     ),
-    "value outliers, scalar scatter, 1 slot": (
-      lambda p, s: value_outliers_scalar_scatter(s.outliers, p, slots=1, **terms),
-      (probs, segment),
+    "score bias, outliers": lambda x, s: gear_terms_xla.gear_score_bias(
+      None, s.outliers, x["scaled_queries"], tokens=tokens, block=BLOCK
     ),
-    "value outliers, scalar scatter, 32 slots": (
-      lambda p, s: value_outliers_scalar_scatter(s.outliers, p, slots=32, **terms),
-      (probs, segment),
+    "value terms, low rank": lambda x, s: gear_terms_xla.gear_value_terms_from_scores(
+      s.lowrank, None, x["scores"], x["lse"], x["lengths"], **terms
+    ),
+    "value terms, low rank, einsums (before v21)": lambda x, s: value_terms_lowrank_einsums(
+      s.lowrank, x["scores"], x["lse"], x["lengths"], block=BLOCK
+    ),
+    "value terms, outliers (as gear_terms_xla)": lambda x, s: (
+      gear_terms_xla.gear_value_terms_from_scores(
+        None, s.outliers, x["scores"], x["lse"], x["lengths"], **terms
+      )
+    ),
+    "value outliers, scalar scatter, 1 slot": lambda x, s: value_outliers_scalar_scatter(
+      s.outliers, x["probs"], slots=1, **terms
+    ),
+    "value outliers, scalar scatter, 32 slots": lambda x, s: value_outliers_scalar_scatter(
+      s.outliers, x["probs"], slots=32, **terms
     ),
   }
 
@@ -167,16 +206,17 @@ def main():
       for name, op in CALLS.items():
         timed[name] = (time_op, op, (queries, segment, lengths))
     if tokens == args.parts_context:
-      for name, (fn, fn_args) in parts(tokens, queries, segment, lengths).items():
-        timed[name] = (time_call, fn, fn_args)
+      inputs = part_inputs(queries, lengths, tokens)
+      for name, fn in parts(tokens).items():
+        timed[name] = (time_call, fn, (inputs, segment))
     for name, (timer, fn, fn_args) in timed.items():
       try:
         seconds = timer(fn, fn_args, iters=args.iters, repeats=args.repeats)
       except Exception as e:  # one call failing to compile is reported, not fatal
-        print(f"  {tokens:>7} {name:<42} {type(e).__name__}: {str(e)[:200]}", flush=True)
+        print(f"  {tokens:>7} {name:<50} {type(e).__name__}: {str(e)[:200]}", flush=True)
         continue
       results["us"][f"{tokens} {name}"] = seconds * 1e6
-      print(f"  {tokens:>7} {name:<42} {seconds * 1e6:9.1f} us", flush=True)
+      print(f"  {tokens:>7} {name:<50} {seconds * 1e6:9.1f} us", flush=True)
     del segment
   if args.out:
     with open(args.out, "w") as f:

@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh sweep    # 32k sweep + the 32k table             (~4 min)
 #   bash benchmarks/gpu_session.sh ncu '{"lowering": "mosaic_gpu", "variant": "folded"}'
 #   bash benchmarks/gpu_session.sh ncu '{}'    # the default (folded Triton) kernel
+#   bash benchmarks/gpu_session.sh gear     # GEAR's XLA parts, v21's reductions vs einsums
 #
 # Run from the repository root, on the device image's python3 (jax 0.11.2 with CUDA; nothing
 # to install: the kernels and checks import no package the image lacks). Logs and JSON go to
@@ -60,6 +61,12 @@ case "${1:-}" in
       --sweep-configs "$sweep_configs" --out "$out/decode_attention_sweep_32k.json" 2>&1 |
       tee "$out/decode_attention_sweep_32k.log"
     ;;
+  gear)
+    # GEAR-2 at 32k: the attention calls and each XLA part alone, v21's low-rank reductions
+    # beside the einsums before them (benchmarks/xla_kernel_bytes.py: 222 -> 88 and 156 MB).
+    "$python" benchmarks/gear_terms_parts.py --contexts 32768 \
+      --out "$out/gear_terms_parts_32k.json" 2>&1 | tee "$out/gear_terms_parts_32k.log"
+    ;;
   ncu)
     config="${2:?ncu needs a kernel config, e.g. '{\"lowering\": \"mosaic_gpu\", \"variant\": \"folded\"}'}"
     # Filtered to the Pallas kernel (an unfiltered profile of XLA's fusions failed in v13): a
@@ -78,7 +85,7 @@ case "${1:-}" in
     "$python" benchmarks/ncu_sass_summary.py "$out/ncu_sass.csv" | tee "$out/ncu_sass_summary.txt"
     ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

@@ -34,8 +34,6 @@ GEAR_TERMS = ("kernel", "xla")  # where GEAR's low-rank and outlier terms are co
 # accumulators 390 us; one G-window per outlier into 32 accumulators (this) 347 us.
 OUTLIER_SLOTS = 32
 
-_HIGHEST = jax.lax.Precision.HIGHEST
-
 
 def check_gear_terms(gear_terms) -> None:
   """ValueError unless `gear_terms` is one of GEAR_TERMS or None (the default, "kernel")."""
@@ -71,11 +69,16 @@ def gear_score_bias(
   bias = jnp.zeros((batch, kv_heads, rows, tokens), jnp.float32)
   if lowrank is not None:
     k_a, k_b = lowrank[0], lowrank[1]  # [B, H, T, r], [B, H, J, D, r]
-    q_b = jnp.einsum(
-      "bhgd,bhjdr->bhgjr", scaled_queries, k_b.astype(jnp.float32), precision=_HIGHEST
-    )
-    k_a = k_a.astype(jnp.float32).reshape(batch, kv_heads, blocks, block, -1)
-    bias = jnp.einsum("bhgjr,bhjkr->bhgjk", q_b, k_a, precision=_HIGHEST).reshape(bias.shape)
+    rank = k_a.shape[-1]
+    # Products and sums, not einsums: XLA's GPU backend turns these contractions (over r = 4,
+    # and over D for r = 4 outputs) into batched GEMMs of a few rows, with the bias written
+    # token-minor then transposed and B_k transposed first; as reductions they are two
+    # fusions that read each array once (benchmarks/xla_kernel_bytes.py, KERNEL_NOTES v21).
+    q_b = jnp.sum(
+      scaled_queries[:, :, :, None, :, None] * k_b.astype(jnp.float32)[:, :, None], axis=4
+    )  # [B, H, R, J, r]
+    k_a = k_a.astype(jnp.float32).reshape(batch, kv_heads, 1, blocks, block, rank)
+    bias = sum(q_b[..., None, i] * k_a[..., i] for i in range(rank)).reshape(bias.shape)
   if outliers is not None:
     token, channel = _outlier_positions(outliers[0], block, head_dim)
     q_at_channel = jnp.take_along_axis(scaled_queries, channel[:, :, None, :], axis=-1)
@@ -107,6 +110,16 @@ def _value_outlier_terms(outliers, probs: jax.Array, *, block: int, head_dim: in
   return jnp.swapaxes(partials.sum(axis=2), 2, 3)
 
 
+def normalised_probabilities(scores: jax.Array, lse: jax.Array, lengths: jax.Array) -> jax.Array:
+  """float32 [B, H, G, T]: the segment's softmax probabilities, 0 at and past a row's length.
+
+  scores, lse, lengths as `gear_value_terms_from_scores` takes them (G = lse's rows)."""
+  group = lse.shape[-1]
+  inside = (jnp.arange(scores.shape[-1]) < lengths[:, None])[:, None, None, :]  # [B, 1, 1, T]
+  scores = jnp.where(inside, scores[:, :, :group], 0.0)
+  return jnp.where(inside, jnp.exp2(scores - lse[..., None] * LOG2_E), 0.0)
+
+
 def gear_value_terms_from_scores(
   lowrank,
   outliers,
@@ -123,18 +136,19 @@ def gear_value_terms_from_scores(
   entries at or past a row's length are never read: the kernel does not write them); lse
   float32 [B, H, G], the segment's log-sum-exp in natural units; lengths int32 [B]."""
   batch, kv_heads, group = lse.shape
-  tokens = scores.shape[-1]
-  blocks = tokens // block
-  inside = (jnp.arange(tokens) < lengths[:, None])[:, None, None, :]  # [B, 1, 1, T]
-  scores = jnp.where(inside, scores[:, :, :group], 0.0)
-  probs = jnp.where(inside, jnp.exp2(scores - lse[..., None] * LOG2_E), 0.0)  # [B, H, G, T]
+  blocks = scores.shape[-1] // block
+  probs = normalised_probabilities(scores, lse, lengths)
   terms = jnp.zeros((batch, kv_heads, group, head_dim), jnp.float32)
   if lowrank is not None:
     v_a, v_b = lowrank[2], lowrank[3]  # [B, H, T, r], [B, H, J, D, r]
-    v_a = v_a.astype(jnp.float32).reshape(batch, kv_heads, blocks, block, -1)
+    # Reductions, not einsums, as in gear_score_bias: this reads B_v in place instead of
+    # transposing it for a GEMM, and takes no GEMM with a contraction of r.
+    v_a = v_a.astype(jnp.float32).reshape(batch, kv_heads, 1, blocks, block, v_a.shape[-1])
     probs_blocks = probs.reshape(batch, kv_heads, group, blocks, block)
-    p_a = jnp.einsum("bhgjk,bhjkr->bhgjr", probs_blocks, v_a, precision=_HIGHEST)
-    terms = jnp.einsum("bhgjr,bhjdr->bhgd", p_a, v_b.astype(jnp.float32), precision=_HIGHEST)
+    p_a = jnp.sum(probs_blocks[..., None] * v_a, axis=4)  # [B, H, G, J, r]
+    terms = jnp.sum(
+      p_a[:, :, :, :, None, :] * v_b.astype(jnp.float32)[:, :, None], axis=(3, 5)
+    )  # [B, H, G, D]
   if outliers is not None:
     terms = terms + _value_outlier_terms(outliers, probs, block=block, head_dim=head_dim)
   return terms

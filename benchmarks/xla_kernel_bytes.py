@@ -1,0 +1,187 @@
+"""The kernels XLA's GPU backend makes of GEAR's terms, and the bytes each moves, without a GPU.
+
+Compiles each part of GEAR's terms as `gear_terms_parts.py` times them on a GPU (the XLA side of
+`gear_terms="xla"`, with the formulations before v21 beside the current ones) for a compile-only
+H100 (`mosaic_static_cost.compile_only_device`: XLA's deviceless compilation) and reads the
+optimised HLO's entry computation. Each instruction there that is not a parameter, constant,
+bitcast or tuple access is one kernel launch (a fusion, a GEMM or Triton custom call, a scatter,
+a copy); its bytes are the sizes of its distinct operands plus its result.
+
+That is what the kernel must move if it reads every operand once; a GEMM tiled over a batch of
+small matrices, a gather, or a reduction whose rows are re-read through L2 can move more, and a
+scatter's atomic adds cost more than their bytes. So the count predicts the memory-bound parts'
+floors and which formulation writes fewer intermediates, not their times: those come from
+`gear_terms_parts.py` on a GPU. Autotuning needs a device, so GEMM tilings here are XLA's
+defaults, not the ones a GPU run picks; the kernels and their operands are the same.
+
+Setup: the environment of `mosaic_static_cost.py` (jax's CUDA plugin, no GPU and no CUDA driver
+needed). Example:
+
+  PYTHONPATH=. .venv-mosaic-analysis/bin/python benchmarks/xla_kernel_bytes.py \
+    [--context 32768] [--out results/xla_kernel_bytes_v21.json]
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+
+# Read when jax loads its plugins (see mosaic_static_cost.py), so set before jax is imported.
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+ELEMENT_BYTES = {
+  "pred": 1,
+  "s8": 1,
+  "u8": 1,
+  "s16": 2,
+  "u16": 2,
+  "f16": 2,
+  "bf16": 2,
+  "s32": 4,
+  "u32": 4,
+  "f32": 4,
+  "s64": 8,
+  "u64": 8,
+  "f64": 8,
+}
+NOT_KERNELS = {"parameter", "constant", "bitcast", "get-tuple-element", "tuple"}
+
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_LAYOUT = re.compile(r"\{[^}]*\}")  # f32[4,8]{1,0} -> f32[4,8]
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One launch of the entry computation: its instruction name, opcode (a fusion's kind, e.g.
+  "fusion:kLoop", or a custom call's target), result type without layouts and the bytes it
+  reads and writes."""
+
+  name: str
+  opcode: str
+  result: str
+  bytes_read: int
+  bytes_written: int
+
+
+def type_bytes(hlo_type: str) -> int:
+  """Bytes of an HLO type, a tuple's summed over its arrays ("f32[8,4]{1,0}" -> 128)."""
+  total = 0
+  for element, dims in _ARRAY.findall(hlo_type):
+    if element not in ELEMENT_BYTES:
+      raise ValueError(f"element type {element!r} has no known size (in {hlo_type!r})")
+    count = 1
+    for dim in filter(None, dims.split(",")):
+      count *= int(dim)
+    total += count * ELEMENT_BYTES[element]
+  return total
+
+
+def _split_type(rest: str) -> tuple[str, str]:
+  """(result type, what follows it) of an instruction's right-hand side."""
+  if rest.startswith("("):  # a tuple type: up to its matching parenthesis
+    depth = 0
+    for index, char in enumerate(rest):
+      depth += {"(": 1, ")": -1}.get(char, 0)
+      if depth == 0:
+        return rest[: index + 1], rest[index + 1 :].lstrip()
+  result, _, tail = rest.partition(" ")
+  return result, tail
+
+
+def _call_operands(tail: str) -> tuple[str, list[str]]:
+  """(opcode, operand names) of `op(%a, %b), attributes`."""
+  opcode, _, arguments = tail.partition("(")
+  depth, end = 1, len(arguments)
+  for index, char in enumerate(arguments):
+    depth += {"(": 1, ")": -1}.get(char, 0)
+    if depth == 0:
+      end = index
+      break
+  return opcode.strip(), _OPERAND.findall(arguments[:end])
+
+
+def entry_kernels(hlo_text: str) -> list[Kernel]:
+  """The kernel launches of an optimised HLO module's entry computation, in program order."""
+  lines = hlo_text.splitlines()
+  starts = [index for index, line in enumerate(lines) if line.startswith("ENTRY")]
+  if len(starts) != 1:
+    raise ValueError(f"expected one ENTRY computation, found {len(starts)}")
+  types: dict[str, str] = {}
+  kernels = []
+  for line in lines[starts[0] + 1 :]:
+    if line.startswith("}"):
+      break
+    instruction = _INSTRUCTION.match(line)
+    if not instruction:
+      continue
+    name, rest = instruction.groups()
+    result, tail = _split_type(rest)
+    types[name] = result
+    opcode, operands = _call_operands(tail)
+    if opcode in NOT_KERNELS:
+      continue
+    if opcode == "fusion":
+      kind = re.search(r"\bkind=(\w+)", tail)
+      opcode = f"fusion:{kind.group(1)}" if kind else opcode
+    elif opcode == "custom-call":
+      target = re.search(r'custom_call_target="([^"]+)"', tail)
+      opcode = f"custom-call:{target.group(1)}" if target else opcode
+    read = sum(type_bytes(types[operand]) for operand in dict.fromkeys(operands))
+    kernels.append(Kernel(name, opcode, _LAYOUT.sub("", result), read, type_bytes(result)))
+  return kernels
+
+
+def gear_parts_kernels(context: int) -> dict[str, list[Kernel]]:
+  """part name -> its kernels, compiled for a compile-only H100 at `context` tokens."""
+  import jax
+
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import gear_terms_parts
+  import mosaic_static_cost
+
+  device = mosaic_static_cost.compile_only_device()
+  sharding = jax.sharding.SingleDeviceSharding(device)
+
+  def abstract_inputs():
+    queries, segment, lengths = gear_terms_parts.gear_segment(context)
+    return gear_terms_parts.part_inputs(queries, lengths, context), segment
+
+  shapes = jax.eval_shape(abstract_inputs)
+  placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
+  result = {}
+  for name, fn in gear_terms_parts.parts(context).items():
+    compiled = jax.jit(fn).trace(*placed).lower(lowering_platforms=("cuda",)).compile()
+    result[name] = entry_kernels(compiled.as_text())
+  return result
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--context", type=int, default=32768)
+  parser.add_argument("--out", help="write the kernels of each part as JSON here")
+  args = parser.parse_args()
+  parts = gear_parts_kernels(args.context)
+  for name, kernels in parts.items():
+    total = sum(k.bytes_read + k.bytes_written for k in kernels)
+    print(f"{name}: {len(kernels)} kernels, {total / 1e6:.1f} MB")
+    for k in kernels:
+      moved = (k.bytes_read + k.bytes_written) / 1e6
+      print(f"    {k.opcode:<34} {k.result:<28} {moved:9.1f} MB  {k.name}")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(
+        {
+          "context": args.context,
+          "parts": {n: [dataclasses.asdict(k) for k in ks] for n, ks in parts.items()},
+        },
+        f,
+        indent=1,
+      )
+
+
+if __name__ == "__main__":
+  main()
