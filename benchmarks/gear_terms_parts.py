@@ -134,6 +134,21 @@ def value_terms_lowrank_einsums(lowrank, scores, lse, lengths, *, block: int):
   return jnp.einsum("bhgjr,bhjdr->bhgd", p_a, v_b.astype(jnp.float32), precision=HIGHEST)
 
 
+def score_bias_outliers_windows(outliers, scaled_queries, *, tokens: int, block: int):
+  """GEAR's key-outlier score bias scattered as one window of R contiguous floats per outlier
+  into a token-major [B, H, T, R] bias, then transposed to the kernel's [B, H, R, T]: one
+  index per outlier instead of one per outlier and query row, as the value outliers do."""
+  batch, kv_heads, rows, head_dim = scaled_queries.shape
+  token, channel = gear_terms_xla._outlier_positions(outliers[0], block, head_dim)
+  q_at_channel = jnp.take_along_axis(scaled_queries, channel[:, :, None, :], axis=-1)
+  value = outliers[1].astype(jnp.float32).reshape(token.shape)[:, :, None, :]
+  b = jnp.arange(batch)[:, None, None]
+  h = jnp.arange(kv_heads)[None, :, None]
+  bias = jnp.zeros((batch, kv_heads, tokens, rows), jnp.float32)
+  bias = bias.at[b, h, token].add(jnp.swapaxes(q_at_channel * value, 2, 3))
+  return jnp.swapaxes(bias, 2, 3)
+
+
 def part_inputs(queries, lengths, tokens: int) -> dict:
   """The arrays the parts take besides the segment: queries times sm_scale, scores, their
   log-sum-exp and the normalised probabilities, at the row's length `lengths`."""
@@ -169,6 +184,9 @@ def parts(tokens: int) -> dict:
     "score bias, outliers": lambda x, s: gear_terms_xla.gear_score_bias(
       None, s.outliers, x["scaled_queries"], tokens=tokens, block=BLOCK
     ),
+    "score bias, outliers, windows of R (token-major, transposed)": lambda x, s: (
+      score_bias_outliers_windows(s.outliers, x["scaled_queries"], tokens=tokens, block=BLOCK)
+    ),
     "value terms, low rank": lambda x, s: gear_terms_xla.gear_value_terms_from_scores(
       s.lowrank, None, x["scores"], x["lse"], x["lengths"], **terms
     ),
@@ -179,6 +197,12 @@ def parts(tokens: int) -> dict:
       gear_terms_xla.gear_value_terms_from_scores(
         None, s.outliers, x["scores"], x["lse"], x["lengths"], **terms
       )
+    ),
+    "value outliers, windows, 8 slots": lambda x, s: gear_terms_xla.value_outlier_terms(
+      s.outliers, x["probs"], slots=8, **terms
+    ),
+    "value outliers, windows, 128 slots": lambda x, s: gear_terms_xla.value_outlier_terms(
+      s.outliers, x["probs"], slots=128, **terms
     ),
     "value outliers, scalar scatter, 1 slot": lambda x, s: value_outliers_scalar_scatter(
       s.outliers, x["probs"], slots=1, **terms

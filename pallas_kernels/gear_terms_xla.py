@@ -90,16 +90,19 @@ def gear_score_bias(
   return bias
 
 
-def _value_outlier_terms(outliers, probs: jax.Array, *, block: int, head_dim: int) -> jax.Array:
+def value_outlier_terms(
+  outliers, probs: jax.Array, *, block: int, head_dim: int, slots: int | None = None
+) -> jax.Array:
   """float32 [B, H, G, D]: sum over value outliers i of p[g, token_i] * value_i at channel_i.
 
   probs float32 [B, H, G, T]. Each outlier adds one G-vector: the probabilities are gathered
   and scattered as windows of G contiguous floats ([B, H, T, G] and [B, H, slots, D, G]), one
-  index per outlier instead of one per outlier and query row."""
+  index per outlier instead of one per outlier and query row; GEAR block j adds into partial
+  accumulator j mod `slots` (default OUTLIER_SLOTS; at most the number of blocks)."""
   batch, kv_heads, group, _ = probs.shape
   token, channel = _outlier_positions(outliers[2], block, head_dim)  # [B, H, J s]
   per_block = outliers[2].shape[-1]
-  slots = min(OUTLIER_SLOTS, outliers[2].shape[2])
+  slots = min(OUTLIER_SLOTS if slots is None else slots, outliers[2].shape[2])
   slot = (jnp.arange(token.shape[-1], dtype=jnp.int32) // per_block) % slots
   b = jnp.arange(batch)[:, None, None]
   h = jnp.arange(kv_heads)[None, :, None]
@@ -150,5 +153,5 @@ def gear_value_terms_from_scores(
       p_a[:, :, :, :, None, :] * v_b.astype(jnp.float32)[:, :, None], axis=(3, 5)
     )  # [B, H, G, D]
   if outliers is not None:
-    terms = terms + _value_outlier_terms(outliers, probs, block=block, head_dim=head_dim)
+    terms = terms + value_outlier_terms(outliers, probs, block=block, head_dim=head_dim)
   return terms

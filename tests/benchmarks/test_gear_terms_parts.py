@@ -1,5 +1,6 @@
-"""benchmarks/gear_terms_parts.py's earlier formulations of GEAR's low-rank terms compute what
-gear_terms_xla computes now, so the GPU A/B between them times the same result."""
+"""benchmarks/gear_terms_parts.py's other formulations of GEAR's terms (the einsums before v21,
+the key outliers as windows) compute what gear_terms_xla computes, so the GPU A/B between them
+times the same result."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +12,19 @@ from pallas_kernels.random_inputs import random_quantized_segment
 BATCH, KV_HEADS, GROUP, TOKENS, HEAD_DIM, BLOCK, RANK = 2, 3, 4, 128, 32, 32, 3
 
 
-def test_einsum_formulations_match_gear_terms_xla():
+def test_earlier_and_candidate_formulations_match_gear_terms_xla():
   rng = np.random.default_rng(0)
   segment = random_quantized_segment(
-    rng, BATCH, KV_HEADS, TOKENS, HEAD_DIM, bits=2, group_size=16, rank=RANK, block=BLOCK
+    rng,
+    BATCH,
+    KV_HEADS,
+    TOKENS,
+    HEAD_DIM,
+    bits=2,
+    group_size=16,
+    rank=RANK,
+    outliers_per_block=20,
+    block=BLOCK,
   )
   queries = jnp.asarray(rng.standard_normal((BATCH, KV_HEADS, GROUP, HEAD_DIM)), jnp.float32)
   scores = jnp.asarray(rng.standard_normal((BATCH, KV_HEADS, GROUP, TOKENS)), jnp.float32)
@@ -36,3 +46,10 @@ def test_einsum_formulations_match_gear_terms_xla():
   )
   np.testing.assert_allclose(terms, terms_before, rtol=1e-5, atol=1e-5)
   assert float(jnp.max(jnp.abs(terms))) > 1e-3
+
+  bias = gear_terms_xla.gear_score_bias(None, segment.outliers, queries, tokens=TOKENS, block=BLOCK)
+  bias_windows = gear_terms_parts.score_bias_outliers_windows(
+    segment.outliers, queries, tokens=TOKENS, block=BLOCK
+  )
+  np.testing.assert_allclose(bias, bias_windows, rtol=1e-5, atol=1e-5)
+  assert float(jnp.max(jnp.abs(bias))) > 0.1
