@@ -26,6 +26,7 @@ KERNEL_NOTES.md; nothing else from CUDA, no GPU). Example:
 
 import argparse
 import collections
+import contextlib
 import itertools
 import json
 import os
@@ -185,15 +186,28 @@ def loop_cost(name, sass: str, resources: str, ttgir: str, *, tokens_per_iterati
   )
 
 
-def capture_triton_ir(function, *args) -> list[str]:
-  """Triton IR text of every Pallas-Triton kernel in `function`, lowered for a faked H100."""
-  import jax
+@contextlib.contextmanager
+def pallas_triton_for_h100():
+  """Pallas-Triton calls lower as for an H100 inside this block, with no GPU attached (jax's
+  private device-info lookup is patched)."""
   from jax._src.pallas.triton import gpu_info, pallas_call_registration
 
   info = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+  original_info = pallas_call_registration.gpu_info_lib.get_gpu_info
+  pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: info
+  try:
+    yield
+  finally:
+    pallas_call_registration.gpu_info_lib.get_gpu_info = original_info
+
+
+def capture_triton_ir(function, *args) -> list[str]:
+  """Triton IR text of every Pallas-Triton kernel in `function`, lowered for a faked H100."""
+  import jax
+  from jax._src.pallas.triton import pallas_call_registration
+
   captured = []
   original_lower = pallas_call_registration.lowering.lower_jaxpr_to_triton_module
-  original_info = pallas_call_registration.gpu_info_lib.get_gpu_info
 
   def spy(*a, **k):
     result = original_lower(*a, **k)
@@ -201,12 +215,11 @@ def capture_triton_ir(function, *args) -> list[str]:
     return result
 
   pallas_call_registration.lowering.lower_jaxpr_to_triton_module = spy
-  pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: info
   try:
-    jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",))
+    with pallas_triton_for_h100():
+      jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",))
   finally:
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = original_lower
-    pallas_call_registration.gpu_info_lib.get_gpu_info = original_info
   return captured
 
 

@@ -1,11 +1,12 @@
 """The kernels XLA's GPU backend makes of GEAR's terms, and the bytes each moves, without a GPU.
 
 Compiles each part of GEAR's terms as `gear_terms_parts.py` times them on a GPU (the XLA side of
-`gear_terms="xla"`, with the formulations before v21 beside the current ones) for a compile-only
-H100 (`mosaic_static_cost.compile_only_device`: XLA's deviceless compilation) and reads the
-optimised HLO's entry computation. Each instruction there that is not a parameter, constant,
-bitcast or tuple access is one kernel launch (a fusion, a GEMM or Triton custom call, a scatter,
-a copy); its bytes are the sizes of its distinct operands plus its result.
+`gear_terms="xla"`, with the formulations before v21 and candidates beside the current ones), and
+a whole KIVI-2 call on the GPU path (the folded Triton kernel, a custom call, with what XLA does
+around it), for a compile-only H100 (`mosaic_static_cost.compile_only_device`: XLA's deviceless
+compilation) and reads the optimised HLO's entry computation. Each instruction there that is not
+a parameter, constant, bitcast or tuple access is one kernel launch (a fusion, a GEMM or Triton
+custom call, a scatter, a copy); its bytes are the sizes of its distinct operands plus its result.
 
 That is what the kernel must move if it reads every operand once; a GEMM tiled over a batch of
 small matrices, a gather, or a reduction whose rows are re-read through L2 can move more, and a
@@ -159,18 +160,62 @@ def gear_parts_kernels(context: int) -> dict[str, list[Kernel]]:
   return result
 
 
+def kivi_call_kernels(context: int, bits: int = 2) -> list[Kernel]:
+  """The kernels of one KIVI decode-attention call on the GPU path (the default kernel, folded
+  Triton, with XLA's work around it) at decode_attention.py's shapes, for a compile-only H100."""
+  import jax
+
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import mosaic_static_cost
+  import triton_static_cost
+
+  from pallas_kernels.quantized_decode_attention_gpu import quantized_decode_attention_gpu
+
+  shape = mosaic_static_cost.BENCHMARK_SHAPE
+  arguments = triton_static_cost.quantized_call_shapes(
+    shape["batch"],
+    shape["kv_heads"],
+    shape["group"],
+    shape["head_dim"],
+    context,
+    bits,
+    shape["group_size"],
+  )
+  sharding = jax.sharding.SingleDeviceSharding(mosaic_static_cost.compile_only_device())
+  placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in arguments]
+
+  def call(*arrays):
+    return quantized_decode_attention_gpu(
+      *arrays,
+      bits=bits,
+      group_size=shape["group_size"],
+      sm_scale=shape["head_dim"] ** -0.5,
+    )
+
+  with triton_static_cost.pallas_triton_for_h100():
+    lowered = jax.jit(call).trace(*placed).lower(lowering_platforms=("cuda",))
+  return entry_kernels(lowered.compile().as_text())
+
+
+def _print_kernels(name: str, kernels: list[Kernel]) -> None:
+  total = sum(k.bytes_read + k.bytes_written for k in kernels)
+  print(f"{name}: {len(kernels)} kernels, {total / 1e6:.1f} MB")
+  for k in kernels:
+    moved = (k.bytes_read + k.bytes_written) / 1e6
+    print(f"    {k.opcode:<34} {k.result:<28} {moved:9.1f} MB  {k.name}")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--context", type=int, default=32768)
   parser.add_argument("--out", help="write the kernels of each part as JSON here")
   args = parser.parse_args()
   parts = gear_parts_kernels(args.context)
+  parts["KIVI-2 decode-attention call (folded Triton and XLA around it)"] = kivi_call_kernels(
+    args.context
+  )
   for name, kernels in parts.items():
-    total = sum(k.bytes_read + k.bytes_written for k in kernels)
-    print(f"{name}: {len(kernels)} kernels, {total / 1e6:.1f} MB")
-    for k in kernels:
-      moved = (k.bytes_read + k.bytes_written) / 1e6
-      print(f"    {k.opcode:<34} {k.result:<28} {moved:9.1f} MB  {k.name}")
+    _print_kernels(name, kernels)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(
