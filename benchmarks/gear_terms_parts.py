@@ -27,6 +27,7 @@ from jax.lax import Precision
 from benchmarks.decode_attention import time_op
 from kvjax import attention_dispatch
 from pallas_kernels import gear_terms_xla
+from pallas_kernels.base_two_softmax import LN_2
 from pallas_kernels.random_inputs import random_quantized_segment
 
 
@@ -138,28 +139,29 @@ def score_bias_outliers_windows(outliers, scaled_queries, *, tokens: int, block:
   """GEAR's key-outlier score bias scattered as one window of R contiguous floats per outlier
   into a token-major [B, H, T, R] bias, then transposed to the kernel's [B, H, R, T]: one
   index per outlier instead of one per outlier and query row, as the value outliers do."""
-  batch, kv_heads, rows, head_dim = scaled_queries.shape
-  token, channel = gear_terms_xla._outlier_positions(outliers[0], block, head_dim)
-  q_at_channel = jnp.take_along_axis(scaled_queries, channel[:, :, None, :], axis=-1)
-  value = outliers[1].astype(jnp.float32).reshape(token.shape)[:, :, None, :]
+  batch, kv_heads, rows, _ = scaled_queries.shape
+  token, contribution = gear_terms_xla.key_outlier_contributions(
+    outliers, scaled_queries, block=block
+  )
   b = jnp.arange(batch)[:, None, None]
   h = jnp.arange(kv_heads)[None, :, None]
   bias = jnp.zeros((batch, kv_heads, tokens, rows), jnp.float32)
-  bias = bias.at[b, h, token].add(jnp.swapaxes(q_at_channel * value, 2, 3))
+  bias = bias.at[b, h, token].add(jnp.swapaxes(contribution, 2, 3))
   return jnp.swapaxes(bias, 2, 3)
 
 
 def part_inputs(queries, lengths, tokens: int) -> dict:
-  """The arrays the parts take besides the segment: queries times sm_scale, scores, their
-  log-sum-exp and the normalised probabilities, at the row's length `lengths`."""
+  """The arrays the parts take besides the segment: queries times sm_scale, scores (base-2
+  logits, as the kernel writes them), their natural log-sum-exp and the normalised
+  probabilities, at the row's length `lengths`."""
   scaled_queries = queries.astype(jnp.float32) / math.sqrt(HEAD_DIM)
   scores = jax.random.normal(jax.random.key(1), (BATCH, KV_HEADS, GROUP, tokens), jnp.float32)
-  lse = jax.nn.logsumexp(scores, axis=-1)
+  lse = jax.nn.logsumexp(scores * LN_2, axis=-1)
   return dict(
     scaled_queries=scaled_queries,
     scores=scores,
     lse=lse,
-    probs=jnp.exp(scores - lse[..., None]),
+    probs=gear_terms_xla.normalised_probabilities(scores, lse, lengths),
     lengths=lengths,
   )
 

@@ -64,7 +64,7 @@ def gear_score_bias(
   scaled_queries float32 [B, H, R, D]: the queries times sm_scale (times log2(e) for the GPU
   kernels' base-2 scores; the bias is linear in them) in natural channel order (padding rows
   give padding rows); lowrank / outliers as the reference takes them."""
-  batch, kv_heads, rows, head_dim = scaled_queries.shape
+  batch, kv_heads, rows, _ = scaled_queries.shape
   blocks = tokens // block
   bias = jnp.zeros((batch, kv_heads, rows, tokens), jnp.float32)
   if lowrank is not None:
@@ -80,14 +80,19 @@ def gear_score_bias(
     k_a = k_a.astype(jnp.float32).reshape(batch, kv_heads, 1, blocks, block, rank)
     bias = sum(q_b[..., None, i] * k_a[..., i] for i in range(rank)).reshape(bias.shape)
   if outliers is not None:
-    token, channel = _outlier_positions(outliers[0], block, head_dim)
-    q_at_channel = jnp.take_along_axis(scaled_queries, channel[:, :, None, :], axis=-1)
-    value = outliers[1].astype(jnp.float32).reshape(token.shape)[:, :, None, :]
+    token, contribution = key_outlier_contributions(outliers, scaled_queries, block=block)
     b, h, g = jnp.ogrid[:batch, :kv_heads, :rows]
-    bias = bias.at[b[..., None], h[..., None], g[..., None], token[:, :, None, :]].add(
-      q_at_channel * value
-    )
+    bias = bias.at[b[..., None], h[..., None], g[..., None], token[:, :, None, :]].add(contribution)
   return bias
+
+
+def key_outlier_contributions(outliers, scaled_queries: jax.Array, *, block: int):
+  """(token int32 [B, H, N], contribution float32 [B, H, R, N]) of the N key outliers: where
+  each sits, and what it adds to that token's score in every query row, q[r, channel] * value."""
+  token, channel = _outlier_positions(outliers[0], block, scaled_queries.shape[-1])
+  q_at_channel = jnp.take_along_axis(scaled_queries, channel[:, :, None, :], axis=-1)
+  value = outliers[1].astype(jnp.float32).reshape(token.shape)[:, :, None, :]
+  return token, q_at_channel * value
 
 
 def value_outlier_terms(
