@@ -11,6 +11,7 @@
 #   bash benchmarks/gpu_session.sh ncu '{"lowering": "mosaic_gpu", "variant": "folded"}'
 #   bash benchmarks/gpu_session.sh ncu '{}'    # the default (folded Triton) kernel
 #   bash benchmarks/gpu_session.sh gear     # GEAR's XLA parts, v21's reductions vs einsums
+#   bash benchmarks/gpu_session.sh rows     # padded query rows vs v22's stack copies (~3 min)
 #
 # Run from the repository root, on the device image's python3 (jax 0.11.2 with CUDA; nothing
 # to install: the kernels and checks import no package the image lacks). Logs and JSON go to
@@ -67,6 +68,18 @@ case "${1:-}" in
     "$python" benchmarks/gear_terms_parts.py --contexts 32768 \
       --out "$out/gear_terms_parts_32k.json" 2>&1 | tee "$out/gear_terms_parts_32k.log"
     ;;
+  rows)
+    # KIVI-2 at 32k where folded pads the query group (1 and 2 heads per KV head at group 32,
+    # 4 at group 64, GEAR's codes): padding rows (the default) against v22's copies of the
+    # stacked operands, and the copies without prefetch (165 registers at 1 head: 3 per SM).
+    for shape in "1 32" "2 32" "4 64"; do
+      set -- $shape
+      "$python" benchmarks/decode_attention.py --contexts 32768 --sweep --sweep-only \
+        --query-group "$1" --group-size "$2" \
+        --sweep-configs '[{}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]' \
+        --out "$out/stack_copies_q$1_g$2_32k.json" 2>&1 | tee "$out/stack_copies_q$1_g$2_32k.log"
+    done
+    ;;
   ncu)
     config="${2:?ncu needs a kernel config, e.g. '{\"lowering\": \"mosaic_gpu\", \"variant\": \"folded\"}'}"
     # Filtered to the Pallas kernel (an unfiltered profile of XLA's fusions failed in v13): a
@@ -85,7 +98,7 @@ case "${1:-}" in
     "$python" benchmarks/ncu_sass_summary.py "$out/ncu_sass.csv" | tee "$out/ncu_sass_summary.txt"
     ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

@@ -294,7 +294,7 @@ def kernel_cases(args):
   from pallas_kernels import quantized_decode_attention_triton as quantized_kernel
 
   shape = jax.ShapeDtypeStruct
-  batch, heads, group, head_dim, tokens = 8, 8, 4, 128, args.tokens
+  batch, heads, group, head_dim, tokens = 8, 8, args.query_group, 128, args.tokens
   cases = []
   if args.bf16:
     cache = shape((batch, heads, tokens, head_dim), jnp.bfloat16)
@@ -311,7 +311,7 @@ def kernel_cases(args):
   # GEAR: the `gear` method's defaults (group 64, block 64, rank 2), outliers as asked.
   defaults = Gear(outliers=args.gear_outliers)
   for bits, gear in itertools.product(args.bits, (False, True) if args.gear else (False,)):
-    group_size = defaults.group_size if gear else 32
+    group_size = args.group_size or (defaults.group_size if gear else 32)
     quantized = quantized_call_shapes(batch, heads, group, head_dim, tokens, bits, group_size)
     gear_arrays = {}
     if gear:
@@ -395,6 +395,14 @@ def main():
     help="GEAR's outlier fraction (0: GEAR-L, low rank only)",
   )
   parser.add_argument("--tokens", type=int, default=32768, help="context of the floors")
+  parser.add_argument(
+    "--query-group", type=int, default=4, help="query heads per KV head (the shape of record: 4)"
+  )
+  parser.add_argument(
+    "--group-size",
+    type=int,
+    help="quantization group of the codes (default 32 for KIVI, the `gear` method's for GEAR)",
+  )
   parser.add_argument(
     "--config",
     action="append",

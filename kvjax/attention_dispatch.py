@@ -181,7 +181,8 @@ def quantized_decode_attention(
   kernel variant: {"variant": "folded" (default) | "joined" | "reshape" | "planar"} and, for
   "folded", {"prefetch": True (default) | False, "code_operand": "subnormal" (default for bf16
   2- and 4-bit codes) | "offset", "channel_parts": 1 (default) | 2 | 4, "gear_terms": "xla"
-  (default) | "kernel"} (see `pallas_kernels.quantized_decode_attention_triton`); or
+  (default) | "kernel", "stack_copies": False (default) | True} (see
+  `pallas_kernels.quantized_decode_attention_triton`); or
   {"lowering": "mosaic_gpu"} (also "variant": "dequantize" (default) | "folded", block_tokens,
   num_splits, num_stages; KIVI segments, others run the Triton kernel with a warning; see
   `pallas_kernels.quantized_decode_attention_gpu`).

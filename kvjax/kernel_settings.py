@@ -28,7 +28,8 @@ QUANTIZED_KEYS = tuple(
   )
 )
 Setting = tuple[tuple[str, Any], ...]
-BOOLEAN_KEYS = ("prefetch",)  # switches; every other setting is a number, a name or None
+# Switches; every other setting is a number, a name or None.
+BOOLEAN_KEYS = ("prefetch", "stack_copies")
 
 
 def _frozen(name: str, config, allowed: tuple[str, ...]) -> Setting:
@@ -78,6 +79,7 @@ class KernelSettings:
         quantized.get("code_operand"),
         quantized.get("channel_parts"),
         quantized.get("gear_terms"),
+        quantized.get("stack_copies"),
       )
     except ValueError as e:
       raise ValueError(f"kernel settings quantized: {e}") from None

@@ -147,11 +147,40 @@ def unpack_codes_for_dot(
   return join_fields(codes)
 
 
-def folded_rows(group: int, block_tokens: int, head_dim: int, group_size: int) -> int:
-  """Query rows per program: the group padded to a power of two, and far enough that the
-  stacked operands have >= 16 rows (the smallest tensor-core tile)."""
+MIN_TILE_ROWS = 16  # the smallest M (and N) of a bf16 tensor-core tile that Triton's dot takes
+
+
+def folded_rows(
+  group: int, block_tokens: int, head_dim: int, group_size: int, stack_copies: bool = False
+) -> int:
+  """Query rows per program: the group padded to a power of two and, unless `stack_copies`,
+  further, until the stacked operands have MIN_TILE_ROWS rows. With `stack_copies` the
+  stacked operands are repeated to fill the tile instead (`tile_copies`), so the per-row work
+  (score selection, softmax, P' build) runs on the real rows only."""
+  rows = next_power_of_two(group)
+  if stack_copies:
+    return rows
   stacks = min(block_tokens // group_size, head_dim // group_size)
-  return max(next_power_of_two(group), -(-16 // stacks))
+  return max(rows, -(-MIN_TILE_ROWS // stacks))
+
+
+def tile_copies(stacked_rows: int) -> int:
+  """Copies of a stacked operand of `stacked_rows` rows (a power of two) that fill
+  MIN_TILE_ROWS rows: 1 where it has that many already."""
+  return max(1, MIN_TILE_ROWS // stacked_rows)
+
+
+def repeat_stacked_rows(stacked: jax.Array, copies: int) -> jax.Array:
+  """[n, C] -> [copies * n, C]: the stacked operand `copies` times along the rows."""
+  if copies == 1:
+    return stacked
+  rows, columns = stacked.shape
+  return jnp.broadcast_to(stacked[None], (copies, rows, columns)).reshape(copies * rows, columns)
+
+
+def first_copy_rows(product: jax.Array, copies: int) -> jax.Array:
+  """[copies * n, C] -> [n, C]: the rows of the first copy of a dot's repeated operand."""
+  return jnp.split(product, copies, axis=0)[0] if copies > 1 else product
 
 
 def folded_supported(head_dim: int, bits: int, group_size: int, block_tokens: int) -> bool:
@@ -235,6 +264,9 @@ def folded_kernel(
   subnormal = code_operand == "subnormal" and uses_bf16_pairs(bits, compute_dtype)
   rows, head_dim = queries_ref.shape
   value_groups = head_dim // group_size
+  # Where the query rows are not padded to fill the tensor-core tile (`folded_rows`'
+  # stack_copies), the stacked operands are repeated to fill it and one copy's product kept.
+  key_copies, value_copies = tile_copies(key_groups * rows), tile_copies(value_groups * rows)
   part_words = k_codes_ref.shape[-1] // channel_parts
   part_channels = head_dim // channel_parts
   parts = [pl.ds(part * part_channels, part_channels) for part in range(channel_parts)]
@@ -304,13 +336,17 @@ def folded_kernel(
       # is exact in float32, so it is bit for bit the float32 product and cast, at half the
       # instructions.
       stacked_queries = part_queries[None, :, :] * k_scale.astype(compute_dtype)[:, None, :]
+      stacked_queries = stacked_queries.reshape(key_groups * rows, part_channels)
       part_scores.append(
-        dot_with_code_operand(
-          _dot_nt,
-          stacked_queries.reshape(key_groups * rows, part_channels),
-          k_code,
-          codes_are_lhs=False,
-          emulate=subnormal and interpret,
+        first_copy_rows(
+          dot_with_code_operand(
+            _dot_nt,
+            repeat_stacked_rows(stacked_queries, key_copies),
+            k_code,
+            codes_are_lhs=False,
+            emulate=subnormal and interpret,
+          ),
+          key_copies,
         ).reshape(key_groups, rows, block)
       )
     stacked_scores = sum(part_scores[1:], part_scores[0])
@@ -339,7 +375,9 @@ def folded_kernel(
     if subnormal:
       v_scale = v_scale * PROBS_SCALE
     stacked_probs = (probs[None, :, :] * v_scale[:, None, :]).astype(compute_dtype)
-    stacked_probs = stacked_probs.reshape(value_groups * rows, block)
+    stacked_probs = repeat_stacked_rows(
+      stacked_probs.reshape(value_groups * rows, block), value_copies
+    )
     new_accs = []
     for words, acc in zip(v_words, accs):
       v_code = unpack_codes_for_dot(words, bits, compute_dtype, code_operand)  # [block, D / n]
@@ -351,9 +389,8 @@ def folded_kernel(
         codes_are_lhs=True,
         emulate=subnormal and interpret,
       ).T
-      new_accs.append(
-        acc * correction[None, :, None] + update.reshape(value_groups, rows, part_channels)
-      )
+      update = first_copy_rows(update, value_copies).reshape(value_groups, rows, part_channels)
+      new_accs.append(acc * correction[None, :, None] + update)
     # The softmax denominator and sum_t p v_min[t] per value group stay per token, rescaled like
     # the accumulators, and are summed over tokens once after the loop: the tokens of a block
     # are spread over the warps, so a sum over them crosses the warps through shared memory and

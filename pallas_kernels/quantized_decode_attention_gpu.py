@@ -39,6 +39,7 @@ CONFIG_KEYS = {
     "code_operand",
     "channel_parts",
     "gear_terms",
+    "stack_copies",
   ),
   "mosaic_gpu": ("variant", "block_tokens", "num_splits", "num_stages"),
 }

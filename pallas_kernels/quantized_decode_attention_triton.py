@@ -434,7 +434,7 @@ DEFAULT_CODE_OPERAND = "subnormal"
 # 4274 us at 8k / 32k / 128k against 609 / 2139 / 8126 us for "kernel".
 DEFAULT_GEAR_TERMS = "xla"
 # kernel_config keys of variant "folded" only
-FOLDED_SETTINGS = ("prefetch", "code_operand", "channel_parts", "gear_terms")
+FOLDED_SETTINGS = ("prefetch", "code_operand", "channel_parts", "gear_terms", "stack_copies")
 
 
 def check_variant_settings(
@@ -443,15 +443,17 @@ def check_variant_settings(
   code_operand: str | None = None,
   channel_parts: int | None = None,
   gear_terms: str | None = None,
+  stack_copies: bool | None = None,
 ) -> None:
-  """ValueError naming a variant that does not exist, a `prefetch` that is not a bool, a
-  `code_operand` not in CODE_OPERANDS, a `channel_parts` not in CHANNEL_PARTS, a
+  """ValueError naming a variant that does not exist, a `prefetch` or `stack_copies` that is
+  not a bool, a `code_operand` not in CODE_OPERANDS, a `channel_parts` not in CHANNEL_PARTS, a
   `gear_terms` not in GEAR_TERMS, or any of them given to a variant other than "folded"
   (None: the variant's default)."""
   if variant not in VARIANTS:
     raise ValueError(f"variant={variant!r} is not supported; allowed: {', '.join(VARIANTS)}")
-  if prefetch is not None and not isinstance(prefetch, bool):
-    raise ValueError(f"prefetch={prefetch!r} must be True, False or None (the variant's default)")
+  for name, value in (("prefetch", prefetch), ("stack_copies", stack_copies)):
+    if value is not None and not isinstance(value, bool):
+      raise ValueError(f"{name}={value!r} must be True, False or None (the variant's default)")
   if code_operand is not None and code_operand not in CODE_OPERANDS:
     raise ValueError(
       f"code_operand={code_operand!r} is not supported; allowed: {', '.join(CODE_OPERANDS)} "
@@ -465,7 +467,8 @@ def check_variant_settings(
       f"{', '.join(map(str, CHANNEL_PARTS))} or None (1)"
     )
   check_gear_terms(gear_terms)
-  for name, value in zip(FOLDED_SETTINGS, (prefetch, code_operand, channel_parts, gear_terms)):
+  settings = (prefetch, code_operand, channel_parts, gear_terms, stack_copies)
+  for name, value in zip(FOLDED_SETTINGS, settings):
     if value is not None and variant != "folded":
       raise ValueError(
         f"{name}={value!r} is a setting of variant='folded' only; got variant={variant!r}"
@@ -521,6 +524,7 @@ def output_channel_order(
     "code_operand",
     "channel_parts",
     "gear_terms",
+    "stack_copies",
   ),
 )
 def quantized_decode_attention_partials_triton(
@@ -551,6 +555,7 @@ def quantized_decode_attention_partials_triton(
   code_operand: str | None = None,
   channel_parts: int | None = None,
   gear_terms: str | None = None,
+  stack_copies: bool | None = None,
 ):
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows], rows = `partial_rows`);
   see module doc. With `gear_terms="xla"` and a GEAR segment, also the scores f32 [B,H,R,T]
@@ -581,12 +586,18 @@ def quantized_decode_attention_partials_triton(
   terms with XLA around the kernel (`gear_terms_xla`): the key terms as a dense score bias the
   kernel adds, the value terms left to the caller; the kernel then walks `block_tokens` per
   step as for KIVI, with no one-hot dots or rank-r broadcasts.
+  `stack_copies` (folded only; None means False): the query group is padded to a power of two
+  only, and the stacked operands are repeated until they fill the 16 rows of a tensor-core
+  tile, instead of padding the query group with zero rows until they do (`folded_rows`). Only
+  query groups of fewer than 16 / stacks heads differ (e.g. 4 heads with 64-token groups, or
+  1 and 2 heads with 32-token groups at block 128). Not with GEAR's terms in the kernel
+  (`gear_terms="kernel"`), whose own dots take the query rows as their M side.
   variant "planar": one key group of `group_size` tokens per sub-step, `unroll` sub-steps per
   loop step, scales folded into q / p, bit fields joined without layout conversion, one dot
   per value channel group (slower on H100: see benchmarks/KERNEL_NOTES.md).
   """
   check_bits(bits)
-  check_variant_settings(variant, prefetch, code_operand, channel_parts, gear_terms)
+  check_variant_settings(variant, prefetch, code_operand, channel_parts, gear_terms, stack_copies)
   if num_stages is None:
     # Measured on H100 at 32k (KERNEL_NOTES v9): folded 250-254 us with 2 stages, 269 with 3.
     num_stages = 2 if variant == "folded" else 3
@@ -626,7 +637,12 @@ def quantized_decode_attention_partials_triton(
         f"group; got head_dim={head_dim}, bits={bits}, group_size={group_size}, "
         f"block_tokens={step_tokens}"
       )
-    rows = folded_rows(group, step_tokens, head_dim, group_size)
+    if stack_copies and gear and not score_io:
+      raise ValueError(
+        "stack_copies=True needs gear_terms='xla' for a GEAR segment: the kernel's own GEAR "
+        "terms take the padded query rows as their dots' M side"
+      )
+    rows = folded_rows(group, step_tokens, head_dim, group_size, bool(stack_copies))
     code_operand = resolve_code_operand(code_operand, bits, compute_dtype)
     channel_parts = channel_parts or 1
     check_channel_parts(channel_parts, head_dim, bits)
@@ -733,13 +749,14 @@ def partial_rows(
   variant: str,
   block_tokens: int | None = None,
   gear_block: int | None = None,
+  stack_copies: bool | None = None,
 ) -> int:
   """Query rows of the partial outputs of `quantized_decode_attention_partials_triton`
   (`gear_block`: the GEAR block of a GEAR cache whose terms the kernel computes, None for KIVI
-  or `gear_terms="xla"`)."""
+  or `gear_terms="xla"`; `stack_copies`: the folded setting)."""
   if variant == "folded":
     step = tokens_per_step(variant, group_size, block_tokens=block_tokens, gear_block=gear_block)
-    return folded_rows(group, step, head_dim, group_size)
+    return folded_rows(group, step, head_dim, group_size, bool(stack_copies))
   return tile_rows(group)
 
 

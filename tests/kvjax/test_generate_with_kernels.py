@@ -77,6 +77,13 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       marks=pytest.mark.slow,
     ),
     (
+      # 2 query heads per KV head: the folded kernel's stacked operands in 2 copies instead of
+      # 2 padding query rows (KERNEL_NOTES v22).
+      "kivi:bits=2,group_size=16,residual=16",
+      KernelSettings(quantized={"stack_copies": True}),
+      jnp.bfloat16,
+    ),
+    (
       # GEAR's terms by XLA around the folded kernel: the default, asked for by name so that
       # the recorded call shows it.
       "gear:bits=4,group_size=16,block=16,rank=2,outliers=0.02",
@@ -94,7 +101,8 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
     kernel = getattr(module, name)
 
     def record(*args, **kwargs):
-      seen.append({k: v for k, v in kwargs.items() if k in ("lowering", "variant", "gear_terms")})
+      recorded = ("lowering", "variant", "gear_terms", "stack_copies")
+      seen.append({k: v for k, v in kwargs.items() if k in recorded})
       return kernel(*args, **kwargs)
 
     monkeypatch.setattr(module, name, record)

@@ -83,6 +83,11 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
       dict(quantized={"variant": "reshape", "gear_terms": "xla"}),
       "quantized: gear_terms='xla' is a setting of variant='folded' only",
     ),
+    (dict(quantized={"stack_copies": 1}), "quantized: stack_copies=1 must be True or False"),
+    (
+      dict(quantized={"variant": "joined", "stack_copies": True}),
+      "quantized: stack_copies=True is a setting of variant='folded' only",
+    ),
     (dict(full=[("block_tokens", 64)]), "full must be a dict"),
   ],
 )

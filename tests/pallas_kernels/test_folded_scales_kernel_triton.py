@@ -10,8 +10,12 @@ from hypothesis import given, settings
 
 from pallas_kernels.bit_packing import pack_codes
 from pallas_kernels.folded_scales_kernel_triton import (
+  MIN_TILE_ROWS,
+  first_copy_rows,
   folded_channel_order,
   folded_rows,
+  repeat_stacked_rows,
+  tile_copies,
   unpack_codes_for_dot,
   uses_bf16_pairs,
 )
@@ -83,3 +87,26 @@ def test_folded_rows_fill_the_smallest_tensor_core_tile():
     assert rows >= group and rows & (rows - 1) == 0
     assert rows * (block // 32) >= 16 and rows * (head_dim // 32) >= 16
   assert folded_rows(4, 128, 128, 32) == 4  # the benchmark shape: no padding rows
+
+
+def test_stack_copies_fill_the_tile_with_the_unpadded_rows():
+  for group, block, head_dim, group_size in itertools.product(
+    (1, 2, 3, 4, 8), (64, 128), (64, 128), (32, 64)
+  ):
+    rows = folded_rows(group, block, head_dim, group_size, stack_copies=True)
+    assert rows == 1 << (group - 1).bit_length()  # the group padded to a power of two only
+    for stacks in (block // group_size, head_dim // group_size):
+      copies = tile_copies(stacks * rows)
+      assert copies * stacks * rows == max(MIN_TILE_ROWS, stacks * rows)
+
+
+def test_the_first_copy_of_a_repeated_operand_is_the_operand():
+  stacked = jnp.arange(4 * 6, dtype=jnp.float32).reshape(4, 6)
+  for copies in (1, 2, 4):
+    repeated = repeat_stacked_rows(stacked, copies)
+    assert repeated.shape == (4 * copies, 6)
+    for copy in range(copies):  # each block of rows is one whole copy, in order
+      np.testing.assert_array_equal(repeated[4 * copy : 4 * (copy + 1)], stacked)
+    # A dot against the repeated operand, its first copy's rows kept: the dot itself.
+    other = jnp.arange(6 * 3, dtype=jnp.float32).reshape(6, 3)
+    np.testing.assert_array_equal(first_copy_rows(repeated @ other, copies), stacked @ other)

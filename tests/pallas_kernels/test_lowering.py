@@ -80,17 +80,22 @@ def fake_tpu_v5e(monkeypatch):
 
 
 @pytest.mark.parametrize(
-  "variant,config",
+  "variant,config,group",
   [
-    ("reshape", {}),
-    ("planar", {}),
-    ("joined", {}),
-    ("folded", {}),  # GEAR's terms by XLA (the default): a score bias in, the scores out
-    ("folded", {"gear_terms": "kernel"}),  # GEAR's terms fused, one GEAR block per step
+    ("reshape", {}, 4),
+    ("planar", {}, 4),
+    ("joined", {}, 4),
+    ("folded", {}, 4),  # GEAR's terms by XLA (the default): a score bias in, the scores out
+    ("folded", {"gear_terms": "kernel"}, 4),  # GEAR's terms fused, one GEAR block per step
+    # 1 and 2 query heads: the stacked operands repeated 4 and 2 times, one copy's rows kept by
+    # a split (which interpret mode cannot check lowers)
+    ("folded", {"stack_copies": True}, 1),
+    ("folded", {"stack_copies": True}, 2),
   ],
 )
-def test_triton_kernels_lower_to_triton_ir(fake_h100, variant, config):
-  queries, segment, lengths = _quantized_args(gear=True)
+def test_triton_kernels_lower_to_triton_ir(fake_h100, variant, config, group):
+  _, segment, lengths = _quantized_args(gear=True)
+  queries = jax.ShapeDtypeStruct((2, 2, group, 128), jnp.bfloat16)
   text = _lower(
     lambda q, s, lens: quantized_decode_attention_triton(
       q,

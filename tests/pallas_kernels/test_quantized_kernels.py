@@ -31,7 +31,17 @@ TOKENS, GROUP_SIZE, BATCH, KV_HEADS, SPLITS = 256, 32, 3, 2, 2
 GEAR_BLOCK = 64  # the default `block` of the kernels and of `random_quantized_segment`
 
 
-def _case(seed, bits, head_dim, group, gear, dtype, outliers_per_block=20, tokens=TOKENS):
+def _case(
+  seed,
+  bits,
+  head_dim,
+  group,
+  gear,
+  dtype,
+  outliers_per_block=20,
+  tokens=TOKENS,
+  group_size=GROUP_SIZE,
+):
   rng = np.random.default_rng(seed)
   queries = random_queries(rng, BATCH, KV_HEADS, group, head_dim)
   segment = random_quantized_segment(
@@ -41,7 +51,7 @@ def _case(seed, bits, head_dim, group, gear, dtype, outliers_per_block=20, token
     tokens,
     head_dim,
     bits=bits,
-    group_size=GROUP_SIZE,
+    group_size=group_size,
     dtype=dtype,
     rank=3 if gear else 0,
     outliers_per_block=outliers_per_block if gear else 0,
@@ -50,7 +60,7 @@ def _case(seed, bits, head_dim, group, gear, dtype, outliers_per_block=20, token
   lengths = jnp.asarray([tokens, int(rng.integers(1, tokens)) | 1, 0], jnp.int32)
   kwargs = dict(
     bits=bits,
-    group_size=GROUP_SIZE,
+    group_size=group_size,
     sm_scale=head_dim**-0.5,
     lowrank=segment.lowrank,
     outliers=segment.outliers,
@@ -67,10 +77,20 @@ def _poison(rows, head_dim):
 
 
 def _check_triton(
-  bits, head_dim, group, gear, dtype, variant, seed, outliers_per_block=20, tokens=TOKENS, **config
+  bits,
+  head_dim,
+  group,
+  gear,
+  dtype,
+  variant,
+  seed,
+  outliers_per_block=20,
+  tokens=TOKENS,
+  group_size=GROUP_SIZE,
+  **config,
 ):
   queries, segment, lengths, kwargs, reference = _case(
-    seed, bits, head_dim, group, gear, dtype, outliers_per_block, tokens
+    seed, bits, head_dim, group, gear, dtype, outliers_per_block, tokens, group_size
   )
   interpret = triton_interpret()
   xla_terms = gear and config.get("gear_terms") == "xla"
@@ -78,10 +98,11 @@ def _check_triton(
     triton_kernel.partial_rows(
       group,
       head_dim,
-      GROUP_SIZE,
+      group_size,
       variant,
       config.get("block_tokens"),
       gear_block=GEAR_BLOCK if gear and not xla_terms else None,
+      stack_copies=config.get("stack_copies"),
     ),
     head_dim,
   )
@@ -105,7 +126,7 @@ def _check_triton(
   order = triton_kernel.output_channel_order(
     head_dim,
     bits,
-    GROUP_SIZE,
+    group_size,
     variant,
     triton_kernel.compute_dtype_for(jnp.dtype(dtype)),
     config.get("channel_parts"),
@@ -257,6 +278,74 @@ def test_triton_folded_kernel_matches_reference(
     channel_parts=channel_parts,
     gear_terms=gear_terms,
   )
+
+
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear,dtype,block_tokens,group_size,prefetch,channel_parts",
+  [
+    # 32-token groups at block 128: 4 key and 4 value stacks of 1 and 2 rows -> 4 and 2 copies
+    (2, 128, 1, False, jnp.bfloat16, 128, 32, True, None),
+    (2, 128, 2, False, jnp.bfloat16, 128, 32, False, None),
+    # GEAR's 64-token groups (terms by XLA): 2 stacks of 4 rows -> 2 copies of each operand
+    (2, 128, 4, True, jnp.bfloat16, 128, 64, True, None),
+    (4, 128, 3, True, jnp.bfloat16, 128, 64, False, None),
+    # D 64, block 64: 2 key and 2 value stacks of 2 rows -> 4 copies; f32 operands
+    (4, 64, 2, False, jnp.float32, 64, 32, True, None),
+    # 8-bit codes, one head, group 64: 2 stacks of 1 row -> 8 copies
+    (8, 128, 1, False, jnp.bfloat16, 128, 64, True, None),
+    # Each part's value product and the summed key scores from their own copies
+    (2, 128, 1, False, jnp.bfloat16, 128, 32, True, 2),
+    # 8 rows at 4 stacks already fill the tile: one copy, the padding rows' layout
+    (2, 128, 8, False, jnp.bfloat16, 128, 32, True, None),
+  ],
+)
+def test_triton_folded_stack_copies_match_reference(
+  bits, head_dim, group, gear, dtype, block_tokens, group_size, prefetch, channel_parts
+):
+  """`stack_copies`: the query group padded to a power of two only, the stacked operands
+  repeated to fill the tensor-core tile and one copy's product kept."""
+  _check_triton(
+    bits,
+    head_dim,
+    group,
+    gear,
+    dtype,
+    "folded",
+    seed=bits * head_dim + group + block_tokens + group_size,
+    group_size=group_size,
+    block_tokens=block_tokens,
+    prefetch=prefetch,
+    channel_parts=channel_parts,
+    gear_terms="xla" if gear else None,
+    stack_copies=True,
+  )
+
+
+def test_stack_copies_is_a_folded_switch_and_leaves_the_query_rows_unpadded():
+  call = triton_kernel.quantized_decode_attention_partials_triton
+  queries, segment, lengths, kwargs, _ = _case(9, 2, 64, 2, True, jnp.bfloat16)
+  with pytest.raises(ValueError, match="stack_copies=True is a setting of variant='folded'"):
+    call(queries, *segment[:6], lengths, variant="joined", stack_copies=True, **kwargs)
+  with pytest.raises(ValueError, match="stack_copies=1 must be True, False or None"):
+    call(queries, *segment[:6], lengths, variant="folded", stack_copies=1, **kwargs)
+  with pytest.raises(ValueError, match="stack_copies=True needs gear_terms='xla'"):
+    call(
+      queries,
+      *segment[:6],
+      lengths,
+      variant="folded",
+      stack_copies=True,
+      gear_terms="kernel",
+      **kwargs,
+    )
+  for group, padded in ((1, 4), (2, 4), (3, 4), (4, 4), (8, 8)):
+    for stack_copies, rows in ((None, padded), (True, next_power_of_two(group))):
+      assert (
+        triton_kernel.partial_rows(group, 128, 32, "folded", 128, stack_copies=stack_copies) == rows
+      )
+  # GEAR group 64 at block 128: 2 stacks, so 8 rows padded, 4 with copies.
+  assert triton_kernel.partial_rows(4, 128, 64, "folded", 128) == 8
+  assert triton_kernel.partial_rows(4, 128, 64, "folded", 128, stack_copies=True) == 4
 
 
 def test_gear_terms_by_xla_where_the_blocks_overhang_the_capacity():
