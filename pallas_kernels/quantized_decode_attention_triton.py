@@ -622,12 +622,9 @@ def quantized_decode_attention_partials_triton(
   batch, kv_heads, group, head_dim, tokens = sizes[:5]
   gear = lowrank is not None or outliers is not None
   score_io = gear and gear_terms == "xla"  # GEAR's terms around the kernel: it sees a KIVI segment
+  gear_block = block if gear and not score_io else None
   step_tokens = tokens_per_step(
-    variant,
-    group_size,
-    block_tokens=block_tokens,
-    gear_block=block if gear and not score_io else None,
-    unroll=unroll,
+    variant, group_size, block_tokens=block_tokens, gear_block=gear_block, unroll=unroll
   )
   compute_dtype = compute_dtype_for(k_scale.dtype)
   if variant == "folded":
@@ -642,12 +639,10 @@ def quantized_decode_attention_partials_triton(
         "stack_copies=True needs gear_terms='xla' for a GEAR segment: the kernel's own GEAR "
         "terms take the padded query rows as their dots' M side"
       )
-    rows = folded_rows(group, step_tokens, head_dim, group_size, bool(stack_copies))
     code_operand = resolve_code_operand(code_operand, bits, compute_dtype)
     channel_parts = channel_parts or 1
     check_channel_parts(channel_parts, head_dim, bits)
-  else:
-    rows = tile_rows(group)
+  rows = partial_rows(group, head_dim, group_size, variant, block_tokens, gear_block, stack_copies)
   plan = plan_splits(tokens, step_tokens, batch * kv_heads, num_splits, gpu_target_programs())
   scaled_queries = base_two_queries(queries, sm_scale)
   prefix = []
