@@ -25,6 +25,7 @@ from pallas_kernels import (
   quantized_decode_attention_tpu,
 )
 from pallas_kernels.decode_attention_reference import decode_attention_reference
+from pallas_kernels.launch_settings import check_launch_settings
 from pallas_kernels.quantized_decode_attention_reference import (
   check_quantized_inputs,
   quantized_decode_attention_reference,
@@ -57,6 +58,7 @@ def check_kernel_config(kernel_config: dict | None, *, quantized: bool, family: 
       f"kernel_config keys {unknown} are not taken by the tpu {kind} kernel; allowed: "
       f"{', '.join(TPU_CONFIG_KEYS)}"
     )
+  check_launch_settings(config)
 
 
 def check_implementation(implementation: str) -> None:

@@ -143,6 +143,38 @@ class CacheMethod(Protocol):
   ) -> LayerCache: ...
 
 
+# Floating dtypes a cache may store its keys and values (and quantization statistics) in.
+CACHE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def check_cache_dtype(cache_dtype) -> None:
+  """ValueError unless `cache_dtype` names one of CACHE_DTYPES (an integer dtype would store
+  every key and value truncated, and generation would go on from garbage)."""
+  try:
+    name = np.dtype(cache_dtype).name
+  except TypeError:
+    name = None
+  if name not in CACHE_DTYPES:
+    raise ValueError(
+      f"cache_dtype={cache_dtype!r} is not supported; allowed: {', '.join(CACHE_DTYPES)}"
+    )
+
+
+def check_cache_method(cache_method) -> None:
+  """ValueError unless `cache_method` is a method object (it has `allocate`)."""
+  if not callable(getattr(cache_method, "allocate", None)):
+    raise ValueError(
+      f"cache_method={cache_method!r} must be a cache method object such as "
+      "kvjax.parse_method_spec('kivi:bits=4') (a spec string goes through parse_method_spec)"
+    )
+
+
+def check_count(name: str, value, minimum: int) -> None:
+  """ValueError unless `value` is an int (not a bool) >= `minimum`."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+
+
 def allocate_model_cache(
   method: CacheMethod,
   shape: ModelCacheShape,
@@ -153,11 +185,11 @@ def allocate_model_cache(
   dtype,
 ) -> tuple[LayerCache, ...]:
   """One layer cache per decoder layer (layers may differ in static shape)."""
-  for name, value in (("batch", batch), ("prompt_len", prompt_len)):
-    if value < 1:
-      raise ValueError(f"{name}={value} must be >= 1")
-  if max_new_tokens < 0:
-    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+  check_cache_method(method)
+  check_count("batch", batch, 1)
+  check_count("prompt_len", prompt_len, 1)
+  check_count("max_new_tokens", max_new_tokens, 0)
+  check_cache_dtype(dtype)
   return tuple(
     method.allocate(
       shape,

@@ -403,9 +403,10 @@ def run_ask(args) -> int:
   for question, answer in zip(args.question, answers):
     print(f"Q: {question}\nA: {answer}\n")
   how = f"compressed in {context_s:.1f} s" if saved is None else f"restored in {context_s:.1f} s"
+  whose = "1 question's" if len(answers) == 1 else f"{len(answers)} questions'"
   print(
     f"[document {document_tokens} tokens, cache {context.cache_bytes / 2**20:.2f} MiB "
-    f"({method_spec}); {len(answers)} questions' caches {rows.cache_bytes / 2**20:.2f} MiB "
+    f"({method_spec}); {whose} caches {rows.cache_bytes / 2**20:.2f} MiB "
     f"({args.rows}); {how}, answered in one batch in {answer_s:.1f} s, compile included]",
     file=sys.stderr,
   )

@@ -28,7 +28,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvjax.attention_dispatch import check_implementation
-from kvjax.cache_protocol import CacheMethod, model_cache_nbytes
+from kvjax.cache_protocol import CacheMethod, check_cache_dtype, model_cache_nbytes
 from kvjax.cache_room import check_room
 from kvjax.chunked_prefill import chunked_prefill_refusal, prefill_in_chunks
 from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
@@ -365,6 +365,7 @@ def share_context(
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
   _check_copies(copies)
   _check_room_argument(room)
+  check_cache_dtype(cache_dtype)
   check_implementation(implementation)
   _refuse_shared(context, "share_context")
   check_shareable(context.caches)

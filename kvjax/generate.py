@@ -20,6 +20,9 @@ from jax.sharding import NamedSharding
 from kvjax.cache_protocol import (
   CacheMethod,
   allocate_model_cache,
+  check_cache_dtype,
+  check_cache_method,
+  check_count,
   model_cache_nbytes,
   model_cache_shapes,
 )
@@ -30,6 +33,7 @@ from kvjax.dense_cache import FullCache
 from kvjax.layer_runs import pytree_signature
 from kvjax.prompt_batch import (
   check_padded_token_ids,
+  check_row_lengths,
   check_token_ids,
   compact_padded_batch,
   pack_prompts,
@@ -59,10 +63,6 @@ class GenerateResult:
     return [row[:n].tolist() for row, n in zip(self.tokens, self.num_generated)]
 
 
-@partial(
-  jax.jit,
-  static_argnames=("decoder", "cache_method", "max_new_tokens", "cache_dtype", "prefill_chunk"),
-)
 def prefill(
   decoder: CachedDecoder,
   params: Any,
@@ -77,7 +77,40 @@ def prefill(
   """Allocates the caches and ingests the prompts: (last-token logits [batch, vocab], caches).
 
   `prefill_chunk`: None feeds the prompt in one piece; an int feeds it that many tokens at a
-  time, compressing as it goes (`kvjax.chunked_prefill`)."""
+  time, compressing as it goes (`kvjax.chunked_prefill`). Jitted (`_prefill_in_jit`), after
+  checking on the host the rows (`tokens` integer [batch, width] with ids in the vocabulary,
+  `lengths` [batch] in [1, width]) and the static arguments (`check_prefill_arguments`).
+  `prefill.lower` lowers it ahead of time, without the checks."""
+  check_row_lengths(tokens, lengths, vocab_size=decoder_vocab_size(decoder), name="tokens")
+  check_prefill_arguments(
+    decoder,
+    batch=np.shape(tokens)[0],
+    prompt_len=np.shape(tokens)[1],
+    cache_method=cache_method,
+    max_new_tokens=max_new_tokens,
+    cache_dtype=cache_dtype,
+    prefill_chunk=prefill_chunk,
+  )
+  return _prefill_in_jit(
+    decoder,
+    params,
+    tokens,
+    lengths,
+    cache_method=cache_method,
+    max_new_tokens=max_new_tokens,
+    cache_dtype=cache_dtype,
+    prefill_chunk=prefill_chunk,
+  )
+
+
+@partial(
+  jax.jit,
+  static_argnames=("decoder", "cache_method", "max_new_tokens", "cache_dtype", "prefill_chunk"),
+)
+def _prefill_in_jit(
+  decoder, params, tokens, lengths, *, cache_method, max_new_tokens, cache_dtype, prefill_chunk=None
+):
+  """`prefill`'s work, unchecked: allocates the caches and ingests the prompts."""
   caches = allocate_model_cache(
     cache_method,
     decoder.cache_shape,
@@ -104,8 +137,12 @@ def check_prefill_arguments(
   cache_dtype,
   prefill_chunk: int | None,
 ) -> None:
-  """Refuses, before anything is traced, a `prefill_chunk` the decoder or the method's caches
-  cannot take (the caches are only shaped, not allocated)."""
+  """Refuses, before anything is traced, a cache method, cache dtype or `max_new_tokens` that
+  is not one, and a `prefill_chunk` the decoder or the method's caches cannot take (the caches
+  are only shaped, not allocated)."""
+  check_cache_method(cache_method)
+  check_cache_dtype(cache_dtype)
+  check_count("max_new_tokens", max_new_tokens, 0)
   check_prefill_chunk(prefill_chunk)
   if prefill_chunk is None:
     return
@@ -221,6 +258,12 @@ def decode(
   longest row's fed tokens plus the `max_new_tokens - 1` tokens fed back.
   `decode.lower` lowers the loop ahead of time, without the checks."""
   batch, vocab_size = logits.shape
+  check_decode_arguments(max_new_tokens, sampling, key)
+  if np.shape(lengths) != (batch,):
+    raise ValueError(
+      f"lengths must be [batch={batch}] (one per row of logits); got {np.shape(lengths)}"
+    )
+  check_emitted_token_ids(stop_token_ids, pad_token_id, vocab_size=vocab_size)
   longest_feed = check_feed(feed_tokens, feed_lengths, batch=batch, vocab_size=vocab_size)
   check_room(caches, longest_feed + max_new_tokens - 1, caller="decode")
   return _decode_in_jit(
@@ -240,6 +283,7 @@ def decode(
 
 
 decode.lower = _decode_in_jit.lower
+prefill.lower = _prefill_in_jit.lower
 
 
 def check_feed(feed_tokens, feed_lengths, *, batch: int, vocab_size: int) -> int:
@@ -272,13 +316,26 @@ def check_feed(feed_tokens, feed_lengths, *, batch: int, vocab_size: int) -> int
   return int(fed.max(initial=0))
 
 
+def check_emitted_token_ids(stop_token_ids, pad_token_id, *, vocab_size: int | None) -> None:
+  """Stop ids and the pad id are token ids of the vocabulary: a stop id outside it would never
+  stop a row, and a pad id outside it would be fed back to the embedding."""
+  ids = list(stop_token_ids)
+  if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
+    raise ValueError(f"stop_token_ids={ids!r} must be int token ids")
+  check_token_ids(np.array(ids, np.int64), vocab_size=vocab_size, name="stop_token_ids")
+  if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, (int, np.integer)):
+    raise ValueError(f"pad_token_id={pad_token_id!r} must be an int token id")
+  check_token_ids(np.array([pad_token_id]), vocab_size=vocab_size, name="pad_token_id")
+
+
 def check_decode_arguments(
   max_new_tokens: int, sampling: SamplingConfig, key: jax.Array | None
 ) -> jax.Array:
   """Refuses a decode that would emit nothing or sample without a key; returns the PRNG key to
   use (a fixed one when decoding greedily, where it is never drawn from)."""
-  if max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+  check_count("max_new_tokens", max_new_tokens, 1)
+  if not isinstance(sampling, SamplingConfig):
+    raise ValueError(f"sampling must be a kvjax.SamplingConfig, got {type(sampling).__name__}")
   if not sampling.greedy and key is None:
     raise ValueError("key is required when sampling (temperature > 0)")
   return jax.random.key(0) if key is None else key
@@ -288,6 +345,8 @@ def _as_compact_batch(prompts, attention_mask, pad_token_id):
   if attention_mask is not None:
     return compact_padded_batch(np.asarray(prompts), attention_mask, pad_token_id=pad_token_id)
   if isinstance(prompts, (np.ndarray, jax.Array)):
+    if not np.issubdtype(prompts.dtype, np.integer):  # int32 would truncate 1.5 to 1
+      raise ValueError(f"prompts array must hold integer token ids; got dtype {prompts.dtype}")
     tokens = np.asarray(prompts, np.int32)
     if tokens.ndim != 2:
       raise ValueError(f"prompts array must be [batch, tokens]; got shape {tokens.shape}")
@@ -314,7 +373,7 @@ def _compiled_executables(decoder, params, tokens, lengths, key, prefill_static,
   if signature not in _COMPILED:
     prefill_compiled = prefill.lower(decoder, params, tokens, lengths, **prefill_static).compile()
     logits_shape, caches_shape = jax.eval_shape(
-      lambda: prefill(decoder, params, tokens, lengths, **prefill_static)
+      lambda: _prefill_in_jit(decoder, params, tokens, lengths, **prefill_static)
     )
     decode_compiled = decode.lower(
       decoder, params, logits_shape, caches_shape, lengths, key, **decode_static
@@ -361,6 +420,7 @@ def generate(
   Compilation happens ahead of time, so `compile_s` and the run times are measured apart.
   """
   key = check_decode_arguments(max_new_tokens, sampling, key)
+  check_emitted_token_ids(stop_token_ids, pad_token_id, vocab_size=decoder_vocab_size(decoder))
   tokens, lengths = _as_compact_batch(prompts, attention_mask, pad_token_id)
   check_padded_token_ids(
     tokens, pad_token_id=pad_token_id, vocab_size=decoder_vocab_size(decoder), name="prompts"

@@ -3,8 +3,9 @@ full-precision segments and of its quantized segments (see `attention_dispatch`)
 
 Frozen and hashable, so caches hold them as static pytree metadata and a jitted generate loop
 compiles once per setting. Checked when built: unknown keys or values raise ValueError naming
-them, before anything is traced. Which keys a kernel takes depends on the backend the cache
-runs on; a key the chosen kernel does not take raises when the cache first attends.
+them, before anything is traced (numbers against `pallas_kernels.launch_settings`). Which
+keys a kernel takes depends on the backend the cache runs on; a key the chosen kernel does not
+take raises when the cache first attends.
 """
 
 import dataclasses
@@ -12,6 +13,7 @@ from typing import Any
 
 from kvjax.attention_dispatch import TPU_CONFIG_KEYS
 from pallas_kernels import decode_attention_gpu, quantized_decode_attention_gpu
+from pallas_kernels.launch_settings import check_launch_settings
 from pallas_kernels.quantized_decode_attention_triton import (
   DEFAULT_VARIANT,
   check_variant_settings,
@@ -50,6 +52,10 @@ def _frozen(name: str, config, allowed: tuple[str, ...]) -> Setting:
         raise ValueError(f"kernel settings {name}: {key}={value!r} must be True or False")
     elif not (value is None or isinstance(value, (int, str))) or isinstance(value, bool):
       raise ValueError(f"kernel settings {name}: {key}={value!r} must be an int, a string or None")
+  try:
+    check_launch_settings(config)
+  except ValueError as e:
+    raise ValueError(f"kernel settings {name}: {e}") from None
   return tuple(sorted(config.items()))
 
 

@@ -483,6 +483,22 @@ def check_window(name: str, window: int, group_size: int) -> None:
     )
 
 
+def check_kernel_blocks(kernel_settings: KernelSettings, group_size: int) -> None:
+  """The quantized kernels walk whole key groups per block: a `block_tokens` setting that is
+  not a multiple of `group_size` is refused here, when the method is built."""
+  if not isinstance(kernel_settings, KernelSettings):
+    raise ValueError(
+      f"kernel_settings must be a kvjax.kernel_settings.KernelSettings, got "
+      f"{type(kernel_settings).__name__}"
+    )
+  block = dict(kernel_settings.quantized).get("block_tokens")
+  if block is not None and block % group_size:
+    raise ValueError(
+      f"kernel settings quantized: block_tokens={block} must be a multiple of "
+      f"group_size={group_size} (a kernel step takes whole key groups)"
+    )
+
+
 def check_no_sliding_window(method: str, shape: ModelCacheShape, capacity: int) -> None:
   """A quantized cache attends to every token it holds; a sliding-window model must not."""
   if shape.sliding_window is not None and shape.sliding_window < capacity:
@@ -511,6 +527,7 @@ class Kivi:
     check_quantization_config(bits=self.bits, group_size=self.group_size)
     check_window("residual", self.residual, self.group_size)
     attention_dispatch.check_implementation(self.implementation)
+    check_kernel_blocks(self.kernel_settings, self.group_size)
 
   @property
   def codec(self) -> KiviCodec:

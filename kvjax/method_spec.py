@@ -49,13 +49,15 @@ def _parse_one(part: str):
   kwargs = {}
   for item in filter(None, (s.strip() for s in arg_text.split(","))):
     key, eq, raw = item.partition("=")
-    key = key.strip().replace("-", "_")
+    key = key.strip().lower().replace("-", "_")  # as case-blind as the method's name
     if not eq or key not in fields:
       raise ValueError(
         f"{name}: unknown parameter {item!r}; allowed: "
         + ("(none)" if not fields else "")
         + ", ".join(f"{f}=<{getattr(hints[f], '__name__', hints[f])}>" for f in sorted(fields))
       )
+    if key in kwargs:
+      raise ValueError(f"{name}: parameter {key} is given twice ({arg_text.strip()!r})")
     kwargs[key] = _coerce(name, key, raw.strip(), hints[key])
   return cls, kwargs
 
@@ -75,6 +77,10 @@ def parse_method_spec(
       f"kernel_settings must be a kvjax.kernel_settings.KernelSettings, got "
       f"{type(kernel_settings).__name__}"
     )
+  if not isinstance(spec, str):
+    raise ValueError(
+      f"spec={spec!r} must be a string such as 'kivi:bits=4' or 'snapkv:budget=256+kivi'"
+    )
   if not spec or not spec.strip():
     raise ValueError(f"empty cache method spec; available: {', '.join(sorted(METHODS))}")
   parsed = [_parse_one(part) for part in spec.split("+")]
@@ -92,7 +98,12 @@ def parse_method_spec(
       extra["implementation"] = implementation
     if "kernel_settings" in names:
       extra["kernel_settings"] = kernel_settings
-    return cls(**kwargs, **extra)
+    try:
+      return cls(**kwargs, **extra)
+    except ValueError as e:  # a value the method refuses: say which method of the spec it was
+      if str(e).startswith(f"{cls.method_name}:"):
+        raise
+      raise ValueError(f"{cls.method_name}: {e}") from None
 
   storage = build(*storages[0]) if storages else None
   if not selections:

@@ -2,6 +2,7 @@
 
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 
@@ -81,3 +82,27 @@ def check_token_ids(tokens: np.ndarray, *, vocab_size: int | None, name: str) ->
     allowed = f"[0, {vocab_size - 1}]" if vocab_size is not None else ">= 0"
     bad = low if low < 0 else high
     raise ValueError(f"{name} holds token id {bad}; ids must be {allowed} (the model's vocabulary)")
+
+
+def check_row_lengths(tokens, lengths, *, vocab_size: int | None, name: str) -> None:
+  """Rows as the caches take them: `tokens` integer [batch, width] with ids in the vocabulary
+  and `lengths` integer [batch], each in [1, width]. Values are checked only where they are
+  concrete (not inside a trace); a length past the width would prefill from padding the
+  model never saw, and a zero length leaves no last token to predict from."""
+  shape, lengths_shape = np.shape(tokens), np.shape(lengths)
+  if len(shape) != 2 or lengths_shape != shape[:1]:
+    raise ValueError(
+      f"{name} must be [batch, width] and lengths [batch]; got {shape} and {lengths_shape}"
+    )
+  for label, array in ((name, tokens), ("lengths", lengths)):
+    dtype = jax.numpy.result_type(array)
+    if not np.issubdtype(dtype, np.integer):
+      raise ValueError(f"{label} must hold integers; got dtype {dtype}")
+  if not isinstance(lengths, jax.core.Tracer):
+    values = np.asarray(lengths)
+    if values.min() < 1 or values.max() > shape[1]:
+      raise ValueError(
+        f"lengths={values.tolist()} must each lie in [1, {shape[1]}] (the width of {name})"
+      )
+  if not isinstance(tokens, jax.core.Tracer):
+    check_token_ids(np.asarray(tokens), vocab_size=vocab_size, name=name)

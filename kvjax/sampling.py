@@ -1,9 +1,15 @@
 """Next-token sampling: greedy, temperature, top-k and top-p, with an explicit PRNG key."""
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+
+
+def _is_real(value) -> bool:
+  return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,12 +21,14 @@ class SamplingConfig:
   top_p: float | None = None
 
   def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-    if self.top_k is not None and self.top_k < 1:
-      raise ValueError(f"top_k={self.top_k} must be >= 1 (or None for no top-k filter)")
-    if self.top_p is not None and not 0 < self.top_p <= 1:
-      raise ValueError(f"top_p={self.top_p} must be in (0, 1] (or None for no top-p filter)")
+    if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
+      raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0: greedy)")
+    if self.top_k is not None and (
+      isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
+    ):
+      raise ValueError(f"top_k={self.top_k!r} must be an int >= 1 (or None for no top-k filter)")
+    if self.top_p is not None and (not _is_real(self.top_p) or not 0 < self.top_p <= 1):
+      raise ValueError(f"top_p={self.top_p!r} must be in (0, 1] (or None for no top-p filter)")
     if self.temperature == 0 and (self.top_k is not None or self.top_p is not None):
       raise ValueError("top_k/top_p need temperature > 0 (temperature=0 is greedy decoding)")
 

@@ -10,9 +10,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder
+from kvjax.prompt_batch import check_token_ids
 
 
 def teacher_force(
@@ -24,9 +26,22 @@ def teacher_force(
   forced: jax.Array,
 ) -> tuple[jax.Array, jax.Array, tuple]:
   """The jitted loop (`_teacher_force_in_jit`, same arguments and results), after checking on
-  the host that the caches have room for every forced token (kvjax.cache_room).
-  `teacher_force.lower` lowers the loop ahead of time, without the check."""
-  check_room(caches, forced.shape[1], caller="teacher_force")
+  the host the forced tokens (integer [batch, steps], ids in the vocabulary of `first_logits`
+  [batch, vocab]), `lengths` [batch], and that the caches have room for every forced token
+  (kvjax.cache_room). `teacher_force.lower` lowers the loop ahead of time, without the
+  checks."""
+  batch, vocab_size = np.shape(first_logits)
+  shape = np.shape(forced)
+  if len(shape) != 2 or shape[0] != batch or np.shape(lengths) != (batch,):
+    raise ValueError(
+      f"forced must be [batch={batch}, steps] and lengths [batch={batch}] (rows of "
+      f"first_logits); got {shape} and {np.shape(lengths)}"
+    )
+  if not np.issubdtype(jnp.result_type(forced), np.integer):
+    raise ValueError(f"forced must hold integer token ids; got dtype {jnp.result_type(forced)}")
+  if not isinstance(forced, jax.core.Tracer):
+    check_token_ids(np.asarray(forced), vocab_size=vocab_size, name="forced")
+  check_room(caches, shape[1], caller="teacher_force")
   return _teacher_force_in_jit(decoder, params, first_logits, caches, lengths, forced)
 
 

@@ -3,6 +3,7 @@ lowering. "triton" (the default, measured on an H100) or "mosaic_gpu" (TMA and w
 jax's successor to the deprecated Triton lowering, not yet timed on a GPU)."""
 
 from pallas_kernels import decode_attention_mosaic_gpu, decode_attention_triton
+from pallas_kernels.launch_settings import check_launch_settings
 
 LOWERINGS = ("triton", "mosaic_gpu")
 # kernel_config keys each lowering takes (besides "lowering").
@@ -23,6 +24,7 @@ def check_config(config: dict) -> str:
       f"kernel_config keys {unknown} are not taken by lowering={lowering!r}; allowed: "
       f"{', '.join(('lowering',) + CONFIG_KEYS[lowering])}"
     )
+  check_launch_settings(config)
   return lowering
 
 

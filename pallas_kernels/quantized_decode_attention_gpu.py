@@ -17,6 +17,7 @@ from pallas_kernels import (
   quantized_decode_attention_mosaic_gpu,
   quantized_decode_attention_triton,
 )
+from pallas_kernels.launch_settings import check_launch_settings
 
 LOWERINGS = ("triton", "mosaic_gpu")
 # Mosaic GPU variant -> (its module, the name of its entry point there). The entry point is looked
@@ -56,6 +57,7 @@ def check_config(config: dict) -> str:
       f"kernel_config keys {unknown} are not taken by the quantized kernel of "
       f"lowering={lowering!r}; allowed: {', '.join(('lowering',) + CONFIG_KEYS[lowering])}"
     )
+  check_launch_settings(config)
   if lowering == "mosaic_gpu":
     _mosaic_gpu_kernel(config)
     quantized_decode_attention_mosaic_gpu.check_settings(**_mosaic_gpu_settings(config))

@@ -54,6 +54,9 @@ def plan_splits(
   total_blocks = cdiv(tokens, block_tokens)
   if num_splits is None:
     num_splits = cdiv(target_programs, rows_times_heads)
+  elif num_splits < 1:
+    raise ValueError(f"num_splits={num_splits!r} is not supported; allowed: None or an int >= 1")
+  # More splits than blocks would leave splits empty: one block each is the most there are.
   num_splits = max(1, min(int(num_splits), total_blocks))
   blocks_per_split = cdiv(total_blocks, num_splits)
   num_splits = cdiv(total_blocks, blocks_per_split)

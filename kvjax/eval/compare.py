@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from kvjax.cache_protocol import CACHE_DTYPES
 from kvjax.chunked_prefill import check_prefill_chunk
 from kvjax.eval.cache_size import cache_bytes_after_context, context_elements
 from kvjax.eval.continuation import ContinuationScores, sample_text_windows
@@ -33,15 +34,17 @@ class CompareConfig:
   def __post_init__(self):
     check_prefill_chunk(self.prefill_chunk)
     unknown = set(self.tasks) - set(TASKS)
-    if unknown or not self.tasks:
+    if not self.tasks:
+      raise ValueError(f"tasks is empty; allowed: {','.join(TASKS)} (one or more)")
+    if unknown:
       raise ValueError(
         f"tasks={','.join(self.tasks)!s} has unknown {sorted(unknown)}; allowed: {','.join(TASKS)}"
       )
     for name in ("context_len", "continuation_len", "num_samples"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-    if self.cache_dtype not in ("bfloat16", "float16", "float32"):
-      raise ValueError(f"cache_dtype={self.cache_dtype!r}; allowed: bfloat16, float16, float32")
+    if self.cache_dtype not in CACHE_DTYPES:
+      raise ValueError(f"cache_dtype={self.cache_dtype!r}; allowed: {', '.join(CACHE_DTYPES)}")
 
 
 def compare_methods(

@@ -194,9 +194,10 @@ def test_chunk_attention_over_held_tokens_equals_attention_over_their_dequantize
   chunk_queries = jnp.asarray(random_qkv(4)[0][:, :, :, :8])
   out, lse = cache.attend_chunk(chunk_queries, sm_scale=D**-0.5)
   for i in range(8):
-    expected = cache.attend(chunk_queries[:, :, :, i], sm_scale=D**-0.5)
+    expected, expected_lse = cache.attend_with_lse(chunk_queries[:, :, :, i], sm_scale=D**-0.5)
     np.testing.assert_allclose(out[:, :, :, i], expected, atol=2e-5)
-  assert np.all(np.isfinite(np.asarray(lse)))
+    assert lse[..., i].shape == expected_lse.shape
+    np.testing.assert_allclose(lse[..., i], expected_lse, rtol=1e-5, atol=1e-5)
 
 
 # --- SnapKV / PyramidKV: held tokens and each chunk compete for the budget -----------------
@@ -603,7 +604,19 @@ def test_a_context_compressed_in_chunks_answers_like_one_compressed_in_one_piece
   chunked = compress_context(decoder, params, prompts, prefill_chunk=16, **kwargs)
   assert jax.tree.structure(chunked) == jax.tree.structure(one_piece)
   assert chunked.cache_bytes == one_piece.cache_bytes
-  # Quantized earlier chunks change later chunks' attention a little: close, not equal.
-  np.testing.assert_allclose(chunked.next_logits, one_piece.next_logits, atol=0.5)
+  # Quantized earlier chunks change later chunks' attention a little: close, not equal (in one
+  # piece the prompt attends at full precision). 2026-11-25: at most 0.36, median 0.10, on
+  # logits of standard deviation 0.96; with 8-bit codes at most 0.026: the difference is the
+  # codes' rounding, and it shrinks with it.
+  error = np.abs(np.asarray(chunked.next_logits - one_piece.next_logits, np.float32))
+  assert error.max() < 0.5 and np.median(error) < 0.15
+  eight_bits = compress_context(
+    decoder,
+    params,
+    prompts,
+    prefill_chunk=16,
+    **(kwargs | dict(cache_method=Kivi(bits=8, group_size=16, residual=16))),
+  )
+  np.testing.assert_allclose(eight_bits.next_logits, one_piece.next_logits, atol=0.06)
   answer, count = continue_context(decoder, params, chunked, [[5, 6], [7]], max_new_tokens=4)
   assert answer.shape == (2, 4) and count.tolist() == [4, 4]

@@ -100,6 +100,12 @@ def test_ask_answers_every_question_about_one_compressed_document(tmp_path, caps
     main(argv + ["--method", "full"])
   with pytest.raises(SystemExit, match=r"--layer-loop=unroll differs from the saved context's"):
     main(argv + ["--layer-loop", "unroll"])
+  # Without --json: each answer, then a summary line on stderr.
+  one = ["ask", "--context", str(tmp_path / "context"), "--max-new-tokens", "2"]
+  assert main(one + ["--question", "Who is the mayor?"]) == 0
+  printed = capsys.readouterr()
+  assert printed.out.startswith("Q: Who is the mayor?\nA: ")
+  assert "restored in" in printed.err and "; 1 question's caches " in printed.err
 
 
 def test_ask_with_shared_or_repeated_rows_answers_alike_with_a_full_cache(tmp_path, capsys):
@@ -145,7 +151,9 @@ def test_compare_on_the_embedded_model_in_one_piece_and_in_chunks(tmp_path, caps
   assert "layer loop scan" in printed and kivi in printed
   one_piece = json.loads((tmp_path / "one_piece" / "results.json").read_text())
   assert [r["method"] for r in one_piece] == ["full", kivi]
-  assert one_piece[0]["kl"] == 0.0 and one_piece[1]["kl"] > 1e-4
+  # Measured on 2026-11-25: KL 0.0158, perplexity 5.47 against the full cache's 5.22.
+  assert one_piece[0]["kl"] == 0.0 and 1e-4 < one_piece[1]["kl"] < 0.05
+  assert one_piece[0]["ppl"] < one_piece[1]["ppl"] < 1.15 * one_piece[0]["ppl"]
   assert all(r["decode_tokens_per_s"] > 0 and r["speed_batch"] == 1 for r in one_piece)
 
   argv += ["--tasks", "ppl", "--out", str(tmp_path / "chunks"), "--prefill-chunk", "16"]
@@ -155,3 +163,5 @@ def test_compare_on_the_embedded_model_in_one_piece_and_in_chunks(tmp_path, caps
   assert chunks[0]["method"] == "full"
   assert chunks[0]["ppl"] == pytest.approx(one_piece[0]["ppl"], rel=2e-3)
   assert chunks[1]["cache_bytes"] == one_piece[1]["cache_bytes"]
+  # KIVI's chunks attend to the earlier chunks' codes: close to one piece, not equal (5.50).
+  assert chunks[1]["ppl"] == pytest.approx(one_piece[1]["ppl"], rel=0.03)

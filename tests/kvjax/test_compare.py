@@ -123,7 +123,8 @@ def test_answer_parsing():
 @pytest.mark.parametrize(
   "kwargs, message",
   [
-    (dict(tasks=("ppl", "bleu")), "allowed: ppl,kl"),
+    (dict(tasks=("ppl", "bleu")), r"has unknown \['bleu'\]; allowed: ppl,kl"),
+    (dict(tasks=()), "tasks is empty; allowed: ppl,kl"),
     (dict(context_len=0), "context_len"),
     (dict(cache_dtype="int8"), "cache_dtype"),
   ],

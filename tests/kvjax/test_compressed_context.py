@@ -273,6 +273,10 @@ def test_bad_arguments_are_refused_before_anything_runs():
     continue_context(decoder, params, context, [[1, 2], [3]], max_new_tokens=2, pad_token_id=-1)
   with pytest.raises(ValueError, match=r"prompts holds token id 70; ids must be \[0, 63\]"):
     compress_context(decoder, params, [[1, 70]], cache_method=method, room=2)
+  with pytest.raises(ValueError, match="cache_dtype=.*int8.* is not supported"):
+    compress_context(decoder, params, PROMPTS, cache_method=method, room=2, cache_dtype=jnp.int8)
+  with pytest.raises(ValueError, match="cache_method=None must be a cache method object"):
+    compress_context(decoder, params, PROMPTS, cache_method=None, room=2)
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     continue_context(decoder, params, context, [[1], [2]], max_new_tokens=0)
   with pytest.raises(ValueError, match="key is required"):
@@ -347,6 +351,9 @@ def test_share_context_refuses_bad_arguments_and_what_cannot_be_shared(tmp_path)
   message = "implementation='gpu' is not supported; allowed: auto, pallas"
   with pytest.raises(ValueError, match=message):
     share_context(decoder, context, 2, room=4, implementation="gpu")
+  for dtype in (jnp.int8, "float64"):
+    with pytest.raises(ValueError, match="cache_dtype=.* is not supported; allowed: bfloat16"):
+      share_context(decoder, context, 2, room=4, cache_dtype=dtype)
   with pytest.raises(ValueError, match="must be a CompressedContext"):
     share_context(decoder, context.caches, 2, room=4)
   shared = share_context(decoder, context, 2, room=4)

@@ -8,6 +8,7 @@ from kvjax.dense_cache import FullCache
 from kvjax.generate import decode, generate, prefill
 from kvjax.prompt_batch import check_token_ids, pack_prompts
 from kvjax.sampling import SamplingConfig
+from kvjax.teacher_forcing import teacher_force
 from tests.kvjax.tiny_decoder import tiny_decoder
 
 
@@ -101,6 +102,26 @@ def test_generate_reports_timings_and_cache_bytes():
     (dict(max_new_tokens=4, sampling=SamplingConfig(temperature=1.0)), "key is required"),
     (dict(max_new_tokens=500, max_cache_tokens=100), "exceeds max_cache_tokens"),
     (dict(max_new_tokens=4, pad_token_id=64), r"pad_token_id holds token id 64; .* \[0, 63\]"),
+    (dict(max_new_tokens=2.5), r"max_new_tokens=2.5 must be an int >= 1"),
+    (dict(max_new_tokens="4"), r"max_new_tokens='4' must be an int >= 1"),
+    (
+      dict(max_new_tokens=4, cache_dtype=jnp.int8),
+      "cache_dtype=.*int8.* is not supported; allowed: bfloat16, float16, float32",
+    ),
+    (dict(max_new_tokens=4, cache_dtype=jnp.bool_), "cache_dtype=.*bool.* is not supported"),
+    (dict(max_new_tokens=4, cache_dtype="float64"), "cache_dtype='float64' is not supported"),
+    (
+      dict(max_new_tokens=4, cache_method="kivi"),
+      r"cache_method='kivi' must be a cache method object such as kvjax.parse_method_spec",
+    ),
+    (dict(max_new_tokens=4, sampling="greedy"), "sampling must be a kvjax.SamplingConfig"),
+    # A stop id outside the vocabulary would never stop a row.
+    (
+      dict(max_new_tokens=4, stop_token_ids=[2, 64]),
+      r"stop_token_ids holds token id 64; ids must be \[0, 63\]",
+    ),
+    (dict(max_new_tokens=4, stop_token_ids=[-5]), "stop_token_ids holds token id -5"),
+    (dict(max_new_tokens=4, stop_token_ids=[2.0]), r"stop_token_ids=\[2.0\] must be int token ids"),
   ],
 )
 def test_bad_generate_arguments_error_before_tracing(kwargs, message):
@@ -115,6 +136,96 @@ def test_token_ids_outside_the_vocabulary_are_refused(bad_id, allowed):
   decoder, params = tiny_decoder()
   with pytest.raises(ValueError, match=rf"prompts holds token id {bad_id}; ids must be {allowed}"):
     generate(decoder, params, [[1, 2, 3], [4, bad_id]], max_new_tokens=2)
+
+
+def test_a_prompt_array_of_floats_is_refused_not_truncated():
+  decoder, params = tiny_decoder()
+  with pytest.raises(
+    ValueError, match="prompts array must hold integer token ids; got dtype float32"
+  ):
+    generate(decoder, params, np.array([[1.6, 2.0, 3.0]], np.float32), max_new_tokens=2)
+
+
+PREFILL_STATIC = dict(cache_method=FullCache(), max_new_tokens=2, cache_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize(
+  "tokens, lengths, static, message",
+  [
+    (
+      np.ones((1, 8), np.int32),
+      np.array([8, 8]),
+      {},
+      r"tokens must be \[batch, width\] and lengths \[batch\]; got \(1, 8\) and \(2,\)",
+    ),
+    (np.ones((1, 8), np.int32), np.array([20]), {}, r"lengths=\[20\] must each lie in \[1, 8\]"),
+    (np.ones((2, 8), np.int32), np.array([8, 0]), {}, r"lengths=\[8, 0\] must each lie in"),
+    (
+      np.ones((1, 8), np.float32),
+      np.array([8]),
+      {},
+      "tokens must hold integers; got dtype float32",
+    ),
+    (np.full((1, 8), 64, np.int32), np.array([8]), {}, r"tokens holds token id 64"),
+    (np.ones((1, 8), np.int32), np.array([8]), dict(cache_dtype=jnp.int32), "cache_dtype="),
+    (np.ones((1, 8), np.int32), np.array([8]), dict(max_new_tokens=-1), "max_new_tokens=-1"),
+  ],
+)
+def test_prefill_checks_its_rows_and_arguments_before_tracing(tokens, lengths, static, message):
+  decoder, params = tiny_decoder()
+  with pytest.raises(ValueError, match=message):
+    prefill(decoder, params, tokens, lengths, **(PREFILL_STATIC | static))
+
+
+def test_prefill_inside_jit_checks_shapes_and_leaves_values_to_the_trace():
+  decoder, params = tiny_decoder()
+  tokens, lengths = np.ones((2, 8), np.int32), np.array([8, 5], np.int32)
+  inside = jax.jit(lambda t, n: prefill(decoder, params, t, n, **PREFILL_STATIC)[0])
+  np.testing.assert_allclose(
+    inside(tokens, lengths),
+    prefill(decoder, params, tokens, lengths, **PREFILL_STATIC)[0],
+    rtol=1e-6,
+    atol=1e-6,
+  )
+  with pytest.raises(ValueError, match="tokens must be"):
+    inside(tokens, lengths[:1])
+
+
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (dict(pad_token_id=99), r"pad_token_id holds token id 99; ids must be \[0, 63\]"),
+    (dict(pad_token_id=-1), "pad_token_id holds token id -1"),
+    (dict(stop_token_ids=(64,)), "stop_token_ids holds token id 64"),
+    (dict(lengths=np.array([3, 3, 3])), r"lengths must be \[batch=2\] .*got \(3,\)"),
+    (dict(max_new_tokens=0), "max_new_tokens=0 must be an int >= 1"),
+  ],
+)
+def test_decode_refuses_bad_arguments_before_tracing(kwargs, message):
+  decoder, params = tiny_decoder()
+  logits, caches, lengths = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)
+  arguments = GREEDY_FIVE_TOKENS | dict(lengths=lengths) | kwargs
+  lengths = arguments.pop("lengths")
+  with pytest.raises(ValueError, match=message):
+    decode(decoder, params, logits, caches, lengths, jax.random.key(0), **arguments)
+
+
+@pytest.mark.parametrize(
+  "forced, message",
+  [
+    (np.array([[64, 1], [2, 3]]), r"forced holds token id 64; ids must be \[0, 63\]"),
+    (np.array([[-7, 1], [2, 3]]), "forced holds token id -7"),
+    (np.ones((2, 2), np.float32), "forced must hold integer token ids; got dtype float32"),
+    (np.ones((2,), np.int32), r"forced must be \[batch=2, steps\] and lengths \[batch=2\]"),
+    (np.ones((3, 2), np.int32), r"got \(3, 2\) and \(2,\)"),
+  ],
+)
+def test_teacher_force_refuses_bad_forced_tokens_before_tracing(forced, message):
+  # Inside jit an id past the vocabulary would make every later logit NaN, and -7 would wrap.
+  decoder, params = tiny_decoder()
+  logits, caches, lengths = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)
+  with pytest.raises(ValueError, match=message):
+    teacher_force(decoder, params, logits, caches, lengths, forced)
 
 
 def test_without_a_vocab_size_only_negative_ids_are_refused_up_front():

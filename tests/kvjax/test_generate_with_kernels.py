@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvjax import attention_dispatch
 from kvjax.compressed_context import compress_context, continue_context, share_context
+from kvjax.eval.continuation import score_continuation
 from kvjax.generate import generate
 from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import parse_method_spec
@@ -23,6 +25,14 @@ PROMPTS = [
   list(np.random.default_rng(3).integers(1, 64, 37)),
   list(np.random.default_rng(4).integers(1, 64, 21)),
 ]
+
+
+@pytest.fixture(autouse=True)
+def fallback_warnings_fire_again(monkeypatch):
+  """The dispatch warns once per process about a fallback to the reference; these tests turn
+  that warning into an error, so each must see it even if an earlier test in the process
+  already did."""
+  monkeypatch.setattr(attention_dispatch, "_warned", set())
 
 
 @pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
@@ -43,6 +53,21 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
     for implementation in ("reference", "interpret")
   }
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
+  # Equal greedy tokens could hide a moderate error in the scores: the log-probs of a forced
+  # continuation through each path's caches agree to float32 rounding.
+  windows = np.array([p[:21] + p[:6] for p in PROMPTS], np.int32)
+  logprobs = {
+    implementation: score_continuation(
+      decoder,
+      params,
+      parse_method_spec(spec, implementation=implementation),
+      windows,
+      context_len=21,
+      cache_dtype=jnp.float32,
+    ).logprobs
+    for implementation in ("reference", "interpret")
+  }
+  np.testing.assert_allclose(logprobs["interpret"], logprobs["reference"], atol=1e-4)
 
 
 @pytest.mark.parametrize(

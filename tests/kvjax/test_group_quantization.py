@@ -55,6 +55,22 @@ def _assert_within_half_step(x, restored, step):
   assert np.all(error <= 0.5 * np.asarray(step) + slack), float((error - 0.5 * step).max())
 
 
+def _assert_stats_span_each_group(groups, quantized, bits):
+  """The stored minimum and step against each group's own range, from numpy: the minimum at or
+  at most one unit of the stats dtype below the group's, and the step the range over
+  2^bits - 1 levels, at or at most one unit above (the stats round outward, module docstring).
+  `groups`: float32 [..., group elements] in the layout of the stats' [...]."""
+  unit = 2.0**-7 if quantized.scale.dtype == jnp.bfloat16 else 2.0**-23
+  group_min, group_max = groups.min(axis=-1), groups.max(axis=-1)
+  minimum = np.asarray(quantized.minimum, np.float32)
+  step = np.asarray(quantized.scale, np.float32)
+  assert np.all(minimum <= group_min)
+  assert np.all(minimum >= group_min - unit * np.abs(group_min))
+  exact_step = (group_max - minimum) / (2**bits - 1)
+  assert np.all(step >= exact_step * (1 - 2.0**-23))
+  assert np.all(step <= exact_step * (1 + 2 * unit))
+
+
 @PROPERTY
 @given(
   bits=st.sampled_from([2, 4, 8]),
@@ -77,6 +93,8 @@ def test_key_dequantization_error_is_at_most_half_a_step_per_channel_group(
   restored = _dequantize_keys(*quantized, bits=bits, group_size=group_size)
   step = np.repeat(np.asarray(quantized.scale, np.float32), group_size, axis=-2)
   _assert_within_half_step(keys.astype(jnp.float32), restored, step)
+  by_group = np.asarray(keys, np.float32).reshape(2, 1, groups, group_size, head_dim)
+  _assert_stats_span_each_group(np.moveaxis(by_group, 3, -1), quantized, bits)
 
 
 @PROPERTY
@@ -97,6 +115,8 @@ def test_value_dequantization_error_is_at_most_half_a_step_per_token_group(
   restored = _dequantize_values(*quantized, bits=bits, group_size=group_size)
   step = np.repeat(np.asarray(quantized.scale, np.float32), group_size, axis=-1)
   _assert_within_half_step(values.astype(jnp.float32), restored, step)
+  by_group = np.asarray(values, np.float32).reshape(1, 2, tokens, head_dim // group_size, -1)
+  _assert_stats_span_each_group(by_group, quantized, bits)
 
 
 def test_steps_are_the_group_range_over_the_levels():

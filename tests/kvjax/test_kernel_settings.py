@@ -89,6 +89,22 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
       "quantized: stack_copies=True is a setting of variant='folded' only",
     ),
     (dict(full=[("block_tokens", 64)]), "full must be a dict"),
+    # Numbers against pallas_kernels.launch_settings, at build: not later, deep in pallas_call.
+    (
+      dict(full={"block_tokens": -1}),
+      r"full: block_tokens=-1 is not supported; allowed: None or a power of two >= 16",
+    ),
+    (dict(full={"block_tokens": 48}), "full: block_tokens=48 is not supported"),
+    (
+      dict(quantized={"num_splits": 0}),
+      "quantized: num_splits=0 is not supported; allowed: None or an int >= 1",
+    ),
+    (
+      dict(quantized={"num_warps": 3}),
+      r"quantized: num_warps=3 is not supported; allowed: None or one of \(1, 2, 4, 8, 16\)",
+    ),
+    (dict(full={"num_stages": 0}), "full: num_stages=0 is not supported"),
+    (dict(quantized={"unroll": -1}), "quantized: unroll=-1 is not supported"),
   ],
 )
 def test_bad_settings_name_what_is_wrong(kwargs, message):
@@ -166,3 +182,12 @@ def test_cli_kernel_settings_errors(text, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
     main(["generate", "--prompt", "x", "--kernel-settings", text])
   assert message in capsys.readouterr().err + str(exit_info.value)
+
+
+@pytest.mark.parametrize("spec", ["kivi", "gear"])
+def test_quantized_blocks_must_hold_whole_key_groups(spec):
+  settings = KernelSettings(quantized={"block_tokens": 16})  # a valid number on its own
+  message = "(kivi|gear): kernel settings quantized: block_tokens=16 must be a multiple of "
+  with pytest.raises(ValueError, match=message + "group_size=(32|64)"):
+    parse_method_spec(spec, kernel_settings=settings)
+  parse_method_spec(f"{spec}:group_size=16", kernel_settings=settings)

@@ -3,8 +3,8 @@
 Each registered method must: run under `generate` (jit + while_loop) for a batch of prompts of
 different lengths, with the prompt in one piece and in chunks (or refuse chunks clearly); report
 bytes that are exactly its arrays' bytes and (when it compresses) fewer than the full cache's;
-score a continuation through its cache with a finite, non-negative KL to the full cache; and
-near-lossless configurations must stay near the full cache.
+score a continuation through its cache with a KL to the full cache under the configuration's
+bound (lossless ones near 0, lossy ones above 0).
 """
 
 import jax
@@ -26,23 +26,29 @@ from tests.kvjax.tiny_decoder import tiny_decoder
 
 QUANT = "group_size=16,residual=16"
 GEAR = "group_size=16,block=16,rank=2"
-# spec -> KL bound against the full cache (None: only finite and >= 0).
+# spec -> upper bound on the KL to the full cache. Lossy bounds are about twice what was
+# measured (2026-11-25); on this random model a cache of 2 tokens (streaming:budget=2,sinks=1)
+# is at 0.81, one of 4 at 0.67. Every configuration above 1e-6 must also differ from the full
+# cache (KL > 1e-6): a method that silently kept everything would fail.
 MATRIX = {
   "full": {"full": 1e-6},
-  "kivi": {f"kivi:bits=8,{QUANT}": 1e-3, f"kivi:bits=2,{QUANT}": None},
-  "gear": {f"gear:bits=4,{GEAR},outliers=0.02": 5e-3, f"gear:bits=2,{GEAR},outliers=0": None},
-  "snapkv": {"snapkv:budget=16,window=4,kernel=3": None, "snapkv:budget=64,window=4": 1e-6},
-  "h2o": {"h2o:budget=16,window=4": None},
-  # budget=64 covers the 29-token context and its 11 forced tokens: nothing is evicted.
-  "h2o_decode": {"h2o_decode:budget=16,window=4": None, "h2o_decode:budget=64": 1e-6},
+  "kivi": {f"kivi:bits=8,{QUANT}": 1e-3, f"kivi:bits=2,{QUANT}": 0.25},  # 1.2e-5, 0.123
+  # 1.1e-3, 0.066: GEAR-2's low-rank term brings it under KIVI-2
+  "gear": {f"gear:bits=4,{GEAR},outliers=0.02": 5e-3, f"gear:bits=2,{GEAR},outliers=0": 0.12},
+  # 0.255; budget 64 keeps all 29 context tokens
+  "snapkv": {"snapkv:budget=16,window=4,kernel=3": 0.5, "snapkv:budget=64,window=4": 1e-6},
+  "h2o": {"h2o:budget=16,window=4": 0.45},  # 0.230
+  # 0.303; budget=64 covers the 29-token context and its 11 forced tokens: nothing is evicted.
+  "h2o_decode": {"h2o_decode:budget=16,window=4": 0.55, "h2o_decode:budget=64": 1e-6},
   "pyramidkv": {
-    "pyramidkv:budget=16,window=4,kernel=3": None,
-    f"pyramidkv:budget=16,window=4+kivi:bits=4,{QUANT}": None,
+    "pyramidkv:budget=16,window=4,kernel=3": 0.3,  # 0.149
+    f"pyramidkv:budget=16,window=4+kivi:bits=4,{QUANT}": 0.35,  # 0.167
   },
-  "streaming": {"streaming:budget=16,sinks=2": None},
+  "streaming": {"streaming:budget=16,sinks=2": 0.5},  # 0.260
   "razor": {
-    "razor:budget=12,sinks=2,profile={profile}": None,
-    "razor:budget=12,sinks=2,compensation=weighted,profile={profile}": None,
+    "razor:budget=12,sinks=2,profile={profile}": 0.37,  # 0.184
+    # 0.092: the compensation token halves the KL of the same budget
+    "razor:budget=12,sinks=2,compensation=weighted,profile={profile}": 0.18,
   },
 }
 PROMPTS = [
@@ -120,8 +126,9 @@ def test_method(name, spec, kl_bound, profile_path, full_scores):
   )
   kl = scores.kl_from(reference)
   assert np.isfinite(kl) and kl >= -1e-6
-  if kl_bound is not None:
-    assert kl <= kl_bound, f"{spec}: KL {kl} to the full cache exceeds {kl_bound}"
+  assert kl <= kl_bound, f"{spec}: KL {kl} to the full cache exceeds {kl_bound}"
+  if kl_bound > 1e-6:
+    assert kl > 1e-6, f"{spec}: a lossy configuration scores like the full cache (KL {kl})"
   assert np.all(np.isfinite(scores.logprobs))
 
 
@@ -159,7 +166,7 @@ def test_method_in_chunks(name, spec, kl_bound, profile_path):
   chunked = run(8)
   assert chunked.tokens.shape == (2, 5) and np.all((chunked.tokens >= 0) & (chunked.tokens < 64))
   assert chunked.cache_bytes == one_piece.cache_bytes
-  if kl_bound is not None and kl_bound <= 1e-6:
+  if kl_bound <= 1e-6:
     assert chunked.token_lists() == one_piece.token_lists()
 
 

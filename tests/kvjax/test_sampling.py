@@ -56,6 +56,13 @@ def test_sampling_follows_the_distribution_and_the_key():
     (dict(temperature=1.0, top_k=0), "top_k"),
     (dict(temperature=1.0, top_p=1.5), "top_p"),
     (dict(top_k=5), "need temperature"),
+    (dict(temperature=float("inf")), r"temperature=inf must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature=nan"),
+    (dict(temperature="0.5"), "temperature='0.5'"),
+    (dict(temperature=True), "temperature=True"),
+    (dict(temperature=1.0, top_k=2.5), r"top_k=2.5 must be an int >= 1"),
+    (dict(temperature=1.0, top_k=True), "top_k=True"),
+    (dict(temperature=1.0, top_p="0.9"), "top_p='0.9' must be in"),
   ],
 )
 def test_bad_sampling_config_errors(kwargs, message):

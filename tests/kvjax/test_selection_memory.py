@@ -8,6 +8,7 @@ from kvjax.cache_protocol import ModelCacheShape, allocate_model_cache, model_ca
 from kvjax.dense_cache import FullCache
 from kvjax.eval.cache_size import cache_bytes_after_context
 from kvjax.h2o import H2O
+from kvjax.kivi_cache import Kivi
 from kvjax.pyramidkv import PyramidKV
 from kvjax.razor_attention import RazorAttention
 from kvjax.retrieval_heads import echo_induction_scores
@@ -85,8 +86,7 @@ def test_razor_head_groups_store_what_they_keep(compensation):
 
 
 def test_codec_storage_holds_the_kept_tokens_only():
-  kivi_cache = pytest.importorskip("kvjax.kivi_cache")
-  storage = kivi_cache.Kivi(bits=4, group_size=8, residual=8)
+  storage = Kivi(bits=4, group_size=8, residual=8)
   expected = storage.allocate_storage(
     batch=BATCH, kv_heads=KV_HEADS, capacity=16 + NEW, head_dim=HEAD_DIM, dtype=jnp.bfloat16
   )

@@ -5,6 +5,7 @@ import pytest
 from kvjax.cache_protocol import ModelCacheShape
 from kvjax.dense_cache import FullCache
 from kvjax.generate import generate
+from kvjax.kivi_cache import Kivi
 from kvjax.method_spec import parse_method_spec
 from kvjax.selection.window_attention_scores import observation_window_attention
 from kvjax.snapkv import SnapKV
@@ -237,9 +238,8 @@ def test_generate_batch_of_two_lengths_with_a_real_saving():
 
 
 def test_composes_with_kivi_under_generate():
-  kivi_cache = pytest.importorskip("kvjax.kivi_cache")
   decoder, params = tiny_decoder()
-  storage = kivi_cache.Kivi(bits=4, group_size=16, residual=16)
+  storage = Kivi(bits=4, group_size=16, residual=16)
   method = SnapKV(budget=20, window=4, storage=storage)
   result = run_generate(method, max_new_tokens=3)
   assert result.tokens.shape == (2, 3)

@@ -131,7 +131,6 @@ def test_bad_configurations_raise_clearly(kwargs, message):
 
 
 def test_codec_storage_is_refused_clearly():
-  pytest.importorskip("kvjax.kivi_cache")
   with pytest.raises(ValueError, match="streaming: storage 'kivi' is not supported"):
     parse_method_spec("streaming:budget=64+kivi:bits=4")
 

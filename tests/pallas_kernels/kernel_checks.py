@@ -47,7 +47,10 @@ def assert_matches_reference(out, lse, ref_out, ref_lse, *, rtol: float):
   assert error < rtol, f"relative error {error:.3g} >= {rtol:.3g}"
   finite = ~empty
   lse_error = np.max(np.abs(lse[finite] - ref_lse[finite]), initial=0.0)
-  assert lse_error < max(10 * rtol, 1e-4), f"lse error {lse_error:.3g}"
+  # 3x the relative tolerance, absolute: on 2026-11-25 the largest lse error over the kernel
+  # tests was 0.016 with bf16 operands (limit 0.06) and 1.2e-6 in float32 (limit 6e-5).
+  lse_limit = 3 * rtol
+  assert lse_error < lse_limit, f"lse error {lse_error:.3g} >= {lse_limit:.3g}"
 
 
 def assert_all_written(out_partials, lse_partials):

@@ -96,7 +96,9 @@ def test_gear_terms_are_the_gear_parts_of_the_dense_cache(
   np.testing.assert_allclose(np.asarray(terms), np.asarray(expected), rtol=1e-5, atol=1e-6)
 
 
-def test_value_terms_of_an_empty_row_are_zero():
+def test_value_terms_of_an_empty_row_are_zero_and_of_a_uniform_row_the_mean():
+  """Row 0 is empty (its scores NaN, its lse -inf): zero terms. Row 1's scores are all 0, so its
+  probabilities are uniform and its terms are the mean of GEAR's value parts over the tokens."""
   _, segment = _segment(3, 2, 20)
   lengths = jnp.asarray([0, TOKENS], jnp.int32)
   scores = jnp.full((BATCH, KV_HEADS, GROUP, TOKENS), jnp.nan, jnp.float32)
@@ -108,7 +110,9 @@ def test_value_terms_of_an_empty_row_are_zero():
     segment.lowrank, segment.outliers, scores, lse, lengths, block=BLOCK, head_dim=HEAD_DIM
   )
   np.testing.assert_array_equal(np.asarray(terms[0]), 0.0)
-  assert np.all(np.isfinite(np.asarray(terms[1])))
+  uniform = np.asarray(_gear_parts(segment, BLOCK)[1][1]).mean(axis=1)  # [KV_HEADS, D]
+  expected = np.broadcast_to(uniform[:, None, :], (KV_HEADS, GROUP, HEAD_DIM))
+  np.testing.assert_allclose(np.asarray(terms[1]), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_gear_terms_names_its_allowed_values():
