@@ -37,7 +37,7 @@ from kvjax.kivi_cache import (
   KiviCodec,
   KiviLayerCache,
   QuantizedKV,
-  check_kernel_blocks,
+  check_kernel_settings,
   check_no_sliding_window,
   check_window,
 )
@@ -193,7 +193,7 @@ class Gear:
     if not isinstance(self.iterations, int) or self.iterations < 1:
       raise ValueError(f"iterations={self.iterations!r} must be a positive int")
     attention_dispatch.check_implementation(self.implementation)
-    check_kernel_blocks(self.kernel_settings, self.group_size)
+    check_kernel_settings(self.kernel_settings)
 
   def codec_for_head_dim(self, head_dim: int) -> GearCodec:
     return GearCodec(

@@ -258,12 +258,12 @@ def decode(
   longest row's fed tokens plus the `max_new_tokens - 1` tokens fed back.
   `decode.lower` lowers the loop ahead of time, without the checks."""
   batch, vocab_size = logits.shape
-  check_decode_arguments(max_new_tokens, sampling, key)
+  key = check_decode_arguments(max_new_tokens, sampling, key)
   if np.shape(lengths) != (batch,):
     raise ValueError(
       f"lengths must be [batch={batch}] (one per row of logits); got {np.shape(lengths)}"
     )
-  check_emitted_token_ids(stop_token_ids, pad_token_id, vocab_size=vocab_size)
+  stop_token_ids = check_emitted_token_ids(stop_token_ids, pad_token_id, vocab_size=vocab_size)
   longest_feed = check_feed(feed_tokens, feed_lengths, batch=batch, vocab_size=vocab_size)
   check_room(caches, longest_feed + max_new_tokens - 1, caller="decode")
   return _decode_in_jit(
@@ -316,16 +316,21 @@ def check_feed(feed_tokens, feed_lengths, *, batch: int, vocab_size: int) -> int
   return int(fed.max(initial=0))
 
 
-def check_emitted_token_ids(stop_token_ids, pad_token_id, *, vocab_size: int | None) -> None:
+def check_emitted_token_ids(
+  stop_token_ids, pad_token_id, *, vocab_size: int | None
+) -> tuple[int, ...]:
   """Stop ids and the pad id are token ids of the vocabulary: a stop id outside it would never
-  stop a row, and a pad id outside it would be fed back to the embedding."""
-  ids = list(stop_token_ids)
-  if any(isinstance(i, bool) or not isinstance(i, (int, np.integer)) for i in ids):
-    raise ValueError(f"stop_token_ids={ids!r} must be int token ids")
-  check_token_ids(np.array(ids, np.int64), vocab_size=vocab_size, name="stop_token_ids")
+  stop a row, and a pad id outside it would be fed back to the embedding. Returns the stop ids
+  as a tuple of ints (a list, a tuple, an integer array or a single id)."""
+  ids = np.asarray(stop_token_ids)
+  if ids.ndim > 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+    raise ValueError(f"stop_token_ids={stop_token_ids!r} must be int token ids")
+  ids = ids.reshape(-1).astype(np.int64)
+  check_token_ids(ids, vocab_size=vocab_size, name="stop_token_ids")
   if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, (int, np.integer)):
     raise ValueError(f"pad_token_id={pad_token_id!r} must be an int token id")
   check_token_ids(np.array([pad_token_id]), vocab_size=vocab_size, name="pad_token_id")
+  return tuple(int(i) for i in ids)
 
 
 def check_decode_arguments(
@@ -420,7 +425,9 @@ def generate(
   Compilation happens ahead of time, so `compile_s` and the run times are measured apart.
   """
   key = check_decode_arguments(max_new_tokens, sampling, key)
-  check_emitted_token_ids(stop_token_ids, pad_token_id, vocab_size=decoder_vocab_size(decoder))
+  stop_token_ids = check_emitted_token_ids(
+    stop_token_ids, pad_token_id, vocab_size=decoder_vocab_size(decoder)
+  )
   tokens, lengths = _as_compact_batch(prompts, attention_mask, pad_token_id)
   check_padded_token_ids(
     tokens, pad_token_id=pad_token_id, vocab_size=decoder_vocab_size(decoder), name="prompts"
@@ -445,7 +452,7 @@ def generate(
   decode_static = dict(
     max_new_tokens=max_new_tokens,
     sampling=sampling,
-    stop_token_ids=tuple(int(t) for t in stop_token_ids),
+    stop_token_ids=stop_token_ids,
     pad_token_id=pad_token_id,
   )
   compile_start = time.perf_counter()

@@ -483,19 +483,13 @@ def check_window(name: str, window: int, group_size: int) -> None:
     )
 
 
-def check_kernel_blocks(kernel_settings: KernelSettings, group_size: int) -> None:
-  """The quantized kernels walk whole key groups per block: a `block_tokens` setting that is
-  not a multiple of `group_size` is refused here, when the method is built."""
+def check_kernel_settings(kernel_settings) -> None:
+  """ValueError unless `kernel_settings` is a KernelSettings (a dict would reach the caches'
+  static metadata unchecked and unhashable)."""
   if not isinstance(kernel_settings, KernelSettings):
     raise ValueError(
       f"kernel_settings must be a kvjax.kernel_settings.KernelSettings, got "
       f"{type(kernel_settings).__name__}"
-    )
-  block = dict(kernel_settings.quantized).get("block_tokens")
-  if block is not None and block % group_size:
-    raise ValueError(
-      f"kernel settings quantized: block_tokens={block} must be a multiple of "
-      f"group_size={group_size} (a kernel step takes whole key groups)"
     )
 
 
@@ -527,7 +521,7 @@ class Kivi:
     check_quantization_config(bits=self.bits, group_size=self.group_size)
     check_window("residual", self.residual, self.group_size)
     attention_dispatch.check_implementation(self.implementation)
-    check_kernel_blocks(self.kernel_settings, self.group_size)
+    check_kernel_settings(self.kernel_settings)
 
   @property
   def codec(self) -> KiviCodec:

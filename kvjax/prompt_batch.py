@@ -94,6 +94,8 @@ def check_row_lengths(tokens, lengths, *, vocab_size: int | None, name: str) -> 
     raise ValueError(
       f"{name} must be [batch, width] and lengths [batch]; got {shape} and {lengths_shape}"
     )
+  if shape[0] < 1 or shape[1] < 1:
+    raise ValueError(f"{name} must hold at least one row and one token; got shape {shape}")
   for label, array in ((name, tokens), ("lengths", lengths)):
     dtype = jax.numpy.result_type(array)
     if not np.issubdtype(dtype, np.integer):

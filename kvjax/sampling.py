@@ -24,7 +24,7 @@ class SamplingConfig:
     if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:
       raise ValueError(f"temperature={self.temperature!r} must be a finite number >= 0 (0: greedy)")
     if self.top_k is not None and (
-      isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
+      isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 1
     ):
       raise ValueError(f"top_k={self.top_k!r} must be an int >= 1 (or None for no top-k filter)")
     if self.top_p is not None and (not _is_real(self.top_p) or not 0 < self.top_p <= 1):

@@ -3,10 +3,11 @@
 Checked where a config is built or dispatched, so that a bad value is named before anything is
 traced (a negative block would otherwise surface as a shape error deep inside pallas_call, and
 a split count of 0 would be planned as 1). A kernel may allow fewer values still (the Mosaic GPU
-kernels take block_tokens 64 or 128; the quantized kernels take whole key groups per block):
-those checks stay with the kernel.
+kernels take block_tokens 64 or 128; the Triton quantized kernel takes whole key groups per
+block, while the TPU one rounds a block up to them): those checks stay with the kernel.
 """
 
+import numbers
 from typing import Any
 
 MIN_BLOCK_TOKENS = 16  # the smallest K or N side of a tensor-core dot; a multiple of TPU sublanes
@@ -22,7 +23,7 @@ ALLOWED = {
 
 
 def _is_int(value: Any) -> bool:
-  return isinstance(value, int) and not isinstance(value, bool)
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _allowed(key: str, value: Any) -> bool:

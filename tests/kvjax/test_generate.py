@@ -138,6 +138,18 @@ def test_token_ids_outside_the_vocabulary_are_refused(bad_id, allowed):
     generate(decoder, params, [[1, 2, 3], [4, bad_id]], max_new_tokens=2)
 
 
+def test_stop_ids_may_be_a_list_an_integer_array_or_one_id():
+  decoder, params = tiny_decoder()
+  runs = [
+    generate(decoder, params, [[1, 2, 3]], max_new_tokens=4, stop_token_ids=stop).token_lists()
+    for stop in ([5, 9], np.array([5, 9]), jnp.array([5, 9], jnp.int32), (np.int64(5), 9))
+  ]
+  assert all(run == runs[0] for run in runs)
+  first = generate(decoder, params, [[1, 2, 3]], max_new_tokens=4).tokens[0, 0]
+  stopped = generate(decoder, params, [[1, 2, 3]], max_new_tokens=4, stop_token_ids=int(first))
+  assert stopped.num_generated.tolist() == [1]
+
+
 def test_a_prompt_array_of_floats_is_refused_not_truncated():
   decoder, params = tiny_decoder()
   with pytest.raises(
@@ -169,6 +181,12 @@ PREFILL_STATIC = dict(cache_method=FullCache(), max_new_tokens=2, cache_dtype=jn
     (np.full((1, 8), 64, np.int32), np.array([8]), {}, r"tokens holds token id 64"),
     (np.ones((1, 8), np.int32), np.array([8]), dict(cache_dtype=jnp.int32), "cache_dtype="),
     (np.ones((1, 8), np.int32), np.array([8]), dict(max_new_tokens=-1), "max_new_tokens=-1"),
+    (
+      np.ones((0, 8), np.int32),
+      np.ones((0,), np.int32),
+      {},
+      r"tokens must hold at least one row and one token; got shape \(0, 8\)",
+    ),
   ],
 )
 def test_prefill_checks_its_rows_and_arguments_before_tracing(tokens, lengths, static, message):
@@ -189,6 +207,14 @@ def test_prefill_inside_jit_checks_shapes_and_leaves_values_to_the_trace():
   )
   with pytest.raises(ValueError, match="tokens must be"):
     inside(tokens, lengths[:1])
+
+
+def test_greedy_decode_needs_no_key():
+  decoder, params = tiny_decoder()
+  logits, caches, lengths = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)
+  keyless = decode(decoder, params, logits, caches, lengths, None, **GREEDY_FIVE_TOKENS)
+  keyed = decode(decoder, params, logits, caches, lengths, jax.random.key(3), **GREEDY_FIVE_TOKENS)
+  np.testing.assert_array_equal(keyless[0], keyed[0])
 
 
 @pytest.mark.parametrize(

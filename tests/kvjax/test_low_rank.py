@@ -41,11 +41,11 @@ def test_power_iteration_reduces_the_residual_close_to_a_truncated_svd(shape, ra
   assert error <= 1.25 * svd_error + 1e-5
   # The energy the factors capture against the truncated SVD's: the bound above is loose where
   # the spectrum is flat (there a zero product meets it). With a flat spectrum every rank-r
-  # subspace is optimal; with a steep one (0.6) three iterations converge; with a shallow one
-  # (0.9, neighbouring singular values 10% apart) they do not quite: >= 0.74 of the optimum
-  # over 3000 seeds.
+  # subspace is optimal; with a steep one (0.6) three iterations nearly converge (>= 0.997 of
+  # the optimum over 4000 seeds); with a shallow one (0.9, neighbouring singular values 10%
+  # apart) they do not: >= 0.74.
   captured = np.linalg.norm(matrix) ** 2 - error**2
-  assert captured >= {1.0: 0.9999, 0.9: 0.7, 0.6: 0.999}[decay] * np.sum(singular[:rank] ** 2)
+  assert captured >= {1.0: 0.9999, 0.9: 0.7, 0.6: 0.99}[decay] * np.sum(singular[:rank] ** 2)
 
 
 def test_batched_factors_equal_per_matrix_factors_and_are_deterministic():

@@ -1,7 +1,8 @@
 """The shared matrix every cache method runs through (kvpress style), on a tiny random model.
 
 Each registered method must: run under `generate` (jit + while_loop) for a batch of prompts of
-different lengths, with the prompt in one piece and in chunks (or refuse chunks clearly); report
+different lengths, each row generating what it generates alone, with the prompt in one piece
+and in chunks (or refuse chunks clearly); report
 bytes that are exactly its arrays' bytes and (when it compresses) fewer than the full cache's;
 score a continuation through its cache with a KL to the full cache under the configuration's
 bound (lossless ones near 0, lossy ones above 0).
@@ -168,6 +169,23 @@ def test_method_in_chunks(name, spec, kl_bound, profile_path):
   assert chunked.cache_bytes == one_piece.cache_bytes
   if kl_bound <= 1e-6:
     assert chunked.token_lists() == one_piece.token_lists()
+
+
+@pytest.mark.parametrize(
+  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+)
+def test_rows_of_a_batch_generate_what_they_generate_alone(name, spec, kl_bound, profile_path):
+  """Rows of different lengths share a batch, padded to the longest: no method may let one row's
+  tokens (or its padding) change what another row keeps, evicts or generates."""
+  decoder, params = tiny_decoder()
+  method = parse_method_spec(spec.format(profile=profile_path))
+  run = lambda prompts: (
+    generate(
+      decoder, params, prompts, max_new_tokens=5, cache_method=method, cache_dtype=jnp.float32
+    ).tokens
+  )
+  alone = np.concatenate([run([prompt]) for prompt in PROMPTS])
+  np.testing.assert_array_equal(run(PROMPTS), alone)
 
 
 @pytest.mark.parametrize(

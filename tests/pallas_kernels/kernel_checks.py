@@ -48,7 +48,8 @@ def assert_matches_reference(out, lse, ref_out, ref_lse, *, rtol: float):
   finite = ~empty
   lse_error = np.max(np.abs(lse[finite] - ref_lse[finite]), initial=0.0)
   # 3x the relative tolerance, absolute: on 2026-11-25 the largest lse error over the kernel
-  # tests was 0.016 with bf16 operands (limit 0.06) and 1.2e-6 in float32 (limit 6e-5).
+  # tests (default and slow) was 0.016 with bf16 operands (limit 0.06) and 1.9e-6 in float32
+  # (limit 6e-5).
   lse_limit = 3 * rtol
   assert lse_error < lse_limit, f"lse error {lse_error:.3g} >= {lse_limit:.3g}"
 
