@@ -9,6 +9,7 @@ take raises when the cache first attends.
 """
 
 import dataclasses
+import numbers
 from typing import Any
 
 from kvjax.attention_dispatch import TPU_CONFIG_KEYS
@@ -46,11 +47,14 @@ def _frozen(name: str, config, allowed: tuple[str, ...]) -> Setting:
     raise ValueError(
       f"kernel settings {name}: unknown keys {unknown}; allowed: {', '.join(allowed)}"
     )
+  config = dict(config)
   for key, value in config.items():
     if key in BOOLEAN_KEYS:
       if not isinstance(value, bool):
         raise ValueError(f"kernel settings {name}: {key}={value!r} must be True or False")
-    elif not (value is None or isinstance(value, (int, str))) or isinstance(value, bool):
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+      config[key] = int(value)  # a numpy int too, held as the int it equals (hashable, same key)
+    elif not (value is None or isinstance(value, str)):
       raise ValueError(f"kernel settings {name}: {key}={value!r} must be an int, a string or None")
   try:
     check_launch_settings(config)

@@ -3,6 +3,7 @@ of a composition into its caches, and from the CLI."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kvjax import attention_dispatch
@@ -193,3 +194,9 @@ def test_quantized_methods_take_only_kernel_settings_objects(spec):
   # Mosaic GPU one, rounded up by the TPU one; so the method takes them.
   settings = KernelSettings(quantized={"lowering": "mosaic_gpu", "block_tokens": 64})
   parse_method_spec(spec, kernel_settings=settings)
+
+
+def test_numpy_ints_are_held_as_the_ints_they_equal():
+  settings = KernelSettings(full={"block_tokens": np.int64(64), "num_splits": np.int32(2)})
+  assert settings == KernelSettings(full={"block_tokens": 64, "num_splits": 2})
+  assert all(type(value) is int for _, value in settings.full)
