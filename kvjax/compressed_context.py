@@ -28,12 +28,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from kvjax.attention_dispatch import check_implementation
-from kvjax.cache_protocol import CacheMethod, check_cache_dtype, model_cache_nbytes
+from kvjax.cache_protocol import CacheMethod, check_cache_dtype, check_count, model_cache_nbytes
 from kvjax.cache_room import check_room
 from kvjax.chunked_prefill import chunked_prefill_refusal, prefill_in_chunks
 from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
 from kvjax.dense_cache import FullCache
-from kvjax.generate import _decode_in_jit, check_decode_arguments, check_prefill_arguments, prefill
+from kvjax.generate import (
+  _decode_in_jit,
+  _prefill_in_jit,
+  check_decode_arguments,
+  check_prefill_arguments,
+)
 from kvjax.layer_runs import StackedLayerCaches, layer_cache_kinds
 from kvjax.prompt_batch import check_padded_token_ids, pack_prompts, pack_token_lists
 from kvjax.row_sharding import (
@@ -73,7 +78,7 @@ def _check_room_argument(room: int) -> None:
 def _prefill_context(
   decoder, params, tokens, lengths, *, cache_method, room, cache_dtype, prefill_chunk=None
 ) -> CompressedContext:
-  logits, caches = prefill(
+  logits, caches = _prefill_in_jit(  # its callers checked the arguments (or only trace shapes)
     decoder,
     params,
     tokens,
@@ -173,9 +178,8 @@ def context_template(
   carry the shardings `compress_context` gives with it, so a context is restored spread over
   the devices."""
   _check_room_argument(room)
-  for name, value in (("batch", batch), ("prompt_len", prompt_len)):
-    if not isinstance(value, (int, np.integer)) or value < 1:
-      raise ValueError(f"{name}={value!r} must be an int >= 1")
+  check_count("batch", batch, 1)
+  check_count("prompt_len", prompt_len, 1)
   shapes = functools.partial(
     _context_shapes,
     decoder,

@@ -32,12 +32,11 @@ import jax.numpy as jnp
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape
-from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings, check_kernel_settings
 from kvjax.kivi_cache import (
   KiviCodec,
   KiviLayerCache,
   QuantizedKV,
-  check_kernel_settings,
   check_no_sliding_window,
   check_window,
 )

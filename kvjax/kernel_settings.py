@@ -102,3 +102,13 @@ class KernelSettings:
 
 
 DEFAULT_KERNEL_SETTINGS = KernelSettings()
+
+
+def check_kernel_settings(kernel_settings) -> None:
+  """ValueError unless `kernel_settings` is a KernelSettings (a dict would reach the caches'
+  static metadata unchecked and unhashable)."""
+  if not isinstance(kernel_settings, KernelSettings):
+    raise ValueError(
+      f"kernel_settings must be a kvjax.kernel_settings.KernelSettings, got "
+      f"{type(kernel_settings).__name__}"
+    )

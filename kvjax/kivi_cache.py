@@ -48,7 +48,7 @@ from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
 from kvjax.chunk_attention import attend_folded_chunk
 from kvjax.compact_rows import write_token_at_lengths
-from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings, check_kernel_settings
 from kvjax.method_registry import register_method
 from kvjax.quantization.group_quantization import (
   check_quantization_config,
@@ -480,16 +480,6 @@ def check_window(name: str, window: int, group_size: int) -> None:
     raise ValueError(
       f"{name}={window} must be a multiple of group_size={group_size} (keys are quantized "
       f"over groups of group_size tokens within each flushed block)"
-    )
-
-
-def check_kernel_settings(kernel_settings) -> None:
-  """ValueError unless `kernel_settings` is a KernelSettings (a dict would reach the caches'
-  static metadata unchecked and unhashable)."""
-  if not isinstance(kernel_settings, KernelSettings):
-    raise ValueError(
-      f"kernel_settings must be a kvjax.kernel_settings.KernelSettings, got "
-      f"{type(kernel_settings).__name__}"
     )
 
 

@@ -9,7 +9,7 @@ import typing
 
 from kvjax import methods as _register_all_methods  # noqa: F401  (fills the registry)
 from kvjax.attention_dispatch import check_implementation
-from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings, check_kernel_settings
 from kvjax.method_registry import METHODS
 
 # Method fields a spec's `key=value` items never set: the composed storage, and how the method
@@ -72,11 +72,7 @@ def parse_method_spec(
   `kernel_settings` (which Pallas kernel settings its caches pass to the attention dispatch)
   go to every part of a composition that attends."""
   check_implementation(implementation)
-  if not isinstance(kernel_settings, KernelSettings):
-    raise ValueError(
-      f"kernel_settings must be a kvjax.kernel_settings.KernelSettings, got "
-      f"{type(kernel_settings).__name__}"
-    )
+  check_kernel_settings(kernel_settings)
   if not isinstance(spec, str):
     raise ValueError(
       f"spec={spec!r} must be a string such as 'kivi:bits=4' or 'snapkv:budget=256+kivi'"

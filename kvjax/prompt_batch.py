@@ -96,15 +96,23 @@ def check_row_lengths(tokens, lengths, *, vocab_size: int | None, name: str) -> 
     )
   if shape[0] < 1 or shape[1] < 1:
     raise ValueError(f"{name} must hold at least one row and one token; got shape {shape}")
-  for label, array in ((name, tokens), ("lengths", lengths)):
-    dtype = jax.numpy.result_type(array)
-    if not np.issubdtype(dtype, np.integer):
-      raise ValueError(f"{label} must hold integers; got dtype {dtype}")
+  dtype = jax.numpy.result_type(lengths)
+  if not np.issubdtype(dtype, np.integer):
+    raise ValueError(f"lengths must hold integers; got dtype {dtype}")
   if not isinstance(lengths, jax.core.Tracer):
     values = np.asarray(lengths)
     if values.min() < 1 or values.max() > shape[1]:
       raise ValueError(
         f"lengths={values.tolist()} must each lie in [1, {shape[1]}] (the width of {name})"
       )
+  check_token_array(tokens, vocab_size=vocab_size, name=name)
+
+
+def check_token_array(tokens, *, vocab_size: int | None, name: str) -> None:
+  """An array of token ids: of an integer dtype (a float one would be truncated), and
+  `check_token_ids` where its values are concrete (not inside a trace)."""
+  dtype = jax.numpy.result_type(tokens)
+  if not np.issubdtype(dtype, np.integer):
+    raise ValueError(f"{name} must hold integer token ids; got dtype {dtype}")
   if not isinstance(tokens, jax.core.Tracer):
     check_token_ids(np.asarray(tokens), vocab_size=vocab_size, name=name)

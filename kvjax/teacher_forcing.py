@@ -14,7 +14,7 @@ import numpy as np
 
 from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder
-from kvjax.prompt_batch import check_token_ids
+from kvjax.prompt_batch import check_token_array
 
 
 def teacher_force(
@@ -37,10 +37,7 @@ def teacher_force(
       f"forced must be [batch={batch}, steps] and lengths [batch={batch}] (rows of "
       f"first_logits); got {shape} and {np.shape(lengths)}"
     )
-  if not np.issubdtype(jnp.result_type(forced), np.integer):
-    raise ValueError(f"forced must hold integer token ids; got dtype {jnp.result_type(forced)}")
-  if not isinstance(forced, jax.core.Tracer):
-    check_token_ids(np.asarray(forced), vocab_size=vocab_size, name="forced")
+  check_token_array(forced, vocab_size=vocab_size, name="forced")
   check_room(caches, shape[1], caller="teacher_force")
   return _teacher_force_in_jit(decoder, params, first_logits, caches, lengths, forced)
 

@@ -33,6 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _compat
 from pallas_kernels.base_two_softmax import natural_log_sum_exp
+from pallas_kernels.launch_settings import check_launch_settings
 from pallas_kernels.splits import (
   SplitPlan,
   merge_split_partials,
@@ -88,10 +89,7 @@ def check_settings(*, block_tokens, num_stages, num_splits, block_choices=BLOCK_
     raise ValueError(f"block_tokens={block_tokens!r} is not supported; allowed: {block_choices}")
   if num_stages is not None and num_stages not in NUM_STAGES:
     raise ValueError(f"num_stages={num_stages!r} is not supported; allowed: {NUM_STAGES}")
-  if num_splits is not None and (
-    isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1
-  ):
-    raise ValueError(f"num_splits={num_splits!r} is not supported; allowed: None or an int >= 1")
+  check_launch_settings({"num_splits": num_splits})
 
 
 def check_config(rows, head_dim, itemsize, *, block_tokens, num_stages, num_splits):

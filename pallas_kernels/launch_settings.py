@@ -22,6 +22,10 @@ ALLOWED = {
 }
 
 
+def is_power_of_two(n: int) -> bool:
+  return n >= 1 and (n & (n - 1)) == 0
+
+
 def _is_int(value: Any) -> bool:
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -30,7 +34,7 @@ def _allowed(key: str, value: Any) -> bool:
   if not _is_int(value):
     return False
   if key == "block_tokens":
-    return value >= MIN_BLOCK_TOKENS and value & (value - 1) == 0
+    return value >= MIN_BLOCK_TOKENS and is_power_of_two(value)
   if key == "num_warps":
     return value in NUM_WARPS
   return value >= 1

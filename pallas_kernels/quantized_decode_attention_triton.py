@@ -91,11 +91,11 @@ from pallas_kernels.joined_fields import (
   joined_value_order,
 )
 from pallas_kernels.key_bias import key_bias
+from pallas_kernels.launch_settings import is_power_of_two
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
 from pallas_kernels.splits import (
   SplitPlan,
   gpu_target_programs,
-  is_power_of_two,
   merge_split_partials,
   next_power_of_two,
   pad_query_group,

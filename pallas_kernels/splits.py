@@ -8,6 +8,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _compat
 from pallas_kernels.base_two_softmax import base_two_queries
+from pallas_kernels.launch_settings import check_launch_settings
 
 # Default flash-decoding split of the GPU kernels: enough programs for ~16 per SM, so rows of
 # unequal length and the last wave balance out (H100 run 1: 32 splits beat 9 by 10-15% at batch
@@ -38,10 +39,6 @@ def next_power_of_two(n: int) -> int:
   return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
-def is_power_of_two(n: int) -> bool:
-  return n >= 1 and (n & (n - 1)) == 0
-
-
 def plan_splits(
   tokens: int,
   block_tokens: int,
@@ -54,8 +51,8 @@ def plan_splits(
   total_blocks = cdiv(tokens, block_tokens)
   if num_splits is None:
     num_splits = cdiv(target_programs, rows_times_heads)
-  elif num_splits < 1:
-    raise ValueError(f"num_splits={num_splits!r} is not supported; allowed: None or an int >= 1")
+  else:
+    check_launch_settings({"num_splits": num_splits})
   # More splits than blocks would leave splits empty: one block each is the most there are.
   num_splits = max(1, min(int(num_splits), total_blocks))
   blocks_per_split = cdiv(total_blocks, num_splits)

@@ -176,7 +176,7 @@ PREFILL_STATIC = dict(cache_method=FullCache(), max_new_tokens=2, cache_dtype=jn
       np.ones((1, 8), np.float32),
       np.array([8]),
       {},
-      "tokens must hold integers; got dtype float32",
+      "tokens must hold integer token ids; got dtype float32",
     ),
     (np.full((1, 8), 64, np.int32), np.array([8]), {}, r"tokens holds token id 64"),
     (np.ones((1, 8), np.int32), np.array([8]), dict(cache_dtype=jnp.int32), "cache_dtype="),
