@@ -1,9 +1,11 @@
 """Using kvjax caches and `generate` with your own JAX model (no `models` import needed).
 
-A model only has to implement `prefill` and `decode_step` over a tuple of kvjax layer caches
+A model only has to be hashable (a frozen dataclass here), say its `cache_shape`, and
+implement `prefill` and `decode_step` over a tuple of kvjax layer caches
 (kvjax.CachedDecoder); `prefill_chunk` as well lets it prefill long prompts a chunk at a time
 (`prefill_chunk=` of generate / compress_context). Here: a one-layer toy attention model
-written directly in jnp.
+written directly in jnp, its weights a plain dict passed as `params` (a Flax NNX model would
+pass its `nnx.State` and keep its `nnx.GraphDef` on the decoder: models/nnx_decoder.py).
 
     python examples/own_model_protocol.py
 """
@@ -65,16 +67,20 @@ class ToyDecoder:
     return self._logits(params, attended), (cache,)
 
 
-def main():
-  keys = jax.random.split(jax.random.key(0), 5)
+def toy_params(seed: int = 0) -> dict:
+  keys = jax.random.split(jax.random.key(seed), 5)
   group = HEADS // KV_HEADS
-  params = dict(
+  return dict(
     embed=jax.random.normal(keys[0], (VOCAB, DIM)),
     wq=jax.random.normal(keys[1], (DIM, KV_HEADS, group, DIM)) * 0.3,
     wk=jax.random.normal(keys[2], (DIM, KV_HEADS, DIM)) * 0.3,
     wv=jax.random.normal(keys[3], (DIM, KV_HEADS, DIM)) * 0.3,
     wo=jax.random.normal(keys[4], (KV_HEADS, group, DIM, VOCAB)) * 0.3,
   )
+
+
+def main():
+  params = toy_params()
   for spec, prefill_chunk in (
     ("full", None),
     ("full", 16),

@@ -16,6 +16,7 @@ from kvjax.cache_protocol import (
   append_and_attend,
   model_cache_nbytes,
 )
+from kvjax.cache_room import check_room
 from kvjax.chunked_prefill import CHUNKED_PREFILL_METHODS, prefill_in_chunks
 from kvjax.compressed_context import (
   CompressedContext,
@@ -35,6 +36,7 @@ from kvjax.method_registry import METHODS
 from kvjax.method_spec import describe_method, parse_method_spec
 from kvjax.sampling import SamplingConfig
 from kvjax.sliding_window_cache import SlidingWindowLayerCache
+from kvjax.teacher_forcing import teacher_force
 
 __all__ = [
   "CHUNKED_PREFILL_METHODS",
@@ -53,6 +55,7 @@ __all__ = [
   "StackedLayerCaches",
   "allocate_model_cache",
   "append_and_attend",
+  "check_room",
   "compress_context",
   "context_template",
   "continue_context",
@@ -69,4 +72,5 @@ __all__ = [
   "run_layers",
   "save_context",
   "share_context",
+  "teacher_force",
 ]

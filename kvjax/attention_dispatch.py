@@ -76,8 +76,9 @@ def _check_kernel_backend(kernel_backend: str | None) -> None:
     )
 
 
-def _choose(implementation: str, kernel_backend: str | None) -> tuple[str, bool]:
-  """(kernel family "gpu" | "tpu" | "reference", interpret?) for this call."""
+def choose_kernel_family(implementation: str, kernel_backend: str | None) -> tuple[str, bool]:
+  """(kernel family "gpu" | "tpu" | "reference", interpret?) for this call; ValueError for an
+  implementation this backend cannot run ("pallas" on CPU)."""
   check_implementation(implementation)
   _check_kernel_backend(kernel_backend)
   if implementation == "reference":
@@ -112,6 +113,14 @@ def _warn_fallback_once(kernel: str, reason: str, instead: str = "the jnp refere
     )
 
 
+def _kernel_name(family: str, kernel_config: dict | None) -> str:
+  """The kernel named in fallback warnings ("gpu (triton)", "gpu (mosaic_gpu)", "tpu"), so a
+  warning given for one lowering does not silence the same reason for the other."""
+  if family != "gpu":
+    return family
+  return f"gpu ({(kernel_config or {}).get('lowering', 'triton')})"
+
+
 def decode_attention(
   queries: jax.Array,  # [batch, kv_heads, group, head_dim]
   keys: jax.Array,  # [batch, kv_heads, tokens, head_dim]
@@ -129,8 +138,10 @@ def decode_attention(
   "lowering": "triton" (default; also num_warps) or "mosaic_gpu", see
   `pallas_kernels.decode_attention_gpu`).
   """
-  family, interpret = _choose(implementation, kernel_backend)
+  family, interpret = choose_kernel_family(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=False, family=family)
+  if keys.shape[2] == 0:
+    family = "reference"  # a segment with no slots: nothing to read, out 0 and lse -inf
   if family != "reference":
     reason = (
       decode_attention_gpu.unsupported_reason(queries, keys, kernel_config or {})
@@ -152,7 +163,9 @@ def decode_attention(
         interpret=interpret,
         **(kernel_config or {}),
       )
-    _warn_fallback_once(f"the {family} decode-attention kernel", reason)
+    _warn_fallback_once(
+      f"the {_kernel_name(family, kernel_config)} decode-attention kernel", reason
+    )
   return decode_attention_reference(queries, keys, values, lengths, sm_scale=sm_scale)
 
 
@@ -189,7 +202,7 @@ def quantized_decode_attention(
   num_splits, num_stages; KIVI segments, others run the Triton kernel with a warning; see
   `pallas_kernels.quantized_decode_attention_gpu`).
   """
-  family, interpret = _choose(implementation, kernel_backend)
+  family, interpret = choose_kernel_family(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=True, family=family)
   check_quantized_inputs(
     queries,
@@ -215,6 +228,8 @@ def quantized_decode_attention(
     block=block,
   )
   arrays = (queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths)
+  if k_codes.shape[2] == 0:
+    family = "reference"  # a segment with no slots: nothing to read, out 0 and lse -inf
   if family != "reference":
     module = quantized_decode_attention_gpu if family == "gpu" else quantized_decode_attention_tpu
     segment = dict(
@@ -238,5 +253,7 @@ def quantized_decode_attention(
         else quantized_decode_attention_tpu.quantized_decode_attention_tpu
       )
       return kernel(*arrays, interpret=interpret, **common, **(kernel_config or {}))
-    _warn_fallback_once(f"the {family} quantized decode-attention kernel", reason)
+    _warn_fallback_once(
+      f"the {_kernel_name(family, kernel_config)} quantized decode-attention kernel", reason
+    )
   return quantized_decode_attention_reference(*arrays, **common)

@@ -92,12 +92,18 @@ def check_chunked_prefill(decoder, caches, prefill_chunk, *, method_name: str = 
   if prefill_chunk is None:
     return
   refusal = chunked_prefill_refusal(decoder, caches)
-  if refusal is not None:
-    method = f"cache method {method_name!r}" if method_name else "this cache method"
+  if refusal is None:
+    return
+  if not callable(getattr(decoder, "prefill_chunk", None)):
     raise ValueError(
-      f"prefill_chunk={prefill_chunk}: {method} cannot prefill in chunks ({refusal}); "
-      f"methods that can: {', '.join(CHUNKED_PREFILL_METHODS)}; or prefill_chunk=None"
+      f"prefill_chunk={prefill_chunk}: {refusal}, so it cannot prefill in chunks; implement it "
+      "or pass prefill_chunk=None"
     )
+  method = f"cache method {method_name!r}" if method_name else "this cache method"
+  raise ValueError(
+    f"prefill_chunk={prefill_chunk}: {method} cannot prefill in chunks ({refusal}); "
+    f"methods that can: {', '.join(CHUNKED_PREFILL_METHODS)}; or prefill_chunk=None"
+  )
 
 
 def prefill_in_chunks(

@@ -62,6 +62,42 @@ def _add_attention_arguments(p):
   )
 
 
+# jax.random.key takes a seed int64 can hold.
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+def _check_run_arguments(args) -> None:
+  """Checks needing neither the model nor a trace, made before the model loads (seconds)."""
+  from kvjax.attention_dispatch import choose_kernel_family
+
+  for flag, value, low in (
+    ("--max-new-tokens", getattr(args, "max_new_tokens", None), 1),
+    ("--prefill-chunk", args.prefill_chunk, 1),
+  ):
+    if value is not None and value < low:
+      raise ValueError(f"{flag}={value} must be >= {low}")
+  seed = getattr(args, "seed", None)
+  if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+    raise ValueError(f"--seed={seed} must be in [-2**63, 2**63 - 1]")
+  try:
+    choose_kernel_family(args.implementation, None)
+  except ValueError as error:
+    raise ValueError(f"--implementation: {error}") from None
+
+
+def _writable_directory(flag: str, path: str) -> None:
+  """`path` made a directory now (parents too), before any work whose results go there."""
+  import pathlib
+
+  directory = pathlib.Path(path)
+  if directory.exists() and not directory.is_dir():
+    raise ValueError(f"{flag} {path}: exists and is not a directory")
+  try:
+    directory.mkdir(parents=True, exist_ok=True)
+  except OSError as error:
+    raise ValueError(f"{flag} {path}: cannot create the directory: {error}") from None
+
+
 def kernel_settings_from_json(text: str | None):
   """--kernel-settings: a JSON object with optional "full" and "quantized" dicts."""
   import json
@@ -73,15 +109,13 @@ def kernel_settings_from_json(text: str | None):
   try:
     settings = json.loads(text)
   except json.JSONDecodeError as e:
-    raise SystemExit(f"error: --kernel-settings is not JSON: {e}") from e
+    raise ValueError(f"--kernel-settings is not JSON: {e}") from e
   if not isinstance(settings, dict) or set(settings) - {"full", "quantized"}:
-    raise SystemExit(
-      "error: --kernel-settings must be a JSON object with keys among: full, quantized"
-    )
+    raise ValueError("--kernel-settings must be a JSON object with keys among: full, quantized")
   try:
     return KernelSettings(**settings)
   except ValueError as e:
-    raise SystemExit(f"error: --kernel-settings: {e}") from e
+    raise ValueError(f"--kernel-settings: {e}") from e
 
 
 def run_generate(args) -> int:
@@ -98,7 +132,8 @@ def run_generate(args) -> int:
     kernel_settings=kernel_settings_from_json(args.kernel_settings),
   )
   if args.temperature is None and (args.top_k is not None or args.top_p is not None):
-    raise SystemExit("error: --top-k/--top-p need --temperature (greedy decoding otherwise)")
+    raise ValueError("--top-k/--top-p need --temperature (greedy decoding otherwise)")
+  _check_run_arguments(args)
   sampling = SamplingConfig(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p)
   loaded = load_model(args.model, layer_loop=args.layer_loop)
   text = args.prompt
@@ -152,6 +187,10 @@ ASK_DEFAULT_METHOD = "kivi:bits=4"
 # What `kvjax ask --save` records beside the arrays, so that `kvjax ask --context` can rebuild the
 # template the context is restored into.
 ASK_RECORD_KEYS = ("model", "method", "document_tokens", "room", "layer_loop", "cache_dtype")
+# How `ask` cuts its prompts (recorded as "prompt_format"): 2, the document's ids end with the
+# document and each question's ids start with the blank line before it. Contexts saved before
+# (no such key) ended with the blank line; asked the new way they would see it twice.
+ASK_PROMPT_FORMAT = 2
 # `ask` compresses its context in this dtype; `--save` records it and `--context` restores it.
 ASK_CACHE_DTYPE = "bfloat16"  # a name: jax is imported lazily
 
@@ -203,27 +242,41 @@ def _add_ask(subparsers):
     help="also save the compressed context to this directory, for --context (with --rows "
     "shared it has no room of its own: --context shares it again)",
   )
+  p.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="with --save: replace a context saved in that directory before",
+  )
   p.add_argument("--json", action="store_true", help="print one JSON object")
   p.set_defaults(run=run_ask, model=None)
 
 
 def _check_ask_arguments(args) -> None:
-  if args.max_new_tokens < 1:
-    raise SystemExit(f"error: --max-new-tokens={args.max_new_tokens} must be >= 1")
+  import pathlib
+
+  _check_run_arguments(args)
   if args.feed_chunk is not None and args.feed_chunk < 0:
-    raise SystemExit(f"error: --feed-chunk={args.feed_chunk} must be >= 0 (0: token by token)")
+    raise ValueError(f"--feed-chunk={args.feed_chunk} must be >= 0 (0: token by token)")
   if args.feed_chunk is not None and args.rows == "repeated":
     # A repeated context's method would compress each fed chunk as a chunked prefill does,
     # so its rows are fed token by token, as generate decodes.
-    raise SystemExit(
-      f"error: --feed-chunk={args.feed_chunk} needs --rows shared (--rows repeated feeds "
-      "token by token)"
+    raise ValueError(
+      f"--feed-chunk={args.feed_chunk} needs --rows shared (--rows repeated feeds token by token)"
     )
+  if args.save is not None:
+    save = pathlib.Path(args.save)
+    if save.exists() and not save.is_dir():
+      raise ValueError(f"--save {args.save}: exists and is not a directory")
+    if save.exists() and not args.overwrite:
+      raise ValueError(
+        f"--save {args.save}: the directory exists; pass --overwrite to replace a context "
+        "saved there, or choose a new directory"
+      )
   if args.context is not None:
     for flag, value in (("--save", args.save), ("--prefill-chunk", args.prefill_chunk)):
       if value is not None:
-        raise SystemExit(
-          f"error: {flag} compresses or saves a document; --context {args.context} is one "
+        raise ValueError(
+          f"{flag} compresses or saves a document; --context {args.context} is one "
           "already compressed and saved"
         )
 
@@ -236,25 +289,71 @@ def _saved_ask_record(args) -> dict:
   try:
     saved = read_context_record(args.context)["metadata"]
   except (FileNotFoundError, ValueError) as error:
-    raise SystemExit(f"error: --context {args.context}: {error}") from None
+    raise ValueError(f"--context {args.context}: {error}") from None
   missing = [key for key in ASK_RECORD_KEYS if key not in saved]
   if missing:
-    raise SystemExit(
-      f"error: --context {args.context}: its metadata lacks {', '.join(missing)}: it was not "
+    raise ValueError(
+      f"--context {args.context}: its metadata lacks {', '.join(missing)}: it was not "
       "saved by `kvjax ask --save` (restore it in Python: kvjax.restore_context with a "
       "kvjax.context_template)"
     )
-  for flag, given, key in (
-    ("--model", args.model, "model"),
-    ("--method", args.method, "method"),
-    ("--layer-loop", args.layer_loop, "layer_loop"),
+  if saved.get("prompt_format") != ASK_PROMPT_FORMAT:
+    raise ValueError(
+      f"--context {args.context}: saved by an earlier `kvjax ask`, whose document ids end with "
+      "the blank line now sent with each question; compress the document again (--document)"
+    )
+  for flag, given, key, same in (
+    ("--model", args.model, "model", _same_model),
+    ("--method", args.method, "method", _same_method),
+    ("--layer-loop", args.layer_loop, "layer_loop", str.__eq__),
   ):
-    if given is not None and given != saved[key]:
-      raise SystemExit(
-        f"error: {flag}={given} differs from the saved context's {saved[key]!r} "
+    if given is not None and not same(given, saved[key]):
+      raise ValueError(
+        f"{flag}={given} differs from the saved context's {saved[key]!r} "
         f"(--context {args.context}); leave {flag} out"
       )
   return saved
+
+
+def _recorded_model(name: str) -> str:
+  """A model as `ask --save` records it: a file or directory by its absolute path (the context
+  may be asked from another directory), a short name as given."""
+  import pathlib
+
+  path = pathlib.Path(name)
+  return str(path.resolve()) if path.exists() else name
+
+
+def _recorded_method(spec: str) -> str:
+  """A method spec as `ask --save` records it: a razor `profile=` path made absolute."""
+  import pathlib
+  import re
+
+  return re.sub(
+    r"(profile=)([^,+]+)",
+    lambda match: match[1] + str(pathlib.Path(match[2]).resolve()),
+    spec,
+  )
+
+
+def _same_model(given: str, saved: str) -> bool:
+  """Both names (or paths) resolve to the same model file or directory."""
+  from models.registry import resolve_model_path
+
+  try:
+    return resolve_model_path(given).resolve() == resolve_model_path(saved).resolve()
+  except ValueError:
+    return given == saved
+
+
+def _same_method(given: str, saved: str) -> bool:
+  """Both specs describe the same method (a razor profile by its heads, not its path)."""
+  from kvjax.method_spec import parse_method_spec
+
+  try:
+    return parse_method_spec(given) == parse_method_spec(saved)
+  except ValueError:
+    return given == saved
 
 
 def run_ask(args) -> int:
@@ -298,6 +397,14 @@ def run_ask(args) -> int:
   room = max(map(len, question_ids)) + args.max_new_tokens
   shared = args.rows == "shared"
   document_tokens = len(document_ids) if saved is None else saved["document_tokens"]
+  positions = loaded.config.max_position_embeddings
+  if document_tokens + room > positions:
+    source = "--document" if saved is None else f"--context {args.context}"
+    raise ValueError(
+      f"{source} ({document_tokens} tokens) + the longest question "
+      f"({room - args.max_new_tokens} tokens) + --max-new-tokens ({args.max_new_tokens}) exceed "
+      f"the model's {positions} positions"
+    )
   if shared:
     try:
       check_shareable(
@@ -311,7 +418,7 @@ def run_ask(args) -> int:
         )
       )
     except ValueError as error:
-      raise SystemExit(f"error: --rows shared: {error}; use --rows repeated") from None
+      raise ValueError(f"--rows shared: {error}; use --rows repeated") from None
   # A shared context needs no room of its own: each question gets its own cache beside it.
   context_room = (0 if shared else room) if saved is None else saved["room"]
   start = time.perf_counter()
@@ -339,19 +446,20 @@ def run_ask(args) -> int:
     )
     try:
       context = jax.block_until_ready(restore_context(args.context, template))
-    except ValueError as error:
-      raise SystemExit(f"error: --context {args.context}: {error}") from None
+    except (ValueError, OSError) as error:
+      raise ValueError(f"--context {args.context}: {error}") from None
   context_s = time.perf_counter() - start
   if args.save:
     metadata = dict(
-      model=model_name,
-      method=method_spec,
+      model=_recorded_model(model_name),
+      method=_recorded_method(method_spec),
       document_tokens=document_tokens,
       room=context_room,
       layer_loop=layer_loop,
       cache_dtype=ASK_CACHE_DTYPE,
+      prompt_format=ASK_PROMPT_FORMAT,
     )
-    save_context(args.save, context, metadata=metadata)
+    save_context(args.save, context, metadata=metadata, overwrite=args.overwrite)
   start = time.perf_counter()
   if shared:
     rows = share_context(
@@ -377,8 +485,8 @@ def run_ask(args) -> int:
     if saved is None or shared:
       raise
     # A context saved with room for its own questions may have too little for these.
-    raise SystemExit(
-      f"error: --context {args.context} --rows repeated: {error}; --rows shared gives every "
+    raise ValueError(
+      f"--context {args.context} --rows repeated: {error}; --rows shared gives every "
       "question room of its own"
     ) from None
   answer_s = time.perf_counter() - start
@@ -434,6 +542,7 @@ def _add_compare(subparsers):
   p.add_argument(
     "--methods",
     nargs="+",
+    action="extend",  # a repeated --methods adds to the list
     default=None,
     help="method specs, e.g. full kivi:bits=2 snapkv:budget=256 pyramidkv:budget=256+kivi:bits=4 "
     f"(default: {' '.join(DEFAULT_COMPARE_METHODS)}; those not registered are skipped)",
@@ -479,6 +588,8 @@ def run_compare(args) -> int:
   from kvjax.method_registry import METHODS
   from kvjax.method_spec import parse_method_spec
 
+  _check_run_arguments(args)
+  _writable_directory("--out", args.out)
   start = time.perf_counter()
   config = CompareConfig(
     tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
@@ -561,15 +672,26 @@ def _add_razor_profile(subparsers):
 
 
 def run_razor_profile(args) -> int:
+  import pathlib
+
   from kvjax.retrieval_heads import compute_head_profile
   from models.loading import load_model
 
+  output = pathlib.Path(args.output)
+  if output.is_dir():
+    raise ValueError(f"--output {args.output}: is a directory; name the profile's JSON file")
+  _writable_directory("--output", str(output.parent))
   loaded = load_model(args.model)
   config = loaded.config
   block_len = args.block_len
   # Repeats of one block must fit in the model's context (BOS included).
   if args.repeats * block_len + 1 > config.max_position_embeddings:
     block_len = (config.max_position_embeddings - 1) // args.repeats
+    if block_len < 2:
+      raise ValueError(
+        f"--repeats={args.repeats} leaves blocks of fewer than 2 tokens in the model's "
+        f"{config.max_position_embeddings} positions"
+      )
     print(f"block length lowered to {block_len} to fit the model's context", file=sys.stderr)
   profile = compute_head_profile(
     loaded.decoder,
@@ -609,7 +731,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   try:
     return args.run(args)
-  except ValueError as error:
+  except (ValueError, OSError) as error:  # a file the command reads or writes, too
     parser.exit(2, f"kvjax {args.command}: error: {error}\n")
 
 

@@ -31,7 +31,7 @@ from kvjax.attention_dispatch import check_implementation
 from kvjax.cache_protocol import CacheMethod, check_cache_dtype, check_count, model_cache_nbytes
 from kvjax.cache_room import check_room
 from kvjax.chunked_prefill import chunked_prefill_refusal, prefill_in_chunks
-from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
+from kvjax.decoder_protocol import CachedDecoder, check_decoder, decoder_vocab_size
 from kvjax.dense_cache import FullCache
 from kvjax.generate import (
   _decode_in_jit,
@@ -41,7 +41,12 @@ from kvjax.generate import (
   check_prefill_arguments,
 )
 from kvjax.layer_runs import StackedLayerCaches, layer_cache_kinds
-from kvjax.prompt_batch import check_padded_token_ids, pack_prompts, pack_token_lists
+from kvjax.prompt_batch import (
+  check_ids_fit_int32,
+  check_padded_token_ids,
+  pack_prompts,
+  pack_token_lists,
+)
 from kvjax.row_sharding import (
   check_row_sharding,
   row_device_count,
@@ -132,9 +137,12 @@ def compress_context(
     prefill_chunk=prefill_chunk,
   )
   if row_sharding is None:
-    return _prefill_context(
+    context = _prefill_context(
       decoder, params, tokens, lengths, prefill_chunk=prefill_chunk, **settings
     )
+    # Committed where they are, as a restored context's arrays are: jit keys its compiled
+    # programs on commitment too, so the two would otherwise compile continue_context apart.
+    return jax.device_put(context, jax.tree.map(lambda leaf: leaf.sharding, context))
   batch, prompt_len = tokens.shape
   check_row_sharding(row_sharding, batch)
   tokens, lengths = jax.device_put((tokens, lengths), row_sharding)
@@ -178,6 +186,7 @@ def context_template(
   what `kvjax.context_checkpoint.restore_context` restores into. With `row_sharding`, the leaves
   carry the shardings `compress_context` gives with it, so a context is restored spread over
   the devices."""
+  check_decoder(decoder)
   _check_room_argument(room)
   check_count("batch", batch, 1)
   check_count("prompt_len", prompt_len, 1)
@@ -491,6 +500,7 @@ def _pack_fed_tokens(tokens, batch: int, pad_token_id: int) -> tuple[np.ndarray,
         f"tokens must be {batch} token lists (one per context row) or an int array "
         f"[{batch}, n]; got a {array.dtype} array of shape {array.shape}"
       )
+    check_ids_fit_int32(array, name="tokens")
     return array.astype(np.int32), np.full((batch,), array.shape[1], np.int32)
   rows = list(tokens)
   if len(rows) != batch or not all(isinstance(row, Sequence) for row in rows):

@@ -235,8 +235,12 @@ def restore_context(
     arrays = checkpointer.restore((pathlib.Path(directory) / ARRAYS_DIR).absolute(), targets)
   finally:
     checkpointer.close()
+  # Empty leaves (a KIVI segment with no room yet) hold nothing on disk; they are placed where
+  # the template says, as the others are.
   restored = [
-    arrays[_leaf_key(i)] if leaf.size else jnp.zeros(leaf.shape, leaf.dtype)
+    arrays[_leaf_key(i)]
+    if leaf.size
+    else jax.device_put(jnp.zeros(leaf.shape, leaf.dtype), target(leaf).sharding)
     for i, leaf in enumerate(leaves)
   ]
   return jax.tree_util.tree_unflatten(treedef, restored)

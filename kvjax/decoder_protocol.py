@@ -52,6 +52,30 @@ class CachedDecoder(Protocol):
     ...
 
 
+def check_decoder(decoder) -> None:
+  """ValueError unless `decoder` has what kvjax calls (`cache_shape`, `prefill`, `decode_step`)
+  and can be hashed (it is a static argument of jitted functions)."""
+  kind = type(decoder).__qualname__
+  missing = [
+    name for name in ("prefill", "decode_step") if not callable(getattr(decoder, name, None))
+  ]
+  if not isinstance(getattr(decoder, "cache_shape", None), ModelCacheShape):
+    missing.insert(0, "cache_shape (a kvjax.ModelCacheShape)")
+  if missing:
+    raise ValueError(
+      f"decoder: {kind} lacks {', '.join(missing)}; a decoder implements kvjax.CachedDecoder "
+      "(cache_shape, prefill, decode_step; see examples/own_model_protocol.py)"
+    )
+  try:
+    hash(decoder)
+  except TypeError as error:
+    raise ValueError(
+      f"decoder: {kind} must be hashable, as jitted functions take it as a static argument "
+      f"({error}); e.g. a frozen dataclass holding only hashable fields (for a Flax NNX module, "
+      "its nnx.GraphDef, with its nnx.State passed as params: models/nnx_decoder.py)"
+    ) from None
+
+
 def decoder_vocab_size(decoder) -> int | None:
   """The decoder's `vocab_size` when it has one."""
   size = getattr(decoder, "vocab_size", None)

@@ -8,7 +8,6 @@ have stopped).
 import dataclasses
 import time
 from collections.abc import Sequence
-from functools import partial
 from typing import Any
 
 import jax
@@ -27,18 +26,19 @@ from kvjax.cache_protocol import (
 )
 from kvjax.cache_room import check_room
 from kvjax.chunked_prefill import check_chunked_prefill, check_prefill_chunk, prefill_in_chunks
-from kvjax.decoder_protocol import CachedDecoder, decoder_vocab_size
+from kvjax.decoder_protocol import CachedDecoder, check_decoder, decoder_vocab_size
 from kvjax.dense_cache import FullCache
 from kvjax.layer_runs import pytree_signature
 from kvjax.lru_table import LruTable
 from kvjax.prompt_batch import (
+  check_ids_fit_int32,
   check_padded_token_ids,
   check_row_lengths,
   check_token_ids,
   compact_padded_batch,
   pack_prompts,
 )
-from kvjax.row_sharding import check_row_sharding
+from kvjax.row_sharding import check_row_sharding, row_shardings
 from kvjax.sampling import SamplingConfig, sample_next_token
 
 
@@ -103,11 +103,10 @@ def prefill(
   )
 
 
-@partial(
-  jax.jit,
-  static_argnames=("decoder", "cache_method", "max_new_tokens", "cache_dtype", "prefill_chunk"),
-)
-def _prefill_in_jit(
+_PREFILL_STATIC = ("decoder", "cache_method", "max_new_tokens", "cache_dtype", "prefill_chunk")
+
+
+def _prefill_work(
   decoder, params, tokens, lengths, *, cache_method, max_new_tokens, cache_dtype, prefill_chunk=None
 ):
   """`prefill`'s work, unchecked: allocates the caches and ingests the prompts."""
@@ -127,6 +126,9 @@ def _prefill_in_jit(
   return prefill_in_chunks(decoder, params, tokens, lengths, caches, chunk=prefill_chunk)
 
 
+_prefill_in_jit = jax.jit(_prefill_work, static_argnames=_PREFILL_STATIC)
+
+
 def check_prefill_arguments(
   decoder: CachedDecoder,
   *,
@@ -142,6 +144,7 @@ def check_prefill_arguments(
   window, a head_dim its groups do not divide, a profile of another model), and a
   `prefill_chunk` the decoder or the method's caches cannot take (the caches are only shaped,
   not allocated)."""
+  check_decoder(decoder)
   check_cache_method(cache_method)
   check_cache_dtype(cache_dtype)
   check_count("max_new_tokens", max_new_tokens, 0)
@@ -264,7 +267,7 @@ def decode(
   the host the fed tokens (`feed_tokens` int32 [batch, width] with `feed_lengths` int32
   [batch], both or neither) and that the caches have room for what the loop appends: the
   longest row's fed tokens plus the `max_new_tokens - 1` tokens fed back (concrete caches only:
-  inside a caller's jit they cannot be read, so call `kvjax.cache_room.check_room` before it).
+  inside a caller's jit they cannot be read, so call `kvjax.check_room` before it).
   `decode.lower` lowers the loop ahead of time, without the checks."""
   batch, vocab_size = logits.shape
   key = check_decode_arguments(max_new_tokens, sampling, key)
@@ -370,6 +373,7 @@ def _as_compact_batch(prompts, attention_mask, pad_token_id):
   if isinstance(prompts, (np.ndarray, jax.Array)):
     if not np.issubdtype(prompts.dtype, np.integer):  # int32 would truncate 1.5 to 1
       raise ValueError(f"prompts array must hold integer token ids; got dtype {prompts.dtype}")
+    check_ids_fit_int32(np.asarray(prompts), name="prompts")
     tokens = np.asarray(prompts, np.int32)
     if tokens.ndim != 2:
       raise ValueError(f"prompts array must be [batch, tokens]; got shape {tokens.shape}")
@@ -387,9 +391,28 @@ def _placements(tree) -> tuple:
   return tuple(getattr(leaf, "sharding", None) for leaf in jax.tree_util.tree_leaves(tree))
 
 
-def _compiled_executables(decoder, params, tokens, lengths, key, prefill_static, decode_static):
+def _prefill_output_shardings(decoder, params, tokens, prefill_static, row_sharding):
+  """Each prefill output split by rows at its batch axis (`kvjax.row_sharding`). Left to XLA,
+  arrays the prompts never reach (a KIVI segment before its first flush) could come out
+  replicated on every device, or split otherwise than the decode was compiled for."""
+  batch, width = tokens.shape
+
+  def shapes(rows):
+    return jax.eval_shape(
+      lambda tokens, lengths: _prefill_in_jit(decoder, params, tokens, lengths, **prefill_static),
+      jax.ShapeDtypeStruct((rows, width), jnp.int32),
+      jax.ShapeDtypeStruct((rows,), jnp.int32),
+    )
+
+  return row_shardings(shapes(batch), shapes(batch + 1), row_sharding)
+
+
+def _compiled_executables(
+  decoder, params, tokens, lengths, key, prefill_static, decode_static, row_sharding=None
+):
   """Ahead-of-time compiled prefill and decode (which takes over the prefill's caches),
-  memoised on everything that shapes them, placements included."""
+  memoised on everything that shapes them, placements included. With `row_sharding` the
+  prefill leaves every output split by rows."""
   signature = (
     decoder,
     pytree_signature(params),
@@ -403,9 +426,27 @@ def _compiled_executables(decoder, params, tokens, lengths, key, prefill_static,
   )
 
   def compile_both():
-    prefill_compiled = prefill.lower(decoder, params, tokens, lengths, **prefill_static).compile()
-    logits_shape, caches_shape = jax.eval_shape(
+    prefill_jit = _prefill_in_jit
+    if row_sharding is not None:
+      prefill_jit = jax.jit(
+        _prefill_work,
+        static_argnames=_PREFILL_STATIC,
+        out_shardings=_prefill_output_shardings(
+          decoder, params, tokens, prefill_static, row_sharding
+        ),
+      )
+    prefill_compiled = prefill_jit.lower(
+      decoder, params, tokens, lengths, **prefill_static
+    ).compile()
+    shapes = jax.eval_shape(
       lambda: _prefill_in_jit(decoder, params, tokens, lengths, **prefill_static)
+    )
+    # The decode program takes the prefill's outputs where the prefill leaves them: without
+    # their shardings it would be compiled for whatever XLA infers.
+    logits_shape, caches_shape = jax.tree.map(
+      lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+      shapes,
+      prefill_compiled.output_shardings,
     )
     decode_compiled = _decode_in_jit_donating_caches.lower(
       decoder, params, logits_shape, caches_shape, lengths, key, **decode_static
@@ -482,7 +523,7 @@ def generate(
   )
   compile_start = time.perf_counter()
   prefill_compiled, decode_compiled = _compiled_executables(
-    decoder, params, tokens, lengths, key, prefill_static, decode_static
+    decoder, params, tokens, lengths, key, prefill_static, decode_static, row_sharding
   )
   compile_s = time.perf_counter() - compile_start
 

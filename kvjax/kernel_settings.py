@@ -75,8 +75,15 @@ class KernelSettings:
     object.__setattr__(self, "full", _frozen("full", self.full, FULL_KEYS))
     object.__setattr__(self, "quantized", _frozen("quantized", self.quantized, QUANTIZED_KEYS))
     full = dict(self.full)
-    if "lowering" in full:
-      decode_attention_gpu.check_config({"lowering": full["lowering"]})
+    try:
+      if full.get("lowering") == "mosaic_gpu":
+        # A GPU-only lowering: its keys are checked whole, as that kernel takes them (without a
+        # lowering the keys may be meant for the Triton or the TPU kernel, checked when called).
+        decode_attention_gpu.check_config(full)
+      elif "lowering" in full:
+        decode_attention_gpu.check_config({"lowering": full["lowering"]})
+    except ValueError as e:
+      raise ValueError(f"kernel settings full: {e}") from None
     quantized = dict(self.quantized)
     try:
       if quantized.get("lowering", "triton") != "triton":

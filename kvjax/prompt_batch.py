@@ -5,6 +5,9 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+# Token ids are int32 on device: the exclusive bound of an id kvjax can carry.
+INT32_IDS = 2**31
+
 
 def pack_prompts(
   prompts: Sequence[Sequence[int]], *, pad_token_id: int = 0
@@ -28,6 +31,7 @@ def pack_token_lists(
   for row, array in enumerate(arrays):
     if array.size and (array.ndim != 1 or not np.issubdtype(array.dtype, np.integer)):
       raise ValueError(f"{name}[{row}] must be a list of int token ids, got {token_lists[row]!r}")
+    check_ids_fit_int32(array, name=f"{name}[{row}]")
   lengths = np.array([array.size for array in arrays], np.int32)
   tokens = np.full((len(arrays), lengths.max(initial=0)), pad_token_id, np.int32)
   for row, array in enumerate(arrays):
@@ -70,6 +74,20 @@ def check_padded_token_ids(
   check_token_ids(tokens, vocab_size=vocab_size, name=name)
 
 
+def check_ids_fit_int32(ids: np.ndarray, *, name: str) -> None:
+  """Refuses ids int32 cannot hold, before they are cast to it: the cast would wrap 2**32 + 5
+  to 5, an id of the vocabulary, and the vocabulary check after it could not tell."""
+  ids = np.asarray(ids)
+  if ids.size == 0:
+    return
+  low, high = int(ids.min()), int(ids.max())
+  if low < -INT32_IDS or high >= INT32_IDS:
+    bad = low if low < -INT32_IDS else high
+    raise ValueError(
+      f"{name} holds token id {bad}, past what int32 holds; ids must be >= 0 and < 2**31"
+    )
+
+
 def check_token_ids(tokens: np.ndarray, *, vocab_size: int | None, name: str) -> None:
   """Refuses ids outside [0, vocab_size) (only negative ones when the size is unknown): the
   embedding lookup inside jit would read a wrapped row for a negative id and NaN past the end,
@@ -78,8 +96,10 @@ def check_token_ids(tokens: np.ndarray, *, vocab_size: int | None, name: str) ->
   if tokens.size == 0:
     return
   low, high = int(tokens.min()), int(tokens.max())
-  if low < 0 or (vocab_size is not None and high >= vocab_size):
-    allowed = f"[0, {vocab_size - 1}]" if vocab_size is not None else ">= 0"
+  # Ids are int32 on device: a larger one would wrap (2**32 + 5 to 5, an id in the vocabulary).
+  limit = vocab_size if vocab_size is not None else INT32_IDS
+  if low < 0 or high >= limit:
+    allowed = f"[0, {vocab_size - 1}]" if vocab_size is not None else ">= 0 and < 2**31"
     bad = low if low < 0 else high
     raise ValueError(f"{name} holds token id {bad}; ids must be {allowed} (the model's vocabulary)")
 

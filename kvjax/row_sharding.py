@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 
 def check_row_sharding(row_sharding: Any, batch: int) -> None:
@@ -29,8 +29,17 @@ def check_row_sharding(row_sharding: Any, batch: int) -> None:
       f"row_sharding's spec must name the mesh axes of the batch axis alone, e.g. "
       f"PartitionSpec('data') or PartitionSpec(('data', 'model')); got {row_sharding.spec}"
     )
-  devices = row_device_count(row_sharding)
   names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  axis_types = dict(zip(row_sharding.mesh.axis_names, row_sharding.mesh.axis_types, strict=True))
+  explicit = [name for name in names if axis_types.get(name) != AxisType.Auto]
+  if explicit:
+    raise ValueError(
+      f"row_sharding's mesh axes {explicit} are not of type Auto (jax.make_mesh makes Explicit "
+      "axes by default); kvjax lets XLA propagate the rows' split, so build the mesh with "
+      "jax.sharding.Mesh(devices, ('data',)) or jax.make_mesh(..., "
+      "axis_types=(jax.sharding.AxisType.Auto,))"
+    )
+  devices = row_device_count(row_sharding)
   if batch % devices:
     raise ValueError(
       f"batch={batch} rows cannot be split evenly over row_sharding's {devices} devices "

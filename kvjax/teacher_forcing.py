@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache_room import check_room
-from kvjax.decoder_protocol import CachedDecoder
+from kvjax.decoder_protocol import CachedDecoder, check_decoder
 from kvjax.prompt_batch import check_token_array
 
 
@@ -31,6 +31,7 @@ def teacher_force(
   (kvjax.cache_room; concrete caches only: inside a caller's jit they cannot be read, so call
   `check_room` before it). `teacher_force.lower` lowers the loop ahead of time, without the
   checks."""
+  check_decoder(decoder)
   batch, vocab_size = np.shape(first_logits)
   shape = np.shape(forced)
   if len(shape) != 2 or shape[0] != batch or np.shape(lengths) != (batch,):

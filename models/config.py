@@ -2,12 +2,41 @@
 
 import dataclasses
 import json
+import numbers
 import os
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for check_param_dtype)
+import numpy as np
 
 from kvjax.rope import RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+PARAM_DTYPES = ("bfloat16", "float16", "float32")
+
+# What transformers assumes for keys a config.json leaves out (LlamaConfig, MistralConfig), so a
+# sparse config describes the same model here as there. `sliding_window` is read only for
+# Mistral: Llama's config class has no such field and transformers ignores one written there.
+_HF_DEFAULTS = {
+  "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+  "mistral": {
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096 * 32,
+    "sliding_window": 4096,
+    "num_key_value_heads": 8,
+  },
+}
+
+_POSITIVE_FIELDS = (
+  "vocab_size",
+  "hidden_size",
+  "intermediate_size",
+  "num_layers",
+  "num_heads",
+  "num_kv_heads",
+  "head_dim",
+  "max_position_embeddings",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +64,22 @@ class DecoderConfig:
         f"model_type={self.model_type!r} is not supported; "
         f"allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
       )
+    for name in _POSITIVE_FIELDS:
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+    if self.sliding_window is not None and (
+      isinstance(self.sliding_window, bool)
+      or not isinstance(self.sliding_window, numbers.Integral)
+      or self.sliding_window < 1
+    ):
+      raise ValueError(
+        f"sliding_window={self.sliding_window!r} must be None (full attention) or an integer >= 1"
+      )
+    if not self.rope_theta > 0:
+      raise ValueError(f"rope_theta={self.rope_theta!r} must be > 0")
+    if not self.rms_norm_eps >= 0:
+      raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be >= 0")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
         f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -63,7 +108,13 @@ class DecoderConfig:
     head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-    sliding_window = config.get("sliding_window") if model_type == "mistral" else None
+    defaults = _HF_DEFAULTS[model_type]
+    sliding_window = None
+    if model_type == "mistral":
+      sliding_window = config.get("sliding_window", defaults["sliding_window"])
+    num_kv_heads = config.get("num_key_value_heads")
+    if num_kv_heads is None:
+      num_kv_heads = defaults.get("num_key_value_heads", num_heads)
     # transformers >= 5 writes `rope_parameters` (theta and scaling together); 4.x wrote
     # `rope_theta` and `rope_scaling` separately.
     rope_parameters = config.get("rope_parameters") or {}
@@ -75,14 +126,16 @@ class DecoderConfig:
       intermediate_size=config["intermediate_size"],
       num_layers=config["num_hidden_layers"],
       num_heads=num_heads,
-      num_kv_heads=config.get("num_key_value_heads") or num_heads,
+      num_kv_heads=num_kv_heads,
       head_dim=head_dim,
-      rms_norm_eps=config.get("rms_norm_eps", 1e-5),
+      rms_norm_eps=config.get("rms_norm_eps", defaults["rms_norm_eps"]),
       rope_theta=rope_theta,
       rope_scaling=rope_scaling_from_hf(rope_scaling),
       tie_word_embeddings=config.get("tie_word_embeddings", False),
       sliding_window=sliding_window,
-      max_position_embeddings=config.get("max_position_embeddings", 4096),
+      max_position_embeddings=config.get(
+        "max_position_embeddings", defaults["max_position_embeddings"]
+      ),
       bos_token_id=config.get("bos_token_id"),
       eos_token_ids=eos_ids,
       model_type=model_type,
@@ -105,9 +158,38 @@ def rope_scaling_from_hf(rope_scaling: dict | None) -> RopeScaling | None:
     )
   if rope_type == "default":
     return None
-  return RopeScaling(
+  keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+  absent = [key for key in keys if rope_scaling.get(key) is None]
+  if absent:
+    raise ValueError(f"rope_scaling (llama3) needs {', '.join(map(repr, absent))}")
+  scaling = RopeScaling(
     factor=float(rope_scaling["factor"]),
     low_freq_factor=float(rope_scaling["low_freq_factor"]),
     high_freq_factor=float(rope_scaling["high_freq_factor"]),
     original_max_position_embeddings=int(rope_scaling["original_max_position_embeddings"]),
   )
+  # The checks transformers makes for llama3 scaling; other values give infinite frequencies.
+  if not scaling.factor >= 1:
+    raise ValueError(f"rope_scaling (llama3) factor={scaling.factor} must be >= 1")
+  if not 0 < scaling.low_freq_factor < scaling.high_freq_factor:
+    raise ValueError(
+      f"rope_scaling (llama3) needs 0 < low_freq_factor < high_freq_factor; got "
+      f"low_freq_factor={scaling.low_freq_factor}, high_freq_factor={scaling.high_freq_factor}"
+    )
+  if scaling.original_max_position_embeddings < 1:
+    raise ValueError(
+      "rope_scaling (llama3) original_max_position_embeddings="
+      f"{scaling.original_max_position_embeddings} must be >= 1"
+    )
+  return scaling
+
+
+def check_param_dtype(dtype) -> None:
+  """ValueError unless `dtype` names one of PARAM_DTYPES (weights are floating point; float64
+  would be cut to float32 by JAX's default settings without saying so)."""
+  try:
+    name = np.dtype(dtype).name
+  except TypeError:
+    name = None
+  if name not in PARAM_DTYPES:
+    raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(PARAM_DTYPES)}")

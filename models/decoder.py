@@ -7,7 +7,7 @@ from flax import nnx
 from kvjax.cache_protocol import ModelCacheShape
 from kvjax.layer_runs import check_layer_loop, run_layers
 from models.attention import CachedAttention
-from models.config import DecoderConfig
+from models.config import DecoderConfig, check_param_dtype
 from models.layers import RMSNorm, SwiGLU
 
 
@@ -37,6 +37,7 @@ class Decoder(nnx.Module):
     self, config: DecoderConfig, *, dtype=jnp.float32, layer_loop: str = "unroll", rngs: nnx.Rngs
   ):
     check_layer_loop(layer_loop)
+    check_param_dtype(dtype)
     self.config = config
     self.layer_loop = layer_loop  # kvjax.layer_runs: scan over look-alike layers, or unroll
     self.embed_tokens = nnx.Embed(

@@ -152,13 +152,20 @@ def gguf_config(gguf_file: GGUFFile, tensor_names: tuple[str, ...]) -> dict:
       )
   # llama.cpp stores Llama-3 RoPE scaling as a `rope_freqs` factor tensor whose parameters
   # cannot be recovered exactly, and marks other scalings in metadata; running such a model with
-  # plain RoPE would silently give wrong logits, so both are refused.
-  scaling = value("rope.scaling.type", "none")
-  if scaling != "none" or "rope_freqs.weight" in tensor_names:
+  # plain RoPE would silently give wrong logits, so both are refused. llama.cpp reads a factor
+  # from `rope.scaling.factor` or the older `rope.scale_linear` and, with no type written, takes
+  # it as linear scaling: a factor other than 1 is refused whatever the type says.
+  scaling = value("rope.scaling.type", None)
+  factor = value("rope.scaling.factor", None)
+  if factor is None:
+    factor = value("rope.scale_linear", None)
+  if factor not in (None, 0.0, 1.0) and scaling in (None, "none"):
+    scaling = f"linear, factor {factor}"
+  if scaling not in (None, "none") or "rope_freqs.weight" in tensor_names:
     raise CheckpointError(
-      f"{path}: RoPE scaling ({scaling if scaling != 'none' else 'rope_freqs factors'}) is not "
-      "supported in GGUF files; supported: none (load the Hugging Face directory for llama3 "
-      "scaling)"
+      f"{path}: RoPE scaling ({scaling if scaling not in (None, 'none') else 'rope_freqs factors'})"
+      " is not supported in GGUF files; supported: none (load the Hugging Face directory for "
+      "llama3 scaling)"
     )
 
   vocab_size = value("vocab_size", None)
@@ -171,8 +178,11 @@ def gguf_config(gguf_file: GGUFFile, tensor_names: tuple[str, ...]) -> dict:
       )
     vocab_size = len(tokens.data)
 
+  # llama.cpp's converter writes Mistral checkpoints under the "llama" architecture; a window in
+  # the metadata is the model's, so it is kept (as a Mistral config) rather than dropped.
+  sliding_window = value("attention.sliding_window", None)
   return {
-    "model_type": "mistral" if architecture == "mistral" else "llama",
+    "model_type": "mistral" if architecture == "mistral" or sliding_window else "llama",
     "hidden_size": hidden_size,
     "intermediate_size": value("feed_forward_length"),
     "num_hidden_layers": value("block_count"),
@@ -188,7 +198,7 @@ def gguf_config(gguf_file: GGUFFile, tensor_names: tuple[str, ...]) -> dict:
     "tie_word_embeddings": "output.weight" not in tensor_names,
     "bos_token_id": gguf_file.value("tokenizer.ggml.bos_token_id", None),
     "eos_token_id": gguf_file.value("tokenizer.ggml.eos_token_id", None),
-    "sliding_window": value("attention.sliding_window", None),
+    "sliding_window": sliding_window,
   }
 
 

@@ -21,23 +21,42 @@ from models.checkpoint_errors import CheckpointError
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# safetensors' names of the dtypes read (all converted to float32).
+SAFETENSORS_DTYPES = ("F32", "F16", "BF16")
 
 
 def read_hf_checkpoint(directory: str | pathlib.Path) -> Checkpoint:
   """The Llama/Mistral checkpoint in a Hugging Face directory, as float32 tensors by HF name.
 
-  Only the tensors the config calls for are read, so a stored copy of a tied `lm_head.weight` or
-  a rotary `inv_freq` buffer is ignored rather than loaded.
+  Only the tensors the config calls for are read. A stored copy of a tied `lm_head.weight` and
+  rotary `inv_freq` buffers are skipped; any other stored tensor (a bias the config does not
+  declare, an adapter) is refused, since the model would run without it.
   """
   directory = pathlib.Path(directory)
   if not directory.is_dir():
     raise CheckpointError(f"{directory}: no such checkpoint directory")
-  config = hf_config(read_json_file(directory / CONFIG_FILE))
+  raw_config = read_json_file(directory / CONFIG_FILE)
+  quantization = raw_config.get("quantization_config")
+  if quantization:
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    raise CheckpointError(
+      f"{directory / CONFIG_FILE}: declares quantization_config (quant_method={method!r}); kvjax "
+      "reads only unquantized checkpoints (float32, float16 or bfloat16 safetensors)"
+    )
+  config = hf_config(raw_config)
   decoder = decoder_config(config, directory / CONFIG_FILE)
 
   stored = safetensors_files(directory)
+  expected = expected_tensor_shapes(decoder)
+  unused = [name for name in stored if name not in expected and not _is_redundant(name)]
+  if unused:
+    raise CheckpointError(
+      f"{directory}: stored tensors {describe_names(sorted(unused))} have no place in a "
+      f"{decoder.model_type} decoder with this config (biases, extra norms or adapters are not "
+      "supported)"
+    )
   wanted_by_file: dict[pathlib.Path, list[str]] = {}
-  for name in expected_tensor_shapes(decoder):
+  for name in expected:
     if name in stored:
       wanted_by_file.setdefault(stored[name], []).append(name)
   tensors = {}
@@ -45,6 +64,12 @@ def read_hf_checkpoint(directory: str | pathlib.Path) -> Checkpoint:
     tensors |= read_safetensors(path, names)
   check_tensors(decoder, tensors, directory)
   return Checkpoint(config=config, tensors=tensors, source=directory)
+
+
+def _is_redundant(name: str) -> bool:
+  """A stored tensor the model rebuilds or shares rather than reads: the tied LM head (the
+  embedding matrix, used when tie_word_embeddings is set) and RoPE's inverse frequencies."""
+  return name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq")
 
 
 def read_json_file(path: pathlib.Path) -> dict:
@@ -106,7 +131,11 @@ def safetensors_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 def read_safetensors(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarray]:
-  """Tensors `names` from safetensors file `path`, converted to float32."""
+  """Tensors `names` from safetensors file `path`, converted to float32.
+
+  Only floating-point tensors are read: integer or float8 ones are quantization codes whose
+  scales live in other tensors, and casting them alone would load garbage weights.
+  """
   try:
     with safe_open(path, framework="numpy") as file:
       stored = set(file.keys())
@@ -115,6 +144,17 @@ def read_safetensors(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarr
         raise CheckpointError(
           f"{path}: the shard index assigns {describe_names(absent)} here, but the file lacks them"
         )
-      return {name: file.get_tensor(name).astype(np.float32) for name in names}
-  except (SafetensorError, OSError, TypeError) as error:
+      tensors = {}
+      for name in names:
+        stored_dtype = file.get_slice(name).get_dtype()
+        if stored_dtype not in SAFETENSORS_DTYPES:
+          raise CheckpointError(
+            f"{path}: tensor {name!r} is stored as {stored_dtype}; kvjax reads only "
+            f"{', '.join(SAFETENSORS_DTYPES)} weights (quantized checkpoints are not supported)"
+          )
+        tensors[name] = file.get_tensor(name).astype(np.float32)
+      return tensors
+  except (SafetensorError, OSError, TypeError, AttributeError, ValueError) as error:
+    if isinstance(error, CheckpointError):
+      raise
     raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from error

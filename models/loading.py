@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kvjax.layer_runs import check_layer_loop
-from models.config import DecoderConfig
+from models.config import DecoderConfig, check_param_dtype
 from models.nnx_decoder import NNXCachedDecoder, split_decoder
 from models.registry import load_tokenizer, read_checkpoint, resolve_model_path
 from models.tokenizer import Tokenizer
@@ -33,12 +33,15 @@ def load_model(
 ) -> LoadedModel:
   """Loads a GGUF file, a Hugging Face checkpoint directory, or a short name (`smollm2-135m`).
 
+  `dtype`: the parameters' and activations' dtype, one of bfloat16, float16, float32.
+
   `layer_loop`: "unroll" (the default) compiles every layer apart; "scan" compiles the cache
   code once per run of look-alike layers, several times faster to compile for quantized
   caches, while each decode step reads and writes its layer's slice of the stacked caches
   (about 10% slower batch-1 decoding on a 2-core CPU; kvjax.layer_runs).
   """
   check_layer_loop(layer_loop)
+  check_param_dtype(dtype)
   path = resolve_model_path(name_or_path)
   checkpoint = read_checkpoint(name_or_path)
   config = DecoderConfig.from_hf_dict(checkpoint.config)

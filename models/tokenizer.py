@@ -5,6 +5,7 @@ name of a pre-tokenizer (`tokenizer.ggml.pre`). `Tokenizer.from_gguf` rebuilds t
 tokenizer from those, splitting text the way llama.cpp does for that pre-tokenizer name.
 """
 
+import dataclasses
 import datetime
 import json
 import pathlib
@@ -66,15 +67,30 @@ def _llama3_split() -> pre_tokenizers.PreTokenizer:
   )
 
 
-# `tokenizer.ggml.pre` value -> the pre-tokenizer llama.cpp uses for it.
-GGUF_PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
-  "gpt2": _gpt2_split,
-  "smollm": _digits_then_gpt2_split,
-  "starcoder": _digits_then_gpt2_split,
-  "refact": _digits_then_gpt2_split,
-  "codeshell": _digits_then_gpt2_split,
-  "llama-bpe": _llama3_split,
+@dataclasses.dataclass(frozen=True)
+class GGUFPreTokenizer:
+  """What llama.cpp does for one `tokenizer.ggml.pre` value: how it splits text, whether a word
+  that is itself a vocabulary entry skips the merges (Llama 3's `ignore_merges`), and whether
+  BOS is added when the file has no `tokenizer.ggml.add_bos_token`."""
+
+  split: Callable[[], pre_tokenizers.PreTokenizer]
+  ignore_merges: bool = False
+  add_bos_by_default: bool = False
+
+
+# `tokenizer.ggml.pre` value -> what llama.cpp does for it.
+GGUF_PRE_TOKENIZERS: dict[str, GGUFPreTokenizer] = {
+  "gpt2": GGUFPreTokenizer(_gpt2_split),
+  "smollm": GGUFPreTokenizer(_digits_then_gpt2_split),
+  "starcoder": GGUFPreTokenizer(_digits_then_gpt2_split),
+  "refact": GGUFPreTokenizer(_digits_then_gpt2_split),
+  "codeshell": GGUFPreTokenizer(_digits_then_gpt2_split),
+  "llama-bpe": GGUFPreTokenizer(_llama3_split, ignore_merges=True, add_bos_by_default=True),
 }
+
+# tokenizer_config.json classes whose transformers implementation rebuilds the post-processor
+# from `add_bos_token` / `add_eos_token` (defaults: add BOS, not EOS), overriding tokenizer.json.
+_BOS_EOS_FLAG_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", "CodeLlamaTokenizerFast")
 
 
 class Tokenizer:
@@ -113,6 +129,18 @@ class Tokenizer:
     config_path = directory / "tokenizer_config.json"
     config = read_json_file(config_path) if config_path.is_file() else {}
     special_tokens = {role: _token_content(config.get(role)) for role in SPECIAL_TOKEN_ROLES}
+    if config.get("tokenizer_class") in _BOS_EOS_FLAG_CLASSES:
+      token_ids = {
+        role: None if token is None else backend.token_to_id(token)
+        for role, token in special_tokens.items()
+      }
+      backend.post_processor = _bos_eos_processor(
+        special_tokens,
+        token_ids,
+        add_bos=config.get("add_bos_token", True),
+        add_eos=config.get("add_eos_token", False),
+        path=config_path,
+      )
 
     template_path = directory / "chat_template.jinja"
     if template_path.is_file():
@@ -157,10 +185,13 @@ class Tokenizer:
       merges.append(pair)
 
     vocab = {token: index for index, token in enumerate(tokens)}
+    pre_tokenizer = GGUF_PRE_TOKENIZERS[pre]
     backend = tokenizers.Tokenizer(
-      tokenizers.models.BPE(vocab=vocab, merges=merges, fuse_unk=False)
+      tokenizers.models.BPE(
+        vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre_tokenizer.ignore_merges
+      )
     )
-    backend.pre_tokenizer = GGUF_PRE_TOKENIZERS[pre]()
+    backend.pre_tokenizer = pre_tokenizer.split()
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>) are matched whole and dropped by skip_special_tokens;
     # user-defined ones are matched whole but kept, as llama.cpp does.
@@ -192,7 +223,7 @@ class Tokenizer:
       role: tokens[index] if index is not None and 0 <= index < len(tokens) else None
       for role, index in token_ids.items()
     }
-    add_bos = gguf_file.value("tokenizer.ggml.add_bos_token", False)
+    add_bos = gguf_file.value("tokenizer.ggml.add_bos_token", pre_tokenizer.add_bos_by_default)
     add_eos = gguf_file.value("tokenizer.ggml.add_eos_token", False)
     if add_bos or add_eos:
       backend.post_processor = _bos_eos_processor(
@@ -235,8 +266,11 @@ class Tokenizer:
     if self._template is None:
       raise CheckpointError(f"{self.source}: this tokenizer has no chat template")
     try:
+      # Roles without a token stay undefined, as transformers leaves them: `{{ bos_token }}`
+      # renders empty instead of the text "None".
+      defined = {role: token for role, token in self.special_tokens.items() if token is not None}
       return self._template.render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        messages=messages, add_generation_prompt=add_generation_prompt, **defined
       )
     except jinja2.TemplateError as error:
       raise ValueError(
@@ -244,17 +278,37 @@ class Tokenizer:
       ) from error
 
   def chat_document_and_questions(
-    self, document: str, questions: list[str]
+    self, document: str, questions: list[str], separator: str = "\n\n"
   ) -> tuple[list[int], list[list[int]]]:
-    """A user turn `document + "\n\n" + question` for each question, cut where the question
-    begins: (the document's ids, shared by every question and compressed once; each question's
-    ids with the rest of the template, generation prompt included)."""
+    """A user turn `document + separator + question` for each question, cut where the document
+    ends: (the document's ids, shared by every question and compressed once; each question's
+    ids, separator first, with the rest of the template, generation prompt included).
+
+    The cut lies before the separator because byte-level BPE splits whitespace by what follows
+    it: "\n\n" encoded alone is one token, but two before a word. Document ids + question ids
+    are checked to be exactly the ids of the whole turn, the tokens a model asked the question
+    in one prompt would see; trailing whitespace of the document is dropped for that reason.
+    Question ids do not depend on the document: pass "" for those of a saved context.
+    """
     marker = "\x00question\x00"  # text no document or template holds
     if marker in document:
       raise ValueError("document holds a NUL-delimited marker kvjax uses to split the template")
-    chat = self.apply_chat_template([{"role": "user", "content": f"{document}\n\n{marker}"}])
+    document = document.rstrip()
+    chat = self.apply_chat_template([{"role": "user", "content": f"{document}{marker}"}])
     head, tail = chat.split(marker)
-    return self.encode(head), [self.encode(question + tail) for question in questions]
+    document_ids = self.encode(head)
+    question_ids = [self.encode(separator + question + tail) for question in questions]
+    # An empty document (the questions of a context restored from disk) has no end to check:
+    # the questions' ids never depend on it.
+    for question, ids in zip(questions if document else (), question_ids, strict=False):
+      whole = self.encode(head + separator + question + tail)
+      if document_ids + ids != whole:
+        raise ValueError(
+          f"question {question!r}: the tokenizer of {self.source} merges tokens across the end "
+          "of the document, so its ids cannot be shared by every question; end the document "
+          "with a sentence's punctuation"
+        )
+    return document_ids, question_ids
 
   def _token_id(self, role: str) -> int | None:
     token = self.special_tokens[role]
@@ -311,8 +365,8 @@ def _bos_eos_processor(
   """Adds BOS and/or EOS around the text when encoding with add_special_tokens=True."""
   roles = [role for role, wanted in (("bos_token", add_bos), ("eos_token", add_eos)) if wanted]
   for role in roles:
-    if special_tokens[role] is None:
-      raise CheckpointError(f"{path}: the GGUF asks to add the {role} but names no valid {role} id")
+    if special_tokens[role] is None or token_ids[role] is None:
+      raise CheckpointError(f"{path}: asks to add the {role} but names no {role} in the vocabulary")
   pieces = (["bos_token"] if add_bos else []) + ["$A"] + (["eos_token"] if add_eos else [])
   return processors.TemplateProcessing(
     single=" ".join(piece if piece == "$A" else special_tokens[piece] for piece in pieces),

@@ -25,6 +25,12 @@ def check_config(config: dict) -> str:
       f"{', '.join(('lowering',) + CONFIG_KEYS[lowering])}"
     )
   check_launch_settings(config)
+  if lowering == "mosaic_gpu":
+    decode_attention_mosaic_gpu.check_settings(
+      block_tokens=config.get("block_tokens"),
+      num_stages=config.get("num_stages"),
+      num_splits=config.get("num_splits"),
+    )
   return lowering
 
 

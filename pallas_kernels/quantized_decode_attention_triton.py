@@ -826,13 +826,15 @@ def quantized_decode_attention_triton(
   if gear and variant == "folded" and config.get("gear_terms") is None:
     config["gear_terms"] = DEFAULT_GEAR_TERMS
   gear_block = block if gear and config.get("gear_terms") != "xla" else None
-  step = tokens_per_step(
-    "folded", group_size, block_tokens=config.get("block_tokens"), gear_block=gear_block
-  )
-  if variant == "folded" and (
-    queries.shape[2] > FOLDED_MAX_GROUP or not folded_supported(head_dim, bits, group_size, step)
-  ):
-    variant = "joined"
+  if variant == "folded":
+    # Only the folded loop steps by block_tokens here; the other variants step as they do.
+    step = tokens_per_step(
+      "folded", group_size, block_tokens=config.get("block_tokens"), gear_block=gear_block
+    )
+    if queries.shape[2] > FOLDED_MAX_GROUP or not folded_supported(
+      head_dim, bits, group_size, step
+    ):
+      variant = "joined"
   if (variant == "planar" and not planar_supported(head_dim, bits, group_size)) or (
     variant == "joined" and not joined_supported(head_dim, bits, group_size)
   ):

@@ -73,7 +73,7 @@ def timed_prefill(
 
 
 def timed_teacher_force(decoder, params, logits, caches, lengths, forced) -> TimedRun:
-  """(log-probs, logits, caches) of `kvjax.teacher_forcing.teacher_force`, timed."""
+  """(log-probs, logits, caches) of `kvjax.teacher_force`, timed."""
   check_room(caches, forced.shape[1], caller="teacher_force")
   return TimedRun(
     *_compile_and_run(teacher_force, decoder, (params, logits, caches, lengths, forced), {})

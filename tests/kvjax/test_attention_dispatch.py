@@ -114,6 +114,49 @@ def test_unsupported_shape_falls_back_to_reference_with_one_warning():
   np.testing.assert_array_equal(out, ref_out)
 
 
+def test_fallback_warnings_are_kept_apart_by_lowering():
+  inputs = _full_inputs(head_dim=48)
+  attention_dispatch._warned.clear()
+  for lowering in ("triton", "mosaic_gpu"):
+    config = {"lowering": lowering}
+    with pytest.warns(RuntimeWarning, match=rf"gpu \({lowering}\) .*head_dim=48"):
+      attention_dispatch.decode_attention(
+        *inputs, sm_scale=0.1, implementation="interpret", kernel_config=config
+      )
+
+
+@pytest.mark.parametrize("kernel_backend", ["gpu", "tpu"])
+def test_a_segment_with_no_slots_gives_zero_and_minus_infinity(kernel_backend):
+  """A 0-capacity segment (a shared context's own cache with room 0) has nothing to read."""
+  queries, keys, values, _ = _full_inputs()
+  no_slots = jnp.zeros((2,), jnp.int32)
+  out, lse = attention_dispatch.decode_attention(
+    queries,
+    keys[:, :, :0],
+    values[:, :, :0],
+    no_slots,
+    sm_scale=0.1,
+    implementation="interpret",
+    kernel_backend=kernel_backend,
+  )
+  np.testing.assert_array_equal(out, np.zeros(queries.shape, np.float32))
+  np.testing.assert_array_equal(lse, np.full(queries.shape[:3], -np.inf, np.float32))
+  queries, segment, _ = _quantized_inputs()
+  empty = [part[:, :, :0] for part in segment[:6]]
+  out, lse = attention_dispatch.quantized_decode_attention(
+    queries,
+    *empty,
+    no_slots,
+    bits=4,
+    group_size=32,
+    sm_scale=0.125,
+    implementation="interpret",
+    kernel_backend=kernel_backend,
+  )
+  np.testing.assert_array_equal(out, np.zeros(queries.shape, np.float32))
+  np.testing.assert_array_equal(lse, np.full(queries.shape[:3], -np.inf, np.float32))
+
+
 def test_quantized_interpret_matches_reference():
   queries, segment, lengths = _quantized_inputs(seed=2)
   kwargs = dict(bits=4, group_size=32, sm_scale=0.125)

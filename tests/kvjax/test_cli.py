@@ -33,7 +33,7 @@ def test_generate_json_on_the_embedded_model(capsys):
     (["compare", "--tasks", "ppl,bleu"], "allowed: ppl,kl"),
     (["compare", "--text", "/nonexistent/file.txt", "--methods", "full"], "cannot read"),
     (["compare", "--layer-loop", "while"], "invalid choice: 'while'"),
-    (["compare", "--methods", "full", "--prefill-chunk", "0"], "prefill_chunk=0 must be"),
+    (["compare", "--methods", "full", "--prefill-chunk", "0"], "--prefill-chunk=0 must be"),
     (
       ["ask", "--document", "/nonexistent/doc.txt", "--question", "q"],
       "--document /nonexistent/doc.txt: cannot read as UTF-8 text",
@@ -64,12 +64,68 @@ def test_generate_json_on_the_embedded_model(capsys):
 def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
     main(argv)
-  assert exit_info.value.code != 0
-  assert message in capsys.readouterr().err + str(exit_info.value)
+  assert exit_info.value.code == 2  # argparse's code for bad usage, whichever check refused
+  assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+  "argv, message",
+  [
+    (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens=0 must be >= 1"),
+    (["generate", "--prompt", "x", "--prefill-chunk", "0"], "--prefill-chunk=0 must be >= 1"),
+    (["generate", "--prompt", "x", "--seed", str(2**64)], "--seed=18446744073709551616 must be"),
+    (["compare", "--implementation", "fast"], "--implementation: implementation='fast'"),
+    (["ask", "--document", "x", "--question", "q", "--implementation", "gpu"], "allowed: auto"),
+  ],
+)
+def test_bad_run_arguments_are_refused_before_the_model_loads(argv, message, capsys, monkeypatch):
+  import models.loading
+
+  monkeypatch.setattr(models.loading, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+  with pytest.raises(SystemExit) as exit_info:
+    main(argv)
+  assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_output_paths_are_checked_before_the_model_loads(tmp_path, capsys, monkeypatch):
+  import models.loading
+
+  monkeypatch.setattr(models.loading, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  for argv, message in (
+    (["compare", "--methods", "full", "--out", str(a_file)], "exists and is not a directory"),
+    (["razor-profile", "--output", str(tmp_path)], "is a directory; name the profile's JSON"),
+    (["razor-profile", "--output", str(a_file / "p.json")], "exists and is not a directory"),
+    (["ask", "--document", "d", "--question", "q", "--save", str(a_file)], "is not a directory"),
+    (["ask", "--document", "d", "--question", "q", "--save", str(tmp_path)], "--overwrite"),
+  ):
+    with pytest.raises(SystemExit):
+      main(argv)
+    assert message in capsys.readouterr().err, argv
+
+
+def test_repeated_methods_flags_add_up():
+  from kvjax.cli import build_parser
+
+  argv = ["compare", "--methods", "full", "kivi", "--methods", "streaming:ratio=0.5"]
+  assert build_parser().parse_args(argv).methods == ["full", "kivi", "streaming:ratio=0.5"]
+
+
+def test_a_saved_context_records_paths_that_hold_from_any_directory(tmp_path, monkeypatch):
+  from kvjax.cli import _recorded_method, _recorded_model, _same_method
+
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "model.gguf").write_bytes(b"")
+  assert _recorded_model("model.gguf") == str(tmp_path / "model.gguf")
+  assert _recorded_model("smollm2-135m") == "smollm2-135m"
+  spec = "razor:ratio=0.25,profile=heads.json+kivi:bits=4"
+  assert _recorded_method(spec) == f"razor:ratio=0.25,profile={tmp_path}/heads.json+kivi:bits=4"
+  assert _same_method("kivi:bits=2", "kivi") and not _same_method("kivi:bits=4", "kivi")
 
 
 def test_ask_answers_every_question_about_one_compressed_document(tmp_path, capsys):
-  from kvjax.context_checkpoint import read_context_record
+  from kvjax.context_checkpoint import METADATA_FILE, read_context_record
 
   document = tmp_path / "doc.txt"
   document.write_text("The mayor of Quenby is Hilda Marsh. The river flows north.\n")
@@ -96,16 +152,43 @@ def test_ask_answers_every_question_about_one_compressed_document(tmp_path, caps
   assert restored["answers"] == record["answers"] and restored["compress_s"] is None
   assert restored["restore_s"] > 0 and restored["document_tokens"] == record["document_tokens"]
   assert restored["context_bytes"] == record["context_bytes"]
-  with pytest.raises(SystemExit, match=r"--method=full differs from the saved context's 'kivi"):
-    main(argv + ["--method", "full"])
-  with pytest.raises(SystemExit, match=r"--layer-loop=unroll differs from the saved context's"):
-    main(argv + ["--layer-loop", "unroll"])
+  for flag, value, message in (
+    ("--method", "full", "--method=full differs from the saved context's 'kivi"),
+    ("--layer-loop", "unroll", "--layer-loop=unroll differs from the saved context's"),
+  ):
+    with pytest.raises(SystemExit) as exit_info:
+      main(argv + [flag, value])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+  # The same method and model, spelled otherwise, are the saved ones.
+  assert main(argv + ["--method", "kivi:bits=4,group_size=32", "--model", "SmolLM2-135M"]) == 0
+  assert json.loads(capsys.readouterr().out)["answers"] == record["answers"]
+  with pytest.raises(SystemExit):  # saved before, without --overwrite
+    main(["ask", "--document", str(document), "--question", "q", "--save", argv[2]])
+  assert "the directory exists; pass --overwrite" in capsys.readouterr().err
+  # A context saved before the prompt format was recorded cut its prompts otherwise.
+  record_path = tmp_path / "context" / METADATA_FILE
+  saved_record = json.loads(record_path.read_text())
+  del saved_record["metadata"]["prompt_format"]
+  record_path.write_text(json.dumps(saved_record))
+  with pytest.raises(SystemExit):
+    main(argv)
+  assert "saved by an earlier `kvjax ask`" in capsys.readouterr().err
+  saved_record["metadata"]["prompt_format"] = 2
+  record_path.write_text(json.dumps(saved_record))
   # Without --json: each answer, then a summary line on stderr.
   one = ["ask", "--context", str(tmp_path / "context"), "--max-new-tokens", "2"]
   assert main(one + ["--question", "Who is the mayor?"]) == 0
   printed = capsys.readouterr()
   assert printed.out.startswith("Q: Who is the mayor?\nA: ")
   assert "restored in" in printed.err and "; 1 question's caches " in printed.err
+
+
+def test_ask_refuses_a_document_past_the_models_positions(tmp_path, capsys):
+  document = tmp_path / "long.txt"
+  document.write_text("The river flows north. " * 1700)  # about 8500 tokens; SmolLM2 has 8192
+  with pytest.raises(SystemExit):
+    main(["ask", "--document", str(document), "--question", "Where?", "--max-new-tokens", "4"])
+  assert "exceed the model's 8192 positions" in capsys.readouterr().err
 
 
 def test_ask_with_shared_or_repeated_rows_answers_alike_with_a_full_cache(tmp_path, capsys):
@@ -122,8 +205,9 @@ def test_ask_with_shared_or_repeated_rows_answers_alike_with_a_full_cache(tmp_pa
   assert records["shared"]["answers"] == records["repeated"]["answers"]
   assert records["repeated"]["cache_bytes"] == 2 * records["repeated"]["context_bytes"]
   assert records["shared"]["cache_bytes"] < records["repeated"]["cache_bytes"]
-  with pytest.raises(SystemExit, match="--rows shared: share_context: layer 0's cache cannot"):
+  with pytest.raises(SystemExit):
     main(argv[:-1] + ["h2o_decode:budget=16"])
+  assert "--rows shared: share_context: layer 0's cache cannot" in capsys.readouterr().err
 
 
 def test_razor_profile_command_writes_a_loadable_profile(tmp_path, capsys):

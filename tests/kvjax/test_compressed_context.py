@@ -269,6 +269,9 @@ def test_bad_arguments_are_refused_before_anything_runs():
     continue_context(decoder, params, context, [[1, 2], [3.5]], max_new_tokens=2)
   with pytest.raises(ValueError, match=r"tokens holds token id 64; ids must be \[0, 63\]"):
     continue_context(decoder, params, context, [[1, 64], [3]], max_new_tokens=2)
+  for wrapping in ([[1, 2**32 + 5], [3]], np.array([[1, 2**32 + 5], [3, 4]])):
+    with pytest.raises(ValueError, match=r"holds token id 4294967301"):  # not wrapped to 5
+      continue_context(decoder, params, context, wrapping, max_new_tokens=2)
   with pytest.raises(ValueError, match=r"pad_token_id holds token id -1"):
     continue_context(decoder, params, context, [[1, 2], [3]], max_new_tokens=2, pad_token_id=-1)
   with pytest.raises(ValueError, match=r"stop_token_ids holds token id 999; ids must be \[0, 63\]"):

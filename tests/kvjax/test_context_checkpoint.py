@@ -18,6 +18,7 @@ from kvjax.context_checkpoint import (
   restore_context,
   save_context,
 )
+from kvjax.generate import _decode_in_jit
 from kvjax.method_spec import parse_method_spec
 from tests.kvjax.test_compressed_context import QUESTIONS, assert_same_arrays
 from tests.kvjax.test_method_matrix import CASES, PROMPTS
@@ -57,6 +58,20 @@ def test_a_restored_context_holds_the_saved_arrays(layer_loop, spec, profile_pat
   assert record["cache_bytes"] == context.cache_bytes and record["metadata"] == {"spec": spec}
   files = [f for f in (tmp_path / "context").rglob("*") if f.is_file()]
   assert disk_bytes == sum(f.stat().st_size for f in files)
+
+
+def test_a_restored_context_answers_with_the_program_compiled_for_the_saved_one(tmp_path):
+  """Restored arrays are committed to their device; a compressed context's are too, so both
+  take the one compiled continue_context program."""
+  decoder, params = tiny_decoder()
+  context = _context(KIVI)
+  save_context(tmp_path / "context", context)
+  restored = restore_context(tmp_path / "context", _template(KIVI))
+  ask = lambda ctx: continue_context(decoder, params, ctx, QUESTIONS, max_new_tokens=4)
+  expected = ask(context)
+  compiled = _decode_in_jit._cache_size()
+  np.testing.assert_array_equal(ask(restored)[0], expected[0])
+  assert _decode_in_jit._cache_size() == compiled
 
 
 RESTORE_IN_ANOTHER_PROCESS = """

@@ -270,10 +270,26 @@ def test_teacher_force_refuses_bad_forced_tokens_before_tracing(forced, message)
     teacher_force(decoder, params, logits, caches, lengths, forced)
 
 
-def test_without_a_vocab_size_only_negative_ids_are_refused_up_front():
-  check_token_ids(np.array([0, 10**6]), vocab_size=None, name="prompts")
+def test_without_a_vocab_size_only_negative_and_int32_overflowing_ids_are_refused_up_front():
+  check_token_ids(np.array([0, 10**6, 2**31 - 1]), vocab_size=None, name="prompts")
   with pytest.raises(ValueError, match=r"prompts holds token id -3; ids must be >= 0"):
     check_token_ids(np.array([5, -3]), vocab_size=None, name="prompts")
+  with pytest.raises(
+    ValueError, match=r"holds token id 2147483648; ids must be >= 0 and < 2\*\*31"
+  ):
+    check_token_ids(np.array([5, 2**31]), vocab_size=None, name="prompts")
+
+
+@pytest.mark.parametrize(
+  "prompts",
+  [[[1, 2, 2**32 + 5]], np.array([[1, 2, 2**32 + 5]], np.int64)],
+  ids=["list", "int64-array"],
+)
+def test_ids_int32_would_wrap_into_the_vocabulary_are_refused(prompts):
+  """int32 holds 2**32 + 5 as 5, an id of the vocabulary: the id given must be named."""
+  decoder, params = tiny_decoder()
+  with pytest.raises(ValueError, match=r"holds token id 4294967301"):
+    generate(decoder, params, prompts, max_new_tokens=2)
 
 
 def test_decoding_ends_early_once_every_row_stopped():

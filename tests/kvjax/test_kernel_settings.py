@@ -35,7 +35,19 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
 @pytest.mark.parametrize(
   "kwargs, message",
   [
-    (dict(full={"lowering": "cuda"}), "lowering='cuda' is not supported; allowed: triton"),
+    (dict(full={"lowering": "cuda"}), "full: lowering='cuda' is not supported; allowed: triton"),
+    (
+      dict(full={"lowering": "mosaic_gpu", "num_warps": 4}),
+      r"full: kernel_config keys \['num_warps'\] are not taken by lowering='mosaic_gpu'",
+    ),
+    (
+      dict(full={"lowering": "mosaic_gpu", "num_stages": 7}),
+      r"full: num_stages=7 is not supported; allowed: \(2, 3, 4\)",
+    ),
+    (
+      dict(full={"lowering": "mosaic_gpu", "block_tokens": 32}),
+      r"full: block_tokens=32 is not supported; allowed: \(64, 128, 256\)",
+    ),
     (dict(quantized={"variant": "fast"}), "variant='fast' is not supported; allowed: folded"),
     (dict(full={"variant": "folded"}), r"full: unknown keys \['variant'\]"),
     (

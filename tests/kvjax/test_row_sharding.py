@@ -2,8 +2,10 @@
 their own with two host CPU devices (XLA's device count is fixed when jax starts), started by
 the last test here; in a process that already has two devices they run directly."""
 
+import importlib
 import os
 import pathlib
+import runpy
 import subprocess
 import sys
 
@@ -33,6 +35,7 @@ SPECS = [
   "kivi:bits=4,group_size=16,residual=16",
   "snapkv:budget=16,window=4+kivi:bits=4,group_size=16,residual=16",
 ]
+OWN_MODEL_EXAMPLE = pathlib.Path(__file__).parents[2] / "examples" / "own_model_protocol.py"
 ROOM = 5 + 4 - 1  # the longest question and every answer token but the last
 two_devices = pytest.mark.skipif(jax.device_count() < 2, reason="needs two devices")
 
@@ -86,16 +89,26 @@ def test_a_context_compressed_by_rows_keeps_each_row_on_its_device(spec, layer_l
   np.testing.assert_array_equal(count, expected[1])
 
 
+SHORT_PROMPTS = [list(range(1, 9)), list(range(2, 8))]
+
+
 @two_devices
-@pytest.mark.parametrize("layer_loop", ["scan"])
-def test_a_context_saved_by_rows_is_restored_by_rows_or_onto_one_device(layer_loop, tmp_path):
-  decoder, params = tiny_decoder(layer_loop=layer_loop)
-  method = parse_method_spec(SPECS[1])
+@pytest.mark.parametrize(
+  "spec, prompts, room",
+  [(SPECS[1], PROMPTS, ROOM), (SPECS[0], SHORT_PROMPTS, 0)],
+  ids=["snapkv+kivi", "kivi-with-an-empty-segment"],  # shorter than the window, no room
+)
+def test_a_context_saved_by_rows_is_restored_by_rows_or_onto_one_device(
+  spec, prompts, room, tmp_path
+):
+  decoder, params = tiny_decoder(layer_loop="scan")
+  method = parse_method_spec(spec)
   spread = compress_context(
-    decoder, params, PROMPTS, cache_method=method, room=ROOM, row_sharding=_rows()
+    decoder, params, prompts, cache_method=method, room=room, row_sharding=_rows()
   )
   save_context(tmp_path / "context", spread)
-  shape = dict(batch=2, prompt_len=40, cache_method=method, room=ROOM)
+  longest = max(map(len, prompts))
+  shape = dict(batch=2, prompt_len=longest, cache_method=method, room=room)
   template = context_template(decoder, params, **shape, row_sharding=_rows())
   for leaf, like in zip(jax.tree.leaves(template), jax.tree.leaves(spread)):
     assert leaf.sharding == like.sharding
@@ -122,6 +135,38 @@ def test_generate_by_rows_is_generate_on_one_device(layer_loop):
   assert spread.cache_bytes == on_one.cache_bytes
   with pytest.raises(ValueError, match=r"batch=3 rows cannot be split evenly"):
     generate(decoder, params, PROMPTS + [[1, 2]], **run, row_sharding=_rows())
+
+
+@two_devices
+@pytest.mark.parametrize("spec", ["full", "h2o_decode:budget=16"])
+def test_generate_by_rows_with_a_decoder_that_ignores_positions(spec):
+  """The bundled model's RoPE carries the rows' split from the positions to the caches; a user's
+  decoder need not, and generate must still compile its decode for the prefill's placements."""
+  toy = runpy.run_path(str(OWN_MODEL_EXAMPLE), run_name="own_model_protocol")
+  decoder, params = toy["ToyDecoder"](), toy["toy_params"]()
+  prompts = [[1, 2, 3, 4, 5, 6, 7, 8] * 6, [9, 10, 11]]
+  run = dict(max_new_tokens=4, cache_method=parse_method_spec(spec), cache_dtype=jnp.float32)
+  on_one = generate(decoder, params, prompts, **run)
+  spread = generate(decoder, params, prompts, **run, row_sharding=_rows())
+  np.testing.assert_array_equal(spread.tokens, on_one.tokens)
+
+
+@two_devices
+@pytest.mark.parametrize("prompt_len, max_new_tokens", [(8, 4), (15, 40)])
+def test_generate_by_rows_with_prompts_shorter_than_the_kivi_window(prompt_len, max_new_tokens):
+  """Before its first flush a KIVI segment holds nothing the prompts reached; the prefill must
+  still leave it split by rows (not replicated, not split otherwise than the decode takes)."""
+  decoder, params = tiny_decoder()
+  prompts = [list(range(1, prompt_len + 1)), list(range(2, prompt_len + 2))]
+  run = dict(max_new_tokens=max_new_tokens, cache_method=parse_method_spec(SPECS[0]))
+  on_one = generate(decoder, params, prompts, **run)
+  spread = generate(decoder, params, prompts, **run, row_sharding=_rows())
+  np.testing.assert_array_equal(spread.tokens, on_one.tokens)
+  # kvjax.generate the module (the package exports the function under that name).
+  prefill_compiled, _ = importlib.import_module("kvjax.generate")._COMPILED.most_recent()
+  _, caches = prefill_compiled.output_shardings
+  for sharding in jax.tree.leaves(caches):
+    assert "data" in tuple(sharding.spec), sharding  # every cache array has rows
 
 
 @two_devices
@@ -201,6 +246,10 @@ def test_bad_row_shardings_are_refused_before_anything_runs():
     (NamedSharding(mesh, PartitionSpec()), r"spec must name the mesh axes of the batch axis"),
     (NamedSharding(mesh, PartitionSpec(None)), r"spec must name the mesh axes of the batch axis"),
     (NamedSharding(mesh, PartitionSpec("data", None)), r"batch axis alone"),
+    (
+      NamedSharding(jax.make_mesh((2,), ("data",)), PartitionSpec("data")),
+      r"mesh axes \['data'\] are not of type Auto .* axis_types=",
+    ),
   ]
   for sharding, message in bad:
     with pytest.raises(ValueError, match=message):
@@ -237,6 +286,9 @@ def test_each_leaf_is_split_at_the_axis_that_follows_the_batch():
     both = {"both": jax.ShapeDtypeStruct((2, 2), jnp.float32)}
     row_shardings(both, {"both": jax.ShapeDtypeStruct((3, 3), jnp.float32)}, rows)
   check_row_sharding(rows, 7)  # one device takes any number of rows
+  explicit = NamedSharding(jax.make_mesh((1,), ("data",)), PartitionSpec("data"))
+  with pytest.raises(ValueError, match=r"mesh axes \['data'\] are not of type Auto"):
+    check_row_sharding(explicit, 2)
 
 
 @pytest.mark.skipif(jax.device_count() >= 2, reason="the tests above ran here")
@@ -266,4 +318,4 @@ def test_the_two_device_tests_pass_on_two_host_devices():
   )
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
   # Every test of this file but this one ran (none skipped) in the two-device process.
-  assert "10 passed, 1 skipped" in run.stdout, run.stdout[-1000:]
+  assert "15 passed, 1 skipped" in run.stdout, run.stdout[-1000:]

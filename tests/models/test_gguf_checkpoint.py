@@ -335,3 +335,38 @@ def test_missing_file(tmp_path):
   with pytest.raises(CheckpointError) as error:
     read_gguf_checkpoint(path)
   assert_error_names(error, path, "no such GGUF file")
+
+
+@pytest.mark.parametrize(
+  "scaling",
+  [
+    {"{arch}.rope.scaling.factor": 4.0},
+    {"{arch}.rope.scale_linear": 4.0},
+    {"{arch}.rope.scaling.type": "none", "{arch}.rope.scaling.factor": 4.0},
+    {"{arch}.rope.scaling.type": "yarn"},
+  ],
+  ids=["factor-without-type", "legacy-scale-linear", "factor-with-type-none", "yarn"],
+)
+def test_rope_scaling_in_metadata_is_refused(tmp_path, scaling):
+  """llama.cpp takes a factor with no type written as linear scaling: loading such a file with
+  plain RoPE would put every position off by the factor."""
+  path = write_tiny_gguf(tmp_path / "scaled.gguf", tiny_hf_tensors(), metadata=scaling)
+  with pytest.raises(CheckpointError) as error:
+    read_gguf_checkpoint(path)
+  assert_error_names(error, path, "RoPE scaling", "supported: none")
+
+
+def test_rope_scaling_factor_of_one_is_plain_rope(tmp_path):
+  metadata = {"{arch}.rope.scaling.factor": 1.0}
+  path = write_tiny_gguf(tmp_path / "unscaled.gguf", tiny_hf_tensors(), metadata=metadata)
+  assert DecoderConfig.from_hf_dict(read_gguf_checkpoint(path).config).rope_scaling is None
+
+
+def test_llama_architecture_keeps_a_sliding_window(tmp_path):
+  """llama.cpp's converter writes Mistral models as "llama"; their window is kept."""
+  metadata = {"{arch}.attention.sliding_window": 64}
+  path = write_tiny_gguf(tmp_path / "mistral-as-llama.gguf", tiny_hf_tensors(), metadata=metadata)
+  config = DecoderConfig.from_hf_dict(read_gguf_checkpoint(path).config)
+  assert config.sliding_window == 64
+  plain = write_tiny_gguf(tmp_path / "llama.gguf", tiny_hf_tensors())
+  assert DecoderConfig.from_hf_dict(read_gguf_checkpoint(plain).config).sliding_window is None

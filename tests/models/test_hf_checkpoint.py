@@ -219,3 +219,35 @@ def test_not_a_directory(tmp_path):
   with pytest.raises(CheckpointError) as error:
     read_hf_checkpoint(tmp_path / "absent")
   assert_error_names(error, tmp_path / "absent", "no such checkpoint directory")
+
+
+@pytest.mark.parametrize("method", ["bitsandbytes", "fp8"])
+def test_quantized_checkpoint_is_refused(tmp_path, method):
+  config = {**TINY_CONFIG, "quantization_config": {"quant_method": method}}
+  directory = write_hf_dir(tmp_path / "model", config, tiny_tensors(TINY_CONFIG))
+  with pytest.raises(CheckpointError) as error:
+    read_hf_checkpoint(directory)
+  assert_error_names(error, directory / "config.json", f"quant_method={method!r}", "unquantized")
+
+
+@pytest.mark.parametrize("stored_dtype", [np.int8, ml_dtypes.float8_e4m3fn], ids=["I8", "F8_E4M3"])
+def test_non_float_tensors_are_refused(tmp_path, stored_dtype):
+  """Integer or float8 tensors are quantization codes: casting them alone gives garbage."""
+  tensors = tiny_tensors(TINY_CONFIG)
+  name = "model.layers.0.self_attn.q_proj.weight"
+  tensors[name] = np.clip(tensors[name] * 20, -100, 100).astype(stored_dtype)
+  directory = write_hf_dir(tmp_path / "model", TINY_CONFIG, tensors)
+  with pytest.raises(CheckpointError) as error:
+    read_hf_checkpoint(directory)
+  assert_error_names(error, directory / "model.safetensors", repr(name), "F32, F16, BF16")
+
+
+def test_stored_tensors_without_a_place_are_refused(tmp_path):
+  tensors = tiny_tensors(TINY_CONFIG)
+  tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(16, np.float32)
+  tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(2, np.float32)
+  directory = write_hf_dir(tmp_path / "model", TINY_CONFIG, tensors)
+  with pytest.raises(CheckpointError) as error:
+    read_hf_checkpoint(directory)
+  assert_error_names(error, directory, "'model.layers.0.self_attn.q_proj.bias'", "no place")
+  assert "inv_freq" not in str(error.value)

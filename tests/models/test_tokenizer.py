@@ -29,7 +29,8 @@ TINY_IDS = {token: index for index, token in enumerate(TINY_TOKENS)}
 
 
 def write_tokenizer_gguf(path: pathlib.Path, **overrides) -> pathlib.Path:
-  """A GGUF with only tokenizer metadata (what Tokenizer.from_gguf reads)."""
+  """A GGUF with only tokenizer metadata (what Tokenizer.from_gguf reads); an override of None
+  leaves that key out."""
   metadata = {
     "tokenizer.ggml.model": "gpt2",
     "tokenizer.ggml.pre": "smollm",
@@ -42,6 +43,8 @@ def write_tokenizer_gguf(path: pathlib.Path, **overrides) -> pathlib.Path:
   } | overrides
   writer = gguf.GGUFWriter(path, "llama")
   for key, value in metadata.items():
+    if value is None:
+      continue
     if isinstance(value, bool):
       writer.add_bool(key, value)
     elif isinstance(value, str):
@@ -123,15 +126,34 @@ def test_smollm2_chat_template_matches_reference(smollm2, reference):
 
 
 @needs_smollm2
-def test_a_document_and_its_questions_split_one_chat_turn(smollm2):
-  document, questions = "The mill opens at nine.", ["When does it open?", "What opens?"]
+@pytest.mark.parametrize(
+  "document",
+  [
+    "The mill opens at nine.",
+    "Ends in a word",
+    "Trailing newline.\n",
+    "Spaces.   ",
+    "水車は九時に開く。",
+  ],
+)
+def test_a_document_and_its_questions_are_the_ids_of_one_chat_turn(smollm2, document):
+  """The ids a model sees when asked in one prompt: "\n\n" alone is one token, but two
+  before a word, so the cut must not fall between the blank line and the question."""
+  questions = ["When does it open?", "What opens?", ""]
   document_ids, question_ids = smollm2.chat_document_and_questions(document, questions)
   for question, ids in zip(questions, question_ids, strict=True):
-    whole = smollm2.apply_chat_template([{"role": "user", "content": f"{document}\n\n{question}"}])
-    assert smollm2.decode(document_ids + ids, skip_special_tokens=False) == whole
-  assert smollm2.decode(document_ids, skip_special_tokens=False).endswith(f"{document}\n\n")
+    content = f"{document.rstrip()}\n\n{question}"
+    whole = smollm2.encode(smollm2.apply_chat_template([{"role": "user", "content": content}]))
+    assert document_ids + ids == whole
+  assert smollm2.decode(document_ids, skip_special_tokens=False).endswith(document.rstrip())
   with pytest.raises(ValueError, match="NUL-delimited marker"):
     smollm2.chat_document_and_questions("a\x00question\x00b", questions)
+
+
+@needs_smollm2
+def test_a_question_whose_tokens_merge_with_the_document_is_refused(smollm2):
+  with pytest.raises(ValueError, match="merges tokens across the end of the document"):
+    smollm2.chat_document_and_questions("The water mill", ["s turn"], separator="")
 
 
 def test_smollm2_special_ids(smollm2):
@@ -152,7 +174,7 @@ def test_smollm2_special_ids(smollm2):
   ],
 )
 def test_pre_tokenizers_split_numbers_like_llama_cpp(pre, pieces):
-  split = GGUF_PRE_TOKENIZERS[pre]().pre_tokenize_str("x 123456")
+  split = GGUF_PRE_TOKENIZERS[pre].split().pre_tokenize_str("x 123456")
   assert [piece for piece, _ in split] == pieces
 
 
@@ -171,6 +193,32 @@ def test_gguf_tokens_merges_and_special_tokens(tmp_path):
   assert tokenizer.decode([think, ab, im_end], skip_special_tokens=False) == "<think>ab<|im_end|>"
   assert (tokenizer.bos_id, tokenizer.eos_id, tokenizer.vocab_size) == (0, 1, len(TINY_TOKENS))
   assert tokenizer.stop_ids == (1, im_end)
+
+
+def test_gguf_llama_bpe_keeps_whole_vocabulary_words_and_adds_bos(tmp_path):
+  """llama.cpp's llama-bpe (Llama 3): a word that is itself a vocabulary entry is one token even
+  when no merge builds it (ignore_merges), and BOS is added when the file does not say."""
+  metadata = {
+    "tokenizer.ggml.pre": "llama-bpe",
+    "tokenizer.ggml.tokens": [*TINY_TOKENS, "ba"],
+    "tokenizer.ggml.token_type": [*TINY_TYPES, 1],
+  }
+  no_add_bos = {"tokenizer.ggml.add_bos_token": None}
+  tokenizer = Tokenizer.from_gguf(
+    write_tokenizer_gguf(tmp_path / "llama3.gguf", **metadata, **no_add_bos)
+  )
+  whole_word = len(TINY_TOKENS)
+  assert tokenizer.encode("ba") == [whole_word]
+  assert tokenizer.encode("ba", add_special_tokens=True) == [0, whole_word]
+  smollm = Tokenizer.from_gguf(
+    write_tokenizer_gguf(tmp_path / "smollm.gguf", **metadata | {"tokenizer.ggml.pre": "smollm"})
+  )
+  assert smollm.encode("ba") == [TINY_IDS["b"], TINY_IDS["a"]]  # merges only, as llama.cpp
+
+
+def test_gguf_without_add_bos_key_adds_no_bos_outside_llama_bpe(tmp_path):
+  path = write_tokenizer_gguf(tmp_path / "tiny.gguf", **{"tokenizer.ggml.add_bos_token": None})
+  assert Tokenizer.from_gguf(path).encode("ab", add_special_tokens=True) == [TINY_IDS["ab"]]
 
 
 def test_gguf_without_chat_template(tmp_path):
@@ -223,6 +271,32 @@ def test_hf_directory_special_tokens_and_generation_eos(tmp_path):
   assert tokenizer.stop_ids == (1, 2)
   assert tokenizer.encode("ab ab") == [TINY_IDS["ab"], TINY_IDS["Ġab"]]
   assert tokenizer.decode(tokenizer.encode("ab ab")) == "ab ab"
+
+
+@pytest.mark.parametrize(
+  ("flags", "ids"),
+  [({}, [0, 7]), ({"add_bos_token": False}, [7]), ({"add_eos_token": True}, [0, 7, 1])],
+)
+def test_hf_llama_tokenizer_class_follows_bos_eos_flags(tmp_path, flags, ids):
+  """transformers' LlamaTokenizerFast rebuilds its post-processor from these flags (BOS by
+  default), whatever tokenizer.json holds; other classes keep tokenizer.json's."""
+  config = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}
+  directory = write_tokenizer_dir(tmp_path / "llama", config | flags)
+  assert Tokenizer.from_hf_directory(directory).encode("ab", add_special_tokens=True) == ids
+  other = write_tokenizer_dir(tmp_path / "other", {**config, "tokenizer_class": "GPT2Tokenizer"})
+  assert Tokenizer.from_hf_directory(other).encode("ab", add_special_tokens=True) == [7]
+
+
+def test_hf_llama_tokenizer_class_asking_for_a_missing_bos(tmp_path):
+  directory = write_tokenizer_dir(tmp_path / "tok", {"tokenizer_class": "LlamaTokenizerFast"})
+  with pytest.raises(CheckpointError, match="add the bos_token"):
+    Tokenizer.from_hf_directory(directory)
+
+
+def test_chat_template_leaves_roles_without_a_token_undefined(tmp_path):
+  template = "{{ bos_token }}[{{ messages[0]['content'] }}]"
+  directory = write_tokenizer_dir(tmp_path / "tok", {"chat_template": template})
+  assert Tokenizer.from_hf_directory(directory).apply_chat_template([{"content": "ab"}]) == "[ab]"
 
 
 def test_hf_directory_chat_template_rendering(tmp_path):

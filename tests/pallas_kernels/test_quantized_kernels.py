@@ -525,6 +525,20 @@ def test_folded_falls_back_for_wide_groups_and_every_variant_rejects_a_bad_block
         )
 
 
+def test_planar_steps_by_key_groups_whatever_block_tokens_says():
+  queries, segment, lengths, kwargs, reference = _case(9, 2, 64, 2, False, jnp.float32)
+  out, lse = triton_kernel.quantized_decode_attention_triton(
+    queries,
+    *segment[:6],
+    lengths,
+    variant="planar",
+    block_tokens=16,  # the folded loop would refuse it: less than one key group of 32
+    interpret=triton_interpret(),
+    **kwargs,
+  )
+  assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.float32, True))
+
+
 def test_joined_falls_back_where_a_value_group_splits_a_bit_field():
   # head_dim 256 at 8 bits: 64-channel bit fields, 32-channel value groups.
   assert not triton_kernel.joined_supported(256, 8, 32)
