@@ -151,14 +151,18 @@ CACHE_DTYPES = ("bfloat16", "float16", "float32")
 def check_cache_dtype(cache_dtype) -> None:
   """ValueError unless `cache_dtype` names one of CACHE_DTYPES (an integer dtype would store
   every key and value truncated, and generation would go on from garbage)."""
+  check_float_dtype(cache_dtype, name="cache_dtype")
+
+
+def check_float_dtype(dtype, *, name: str) -> None:
+  """ValueError naming argument `name` unless `dtype` is bfloat16, float16 or float32 (the
+  dtypes of caches and of model weights)."""
   try:
-    name = np.dtype(cache_dtype).name
+    dtype_name = np.dtype(dtype).name
   except TypeError:
-    name = None
-  if name not in CACHE_DTYPES:
-    raise ValueError(
-      f"cache_dtype={cache_dtype!r} is not supported; allowed: {', '.join(CACHE_DTYPES)}"
-    )
+    dtype_name = None
+  if dtype_name not in CACHE_DTYPES:
+    raise ValueError(f"{name}={dtype!r} is not supported; allowed: {', '.join(CACHE_DTYPES)}")
 
 
 def check_cache_method(cache_method) -> None:

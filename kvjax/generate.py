@@ -438,16 +438,9 @@ def _compiled_executables(
     prefill_compiled = prefill_jit.lower(
       decoder, params, tokens, lengths, **prefill_static
     ).compile()
-    shapes = jax.eval_shape(
-      lambda: _prefill_in_jit(decoder, params, tokens, lengths, **prefill_static)
-    )
-    # The decode program takes the prefill's outputs where the prefill leaves them: without
-    # their shardings it would be compiled for whatever XLA infers.
-    logits_shape, caches_shape = jax.tree.map(
-      lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
-      shapes,
-      prefill_compiled.output_shardings,
-    )
+    # The decode program takes the prefill's outputs where the prefill leaves them (its
+    # out_info carries their shardings): otherwise it would be compiled for whatever XLA infers.
+    logits_shape, caches_shape = prefill_compiled.out_info
     decode_compiled = _decode_in_jit_donating_caches.lower(
       decoder, params, logits_shape, caches_shape, lengths, key, **decode_static
     ).compile()

@@ -5,14 +5,11 @@ import json
 import numbers
 import os
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, for check_param_dtype)
-import numpy as np
-
+from kvjax.cache_protocol import check_float_dtype
 from kvjax.rope import RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-PARAM_DTYPES = ("bfloat16", "float16", "float32")
 
 # What transformers assumes for keys a config.json leaves out (LlamaConfig, MistralConfig), so a
 # sparse config describes the same model here as there. `sliding_window` is read only for
@@ -37,6 +34,10 @@ _POSITIVE_FIELDS = (
   "head_dim",
   "max_position_embeddings",
 )
+
+
+def _is_positive_int(value) -> bool:
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +67,9 @@ class DecoderConfig:
       )
     for name in _POSITIVE_FIELDS:
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      if not _is_positive_int(value):
         raise ValueError(f"{name}={value!r} must be a positive integer")
-    if self.sliding_window is not None and (
-      isinstance(self.sliding_window, bool)
-      or not isinstance(self.sliding_window, numbers.Integral)
-      or self.sliding_window < 1
-    ):
+    if self.sliding_window is not None and not _is_positive_int(self.sliding_window):
       raise ValueError(
         f"sliding_window={self.sliding_window!r} must be None (full attention) or an integer >= 1"
       )
@@ -185,11 +182,6 @@ def rope_scaling_from_hf(rope_scaling: dict | None) -> RopeScaling | None:
 
 
 def check_param_dtype(dtype) -> None:
-  """ValueError unless `dtype` names one of PARAM_DTYPES (weights are floating point; float64
-  would be cut to float32 by JAX's default settings without saying so)."""
-  try:
-    name = np.dtype(dtype).name
-  except TypeError:
-    name = None
-  if name not in PARAM_DTYPES:
-    raise ValueError(f"dtype={dtype!r} is not supported; allowed: {', '.join(PARAM_DTYPES)}")
+  """ValueError unless `dtype` is bfloat16, float16 or float32 (weights are floating point;
+  float64 would be cut to float32 by JAX's default settings without saying so)."""
+  check_float_dtype(dtype, name="dtype")
