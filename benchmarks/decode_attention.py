@@ -3,8 +3,8 @@
 Default sizes (the issue's): batch 8, 8 KV heads, 4 query heads per KV head, head_dim 128,
 bf16 cache, contexts 8k / 32k / 128k, every row full. Measured in one run:
 
-  copy       device-to-device elementwise copy (x + 1 over 1 GiB): the bandwidth ceiling,
-             bytes = read + written;
+  copy       device-to-device elementwise copy (x + 1 over 1 GiB), bytes = read + written:
+             the reference rate "% copy" divides by (a read-only kernel can pass 100%);
   xla_bf16   bf16 full-cache decode attention by XLA (einsum, f32 accumulation) - the baseline;
   xla_dpa    jax.nn.dot_product_attention (XLA) on a [B, T, H, D] bf16 cache;
   pallas_bf16  the full-precision Pallas kernel (Triton lowering) on the bf16 cache;

@@ -6,9 +6,9 @@ profiler (Nsight Compute) to attach to. Prints nothing but the time of the last 
       --set full --import-source no -o rep \
       python benchmarks/profile_quantized_kernel.py --bits 2 --kernel-config '{"prefetch": false}'
 
-For a GEAR segment (`--rank 4 --outliers 163`, the benchmark's GEAR-2) the time splits between
-the kernel and XLA's work around it; `ncu --metrics gpu__time_duration.sum` without a kernel
-filter lists every kernel the call launches with its duration.
+For a GEAR segment (`--group-size 64 --rank 4 --outliers 163`, the benchmark's GEAR-2) the
+time splits between the kernel and XLA's work around it; `ncu --metrics gpu__time_duration.sum`
+without a kernel filter lists every kernel the call launches with its duration.
 
 The Pallas kernel is named after its `pallas_call` (`quantized_decode_attention_<bits>bit_triton`);
 with jax's default preallocation of GPU memory the profiled process ran out of memory and crashed

@@ -21,6 +21,7 @@ import numpy as np
 
 from kvjax.compact_rows import write_tokens_at_lengths
 from kvjax.lru_table import LruTable
+from kvjax.rope import RopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,10 @@ class ModelCacheShape:
   num_query_heads: int
   head_dim: int
   sliding_window: int | None = None
+  # The model's RoPE, for caches that re-rotate keys (StreamingLLM's in-cache positions); None
+  # where a decoder does not say.
+  rope_theta: float | None = None
+  rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
     if self.num_query_heads % self.num_kv_heads:

@@ -4,7 +4,9 @@ A cache with a fixed capacity (dense storage, KIVI/GEAR, a selection's survivors
 `room`: int32 [batch], how many more tokens each row can take. Appends past it would be lost
 inside jit, where nothing can raise, so kvjax's loops (`decode`, `teacher_force`) check first,
 on the host, whenever they are given concrete caches. Caches that evict by design (a sliding
-window's ring buffer, StreamingLLM) report no room and are never full.
+window's ring buffer, StreamingLLM, h2o_decode) report no room and are never full, once they
+hold their whole budget: allocated with fewer slots (the prompt and the new tokens fit in
+less), they report room like the others.
 """
 
 import jax

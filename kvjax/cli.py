@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -62,8 +63,9 @@ def _add_attention_arguments(p):
   )
 
 
-# jax.random.key takes a seed int64 can hold.
-SEED_RANGE = (-(2**63), 2**63 - 1)
+# jax.random.key takes a seed int64 can hold; numpy's generators (text windows, razor probe
+# tokens) take no negative one.
+SEED_RANGE = (0, 2**63 - 1)
 
 
 def _check_run_arguments(args) -> None:
@@ -76,13 +78,45 @@ def _check_run_arguments(args) -> None:
   ):
     if value is not None and value < low:
       raise ValueError(f"{flag}={value} must be >= {low}")
-  seed = getattr(args, "seed", None)
-  if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-    raise ValueError(f"--seed={seed} must be in [-2**63, 2**63 - 1]")
+  _check_seed(args)
   try:
     choose_kernel_family(args.implementation, None)
   except ValueError as error:
     raise ValueError(f"--implementation: {error}") from None
+
+
+def _check_seed(args) -> None:
+  seed = getattr(args, "seed", None)
+  if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+    raise ValueError(f"--seed={seed} must be in [0, 2**63 - 1]")
+
+
+def _check_razor_profile_arguments(args) -> None:
+  """The probe's flags, checked before the model loads and before --output's folder is made."""
+  for flag, value in (("--block-len", args.block_len), ("--repeats", args.repeats)):
+    if value < 2:
+      raise ValueError(f"{flag}={value} must be >= 2")
+  for flag, value in (
+    ("--induction-ratio", args.induction_ratio),
+    ("--echo-ratio", args.echo_ratio),
+  ):
+    if not 0.0 <= value <= 1.0:
+      raise ValueError(f"{flag}={value} must be in [0, 1] (a fraction of all KV heads)")
+  _check_seed(args)
+
+
+def _check_profile_model(cache_method, model_name: str) -> None:
+  """A razor head profile records the model it was measured on: another model of the same shape
+  (a fine-tune, a sibling) would take its retrieval heads without an error."""
+  profile = getattr(cache_method, "head_profile", None)
+  if profile is None or not profile.model_name or _same_model(profile.model_name, model_name):
+    return
+  source = cache_method.profile if isinstance(cache_method.profile, (str, os.PathLike)) else ""
+  raise ValueError(
+    f"--method: the razor head profile {os.fspath(source)!r} was computed for model "
+    f"{profile.model_name!r}, not {model_name!r}; compute one for this model with "
+    f"`kvjax razor-profile --model {model_name} --output PATH`"
+  )
 
 
 def _writable_directory(flag: str, path: str) -> None:
@@ -135,6 +169,7 @@ def run_generate(args) -> int:
     raise ValueError("--top-k/--top-p need --temperature (greedy decoding otherwise)")
   _check_run_arguments(args)
   sampling = SamplingConfig(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p)
+  _check_profile_model(cache_method, args.model)
   loaded = load_model(args.model, layer_loop=args.layer_loop)
   text = args.prompt
   if not args.raw:
@@ -390,6 +425,7 @@ def run_ask(args) -> int:
     kernel_settings=kernel_settings_from_json(args.kernel_settings),
   )
   feed_chunk = 64 if args.feed_chunk is None else args.feed_chunk
+  _check_profile_model(cache_method, model_name)
   document = "" if saved is not None else load_text(args.document, name="--document")
   loaded = load_model(model_name, layer_loop=layer_loop)
   # The questions' ids do not depend on the document: the chat template is cut where they begin.
@@ -609,9 +645,10 @@ def run_compare(args) -> int:
   else:
     specs = args.methods
   for spec in specs:  # every spec is checked before the model loads
-    parse_method_spec(
+    method = parse_method_spec(
       spec, implementation=args.implementation, kernel_settings=config.kernel_settings
     )
+    _check_profile_model(method, args.model)
   text = load_text(args.text)
   from models.loading import load_model
 
@@ -677,6 +714,7 @@ def run_razor_profile(args) -> int:
   from kvjax.retrieval_heads import compute_head_profile
   from models.loading import load_model
 
+  _check_razor_profile_arguments(args)
   output = pathlib.Path(args.output)
   if output.is_dir():
     raise ValueError(f"--output {args.output}: is a directory; name the profile's JSON file")
@@ -704,7 +742,7 @@ def run_razor_profile(args) -> int:
     echo_ratio=args.echo_ratio,
     bos_token_id=config.bos_token_id,
     max_positions=config.max_position_embeddings,
-    model_name=args.model,
+    model_name=_recorded_model(args.model),
   )
   profile.save(args.output)
   for layer, head in profile.retrieval_heads:

@@ -110,8 +110,9 @@ def compress_context(
   prefill_chunk: int | None = None,
 ) -> CompressedContext:
   """Prefills `prompts` (token lists, any lengths) into caches of `cache_method` with `room`
-  tokens of space left per row (a method that evicts by design, such as StreamingLLM, has no
-  limit).
+  tokens of space left per row. A method that evicts by design (StreamingLLM, h2o_decode) has
+  no limit once its caches hold their whole budget (prompt + room >= budget); with fewer slots
+  it is limited to `room` like the others, rather than evict down to less than its budget.
 
   `prefill_chunk` feeds the prompts that many tokens at a time, compressing as they arrive
   (`kvjax.chunked_prefill`); the context has the same structure and shapes either way, so

@@ -33,6 +33,7 @@ from kvjax.lru_table import LruTable
 from kvjax.prompt_batch import (
   check_ids_fit_int32,
   check_padded_token_ids,
+  check_positions,
   check_row_lengths,
   check_token_ids,
   compact_padded_batch,
@@ -194,7 +195,6 @@ def _decode_loop(
   feed_width = feed_tokens.shape[1]
   # One key per loop step (the first max_new_tokens are generate's keys when nothing is fed).
   keys = jax.random.split(key, feed_width + max_new_tokens)
-  last_choice = feed_lengths + max_new_tokens - 1  # the step choosing a row's last token
   slots = jnp.arange(max_new_tokens)
 
   def choose(step, logits, done, tokens, count):
@@ -216,25 +216,25 @@ def _decode_loop(
     return token, done, tokens, count
 
   def more(state):
-    step, _, _, done, _, _ = state
-    return ~jnp.all(done | (step >= last_choice))
+    return ~jnp.all(state[3])
 
   def step(state):
-    step, logits, caches, done, tokens, count = state
-    token, done, tokens, count = choose(step, logits, done, tokens, count)
+    # The token is chosen before the loop tests for the end, so no pass runs for a token no row
+    # will use (the one after every row stopped).
+    step, token, caches, done, tokens, count = state
     logits, caches = decoder.decode_step(params, token, lengths + step, caches)
-    return step + 1, logits, caches, done, tokens, count
+    token, done, tokens, count = choose(step + 1, logits, done, tokens, count)
+    return step + 1, token, caches, done, tokens, count
 
-  state = (
-    jnp.int32(0),
+  token, done, tokens, count = choose(
+    0,
     logits,
-    caches,
     jnp.zeros((batch,), bool),
     jnp.full((batch, max_new_tokens), pad_token_id, jnp.int32),
     jnp.zeros((batch,), jnp.int32),
   )
-  steps, logits, caches, done, tokens, count = jax.lax.while_loop(more, step, state)
-  _, _, tokens, count = choose(steps, logits, done, tokens, count)
+  state = (jnp.int32(0), token, caches, done, tokens, count)
+  steps, _, caches, done, tokens, count = jax.lax.while_loop(more, step, state)
   return tokens, count, caches, steps
 
 
@@ -271,10 +271,7 @@ def decode(
   `decode.lower` lowers the loop ahead of time, without the checks."""
   batch, vocab_size = logits.shape
   key = check_decode_arguments(max_new_tokens, sampling, key)
-  if np.shape(lengths) != (batch,):
-    raise ValueError(
-      f"lengths must be [batch={batch}] (one per row of logits); got {np.shape(lengths)}"
-    )
+  check_positions(lengths, batch=batch, name="lengths")
   stop_token_ids = check_emitted_token_ids(stop_token_ids, pad_token_id, vocab_size=vocab_size)
   longest_feed = check_feed(feed_tokens, feed_lengths, batch=batch, vocab_size=vocab_size)
   check_room(caches, longest_feed + max_new_tokens - 1, caller="decode")
@@ -305,12 +302,10 @@ def check_feed(feed_tokens, feed_lengths, *, batch: int, vocab_size: int) -> int
     return 0
   if feed_tokens is None or feed_lengths is None:
     raise ValueError("feed_tokens and feed_lengths go together: give both or neither")
-  shape, lengths_shape = np.shape(feed_tokens), np.shape(feed_lengths)
-  if len(shape) != 2 or shape[0] != batch or lengths_shape != (batch,):
-    raise ValueError(
-      f"feed_tokens must be [batch={batch}, width] and feed_lengths [batch={batch}]; got "
-      f"{shape} and {lengths_shape}"
-    )
+  shape = np.shape(feed_tokens)
+  if len(shape) != 2 or shape[0] != batch:
+    raise ValueError(f"feed_tokens must be [batch={batch}, width]; got {shape}")
+  check_positions(feed_lengths, batch=batch, name="feed_lengths")
   if not jnp.issubdtype(jnp.result_type(feed_tokens), jnp.integer):
     raise ValueError(f"feed_tokens must hold integer token ids, got {jnp.result_type(feed_tokens)}")
   if isinstance(feed_lengths, jax.core.Tracer):
@@ -355,7 +350,28 @@ def check_decode_arguments(
     raise ValueError(f"sampling must be a kvjax.SamplingConfig, got {type(sampling).__name__}")
   if not sampling.greedy and key is None:
     raise ValueError("key is required when sampling (temperature > 0)")
-  return jax.random.key(0) if key is None else key
+  if key is None:
+    return jax.random.key(0)
+  check_prng_key(key)
+  return key
+
+
+def check_prng_key(key) -> None:
+  """One PRNG key: a typed key array of shape () (`jax.random.key`) or a legacy uint32[2] one
+  (`jax.random.PRNGKey`; uint32[4] under the rbg implementations). An int seed or a batch of
+  keys would fail inside the traced loop, with a message naming neither `generate` nor `key`."""
+  dtype = getattr(key, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if np.shape(key) == ():
+      return
+  elif dtype == np.uint32:
+    legacy = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    if np.shape(key) == legacy.shape:
+      return
+  raise ValueError(
+    "key must be one PRNG key: jax.random.key(seed) (shape ()) or jax.random.PRNGKey(seed); "
+    f"got {type(key).__name__} of dtype {dtype} and shape {np.shape(key)}"
+  )
 
 
 def _as_compact_batch(prompts, attention_mask, pad_token_id):

@@ -20,7 +20,12 @@ import jax
 from kvjax.cache_protocol import ModelCacheShape
 from kvjax.dense_cache import FullCache
 from kvjax.method_registry import register_method
-from kvjax.selection.budgets import check_budget_or_ratio, check_storage_method, prompt_budget
+from kvjax.selection.budgets import (
+  check_budget_or_ratio,
+  check_method_int,
+  check_storage_method,
+  prompt_budget,
+)
 from kvjax.selection.pooling import check_gqa_reduce, reduce_query_group
 from kvjax.selection.selected_cache import allocate_selected_cache
 from kvjax.selection.token_choice import keep_top_tokens_and_window
@@ -84,10 +89,8 @@ class H2O:
   storage: Any = FullCache()
 
   def __post_init__(self):
-    if self.window < 1:
-      raise ValueError(f"h2o: window={self.window} must be >= 1")
-    if self.query_chunk < 1:
-      raise ValueError(f"h2o: query_chunk={self.query_chunk} must be >= 1")
+    check_method_int("h2o", "window", self.window, 1)
+    check_method_int("h2o", "query_chunk", self.query_chunk, 1)
     check_budget_or_ratio(
       "h2o", self.budget, self.ratio, minimum=self.window, minimum_what="window"
     )

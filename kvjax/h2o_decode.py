@@ -37,6 +37,7 @@ from kvjax.selection.budgets import (
   budget_while_decoding,
   check_budget_or_ratio,
   check_full_attention_model,
+  check_method_int,
 )
 from kvjax.selection.pooling import check_gqa_reduce, reduce_query_group
 from kvjax.selection.token_choice import gather_tokens, keep_top_tokens_and_window
@@ -58,10 +59,24 @@ class HeavyHitterEvictionCache(KeyValueArrays):
   gqa_reduce: str = dataclasses.field(metadata=dict(static=True))
   prompt_sm_scale: float = dataclasses.field(metadata=dict(static=True))
   query_chunk: int = dataclasses.field(metadata=dict(static=True))
+  # False when the slots are fewer than the method's budget (the prompt and the new tokens fit
+  # in less): evicting there would keep fewer tokens than the budget, so the cache is bounded.
+  evicts_when_full: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
   @classmethod
   def zeros(
-    cls, *, batch, kv_heads, slots, head_dim, dtype, window, gqa_reduce, sm_scale, query_chunk
+    cls,
+    *,
+    batch,
+    kv_heads,
+    slots,
+    head_dim,
+    dtype,
+    window,
+    gqa_reduce,
+    sm_scale,
+    query_chunk,
+    evicts_when_full=True,
   ):
     shape = (batch, kv_heads, slots)
     return cls(
@@ -75,11 +90,16 @@ class HeavyHitterEvictionCache(KeyValueArrays):
       gqa_reduce=gqa_reduce,
       prompt_sm_scale=sm_scale,
       query_chunk=query_chunk,
+      evicts_when_full=evicts_when_full,
     )
 
   @property
   def slots(self) -> int:
     return self.keys.shape[2]
+
+  @property
+  def room(self) -> jax.Array | None:  # int32 [batch], or None once the cache holds its budget
+    return None if self.evicts_when_full else self.slots - self.lengths
 
   def ingest(self, keys, values, queries, lengths):
     lengths = lengths.astype(jnp.int32)
@@ -179,7 +199,9 @@ class HeavyHitterEvictionCache(KeyValueArrays):
   def append_and_attend(self, keys, values, queries, *, sm_scale):
     """kvjax.append_and_attend for this cache: attend over held + new, score, evict, store."""
     q = queries.astype(jnp.float32)  # [batch, kv_heads, group, head_dim]
-    new_key, new_value = keys.astype(jnp.float32), values.astype(jnp.float32)
+    # As stored: attending to the unrounded new token would differ from the full cache.
+    new_key = keys.astype(self.keys.dtype).astype(jnp.float32)
+    new_value = values.astype(self.values.dtype).astype(jnp.float32)
     held_logits = self._held_logits(q, sm_scale)
     new_logit = jnp.einsum("bhgd,bhd->bhg", q, new_key) * sm_scale
     top = jnp.maximum(held_logits.max(axis=-1), new_logit)
@@ -254,10 +276,9 @@ class H2ODecode:
   storage: Any = FullCache()
 
   def __post_init__(self):
-    if self.window is not None and self.window < 1:
-      raise ValueError(f"h2o_decode: window={self.window} must be >= 1 (or None: half the budget)")
-    if self.query_chunk < 1:
-      raise ValueError(f"h2o_decode: query_chunk={self.query_chunk} must be >= 1")
+    if self.window is not None:
+      check_method_int("h2o_decode", "window", self.window, 1)
+    check_method_int("h2o_decode", "query_chunk", self.query_chunk, 1)
     check_budget_or_ratio("h2o_decode", self.budget, self.ratio, **self._smallest_budget())
     check_gqa_reduce("h2o_decode", self.gqa_reduce)
     if type(self.storage) is not FullCache:
@@ -298,10 +319,9 @@ class H2ODecode:
       slots=slots,
       head_dim=shape.head_dim,
       dtype=dtype,
-      # A cache smaller than the budget (prompt + new tokens fit) only evicts when fed past
-      # what it was allocated for; one slot then stays open to eviction.
       window=min(self.recent_window(budget), max(slots - 1, 0)),
       gqa_reduce=self.gqa_reduce,
       sm_scale=shape.head_dim**-0.5,
       query_chunk=self.query_chunk,
+      evicts_when_full=slots >= budget,
     )

@@ -111,7 +111,8 @@ def parse_method_spec(
 
 
 def describe_method(method) -> str:
-  """The spec string of a method object (round-trips through `parse_method_spec`)."""
+  """The spec string of a method object (round-trips through `parse_method_spec`, except for a
+  razor profile given as a `HeadProfile` object, not a path: that part is its repr)."""
   parts = []
   storage = getattr(method, "storage", None)
   for m in (method, storage) if storage is not None else (method,):

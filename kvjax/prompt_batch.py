@@ -116,16 +116,31 @@ def check_row_lengths(tokens, lengths, *, vocab_size: int | None, name: str) -> 
     )
   if shape[0] < 1 or shape[1] < 1:
     raise ValueError(f"{name} must hold at least one row and one token; got shape {shape}")
-  dtype = jax.numpy.result_type(lengths)
-  if not np.issubdtype(dtype, np.integer):
-    raise ValueError(f"lengths must hold integers; got dtype {dtype}")
-  if not isinstance(lengths, jax.core.Tracer):
-    values = np.asarray(lengths)
+  values = _integer_values(lengths, name="lengths")
+  if values is not None:
     if values.min() < 1 or values.max() > shape[1]:
       raise ValueError(
         f"lengths={values.tolist()} must each lie in [1, {shape[1]}] (the width of {name})"
       )
   check_token_array(tokens, vocab_size=vocab_size, name=name)
+
+
+def check_positions(lengths, *, batch: int, name: str) -> None:
+  """Per-row positions (`lengths`, `feed_lengths`): integer [batch], each >= 0 where concrete.
+  A float one would make fractional cache slots that no write lands on, without an error."""
+  if np.shape(lengths) != (batch,):
+    raise ValueError(f"{name} must be [batch={batch}]; got shape {np.shape(lengths)}")
+  values = _integer_values(lengths, name=name)
+  if values is not None and values.size and (values.min() < 0 or values.max() >= INT32_IDS):
+    raise ValueError(f"{name}={values.tolist()} must each be >= 0 and < 2**31")
+
+
+def _integer_values(array, *, name: str) -> np.ndarray | None:
+  """`array`'s values, refused unless of an integer dtype; None inside a trace."""
+  dtype = jax.numpy.result_type(array)
+  if not np.issubdtype(dtype, np.integer):
+    raise ValueError(f"{name} must hold integers; got dtype {dtype}")
+  return None if isinstance(array, jax.core.Tracer) else np.asarray(array)
 
 
 def check_token_array(tokens, *, vocab_size: int | None, name: str) -> None:

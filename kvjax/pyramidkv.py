@@ -20,7 +20,7 @@ from typing import Any
 from kvjax.cache_protocol import ModelCacheShape
 from kvjax.dense_cache import FullCache
 from kvjax.method_registry import register_method
-from kvjax.selection.budgets import prompt_budget
+from kvjax.selection.budgets import check_method_int, prompt_budget
 from kvjax.selection.selected_cache import allocate_selected_cache
 from kvjax.snapkv import ObservationWindowSelector, check_snapkv_fields
 
@@ -75,8 +75,7 @@ class PyramidKV:
       self.gqa_reduce,
       self.storage,
     )
-    if self.beta < 1:
-      raise ValueError(f"pyramidkv: beta={self.beta} must be >= 1")
+    check_method_int("pyramidkv", "beta", self.beta, 1)
 
   def layer_budgets(self, num_layers: int, prompt_len: int) -> tuple[int, ...]:
     average = prompt_budget(

@@ -50,6 +50,7 @@ from kvjax.retrieval_heads import HeadProfile
 from kvjax.selection.budgets import (
   check_budget_or_ratio,
   check_full_attention_model,
+  check_method_int,
   check_storage_method,
   prompt_budget,
 )
@@ -477,7 +478,8 @@ class RazorAttention:
   prompt; `sinks` (default 4); `compensation`: "mean" | "weighted".
   """
 
-  profile: str | HeadProfile | None = None
+  # Where the heads came from: two paths to equal profiles are one method (`head_profile`).
+  profile: str | HeadProfile | None = dataclasses.field(default=None, compare=False)
   budget: int | None = None
   ratio: float | None = None
   sinks: int = 4
@@ -488,8 +490,7 @@ class RazorAttention:
   head_profile: HeadProfile = dataclasses.field(init=False, repr=False)
 
   def __post_init__(self):
-    if self.sinks < 0:
-      raise ValueError(f"razor: sinks={self.sinks} must be >= 0")
+    check_method_int("razor", "sinks", self.sinks, 0)
     check_budget_or_ratio(
       "razor",
       self.budget,
@@ -518,7 +519,7 @@ class RazorAttention:
     )
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
-    named = f" {self.profile!r}" if isinstance(self.profile, str) else ""
+    named = f" {os.fspath(self.profile)!r}" if isinstance(self.profile, (str, os.PathLike)) else ""
     self.head_profile.check_matches(shape, source=f"razor: head profile{named}")
     check_full_attention_model(shape, "razor", prompt_len + max_new_tokens)
     retrieval_heads = self.head_profile.retrieval_heads_of_layer(layer)

@@ -19,6 +19,7 @@ here imports `models`. The result is a `HeadProfile`, saved once per model as JS
 import dataclasses
 import json
 import math
+import numbers
 import os
 from typing import Any
 
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
+from kvjax.cache_protocol import ModelCacheShape, check_count, tree_nbytes
 
 PROFILE_FORMAT = "kvjax-head-profile"
 PROFILE_VERSION = 1
@@ -141,6 +142,11 @@ class HeadScoreProbe:
   prefix_len: int = 0
   query_chunk: int = 256
 
+  def __post_init__(self):
+    check_count("block_len", self.block_len, 2)
+    check_count("prefix_len", self.prefix_len, 0)
+    check_count("query_chunk", self.query_chunk, 1)
+
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
     del layer, prompt_len, max_new_tokens, dtype
     scores_shape = (batch, shape.num_kv_heads, shape.group_size)
@@ -187,6 +193,14 @@ def _frozen(value):
   return value
 
 
+def _head_pair(pair) -> tuple[int, int]:
+  """A stored (layer, kv_head) pair; a float index such as 1.5 is refused, not truncated."""
+  layer, head = pair
+  if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in (layer, head)):
+    raise ValueError(f"retrieval head {list(pair)!r} must be two ints (layer, kv_head)")
+  return int(layer), int(head)
+
+
 def _check_ratio(name: str, value: float) -> None:
   if not 0.0 <= value <= 1.0:
     raise ValueError(f"{name}={value} must be in [0, 1] (a fraction of all KV heads)")
@@ -217,7 +231,16 @@ class HeadProfile:
       scores = getattr(self, name)
       if len(scores) != self.num_layers or any(len(row) != self.num_kv_heads for row in scores):
         raise ValueError(f"head profile: {name} must be [num_layers, num_kv_heads] = {expected}")
+    if len(set(self.retrieval_heads)) != len(self.retrieval_heads):
+      raise ValueError(
+        f"head profile: retrieval_heads {list(self.retrieval_heads)} name a (layer, kv_head) "
+        "more than once; each head is a retrieval head or not"
+      )
     for layer, head in self.retrieval_heads:
+      if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in (layer, head)):
+        raise ValueError(
+          f"head profile: retrieval head ({layer!r}, {head!r}) must be two ints (layer, kv_head)"
+        )
       if not (0 <= layer < self.num_layers and 0 <= head < self.num_kv_heads):
         raise ValueError(
           f"head profile: retrieval head (layer={layer}, kv_head={head}) is outside "
@@ -314,9 +337,7 @@ class HeadProfile:
         head_dim=int(model["head_dim"]),
         induction_scores=tuple(tuple(float(s) for s in row) for row in data["induction_scores"]),
         echo_scores=tuple(tuple(float(s) for s in row) for row in data["echo_scores"]),
-        retrieval_heads=tuple(
-          sorted((int(layer), int(head)) for layer, head in data["retrieval_heads"])
-        ),
+        retrieval_heads=tuple(sorted(_head_pair(pair) for pair in data["retrieval_heads"])),
         induction_ratio=float(data["induction_ratio"]),
         echo_ratio=float(data["echo_ratio"]),
         detection=_frozen(data.get("detection", {})),
@@ -356,6 +377,10 @@ def probe_tokens(
   token_range: tuple[int, int] | None = None,
 ) -> np.ndarray:  # int32 [batch, (bos) + block_len * repeats]
   """Random blocks from a mid-vocabulary range (default: the middle half), each repeated."""
+  check_count("block_len", block_len, 1)
+  check_count("repeats", repeats, 1)
+  check_count("batch", batch, 1)
+  check_count("seed", seed, 0)
   low, high = token_range if token_range is not None else (vocab_size // 4, 3 * vocab_size // 4)
   if not 0 <= low < high <= vocab_size or high - low < 2:
     raise ValueError(
@@ -392,12 +417,10 @@ def compute_head_profile(
   """
   from kvjax.generate import prefill  # generate imports the cache modules; keep this one light
 
-  if block_len < 2:
-    raise ValueError(f"block_len={block_len} must be >= 2")
-  if repeats < 2:
-    raise ValueError(f"repeats={repeats} must be >= 2 (scores are read on repeats 2..R)")
-  if batch < 1:
-    raise ValueError(f"batch={batch} must be >= 1")
+  check_count("block_len", block_len, 2)
+  check_count("repeats", repeats, 2)  # scores are read on repeats 2..R
+  check_count("batch", batch, 1)
+  check_count("query_chunk", query_chunk, 1)
   _check_ratio("induction_ratio", induction_ratio)
   _check_ratio("echo_ratio", echo_ratio)
   prefix_len = 0 if bos_token_id is None else 1

@@ -22,7 +22,12 @@ import jax
 from kvjax.cache_protocol import ModelCacheShape
 from kvjax.dense_cache import FullCache
 from kvjax.method_registry import register_method
-from kvjax.selection.budgets import check_budget_or_ratio, check_storage_method, prompt_budget
+from kvjax.selection.budgets import (
+  check_budget_or_ratio,
+  check_method_int,
+  check_storage_method,
+  prompt_budget,
+)
 from kvjax.selection.pooling import (
   check_gqa_reduce,
   check_pooling,
@@ -89,8 +94,8 @@ class ObservationWindowSelector:
 
 
 def check_snapkv_fields(method: str, budget, ratio, window, kernel, pooling, gqa_reduce, storage):
-  if window < 1:
-    raise ValueError(f"{method}: window={window} must be >= 1")
+  check_method_int(method, "window", window, 1)
+  check_method_int(method, "kernel", kernel, 1)
   check_budget_or_ratio(method, budget, ratio, minimum=window, minimum_what="window")
   check_pooling(method, pooling, kernel)
   check_gqa_reduce(method, gqa_reduce)

@@ -1,10 +1,12 @@
 """StreamingLLM: attention sinks + a window of the most recent tokens, evicting while decoding.
 
-The cache holds `budget` slots per KV head (fewer if the whole prompt plus the new tokens fit):
-slots [0, sinks) hold the first `sinks` tokens for ever, slots [sinks, budget) are a ring
-buffer where token p >= sinks lives in slot sinks + (p - sinks) % window, window = budget -
-sinks. Ingest keeps the sinks and the last `window` prompt tokens; every append overwrites the
-oldest non-sink token once the ring is full. Memory is `budget` tokens whatever the length.
+The cache holds `budget` slots per KV head, or fewer if the whole prompt plus the new tokens
+fit; such a smaller cache reports its `room` and refuses more tokens than it was allocated for
+rather than evict down to less than the budget. Slots [0, sinks) hold the first `sinks` tokens
+for ever, slots [sinks, budget) are a ring buffer where token p >= sinks lives in slot sinks +
+(p - sinks) % window, window = budget - sinks. Ingest keeps the sinks and the last `window`
+prompt tokens; every append overwrites the oldest non-sink token once the ring is full. Memory
+is `budget` tokens whatever the length.
 
 Positions (`positions=`):
   - "original" (default): keys keep the RoPE rotation of their original position, as the model
@@ -14,11 +16,14 @@ Positions (`positions=`):
     amount (the number of evicted tokens), which leaves their relative distances unchanged, so
     only the sinks move: at attend time the sink keys are rotated forward by the number of
     evicted tokens. This needs the model's RoPE frequencies, so `rope_theta` must be given
-    (plain RoPE, Hugging Face "rotate half" layout; no Llama-3 frequency scaling).
+    (Hugging Face "rotate half" layout). A decoder whose `cache_shape` gives its RoPE has
+    `rope_theta` checked against it and its Llama-3 frequency scaling applied; one that does
+    not is rotated with plain RoPE at `rope_theta`.
 Prefill attention is the model's own (full causal attention at original positions) either way.
 """
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -31,15 +36,25 @@ from kvjax.compact_rows import write_token_at_lengths
 from kvjax.dense_cache import FullCache
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_registry import register_method
-from kvjax.rope import rope_inverse_frequencies, rotate_by_positions
+from kvjax.rope import RopeScaling, rope_inverse_frequencies, rotate_by_positions
 from kvjax.selection.budgets import (
   budget_while_decoding,
   check_budget_or_ratio,
   check_full_attention_model,
+  check_method_int,
 )
 from kvjax.sliding_window_cache import ring_source_positions
 
 POSITION_MODES = ("original", "in_cache")
+
+
+def check_rope_matches_model(rope_theta: float, shape: ModelCacheShape) -> None:
+  """Sinks re-rotated with another base than the model's would sit at wrong positions."""
+  if shape.rope_theta is not None and not math.isclose(rope_theta, shape.rope_theta, rel_tol=1e-6):
+    raise ValueError(
+      f"streaming: rope_theta={rope_theta} differs from the model's RoPE base "
+      f"{shape.rope_theta}; positions=in_cache must rotate keys as the model does"
+    )
 
 
 def streaming_source_positions(
@@ -68,10 +83,14 @@ class StreamingLayerCache(KeyValueArrays):
   lengths: jax.Array  # int32 [batch]: tokens seen so far (may exceed the slots)
   sinks: int = dataclasses.field(metadata=dict(static=True))
   rope_theta: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+  rope_scaling: RopeScaling | None = dataclasses.field(default=None, metadata=dict(static=True))
   implementation: str = dataclasses.field(default="auto", metadata=dict(static=True))
   kernel_settings: KernelSettings = dataclasses.field(
     default=DEFAULT_KERNEL_SETTINGS, metadata=dict(static=True)
   )
+  # False when the slots are fewer than the method's budget (the prompt and the new tokens fit
+  # in less): evicting there would keep fewer tokens than the budget, so the cache is bounded.
+  evicts_when_full: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
   @classmethod
   def zeros(
@@ -84,8 +103,10 @@ class StreamingLayerCache(KeyValueArrays):
     head_dim,
     dtype,
     rope_theta=None,
+    rope_scaling=None,
     implementation="auto",
     kernel_settings=DEFAULT_KERNEL_SETTINGS,
+    evicts_when_full=True,
   ):
     shape = (batch, kv_heads, sinks + window, head_dim)
     return cls(
@@ -94,8 +115,10 @@ class StreamingLayerCache(KeyValueArrays):
       lengths=jnp.zeros((batch,), jnp.int32),
       sinks=sinks,
       rope_theta=rope_theta,
+      rope_scaling=rope_scaling,
       implementation=implementation,
       kernel_settings=kernel_settings,
+      evicts_when_full=evicts_when_full,
     )
 
   @property
@@ -105,6 +128,10 @@ class StreamingLayerCache(KeyValueArrays):
   @property
   def window(self) -> int:
     return self.slots - self.sinks
+
+  @property
+  def room(self) -> jax.Array | None:  # int32 [batch], or None once the cache holds its budget
+    return None if self.evicts_when_full else self.slots - self.lengths
 
   def ingest(self, keys, values, queries, lengths):
     del queries  # the choice depends on positions only
@@ -168,7 +195,7 @@ class StreamingLayerCache(KeyValueArrays):
     if self.rope_theta is not None and self.sinks > 0:
       # In-cache positions: only the sinks move, forward by the number of evicted tokens.
       evicted = jnp.maximum(self.lengths - self.slots, 0)
-      inv_freq = rope_inverse_frequencies(keys.shape[-1], self.rope_theta)
+      inv_freq = rope_inverse_frequencies(keys.shape[-1], self.rope_theta, self.rope_scaling)
       moved_sinks = rotate_by_positions(keys[:, :, : self.sinks], evicted, inv_freq)
       keys = keys.at[:, :, : self.sinks].set(moved_sinks.astype(keys.dtype))
     return attention_dispatch.decode_attention(
@@ -204,8 +231,7 @@ class StreamingLLM:
   storage: Any = FullCache()
 
   def __post_init__(self):
-    if self.sinks < 0:
-      raise ValueError(f"streaming: sinks={self.sinks} must be >= 0")
+    check_method_int("streaming", "sinks", self.sinks, 0)
     check_budget_or_ratio(
       "streaming",
       self.budget,
@@ -232,9 +258,9 @@ class StreamingLLM:
         "codec storages do not implement; use streaming alone"
       )
 
-  def slots(self, prompt_len: int, max_new_tokens: int) -> int:
-    """Token slots per KV head: the budget, or fewer when prompt + new tokens fit in less."""
-    budget = budget_while_decoding(
+  def budget_tokens(self, prompt_len: int) -> int:
+    """Tokens each KV head holds at most (before capping at prompt + new tokens)."""
+    return budget_while_decoding(
       "streaming",
       self.budget,
       self.ratio,
@@ -242,13 +268,19 @@ class StreamingLLM:
       minimum=self.sinks + 1,
       minimum_what="sinks + a window of 1",
     )
-    return min(budget, prompt_len + max_new_tokens)
+
+  def slots(self, prompt_len: int, max_new_tokens: int) -> int:
+    """Token slots per KV head: the budget, or fewer when prompt + new tokens fit in less."""
+    return min(self.budget_tokens(prompt_len), prompt_len + max_new_tokens)
 
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
     del layer
     # Its sinks, and a chunk's queries over the held window, reach past a sliding window
     # however few slots it has: only a generation inside the window is exact.
     check_full_attention_model(shape, "streaming", prompt_len + max_new_tokens)
+    in_cache = self.positions == "in_cache"
+    if in_cache:
+      check_rope_matches_model(self.rope_theta, shape)
     slots = self.slots(prompt_len, max_new_tokens)
     sinks = min(self.sinks, slots)
     return StreamingLayerCache.zeros(
@@ -258,7 +290,9 @@ class StreamingLLM:
       window=slots - sinks,
       head_dim=shape.head_dim,
       dtype=dtype,
-      rope_theta=self.rope_theta if self.positions == "in_cache" else None,
+      rope_theta=self.rope_theta if in_cache else None,
+      rope_scaling=shape.rope_scaling if in_cache else None,
       implementation=self.implementation,
       kernel_settings=self.kernel_settings,
+      evicts_when_full=slots >= self.budget_tokens(prompt_len),
     )

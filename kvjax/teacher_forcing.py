@@ -14,7 +14,7 @@ import numpy as np
 
 from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder, check_decoder
-from kvjax.prompt_batch import check_token_array
+from kvjax.prompt_batch import check_positions, check_token_array
 
 
 def teacher_force(
@@ -27,18 +27,16 @@ def teacher_force(
 ) -> tuple[jax.Array, jax.Array, tuple]:
   """The jitted loop (`_teacher_force_in_jit`, same arguments and results), after checking on
   the host the forced tokens (integer [batch, steps], ids in the vocabulary of `first_logits`
-  [batch, vocab]), `lengths` [batch], and that the caches have room for every forced token
+  [batch, vocab]), `lengths` (integer [batch]), and that the caches have room for every forced token
   (kvjax.cache_room; concrete caches only: inside a caller's jit they cannot be read, so call
   `check_room` before it). `teacher_force.lower` lowers the loop ahead of time, without the
   checks."""
   check_decoder(decoder)
   batch, vocab_size = np.shape(first_logits)
   shape = np.shape(forced)
-  if len(shape) != 2 or shape[0] != batch or np.shape(lengths) != (batch,):
-    raise ValueError(
-      f"forced must be [batch={batch}, steps] and lengths [batch={batch}] (rows of "
-      f"first_logits); got {shape} and {np.shape(lengths)}"
-    )
+  if len(shape) != 2 or shape[0] != batch:
+    raise ValueError(f"forced must be [batch={batch}, steps] (rows of first_logits); got {shape}")
+  check_positions(lengths, batch=batch, name="lengths")
   check_token_array(forced, vocab_size=vocab_size, name="forced")
   check_room(caches, shape[1], caller="teacher_force")
   return _teacher_force_in_jit(decoder, params, first_logits, caches, lengths, forced)

@@ -65,6 +65,8 @@ class Decoder(nnx.Module):
       num_query_heads=self.config.num_heads,
       head_dim=self.config.head_dim,
       sliding_window=self.config.sliding_window,
+      rope_theta=self.config.rope_theta,
+      rope_scaling=self.config.rope_scaling,
     )
 
   def _logits(self, hidden):

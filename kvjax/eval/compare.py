@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from kvjax.cache_protocol import check_cache_dtype
+from kvjax.cache_protocol import check_cache_dtype, check_count
 from kvjax.chunked_prefill import check_prefill_chunk
 from kvjax.eval.cache_size import cache_bytes_after_context, context_elements
 from kvjax.eval.continuation import ContinuationScores, sample_text_windows, special_prefix
-from kvjax.eval.needle import build_needle_prompts, run_needle
+from kvjax.eval.needle import ANSWER_TOKENS, build_needle_prompts, run_needle
 from kvjax.eval.speed import speed_record, timed_prefill, timed_teacher_force
 from kvjax.generate import check_prefill_arguments
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
@@ -41,8 +41,8 @@ class CompareConfig:
         f"tasks={','.join(self.tasks)!s} has unknown {sorted(unknown)}; allowed: {','.join(TASKS)}"
       )
     for name in ("context_len", "continuation_len", "num_samples"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+      check_count(name, getattr(self, name), 1)
+    check_count("seed", self.seed, 0)  # numpy's generators take no negative seed
     check_cache_dtype(self.cache_dtype)
 
 
@@ -86,11 +86,24 @@ def compare_methods(
       ),
     )
     names.insert(0, "full")
-  needed = config.context_len + config.continuation_len
-  if max_context is not None and needed > max_context:
+  repeated = sorted({name for name in names if names.count(name) > 1})
+  if repeated:
+    # A repeat would time a compiled program already in memory, and a second full cache would
+    # replace the KL reference.
+    raise ValueError(f"method_specs name {', '.join(repeated)} more than once; list each once")
+  tasks = set(config.tasks)
+  # Only the continuation tasks feed continuation_len tokens; the needle answers ANSWER_TOKENS.
+  continuing = bool(tasks & {"ppl", "kl", "speed"})
+  new_tokens = config.continuation_len if continuing else ANSWER_TOKENS
+  if max_context is not None and config.context_len + new_tokens > max_context:
+    what = (
+      f"continuation_len {config.continuation_len}"
+      if continuing
+      else f"the needle's {ANSWER_TOKENS} answer tokens"
+    )
     raise ValueError(
-      f"context_len {config.context_len} + continuation_len {config.continuation_len} "
-      f"exceeds the model's context of {max_context} tokens"
+      f"context_len {config.context_len} + {what} exceeds the model's context of "
+      f"{max_context} tokens"
     )
   dtype = jnp.dtype(config.cache_dtype)
   for method in methods:  # a method that cannot prefill in chunks is refused before any run
@@ -99,14 +112,13 @@ def compare_methods(
       batch=1,
       prompt_len=config.context_len,
       cache_method=method,
-      max_new_tokens=config.continuation_len,
+      max_new_tokens=new_tokens,
       cache_dtype=dtype,
       prefill_chunk=config.prefill_chunk,
     )
-  tasks = set(config.tasks)
   text_ids = np.asarray(tokenizer.encode(text), np.int32)
   windows = None
-  if tasks & {"ppl", "kl", "speed"}:
+  if continuing:
     # A context starts as the model's inputs do: with the BOS its tokenizer adds, if any.
     prefix = special_prefix(tokenizer)
     windows = sample_text_windows(
@@ -136,6 +148,7 @@ def compare_methods(
     record = dict(
       method=name,
       cache_bytes=cache_bytes,
+      # after the continuation; a needle-only run feeds none
       cache_bytes_at_end=cache_bytes_after_context(
         decoder,
         params,
@@ -143,7 +156,9 @@ def compare_methods(
         context_len=config.context_len,
         cache_dtype=dtype,
         new_tokens=config.continuation_len,
-      ),
+      )
+      if continuing
+      else None,
       full_cache_bytes=full_bytes,
       compression_ratio=full_bytes / cache_bytes,
       bits_per_element=8 * cache_bytes / elements,

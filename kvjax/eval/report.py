@@ -1,7 +1,6 @@
 """Writing comparison results: terminal table, results.json, results.md, quality_vs_memory.png."""
 
 import json
-import math
 import pathlib
 
 COLUMNS = (
@@ -22,7 +21,7 @@ COLUMNS = (
 
 def _cell(record, key, fmt):
   value = record.get(key)
-  if value is None or (isinstance(value, float) and math.isnan(value)):
+  if value is None:  # not measured; a NaN or inf result prints as such
     return "-"
   if key in ("cache_bytes", "cache_bytes_at_end"):
     value = value / 2**20

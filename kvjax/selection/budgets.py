@@ -7,6 +7,7 @@ cache has a static shape; a row shorter than the budget keeps all its tokens.
 """
 
 import math
+import numbers
 
 from kvjax.cache_protocol import ModelCacheShape
 
@@ -15,10 +16,21 @@ from kvjax.cache_protocol import ModelCacheShape
 DEFAULT_BUDGET = 1024
 
 
+def check_method_int(method: str, name: str, value, minimum: int) -> None:
+  """A method's token count (budget, window, sinks, kernel, ...) is an int >= `minimum`: a
+  float would reach array shapes inside tracing, a bool would pass for 0 or 1."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+    raise ValueError(f"{method}: {name}={value!r} must be an int >= {minimum}")
+
+
 def check_budget_or_ratio(
   method: str, budget: int | None, ratio: float | None, *, minimum: int, minimum_what: str
 ) -> None:
   """Raises (at construction, before any tracing) on an inconsistent or too small budget."""
+  if budget is not None:
+    check_method_int(method, "budget", budget, 1)
+  if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)):
+    raise ValueError(f"{method}: ratio={ratio!r} must be a number in (0, 1]")
   if budget is not None and ratio is not None:
     raise ValueError(
       f"{method}: give budget=<tokens kept per KV head> or ratio=<fraction kept, in (0, 1]>, "

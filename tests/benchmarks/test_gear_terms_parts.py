@@ -53,3 +53,11 @@ def test_earlier_and_candidate_formulations_match_gear_terms_xla():
   )
   np.testing.assert_allclose(bias, bias_windows, rtol=1e-5, atol=1e-5)
   assert float(jnp.max(jnp.abs(bias))) > 0.1
+
+
+def test_each_row_times_the_gear_terms_its_label_names():
+  for label, (lowrank, outliers, config) in gear_terms_parts.CALL_SETTINGS.items():
+    if not (lowrank or outliers):
+      continue
+    expected = "kernel" if "fused" in label else "xla"
+    assert config.get("gear_terms") == expected, label

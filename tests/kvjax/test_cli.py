@@ -1,8 +1,14 @@
+import dataclasses
 import json
+import pathlib
 
 import pytest
 
 from kvjax.cli import main
+
+RAZOR_PROFILE = str(
+  pathlib.Path(__file__).parents[2] / "benchmarks" / "profiles" / "smollm2-135m.razor.json"
+)
 
 
 def test_generate_json_on_the_embedded_model(capsys):
@@ -74,6 +80,12 @@ def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
     (["generate", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens=0 must be >= 1"),
     (["generate", "--prompt", "x", "--prefill-chunk", "0"], "--prefill-chunk=0 must be >= 1"),
     (["generate", "--prompt", "x", "--seed", str(2**64)], "--seed=18446744073709551616 must be"),
+    # numpy's generators (compare's text windows, the razor probe) take no negative seed
+    (["compare", "--seed", "-1"], "--seed=-1 must be in [0, 2**63 - 1]"),
+    (["razor-profile", "--output", "p.json", "--seed", "-1"], "--seed=-1 must be in [0,"),
+    (["razor-profile", "--output", "p.json", "--repeats", "1"], "--repeats=1 must be >= 2"),
+    (["razor-profile", "--output", "p.json", "--block-len", "0"], "--block-len=0 must be >= 2"),
+    (["razor-profile", "--output", "p.json", "--induction-ratio", "2"], "must be in [0, 1]"),
     (["compare", "--implementation", "fast"], "--implementation: implementation='fast'"),
     (["ask", "--document", "x", "--question", "q", "--implementation", "gpu"], "allowed: auto"),
   ],
@@ -85,6 +97,37 @@ def test_bad_run_arguments_are_refused_before_the_model_loads(argv, message, cap
   with pytest.raises(SystemExit) as exit_info:
     main(argv)
   assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_razor_profile_flags_are_refused_before_its_folder_is_made(tmp_path, capsys):
+  output = tmp_path / "not_yet" / "p.json"
+  with pytest.raises(SystemExit):
+    main(["razor-profile", "--output", str(output), "--repeats", "1"])
+  assert "--repeats=1 must be >= 2" in capsys.readouterr().err
+  assert not output.parent.exists()
+
+
+def test_a_razor_profile_of_another_model_is_refused_before_the_model_loads(
+  tmp_path, capsys, monkeypatch
+):
+  import models.loading
+  from kvjax.retrieval_heads import HeadProfile
+
+  monkeypatch.setattr(models.loading, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+  shipped = HeadProfile.load(RAZOR_PROFILE)
+  assert shipped.model_name == "smollm2-135m"
+  other = tmp_path / "other.json"
+  dataclasses.replace(shipped, model_name="some-other-135m-finetune").save(other)
+  method = f"razor:budget=64,profile={other}"
+  for argv in (
+    ["generate", "--prompt", "x", "--method", method],
+    ["compare", "--methods", method, "--out", str(tmp_path / "out")],
+    ["ask", "--document", "d", "--question", "q", "--method", method],
+  ):
+    with pytest.raises(SystemExit):
+      main(argv)
+    err = capsys.readouterr().err
+    assert "was computed for model 'some-other-135m-finetune', not 'smollm2-135m'" in err, argv
 
 
 def test_output_paths_are_checked_before_the_model_loads(tmp_path, capsys, monkeypatch):
@@ -122,6 +165,14 @@ def test_a_saved_context_records_paths_that_hold_from_any_directory(tmp_path, mo
   spec = "razor:ratio=0.25,profile=heads.json+kivi:bits=4"
   assert _recorded_method(spec) == f"razor:ratio=0.25,profile={tmp_path}/heads.json+kivi:bits=4"
   assert _same_method("kivi:bits=2", "kivi") and not _same_method("kivi:bits=4", "kivi")
+  # a razor profile is the same method by its heads, whatever path names it
+  (tmp_path / "heads.json").write_text(pathlib.Path(RAZOR_PROFILE).read_text())
+  (tmp_path / "copy").mkdir()
+  (tmp_path / "copy" / "heads.json").write_text(pathlib.Path(RAZOR_PROFILE).read_text())
+  saved = _recorded_method("razor:budget=64,profile=heads.json")
+  assert _same_method("razor:budget=64,profile=heads.json", saved)
+  assert _same_method(f"razor:budget=64,profile={tmp_path}/copy/heads.json", saved)
+  assert not _same_method("razor:budget=65,profile=heads.json", saved)
 
 
 def test_ask_answers_every_question_about_one_compressed_document(tmp_path, capsys):

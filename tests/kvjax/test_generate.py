@@ -239,17 +239,32 @@ def test_greedy_decode_needs_no_key():
     (dict(pad_token_id=99), r"pad_token_id holds token id 99; ids must be \[0, 63\]"),
     (dict(pad_token_id=-1), "pad_token_id holds token id -1"),
     (dict(stop_token_ids=(64,)), "stop_token_ids holds token id 64"),
-    (dict(lengths=np.array([3, 3, 3])), r"lengths must be \[batch=2\] .*got \(3,\)"),
+    (dict(lengths=np.array([3, 3, 3])), r"lengths must be \[batch=2\]; got shape \(3,\)"),
+    # fractional positions would write no cache slot and rotate keys by a fraction
+    (dict(lengths=np.array([2.5, 3.5])), "lengths must hold integers; got dtype float"),
+    (dict(lengths=np.array([-7, 3])), r"lengths=\[-7, 3\] must each be >= 0"),
     (dict(max_new_tokens=0), "max_new_tokens=0 must be an int >= 1"),
+    (dict(key=0), "key must be one PRNG key: .* got int of dtype None and shape \\(\\)"),
+    (dict(key=jax.random.split(jax.random.key(0))), r"key must be one PRNG key.*shape \(2,\)"),
+    (dict(key=np.zeros(4, np.uint32)), r"key must be one PRNG key.*uint32 and shape \(4,\)"),
   ],
 )
 def test_decode_refuses_bad_arguments_before_tracing(kwargs, message):
   decoder, params = tiny_decoder()
   logits, caches, lengths = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)
-  arguments = GREEDY_FIVE_TOKENS | dict(lengths=lengths) | kwargs
-  lengths = arguments.pop("lengths")
+  arguments = GREEDY_FIVE_TOKENS | dict(lengths=lengths, key=jax.random.key(0)) | kwargs
+  lengths, key = arguments.pop("lengths"), arguments.pop("key")
   with pytest.raises(ValueError, match=message):
-    decode(decoder, params, logits, caches, lengths, jax.random.key(0), **arguments)
+    decode(decoder, params, logits, caches, lengths, key, **arguments)
+
+
+def test_decode_takes_a_legacy_uint32_key():
+  decoder, params = tiny_decoder()
+  logits, caches, lengths = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)
+  sampling = dict(GREEDY_FIVE_TOKENS, sampling=SamplingConfig(temperature=1.0))
+  typed = decode(decoder, params, logits, caches, lengths, jax.random.key(5), **sampling)
+  legacy = decode(decoder, params, logits, caches, lengths, jax.random.PRNGKey(5), **sampling)
+  np.testing.assert_array_equal(typed[0], legacy[0])
 
 
 @pytest.mark.parametrize(
@@ -258,8 +273,8 @@ def test_decode_refuses_bad_arguments_before_tracing(kwargs, message):
     (np.array([[64, 1], [2, 3]]), r"forced holds token id 64; ids must be \[0, 63\]"),
     (np.array([[-7, 1], [2, 3]]), "forced holds token id -7"),
     (np.ones((2, 2), np.float32), "forced must hold integer token ids; got dtype float32"),
-    (np.ones((2,), np.int32), r"forced must be \[batch=2, steps\] and lengths \[batch=2\]"),
-    (np.ones((3, 2), np.int32), r"got \(3, 2\) and \(2,\)"),
+    (np.ones((2,), np.int32), r"forced must be \[batch=2, steps\] \(rows of first_logits\)"),
+    (np.ones((3, 2), np.int32), r"got \(3, 2\)"),
   ],
 )
 def test_teacher_force_refuses_bad_forced_tokens_before_tracing(forced, message):
@@ -268,6 +283,21 @@ def test_teacher_force_refuses_bad_forced_tokens_before_tracing(forced, message)
   logits, caches, lengths = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)
   with pytest.raises(ValueError, match=message):
     teacher_force(decoder, params, logits, caches, lengths, forced)
+
+
+@pytest.mark.parametrize(
+  "lengths, message",
+  [
+    (np.array([2.5, 3.5]), "lengths must hold integers; got dtype float"),
+    (np.array([-7, 100]), r"lengths=\[-7, 100\] must each be >= 0"),
+    (np.array([2]), r"lengths must be \[batch=2\]; got shape \(1,\)"),
+  ],
+)
+def test_teacher_force_refuses_bad_lengths_before_tracing(lengths, message):
+  decoder, params = tiny_decoder()
+  logits, caches, _ = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)
+  with pytest.raises(ValueError, match=message):
+    teacher_force(decoder, params, logits, caches, lengths, np.ones((2, 2), np.int32))
 
 
 def test_without_a_vocab_size_only_negative_and_int32_overflowing_ids_are_refused_up_front():
@@ -301,7 +331,13 @@ def test_decoding_ends_early_once_every_row_stopped():
   stopped = generate(
     decoder, params, [[3, 14, 15]], max_new_tokens=8, cache_dtype=jnp.float32, stop_token_ids=[stop]
   )
-  assert stopped.decode_steps == first + 1
+  # one pass per token fed back: none for the stop token, after which no row is left
+  assert stopped.decode_steps == first
+  assert stopped.tokens[0, : first + 1].tolist() == free.tokens[0, : first + 1].tolist()
+  on_first = generate(
+    decoder, params, [[3, 14, 15]], max_new_tokens=8, stop_token_ids=[int(free.tokens[0, 0])]
+  )
+  assert on_first.decode_steps == 0 and on_first.num_generated.tolist() == [1]
 
 
 GREEDY_FIVE_TOKENS = dict(
@@ -357,7 +393,15 @@ def test_decode_feeds_each_row_its_tokens_before_generating():
     (dict(feed_lengths=np.ones((2,), np.int32)), "give both or neither"),
     (
       dict(feed_tokens=np.ones((1, 3), np.int32), feed_lengths=np.ones((1,), np.int32)),
-      r"must be \[batch=2, width\] and feed_lengths \[batch=2\]; got \(1, 3\) and \(1,\)",
+      r"feed_tokens must be \[batch=2, width\]; got \(1, 3\)",
+    ),
+    (
+      dict(feed_tokens=np.ones((2, 3), np.int32), feed_lengths=np.ones((1,), np.int32)),
+      r"feed_lengths must be \[batch=2\]; got shape \(1,\)",
+    ),
+    (
+      dict(feed_tokens=np.ones((2, 3), np.int32), feed_lengths=np.array([1.5, 1.0])),
+      "feed_lengths must hold integers; got dtype float",
     ),
     (
       dict(feed_tokens=np.ones((2, 3), np.float32), feed_lengths=np.ones((2,), np.int32)),

@@ -98,7 +98,8 @@ def test_budget_covering_the_prompt_keeps_every_token():
   [
     (dict(budget=2, window=3), "h2o: budget=2 is smaller than window = 3"),
     (dict(ratio=-0.5), r"ratio=-0.5 must be in \(0, 1\]"),
-    (dict(query_chunk=0), "query_chunk=0 must be >= 1"),
+    (dict(query_chunk=0), "query_chunk=0 must be an int >= 1"),
+    (dict(budget=16, window=2.5), "h2o: window=2.5 must be an int >= 1"),
     (dict(gqa_reduce="min"), "gqa_reduce='min'"),
   ],
 )

@@ -159,26 +159,29 @@ def test_memory_stays_at_the_budget_however_many_tokens_are_generated():
   assert budgeted[per_step, 60] == config.num_layers * per_layer
 
 
-def test_prefill_choice_is_h2o_and_first_decode_step_agrees_with_it():
-  """Before anything is evicted while decoding, h2o_decode holds what one-shot h2o keeps."""
+def teacher_forced_logprobs(spec: str, forced: np.ndarray, *, cache_dtype) -> np.ndarray:
+  """Log-probs of `forced` [2, steps] after PROMPTS, through caches of `spec`."""
   decoder, params = tiny_decoder()
   tokens, lengths = pack_prompts(PROMPTS)
-  first_steps = {}
-  for spec in ("h2o_decode:budget=16,window=4", "h2o:budget=16,window=4"):
-    logits, caches = prefill(
-      decoder,
-      params,
-      tokens,
-      lengths,
-      cache_method=parse_method_spec(spec),
-      max_new_tokens=3,
-      cache_dtype=jnp.float32,
-    )
-    forced = np.array([[5, 6, 7], [8, 9, 10]], np.int32)
-    logprobs, _, _ = teacher_force(decoder, params, logits, caches, lengths, forced)
-    first_steps[spec] = np.asarray(logprobs)
-  one_shot = first_steps["h2o:budget=16,window=4"]
-  per_step = first_steps["h2o_decode:budget=16,window=4"]
+  logits, caches = prefill(
+    decoder,
+    params,
+    tokens,
+    lengths,
+    cache_method=parse_method_spec(spec),
+    max_new_tokens=forced.shape[1],
+    cache_dtype=cache_dtype,
+  )
+  return np.asarray(teacher_force(decoder, params, logits, caches, lengths, forced)[0])
+
+
+def test_prefill_choice_is_h2o_and_first_decode_step_agrees_with_it():
+  """Before anything is evicted while decoding, h2o_decode holds what one-shot h2o keeps."""
+  forced = np.array([[5, 6, 7], [8, 9, 10]], np.int32)
+  one_shot, per_step = (
+    teacher_forced_logprobs(spec, forced, cache_dtype=jnp.float32)
+    for spec in ("h2o:budget=16,window=4", "h2o_decode:budget=16,window=4")
+  )
   # Step 0 comes from prefill, step 1 attends over the same 16 kept tokens + the new one;
   # from step 2 on, h2o_decode has evicted a token for the new one and h2o has not.
   np.testing.assert_allclose(per_step[:, :2], one_shot[:, :2], atol=1e-5)
@@ -220,6 +223,43 @@ def test_a_compressed_context_takes_ragged_questions_past_its_room_without_growi
   np.testing.assert_array_equal(answers[1][0], answers[20][0])
 
 
+@pytest.mark.parametrize("spec", ["h2o_decode:budget=64", "streaming:budget=64"])
+def test_a_cache_allocated_under_its_budget_is_refused_past_its_room_not_evicted_early(spec):
+  """20 prompt tokens + room 1 fit in 21 slots, less than the budget: evicting there would
+  hold fewer tokens than asked for. With the room the continuation needs, it is the full
+  cache's."""
+  decoder, params = tiny_decoder()
+  rng = np.random.default_rng(0)
+  prompt, question = [rng.integers(1, 63, 20).tolist()], [rng.integers(1, 63, 12).tolist()]
+
+  def answer(method, room):
+    context = compress_context(
+      decoder,
+      params,
+      prompt,
+      cache_method=parse_method_spec(method),
+      room=room,
+      cache_dtype=jnp.float32,
+    )
+    return continue_context(decoder, params, context, question, max_new_tokens=16)[0]
+
+  with pytest.raises(
+    ValueError, match=r"appends 27 tokens per row, but row 0's caches have room for 1"
+  ):
+    answer(spec, room=1)
+  np.testing.assert_array_equal(answer(spec, room=40), answer("full", room=40))
+
+
+def test_a_budget_covering_everything_scores_as_the_full_cache_in_bfloat16():
+  """The new token is attended as stored (rounded to the cache dtype), as the full cache does."""
+  forced = np.asarray(np.random.default_rng(2).integers(1, 64, (2, 8)), np.int32)
+  full, budgeted = (
+    teacher_forced_logprobs(spec, forced, cache_dtype=jnp.bfloat16)
+    for spec in ("full", "h2o_decode:budget=52")
+  )
+  np.testing.assert_allclose(budgeted, full, atol=2e-5)
+
+
 def test_append_alone_is_refused_with_the_step_to_use():
   shape = ModelCacheShape(num_layers=1, num_kv_heads=H, num_query_heads=H, head_dim=D)
   cache = H2ODecode(budget=8, window=2).allocate(
@@ -241,7 +281,8 @@ def test_spec_round_trip_and_defaults():
   "make, match",
   [
     (lambda: H2ODecode(budget=8, window=8), "budget=8 is smaller than window \\+ 1"),
-    (lambda: H2ODecode(budget=8, window=0), "window=0 must be >= 1"),
+    (lambda: H2ODecode(budget=8, window=0), "window=0 must be an int >= 1"),
+    (lambda: H2ODecode(budget=16, window=2.5), "h2o_decode: window=2.5 must be an int >= 1"),
     (lambda: H2ODecode(budget=8, ratio=0.5), "not both"),
     (lambda: H2ODecode(gqa_reduce="median"), "gqa_reduce"),
     (lambda: H2ODecode(query_chunk=0), "query_chunk=0"),

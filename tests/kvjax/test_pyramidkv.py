@@ -95,7 +95,7 @@ def test_each_layer_keeps_exactly_its_snapkv_choice_at_its_own_budget():
 def test_bad_configurations_raise_clearly():
   with pytest.raises(ValueError, match="pyramidkv: budget=4 is smaller than window = 8"):
     PyramidKV(budget=4, window=8)
-  with pytest.raises(ValueError, match="beta=0 must be >= 1"):
+  with pytest.raises(ValueError, match="beta=0 must be an int >= 1"):
     PyramidKV(beta=0)
   with pytest.raises(ValueError, match=r"ratio=2.0 must be in \(0, 1\]"):
     PyramidKV(ratio=2.0)

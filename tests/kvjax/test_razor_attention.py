@@ -189,6 +189,8 @@ def test_a_profile_rewritten_under_the_same_path_makes_a_different_method(tmp_pa
     ),
     (dict(ratio=0.0), r"ratio=0.0 must be in \(0, 1\]"),
     (dict(compensation="sum"), "compensation='sum'; allowed: mean, weighted"),
+    (dict(budget=12.5), "razor: budget=12.5 must be an int >= 1"),
+    (dict(sinks=2.5), "razor: sinks=2.5 must be an int >= 0"),
     (dict(profile="/nonexistent/profile.json"), "does not exist; compute it once per model"),
   ],
 )

@@ -15,6 +15,7 @@ from kvjax.retrieval_heads import (
 )
 from models.nnx_decoder import split_decoder
 from models.weights import random_decoder
+from tests.kvjax.test_razor_attention import make_profile
 from tests.kvjax.test_snapkv import softmax
 from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
@@ -210,8 +211,11 @@ def test_probe_tokens_repeat_a_mid_vocabulary_block():
 @pytest.mark.parametrize(
   "kwargs, message",
   [
-    (dict(repeats=1), "repeats=1 must be >= 2"),
-    (dict(block_len=1), "block_len=1 must be >= 2"),
+    (dict(repeats=1), "repeats=1 must be an int >= 2"),
+    (dict(block_len=1), "block_len=1 must be an int >= 2"),
+    (dict(query_chunk=0), "query_chunk=0 must be an int >= 1"),
+    (dict(query_chunk=-1), "query_chunk=-1 must be an int >= 1"),
+    (dict(seed=-1), "seed=-1 must be an int >= 0"),
     (dict(induction_ratio=1.5), r"induction_ratio=1.5 must be in \[0, 1\]"),
     (dict(max_positions=16), "probe of 25 tokens .* exceeds the model's context of 16"),
   ],
@@ -232,3 +236,28 @@ def test_loading_bad_files_raises_clearly(tmp_path):
   (tmp_path / "broken.json").write_text("{")
   with pytest.raises(ValueError, match="is not valid JSON"):
     HeadProfile.load(tmp_path / "broken.json")
+
+
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (dict(block_len=0), "block_len=0 must be an int >= 1"),
+    (dict(repeats=0), "repeats=0 must be an int >= 1"),
+    (dict(block_len=2.5), "block_len=2.5 must be an int >= 1"),
+  ],
+)
+def test_probe_tokens_refuse_an_empty_probe(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    probe_tokens(**(dict(vocab_size=100, block_len=5, repeats=3) | kwargs))
+
+
+def test_a_profile_naming_a_head_twice_or_a_float_head_is_refused(tmp_path):
+  """A repeated head would give its layer an extra KV head in the retrieval storage."""
+  shape = ModelCacheShape(num_layers=2, num_kv_heads=3, num_query_heads=6, head_dim=8)
+  data = make_profile(shape, [(0, 1)]).to_json_dict()
+  (tmp_path / "twice.json").write_text(json.dumps(data | {"retrieval_heads": [[0, 1], [0, 1]]}))
+  with pytest.raises(ValueError, match=r"name a \(layer, kv_head\) more than once"):
+    HeadProfile.load(tmp_path / "twice.json")
+  (tmp_path / "float.json").write_text(json.dumps(data | {"retrieval_heads": [[0, 1.5]]}))
+  with pytest.raises(ValueError, match=r"retrieval head \[0, 1.5\] must be two ints"):
+    HeadProfile.load(tmp_path / "float.json")

@@ -181,7 +181,12 @@ def test_ratio_gives_the_budget_from_the_padded_prompt_length():
     (dict(pooling="min"), "pooling='min'; allowed: max, avg"),
     (dict(kernel=4), "kernel=4 must be an odd integer"),
     (dict(gqa_reduce="median"), "gqa_reduce='median'; allowed: mean, max, sum"),
-    (dict(window=0), "window=0 must be >= 1"),
+    (dict(window=0), "window=0 must be an int >= 1"),
+    # a float would reach array shapes inside tracing, a bool would pass for 1
+    (dict(budget=16.5), r"snapkv: budget=16.5 must be an int >= 1"),
+    (dict(kernel=3.0), r"snapkv: kernel=3.0 must be an int >= 1"),
+    (dict(budget=True, window=1), r"snapkv: budget=True must be an int"),
+    (dict(ratio="0.5"), r"snapkv: ratio=.0.5. must be a number in \(0, 1\]"),
     (dict(storage="kivi"), "is not a storage method"),
   ],
 )

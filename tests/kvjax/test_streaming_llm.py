@@ -1,9 +1,12 @@
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kvjax.cache_protocol import ModelCacheShape
 from kvjax.method_spec import parse_method_spec
+from kvjax.rope import RopeScaling, rope_inverse_frequencies
 from kvjax.streaming_llm import StreamingLLM
 from tests.kvjax.test_snapkv import run_generate, softmax
 
@@ -12,8 +15,9 @@ SHAPE = ModelCacheShape(num_layers=1, num_kv_heads=H, num_query_heads=H * G, hea
 THETA = 10000.0
 
 
-def numpy_rope(x, positions, theta=THETA):  # x [..., tokens, D], positions [tokens]
-  inv_freq = 1.0 / theta ** (np.arange(0, x.shape[-1], 2) / x.shape[-1])
+def numpy_rope(x, positions, theta=THETA, inv_freq=None):  # x [..., tokens, D], positions [tokens]
+  if inv_freq is None:
+    inv_freq = 1.0 / theta ** (np.arange(0, x.shape[-1], 2) / x.shape[-1])
   angles = np.asarray(positions, np.float64)[:, None] * inv_freq
   angles = np.concatenate([angles, angles], -1)
   half = x.shape[-1] // 2
@@ -27,16 +31,16 @@ def numpy_streaming_kept(total, sinks, window):
   return np.concatenate([sink_positions, np.arange(max(sinks, total - window), total)])
 
 
-def run_stream(method, lengths, prompt_len, steps, seed=0):
+def run_stream(method, lengths, prompt_len, steps, seed=0, shape=SHAPE, inv_freq=None):
   """Ingest prompts of `lengths` (unrotated `raw` keys, rotated at their positions), then append."""
   rng = np.random.default_rng(seed)
   total = prompt_len + steps
   raw_keys = rng.normal(size=(B, H, total, D))
   values = rng.normal(size=(B, H, total, D))
   # Token t of row b: prompt tokens at [0, length), decode step i at position length + i.
-  rotated = numpy_rope(raw_keys, np.arange(total))
+  rotated = numpy_rope(raw_keys, np.arange(total), inv_freq=inv_freq)
   cache = method.allocate(
-    SHAPE, 0, batch=B, prompt_len=prompt_len, max_new_tokens=steps, dtype=jnp.float32
+    shape, 0, batch=B, prompt_len=prompt_len, max_new_tokens=steps, dtype=jnp.float32
   )
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   prompt = np.s_[:, :, :prompt_len]
@@ -73,33 +77,57 @@ def test_cache_holds_the_sinks_and_the_most_recent_tokens_while_decoding(steps):
       np.testing.assert_allclose(out[b, h], reference, atol=1e-5)
 
 
-def test_in_cache_positions_equal_rotating_raw_keys_at_their_cache_index():
+# Llama-3 scaling that changes the frequencies these few positions reach (wavelengths past 16).
+SHORT_LLAMA3 = RopeScaling(
+  factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+)
+
+
+@pytest.mark.parametrize("scaling", [None, SHORT_LLAMA3], ids=["plain", "llama3"])
+def test_in_cache_positions_equal_rotating_raw_keys_at_their_cache_index(scaling):
   lengths = np.array([20, 9], np.int32)
   steps = 6
+  shape = dataclasses.replace(SHAPE, rope_theta=THETA, rope_scaling=scaling)
+  inv_freq = rope_inverse_frequencies(D, THETA, scaling).astype(np.float64)
   method = StreamingLLM(budget=10, sinks=3, positions="in_cache", rope_theta=THETA)
-  cache, raw_keys, rotated, values = run_stream(method, lengths, 20, steps)
-  original, _, _, _ = run_stream(StreamingLLM(budget=10, sinks=3), lengths, 20, steps)
+  cache, raw_keys, rotated, values = run_stream(
+    method, lengths, 20, steps, shape=shape, inv_freq=inv_freq
+  )
+  original, _, _, _ = run_stream(
+    StreamingLLM(budget=10, sinks=3), lengths, 20, steps, shape=shape, inv_freq=inv_freq
+  )
   rng = np.random.default_rng(2)
   raw_q = rng.normal(size=(B, H, G, D))
   q_at_original = np.stack(
-    [numpy_rope(raw_q[b][:, :, None], [lengths[b] + steps - 1])[:, :, 0] for b in range(B)]
+    [
+      numpy_rope(raw_q[b][:, :, None], [lengths[b] + steps - 1], inv_freq=inv_freq)[:, :, 0]
+      for b in range(B)
+    ]
   )
   out = np.asarray(cache.attend(jnp.asarray(q_at_original, jnp.float32), sm_scale=0.5))
   out_original = np.asarray(original.attend(jnp.asarray(q_at_original, jnp.float32), sm_scale=0.5))
   for b in range(B):
     kept = numpy_streaming_kept(lengths[b] + steps, 3, 7)
     in_cache = np.arange(len(kept))  # the authors' scheme: keys at 0..n-1, the query at n-1
-    k = numpy_rope(raw_keys[b][:, kept], in_cache)
-    q = numpy_rope(raw_q[b][:, :, None], [len(kept) - 1])[:, :, 0]
+    k = numpy_rope(raw_keys[b][:, kept], in_cache, inv_freq=inv_freq)
+    q = numpy_rope(raw_q[b][:, :, None], [len(kept) - 1], inv_freq=inv_freq)[:, :, 0]
     for h in range(H):
       reference = softmax(q[h] @ k[h].T * 0.5) @ values[b, h, kept]
       np.testing.assert_allclose(out[b, h], reference, atol=1e-5)
+  if scaling is not None:
+    # the same keys re-rotated without the model's scaling would attend elsewhere
+    plain = dataclasses.replace(shape, rope_scaling=None)
+    unscaled, *_ = run_stream(method, lengths, 20, steps, shape=plain, inv_freq=inv_freq)
+    q = jnp.asarray(q_at_original, jnp.float32)
+    assert not np.allclose(unscaled.attend(q, sm_scale=0.5), out, atol=1e-3)
   # Row 0 has evicted tokens, so its sinks moved; row 1 (15 tokens) also; both differ from
   # the original-position variant. Before any eviction the two variants agree.
   assert not np.allclose(out, out_original, atol=1e-4)
   short = np.array([5, 4], np.int32)
-  early, *_ = run_stream(method, short, 5, 2)
-  early_original, *_ = run_stream(StreamingLLM(budget=10, sinks=3), short, 5, 2)
+  early, *_ = run_stream(method, short, 5, 2, shape=shape, inv_freq=inv_freq)
+  early_original, *_ = run_stream(
+    StreamingLLM(budget=10, sinks=3), short, 5, 2, shape=shape, inv_freq=inv_freq
+  )
   q = jnp.asarray(rng.normal(size=(B, H, G, D)), jnp.float32)
   np.testing.assert_allclose(
     early.attend(q, sm_scale=0.5), early_original.attend(q, sm_scale=0.5), atol=1e-6
@@ -122,12 +150,22 @@ def test_slots_are_the_budget_or_less_when_everything_fits():
     (dict(positions="relative"), "positions='relative'; allowed: original, in_cache"),
     (dict(positions="in_cache"), "positions=in_cache re-rotates keys and needs rope_theta"),
     (dict(rope_theta=1e4), "rope_theta is only used with positions=in_cache"),
-    (dict(sinks=-1), "sinks=-1 must be >= 0"),
+    (dict(sinks=-1), "sinks=-1 must be an int >= 0"),
+    (dict(sinks=2.5), "streaming: sinks=2.5 must be an int >= 0"),
   ],
 )
 def test_bad_configurations_raise_clearly(kwargs, message):
   with pytest.raises(ValueError, match=message):
     StreamingLLM(**kwargs)
+
+
+def test_in_cache_rope_theta_other_than_the_models_is_refused():
+  method = StreamingLLM(budget=10, positions="in_cache", rope_theta=THETA)
+  shape = dataclasses.replace(SHAPE, rope_theta=500000.0)
+  with pytest.raises(
+    ValueError, match="rope_theta=10000.0 differs from the model's RoPE base 500000.0"
+  ):
+    method.allocate(shape, 0, batch=1, prompt_len=4, max_new_tokens=2, dtype=jnp.float32)
 
 
 def test_codec_storage_is_refused_clearly():
