@@ -56,7 +56,7 @@ class LayerCache(Protocol):
 
   A cache with a fixed capacity also has `room` (int32 [batch]: tokens each row can still
   take), which kvjax's loops check before appending (kvjax.cache_room); one that evicts by
-  design has none.
+  design has none once it holds its whole budget (allocated with fewer slots, it reports room).
 
   A cache whose eviction depends on each decode step's attention (`h2o_decode`) also has
   `append_and_attend` (same arguments and result as the function below); decoders run decode

@@ -27,7 +27,8 @@ quality difference is measured, README "Long prompts: chunked prefill"):
     so the compensation token (the mean of every dropped token) is exact whatever the chunks.
     A chunk's queries on those heads see sinks, window and the compensation token so far;
     after the last chunk the storage receives what a one-piece ingest would give it.
-h2o's one-shot scores over the whole prompt refuse, before anything is traced. A layer cache
+h2o's one-shot scores over the whole prompt, and streaming with positions=in_cache (it
+re-rotates its sinks at every step), refuse before anything is traced. A layer cache
 may have `begin_chunks()` and `end_chunks()`, called before the first chunk and after the last.
 """
 
@@ -35,12 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.cache_protocol import check_count
 from kvjax.layer_runs import (
   StackedLayerCaches,
   arrange_like,
   flatten_layer_caches,
   layer_cache_kinds,
 )
+from kvjax.prompt_batch import check_positions
 
 # Cache methods whose layer caches take a prompt in chunks.
 CHUNKED_PREFILL_METHODS = (
@@ -118,9 +121,17 @@ def prefill_in_chunks(
 ) -> tuple[jax.Array, tuple]:  # (logits at each row's last prompt token [batch, vocab], caches)
   """The prompt fed `chunk` tokens at a time (traceable; see the module docstring). With
   `offsets`, the tokens continue caches that hold that many tokens per row (a row fed no token
-  gets zero logits)."""
+  gets zero logits). The caches must have room for the prompt (allocate them for
+  `prompt_len=tokens.shape[1]`): `prefill`, `generate` and `compress_context` check that, and a
+  chunk written past a cache's capacity inside the trace would be dropped."""
+  check_count("chunk", chunk, 1)
   batch, prompt_len = tokens.shape
-  chunk = min(int(chunk), prompt_len)
+  check_positions(lengths, batch=batch, name="lengths")
+  if not isinstance(lengths, jax.core.Tracer) and np.max(lengths, initial=0) > prompt_len:
+    raise ValueError(
+      f"lengths={np.asarray(lengths).tolist()} must each be <= {prompt_len} (tokens' width)"
+    )
+  chunk = min(chunk, prompt_len)
   num_chunks = -(-prompt_len // chunk)
   padded = jnp.pad(tokens, ((0, 0), (0, num_chunks * chunk - prompt_len)))
   lengths = lengths.astype(jnp.int32)

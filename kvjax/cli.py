@@ -63,9 +63,10 @@ def _add_attention_arguments(p):
   )
 
 
-# jax.random.key takes a seed int64 can hold; numpy's generators (text windows, razor probe
-# tokens) take no negative one.
-SEED_RANGE = (0, 2**63 - 1)
+# jax.random.key takes a seed int64 can hold; numpy's generators (compare's text windows, the
+# razor probe's tokens) take no negative one.
+SEED_RANGE = (-(2**63), 2**63 - 1)
+NUMPY_SEED_RANGE = (0, 2**63 - 1)
 
 
 def _check_run_arguments(args) -> None:
@@ -87,8 +88,9 @@ def _check_run_arguments(args) -> None:
 
 def _check_seed(args) -> None:
   seed = getattr(args, "seed", None)
-  if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-    raise ValueError(f"--seed={seed} must be in [0, 2**63 - 1]")
+  low, high = NUMPY_SEED_RANGE if args.command in ("compare", "razor-profile") else SEED_RANGE
+  if seed is not None and not low <= seed <= high:
+    raise ValueError(f"--seed={seed} must be in [{'0' if low == 0 else '-2**63'}, 2**63 - 1]")
 
 
 def _check_razor_profile_arguments(args) -> None:
@@ -108,8 +110,17 @@ def _check_razor_profile_arguments(args) -> None:
 def _check_profile_model(cache_method, model_name: str) -> None:
   """A razor head profile records the model it was measured on: another model of the same shape
   (a fine-tune, a sibling) would take its retrieval heads without an error."""
+  from models.registry import resolve_model_path
+
   profile = getattr(cache_method, "head_profile", None)
-  if profile is None or not profile.model_name or _same_model(profile.model_name, model_name):
+  if profile is None or not profile.model_name:
+    return
+  try:
+    recorded = resolve_model_path(profile.model_name).resolve()
+    given = resolve_model_path(model_name).resolve()
+  except ValueError:
+    return  # a model not on this machine (a path recorded elsewhere): nothing to compare
+  if recorded == given:
     return
   source = cache_method.profile if isinstance(cache_method.profile, (str, os.PathLike)) else ""
   raise ValueError(
@@ -585,7 +596,7 @@ def _add_compare(subparsers):
   )
   p.add_argument(
     "--tasks",
-    default="ppl,kl,passkey,speed",
+    default="ppl,kl,passkey,passkey_agnostic,speed",
     help="comma list of ppl,kl,passkey,passkey_agnostic,speed",
   )
   p.add_argument("--context-len", type=int, default=1024)

@@ -34,6 +34,9 @@ METADATA_FILE = "kvjax_context.json"
 ARRAYS_DIR = "arrays"
 # Static fields that choose how a cache computes, not what its arrays mean.
 RUN_SETTINGS = ("implementation", "kernel_settings")
+# Static fields added to caches after FORMAT was fixed, with the value (its repr) that gives the
+# behaviour contexts saved before them had: a saved description without one reads as this.
+SETTINGS_ADDED_LATER = {"evicts_when_full": "True", "rope_scaling": "None"}
 
 
 def _is_array(node) -> bool:
@@ -66,6 +69,27 @@ def describe_structure(node) -> Any:
     f"cannot save a {type(node).__qualname__} in a context: contexts hold kvjax caches "
     "(dataclass pytrees), tuples, lists, dicts and arrays"
   )
+
+
+def _with_settings_added_later(structure, template):
+  """`structure` (as saved) with the SETTINGS_ADDED_LATER its nodes lack and the template's
+  nodes have, at their old-behaviour values."""
+  if isinstance(structure, list) and isinstance(template, list) and len(structure) == len(template):
+    return [_with_settings_added_later(a, b) for a, b in zip(structure, template)]
+  if not (isinstance(structure, dict) and isinstance(template, dict)):
+    return structure
+  completed = {
+    key: _with_settings_added_later(value, template.get(key)) for key, value in structure.items()
+  }
+  settings, wanted = structure.get("settings"), template.get("settings")
+  if isinstance(settings, dict) and isinstance(wanted, dict):
+    added = {
+      name: value
+      for name, value in SETTINGS_ADDED_LATER.items()
+      if name in wanted and name not in settings
+    }
+    completed["settings"] = {**settings, **added}
+  return completed
 
 
 def _first_difference(saved, template, path: str = "context") -> tuple[str, Any, Any] | None:
@@ -202,7 +226,9 @@ def restore_context(
     )
   record = read_context_record(directory)
   structure = describe_structure(template)
-  difference = _first_difference(record["structure"], structure)
+  difference = _first_difference(
+    _with_settings_added_later(record["structure"], structure), structure
+  )
   if difference:
     where, saved, wanted = difference
     hint = "restore with a template of the method, model and shapes it was saved with"

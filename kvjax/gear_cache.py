@@ -9,8 +9,10 @@ head, for keys and for values separately, as a [block, head_dim] matrix X:
      values per token over groups of `group_size` channels); the outliers do not take part in
      their groups' min/max, so they cannot stretch the scales, and get code 0;
   3. S holds, at the outlier positions, the correction X - deq(codes) in the cache dtype, so
-     deq + S reproduces the outliers (GEAR stores the raw outlier values next to a zero in the
-     quantized matrix; ours does not widen the range with that zero);
+     deq + S reproduces the outliers up to that dtype's rounding of the correction (exactly in
+     float32; in bfloat16 within 2^-9 of the correction, which the low-rank part then sees as
+     residual). GEAR stores the raw outlier values next to a zero in the quantized matrix; ours
+     does not widen the range with that zero;
   4. the residual X - deq - S is approximated at rank `rank` by `iterations` power iterations
      (`kvjax.quantization.low_rank`): A [block, rank], B [head_dim, rank].
 
@@ -73,7 +75,7 @@ class _CompressedMatrix:
   quantized: GroupQuantized
   lowrank_a: jax.Array | None  # [B, H, T, r]
   lowrank_b: jax.Array | None  # [B, H, T/block, D, r]
-  outlier_index: jax.Array | None  # int32 [B, H, T/block, s]
+  outlier_index: jax.Array | None  # uint16 (int32 past 2^16 entries a block) [B, H, T/block, s]
   outlier_value: jax.Array | None  # [B, H, T/block, s]
 
 
@@ -199,7 +201,11 @@ class Gear:
     check_window("block", self.block, self.group_size)
     check_rank(self.rank, block=self.block)
     check_outlier_fraction(self.outliers)
-    if not isinstance(self.iterations, int) or self.iterations < 1:
+    if (
+      isinstance(self.iterations, bool)
+      or not isinstance(self.iterations, int)
+      or self.iterations < 1
+    ):
       raise ValueError(f"iterations={self.iterations!r} must be a positive int")
     attention_dispatch.check_implementation(self.implementation)
     check_kernel_settings(self.kernel_settings)

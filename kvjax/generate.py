@@ -187,6 +187,9 @@ def _decode_loop(
   sooner, in the same steps. The loop ends when every row has `max_new_tokens` tokens or has
   emitted a stop token.
   """
+  # Static, so checked at trace time too (decode.lower skips decode's checks): with no token to
+  # emit, no row would ever be done and the loop would not end.
+  check_count("max_new_tokens", max_new_tokens, 1)
   stop_ids = jnp.asarray(stop_token_ids or (-1,), jnp.int32)
   batch = logits.shape[0]
   if feed_tokens is None:
@@ -268,7 +271,12 @@ def decode(
   [batch], both or neither) and that the caches have room for what the loop appends: the
   longest row's fed tokens plus the `max_new_tokens - 1` tokens fed back (concrete caches only:
   inside a caller's jit they cannot be read, so call `kvjax.check_room` before it).
-  `decode.lower` lowers the loop ahead of time, without the checks."""
+  `decode.lower` lowers the loop ahead of time, without the checks.
+
+  The caches returned hold what each step appended: every row's fed and emitted tokens except
+  those chosen at the loop's last step (the last token of a row that ran to the end); a row
+  that stopped sooner also holds its stop token and a pad token for each step the others went
+  on. Chain further decoding from a row's own count, not from the caches' lengths."""
   batch, vocab_size = logits.shape
   key = check_decode_arguments(max_new_tokens, sampling, key)
   check_positions(lengths, batch=batch, name="lengths")

@@ -264,8 +264,8 @@ class H2ODecode:
   alike (default 1024 when neither `budget` nor `ratio` is given); `ratio`: that budget as a
   fraction of the padded (static) prompt length. `window`: recent tokens never evicted (default
   half the budget, the paper's equal heavy and recent shares). A cache has fewer slots when the
-  prompt plus the new tokens fit in less. Stores its own full-precision slots: composing it
-  with a codec storage is not supported.
+  prompt plus the new tokens fit in less; it then reports room and refuses tokens past it.
+  Stores its own full-precision slots: composing it with a codec storage is not supported.
   """
 
   budget: int | None = None

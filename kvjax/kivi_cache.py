@@ -81,7 +81,8 @@ class QuantizedKV:
   v_min: jax.Array  # [B, H, T, D/group_size]
   # GEAR only: (k_a [B,H,T,r], k_b [B,H,T/block,D,r], v_a, v_b)
   lowrank: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None
-  # GEAR only: (k_index int32 [B,H,T/block,s], k_value [B,H,T/block,s], v_index, v_value)
+  # GEAR only: (k_index [B,H,T/block,s] (uint16 where a block has at most 2^16 entries, else
+  # int32), k_value [B,H,T/block,s], v_index, v_value)
   outliers: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None
 
   @property
@@ -498,7 +499,7 @@ class KiviLayerCache:
 
 
 def check_window(name: str, window: int, group_size: int) -> None:
-  if not isinstance(window, int) or window < 1:
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
     raise ValueError(f"{name}={window!r} must be a positive int")
   if window % group_size:
     raise ValueError(

@@ -25,8 +25,10 @@ Chunked prefill (kvjax.chunked_prefill): retrieval heads store each chunk in the
 local heads hold their sinks and last `window` tokens in a full-precision buffer of
 `sinks + window` tokens (`begin_chunks`), and every token that leaves the window is added to
 float32 sums, so the compensation token is the mean of exactly the tokens a one-piece ingest
-drops (as the cache dtype rounds them). A chunk's queries on a local head attend over sinks,
-window and the compensation token so far (weighted by its count with "weighted"). After the last
+drops (summed as the cache dtype rounds them, where a one-piece ingest averages them unrounded:
+with a bfloat16 cache the two means can differ by a unit in its last place). A chunk's
+queries on a local head attend over sinks, window and the compensation token so far (weighted
+by its count with "weighted"). After the last
 chunk (`end_chunks`) the storage receives sinks, compensation token and window as a one-piece
 ingest would hand them over, so a codec storage encodes them once.
 

@@ -413,7 +413,9 @@ def compute_head_profile(
   """Scores every KV head of `decoder` (any `CachedDecoder`) on a random repeated block.
 
   One prefill of `batch` rows of `(BOS) + block_len x repeats` tokens; scores are averaged over
-  the rows. `max_positions` (the model's context length) bounds the probe length.
+  the rows. The probe RazorAttention specifies starts with BOS: pass the model's `bos_token_id`
+  (`kvjax razor-profile` does; None leaves it out). `max_positions` (the model's context length)
+  bounds the probe length; None checks nothing.
   """
   from kvjax.generate import prefill  # generate imports the cache modules; keep this one light
 

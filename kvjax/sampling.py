@@ -55,13 +55,13 @@ def filter_top_k(logits: jax.Array, k: int) -> jax.Array:  # [batch, vocab]
 
 def filter_top_p(logits: jax.Array, p: float) -> jax.Array:  # [batch, vocab]
   """Keeps the smallest set of most likely tokens whose probability reaches p (at least one
-  token; among tied logits the earlier in the vocabulary go in first, as in top-k). The mass
-  is summed from the least likely token up: summed from the top, float32 reaches 1 before the
+  token; among tied logits the earlier in the vocabulary go in first). The mass is summed in
+  float32 from the least likely token up: summed from the top, float32 reaches 1 before the
   tail and would drop tokens even at p=1."""
-  if p >= 1:
+  if not isinstance(p, jax.core.Tracer) and p >= 1:
     return logits
   order = jnp.argsort(-logits, axis=-1, stable=True)[:, ::-1]  # least likely first
-  ascending_logits = jnp.take_along_axis(logits, order, axis=-1)
+  ascending_logits = jnp.take_along_axis(logits, order, axis=-1).astype(jnp.float32)
   mass_up_to = jnp.cumsum(jax.nn.softmax(ascending_logits, axis=-1), axis=-1)
   # Token j is in the set iff the tokens more likely than it hold less than p, i.e. the mass
   # up to and including it exceeds 1 - p; the most likely token is always kept.

@@ -19,7 +19,7 @@ SUPPORTED_BITS = (2, 4, 8)
 
 
 def check_bits(bits: int) -> None:
-  if bits not in SUPPORTED_BITS:
+  if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
     raise ValueError(f"bits={bits!r} is not supported; allowed: 2, 4, 8")
 
 

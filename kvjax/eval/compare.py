@@ -21,7 +21,7 @@ TASKS = ("ppl", "kl", "passkey", "passkey_agnostic", "speed")
 
 @dataclasses.dataclass(frozen=True)
 class CompareConfig:
-  tasks: tuple[str, ...] = ("ppl", "kl", "passkey", "speed")
+  tasks: tuple[str, ...] = ("ppl", "kl", "passkey", "passkey_agnostic", "speed")
   context_len: int = 1024
   continuation_len: int = 256
   num_samples: int = 2
@@ -86,19 +86,25 @@ def compare_methods(
       ),
     )
     names.insert(0, "full")
-  repeated = sorted({name for name in names if names.count(name) > 1})
-  if repeated:
-    # A repeat would time a compiled program already in memory, and a second full cache would
-    # replace the KL reference.
-    raise ValueError(f"method_specs name {', '.join(repeated)} more than once; list each once")
+  # An equal method twice would time a program already compiled (a razor profile by two paths
+  # is one method), and a second full cache would replace the KL reference; two methods of one
+  # name (other implementations) would be two rows no one could tell apart.
+  for i, method in enumerate(methods):
+    for j in range(i):
+      if method == methods[j] or names[i] == names[j]:
+        raise ValueError(
+          f"method_specs lists {names[i]} twice; list each method once (and compare "
+          "implementations in separate runs)"
+        )
   tasks = set(config.tasks)
   # Only the continuation tasks feed continuation_len tokens; the needle answers ANSWER_TOKENS.
   continuing = bool(tasks & {"ppl", "kl", "speed"})
-  new_tokens = config.continuation_len if continuing else ANSWER_TOKENS
+  needle = bool(tasks & {"passkey", "passkey_agnostic"})
+  new_tokens = max(config.continuation_len if continuing else 0, ANSWER_TOKENS if needle else 0)
   if max_context is not None and config.context_len + new_tokens > max_context:
     what = (
       f"continuation_len {config.continuation_len}"
-      if continuing
+      if new_tokens == config.continuation_len and continuing
       else f"the needle's {ANSWER_TOKENS} answer tokens"
     )
     raise ValueError(

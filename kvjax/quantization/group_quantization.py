@@ -31,7 +31,7 @@ class GroupQuantized(NamedTuple):
 def check_quantization_config(*, bits: int, group_size: int, head_dim: int | None = None) -> None:
   """ValueError naming the parameter when bits/group_size cannot quantize head_dim-wide rows."""
   check_bits(bits)
-  if not isinstance(group_size, int) or group_size < 1:
+  if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
     raise ValueError(f"group_size={group_size!r} must be a positive int")
   if head_dim is None:
     return
@@ -51,7 +51,23 @@ def round_to_dtype(x: jax.Array, dtype) -> jax.Array:
   values that are actually stored.
   """
   info = jnp.finfo(dtype)
-  return jax.lax.reduce_precision(x.astype(jnp.float32), int(info.nexp), int(info.nmant))
+  x = x.astype(jnp.float32)
+  rounded = jax.lax.reduce_precision(x, int(info.nexp), int(info.nmant))
+  unit = _subnormal_unit(dtype)
+  if unit is None:
+    return rounded
+  # reduce_precision flushes the dtype's subnormals to 0 (float16 below 6.1e-5); float32 holds
+  # that grid exactly, so round them onto it instead.
+  return jnp.where(jnp.abs(x) < float(info.smallest_normal), jnp.round(x / unit) * unit, rounded)
+
+
+def _subnormal_unit(dtype) -> float | None:
+  """The spacing of `dtype`'s subnormals where float32 holds them as normal numbers (float16),
+  else None (bfloat16's subnormals are float32's own)."""
+  info = jnp.finfo(dtype)
+  if float(info.smallest_normal) <= float(jnp.finfo(jnp.float32).smallest_normal):
+    return None
+  return float(info.smallest_subnormal)
 
 
 def _exact_float32(x: jax.Array) -> jax.Array:
@@ -68,7 +84,8 @@ def _round_toward(x: jax.Array, dtype, direction: float) -> jax.Array:
   # Stepping by at least one unit in the last place of `dtype` and rounding to nearest lands on
   # a `dtype` value strictly beyond `nearest` (rounding is monotonic), hence on x's other side.
   info = jnp.finfo(dtype)
-  unit = jnp.maximum(jnp.abs(nearest) * float(info.eps), float(info.smallest_normal))
+  smallest_step = _subnormal_unit(dtype) or float(info.smallest_normal)
+  unit = jnp.maximum(jnp.abs(nearest) * float(info.eps), smallest_step)
   return jnp.where(overshoot, round_to_dtype(nearest + direction * unit, dtype), nearest)
 
 
@@ -94,6 +111,9 @@ def _quantize_groups(
     group_max = jnp.where(empty, 0.0, group_max)
   # Outward rounding to the storage dtype: every element stays in [min, min + levels * scale].
   minimum_f32 = _round_toward(group_min, dtype, -1.0)
+  # A NaN may drop out of the min/max (XLA on CPU skips it along some axes) and come back as a
+  # finite value: its group dequantizes to NaN instead, as a full cache would hand it on.
+  minimum_f32 = jnp.where(jnp.isnan(x).any(axis=axis, keepdims=True), jnp.nan, minimum_f32)
   scale_f32 = _round_toward((group_max - minimum_f32) / levels, dtype, 1.0)
   minimum, scale = minimum_f32.astype(dtype), scale_f32.astype(dtype)  # exact: already dtype values
   # A constant group has scale 0: every code is 0 and dequantizes to the minimum exactly.

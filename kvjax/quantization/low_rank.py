@@ -34,7 +34,7 @@ class LowRankFactors(NamedTuple):
 
 
 def check_rank(rank: int, *, head_dim: int | None = None, block: int | None = None) -> None:
-  if not isinstance(rank, int) or rank < 0:
+  if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
     raise ValueError(f"rank={rank!r} must be a non-negative int (0 disables the low-rank part)")
   if head_dim is not None and rank >= head_dim:
     raise ValueError(f"rank={rank} must be < head_dim={head_dim}")
@@ -56,9 +56,9 @@ def power_iteration_low_rank(
   check_rank(rank)
   if rank > min(rows, columns):
     raise ValueError(f"rank={rank} must be <= min(rows, columns) = {min(rows, columns)}")
-  if not isinstance(oversample, int) or oversample < 0:
+  if isinstance(oversample, bool) or not isinstance(oversample, int) or oversample < 0:
     raise ValueError(f"oversample={oversample!r} must be a non-negative int")
-  if not isinstance(iterations, int) or iterations < 1:
+  if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
     raise ValueError(f"iterations={iterations!r} must be a positive int")
   matrix = residual.astype(jnp.float32)
   if rank == 0:

@@ -125,7 +125,9 @@ class SelectedLayerCache:
       "b (h g) t d -> b h g t d",
       g=group,
     )
-    candidate_keys = after_held(held.keys, keys)
+    # Scored as a one-piece prefill scores them: the chunk's keys unrounded (held ones are
+    # stored in the cache dtype already); the kept ones are rounded when held.
+    candidate_keys = after_held(held.keys.astype(keys.dtype), keys)
     candidate_values = after_held(held.values, values)
     totals = held.lengths + counts
     indices, kept_lengths = self.selector.kept_indices_of_candidates(

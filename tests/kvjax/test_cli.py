@@ -82,6 +82,7 @@ def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
     (["generate", "--prompt", "x", "--seed", str(2**64)], "--seed=18446744073709551616 must be"),
     # numpy's generators (compare's text windows, the razor probe) take no negative seed
     (["compare", "--seed", "-1"], "--seed=-1 must be in [0, 2**63 - 1]"),
+    (["generate", "--prompt", "x", "--seed", str(-(2**63) - 1)], "must be in [-2**63, 2**63 - 1]"),
     (["razor-profile", "--output", "p.json", "--seed", "-1"], "--seed=-1 must be in [0,"),
     (["razor-profile", "--output", "p.json", "--repeats", "1"], "--repeats=1 must be >= 2"),
     (["razor-profile", "--output", "p.json", "--block-len", "0"], "--block-len=0 must be >= 2"),
@@ -116,8 +117,10 @@ def test_a_razor_profile_of_another_model_is_refused_before_the_model_loads(
   monkeypatch.setattr(models.loading, "load_model", lambda *a, **k: pytest.fail("model loaded"))
   shipped = HeadProfile.load(RAZOR_PROFILE)
   assert shipped.model_name == "smollm2-135m"
+  finetune = tmp_path / "some-other-135m-finetune.gguf"
+  finetune.write_bytes(b"")
   other = tmp_path / "other.json"
-  dataclasses.replace(shipped, model_name="some-other-135m-finetune").save(other)
+  dataclasses.replace(shipped, model_name=str(finetune)).save(other)
   method = f"razor:budget=64,profile={other}"
   for argv in (
     ["generate", "--prompt", "x", "--method", method],
@@ -127,7 +130,14 @@ def test_a_razor_profile_of_another_model_is_refused_before_the_model_loads(
     with pytest.raises(SystemExit):
       main(argv)
     err = capsys.readouterr().err
-    assert "was computed for model 'some-other-135m-finetune', not 'smollm2-135m'" in err, argv
+    assert f"was computed for model '{finetune}', not 'smollm2-135m'" in err, argv
+  # a model path recorded on another machine cannot be compared here: not refused for that
+  elsewhere = tmp_path / "elsewhere.json"
+  dataclasses.replace(shipped, model_name="/nowhere/model.gguf").save(elsewhere)
+  from kvjax.cli import _check_profile_model
+  from kvjax.method_spec import parse_method_spec
+
+  _check_profile_model(parse_method_spec(f"razor:budget=64,profile={elsewhere}"), "smollm2-135m")
 
 
 def test_output_paths_are_checked_before_the_model_loads(tmp_path, capsys, monkeypatch):

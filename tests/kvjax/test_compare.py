@@ -14,6 +14,7 @@ from kvjax.eval.compare import CompareConfig, compare_methods
 from kvjax.eval.continuation import ContinuationScores, special_prefix
 from kvjax.eval.needle import answer_has_key
 from kvjax.eval.report import write_results
+from kvjax.kivi_cache import Kivi
 from kvjax.sliding_window_cache import SlidingWindowLayerCache
 from tests.kvjax.tiny_decoder import tiny_decoder
 
@@ -241,10 +242,25 @@ def test_a_method_listed_twice_is_refused():
   """A repeat would time a program already compiled, and a second full would be its own KL
   reference."""
   decoder, params = tiny_decoder()
-  for specs in (["streaming:budget=32", "streaming:budget=32"], ["full", "full"]):
-    with pytest.raises(ValueError, match="name .* more than once"):
+  for specs in (
+    ["streaming:budget=32", "streaming:budget=32"],
+    ["full", "full"],
+    # one method, other implementations: two rows of one name
+    [Kivi(bits=4, implementation="reference"), Kivi(bits=4, implementation="interpret")],
+  ):
+    with pytest.raises(ValueError, match="method_specs lists .* twice; list each method once"):
       config = CompareConfig(tasks=("ppl",), context_len=40, continuation_len=8)
       compare_methods(decoder, params, CharTokenizer(), specs, text=TEXT, config=config)
+
+
+def test_one_razor_profile_by_two_paths_is_one_method_listed_twice(profile_path, tmp_path):
+  copy = tmp_path / "copy.json"
+  copy.write_text(open(profile_path).read())
+  decoder, params = tiny_decoder()
+  specs = [f"razor:budget=12,profile={profile_path}", f"razor:budget=12,profile={copy}"]
+  config = CompareConfig(tasks=("ppl",), context_len=40, continuation_len=8)
+  with pytest.raises(ValueError, match="method_specs lists razor.* twice"):
+    compare_methods(decoder, params, CharTokenizer(), specs, text=TEXT, config=config)
 
 
 def test_a_needle_only_run_needs_room_for_the_answer_not_the_continuation():

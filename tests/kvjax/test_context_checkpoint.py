@@ -157,6 +157,34 @@ def test_another_room_or_layer_loop_is_refused(tmp_path):
     restore_context(tmp_path / "context", _template(KIVI, layer_loop="scan"))
 
 
+def _drop_settings(structure, names):
+  """A saved description as kvjax wrote it before these settings existed."""
+  if isinstance(structure, list):
+    return [_drop_settings(child, names) for child in structure]
+  if not isinstance(structure, dict):
+    return structure
+  dropped = {key: _drop_settings(value, names) for key, value in structure.items()}
+  if isinstance(structure.get("settings"), dict):
+    dropped["settings"] = {k: v for k, v in structure["settings"].items() if k not in names}
+  return dropped
+
+
+@pytest.mark.parametrize("spec", ["streaming:budget=16,sinks=2", "h2o_decode:budget=16,window=4"])
+def test_a_context_saved_before_the_room_and_rope_settings_still_restores(spec, tmp_path):
+  """Those settings' old behaviour (evicting when full, plain RoPE) is what such a save held."""
+  context = _context(spec)  # 40-token prompts over a budget of 16: evicting, as before
+  save_context(tmp_path / "context", context)
+  path = tmp_path / "context" / METADATA_FILE
+  record = json.loads(path.read_text())
+  record["structure"] = _drop_settings(record["structure"], {"evicts_when_full", "rope_scaling"})
+  path.write_text(json.dumps(record))
+  assert_same_arrays(restore_context(tmp_path / "context", _template(spec)), context)
+  # under its budget the cache now reports room: an old save of it evicted, and is refused
+  small = f"{spec.split(',')[0].replace('16', '64')},{spec.split(',')[1]}"
+  with pytest.raises(ValueError, match="evicts_when_full"):
+    restore_context(tmp_path / "context", _template(small))
+
+
 def test_how_a_cache_runs_comes_from_the_template(tmp_path):
   save_context(tmp_path / "context", _context(KIVI, implementation="reference"))
   template = _template(KIVI, implementation="interpret")

@@ -54,6 +54,9 @@ def test_spec_strings_parse_to_gear_with_the_authors_defaults():
     (dict(outliers=-0.01), r"outliers=-0.01 must be a fraction in \[0, 0.5\)"),
     (dict(rank=-1), "rank=-1 must be a non-negative int"),
     (dict(iterations=0), "iterations=0 must be a positive int"),
+    (dict(rank=True), "rank=True must be a non-negative int"),
+    (dict(iterations=True), "iterations=True must be a positive int"),
+    (dict(bits=4.0), "bits=4.0 is not supported"),
   ],
 )
 def test_bad_configurations_raise_clear_errors(kwargs, message):

@@ -258,6 +258,16 @@ def test_decode_refuses_bad_arguments_before_tracing(kwargs, message):
     decode(decoder, params, logits, caches, lengths, key, **arguments)
 
 
+def test_the_loop_lowered_without_decodes_checks_still_refuses_no_new_tokens():
+  """decode.lower skips decode's checks; with nothing to emit the loop would never end."""
+  decoder, params = tiny_decoder()
+  logits, caches, lengths = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)
+  arguments = dict(GREEDY_FIVE_TOKENS, max_new_tokens=0)
+  feed = np.ones((2, 2), np.int32), np.array([2, 1], np.int32)
+  with pytest.raises(ValueError, match="max_new_tokens=0 must be an int >= 1"):
+    decode.lower(decoder, params, logits, caches, lengths, jax.random.key(0), *feed, **arguments)
+
+
 def test_decode_takes_a_legacy_uint32_key():
   decoder, params = tiny_decoder()
   logits, caches, lengths = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)

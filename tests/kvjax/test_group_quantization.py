@@ -23,7 +23,7 @@ PROPERTY = settings(max_examples=20, deadline=None)
 _jit = functools.partial(jax.jit, static_argnames=("bits", "group_size"))
 _quantize_keys, _quantize_values = _jit(quantize_keys_per_channel), _jit(quantize_values_per_token)
 _dequantize_keys, _dequantize_values = _jit(dequantize_keys), _jit(dequantize_values)
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def _random_data(seed, shape, spread, offset, dtype):
@@ -60,15 +60,18 @@ def _assert_stats_span_each_group(groups, quantized, bits):
   at most one unit of the stats dtype below the group's, and the step the range over
   2^bits - 1 levels, at or at most one unit above (the stats round outward, module docstring).
   `groups`: float32 [..., group elements] in the layout of the stats' [...]."""
-  unit = 2.0**-7 if quantized.scale.dtype == jnp.bfloat16 else 2.0**-23
+  # one unit in the last place, relative (eps), or absolute among subnormals (float16's below
+  # 6.1e-5 are on a grid of 2**-24)
+  unit = float(jnp.finfo(quantized.scale.dtype).eps)
+  tiny = float(jnp.finfo(quantized.scale.dtype).smallest_subnormal)
   group_min, group_max = groups.min(axis=-1), groups.max(axis=-1)
   minimum = np.asarray(quantized.minimum, np.float32)
   step = np.asarray(quantized.scale, np.float32)
   assert np.all(minimum <= group_min)
-  assert np.all(minimum >= group_min - unit * np.abs(group_min))
+  assert np.all(minimum >= group_min - unit * np.abs(group_min) - tiny)
   exact_step = (group_max - minimum) / (2**bits - 1)
   assert np.all(step >= exact_step * (1 - 2.0**-23))
-  assert np.all(step <= exact_step * (1 + 2 * unit))
+  assert np.all(step <= exact_step * (1 + 2 * unit) + tiny)
 
 
 @PROPERTY
@@ -135,6 +138,41 @@ def test_constant_groups_dequantize_exactly():
   np.testing.assert_array_equal(
     dequantize_values(*quantized, bits=2, group_size=8), values.astype(jnp.float32)
   )
+
+
+def test_a_nan_makes_its_group_nan_and_leaves_the_others_finite():
+  """A full cache hands a NaN on to attention; quantized, it must not come back finite (XLA on
+  CPU skips NaN in a min along the token axis)."""
+  keys = np.random.default_rng(0).normal(size=(1, 1, 16, 32)).astype(np.float32)
+  keys[0, 0, 3, 5] = np.nan  # token group 0 (tokens 0..7), channel 5
+  restored = np.asarray(
+    dequantize_keys(
+      *quantize_keys_per_channel(jnp.asarray(keys), bits=2, group_size=8), bits=2, group_size=8
+    )
+  )
+  nan = np.isnan(restored)
+  assert nan[0, 0, :8, 5].all() and nan.sum() == 8
+  values = keys.copy()
+  restored = np.asarray(
+    dequantize_values(
+      *quantize_values_per_token(jnp.asarray(values), bits=4, group_size=16), bits=4, group_size=16
+    )
+  )
+  nan = np.isnan(restored)
+  assert nan[0, 0, 3, :16].all() and nan.sum() == 16  # token 3, channel group 0
+
+
+@pytest.mark.parametrize(
+  "kwargs, message",
+  [
+    (dict(bits=4.0, group_size=8), "bits=4.0 is not supported"),
+    (dict(bits=True, group_size=8), "bits=True is not supported"),
+    (dict(bits=2, group_size=True), "group_size=True must be a positive int"),
+  ],
+)
+def test_floats_and_bools_are_not_taken_for_ints(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    check_quantization_config(**kwargs)
 
 
 def test_excluded_elements_do_not_stretch_the_range_and_get_code_zero():

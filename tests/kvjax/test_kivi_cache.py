@@ -153,6 +153,7 @@ def test_spec_strings_parse_to_kivi_and_round_trip():
     (dict(group_size=0), "group_size=0 must be a positive int"),
     (dict(residual=48), "residual=48 must be a multiple of group_size=32"),
     (dict(residual=0), "residual=0 must be a positive int"),
+    (dict(residual=True, group_size=1), "residual=True must be a positive int"),
     (dict(implementation="cuda"), "implementation='cuda'"),
   ],
 )

@@ -67,6 +67,11 @@ def test_top_p_near_one_keeps_the_tail_float64_keeps():
   assert abs(int(kept.sum()) - int(expected.sum())) <= 2, (kept.sum(), expected.sum())
 
 
+def test_top_p_takes_a_traced_p():
+  logits = jax.random.normal(jax.random.key(1), (2, 50)) * 2
+  np.testing.assert_array_equal(jax.jit(filter_top_p)(logits, 0.6), filter_top_p(logits, 0.6))
+
+
 def test_top_p_with_tied_logits_keeps_the_smallest_set():
   logits = jnp.log(jnp.array([[0.25, 0.25, 0.25, 0.25], [0.4, 0.2, 0.2, 0.2]]))
   kept = np.isfinite(np.asarray(filter_top_p(logits, 0.45)))
