@@ -63,8 +63,9 @@ def _add_attention_arguments(p):
   )
 
 
-# jax.random.key takes a seed int64 can hold; numpy's generators (compare's text windows, the
-# razor probe's tokens) take no negative one.
+# jax.random.key takes a seed int64 can hold (without jax_enable_x64 it keeps the low 32 bits,
+# so seeds 2**32 apart draw the same); numpy's generators (compare's text windows, the razor
+# probe's tokens) take no negative one.
 SEED_RANGE = (-(2**63), 2**63 - 1)
 NUMPY_SEED_RANGE = (0, 2**63 - 1)
 
@@ -119,7 +120,13 @@ def _check_profile_model(cache_method, model_name: str) -> None:
     recorded = resolve_model_path(profile.model_name).resolve()
     given = resolve_model_path(model_name).resolve()
   except ValueError:
-    return  # a model not on this machine (a path recorded elsewhere): nothing to compare
+    # A model not on this machine (a path recorded elsewhere, or moved): nothing to compare.
+    print(
+      f"note: the razor head profile's model {profile.model_name!r} is not found here; "
+      f"using it for {model_name!r} unchecked",
+      file=sys.stderr,
+    )
+    return
   if recorded == given:
     return
   source = cache_method.profile if isinstance(cache_method.profile, (str, os.PathLike)) else ""

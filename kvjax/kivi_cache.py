@@ -8,7 +8,11 @@ Storage of one layer (`KiviLayerCache`):
   - a full-precision window of `window` (KIVI's residual R) slots holding each row's most
     recent tokens. A cache allocated for fewer than R tokens never flushes a block, so its
     window has only as many slots as it was asked to hold (short generations then cost what
-    the full cache costs, not R tokens' worth).
+    the full cache costs, not R tokens' worth). Otherwise a row holds its capacity rounded down
+    to whole blocks of R in the segment plus the R window slots: up to R tokens more than asked,
+    exactly R when the capacity is a multiple of R (a prefill of exactly that many tokens then
+    leaves the window empty). `nbytes` counts those slots; they are a known cost of keeping
+    whole blocks, not yet trimmed.
 
 Segment schedule. The K and V of a token always live in the same segment, and the segment
 holds whole blocks of `window` tokens:

@@ -65,7 +65,7 @@ def filter_top_p(logits: jax.Array, p: float) -> jax.Array:  # [batch, vocab]
   mass_up_to = jnp.cumsum(jax.nn.softmax(ascending_logits, axis=-1), axis=-1)
   # Token j is in the set iff the tokens more likely than it hold less than p, i.e. the mass
   # up to and including it exceeds 1 - p; the most likely token is always kept.
-  dropped = (mass_up_to <= 1 - p).at[:, -1].set(False)
+  dropped = ((mass_up_to <= 1 - p) & (p < 1)).at[:, -1].set(False)  # p traced: p=1 drops none
   dropped_in_place = jnp.take_along_axis(dropped, jnp.argsort(order, axis=-1), axis=-1)
   return jnp.where(dropped_in_place, -jnp.inf, logits)
 

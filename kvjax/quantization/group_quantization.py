@@ -113,7 +113,9 @@ def _quantize_groups(
   minimum_f32 = _round_toward(group_min, dtype, -1.0)
   # A NaN may drop out of the min/max (XLA on CPU skips it along some axes) and come back as a
   # finite value: its group dequantizes to NaN instead, as a full cache would hand it on.
-  minimum_f32 = jnp.where(jnp.isnan(x).any(axis=axis, keepdims=True), jnp.nan, minimum_f32)
+  # (An excluded NaN, a GEAR outlier, is carried by its correction, not by its group.)
+  counted = x if exclude is None else jnp.where(exclude, 0.0, x)
+  minimum_f32 = jnp.where(jnp.isnan(counted).any(axis=axis, keepdims=True), jnp.nan, minimum_f32)
   scale_f32 = _round_toward((group_max - minimum_f32) / levels, dtype, 1.0)
   minimum, scale = minimum_f32.astype(dtype), scale_f32.astype(dtype)  # exact: already dtype values
   # A constant group has scale 0: every code is 0 and dequantizes to the minimum exactly.

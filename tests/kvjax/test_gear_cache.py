@@ -122,6 +122,17 @@ def test_each_gear_term_reduces_the_reconstruction_error_and_outliers_are_exact(
   assert errors["gear"] < min(errors["outliers"], errors["lowrank"])
 
 
+def test_a_nan_taken_as_an_outlier_stays_one_nan():
+  """The outlier correction carries it; its quantization group keeps finite stats."""
+  keys = np.random.default_rng(0).normal(size=(1, 1, 8, 32)).astype(np.float32)
+  keys[0, 0, 3, 5] = np.nan
+  codec = GearCodec(bits=2, group_size=8, window=8, rank=0, outliers_per_side=1)
+  k_hat, v_hat = codec.decode(codec.encode(jnp.asarray(keys), jnp.asarray(keys), jnp.float32))
+  for restored in (k_hat, v_hat):
+    nan = np.isnan(np.asarray(restored))
+    assert nan.sum() == 1 and nan[0, 0, 3, 5]
+
+
 def test_a_cache_smaller_than_one_block_attends_and_dequantizes_its_window():
   method = Gear(bits=2, group_size=8, rank=2, outliers=0.05, block=64)
   cache = method.allocate_storage(batch=B, kv_heads=H, capacity=20, head_dim=D, dtype=jnp.float32)

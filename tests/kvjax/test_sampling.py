@@ -70,6 +70,9 @@ def test_top_p_near_one_keeps_the_tail_float64_keeps():
 def test_top_p_takes_a_traced_p():
   logits = jax.random.normal(jax.random.key(1), (2, 50)) * 2
   np.testing.assert_array_equal(jax.jit(filter_top_p)(logits, 0.6), filter_top_p(logits, 0.6))
+  # traced p=1 keeps a token whose float32 probability underflows to 0, as concrete p=1 does
+  tail = jnp.array([[0.0, -200.0, -1.0]])
+  np.testing.assert_array_equal(jax.jit(filter_top_p)(tail, 1.0), tail)
 
 
 def test_top_p_with_tied_logits_keeps_the_smallest_set():
