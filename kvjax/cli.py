@@ -2,7 +2,6 @@
 
 import argparse
 import json
-import os
 import sys
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -111,15 +110,11 @@ def _check_razor_profile_arguments(args) -> None:
 def _check_profile_model(cache_method, model_name: str) -> None:
   """A razor head profile records the model it was measured on: another model of the same shape
   (a fine-tune, a sibling) would take its retrieval heads without an error."""
-  from models.registry import resolve_model_path
-
   profile = getattr(cache_method, "head_profile", None)
   if profile is None or not profile.model_name:
     return
-  try:
-    recorded = resolve_model_path(profile.model_name).resolve()
-    given = resolve_model_path(model_name).resolve()
-  except ValueError:
+  recorded, given = _resolved_model(profile.model_name), _resolved_model(model_name)
+  if recorded is None or given is None:
     # A model not on this machine (a path recorded elsewhere, or moved): nothing to compare.
     print(
       f"note: the razor head profile's model {profile.model_name!r} is not found here; "
@@ -129,9 +124,8 @@ def _check_profile_model(cache_method, model_name: str) -> None:
     return
   if recorded == given:
     return
-  source = cache_method.profile if isinstance(cache_method.profile, (str, os.PathLike)) else ""
   raise ValueError(
-    f"--method: the razor head profile {os.fspath(source)!r} was computed for model "
+    f"--method: the razor head profile {cache_method.profile_path or ''!r} was computed for model "
     f"{profile.model_name!r}, not {model_name!r}; compute one for this model with "
     f"`kvjax razor-profile --model {model_name} --output PATH`"
   )
@@ -389,14 +383,22 @@ def _recorded_method(spec: str) -> str:
   )
 
 
-def _same_model(given: str, saved: str) -> bool:
-  """Both names (or paths) resolve to the same model file or directory."""
+def _resolved_model(name: str):
+  """The model file or directory `name` (a short name or a path) is here, or None."""
   from models.registry import resolve_model_path
 
   try:
-    return resolve_model_path(given).resolve() == resolve_model_path(saved).resolve()
+    return resolve_model_path(name).resolve()
   except ValueError:
+    return None
+
+
+def _same_model(given: str, saved: str) -> bool:
+  """Both names (or paths) resolve to the same model file or directory."""
+  given_path, saved_path = _resolved_model(given), _resolved_model(saved)
+  if given_path is None or saved_path is None:
     return given == saved
+  return given_path == saved_path
 
 
 def _same_method(given: str, saved: str) -> bool:

@@ -59,7 +59,7 @@ from kvjax.quantization.group_quantization import (
   quantize_values_per_token,
   round_to_dtype,
 )
-from kvjax.quantization.low_rank import check_rank, power_iteration_low_rank
+from kvjax.quantization.low_rank import check_iterations, check_rank, power_iteration_low_rank
 from kvjax.quantization.outliers import (
   check_outlier_fraction,
   extract_outliers,
@@ -201,12 +201,7 @@ class Gear:
     check_window("block", self.block, self.group_size)
     check_rank(self.rank, block=self.block)
     check_outlier_fraction(self.outliers)
-    if (
-      isinstance(self.iterations, bool)
-      or not isinstance(self.iterations, int)
-      or self.iterations < 1
-    ):
-      raise ValueError(f"iterations={self.iterations!r} must be a positive int")
+    check_iterations(self.iterations)
     attention_dispatch.check_implementation(self.implementation)
     check_kernel_settings(self.kernel_settings)
 

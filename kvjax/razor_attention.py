@@ -520,8 +520,13 @@ class RazorAttention:
       minimum_what="sinks + a window of 1 + the compensation token",
     )
 
+  @property
+  def profile_path(self) -> str | None:
+    """The file the heads were read from (None for a `HeadProfile` given directly)."""
+    return os.fspath(self.profile) if isinstance(self.profile, (str, os.PathLike)) else None
+
   def allocate(self, shape: ModelCacheShape, layer, *, batch, prompt_len, max_new_tokens, dtype):
-    named = f" {os.fspath(self.profile)!r}" if isinstance(self.profile, (str, os.PathLike)) else ""
+    named = f" {self.profile_path!r}" if self.profile_path is not None else ""
     self.head_profile.check_matches(shape, source=f"razor: head profile{named}")
     check_full_attention_model(shape, "razor", prompt_len + max_new_tokens)
     retrieval_heads = self.head_profile.retrieval_heads_of_layer(layer)

@@ -193,14 +193,6 @@ def _frozen(value):
   return value
 
 
-def _head_pair(pair) -> tuple[int, int]:
-  """A stored (layer, kv_head) pair; a float index such as 1.5 is refused, not truncated."""
-  layer, head = pair
-  if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in (layer, head)):
-    raise ValueError(f"retrieval head {list(pair)!r} must be two ints (layer, kv_head)")
-  return int(layer), int(head)
-
-
 def _check_ratio(name: str, value: float) -> None:
   if not 0.0 <= value <= 1.0:
     raise ValueError(f"{name}={value} must be in [0, 1] (a fraction of all KV heads)")
@@ -239,7 +231,7 @@ class HeadProfile:
     for layer, head in self.retrieval_heads:
       if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) for i in (layer, head)):
         raise ValueError(
-          f"head profile: retrieval head ({layer!r}, {head!r}) must be two ints (layer, kv_head)"
+          f"head profile: retrieval head {[layer, head]!r} must be two ints (layer, kv_head)"
         )
       if not (0 <= layer < self.num_layers and 0 <= head < self.num_kv_heads):
         raise ValueError(
@@ -337,7 +329,8 @@ class HeadProfile:
         head_dim=int(model["head_dim"]),
         induction_scores=tuple(tuple(float(s) for s in row) for row in data["induction_scores"]),
         echo_scores=tuple(tuple(float(s) for s in row) for row in data["echo_scores"]),
-        retrieval_heads=tuple(sorted(_head_pair(pair) for pair in data["retrieval_heads"])),
+        # Taken as stored: __post_init__ refuses a float index rather than truncate it.
+        retrieval_heads=tuple(sorted(tuple(pair) for pair in data["retrieval_heads"])),
         induction_ratio=float(data["induction_ratio"]),
         echo_ratio=float(data["echo_ratio"]),
         detection=_frozen(data.get("detection", {})),

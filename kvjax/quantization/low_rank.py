@@ -33,6 +33,11 @@ class LowRankFactors(NamedTuple):
   b: jax.Array  # float32 [..., N, r]: R^T a, so R ~ a @ b^T
 
 
+def check_iterations(iterations: int) -> None:
+  if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+    raise ValueError(f"iterations={iterations!r} must be a positive int")
+
+
 def check_rank(rank: int, *, head_dim: int | None = None, block: int | None = None) -> None:
   if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
     raise ValueError(f"rank={rank!r} must be a non-negative int (0 disables the low-rank part)")
@@ -58,8 +63,7 @@ def power_iteration_low_rank(
     raise ValueError(f"rank={rank} must be <= min(rows, columns) = {min(rows, columns)}")
   if isinstance(oversample, bool) or not isinstance(oversample, int) or oversample < 0:
     raise ValueError(f"oversample={oversample!r} must be a non-negative int")
-  if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
-    raise ValueError(f"iterations={iterations!r} must be a positive int")
+  check_iterations(iterations)
   matrix = residual.astype(jnp.float32)
   if rank == 0:
     lead = residual.shape[:-2]
