@@ -24,7 +24,10 @@ from pallas_kernels import (
   quantized_decode_attention_gpu,
   quantized_decode_attention_tpu,
 )
-from pallas_kernels.decode_attention_reference import decode_attention_reference
+from pallas_kernels.decode_attention_reference import (
+  check_decode_inputs,
+  decode_attention_reference,
+)
 from pallas_kernels.launch_settings import check_launch_settings
 from pallas_kernels.quantized_decode_attention_reference import (
   check_quantized_inputs,
@@ -140,6 +143,7 @@ def decode_attention(
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=False, family=family)
+  check_decode_inputs(queries, keys, values, lengths)
   if keys.shape[2] == 0:
     family = "reference"  # a segment with no slots: nothing to read, out 0 and lse -inf
   if family != "reference":

@@ -39,6 +39,10 @@ class ModelCacheShape:
   rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
+    for name in ("num_layers", "num_kv_heads", "num_query_heads", "head_dim"):
+      check_count(name, getattr(self, name), 1)
+    if self.sliding_window is not None:
+      check_count("sliding_window", self.sliding_window, 1)  # None: no window
     if self.num_query_heads % self.num_kv_heads:
       raise ValueError(
         f"num_query_heads={self.num_query_heads} must be a multiple of "

@@ -38,14 +38,15 @@ def rows_room(caches) -> np.ndarray | None:
   return np.min(np.concatenate(rooms), axis=0) if rooms else None
 
 
-def check_room(caches, new_tokens: int, *, caller: str) -> None:
-  """Raises ValueError when some row has room for fewer than `new_tokens` more tokens."""
+def check_room(caches, new_tokens: int, *, caller: str, setting: str = "max_new_tokens") -> None:
+  """Raises ValueError when some row has room for fewer than `new_tokens` more tokens, naming
+  the `setting` that allocated the room."""
   room = rows_room(caches)
   if room is None or new_tokens <= 0 or np.all(room >= new_tokens):
     return
   row = int(np.argmin(room))
   raise ValueError(
     f"{caller}: appends {new_tokens} tokens per row, but row {row}'s caches have room for "
-    f"{int(room[row])} more; allocate them with max_new_tokens >= {new_tokens} "
+    f"{int(room[row])} more; allocate them with {setting} >= {new_tokens} "
     "(appends past a cache's capacity would be lost)"
   )

@@ -68,7 +68,9 @@ def masked_attention(
   sm_scale: float,
 ) -> tuple[jax.Array, jax.Array]:  # (out f32 [b, h, g, chunk, d], lse f32 [b, h, g, chunk])
   """Softmax attention restricted to `visible`; a query that sees nothing gives out 0, lse
-  -inf. Slots not visible may hold anything, NaN included."""
+  -inf. Slots that no query of the chunk sees may hold anything, NaN included; a NaN in a slot
+  some query sees reaches every query of that row (0 * NaN in the weighted sum), as it would
+  in one query's attention over it."""
   scores = jnp.einsum("bhgcd,bhsd->bhgcs", queries.astype(jnp.float32), keys.astype(jnp.float32))
   mask = visible[:, None, None]
   scores = jnp.where(mask, scores * sm_scale, -jnp.inf)

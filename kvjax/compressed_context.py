@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from kvjax.attention_dispatch import check_implementation
+from kvjax.attention_dispatch import choose_kernel_family
 from kvjax.cache_protocol import CacheMethod, check_cache_dtype, check_count, model_cache_nbytes
 from kvjax.cache_room import check_room
 from kvjax.chunked_prefill import chunked_prefill_refusal, prefill_in_chunks
@@ -71,6 +71,25 @@ class CompressedContext:
   def cache_bytes(self) -> int:
     """Bytes of every array the caches hold (codes, scales, indices, windows, lengths)."""
     return model_cache_nbytes(self.caches)
+
+
+def _check_context_fits_decoder(decoder, context: CompressedContext, caller: str) -> None:
+  """The context's layers and vocabulary are the decoder's (its heads are checked where the
+  caches first attend, by shape)."""
+  layers = sum(
+    item.num_layers if isinstance(item, StackedLayerCaches) else 1 for item in context.caches
+  )
+  if layers != decoder.cache_shape.num_layers:
+    raise ValueError(
+      f"{caller}: the context holds caches for {layers} layers, the decoder has "
+      f"{decoder.cache_shape.num_layers}: continue a context with the model that compressed it"
+    )
+  vocab_size, context_vocab = decoder_vocab_size(decoder), context.next_logits.shape[-1]
+  if vocab_size is not None and vocab_size != context_vocab:
+    raise ValueError(
+      f"{caller}: the context predicts over {context_vocab} tokens, the decoder's vocabulary "
+      f"has {vocab_size}: continue a context with the model that compressed it"
+    )
 
 
 def _check_room_argument(room: int) -> None:
@@ -241,6 +260,7 @@ def continue_context(
   """
   if not isinstance(context, CompressedContext):
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
+  _check_context_fits_decoder(decoder, context, "continue_context")
   vocab_size = context.next_logits.shape[-1]
   stop_token_ids = check_emitted_token_ids(stop_token_ids, pad_token_id, vocab_size=vocab_size)
   feed_tokens, feed_lengths = _pack_fed_tokens(tokens, context.lengths.shape[0], pad_token_id)
@@ -250,7 +270,10 @@ def continue_context(
   key = check_decode_arguments(max_new_tokens, sampling, key)
   _check_feed_chunk(decoder, context, feed_chunk)
   check_room(
-    context.caches, int(feed_lengths.max()) + max_new_tokens - 1, caller="continue_context"
+    context.caches,
+    int(feed_lengths.max()) + max_new_tokens - 1,
+    caller="continue_context",
+    setting="room (of compress_context, or of share_context for a shared context)",
   )
   next_logits, caches, lengths = context.next_logits, context.caches, context.lengths
   if feed_chunk is not None and feed_tokens.shape[1]:
@@ -380,10 +403,11 @@ def share_context(
   """
   if not isinstance(context, CompressedContext):
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
+  _check_context_fits_decoder(decoder, context, "share_context")
   _check_copies(copies)
   _check_room_argument(room)
   check_cache_dtype(cache_dtype)
-  check_implementation(implementation)
+  choose_kernel_family(implementation, None)  # "pallas" needs a GPU or TPU backend
   _refuse_shared(context, "share_context")
   check_shareable(context.caches)
   batch = context.lengths.shape[0]
@@ -503,9 +527,12 @@ def _pack_fed_tokens(tokens, batch: int, pad_token_id: int) -> tuple[np.ndarray,
       )
     check_ids_fit_int32(array, name="tokens")
     return array.astype(np.int32), np.full((batch,), array.shape[1], np.int32)
+  # A row may be a 1-D array, as compress_context takes its prompts (pack_token_lists checks
+  # its ids like a list's: a float array is refused, not truncated).
   rows = list(tokens)
-  if len(rows) != batch or not all(isinstance(row, Sequence) for row in rows):
-    several = len(rows) > batch and all(isinstance(row, Sequence) for row in rows)
+  is_row = lambda row: isinstance(row, (Sequence, np.ndarray, jax.Array))
+  if len(rows) != batch or not all(is_row(row) for row in rows):
+    several = len(rows) > batch and all(is_row(row) for row in rows)
     hint = (
       f"; to ask each context row {len(rows) // batch} questions, continue "
       f"kvjax.repeat_context(context, {len(rows) // batch})"

@@ -152,7 +152,7 @@ class GearCodec(KiviCodec):
     """Materialised K_hat = deq + S + A B^T (and V_hat), float32: tests and analysis only."""
     keys, values = super().decode(segment)
     batch, kv_heads, tokens, head_dim = keys.shape
-    if not tokens:  # a cache smaller than one block has no segment, so no terms to add
+    if not tokens:  # a cache of at most one block has no segment, so no terms to add
       return keys, values
     blocks = tokens // self.block
 

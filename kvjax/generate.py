@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from kvjax.attention_dispatch import choose_kernel_family
 from kvjax.cache_protocol import (
   CacheMethod,
   allocate_model_cache,
@@ -130,6 +131,30 @@ def _prefill_work(
 _prefill_in_jit = jax.jit(_prefill_work, static_argnames=_PREFILL_STATIC)
 
 
+def _implementations(config) -> set[str]:
+  """Every `implementation` a method configuration and the configurations in it name."""
+  if not dataclasses.is_dataclass(config) or isinstance(config, type):
+    return set()
+  found = (
+    {config.implementation} if isinstance(getattr(config, "implementation", None), str) else set()
+  )
+  for field in dataclasses.fields(config):
+    value = getattr(config, field.name)
+    for item in value if isinstance(value, tuple) else (value,):
+      found |= _implementations(item)
+  return found
+
+
+def check_implementations_run_here(cache_method: CacheMethod) -> None:
+  """Refuses a method whose attention cannot run on this backend ("pallas" on CPU) before
+  anything is traced."""
+  for implementation in sorted(_implementations(cache_method)):
+    try:
+      choose_kernel_family(implementation, None)
+    except ValueError as error:
+      raise ValueError(f"cache_method {cache_method!r}: {error}") from None
+
+
 def check_prefill_arguments(
   decoder: CachedDecoder,
   *,
@@ -150,6 +175,7 @@ def check_prefill_arguments(
   check_cache_dtype(cache_dtype)
   check_count("max_new_tokens", max_new_tokens, 0)
   check_prefill_chunk(prefill_chunk)
+  check_implementations_run_here(cache_method)
   caches = model_cache_shapes(
     cache_method,
     decoder.cache_shape,

@@ -6,13 +6,14 @@ Storage of one layer (`KiviLayerCache`):
     `group_size` tokens, values per token over groups of `group_size` channels, codes packed
     into uint32 words, scales/minimums in the cache dtype at their true granularity;
   - a full-precision window of `window` (KIVI's residual R) slots holding each row's most
-    recent tokens. A cache allocated for fewer than R tokens never flushes a block, so its
+    recent tokens. A cache allocated for at most R tokens never flushes a block, so its
     window has only as many slots as it was asked to hold (short generations then cost what
-    the full cache costs, not R tokens' worth). Otherwise a row holds its capacity rounded down
-    to whole blocks of R in the segment plus the R window slots: up to R tokens more than asked,
-    exactly R when the capacity is a multiple of R (a prefill of exactly that many tokens then
-    leaves the window empty). `nbytes` counts those slots; they are a known cost of keeping
-    whole blocks, not yet trimmed.
+    the full cache costs, not R tokens' worth). Otherwise the segment has whole blocks of R for
+    all but the last of the tokens asked for, and the window R slots: a row filled to capacity
+    keeps its last 1..R tokens in the window. So a cache holds exactly what it was asked for
+    when that is a multiple of R, and at most R - 1 tokens more otherwise (whole blocks). A
+    prompt that fills its cache (no room, a multiple of R tokens) thus keeps its last block in
+    full precision, where a cache with room quantizes it as KIVI's prefill does.
 
 Segment schedule. The K and V of a token always live in the same segment, and the segment
 holds whole blocks of `window` tokens:
@@ -222,7 +223,9 @@ class KiviLayerCache:
   ):
     """A cache that holds at least `capacity` tokens per row."""
     codec.check_head_dim(head_dim)
-    quantized_capacity = capacity // codec.window * codec.window
+    # Whole blocks for all but the last of `capacity` tokens: a row filled to capacity keeps its
+    # last 1..R tokens in the window, so the window's R slots are never left empty by design.
+    quantized_capacity = max(int(capacity) - 1, 0) // codec.window * codec.window
     # A cache that never flushes a block needs no more window slots than tokens it holds.
     window_slots = codec.window if quantized_capacity else max(int(capacity), 1)
     segment_shapes = jax.eval_shape(
@@ -248,7 +251,7 @@ class KiviLayerCache:
 
   @property
   def window_slots(self) -> int:
-    """Full-precision slots: `window`, or fewer in a cache smaller than one block."""
+    """Full-precision slots: `window`, or fewer in a cache of at most one block."""
     return self.window_keys.shape[2]
 
   @property
@@ -257,7 +260,7 @@ class KiviLayerCache:
 
   @property
   def capacity(self) -> int:
-    """Most tokens a row can hold: a full segment and a full window (a cache smaller than one
+    """Most tokens a row can hold: a full segment and a full window (a cache of at most one
     block never flushes and holds as many tokens as its window has slots)."""
     return self.quantized_capacity + self.window_slots
 
@@ -319,7 +322,7 @@ class KiviLayerCache:
     window = self.window
     # KIVI quantizes a filled window only after the query of the token that filled it has
     # attended over it in full precision; so the block that filled at the previous append is
-    # quantized now, before this token is written. A cache smaller than one block (static)
+    # quantized now, before this token is written. A cache of at most one block (static)
     # never flushes: it holds at most `window_slots` tokens, and appending past that is a
     # capacity error.
     flush = (self.window_lengths == window) & (self.quantized_capacity > 0)  # bool [B]
@@ -386,7 +389,7 @@ class KiviLayerCache:
     )
     segment = self.segment
     flushed = jnp.zeros_like(totals)
-    if self.quantized_capacity:  # static: a cache smaller than one block never flushes
+    if self.quantized_capacity:  # static: a cache of at most one block never flushes
       given = combined_len // window * window
       blocks = self.codec.encode(
         combined_keys[:, :, :given], combined_values[:, :, :given], self.dtype

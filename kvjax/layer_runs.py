@@ -77,7 +77,8 @@ class StackedLayerCaches:
 
   @property
   def stored_elements(self) -> int:
-    one = jax.eval_shape(lambda: self.layer(0))
+    # The stack goes in as an argument, so this works on shape templates too.
+    one = jax.eval_shape(lambda stacked: StackedLayerCaches(stacked).layer(0), self.stacked)
     return self.num_layers * one.stored_elements
 
 
@@ -164,11 +165,10 @@ def run_layers(
   layers). Returns (the last layer's `x`, the new caches): a stacked run comes back stacked;
   loose caches come back loose, unless `keep_stacked` returns their scanned runs stacked.
   `before_cache[i]` must return the same shapes for every layer, and so must `after_cache[i]`.
-  `layer_loop="unroll"` calls every layer from Python; both loops give the same numbers.
+  `layer_loop="unroll"` calls every layer from Python (a stacked run too, layer by layer, and
+  it comes back stacked); both loops give the same numbers.
   """
   check_layer_loop(layer_loop)
-  if layer_loop == "unroll":
-    caches = flatten_layer_caches(caches)
   segments = _segments(caches, layer_loop)
   num_layers = segments[-1][1] if segments else 0
   if not len(before_cache) == len(after_cache) == num_layers:
@@ -182,6 +182,16 @@ def run_layers(
       attended, cache = cache_step(before_cache[start](x), segment[0])
       x = after_cache[start](x, attended)
       new_caches.append(cache)
+      continue
+    if layer_loop == "unroll":  # a stacked run given to an unrolled loop comes back stacked
+      stacked = segment.stacked
+      for index in range(stop - start):
+        attended, cache = cache_step(
+          before_cache[start + index](x), StackedLayerCaches(stacked).layer(index)
+        )
+        x = after_cache[start + index](x, attended)
+        stacked = jax.tree.map(lambda leaf, new, i=index: leaf.at[i].set(new), stacked, cache)
+      new_caches.append(StackedLayerCaches(stacked))
       continue
     stacked = segment.stacked if isinstance(segment, StackedLayerCaches) else _stack(segment)
     befores, afters = before_cache[start:stop], after_cache[start:stop]

@@ -11,6 +11,8 @@ class LruTable:
   """At most `max_entries` values by key; reads and writes hold a lock, computing does not."""
 
   def __init__(self, max_entries: int):
+    if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries < 0:
+      raise ValueError(f"max_entries={max_entries!r} must be an int >= 0 (0 keeps nothing)")
     self.max_entries = max_entries
     self._entries: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
@@ -33,6 +35,8 @@ class LruTable:
     return value
 
   def most_recent(self) -> Any:
-    """The value last stored or read."""
+    """The value last stored or read; LookupError when nothing is stored."""
     with self._lock:
+      if not self._entries:
+        raise LookupError("the table is empty: nothing was stored yet")
       return next(reversed(self._entries.values()))

@@ -7,6 +7,8 @@ builds the prompt x prompt matrix for all heads at once.
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache_protocol import check_count
+
 
 def causal_prompt_attention(
   queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim]
@@ -22,6 +24,9 @@ def causal_prompt_attention(
   Rows are compact (padding after each row's length); padding keys are only ever seen by
   padding queries, whose outputs nobody reads.
   """
+  if sliding_window is not None:
+    check_count("sliding_window", sliding_window, 1)
+  check_count("query_chunk", query_chunk, 1)
   prompt_len = queries.shape[3]
   chunk = min(query_chunk, prompt_len)
   num_chunks = -(-prompt_len // chunk)

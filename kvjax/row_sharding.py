@@ -30,6 +30,12 @@ def check_row_sharding(row_sharding: Any, batch: int) -> None:
       f"PartitionSpec('data') or PartitionSpec(('data', 'model')); got {row_sharding.spec}"
     )
   names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  unknown = [name for name in names if name not in row_sharding.mesh.axis_names]
+  if unknown:
+    raise ValueError(
+      f"row_sharding's spec must name mesh axes ({', '.join(row_sharding.mesh.axis_names)}) "
+      f"for the batch axis; {unknown} are not among them (got {row_sharding.spec})"
+    )
   axis_types = dict(zip(row_sharding.mesh.axis_names, row_sharding.mesh.axis_types, strict=True))
   explicit = [name for name in names if axis_types.get(name) != AxisType.Auto]
   if explicit:

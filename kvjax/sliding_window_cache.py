@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import attention_dispatch
-from kvjax.cache_protocol import KeyValueArrays
+from kvjax.cache_protocol import KeyValueArrays, check_count
 from kvjax.chunk_attention import masked_attention
 from kvjax.compact_rows import write_token_at_lengths
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
@@ -51,6 +51,7 @@ class SlidingWindowLayerCache(KeyValueArrays):
     implementation="auto",
     kernel_settings=DEFAULT_KERNEL_SETTINGS,
   ):
+    check_count("window", window, 1)
     shape = (batch, kv_heads, window, head_dim)
     return cls(
       keys=jnp.zeros(shape, dtype),

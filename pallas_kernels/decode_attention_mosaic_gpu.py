@@ -176,7 +176,7 @@ def write_partials(state, out_smem, lse_smem, out_gmem, lse_gmem):
   shared memory to `out_gmem` / `lse_gmem` (the program's slices). A split with no valid token
   writes out 0 and lse -inf (it drops out of the merge)."""
   acc, running_max, running_sum = state
-  nonempty = running_sum > 0
+  nonempty = running_sum != 0  # a NaN sum is not empty: the NaN reaches out and lse
   safe_sum = jnp.where(nonempty, running_sum, 1.0)
   out_smem[...] = acc / lax.broadcast_in_dim(safe_sum, acc.shape, [1])
   lse_smem[...] = jnp.where(nonempty, natural_log_sum_exp(running_max, safe_sum), -jnp.inf)

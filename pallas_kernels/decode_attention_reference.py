@@ -4,6 +4,26 @@ import jax
 import jax.numpy as jnp
 
 
+def check_decode_inputs(queries, keys, values, lengths) -> None:
+  """Raises ValueError naming the array whose shape does not fit the queries' (shapes only, so
+  it runs on tracers; mismatched heads would otherwise broadcast silently)."""
+  if queries.ndim != 4:
+    raise ValueError(
+      f"queries must be [batch, kv_heads, group, head_dim], got shape {queries.shape}"
+    )
+  batch, kv_heads, _, head_dim = queries.shape
+  for name, array in (("keys", keys), ("values", values)):
+    if array.ndim != 4 or array.shape[:2] != (batch, kv_heads) or array.shape[3] != head_dim:
+      raise ValueError(
+        f"{name} must be [{batch}, {kv_heads}, tokens, {head_dim}] to match the queries "
+        f"{queries.shape}; got {array.shape}"
+      )
+  if values.shape != keys.shape:
+    raise ValueError(f"values shape {values.shape} must equal keys shape {keys.shape}")
+  if lengths.shape != (batch,):
+    raise ValueError(f"lengths must be [{batch}], got shape {lengths.shape}")
+
+
 def decode_attention_reference(
   queries: jax.Array,  # [batch, kv_heads, group, head_dim]
   keys: jax.Array,  # [batch, kv_heads, tokens, head_dim]
@@ -39,7 +59,8 @@ def merge_attention_partials(
   """Exact softmax attention over the union of disjoint segments from their (out, lse) pairs."""
   lses = jnp.stack([lse for _, lse in partials])  # [parts, batch, kv_heads, group]
   total = jax.nn.logsumexp(lses, axis=0)
-  safe_total = jnp.where(jnp.isfinite(total), total, 0.0)
-  weights = jnp.where(jnp.isfinite(lses), jnp.exp(lses - safe_total[None]), 0.0)
+  # Only an empty segment (lse -inf) drops out; a NaN one makes the merge NaN.
+  safe_total = jnp.where(total == -jnp.inf, 0.0, total)
+  weights = jnp.where(lses == -jnp.inf, 0.0, jnp.exp(lses - safe_total[None]))
   out = sum(w[..., None] * o for w, (o, _) in zip(weights, partials, strict=True))
   return out, total

@@ -60,7 +60,7 @@ def online_softmax_update(scores, values, valid_tokens, max_ref, sum_ref, acc_re
 
 def finalize(max_ref, sum_ref, acc, out_ref, lse_ref):
   total = sum_ref[...]  # [rows, 1]
-  nonempty = total > 0
+  nonempty = total != 0  # a NaN sum is not empty: the NaN reaches out and lse
   safe_total = jnp.where(nonempty, total, 1.0)
   out_ref[...] = jnp.where(nonempty, acc / safe_total, 0.0).astype(out_ref.dtype)
   lse_ref[...] = jnp.where(nonempty, max_ref[...] + jnp.log(safe_total), -jnp.inf)

@@ -95,7 +95,7 @@ def store_split_partials(out_ref, lse_ref, running_max, running_sum, *accs):
   channel groups) and lse = (max + log2(sum)) ln 2, in natural units from the base-2 state. A
   row with no valid token in this split writes out 0 and lse -inf, so it drops out of
   `merge_split_partials`."""
-  nonempty = running_sum > 0
+  nonempty = running_sum != 0  # a NaN sum is not empty: the NaN reaches out and lse
   safe_sum = jnp.where(nonempty, running_sum, 1.0)
   if len(accs) == 1:
     out_ref[...] = jnp.where(nonempty[:, None], accs[0] / safe_sum[:, None], 0.0)

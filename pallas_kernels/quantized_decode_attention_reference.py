@@ -330,7 +330,7 @@ def quantized_decode_attention_reference(
     jnp.zeros((batch, kv_heads, group, head_dim), f32),
   )
   (running_max, running_sum, acc), _ = jax.lax.scan(step, init, xs)
-  nonempty = running_sum > 0
+  nonempty = running_sum != 0  # a NaN sum is not empty: the NaN reaches out and lse
   out = jnp.where(nonempty[..., None], acc / jnp.where(nonempty, running_sum, 1.0)[..., None], 0.0)
   lse = jnp.where(nonempty, running_max + jnp.log(jnp.where(nonempty, running_sum, 1.0)), -jnp.inf)
   return out, lse

@@ -191,7 +191,7 @@ def _quantized_kernel(
   @pl.when(step == plan.blocks_per_split - 1)
   def _write():
     total = sum_ref[...]
-    nonempty = total > 0
+    nonempty = total != 0  # a NaN sum is not empty: the NaN reaches out and lse
     safe_total = jnp.where(nonempty, total, 1.0)
     for field in range(fields):
       out_ref[field] = jnp.where(nonempty, acc_ref[field] / safe_total, 0.0)

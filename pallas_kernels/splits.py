@@ -103,10 +103,9 @@ def merge_split_partials(
   transpose."""
   lse_partials = lse_partials[:, :, :, :group]
   total = jax.nn.logsumexp(lse_partials, axis=2)  # -inf where every split is empty
-  safe_total = jnp.where(jnp.isfinite(total), total, 0.0)
-  weights = jnp.where(
-    jnp.isfinite(lse_partials), jnp.exp(lse_partials - safe_total[:, :, None]), 0.0
-  )
+  # Only an empty split (lse -inf) drops out; a NaN one makes the merge NaN.
+  safe_total = jnp.where(total == -jnp.inf, 0.0, total)
+  weights = jnp.where(lse_partials == -jnp.inf, 0.0, jnp.exp(lse_partials - safe_total[:, :, None]))
   if head_dim_last:
     out = jnp.einsum("bhsg,bhsgd->bhgd", weights, out_partials[:, :, :, :group])
   else:

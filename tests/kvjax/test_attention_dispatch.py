@@ -207,3 +207,47 @@ def test_quantized_config_errors_raise_before_tracing(bad, match):
 
   with pytest.raises(ValueError, match=match):
     jax.eval_shape(traced, queries)  # raised while tracing starts: nothing compiled or run
+
+
+@pytest.mark.parametrize("kernel_backend", ["gpu", "tpu"])
+@pytest.mark.parametrize("gear", [False, True])
+def test_a_nan_key_minimum_in_a_held_group_makes_its_rows_nan_everywhere(kernel_backend, gear):
+  """A NaN statistic (a group quantized from a NaN key) reaches the output in the reference
+  and the kernels alike, rather than making the row look empty (out 0, lse -inf)."""
+  rng = np.random.default_rng(3)
+  queries = random_queries(rng, 2, 2, 4, 64)
+  segment = random_quantized_segment(
+    rng,
+    2,
+    2,
+    128,
+    64,
+    bits=2,
+    group_size=32,
+    rank=2 if gear else 0,
+    outliers_per_block=4 if gear else 0,
+  )
+  lengths = jnp.asarray([128, 45], jnp.int32)
+  k_min = segment.k_min.at[1, 0, 1].set(jnp.nan)  # row 1, KV head 0, its second key group
+  arrays = (segment.k_codes, segment.k_scale, k_min, segment.v_codes, segment.v_scale)
+  arrays += (segment.v_min, lengths)
+  settings = dict(
+    bits=2, group_size=32, sm_scale=0.125, lowrank=segment.lowrank, outliers=segment.outliers
+  )
+  ref_out, ref_lse = quantized_decode_attention_reference(queries, *arrays, **settings)
+  nan_rows = np.zeros((2, 2), bool)
+  nan_rows[1, 0] = True
+  assert np.isnan(ref_lse).any(axis=-1).tolist() == nan_rows.tolist()
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # a kernel that falls back for this shape warns
+    out, lse = attention_dispatch.quantized_decode_attention(
+      queries,
+      *arrays,
+      **settings,
+      implementation="interpret",
+      kernel_backend=kernel_backend,
+    )
+  out, lse = np.asarray(out), np.asarray(lse)
+  assert np.isnan(lse).all(axis=-1).tolist() == nan_rows.tolist()
+  assert np.isnan(out).all(axis=(-2, -1)).tolist() == nan_rows.tolist()
+  _close(out[~nan_rows], np.asarray(ref_out)[~nan_rows], rtol=1e-4)

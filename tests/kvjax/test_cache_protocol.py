@@ -43,3 +43,12 @@ def test_errors_of_the_allocation_are_raised_and_not_memoised():
   for _ in range(2):
     with pytest.raises(ValueError, match="kivi: group_size=64 must divide head_dim=32"):
       model_cache_shapes(method, SHAPE, **ALLOCATION)
+
+
+def test_a_model_cache_shape_refuses_counts_that_are_not_positive_ints():
+  good = dict(num_layers=2, num_kv_heads=2, num_query_heads=4, head_dim=8)
+  for name in ("num_layers", "num_kv_heads", "num_query_heads", "head_dim", "sliding_window"):
+    for bad in (0, -3, 2.0, True):
+      with pytest.raises(ValueError, match=rf"{name}={bad!r} must be an int >= 1"):
+        ModelCacheShape(**{**good, name: bad})
+  assert ModelCacheShape(**good, sliding_window=1).sliding_window == 1

@@ -263,6 +263,13 @@ def test_bad_arguments_are_refused_before_anything_runs():
     continue_context(decoder, params, context, [1, 2], max_new_tokens=2)
   with pytest.raises(ValueError, match=r"got a int32 array of shape \(1, 2\)"):
     continue_context(decoder, params, context, np.ones((1, 2), np.int32), max_new_tokens=2)
+  as_lists, _ = continue_context(decoder, params, context, [[1, 2], [3]], max_new_tokens=2)
+  as_arrays, _ = continue_context(
+    decoder, params, context, [np.array([1, 2]), jnp.array([3])], max_new_tokens=2
+  )
+  np.testing.assert_array_equal(as_arrays, as_lists)
+  with pytest.raises(ValueError, match=r"tokens\[1\] must be a list of int token ids"):
+    continue_context(decoder, params, context, [[1], np.array([3.5])], max_new_tokens=2)
   with pytest.raises(ValueError, match=r"got a float32 array"):
     continue_context(decoder, params, context, np.ones((2, 2), np.float32), max_new_tokens=2)
   with pytest.raises(ValueError, match=r"tokens\[1\] must be a list of int token ids"):
@@ -303,8 +310,64 @@ def test_bad_arguments_are_refused_before_anything_runs():
   # The longest fed list and every new token but the last (never appended) must fit.
   room = int(rows_room(context.caches).min())
   continue_context(decoder, params, context, [[1, 2, 3], []], max_new_tokens=room - 3 + 1)
-  with pytest.raises(ValueError, match=f"continue_context: appends {room + 1} tokens"):
+  with pytest.raises(
+    ValueError, match=f"continue_context: appends {room + 1} tokens.* room \\(of compress_context"
+  ):
     continue_context(decoder, params, context, [[], [1, 2, 3]], max_new_tokens=room - 3 + 2)
+
+
+def test_a_context_of_another_model_is_refused_before_it_is_continued():
+  decoder, params = tiny_decoder()
+  one_head, one_head_params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, num_kv_heads=1))
+  three_layers, _ = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, num_layers=3))
+  wider, _ = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, vocab_size=80))
+  context = compress_context(decoder, params, PROMPTS[:1], cache_method=FullCache(), room=4)
+  for other, message in (
+    (three_layers, "caches for 2 layers, the decoder has 3"),
+    (wider, "over 64 tokens, the decoder's vocabulary has 80"),
+  ):
+    for call in (
+      lambda other=other: continue_context(other, params, context, [[1]], max_new_tokens=2),
+      lambda other=other: share_context(other, context, 2, room=4),
+    ):
+      with pytest.raises(ValueError, match=message):
+        call()
+  # Heads that differ are refused where the caches first attend, not broadcast over the heads.
+  one_head_context = compress_context(
+    one_head, one_head_params, PROMPTS[:1], cache_method=FullCache(), room=0
+  )
+  shared = share_context(decoder, one_head_context, 2, room=4)
+  with pytest.raises(ValueError, match=r"keys must be \[1, 2, tokens, 16\] to match the queries"):
+    continue_context(decoder, params, shared, [[5], [6]], max_new_tokens=2)
+
+
+def test_a_scanned_context_continues_in_an_unrolled_decoder():
+  unrolled, params = tiny_decoder()
+  scanned, scanned_params = tiny_decoder(layer_loop="scan")
+  for spec in ("full", KIVI):
+    method = parse_method_spec(spec)
+    context = compress_context(scanned, scanned_params, PROMPTS, cache_method=method, room=8)
+    want, _ = continue_context(scanned, scanned_params, context, QUESTIONS, max_new_tokens=4)
+    got, _ = continue_context(unrolled, params, context, QUESTIONS, max_new_tokens=4)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_pallas_on_a_backend_without_kernels_is_refused_before_anything_runs():
+  if jax.default_backend() != "cpu":
+    pytest.skip("kernels run here")
+  decoder, params = tiny_decoder()
+  message = "implementation='pallas' needs a GPU or TPU backend"
+  with pytest.raises(ValueError, match=message):
+    compress_context(
+      decoder,
+      params,
+      PROMPTS,
+      cache_method=parse_method_spec(KIVI, implementation="pallas"),
+      room=2,
+    )
+  context = compress_context(decoder, params, PROMPTS, cache_method=FullCache(), room=0)
+  with pytest.raises(ValueError, match=message):
+    share_context(decoder, context, 2, room=4, implementation="pallas")
 
 
 @pytest.mark.parametrize("layer_loop", ["unroll", "scan"])

@@ -1,6 +1,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from kvjax.cache_protocol import ModelCacheShape, allocate_model_cache, model_cache_nbytes
 from kvjax.dense_cache import DenseLayerCache, FullCache
@@ -107,3 +108,18 @@ def test_merge_of_partials_equals_attention_over_the_union():
   merged = merge_attention_partials([first, second])
   np.testing.assert_allclose(merged[0], whole[0], atol=1e-5)
   np.testing.assert_allclose(merged[1], whole[1], atol=1e-5)
+
+
+def test_a_ring_of_no_slots_is_refused():
+  for window in (0, -1, 2.0, True):
+    with pytest.raises(ValueError, match=rf"window={window!r} must be an int >= 1"):
+      SlidingWindowLayerCache.zeros(
+        batch=1, kv_heads=1, window=window, head_dim=8, dtype=jnp.float32
+      )
+
+
+def test_keys_whose_heads_differ_from_the_queries_are_refused_not_broadcast():
+  cache = DenseLayerCache.zeros(batch=2, kv_heads=1, capacity=4, head_dim=8, dtype=jnp.float32)
+  queries = jnp.ones((2, 2, 3, 8), jnp.float32)
+  with pytest.raises(ValueError, match=r"keys must be \[2, 2, tokens, 8\] to match the queries"):
+    cache.attend(queries, sm_scale=1.0)

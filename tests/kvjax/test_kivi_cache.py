@@ -268,10 +268,14 @@ def test_the_token_that_fills_the_window_attends_over_the_block_in_full_precisio
   ],
   ids=["kivi", "gear"],
 )
-def test_a_row_filled_to_capacity_holds_the_same_tokens_however_they_arrived(method):
+@pytest.mark.parametrize("asked", [40, 48])
+def test_a_row_filled_to_capacity_holds_the_same_tokens_however_they_arrived(method, asked):
   # Capacity is a full segment plus a full window (the window is quantized lazily); a chunk
-  # or a prompt that fills it must not quantize a block the segment has no room for.
-  empty = method.allocate_storage(batch=B, kv_heads=H, capacity=40, head_dim=D, dtype=jnp.float32)
+  # or a prompt that fills it must not quantize a block the segment has no room for. Asked
+  # for 48 = 3 blocks, the cache holds exactly 48: the last block stays in the window.
+  empty = method.allocate_storage(
+    batch=B, kv_heads=H, capacity=asked, head_dim=D, dtype=jnp.float32
+  )
   assert (empty.quantized_capacity, empty.capacity) == (32, 48)
   keys, values = _random(0, B, H, 48, D), _random(1, B, H, 48, D)
   held = _ingest(empty, keys[:, :, :40], values[:, :, :40], jnp.asarray([40, 40], jnp.int32))
@@ -293,6 +297,51 @@ def test_a_row_filled_to_capacity_holds_the_same_tokens_however_they_arrived(met
     )
   for leaf, other in zip(jax.tree.leaves(chunked), jax.tree.leaves(at_once), strict=True):
     np.testing.assert_allclose(leaf, other, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", [Kivi(residual=16, group_size=8), Gear(block=16, group_size=8)])
+def test_a_cache_holds_what_it_was_asked_for_plus_less_than_one_block(method):
+  for asked in range(1, 5 * 16 + 2):
+    cache = method.allocate_storage(
+      batch=B, kv_heads=H, capacity=asked, head_dim=D, dtype=jnp.bfloat16
+    )
+    surplus = cache.capacity - asked
+    assert 0 <= surplus < 16, (asked, cache.capacity)
+    if asked % 16 == 0 or asked <= 16:
+      assert surplus == 0, (asked, cache.capacity)
+    assert cache.quantized_capacity % 16 == 0 and cache.window_slots == min(asked, 16)
+    assert cache.stored_elements == 2 * B * H * cache.capacity * D
+
+
+@pytest.mark.parametrize("method", [Kivi(residual=16, group_size=8), Gear(block=16, group_size=8)])
+@pytest.mark.parametrize("asked, prompt", [(48, 40), (48, 32), (40, 17)])
+def test_a_cache_sized_to_what_it_holds_attends_as_one_with_room_to_spare(method, asked, prompt):
+  # Trimming the allocation to whole blocks for all but the last tokens never changes which
+  # tokens are quantized: every step attends as a cache one block larger does.
+  exact, spare = (
+    method.allocate_storage(batch=B, kv_heads=H, capacity=n, head_dim=D, dtype=jnp.bfloat16)
+    for n in (asked, asked + 16)
+  )
+  keys, values = _random(2, B, H, asked, D), _random(3, B, H, asked, D)
+  queries = _random(4, B, H, G, D)
+  lengths = jnp.asarray([prompt, prompt - 1], jnp.int32)
+  exact = _ingest(exact, keys[:, :, :prompt], values[:, :, :prompt], lengths)
+  spare = _ingest(spare, keys[:, :, :prompt], values[:, :, :prompt], lengths)
+
+  def assert_same_tokens_quantized():
+    np.testing.assert_array_equal(exact.quantized_lengths, spare.quantized_lengths)
+    np.testing.assert_array_equal(exact.window_lengths, spare.window_lengths)
+    # Equal up to float32 summation order over segments of other sizes.
+    np.testing.assert_allclose(
+      _attend(exact, queries, 0.2), _attend(spare, queries, 0.2), rtol=1e-5, atol=1e-6
+    )
+
+  for position in range(prompt, asked):
+    assert_same_tokens_quantized()
+    exact = _append(exact, keys[:, :, position], values[:, :, position])
+    spare = _append(spare, keys[:, :, position], values[:, :, position])
+  np.testing.assert_array_equal(exact.room, np.asarray([0, 1]) + exact.capacity - asked)
+  assert_same_tokens_quantized()
 
 
 def test_a_cache_smaller_than_one_block_keeps_everything_in_the_window():

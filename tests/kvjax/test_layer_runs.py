@@ -169,3 +169,34 @@ def test_stacked_layer_caches_report_the_runs_bytes_and_elements():
   assert model_cache_nbytes(prefilled) == model_cache_nbytes(caches)
   assert prefilled[0].stored_elements == sum(c.stored_elements for c in caches)
   np.testing.assert_array_equal(prefilled[0].layer(2).lengths, [8, 5])
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_unrolled_loop_gives_a_stacked_run_back_stacked(jit):
+  before, after, caches = _toy_layers(np.random.default_rng(1), (4, 4, 4, 2))
+  x = jnp.ones((3,), jnp.float32)
+  _, kept = jax.jit(lambda x, c: _run_kept(before, after, x, c, True))(x, caches)
+  unrolled = lambda x, c: _run(before, after, x, c, "unroll")
+  x_unroll, got = (jax.jit(unrolled) if jit else unrolled)(x, kept)
+  x_scan, want = jax.jit(lambda x, c: _run(before, after, x, c, "scan"))(x, kept)
+  assert isinstance(got[0], StackedLayerCaches) and got[0].num_layers == 3 and len(got) == 2
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  np.testing.assert_allclose(x_unroll, x_scan, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+
+
+def test_a_stacked_template_counts_its_elements():
+  decoder, _ = tiny_decoder(0, FOUR_LAYERS, "scan")
+  caches = allocate_model_cache(
+    parse_method_spec("full"),
+    decoder.cache_shape,
+    batch=2,
+    prompt_len=8,
+    max_new_tokens=4,
+    dtype=jnp.bfloat16,
+  )
+  stacked = StackedLayerCaches(jax.tree.map(lambda *leaves: jnp.stack(leaves), *caches))
+  template = jax.eval_shape(lambda s: s, stacked)
+  assert isinstance(jax.tree.leaves(template)[0], jax.ShapeDtypeStruct)
+  assert template.stored_elements == sum(c.stored_elements for c in caches)

@@ -1,5 +1,7 @@
 import concurrent.futures
 
+import pytest
+
 from kvjax.lru_table import LruTable
 
 
@@ -26,3 +28,15 @@ def test_a_table_that_keeps_nothing_still_returns_what_each_call_computed():
   with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
     values = list(pool.map(lambda k: table.get_or_compute(k, lambda: k + 1), range(16)))
   assert values == [k + 1 for k in range(16)]
+
+
+def test_bad_sizes_are_refused_and_an_empty_table_says_so():
+  for bad in (-1, 2.5, True, "3"):
+    with pytest.raises(ValueError, match=r"max_entries=.* must be an int >= 0"):
+      LruTable(max_entries=bad)
+  table = LruTable(max_entries=0)
+  with pytest.raises(LookupError, match="the table is empty"):
+    table.most_recent()
+  table.get_or_compute(1, lambda: 2)
+  with pytest.raises(LookupError, match="the table is empty"):
+    table.most_recent()

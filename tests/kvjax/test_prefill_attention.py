@@ -20,3 +20,11 @@ def test_chunked_prompt_attention_equals_masked_softmax(window, chunk):
   p = np.exp(scores - scores.max(-1, keepdims=True))
   expected = np.einsum("bhgqk,bhkd->bhgqd", p / p.sum(-1, keepdims=True), v)
   np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_a_window_or_query_chunk_below_one_is_refused():
+  queries = np.zeros((1, 1, 1, 4, 8), np.float32)
+  keys = np.zeros((1, 1, 4, 8), np.float32)
+  for name, value in (("sliding_window", 0), ("sliding_window", 1.5), ("query_chunk", 0)):
+    with pytest.raises(ValueError, match=rf"{name}={value!r} must be an int >= 1"):
+      causal_prompt_attention(queries, keys, keys, sm_scale=1.0, **{name: value})

@@ -247,6 +247,10 @@ def test_bad_row_shardings_are_refused_before_anything_runs():
     (NamedSharding(mesh, PartitionSpec(None)), r"spec must name the mesh axes of the batch axis"),
     (NamedSharding(mesh, PartitionSpec("data", None)), r"batch axis alone"),
     (
+      NamedSharding(mesh, PartitionSpec(PartitionSpec.UNCONSTRAINED)),
+      r"must name mesh axes \(data\) for the batch axis; \[UNCONSTRAINED\] are not",
+    ),
+    (
       NamedSharding(jax.make_mesh((2,), ("data",)), PartitionSpec("data")),
       r"mesh axes \['data'\] are not of type Auto .* axis_types=",
     ),

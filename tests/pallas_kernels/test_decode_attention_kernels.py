@@ -83,17 +83,17 @@ def test_tpu_kernel_matches_reference(head_dim, group, dtype):
   _check_kernel(decode_attention_tpu, head_dim, group, dtype, seed=head_dim * 10 + group + 1)
 
 
-def test_kernels_ignore_nan_past_length():
-  """Capacity past a row's length may hold anything: it must neither be read into the result
-  nor cost work (blocks past the length are not loaded)."""
-  rng = np.random.default_rng(5)
-  queries, keys, values, lengths = _inputs(rng, 64, 4, jnp.float32)
-  ref = decode_attention_reference(queries, keys, values, lengths, sm_scale=0.125)
-  past = jnp.arange(TOKENS)[None, None, :, None] >= lengths[:, None, None, None]
-  keys, values = jnp.where(past, jnp.nan, keys), jnp.where(past, jnp.nan, values)
-  for out, lse in (
+def _both_kernels(queries, keys, values, lengths, *, triton_splits, tpu_splits):
+  """(out, lse) of the Triton and the TPU kernel, sm_scale 0.125."""
+  return (
     decode_attention_triton.decode_attention_triton(
-      queries, keys, values, lengths, sm_scale=0.125, num_splits=3, interpret=triton_interpret()
+      queries,
+      keys,
+      values,
+      lengths,
+      sm_scale=0.125,
+      num_splits=triton_splits,
+      interpret=triton_interpret(),
     ),
     decode_attention_tpu.decode_attention_tpu(
       queries,
@@ -102,10 +102,21 @@ def test_kernels_ignore_nan_past_length():
       lengths,
       sm_scale=0.125,
       block_tokens=64,
-      num_splits=1,
+      num_splits=tpu_splits,
       interpret=tpu_interpret(),
     ),
-  ):
+  )
+
+
+def test_kernels_ignore_nan_past_length():
+  """Capacity past a row's length may hold anything: it must neither be read into the result
+  nor cost work (blocks past the length are not loaded)."""
+  rng = np.random.default_rng(5)
+  queries, keys, values, lengths = _inputs(rng, 64, 4, jnp.float32)
+  ref = decode_attention_reference(queries, keys, values, lengths, sm_scale=0.125)
+  past = jnp.arange(TOKENS)[None, None, :, None] >= lengths[:, None, None, None]
+  keys, values = jnp.where(past, jnp.nan, keys), jnp.where(past, jnp.nan, values)
+  for out, lse in _both_kernels(queries, keys, values, lengths, triton_splits=3, tpu_splits=1):
     assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.float32, False))
 
 
@@ -141,3 +152,27 @@ def test_tpu_kernel_grid(head_dim, group, dtype):
     num_splits=3,
     block_tokens=32,
   )
+
+
+@pytest.mark.parametrize("where", ["key", "value"])
+def test_a_nan_in_a_valid_slot_makes_its_row_nan_as_in_the_reference(where):
+  """A NaN the model wrote into a held token reaches the output (as full attention hands it
+  on), in every split layout; it does not make the row look empty (out 0, lse -inf)."""
+  rng = np.random.default_rng(6)
+  queries, keys, values, lengths = _inputs(rng, 64, 4, jnp.float32)
+  slot = (1, 0, 5)  # row 1, KV head 0, a token inside its length
+  if where == "key":
+    keys = keys.at[slot].set(jnp.nan)
+  else:
+    values = values.at[slot].set(jnp.nan)
+  ref_out, ref_lse = decode_attention_reference(queries, keys, values, lengths, sm_scale=0.125)
+  assert np.all(np.isnan(ref_out[1, 0])) and np.isnan(ref_lse[1, 0]).all() == (where == "key")
+  for num_splits in (1, 3):
+    for out, lse in _both_kernels(
+      queries, keys, values, lengths, triton_splits=num_splits, tpu_splits=num_splits
+    ):
+      out, lse = np.asarray(out), np.asarray(lse)
+      np.testing.assert_array_equal(np.isnan(out), np.isnan(np.asarray(ref_out)))
+      np.testing.assert_array_equal(np.isnan(lse), np.isnan(np.asarray(ref_lse)))
+      ok = ~np.isnan(np.asarray(ref_out))
+      np.testing.assert_allclose(out[ok], np.asarray(ref_out)[ok], rtol=1e-5, atol=1e-6)
