@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.compressed_context import CompressedContext, is_shared
+from kvjax.kivi_cache import KiviLayerCache
 from kvjax.layer_runs import StackedLayerCaches
 
 FORMAT = "kvjax-context/1"
@@ -211,6 +212,41 @@ def read_context_record(directory: str | pathlib.Path) -> dict:
   return record
 
 
+def kivi_layout_before_v27(template: CompressedContext) -> CompressedContext:
+  """`template` with every KIVI/GEAR cache shaped as before v27, whose segment had one more
+  block when its capacity was a multiple of the block (shapes only; a save of that layout
+  restores into it and holds what it held)."""
+
+  def widened(node):
+    stacked = node.window_keys.ndim == 5  # a run of layers, stacked on a leading axis
+    layer = jax.eval_shape(lambda n: StackedLayerCaches(n).layer(0), node) if stacked else node
+    if layer.window_slots != layer.window:  # at most one block: no segment, before v27 too
+      return node
+    batch, kv_heads, _, head_dim = layer.window_keys.shape
+    old = jax.eval_shape(
+      lambda: type(layer).zeros(
+        codec=layer.codec,
+        batch=batch,
+        kv_heads=kv_heads,
+        capacity=layer.capacity + 1,  # whole blocks for all of a multiple of the block
+        head_dim=head_dim,
+        dtype=layer.dtype,
+        implementation=layer.implementation,
+        kernel_settings=layer.kernel_settings,
+      )
+    )
+    if stacked:
+      layers = node.window_keys.shape[0]
+      old = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct((layers, *leaf.shape), leaf.dtype), old)
+    return old
+
+  is_kivi = lambda node: isinstance(node, KiviLayerCache)
+  caches = jax.tree.map(
+    lambda node: widened(node) if is_kivi(node) else node, template.caches, is_leaf=is_kivi
+  )
+  return dataclasses.replace(template, caches=caches)
+
+
 def restore_context(
   directory: str | pathlib.Path, template: CompressedContext
 ) -> CompressedContext:
@@ -226,9 +262,12 @@ def restore_context(
     )
   record = read_context_record(directory)
   structure = describe_structure(template)
-  difference = _first_difference(
-    _with_settings_added_later(record["structure"], structure), structure
-  )
+  saved = _with_settings_added_later(record["structure"], structure)
+  difference = _first_difference(saved, structure)
+  if difference:
+    before_v27 = kivi_layout_before_v27(template)
+    if _first_difference(saved, describe_structure(before_v27)) is None:
+      template, difference = before_v27, None
   if difference:
     where, saved, wanted = difference
     hint = "restore with a template of the method, model and shapes it was saved with"

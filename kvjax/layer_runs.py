@@ -186,9 +186,10 @@ def run_layers(
     if layer_loop == "unroll":  # a stacked run given to an unrolled loop comes back stacked
       stacked = segment.stacked
       for index in range(stop - start):
-        attended, cache = cache_step(
-          before_cache[start + index](x), StackedLayerCaches(stacked).layer(index)
-        )
+        # Read out before the write-back, as in the scan body: else XLA copies the whole stack
+        # per layer to keep the update in place.
+        layer_cache = jax.lax.optimization_barrier(StackedLayerCaches(stacked).layer(index))
+        attended, cache = cache_step(before_cache[start + index](x), layer_cache)
         x = after_cache[start + index](x, attended)
         stacked = jax.tree.map(lambda leaf, new, i=index: leaf.at[i].set(new), stacked, cache)
       new_caches.append(StackedLayerCaches(stacked))

@@ -29,7 +29,7 @@ def pack_token_lists(
   `name[row]` (int32 would truncate 1.5 to 1 without a word)."""
   arrays = [np.asarray(ids) for ids in token_lists]
   for row, array in enumerate(arrays):
-    if array.size and (array.ndim != 1 or not np.issubdtype(array.dtype, np.integer)):
+    if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
       raise ValueError(f"{name}[{row}] must be a list of int token ids, got {token_lists[row]!r}")
     check_ids_fit_int32(array, name=f"{name}[{row}]")
   lengths = np.array([array.size for array in arrays], np.int32)

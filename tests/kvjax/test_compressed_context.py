@@ -270,6 +270,8 @@ def test_bad_arguments_are_refused_before_anything_runs():
   np.testing.assert_array_equal(as_arrays, as_lists)
   with pytest.raises(ValueError, match=r"tokens\[1\] must be a list of int token ids"):
     continue_context(decoder, params, context, [[1], np.array([3.5])], max_new_tokens=2)
+  with pytest.raises(ValueError, match=r"tokens\[0\] must be a list of int token ids"):
+    continue_context(decoder, params, context, [np.zeros((0, 3), int), [3]], max_new_tokens=2)
   with pytest.raises(ValueError, match=r"got a float32 array"):
     continue_context(decoder, params, context, np.ones((2, 2), np.float32), max_new_tokens=2)
   with pytest.raises(ValueError, match=r"tokens\[1\] must be a list of int token ids"):

@@ -235,3 +235,26 @@ def test_another_format_is_refused(tmp_path):
   path.write_text(json.dumps(dict(record, format="kvjax-context/0")))
   with pytest.raises(ValueError, match="this kvjax reads 'kvjax-context/1'"):
     restore_context(tmp_path / "context", _template(KIVI))
+
+
+@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
+@pytest.mark.parametrize(
+  "spec", [KIVI, "gear:bits=2,group_size=16,block=16,rank=2", f"snapkv:budget=24,window=8+{KIVI}"]
+)
+def test_a_kivi_context_saved_before_v27_restores_into_a_template_made_now(
+  spec, layer_loop, tmp_path
+):
+  """Before v27 a KIVI/GEAR cache whose capacity (40 + 8, or 24 + 8) is a multiple of its
+  block had one block more in its segment: what a cache asked for one token more has now."""
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  saved = _context(spec, layer_loop, room=ROOM + 1)
+  template = _template(spec, layer_loop)
+  assert describe_structure(saved) != describe_structure(template)
+  save_context(tmp_path / "context", saved)
+  restored = restore_context(tmp_path / "context", template)
+  assert_same_arrays(restored, saved)
+  ask = lambda ctx: continue_context(decoder, params, ctx, QUESTIONS, max_new_tokens=4)
+  np.testing.assert_array_equal(ask(restored)[0], ask(saved)[0])
+  # Any other difference is still refused.
+  with pytest.raises(ValueError, match="does not fit the template"):
+    restore_context(tmp_path / "context", _template(spec, layer_loop, room=ROOM + 32))

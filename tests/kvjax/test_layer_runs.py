@@ -200,3 +200,13 @@ def test_a_stacked_template_counts_its_elements():
   template = jax.eval_shape(lambda s: s, stacked)
   assert isinstance(jax.tree.leaves(template)[0], jax.ShapeDtypeStruct)
   assert template.stored_elements == sum(c.stored_elements for c in caches)
+
+
+def test_an_unrolled_loop_updates_a_stacked_run_in_place():
+  # Without the read-out barrier XLA copied the whole stack at every layer.
+  before, after, caches = _toy_layers(np.random.default_rng(1), (64, 64, 64, 64))
+  x = jnp.ones((3,), jnp.float32)
+  _, kept = jax.jit(lambda x, c: _run_kept(before, after, x, c, True))(x, caches)
+  unrolled = jax.jit(lambda x, c: _run(before, after, x, c, "unroll"), donate_argnums=1)
+  hlo = unrolled.lower(x, kept).compile().as_text()
+  assert not [line for line in hlo.splitlines() if " copy(" in line and "[4,64,3]" in line]
