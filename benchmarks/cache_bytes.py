@@ -15,52 +15,35 @@ import pathlib
 
 import jax.numpy as jnp
 
-from kvjax.eval.cache_size import cache_bytes_after_context, context_elements
+from kvjax.eval.cache_size import cache_byte_columns, cache_bytes_after_context
+from kvjax.eval.report import format_table
 from kvjax.method_spec import parse_method_spec
 from models.loading import load_model
 
-MIB = 2**20
-
 
 def byte_rows(decoder, methods: list[str], *, context: int, new_tokens: int) -> list[dict]:
-  def nbytes(method, new):
-    return cache_bytes_after_context(
-      decoder,
-      None,
-      method,
-      context_len=context,
-      cache_dtype=jnp.bfloat16,
-      new_tokens=new,
+  """compare's byte columns of each method (`MiB at end` only with `new_tokens`)."""
+  full_bytes = cache_bytes_after_context(
+    decoder, None, parse_method_spec("full"), context_len=context, cache_dtype=jnp.bfloat16
+  )
+  return [
+    dict(
+      method=spec,
+      **cache_byte_columns(
+        decoder,
+        parse_method_spec(spec),
+        context_len=context,
+        cache_dtype=jnp.bfloat16,
+        full_bytes=full_bytes,
+        new_tokens=new_tokens or None,
+      ),
     )
-
-  full = nbytes(parse_method_spec("full"), 0)
-  elements = context_elements(decoder.cache_shape, context)
-  rows = []
-  for spec in methods:
-    method = parse_method_spec(spec)
-    held = nbytes(method, 0)
-    rows.append(
-      dict(
-        method=spec,
-        cache_mib=held / MIB,
-        mib_at_end=nbytes(method, new_tokens) / MIB if new_tokens else None,
-        x_smaller=full / held,
-        bits_per_element=8 * held / elements,
-      )
-    )
-  return rows
+    for spec in methods
+  ]
 
 
 def markdown(rows: list[dict], header: str) -> str:
-  lines = [header, "", "| method | cache MiB | MiB at end | x smaller | bits/elem |"]
-  lines.append("|---|---|---|---|---|")
-  for row in rows:
-    at_end = "" if row["mib_at_end"] is None else f"{row['mib_at_end']:.2f}"
-    lines.append(
-      f"| {row['method']} | {row['cache_mib']:.2f} | {at_end} | {row['x_smaller']:.2f} | "
-      f"{row['bits_per_element']:.2f} |"
-    )
-  return "\n".join(lines) + "\n"
+  return header + "\n\n" + format_table(rows, markdown=True) + "\n"
 
 
 def main():

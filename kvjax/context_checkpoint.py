@@ -219,7 +219,7 @@ def kivi_layout_before_v27(template: CompressedContext) -> CompressedContext:
 
   def widened(node):
     stacked = node.window_keys.ndim == 5  # a run of layers, stacked on a leading axis
-    layer = jax.eval_shape(lambda n: StackedLayerCaches(n).layer(0), node) if stacked else node
+    layer = StackedLayerCaches(node).layer_template() if stacked else node
     if layer.window_slots != layer.window:  # at most one block: no segment, before v27 too
       return node
     batch, kv_heads, _, head_dim = layer.window_keys.shape

@@ -131,24 +131,13 @@ def _prefill_work(
 _prefill_in_jit = jax.jit(_prefill_work, static_argnames=_PREFILL_STATIC)
 
 
-def _implementations(config) -> set[str]:
-  """Every `implementation` a method configuration and the configurations in it name."""
-  if not dataclasses.is_dataclass(config) or isinstance(config, type):
-    return set()
-  found = (
-    {config.implementation} if isinstance(getattr(config, "implementation", None), str) else set()
-  )
-  for field in dataclasses.fields(config):
-    value = getattr(config, field.name)
-    for item in value if isinstance(value, tuple) else (value,):
-      found |= _implementations(item)
-  return found
-
-
 def check_implementations_run_here(cache_method: CacheMethod) -> None:
   """Refuses a method whose attention cannot run on this backend ("pallas" on CPU) before
-  anything is traced."""
-  for implementation in sorted(_implementations(cache_method)):
+  anything is traced: the method's own `implementation` and its storage's (a composition)."""
+  for part in (cache_method, getattr(cache_method, "storage", None)):
+    implementation = getattr(part, "implementation", None)
+    if not isinstance(implementation, str):
+      continue
     try:
       choose_kernel_family(implementation, None)
     except ValueError as error:

@@ -75,11 +75,14 @@ class StackedLayerCaches:
     # Every layer cache's bytes are its arrays' bytes, so the stack's are the run's.
     return tree_nbytes(self.stacked)
 
+  def layer_template(self):
+    """The shapes of one layer's cache (works on a stack of shapes too: the stack goes in as an
+    argument)."""
+    return jax.eval_shape(lambda stacked: StackedLayerCaches(stacked).layer(0), self.stacked)
+
   @property
   def stored_elements(self) -> int:
-    # The stack goes in as an argument, so this works on shape templates too.
-    one = jax.eval_shape(lambda stacked: StackedLayerCaches(stacked).layer(0), self.stacked)
-    return self.num_layers * one.stored_elements
+    return self.num_layers * self.layer_template().stored_elements
 
 
 def flatten_layer_caches(caches: Sequence[Any]) -> list:

@@ -43,3 +43,39 @@ def context_elements(cache_shape, context_len: int, batch: int = 1) -> int:
     * context_len
     * cache_shape.head_dim
   )
+
+
+def cache_byte_columns(
+  decoder,
+  cache_method,
+  *,
+  context_len: int,
+  cache_dtype,
+  full_bytes: int,
+  new_tokens: int | None = None,
+) -> dict:
+  """A method's byte columns in `kvjax compare`'s records: bytes after the context (allocated
+  for it alone), after `new_tokens` more (None: not reported), the full cache's bytes, how many
+  times fewer, and bits per context K/V element."""
+  held = cache_bytes_after_context(
+    decoder, None, cache_method, context_len=context_len, cache_dtype=cache_dtype
+  )
+  at_end = (
+    None
+    if new_tokens is None
+    else cache_bytes_after_context(
+      decoder,
+      None,
+      cache_method,
+      context_len=context_len,
+      cache_dtype=cache_dtype,
+      new_tokens=new_tokens,
+    )
+  )
+  return dict(
+    cache_bytes=held,
+    cache_bytes_at_end=at_end,
+    full_cache_bytes=full_bytes,
+    compression_ratio=full_bytes / held,
+    bits_per_element=8 * held / context_elements(decoder.cache_shape, context_len),
+  )

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from kvjax.cache_protocol import check_cache_dtype, check_count
 from kvjax.chunked_prefill import check_prefill_chunk
-from kvjax.eval.cache_size import cache_bytes_after_context, context_elements
+from kvjax.eval.cache_size import cache_byte_columns, cache_bytes_after_context
 from kvjax.eval.continuation import ContinuationScores, sample_text_windows, special_prefix
 from kvjax.eval.needle import ANSWER_TOKENS, build_needle_prompts, run_needle
 from kvjax.eval.speed import speed_record, timed_prefill, timed_teacher_force
@@ -145,29 +145,19 @@ def compare_methods(
   full_bytes = cache_bytes_after_context(
     decoder, params, methods[0], context_len=config.context_len, cache_dtype=dtype
   )
-  elements = context_elements(decoder.cache_shape, config.context_len)
   records, full_scores = [], None
   for name, method in tqdm(list(zip(names, methods)), desc="methods", unit="method"):
-    cache_bytes = cache_bytes_after_context(
-      decoder, params, method, context_len=config.context_len, cache_dtype=dtype
-    )
     record = dict(
       method=name,
-      cache_bytes=cache_bytes,
-      # after the continuation; a needle-only run feeds none
-      cache_bytes_at_end=cache_bytes_after_context(
+      **cache_byte_columns(
         decoder,
-        params,
         method,
         context_len=config.context_len,
         cache_dtype=dtype,
-        new_tokens=config.continuation_len,
-      )
-      if continuing
-      else None,
-      full_cache_bytes=full_bytes,
-      compression_ratio=full_bytes / cache_bytes,
-      bits_per_element=8 * cache_bytes / elements,
+        full_bytes=full_bytes,
+        # after the continuation; a needle-only run feeds none
+        new_tokens=config.continuation_len if continuing else None,
+      ),
       ppl=None,
       kl=None,
       passkey_acc=None,
