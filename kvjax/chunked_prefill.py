@@ -27,6 +27,8 @@ quality difference is measured, README "Long prompts: chunked prefill"):
     so the compensation token (the mean of every dropped token) is exact whatever the chunks.
     A chunk's queries on those heads see sinks, window and the compensation token so far;
     after the last chunk the storage receives what a one-piece ingest would give it.
+  - duo: full heads store every chunk; streaming heads keep sinks + the last `recent` tokens,
+    and a chunk's queries on them see those and the chunk's own earlier tokens.
 h2o's one-shot scores over the whole prompt, and streaming with positions=in_cache (it
 re-rotates its sinks at every step), refuse before anything is traced. A layer cache
 may have `begin_chunks()` and `end_chunks()`, called before the first chunk and after the last.
@@ -55,6 +57,7 @@ CHUNKED_PREFILL_METHODS = (
   "pyramidkv",
   "h2o_decode",
   "razor",
+  "duo",
 )
 
 

@@ -12,7 +12,11 @@ def _add_generate(subparsers):
   p.add_argument("--prompt", required=True, help="prompt text")
   _add_model_argument(p)
   p.add_argument("--max-new-tokens", type=int, default=64)
-  p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+  p.add_argument(
+    "--raw",
+    action="store_true",
+    help="do not apply the chat template (the tokenizer adds its BOS, if it has one to add)",
+  )
   p.add_argument(
     "--temperature", type=float, default=None, help="sample at this temperature (default: greedy)"
   )
@@ -88,7 +92,9 @@ def _check_run_arguments(args) -> None:
 
 def _check_seed(args) -> None:
   seed = getattr(args, "seed", None)
-  low, high = NUMPY_SEED_RANGE if args.command in ("compare", "razor-profile") else SEED_RANGE
+  low, high = (
+    NUMPY_SEED_RANGE if args.command in ("compare", "razor-profile", "duo-train") else SEED_RANGE
+  )
   if seed is not None and not low <= seed <= high:
     raise ValueError(f"--seed={seed} must be in [{'0' if low == 0 else '-2**63'}, 2**63 - 1]")
 
@@ -108,16 +114,20 @@ def _check_razor_profile_arguments(args) -> None:
 
 
 def _check_profile_model(cache_method, model_name: str) -> None:
-  """A razor head profile records the model it was measured on: another model of the same shape
-  (a fine-tune, a sibling) would take its retrieval heads without an error."""
+  """A razor head profile or duo gate file records the model it was made for: another model of
+  the same shape (a fine-tune, a sibling) would take its heads without an error."""
   profile = getattr(cache_method, "head_profile", None)
+  what, made, command = "razor head profile", "computed", "razor-profile"
+  if profile is None:
+    profile = getattr(cache_method, "gate_profile", None)
+    what, made, command = "duo gate file", "trained", "duo-train"
   if profile is None or not profile.model_name:
     return
   recorded, given = _resolved_model(profile.model_name), _resolved_model(model_name)
   if recorded is None or given is None:
     # A model not on this machine (a path recorded elsewhere, or moved): nothing to compare.
     print(
-      f"note: the razor head profile's model {profile.model_name!r} is not found here; "
+      f"note: the {what}'s model {profile.model_name!r} is not found here; "
       f"using it for {model_name!r} unchecked",
       file=sys.stderr,
     )
@@ -125,9 +135,9 @@ def _check_profile_model(cache_method, model_name: str) -> None:
   if recorded == given:
     return
   raise ValueError(
-    f"--method: the razor head profile {cache_method.profile_path or ''!r} was computed for model "
+    f"--method: the {what} {cache_method.profile_path or ''!r} was {made} for model "
     f"{profile.model_name!r}, not {model_name!r}; compute one for this model with "
-    f"`kvjax razor-profile --model {model_name} --output PATH`"
+    f"`kvjax {command} --model {model_name} --output PATH`"
   )
 
 
@@ -186,7 +196,9 @@ def run_generate(args) -> int:
   text = args.prompt
   if not args.raw:
     text = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-  prompt_ids = loaded.tokenizer.encode(text)
+  # A chat template writes its own BOS; raw text gets what the tokenizer adds (Llama's BOS), as
+  # transformers' tokenizer(text) and llama.cpp give it to the model.
+  prompt_ids = loaded.tokenizer.encode(text, add_special_tokens=args.raw)
   result = generate(
     loaded.decoder,
     loaded.params,
@@ -728,17 +740,21 @@ def _add_razor_profile(subparsers):
   p.set_defaults(run=run_razor_profile)
 
 
-def run_razor_profile(args) -> int:
+def _check_json_output(output: str, whose: str) -> None:
+  """--output names a JSON file to write, in a folder that exists or can be made."""
   import pathlib
 
+  if pathlib.Path(output).is_dir():
+    raise ValueError(f"--output {output}: is a directory; name {whose} JSON file")
+  _writable_directory("--output", str(pathlib.Path(output).parent))
+
+
+def run_razor_profile(args) -> int:
   from kvjax.retrieval_heads import compute_head_profile
   from models.loading import load_model
 
   _check_razor_profile_arguments(args)
-  output = pathlib.Path(args.output)
-  if output.is_dir():
-    raise ValueError(f"--output {args.output}: is a directory; name the profile's JSON file")
-  _writable_directory("--output", str(output.parent))
+  _check_json_output(args.output, "the profile's")
   loaded = load_model(args.model)
   config = loaded.config
   block_len = args.block_len
@@ -774,6 +790,106 @@ def run_razor_profile(args) -> int:
   return 0
 
 
+def _add_duo_train(subparsers):
+  p = subparsers.add_parser(
+    "duo-train",
+    help="train a model's DuoAttention gates on synthetic pass keys and save them",
+  )
+  _add_model_argument(p)
+  p.add_argument("--output", required=True, help="gate JSON to write (use with duo:profile=PATH)")
+  p.add_argument("--context-len", type=int, default=1024, help="tokens per training prompt")
+  p.add_argument("--samples", type=int, default=16, help="training prompts (used in turn)")
+  p.add_argument("--passkeys", type=int, default=10, help="pass keys per prompt")
+  p.add_argument("--passkey-words", type=int, default=32, help="random words per pass key")
+  p.add_argument(
+    "--steps", type=int, default=2000, help="optimizer steps (the authors' 2000; fewer on a CPU)"
+  )
+  p.add_argument("--sinks", type=int, default=64, help="tokens a streaming head keeps first")
+  p.add_argument("--recent", type=int, default=256, help="recent tokens a streaming head keeps")
+  p.add_argument("--learning-rate", type=float, default=0.02)
+  p.add_argument("--l1-weight", type=float, default=0.05, help="weight of mean |gate|")
+  p.add_argument("--batch", type=int, default=1, help="prompts per step")
+  p.add_argument("--text", default=None, help="UTF-8 text file (default: CPython pydoc topics)")
+  p.add_argument("--seed", type=int, default=0)
+  p.set_defaults(run=run_duo_train)
+
+
+def run_duo_train(args) -> int:
+  from kvjax.duo_gate_profile import DuoGateProfile
+  from kvjax.duo_gate_training import GateTraining, passkey_training_samples, train_duo_gates
+  from kvjax.eval.text_corpus import load_text
+  from models.loading import load_model
+
+  for flag, value, minimum in (
+    ("--context-len", args.context_len, 2),
+    ("--samples", args.samples, 1),
+    ("--passkeys", args.passkeys, 1),
+    ("--passkey-words", args.passkey_words, 1),
+  ):
+    if value < minimum:
+      raise ValueError(f"{flag}={value} must be >= {minimum}")
+  try:
+    settings = GateTraining(
+      sinks=args.sinks,
+      recent=args.recent,
+      steps=args.steps,
+      learning_rate=args.learning_rate,
+      l1_weight=args.l1_weight,
+      batch=args.batch,
+    )
+  except ValueError as error:  # name the flag, not the field
+    raise ValueError(f"--{str(error).replace('_', '-')}") from None
+  if args.context_len <= args.sinks + args.recent:
+    raise ValueError(
+      f"--context-len={args.context_len} must exceed --sinks + --recent = "
+      f"{args.sinks + args.recent}, or streaming heads see every token"
+    )
+  if args.batch > args.samples:
+    raise ValueError(f"--batch={args.batch} must be <= --samples={args.samples}")
+  _check_seed(args)
+  _check_json_output(args.output, "the gates'")
+  text = load_text(args.text)
+  # Every layer's gate cache looks alike: scanned, the gradient's program is compiled once, not
+  # once per layer.
+  loaded = load_model(args.model, layer_loop="scan")
+  if args.context_len > loaded.config.max_position_embeddings:
+    raise ValueError(
+      f"--context-len={args.context_len} exceeds the model's context of "
+      f"{loaded.config.max_position_embeddings}"
+    )
+  samples = passkey_training_samples(
+    loaded.tokenizer,
+    context_len=args.context_len,
+    num_samples=args.samples,
+    passkeys=args.passkeys,
+    passkey_words=args.passkey_words,
+    seed=args.seed,
+    text=text,
+  )
+  gates, losses = train_duo_gates(loaded.decoder, loaded.params, samples, settings, progress=True)
+  record = dict(
+    settings.as_record(),
+    context_len=args.context_len,
+    samples=args.samples,
+    passkeys=args.passkeys,
+    passkey_words=args.passkey_words,
+    seed=args.seed,
+    text=args.text,
+    first_loss=float(losses[0]),
+    last_loss=float(losses[-1]),
+  )
+  profile = DuoGateProfile.from_gates(
+    loaded.decoder.cache_shape, gates, training=record, model_name=_recorded_model(args.model)
+  )
+  profile.save(args.output)
+  for layer, row in enumerate(profile.gates):
+    print(f"layer {layer:3d} gates " + " ".join(f"{g:.3f}" for g in row))
+  print(
+    f"loss {losses[0]:.4g} -> {losses[-1]:.4g} over {settings.steps} steps; wrote {args.output}"
+  )
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="kvjax", description=__doc__)
   subparsers = parser.add_subparsers(dest="command", required=True)
@@ -781,6 +897,7 @@ def build_parser() -> argparse.ArgumentParser:
   _add_ask(subparsers)
   _add_compare(subparsers)
   _add_razor_profile(subparsers)
+  _add_duo_train(subparsers)
   return parser
 
 

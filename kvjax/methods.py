@@ -2,6 +2,7 @@
 
 from kvjax import (  # noqa: F401
   dense_cache,  # noqa: F401
+  duo_attention,  # noqa: F401
   gear_cache,
   h2o,  # noqa: F401
   h2o_decode,  # noqa: F401

@@ -42,11 +42,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
 from kvjax.compact_rows import held_then_chunk
 from kvjax.dense_cache import DenseLayerCache, FullCache
+from kvjax.head_split import join_head_partials, join_heads, split_heads
 from kvjax.method_registry import register_method
 from kvjax.retrieval_heads import HeadProfile
 from kvjax.selection.budgets import (
@@ -204,22 +204,13 @@ class RazorLayerCache:
     return jnp.minimum(*rooms) if len(rooms) == 2 else rooms[0]
 
   def _split(self, x):  # heads on axis 1 -> (retrieval part, local part)
-    take = lambda heads: x[:, np.asarray(heads)] if heads else None
-    return take(self.retrieval_heads), take(self.local_heads)
+    return split_heads(x, self.retrieval_heads, self.local_heads)
 
   def _join(self, retrieval_part, local_part):  # the inverse of _split
-    parts = [part for part in (retrieval_part, local_part) if part is not None]
-    if len(parts) == 1:
-      return parts[0]
-    restore = np.argsort(np.asarray(self.retrieval_heads + self.local_heads))
-    return jnp.concatenate(parts, axis=1)[:, restore]
+    return join_heads(retrieval_part, local_part, self.retrieval_heads, self.local_heads)
 
   def _join_partials(self, retrieval, local):  # (out, lse) of either part, or None
-    pick = lambda part, i: None if part is None else part[i]
-    return (
-      self._join(pick(retrieval, 0), pick(local, 0)),
-      self._join(pick(retrieval, 1), pick(local, 1)),
-    )
+    return join_head_partials(retrieval, local, self.retrieval_heads, self.local_heads)
 
   @property
   def _compresses_local_heads(self) -> bool:
@@ -456,19 +447,6 @@ class RazorLayerCache:
     return sum(parts) + extra
 
 
-def _load_profile(profile) -> HeadProfile:
-  if isinstance(profile, HeadProfile):
-    return profile
-  if profile is None:
-    raise ValueError(
-      "razor: profile=<head profile JSON> is required; compute it once per model with "
-      "`kvjax razor-profile` (kvjax.retrieval_heads.compute_head_profile)"
-    )
-  if not isinstance(profile, (str, os.PathLike)):
-    raise ValueError(f"razor: profile={profile!r} must be a file path or a HeadProfile")
-  return HeadProfile.load(profile)
-
-
 @register_method("razor", kind="selection")
 @dataclasses.dataclass(frozen=True)
 class RazorAttention:
@@ -499,13 +477,16 @@ class RazorAttention:
       self.ratio,
       minimum=self.sinks + 2,
       minimum_what="sinks + a window of 1 + the compensation token",
+      default_budget=RAZOR_DEFAULT_BUDGET,
     )
     if self.compensation not in COMPENSATIONS:
       raise ValueError(
         f"razor: compensation={self.compensation!r}; allowed: {', '.join(COMPENSATIONS)}"
       )
     check_storage_method("razor", self.storage)
-    object.__setattr__(self, "head_profile", _load_profile(self.profile))
+    object.__setattr__(
+      self, "head_profile", HeadProfile.from_method_argument("razor", self.profile)
+    )
 
   def prompt_budget(self, prompt_len: int) -> int:
     budget = self.budget

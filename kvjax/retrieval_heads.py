@@ -17,17 +17,18 @@ here imports `models`. The result is a `HeadProfile`, saved once per model as JS
 """
 
 import dataclasses
-import json
 import math
 import numbers
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache_protocol import ModelCacheShape, check_count, tree_nbytes
+from kvjax.cache_protocol import ModelCacheShape, check_count
+from kvjax.layer_runs import flatten_layer_caches
+from kvjax.model_keyed_profile import ModelKeyedProfile
+from kvjax.prompt_probe_cache import PromptProbeLayerCache
 
 PROFILE_FORMAT = "kvjax-head-profile"
 PROFILE_VERSION = 1
@@ -94,7 +95,7 @@ def echo_induction_scores(
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class HeadScoreProbeLayerCache:
+class HeadScoreProbeLayerCache(PromptProbeLayerCache):
   """Not a cache: it keeps one layer's echo/induction scores instead of K/V (prefill only)."""
 
   echo: jax.Array  # float32 [batch, kv_heads, group]
@@ -118,20 +119,6 @@ class HeadScoreProbeLayerCache:
       sliding_window=self.sliding_window,
     )
     return dataclasses.replace(self, echo=echo, induction=induction)
-
-  def append(self, keys, values):
-    raise ValueError("HeadScoreProbe caches only score a prompt; they cannot decode")
-
-  def attend(self, queries, *, sm_scale):
-    raise ValueError("HeadScoreProbe caches only score a prompt; they cannot decode")
-
-  @property
-  def nbytes(self) -> int:
-    return tree_nbytes(self)
-
-  @property
-  def stored_elements(self) -> int:
-    return 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,16 +186,18 @@ def _check_ratio(name: str, value: float) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class HeadProfile:
+class HeadProfile(ModelKeyedProfile):
   """Per-model retrieval-head profile: scores per (layer, KV head) and the chosen heads.
 
   Hashable (tuples only), so a cache method holding it can be a static argument of `jit`.
   """
 
-  num_layers: int
-  num_kv_heads: int
-  num_query_heads: int
-  head_dim: int
+  WHAT = "head profile"
+  FORMAT = PROFILE_FORMAT
+  VERSION = PROFILE_VERSION
+  MAKE, MADE, COMMAND = "compute", "computed", "razor-profile"
+  MAKER = "kvjax.retrieval_heads.compute_head_profile"
+
   induction_scores: tuple[tuple[float, ...], ...]  # [layer][kv_head]
   echo_scores: tuple[tuple[float, ...], ...]  # [layer][kv_head]
   retrieval_heads: tuple[tuple[int, int], ...]  # sorted (layer, kv_head)
@@ -256,10 +245,7 @@ class HeadProfile:
     induction_scores = np.asarray(induction_scores, np.float64)
     echo_scores = np.asarray(echo_scores, np.float64)
     return cls(
-      num_layers=shape.num_layers,
-      num_kv_heads=shape.num_kv_heads,
-      num_query_heads=shape.num_query_heads,
-      head_dim=shape.head_dim,
+      **cls.counts_of(shape),
       induction_scores=tuple(tuple(float(s) for s in row) for row in induction_scores),
       echo_scores=tuple(tuple(float(s) for s in row) for row in echo_scores),
       retrieval_heads=select_retrieval_heads(
@@ -281,28 +267,9 @@ class HeadProfile:
   def retrieval_heads_of_layer(self, layer: int) -> tuple[int, ...]:
     return tuple(head for at_layer, head in self.retrieval_heads if at_layer == layer)
 
-  def check_matches(self, shape: ModelCacheShape, *, source: str = "head profile") -> None:
-    """Raises when the profile was computed for a model of another shape."""
-    mine = (self.num_layers, self.num_kv_heads, self.num_query_heads, self.head_dim)
-    theirs = (shape.num_layers, shape.num_kv_heads, shape.num_query_heads, shape.head_dim)
-    if mine != theirs:
-      describe = "num_layers={}, num_kv_heads={}, num_query_heads={}, head_dim={}".format
-      raise ValueError(
-        f"{source} was computed for another model ({describe(*mine)}); this model has "
-        f"{describe(*theirs)}. Compute a profile for this model (kvjax razor-profile)."
-      )
-
   def to_json_dict(self) -> dict:
     return dict(
-      format=PROFILE_FORMAT,
-      version=PROFILE_VERSION,
-      model=dict(
-        name=self.model_name,
-        num_layers=self.num_layers,
-        num_kv_heads=self.num_kv_heads,
-        num_query_heads=self.num_query_heads,
-        head_dim=self.head_dim,
-      ),
+      **self.file_header(self.model_name),
       induction_ratio=self.induction_ratio,
       echo_ratio=self.echo_ratio,
       detection=dict(self.detection),
@@ -313,20 +280,9 @@ class HeadProfile:
 
   @classmethod
   def from_json_dict(cls, data: dict, *, source: str = "head profile") -> "HeadProfile":
-    if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-      raise ValueError(f"{source}: not a kvjax head profile (expected format={PROFILE_FORMAT!r})")
-    if data.get("version") != PROFILE_VERSION:
-      raise ValueError(
-        f"{source}: head profile version {data.get('version')!r}; this kvjax reads version "
-        f"{PROFILE_VERSION}"
-      )
     try:
-      model = data["model"]
       return cls(
-        num_layers=int(model["num_layers"]),
-        num_kv_heads=int(model["num_kv_heads"]),
-        num_query_heads=int(model["num_query_heads"]),
-        head_dim=int(model["head_dim"]),
+        **cls.read_header(data, source=source),
         induction_scores=tuple(tuple(float(s) for s in row) for row in data["induction_scores"]),
         echo_scores=tuple(tuple(float(s) for s in row) for row in data["echo_scores"]),
         # Taken as stored: __post_init__ refuses a float index rather than truncate it.
@@ -334,29 +290,14 @@ class HeadProfile:
         induction_ratio=float(data["induction_ratio"]),
         echo_ratio=float(data["echo_ratio"]),
         detection=_frozen(data.get("detection", {})),
-        model_name=str(model.get("name", "")),
+        model_name=str(data["model"].get("name", "")),
       )
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, AttributeError) as error:
       raise ValueError(f"{source}: malformed head profile ({error})") from error
-
-  def save(self, path: str | os.PathLike) -> None:
-    with open(path, "w") as f:
-      json.dump(self.to_json_dict(), f, indent=1)
-      f.write("\n")
-
-  @classmethod
-  def load(cls, path: str | os.PathLike) -> "HeadProfile":
-    try:
-      with open(path) as f:
-        data = json.load(f)
-    except FileNotFoundError as error:
-      raise ValueError(
-        f"head profile {os.fspath(path)!r} does not exist; compute it once per model with "
-        "`kvjax razor-profile`"
-      ) from error
-    except json.JSONDecodeError as error:
-      raise ValueError(f"head profile {os.fspath(path)!r} is not valid JSON ({error})") from error
-    return cls.from_json_dict(data, source=f"head profile {os.fspath(path)!r}")
+    except ValueError as error:
+      if str(error).startswith(source):
+        raise
+      raise ValueError(f"{source}: malformed head profile ({error})") from error
 
 
 def probe_tokens(
@@ -446,6 +387,8 @@ def compute_head_profile(
     max_new_tokens=0,
     cache_dtype=jnp.float32,
   )
+  # A decoder scanning its layers returns the (look-alike) probe caches stacked: one per layer.
+  caches = flatten_layer_caches(caches)
   # [layers, batch, kv_heads, group] -> mean over rows, then max over each KV head's group.
   echo = np.stack([np.asarray(c.echo) for c in caches]).mean(axis=1).max(axis=-1)
   induction = np.stack([np.asarray(c.induction) for c in caches]).mean(axis=1).max(axis=-1)

@@ -24,6 +24,7 @@ Prefill attention is the model's own (full causal attention at original position
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -243,10 +244,21 @@ class StreamingLLM:
       raise ValueError(
         f"streaming: positions={self.positions!r}; allowed: {', '.join(POSITION_MODES)}"
       )
-    if self.positions == "in_cache" and (self.rope_theta is None or self.rope_theta <= 0):
+    if self.positions == "in_cache" and self.rope_theta is None:
       raise ValueError(
         "streaming: positions=in_cache re-rotates keys and needs rope_theta=<the model's RoPE "
         f"base, e.g. 10000.0> (got rope_theta={self.rope_theta})"
+      )
+    if self.rope_theta is not None and not (
+      isinstance(self.rope_theta, numbers.Real)
+      and not isinstance(self.rope_theta, bool)
+      and math.isfinite(self.rope_theta)
+      and self.rope_theta > 0
+    ):
+      # A NaN or infinite base would rotate the sinks to NaN or not at all, silently.
+      raise ValueError(
+        f"streaming: rope_theta={self.rope_theta!r}; it must be a finite number > 0 (the "
+        "model's RoPE base, e.g. 10000.0)"
       )
     if self.positions == "original" and self.rope_theta is not None:
       raise ValueError("streaming: rope_theta is only used with positions=in_cache")
@@ -259,8 +271,10 @@ class StreamingLLM:
       )
 
   def budget_tokens(self, prompt_len: int) -> int:
-    """Tokens each KV head holds at most (before capping at prompt + new tokens)."""
-    return budget_while_decoding(
+    """Tokens each KV head holds at most (before capping at prompt + new tokens): at least the
+    sinks and one recent token, even when `ratio` of a prompt no longer than the sinks is less
+    (a cache of sinks only would drop every new token, unseen by its own query)."""
+    tokens = budget_while_decoding(
       "streaming",
       self.budget,
       self.ratio,
@@ -268,6 +282,7 @@ class StreamingLLM:
       minimum=self.sinks + 1,
       minimum_what="sinks + a window of 1",
     )
+    return max(tokens, self.sinks + 1)
 
   def slots(self, prompt_len: int, max_new_tokens: int) -> int:
     """Token slots per KV head: the budget, or fewer when prompt + new tokens fit in less."""

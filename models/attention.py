@@ -47,9 +47,17 @@ class CachedAttention(nnx.Module):
   def prefill_cache(self, qkv, lengths, cache):
     """Attention over the prompt itself, and the prompt stored (compressed) in the cache."""
     q, k, v = qkv
-    attended = causal_prompt_attention(
-      q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window
-    )
+    # A cache may define how the prompt attends (DuoAttention's gate training mixes full and
+    # streaming attention per head: kvjax.duo_gate_training).
+    prompt_attention = getattr(cache, "prompt_attention", None)
+    if prompt_attention is None:
+      attended = causal_prompt_attention(
+        q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window
+      )
+    else:
+      attended = prompt_attention(
+        q, k, v, lengths, sm_scale=self.sm_scale, sliding_window=self.sliding_window
+      )
     return attended, cache.ingest(k, v, q, lengths)
 
   def prefill_chunk_cache(self, qkv, counts, cache):

@@ -82,8 +82,11 @@ class Decoder(nnx.Module):
     caches: tuple,
     *,
     all_logits: bool = False,
+    final_hidden: bool = False,
   ) -> tuple[jax.Array, tuple]:
-    """Logits at each row's last prompt token [batch, vocab] (all: [batch, prompt, vocab])."""
+    """Logits at each row's last prompt token [batch, vocab] (all: [batch, prompt, vocab]);
+    `final_hidden`: instead, the final normalized hidden states at every prompt position
+    [batch, prompt, hidden] in float32 (what DuoAttention's gates are trained to reproduce)."""
     x = self.embed_tokens(tokens)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     attention = self.layers[0].self_attn  # its cache step is every layer's (same config)
@@ -95,6 +98,8 @@ class Decoder(nnx.Module):
       # Decode steps then update the stacked caches in place (kvjax.layer_runs).
       keep_stacked=True,
     )
+    if final_hidden:
+      return self.norm(x).astype(jnp.float32), tuple(new_caches)
     if not all_logits:
       x = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return self._logits(x), tuple(new_caches)

@@ -43,6 +43,10 @@ def load_model(
   check_layer_loop(layer_loop)
   check_param_dtype(dtype)
   path = resolve_model_path(name_or_path)
+  # The tokenizer first: it reads only metadata (the GGUF parse is shared with the checkpoint),
+  # while the weights take minutes and float32 memory to read; a tokenizer kvjax cannot build
+  # (a GGUF's SentencePiece vocabulary) is refused before that work, not after it.
+  tokenizer = load_tokenizer(name_or_path)
   checkpoint = read_checkpoint(name_or_path)
   config = DecoderConfig.from_hf_dict(checkpoint.config)
   model = decoder_from_tensors(
@@ -54,5 +58,5 @@ def load_model(
     config=config,
     decoder=decoder,
     params=params,
-    tokenizer=load_tokenizer(name_or_path),
+    tokenizer=tokenizer,
   )

@@ -24,6 +24,11 @@ class NNXCachedDecoder:
     """Like `prefill`, with logits at every prompt position [batch, prompt, vocab]."""
     return nnx.merge(self.graphdef, params).prefill(tokens, lengths, caches, all_logits=True)
 
+  def prefill_hidden_states(self, params, tokens, lengths, caches):
+    """Like `prefill`, with the final normalized hidden states [batch, prompt, hidden] (float32)
+    instead of logits (`kvjax.duo_gate_training` distils them)."""
+    return nnx.merge(self.graphdef, params).prefill(tokens, lengths, caches, final_hidden=True)
+
   def prefill_chunk(self, params, tokens, start, lengths, caches):
     """One chunk of a chunked prefill (`kvjax.chunked_prefill`)."""
     return nnx.merge(self.graphdef, params).prefill_chunk(tokens, start, lengths, caches)

@@ -24,9 +24,16 @@ def check_method_int(method: str, name: str, value, minimum: int) -> None:
 
 
 def check_budget_or_ratio(
-  method: str, budget: int | None, ratio: float | None, *, minimum: int, minimum_what: str
+  method: str,
+  budget: int | None,
+  ratio: float | None,
+  *,
+  minimum: int,
+  minimum_what: str,
+  default_budget: int = DEFAULT_BUDGET,
 ) -> None:
-  """Raises (at construction, before any tracing) on an inconsistent or too small budget."""
+  """Raises (at construction, before any tracing) on an inconsistent or too small budget, the
+  `default_budget` used when neither is given included."""
   if budget is not None:
     check_method_int(method, "budget", budget, 1)
   if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real)):
@@ -42,6 +49,14 @@ def check_budget_or_ratio(
     raise ValueError(
       f"{method}: budget={budget} is smaller than {minimum_what} = {minimum}; "
       f"raise budget or shrink the protected tokens"
+    )
+  if budget is None and ratio is None and default_budget < minimum:
+    # Unchecked, it reached the budget arithmetic: razor's window went negative, snapkv kept
+    # only a window cut to the budget, pyramidkv's layers got budgets past the prompt.
+    raise ValueError(
+      f"{method}: the default budget={default_budget} is smaller than {minimum_what} = "
+      f"{minimum}; give budget=<tokens kept per KV head> (or ratio=) or shrink the protected "
+      "tokens"
     )
 
 

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from kvjax.duo_gate_profile import DuoGateProfile
 from kvjax.retrieval_heads import HeadProfile
 from tests.kvjax.tiny_decoder import tiny_decoder
 
@@ -20,4 +21,15 @@ def profile_path(tmp_path_factory):
   )
   path = tmp_path_factory.mktemp("razor") / "tiny.json"
   profile.save(path)
+  return str(path)
+
+
+@pytest.fixture(scope="module")
+def gates_path(tmp_path_factory):
+  """DuoAttention gates of the tiny decoder (random: half the KV heads full by default)."""
+  decoder, _ = tiny_decoder()
+  shape = decoder.cache_shape
+  gates = np.random.default_rng(1).random((shape.num_layers, shape.num_kv_heads))
+  path = tmp_path_factory.mktemp("duo") / "tiny_gates.json"
+  DuoGateProfile.from_gates(shape, gates).save(path)
   return str(path)

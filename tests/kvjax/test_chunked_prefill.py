@@ -19,6 +19,8 @@ from kvjax.chunked_prefill import (
 )
 from kvjax.compressed_context import compress_context, continue_context
 from kvjax.dense_cache import FullCache
+from kvjax.duo_attention import DuoAttention
+from kvjax.duo_gate_profile import DuoGateProfile
 from kvjax.gear_cache import Gear
 from kvjax.generate import generate, prefill
 from kvjax.h2o_decode import H2ODecode
@@ -545,6 +547,8 @@ def test_the_listed_methods_prefill_in_chunks_and_the_others_refuse():
   for name in METHODS:
     if name == "razor":
       method = RazorAttention(profile=make_profile(shape, [(0, 1), (1, 0)]))
+    elif name == "duo":
+      method = DuoAttention(profile=DuoGateProfile.from_gates(shape, [[1.0, 0.0], [0.0, 1.0]]))
     else:
       method = parse_method_spec(name)
     caches = model_cache_shapes(

@@ -2,9 +2,11 @@ import dataclasses
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 from kvjax.cli import main
+from kvjax.method_spec import parse_method_spec
 
 RAZOR_PROFILE = str(
   pathlib.Path(__file__).parents[2] / "benchmarks" / "profiles" / "smollm2-135m.razor.json"
@@ -87,6 +89,12 @@ def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
     (["razor-profile", "--output", "p.json", "--repeats", "1"], "--repeats=1 must be >= 2"),
     (["razor-profile", "--output", "p.json", "--block-len", "0"], "--block-len=0 must be >= 2"),
     (["razor-profile", "--output", "p.json", "--induction-ratio", "2"], "must be in [0, 1]"),
+    (["duo-train", "--output", "g.json", "--steps", "0"], "--steps=0 must be an int >= 1"),
+    (["duo-train", "--output", "g.json", "--context-len", "300"], "--context-len=300 must exceed"),
+    (["duo-train", "--output", "g.json", "--passkeys", "0"], "--passkeys=0 must be >= 1"),
+    (["duo-train", "--output", "g.json", "--l1-weight", "-1"], "--l1-weight=-1.0 must be a"),
+    (["duo-train", "--output", "g.json", "--batch", "20"], "--batch=20 must be <= --samples=16"),
+    (["duo-train", "--output", "g.json", "--seed", "-1"], "--seed=-1 must be in [0,"),
     (["compare", "--implementation", "fast"], "--implementation: implementation='fast'"),
     (["ask", "--document", "x", "--question", "q", "--implementation", "gpu"], "allowed: auto"),
   ],
@@ -283,6 +291,43 @@ def test_razor_profile_command_writes_a_loadable_profile(tmp_path, capsys):
   assert "retrieval heads; wrote" in capsys.readouterr().out
 
 
+def test_duo_train_command_writes_gates_a_method_loads(tmp_path):
+  import os
+  import subprocess
+  import sys
+
+  from kvjax.duo_gate_profile import DuoGateProfile
+
+  path = tmp_path / "gates.json"
+  argv = ["duo-train", "--output", str(path), "--context-len", "96", "--sinks", "4"]
+  argv += ["--recent", "16", "--passkeys", "2", "--passkey-words", "3", "--samples", "2"]
+  # In its own process, without conftest's fast-compile flags: unoptimized, two gradient steps
+  # through the 30 layers took 190 s instead of 20.
+  repository = pathlib.Path(__file__).parents[2]
+  environment = dict(
+    os.environ,
+    XLA_FLAGS=os.environ.get("KVJAX_TESTS_CALLER_XLA_FLAGS", ""),
+    PYTHONPATH=str(repository),
+  )
+  run = subprocess.run(
+    [sys.executable, "-m", "kvjax.cli", *argv, "--steps", "2"],
+    cwd=repository,
+    env=environment,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+  assert "over 2 steps; wrote" in run.stdout
+  profile = DuoGateProfile.load(path)
+  assert (profile.num_layers, profile.num_kv_heads) == (30, 3)
+  gates = np.asarray(profile.gates)
+  # Two AdamW steps of 0.02 from gates of 1, each clipped back into [0, 1].
+  assert np.all((gates >= 1 - 0.05) & (gates <= 1)) and gates.min() < 1
+  assert dict(profile.training)["steps"] == 2 and profile.model_name
+  assert parse_method_spec(f"duo:profile={path}").gate_profile == profile
+
+
 def test_compare_on_the_embedded_model_in_one_piece_and_in_chunks(tmp_path, capsys):
   """The CLI end to end on SmolLM2, small: a table, results.json and the layer loop named; then
   --prefill-chunk reaches the prefill: the full cache scores the continuation as in one piece
@@ -311,3 +356,28 @@ def test_compare_on_the_embedded_model_in_one_piece_and_in_chunks(tmp_path, caps
   assert chunks[1]["cache_bytes"] == one_piece[1]["cache_bytes"]
   # KIVI's chunks attend to the earlier chunks' codes: close to one piece, not equal (5.50).
   assert chunks[1]["ppl"] == pytest.approx(one_piece[1]["ppl"], rel=0.03)
+
+
+def test_generate_raw_prompt_gets_the_tokenizers_bos(tmp_path, capsys):
+  """--raw text is encoded as transformers' tokenizer(text) and llama.cpp encode it: with the BOS
+  a Llama tokenizer adds. A chat template writes its own BOS, so chat prompts get none added."""
+  import shutil
+
+  from tests.models.test_tokenizer import TINY_IDS, write_tokenizer_dir
+
+  model = tmp_path / "tiny_llama"
+  shutil.copytree(pathlib.Path(__file__).parents[1] / "fixtures" / "tiny_llama", model)
+  write_tokenizer_dir(
+    model,
+    {
+      "tokenizer_class": "LlamaTokenizerFast",
+      "bos_token": "<s>",
+      "eos_token": "</s>",
+      "chat_template": "{{ bos_token }}{{ messages[0]['content'] }}",
+    },
+  )
+  argv = ["generate", "--model", str(model), "--prompt", "ab", "--max-new-tokens", "1", "--json"]
+  assert main(argv + ["--raw"]) == 0
+  assert json.loads(capsys.readouterr().out)["prompt_ids"] == [TINY_IDS["<s>"], TINY_IDS["ab"]]
+  assert main(argv) == 0
+  assert json.loads(capsys.readouterr().out)["prompt_ids"] == [TINY_IDS["<s>"], TINY_IDS["ab"]]

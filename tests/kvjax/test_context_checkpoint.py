@@ -44,10 +44,16 @@ def _template(spec, layer_loop="unroll", room=ROOM, implementation="auto"):
   "layer_loop, spec",
   [("unroll", c[1]) for c in CASES]
   + [("scan", KIVI), ("scan", "gear:bits=2,group_size=16,block=16,rank=2")],
-  ids=[f"unroll-{c[1].split(',profile')[0]}" for c in CASES] + ["scan-kivi", "scan-gear"],
+  ids=[
+    "unroll-" + c[1].replace(",profile={profile}", "").replace(",profile={gates}", "")
+    for c in CASES
+  ]
+  + ["scan-kivi", "scan-gear"],
 )
-def test_a_restored_context_holds_the_saved_arrays(layer_loop, spec, profile_path, tmp_path):
-  spec = spec.format(profile=profile_path)
+def test_a_restored_context_holds_the_saved_arrays(
+  layer_loop, spec, profile_path, gates_path, tmp_path
+):
+  spec = spec.format(profile=profile_path, gates=gates_path)
   context = _context(spec, layer_loop)
   disk_bytes = save_context(tmp_path / "context", context, metadata={"spec": spec})
   restored = restore_context(tmp_path / "context", _template(spec, layer_loop))

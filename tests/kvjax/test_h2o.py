@@ -101,6 +101,8 @@ def test_budget_covering_the_prompt_keeps_every_token():
     (dict(query_chunk=0), "query_chunk=0 must be an int >= 1"),
     (dict(budget=16, window=2.5), "h2o: window=2.5 must be an int >= 1"),
     (dict(gqa_reduce="min"), "gqa_reduce='min'"),
+    # Refused at construction, not while tracing the first ingest of a prompt over 1024.
+    (dict(window=2000), r"h2o: the default budget=1024 is smaller than window = 2000"),
   ],
 )
 def test_bad_configurations_raise_clearly(kwargs, message):

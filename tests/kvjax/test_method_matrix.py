@@ -55,6 +55,12 @@ MATRIX = {
     # 0.092: the compensation token halves the KL of the same budget
     "razor:budget=12,sinks=2,compensation=weighted,profile={profile}": 0.18,
   },
+  # 0.424, 0.429 (all heads streaming: 0.478); every head full is the full cache.
+  "duo": {
+    "duo:sinks=2,recent=8,profile={gates}": 0.85,
+    f"duo:sinks=2,recent=8,profile={{gates}}+kivi:bits=4,{QUANT}": 0.85,
+    "duo:sinks=2,recent=8,full_fraction=1.0,profile={gates}": 1e-6,
+  },
 }
 PROMPTS = [
   list(np.random.default_rng(0).integers(1, 64, 40)),
@@ -77,11 +83,13 @@ def test_every_registered_method_is_in_the_matrix():
 
 
 @pytest.mark.parametrize(
-  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+  "name, spec, kl_bound",
+  CASES,
+  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
 )
-def test_method(name, spec, kl_bound, profile_path, full_scores):
+def test_method(name, spec, kl_bound, profile_path, gates_path, full_scores):
   decoder, params = tiny_decoder()
-  method = parse_method_spec(spec.format(profile=profile_path))
+  method = parse_method_spec(spec.format(profile=profile_path, gates=gates_path))
   assert type(method).method_name == name
 
   tokens, lengths = np.zeros((2, 40), np.int32), np.array([40, 29], np.int32)
@@ -120,7 +128,7 @@ def test_method(name, spec, kl_bound, profile_path, full_scores):
   full_bytes = cache_bytes_after_context(
     decoder, params, parse_method_spec("full"), context_len=40, cache_dtype=jnp.bfloat16
   )
-  if name == "full":
+  if name == "full" or "full_fraction=1.0" in spec:
     assert method_bytes == full_bytes
   elif "budget=64" not in spec:
     assert method_bytes < full_bytes
@@ -138,14 +146,16 @@ def test_method(name, spec, kl_bound, profile_path, full_scores):
 
 
 @pytest.mark.parametrize(
-  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+  "name, spec, kl_bound",
+  CASES,
+  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
 )
-def test_method_in_chunks(name, spec, kl_bound, profile_path):
+def test_method_in_chunks(name, spec, kl_bound, profile_path, gates_path):
   """A method generates from the prompt in one piece; it either prefills in chunks too (same
   cache bytes; a lossless configuration the same tokens) or refuses before anything runs,
   naming prefill_chunk."""
   decoder, params = tiny_decoder()
-  method = parse_method_spec(spec.format(profile=profile_path))
+  method = parse_method_spec(spec.format(profile=profile_path, gates=gates_path))
   run = lambda chunk: generate(
     decoder,
     params,
@@ -176,13 +186,17 @@ def test_method_in_chunks(name, spec, kl_bound, profile_path):
 
 
 @pytest.mark.parametrize(
-  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+  "name, spec, kl_bound",
+  CASES,
+  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
 )
-def test_rows_of_a_batch_generate_what_they_generate_alone(name, spec, kl_bound, profile_path):
+def test_rows_of_a_batch_generate_what_they_generate_alone(
+  name, spec, kl_bound, profile_path, gates_path
+):
   """Rows of different lengths share a batch, padded to the longest: no method may let one row's
   tokens (or its padding) change what another row keeps, evicts or generates."""
   decoder, params = tiny_decoder()
-  method = parse_method_spec(spec.format(profile=profile_path))
+  method = parse_method_spec(spec.format(profile=profile_path, gates=gates_path))
   run = lambda prompts: (
     generate(
       decoder, params, prompts, max_new_tokens=5, cache_method=method, cache_dtype=jnp.float32
@@ -193,14 +207,18 @@ def test_rows_of_a_batch_generate_what_they_generate_alone(name, spec, kl_bound,
 
 
 @pytest.mark.parametrize(
-  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+  "name, spec, kl_bound",
+  CASES,
+  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
 )
-def test_generate_decodes_in_the_prefill_caches_memory(name, spec, kl_bound, profile_path):
+def test_generate_decodes_in_the_prefill_caches_memory(
+  name, spec, kl_bound, profile_path, gates_path
+):
   """generate donates the caches its prefill made to the decode loop: every byte of them is
   reused for the loop's caches (peak memory one cache, not two), and jax uses every donated
   buffer (it warns about any it cannot)."""
   decoder, params = tiny_decoder()
-  method = parse_method_spec(spec.format(profile=profile_path))
+  method = parse_method_spec(spec.format(profile=profile_path, gates=gates_path))
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     result = generate(
@@ -212,16 +230,18 @@ def test_generate_decodes_in_the_prefill_caches_memory(name, spec, kl_bound, pro
 
 
 @pytest.mark.parametrize(
-  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+  "name, spec, kl_bound",
+  CASES,
+  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
 )
 def test_a_sliding_window_model_is_served_only_within_its_window(
-  name, spec, kl_bound, profile_path
+  name, spec, kl_bound, profile_path, gates_path
 ):
   """Past the window every method but `full` (its ring buffer) would attend to tokens the model
   does not: old kept tokens, sinks, heavy hitters, however small the budget."""
   decoder, _ = tiny_decoder()
   shape = dataclasses.replace(decoder.cache_shape, sliding_window=16)
-  method = parse_method_spec(spec.format(profile=profile_path))
+  method = parse_method_spec(spec.format(profile=profile_path, gates=gates_path))
   allocate = lambda prompt_len: model_cache_shapes(
     method, shape, batch=1, prompt_len=prompt_len, max_new_tokens=4, dtype=jnp.float32
   )
@@ -234,13 +254,17 @@ def test_a_sliding_window_model_is_served_only_within_its_window(
 
 
 @pytest.mark.parametrize(
-  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+  "name, spec, kl_bound",
+  CASES,
+  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
 )
-def test_every_cache_array_keeps_the_batch_on_axis_0(name, spec, kl_bound, profile_path):
+def test_every_cache_array_keeps_the_batch_on_axis_0(
+  name, spec, kl_bound, profile_path, gates_path
+):
   """The cache protocol's layout rule, which kvjax.repeat_context relies on: only axis 0 of a
   layer cache's arrays grows with the batch."""
   decoder, _ = tiny_decoder(layer_loop="unroll")
-  method = parse_method_spec(spec.format(profile=profile_path))
+  method = parse_method_spec(spec.format(profile=profile_path, gates=gates_path))
   shapes = lambda batch: model_cache_shapes(
     method, decoder.cache_shape, batch=batch, prompt_len=40, max_new_tokens=5, dtype=jnp.float32
   )
@@ -249,15 +273,17 @@ def test_every_cache_array_keeps_the_batch_on_axis_0(name, spec, kl_bound, profi
 
 
 @pytest.mark.parametrize(
-  "name, spec, kl_bound", CASES, ids=[c[1].split(",profile")[0] for c in CASES]
+  "name, spec, kl_bound",
+  CASES,
+  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
 )
-def test_method_shared_by_several_rows(name, spec, kl_bound, profile_path):
+def test_method_shared_by_several_rows(name, spec, kl_bound, profile_path, gates_path):
   """A context held once for three rows per prompt (share_context) scores continuations as
   the same context copied per row with each row's tokens kept beside it; where decoding only
   appends to a full-precision storage, as the copied context itself. Or it is refused by
   name."""
   decoder, params = tiny_decoder(layer_loop="scan")
-  method = parse_method_spec(spec.format(profile=profile_path))
+  method = parse_method_spec(spec.format(profile=profile_path, gates=gates_path))
   context = compress_context(
     decoder, params, PROMPTS, cache_method=method, room=0, cache_dtype=jnp.float32
   )

@@ -46,8 +46,10 @@ def test_bad_implementation_errors():
 
 
 @pytest.mark.parametrize("name", sorted(METHODS))
-def test_every_registered_default_spec_round_trips(name, profile_path):
-  # RazorAttention has no default: it needs a head profile file.
-  spec = f"razor:profile={profile_path}" if name == "razor" else name
+def test_every_registered_default_spec_round_trips(name, profile_path, gates_path):
+  # RazorAttention and DuoAttention have no default: they need a head profile / gate file.
+  spec = {"razor": f"razor:profile={profile_path}", "duo": f"duo:profile={gates_path}"}.get(
+    name, name
+  )
   method = parse_method_spec(spec)
   assert parse_method_spec(describe_method(method)) == method

@@ -99,6 +99,9 @@ def test_bad_configurations_raise_clearly():
     PyramidKV(beta=0)
   with pytest.raises(ValueError, match=r"ratio=2.0 must be in \(0, 1\]"):
     PyramidKV(ratio=2.0)
+  # The default budget (1024) below the window made layer budgets past the prompt (1951 of 1500).
+  with pytest.raises(ValueError, match="pyramidkv: the default budget=1024 is smaller than window"):
+    PyramidKV(window=2000)
 
 
 def test_generate_batch_of_two_lengths_layers_differ_in_size():

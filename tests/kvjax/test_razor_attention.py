@@ -192,6 +192,12 @@ def test_a_profile_rewritten_under_the_same_path_makes_a_different_method(tmp_pa
     (dict(budget=12.5), "razor: budget=12.5 must be an int >= 1"),
     (dict(sinks=2.5), "razor: sinks=2.5 must be an int >= 0"),
     (dict(profile="/nonexistent/profile.json"), "does not exist; compute it once per model"),
+    # the default budget (260) is checked like a given one (it made a window of -41 tokens)
+    (
+      dict(sinks=300),
+      r"razor: the default budget=260 is smaller than sinks \+ a window of 1 \+ the "
+      "compensation token = 302",
+    ),
   ],
 )
 def test_bad_configurations_raise_clearly(kwargs, message):

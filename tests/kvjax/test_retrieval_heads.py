@@ -195,6 +195,18 @@ def test_profile_of_a_random_decoder_has_the_models_shape_and_checks_it(tmp_path
   assert hash(profile) == hash(HeadProfile.load(_saved(profile, tmp_path)))
 
 
+def test_profile_of_a_decoder_scanning_its_layers_is_the_unrolled_ones():
+  """A scanning decoder returns its look-alike probe caches stacked (kvjax.layer_runs): the
+  scores are read layer by layer all the same."""
+  settings = dict(vocab_size=64, block_len=8, repeats=3, bos_token_id=1)
+  unrolled = compute_head_profile(*tiny_decoder(layer_loop="unroll"), **settings)
+  scanned = compute_head_profile(*tiny_decoder(layer_loop="scan"), **settings)
+  assert np.asarray(scanned.induction_scores).shape == (2, 2)
+  np.testing.assert_allclose(scanned.induction_scores, unrolled.induction_scores, atol=1e-6)
+  np.testing.assert_allclose(scanned.echo_scores, unrolled.echo_scores, atol=1e-6)
+  assert scanned.retrieval_heads == unrolled.retrieval_heads
+
+
 def _saved(profile, tmp_path):
   path = tmp_path / "p.json"
   profile.save(path)
@@ -261,3 +273,17 @@ def test_a_profile_naming_a_head_twice_or_a_float_head_is_refused(tmp_path):
   (tmp_path / "float.json").write_text(json.dumps(data | {"retrieval_heads": [[0, 1.5]]}))
   with pytest.raises(ValueError, match=r"retrieval head \[0, 1.5\] must be two ints"):
     HeadProfile.load(tmp_path / "float.json")
+
+
+@pytest.mark.parametrize("field, stored", [("head_dim", 8.9), ("num_query_heads", "6")])
+def test_a_profile_with_a_model_count_that_is_not_an_int_is_refused(tmp_path, field, stored):
+  """int() read head_dim 8.9 as 8 (and "6" as 6): the profile then matched a model the file
+  does not name."""
+  shape = ModelCacheShape(num_layers=2, num_kv_heads=3, num_query_heads=6, head_dim=8)
+  data = make_profile(shape, [(0, 1)]).to_json_dict()
+  data["model"][field] = stored
+  (tmp_path / "p.json").write_text(json.dumps(data))
+  with pytest.raises(
+    ValueError, match=rf"malformed head profile \(model {field}=.* must be an int"
+  ):
+    HeadProfile.load(tmp_path / "p.json")

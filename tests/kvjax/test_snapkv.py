@@ -188,6 +188,8 @@ def test_ratio_gives_the_budget_from_the_padded_prompt_length():
     (dict(budget=True, window=1), r"snapkv: budget=True must be an int"),
     (dict(ratio="0.5"), r"snapkv: ratio=.0.5. must be a number in \(0, 1\]"),
     (dict(storage="kivi"), "is not a storage method"),
+    # the default budget (1024) is checked like a given one: not silently shrunk to the window
+    (dict(window=2000), r"snapkv: the default budget=1024 is smaller than window = 2000"),
   ],
 )
 def test_bad_configurations_raise_clearly(kwargs, message):

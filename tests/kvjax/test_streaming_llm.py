@@ -152,11 +152,38 @@ def test_slots_are_the_budget_or_less_when_everything_fits():
     (dict(rope_theta=1e4), "rope_theta is only used with positions=in_cache"),
     (dict(sinks=-1), "sinks=-1 must be an int >= 0"),
     (dict(sinks=2.5), "streaming: sinks=2.5 must be an int >= 0"),
+    # The default budget (1024) cannot hold 2000 sinks and a window: refused, not truncated.
+    (dict(sinks=2000), r"streaming: the default budget=1024 is smaller than sinks \+ a window"),
+    (
+      dict(positions="in_cache", rope_theta=float("nan")),
+      "rope_theta=nan; it must be a finite number > 0",
+    ),
+    (dict(positions="in_cache", rope_theta="1e4"), "rope_theta='1e4'; it must be a finite"),
+    (dict(positions="in_cache", rope_theta=True), "rope_theta=True; it must be a finite"),
   ],
 )
 def test_bad_configurations_raise_clearly(kwargs, message):
   with pytest.raises(ValueError, match=message):
     StreamingLLM(**kwargs)
+
+
+@pytest.mark.parametrize("prompt_len", [3, 4])
+def test_a_ratio_budget_under_the_sinks_still_keeps_a_window_for_new_tokens(prompt_len):
+  """ratio=1 of a prompt no longer than the sinks is a budget of only sinks: it must still hold
+  the newest token (a ring of 0 slots dropped every decoded token, and attention never saw it)."""
+  method = StreamingLLM(ratio=1.0, sinks=4)
+  steps = 3
+  cache, _, rotated, values = run_stream(
+    method, np.array([prompt_len, prompt_len]), prompt_len, steps
+  )
+  assert cache.window >= 1 and cache.sinks == 4
+  q = np.random.default_rng(3).normal(size=(B, H, G, D))
+  out = np.asarray(cache.attend(jnp.asarray(q, jnp.float32), sm_scale=0.5))
+  kept = numpy_streaming_kept(prompt_len + steps, 4, cache.window)
+  for b in range(B):
+    for h in range(H):
+      reference = softmax(q[b, h] @ rotated[b, h, kept].T * 0.5) @ values[b, h, kept]
+      np.testing.assert_allclose(out[b, h], reference, atol=1e-5)
 
 
 def test_in_cache_rope_theta_other_than_the_models_is_refused():
