@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 import kvjax
 from kvjax.chunk_attention import chunk_attention
-from kvjax.prefill_attention import causal_prompt_attention
+from kvjax.prefill_attention import cache_prompt_attention
 
 VOCAB, HEADS, KV_HEADS, DIM = 32, 4, 2, 16
 
@@ -27,6 +27,7 @@ class ToyDecoder:
   cache_shape = kvjax.ModelCacheShape(
     num_layers=1, num_kv_heads=KV_HEADS, num_query_heads=HEADS, head_dim=DIM
   )
+  honours_prompt_attention = True  # prefill asks the cache how the prompt attends
 
   def _qkv(self, params, tokens):  # tokens [batch, t]
     x = params["embed"][tokens]
@@ -40,7 +41,9 @@ class ToyDecoder:
 
   def prefill(self, params, tokens, lengths, caches):
     q, k, v = self._qkv(params, tokens)
-    out = causal_prompt_attention(q, k, v, sm_scale=DIM**-0.5)
+    # Causal attention, unless the layer's cache says otherwise (DuoAttention's streaming heads
+    # see only their sinks and recent tokens); hence honours_prompt_attention below.
+    out = cache_prompt_attention(caches[0], q, k, v, lengths, sm_scale=DIM**-0.5)
     last = jnp.take_along_axis(out, (lengths - 1)[:, None, None, None, None], axis=3)[:, :, :, 0]
     return self._logits(params, last), (caches[0].ingest(k, v, q, lengths),)
 

@@ -807,6 +807,13 @@ def _add_duo_train(subparsers):
   p.add_argument("--sinks", type=int, default=64, help="tokens a streaming head keeps first")
   p.add_argument("--recent", type=int, default=256, help="recent tokens a streaming head keeps")
   p.add_argument("--learning-rate", type=float, default=0.02)
+  p.add_argument(
+    "--lr-schedule",
+    default="warmup_decay",
+    help="warmup_decay (the authors': up over the first fifth of the steps, down over the last, "
+    "never under a tenth) or constant",
+  )
+  p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW's (the authors': 0)")
   p.add_argument("--l1-weight", type=float, default=0.05, help="weight of mean |gate|")
   p.add_argument("--batch", type=int, default=1, help="prompts per step")
   p.add_argument("--text", default=None, help="UTF-8 text file (default: CPython pydoc topics)")
@@ -836,9 +843,12 @@ def run_duo_train(args) -> int:
       learning_rate=args.learning_rate,
       l1_weight=args.l1_weight,
       batch=args.batch,
+      weight_decay=args.weight_decay,
+      lr_schedule=args.lr_schedule,
     )
-  except ValueError as error:  # name the flag, not the field
-    raise ValueError(f"--{str(error).replace('_', '-')}") from None
+  except ValueError as error:  # name the flag, not the field ("l1_weight=..." -> "--l1-weight=...")
+    field, rest = str(error).split("=", 1)
+    raise ValueError(f"--{field.replace('_', '-')}={rest}") from None
   if args.context_len <= args.sinks + args.recent:
     raise ValueError(
       f"--context-len={args.context_len} must exceed --sinks + --recent = "

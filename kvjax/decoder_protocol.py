@@ -20,7 +20,15 @@ from kvjax.cache_protocol import ModelCacheShape
 class CachedDecoder(Protocol):
   """Must be hashable (it is a static argument of jitted functions). A decoder may also have
   `vocab_size` (int): kvjax then refuses prompt ids past it before anything runs
-  (`decoder_vocab_size`); without it, only negative ids are refused up front."""
+  (`decoder_vocab_size`); without it, only negative ids are refused up front.
+
+  A layer cache may say how its layer's prompt attends (`prompt_attention`: DuoAttention's
+  streaming heads see only their sinks and recent tokens in the prompt too). A decoder whose
+  `prefill` computes every layer's prompt attention with
+  `kvjax.prefill_attention.cache_prompt_attention(cache, ...)` sets `honours_prompt_attention =
+  True`; caches that need it are refused, before tracing, for a one-piece prefill by a decoder
+  that does not (its prompt would attend causally where the method says otherwise).
+  """
 
   @property
   def cache_shape(self) -> ModelCacheShape: ...
@@ -80,3 +88,18 @@ def decoder_vocab_size(decoder) -> int | None:
   """The decoder's `vocab_size` when it has one."""
   size = getattr(decoder, "vocab_size", None)
   return int(size) if size is not None else None
+
+
+def check_prompt_attention(decoder, caches, *, method_name: str) -> None:
+  """ValueError when a layer cache defines its prompt's attention (`prompt_attention`) and the
+  decoder does not say that its prefill asks the caches for it (`honours_prompt_attention`)."""
+  if getattr(decoder, "honours_prompt_attention", False):
+    return
+  if any(callable(getattr(cache, "prompt_attention", None)) for cache in caches):
+    raise ValueError(
+      f"cache_method: {method_name or 'this method'}'s caches say how the prompt attends "
+      f"(prompt_attention), and decoder {type(decoder).__qualname__} does not say it asks them "
+      "(honours_prompt_attention = True): compute each layer's prompt attention with "
+      "kvjax.prefill_attention.cache_prompt_attention(cache, ...) and set it, or prefill in "
+      "chunks (prefill_chunk=), where attend_chunk serves"
+    )

@@ -17,6 +17,7 @@ over the sinks and window it holds and the chunk itself.
 
 import dataclasses
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -190,6 +191,27 @@ class DuoAttention:
     object.__setattr__(
       self, "gate_profile", DuoGateProfile.from_method_argument("duo", self.profile)
     )
+    self._warn_of_another_span_than_trained()
+
+  def _warn_of_another_span_than_trained(self) -> None:
+    """Gates rank heads by how well sinks + recent of the trained sizes stand in for them;
+    deployed with other sizes they may rank them wrongly. Allowed (an experiment may want it),
+    not silent."""
+    trained = dict(self.gate_profile.training)
+    differing = [
+      f"{name}={getattr(self, name)} (trained with {trained[name]})"
+      for name in ("sinks", "recent")
+      if name in trained and trained[name] != getattr(self, name)
+    ]
+    if differing:
+      warnings.warn(
+        f"duo: {', '.join(differing)}: the gates were trained for streaming heads of other "
+        "sizes; give the trained sizes to deploy them as trained",
+        # Point at the caller: past kvjax's frames and dataclasses' generated __init__ (file
+        # "<string>"; CPython 3.12's prefix test leaves out a filename's last character, so the
+        # prefix is "<string").
+        skip_file_prefixes=(os.path.dirname(__file__) + os.sep, "<string"),
+      )
 
   @property
   def profile_path(self) -> str | None:

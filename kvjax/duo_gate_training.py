@@ -5,12 +5,13 @@ heads outputs alpha x full causal attention + (1 - alpha) x streaming attention 
 `sinks` tokens and the last `recent`). Only the gates are trained, the model's weights stay
 fixed: the loss is the mean squared difference between the final hidden states of this mixed
 model and of the full model on the supervised (answer) positions of synthetic passkey
-prompts, plus `l1_weight` x mean |alpha|. AdamW (the authors: learning rate 0.02, 2000
-steps), each gate clipped back into [0, 1] after every step; the gates start at 1 (every head
-full).
+prompts, plus `l1_weight` x mean |alpha|. AdamW without weight decay on the authors' warm-up
+and decay schedule (`GateTraining`; they run 2000 steps at 0.02), each gate clipped back into
+[0, 1] after every step; the gates start at 1 (every head full).
 
 The mixed attention reaches the model through its layer caches: a decoder's prefill asks a
-cache with a `prompt_attention` method how the prompt attends (models/attention.py does), and
+cache with a `prompt_attention` method how the prompt attends
+(`kvjax.prefill_attention.cache_prompt_attention`, which models/attention.py calls), and
 `prefill_hidden_states` hands back the final normalized hidden states instead of logits
 (models/nnx_decoder.py). Nothing here imports `models`.
 
@@ -21,6 +22,7 @@ positions, where only a head that reaches back past the recent window can help.
 """
 
 import dataclasses
+import math
 import numbers
 
 import jax
@@ -29,8 +31,11 @@ import numpy as np
 import optax
 
 from kvjax.cache_protocol import check_count
+from kvjax.decoder_protocol import check_prompt_attention, decoder_vocab_size
+from kvjax.eval.continuation import special_prefix
 from kvjax.eval.text_corpus import pydoc_topics_text
 from kvjax.prefill_attention import over_query_chunks
+from kvjax.prompt_batch import check_row_lengths
 from kvjax.prompt_probe_cache import PromptProbeLayerCache
 
 PASSKEY_SENTENCE = "The pass key number {number} is: {words}. Remember it. "
@@ -110,12 +115,16 @@ class DuoGateLayerCache(PromptProbeLayerCache):
 
 
 def check_gate_training_decoder(decoder) -> None:
+  """The decoder hands back final hidden states, and its prefill attends as the gate caches say
+  (without that, the distillation has no gradient and the gates learn the penalty alone)."""
   if not callable(getattr(decoder, "prefill_hidden_states", None)):
     raise ValueError(
       f"decoder: {type(decoder).__qualname__} lacks prefill_hidden_states(params, tokens, "
       "lengths, caches) -> (final hidden states [batch, prompt, hidden], caches), which "
       "DuoAttention's gate training distils (models/nnx_decoder.py has one)"
     )
+  probe = DuoGateLayerCache(jnp.ones((1,), jnp.float32), sinks=0, recent=1)
+  check_prompt_attention(decoder, (probe,), method_name="duo gate training")
 
 
 def gate_caches(gates: jax.Array, *, sinks: int, recent: int, query_chunk: int) -> tuple:
@@ -143,8 +152,10 @@ def passkey_training_samples(
   seed: int = 0,
   text: str | None = None,
 ) -> PasskeySamples:
-  """`num_samples` prompts of exactly `context_len` tokens: corpus text with the pass keys
-  spread at random depths, ending with the request and the keys recited (module docstring)."""
+  """`num_samples` prompts of exactly `context_len` tokens: what the tokenizer puts before any
+  text (Llama's BOS: the first token, a natural sink, as the model always sees it; nothing for
+  SmolLM2), then corpus text with the pass keys spread at random depths, ending with the request
+  and the keys recited (module docstring)."""
   check_count("context_len", context_len, 2)
   check_count("num_samples", num_samples, 1)
   check_count("passkeys", passkeys, 1)
@@ -153,6 +164,7 @@ def passkey_training_samples(
   vocabulary = sorted({word for word in text.split() if word.isalpha()})
   if len(vocabulary) < 2:
     raise ValueError("text: too few distinct alphabetic words to draw pass keys from")
+  prefix = special_prefix(tokenizer)
   rng = np.random.default_rng(seed)
   tokens = np.zeros((num_samples, context_len), np.int32)
   supervised = np.zeros((num_samples, context_len), bool)
@@ -166,16 +178,17 @@ def passkey_training_samples(
       tokenizer.encode(RECITED_KEY.format(number=i + 1, words=w)) for i, w in enumerate(keys)
     ]
     answer_len = sum(map(len, recited))
-    filler_len = context_len - sum(map(len, hidden)) - len(request) - answer_len
+    filler_len = context_len - len(prefix) - sum(map(len, hidden)) - len(request) - answer_len
     if filler_len < passkeys:
       raise ValueError(
         f"context_len={context_len} is too short for {passkeys} pass keys of {passkey_words} "
-        f"words: they, the request and the recital take {context_len - filler_len} tokens; "
+        f"words: they, the request, the recital and the tokenizer's prefix take "
+        f"{context_len - filler_len} tokens; "
         "raise context_len or lower passkeys / passkey_words"
       )
     filler = _corpus_tokens(tokenizer, text, filler_len, rng)
     cuts = np.sort(rng.choice(np.arange(filler_len + 1), passkeys, replace=True))
-    pieces, previous = [], 0
+    pieces, previous = [prefix], 0
     for cut, key_tokens in zip(cuts, hidden):
       pieces += [filler[previous:cut], key_tokens]
       previous = cut
@@ -198,9 +211,16 @@ def _corpus_tokens(tokenizer, text: str, count: int, rng) -> list[int]:
   return ids[:count]
 
 
+LEARNING_RATE_SCHEDULES = ("warmup_decay", "constant")
+
+
 @dataclasses.dataclass(frozen=True)
 class GateTraining:
-  """The authors' settings (METHODS.md), except the number of steps, which a caller sizes."""
+  """The authors' settings (METHODS.md; their train.py), except the number of steps, which a
+  caller sizes. `lr_schedule="warmup_decay"` is theirs: the learning rate times
+  min(1, max((step + 1) / (steps // 5), 0.1), max((steps - step) / (steps // 5), 0.1)), a
+  warm-up over the first fifth and a decay over the last, never under a tenth; "constant"
+  keeps it. AdamW without weight decay (`weight_decay`, as theirs)."""
 
   sinks: int = 64
   recent: int = 256
@@ -209,6 +229,8 @@ class GateTraining:
   l1_weight: float = 0.05
   batch: int = 1
   query_chunk: int = 256
+  weight_decay: float = 0.0
+  lr_schedule: str = "warmup_decay"
 
   def __post_init__(self):
     check_count("sinks", self.sinks, 0)
@@ -216,13 +238,53 @@ class GateTraining:
     check_count("steps", self.steps, 1)
     check_count("batch", self.batch, 1)
     check_count("query_chunk", self.query_chunk, 1)
-    for name in ("learning_rate", "l1_weight"):
+    for name in ("learning_rate", "l1_weight", "weight_decay"):
       value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
-        raise ValueError(f"{name}={value!r} must be a number >= 0")
+      if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value < 0
+      ):
+        raise ValueError(f"{name}={value!r} must be a finite number >= 0")
+    if self.lr_schedule not in LEARNING_RATE_SCHEDULES:
+      raise ValueError(
+        f"lr_schedule={self.lr_schedule!r}; allowed: {', '.join(LEARNING_RATE_SCHEDULES)}"
+      )
+
+  def learning_rate_at(self, step: jax.Array) -> jax.Array:
+    """The learning rate of optimizer step `step` (0-based). Under 5 steps, where the authors'
+    formula would divide by zero (steps // 5 = 0), a fifth counts as one step: a constant rate."""
+    step = jnp.asarray(step, jnp.float32)
+    if self.lr_schedule == "constant":
+      return jnp.full_like(step, self.learning_rate)
+    fifth = max(self.steps // 5, 1)
+    warmup = jnp.maximum((step + 1) / fifth, 0.1)
+    decay = jnp.maximum((self.steps - step) / fifth, 0.1)
+    return self.learning_rate * jnp.minimum(1.0, jnp.minimum(warmup, decay))
 
   def as_record(self) -> dict:
     return dataclasses.asdict(self)
+
+
+def check_training_samples(samples: PasskeySamples, *, vocab_size: int | None) -> None:
+  """Rows as a prefill takes them (ids in the vocabulary, lengths in [1, width]), and a
+  supervised mask of their shape with at least one supervised position in every row, all
+  within the row: a row without one trains the gates on the L1 penalty alone."""
+  check_row_lengths(samples.tokens, samples.lengths, vocab_size=vocab_size, name="samples.tokens")
+  supervised = np.asarray(samples.supervised)
+  if supervised.shape != np.shape(samples.tokens) or supervised.dtype != bool:
+    raise ValueError(
+      f"samples.supervised must be bool of the tokens' shape {np.shape(samples.tokens)}; got "
+      f"{supervised.dtype} {supervised.shape}"
+    )
+  past_length = np.arange(supervised.shape[1])[None, :] >= np.asarray(samples.lengths)[:, None]
+  if (supervised & past_length).any():
+    row = int(np.argmax((supervised & past_length).any(axis=1)))
+    raise ValueError(f"samples.supervised: row {row} supervises positions past its length")
+  if not supervised.any(axis=1).all():
+    row = int(np.argmin(supervised.any(axis=1)))
+    raise ValueError(f"samples.supervised: row {row} has no supervised position")
 
 
 def train_duo_gates(
@@ -236,6 +298,7 @@ def train_duo_gates(
   """(gates float32 [layers, kv_heads], loss per step [steps]) trained on `samples`, rows
   taken `settings.batch` at a time in order (wrapping around)."""
   check_gate_training_decoder(decoder)
+  check_training_samples(samples, vocab_size=decoder_vocab_size(decoder))
   shape = decoder.cache_shape
   tokens = jnp.asarray(samples.tokens)
   lengths = jnp.asarray(samples.lengths)
@@ -267,7 +330,11 @@ def train_duo_gates(
     distill = squared.sum() / (jnp.maximum(mask.sum(), 1) * hidden.shape[-1])
     return distill + settings.l1_weight * jnp.abs(gates).mean()
 
-  optimizer = optax.adamw(settings.learning_rate)
+  constant = settings.lr_schedule == "constant"
+  optimizer = optax.adamw(
+    settings.learning_rate if constant else settings.learning_rate_at,
+    weight_decay=settings.weight_decay,
+  )
 
   @jax.jit
   def step(gates, state, rows):

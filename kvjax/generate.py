@@ -27,7 +27,12 @@ from kvjax.cache_protocol import (
 )
 from kvjax.cache_room import check_room
 from kvjax.chunked_prefill import check_chunked_prefill, check_prefill_chunk, prefill_in_chunks
-from kvjax.decoder_protocol import CachedDecoder, check_decoder, decoder_vocab_size
+from kvjax.decoder_protocol import (
+  CachedDecoder,
+  check_decoder,
+  check_prompt_attention,
+  decoder_vocab_size,
+)
 from kvjax.dense_cache import FullCache
 from kvjax.layer_runs import pytree_signature
 from kvjax.lru_table import LruTable
@@ -173,11 +178,11 @@ def check_prefill_arguments(
     max_new_tokens=max_new_tokens,
     dtype=cache_dtype,
   )
+  method_name = getattr(cache_method, "method_name", "")
   if prefill_chunk is None:
+    check_prompt_attention(decoder, caches, method_name=method_name)
     return
-  check_chunked_prefill(
-    decoder, caches, prefill_chunk, method_name=getattr(cache_method, "method_name", "")
-  )
+  check_chunked_prefill(decoder, caches, prefill_chunk, method_name=method_name)
 
 
 def _decode_loop(

@@ -83,3 +83,26 @@ def causal_prompt_attention(
     return jnp.einsum("bhgqk,bhkd->bhgqd", probs, values32)
 
   return over_query_chunks(attend_chunk, queries, query_chunk=query_chunk).astype(queries.dtype)
+
+
+def cache_prompt_attention(
+  cache,  # the layer's freshly allocated cache
+  queries: jax.Array,  # [batch, kv_heads, group, prompt, head_dim], rotated
+  keys: jax.Array,  # [batch, kv_heads, prompt, head_dim], rotated
+  values: jax.Array,  # [batch, kv_heads, prompt, head_dim]
+  lengths: jax.Array,  # int32 [batch]
+  *,
+  sm_scale: float,
+  sliding_window: int | None = None,
+) -> jax.Array:  # [batch, kv_heads, group, prompt, head_dim], queries' dtype
+  """The prompt's attention as the layer's cache asks for it: its own `prompt_attention` when it
+  has one (DuoAttention's streaming heads see only their sinks and recent tokens, as their gates
+  were trained; gate training mixes both), else causal attention. A decoder whose prefill
+  computes every layer's prompt attention with this says so (`honours_prompt_attention`,
+  kvjax.decoder_protocol)."""
+  own = getattr(cache, "prompt_attention", None)
+  if own is None:
+    return causal_prompt_attention(
+      queries, keys, values, sm_scale=sm_scale, sliding_window=sliding_window
+    )
+  return own(queries, keys, values, lengths, sm_scale=sm_scale, sliding_window=sliding_window)

@@ -5,7 +5,7 @@ from flax import nnx
 
 from kvjax.cache_protocol import append_and_attend
 from kvjax.chunk_attention import chunk_attention
-from kvjax.prefill_attention import causal_prompt_attention
+from kvjax.prefill_attention import cache_prompt_attention
 from kvjax.rope import apply_rope, rope_inverse_frequencies
 from models.config import DecoderConfig
 
@@ -47,17 +47,9 @@ class CachedAttention(nnx.Module):
   def prefill_cache(self, qkv, lengths, cache):
     """Attention over the prompt itself, and the prompt stored (compressed) in the cache."""
     q, k, v = qkv
-    # A cache may define how the prompt attends (DuoAttention's gate training mixes full and
-    # streaming attention per head: kvjax.duo_gate_training).
-    prompt_attention = getattr(cache, "prompt_attention", None)
-    if prompt_attention is None:
-      attended = causal_prompt_attention(
-        q, k, v, sm_scale=self.sm_scale, sliding_window=self.sliding_window
-      )
-    else:
-      attended = prompt_attention(
-        q, k, v, lengths, sm_scale=self.sm_scale, sliding_window=self.sliding_window
-      )
+    attended = cache_prompt_attention(
+      cache, q, k, v, lengths, sm_scale=self.sm_scale, sliding_window=self.sliding_window
+    )
     return attended, cache.ingest(k, v, q, lengths)
 
   def prefill_chunk_cache(self, qkv, counts, cache):

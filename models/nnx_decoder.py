@@ -4,6 +4,7 @@ The graphdef is static (hashable), the state is the `params` pytree.
 """
 
 import dataclasses
+from typing import ClassVar
 
 from flax import nnx
 
@@ -16,6 +17,8 @@ class NNXCachedDecoder:
   graphdef: nnx.GraphDef
   cache_shape: ModelCacheShape
   vocab_size: int
+  # Each layer's prompt attention goes through kvjax's cache_prompt_attention (models/attention.py).
+  honours_prompt_attention: ClassVar[bool] = True
 
   def prefill(self, params, tokens, lengths, caches):
     return nnx.merge(self.graphdef, params).prefill(tokens, lengths, caches)

@@ -93,6 +93,8 @@ def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
     (["duo-train", "--output", "g.json", "--context-len", "300"], "--context-len=300 must exceed"),
     (["duo-train", "--output", "g.json", "--passkeys", "0"], "--passkeys=0 must be >= 1"),
     (["duo-train", "--output", "g.json", "--l1-weight", "-1"], "--l1-weight=-1.0 must be a"),
+    (["duo-train", "--output", "g.json", "--learning-rate", "inf"], "--learning-rate=inf must"),
+    (["duo-train", "--output", "g.json", "--lr-schedule", "cosine"], "allowed: warmup_decay,"),
     (["duo-train", "--output", "g.json", "--batch", "20"], "--batch=20 must be <= --samples=16"),
     (["duo-train", "--output", "g.json", "--seed", "-1"], "--seed=-1 must be in [0,"),
     (["compare", "--implementation", "fast"], "--implementation: implementation='fast'"),
@@ -291,41 +293,52 @@ def test_razor_profile_command_writes_a_loadable_profile(tmp_path, capsys):
   assert "retrieval heads; wrote" in capsys.readouterr().out
 
 
-def test_duo_train_command_writes_gates_a_method_loads(tmp_path):
-  import os
-  import subprocess
-  import sys
+def _tiny_byte_level_model(directory: pathlib.Path) -> pathlib.Path:
+  """tests/fixtures/tiny_llama (2 layers, 2 KV heads, 256 positions and token ids) with a
+  byte-level tokenizer: one token per byte of any text."""
+  import shutil
 
+  import tokenizers
+
+  shutil.copytree(pathlib.Path(__file__).parents[1] / "fixtures" / "tiny_llama", directory)
+  alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  backend = tokenizers.Tokenizer(
+    tokenizers.models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[])
+  )
+  backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = tokenizers.decoders.ByteLevel()
+  backend.save(str(directory / "tokenizer.json"))
+  (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "z"}))
+  return directory
+
+
+def test_duo_train_command_writes_gates_a_method_loads(tmp_path, capsys):
   from kvjax.duo_gate_profile import DuoGateProfile
 
+  model = _tiny_byte_level_model(tmp_path / "tiny")
+  text = tmp_path / "text.txt"
+  text.write_text("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. " * 20)
   path = tmp_path / "gates.json"
-  argv = ["duo-train", "--output", str(path), "--context-len", "96", "--sinks", "4"]
-  argv += ["--recent", "16", "--passkeys", "2", "--passkey-words", "3", "--samples", "2"]
-  # In its own process, without conftest's fast-compile flags: unoptimized, two gradient steps
-  # through the 30 layers took 190 s instead of 20.
-  repository = pathlib.Path(__file__).parents[2]
-  environment = dict(
-    os.environ,
-    XLA_FLAGS=os.environ.get("KVJAX_TESTS_CALLER_XLA_FLAGS", ""),
-    PYTHONPATH=str(repository),
-  )
-  run = subprocess.run(
-    [sys.executable, "-m", "kvjax.cli", *argv, "--steps", "2"],
-    cwd=repository,
-    env=environment,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
-  assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-  assert "over 2 steps; wrote" in run.stdout
+  argv = ["duo-train", "--model", str(model), "--output", str(path), "--text", str(text)]
+  argv += ["--sinks", "4", "--recent", "16", "--passkeys", "1", "--passkey-words", "2"]
+  argv += ["--samples", "2", "--steps", "2"]
+  # A prompt longer than the model's 256 positions is refused before training.
+  with pytest.raises(SystemExit):
+    main([*argv, "--context-len", "300"])
+  assert "--context-len=300 exceeds the model's context of 256" in capsys.readouterr().err
+  assert not path.exists()
+  assert main([*argv, "--context-len", "200"]) == 0
+  assert "over 2 steps; wrote" in capsys.readouterr().out
   profile = DuoGateProfile.load(path)
-  assert (profile.num_layers, profile.num_kv_heads) == (30, 3)
+  assert (profile.num_layers, profile.num_kv_heads) == (2, 2)
   gates = np.asarray(profile.gates)
   # Two AdamW steps of 0.02 from gates of 1, each clipped back into [0, 1].
   assert np.all((gates >= 1 - 0.05) & (gates <= 1)) and gates.min() < 1
-  assert dict(profile.training)["steps"] == 2 and profile.model_name
-  assert parse_method_spec(f"duo:profile={path}").gate_profile == profile
+  training = dict(profile.training)
+  assert training["steps"] == 2 and training["context_len"] == 200
+  assert training["first_loss"] == pytest.approx(0.05, rel=1e-5)  # gates of 1: the penalty alone
+  assert profile.model_name == str(model.resolve())
+  assert parse_method_spec(f"duo:profile={path},sinks=4,recent=16").gate_profile == profile
 
 
 def test_compare_on_the_embedded_model_in_one_piece_and_in_chunks(tmp_path, capsys):

@@ -1,8 +1,11 @@
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
+from kvjax.compressed_context import compress_context
 from kvjax.duo_attention import DuoAttention
 from kvjax.duo_gate_profile import DuoGateProfile
 from kvjax.generate import generate
@@ -95,6 +98,25 @@ def test_streaming_heads_that_hold_everything_generate_what_the_full_cache_does(
   np.testing.assert_array_equal(run(roomy), run(parse_method_spec("full")))
 
 
+def test_every_head_full_is_the_full_cache(gates_path):
+  decoder, params = tiny_decoder()
+  prompts = [list(np.random.default_rng(6).integers(1, 64, 40)), [3, 4, 5, 6, 7]]
+  every_head = parse_method_spec(f"duo:full_fraction=1.0,sinks=2,recent=8,profile={gates_path}")
+  full = parse_method_spec("full")
+  duo_context, full_context = (
+    compress_context(decoder, params, prompts, cache_method=method, room=6, cache_dtype=jnp.float32)
+    for method in (every_head, full)
+  )
+  np.testing.assert_allclose(duo_context.next_logits, full_context.next_logits, atol=1e-5)
+  assert duo_context.cache_bytes == full_context.cache_bytes
+  run = lambda method: (
+    generate(
+      decoder, params, prompts, max_new_tokens=6, cache_method=method, cache_dtype=jnp.float32
+    ).tokens
+  )
+  np.testing.assert_array_equal(run(every_head), run(full))
+
+
 @pytest.mark.parametrize(
   "kwargs, message",
   [
@@ -129,3 +151,18 @@ def test_two_paths_to_equal_gates_are_one_method(tmp_path):
   changed = DuoGateProfile.from_gates(SHAPE, [[0.1, 0.9, 0.8], [0.2, 0.7, 0.3]])
   changed.save(tmp_path / "a.json")
   assert parse_method_spec(f"duo:profile={tmp_path / 'a.json'}") != b
+
+
+def test_deploying_with_other_sizes_than_trained_warns():
+  trained = DuoGateProfile.from_gates(
+    SHAPE, [[0.9, 0.1, 0.8], [0.2, 0.7, 0.3]], training=dict(sinks=2, recent=5, steps=10)
+  )
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    DuoAttention(profile=trained, sinks=2, recent=5)  # as trained: silent
+    DuoAttention(profile=GATES, sinks=7, recent=9)  # no record of training: silent
+  with pytest.warns(UserWarning, match=r"duo: recent=9 \(trained with 5\): the gates were") as seen:
+    DuoAttention(profile=trained, sinks=2, recent=9)
+  assert seen[0].filename == __file__  # the caller's line, not kvjax's or dataclasses'
+  with pytest.warns(UserWarning, match=r"sinks=64 \(trained with 2\), recent=256 \(trained"):
+    DuoAttention(profile=trained)

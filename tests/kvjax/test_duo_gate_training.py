@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -136,10 +138,31 @@ def test_training_starts_at_the_l1_penalty_and_keeps_gates_in_range():
 
 
 def test_without_the_penalty_the_full_model_is_the_optimum_and_gates_stay_at_one():
+  """At gates of 1 the distillation error is 0 and so is its gradient: without the penalty and
+  without weight decay (the authors' AdamW has none) no step moves a gate."""
   decoder, params = tiny_decoder()
   settings = GateTraining(sinks=2, recent=4, steps=5, l1_weight=0.0, query_chunk=16)
   gates, losses = train_duo_gates(decoder, params, _tiny_samples(), settings)
-  assert np.all(gates > 0.999) and np.all(losses < 1e-8)
+  assert np.all(gates == 1.0) and np.all(losses < 1e-8)
+  # With weight decay the first step pulls every gate off 1 by lr x decay x gate.
+  decayed = dataclasses.replace(settings, weight_decay=0.1, steps=1)
+  np.testing.assert_allclose(
+    train_duo_gates(decoder, params, _tiny_samples(), decayed)[0], 1 - 0.02 * 0.1, rtol=1e-6
+  )
+
+
+def test_the_authors_schedule_warms_up_and_decays_over_a_fifth_of_the_steps():
+  rates = lambda **kw: np.asarray(
+    GateTraining(steps=10, learning_rate=0.02, **kw).learning_rate_at(jnp.arange(10))
+  )
+  # fifth = 2: (step + 1) / 2 up, (10 - step) / 2 down, capped at 1, floored at 0.1
+  np.testing.assert_allclose(rates(), 0.02 * np.array([0.5] + [1.0] * 8 + [0.5]), rtol=1e-6)
+  np.testing.assert_allclose(rates(lr_schedule="constant"), np.full(10, 0.02), rtol=1e-6)
+  long = np.asarray(GateTraining(steps=2000).learning_rate_at(jnp.array([0, 399, 1000, 1999])))
+  np.testing.assert_allclose(long, 0.02 * np.array([0.1, 1.0, 1.0, 0.1]), rtol=1e-6)
+  # A plain int step, and fewer than 5 steps (the authors' formula divides by steps // 5 = 0).
+  assert float(GateTraining(steps=10).learning_rate_at(0)) == pytest.approx(0.01)
+  np.testing.assert_allclose(GateTraining(steps=3).learning_rate_at(jnp.arange(3)), 0.02)
 
 
 def test_a_stronger_penalty_lowers_the_gates_further():
@@ -160,8 +183,13 @@ def test_a_stronger_penalty_lowers_the_gates_further():
     (dict(recent=0), "recent=0 must be an int >= 1"),
     (dict(sinks=-1), "sinks=-1 must be an int >= 0"),
     (dict(batch=1.5), "batch=1.5 must be an int >= 1"),
-    (dict(learning_rate=-0.1), "learning_rate=-0.1 must be a number >= 0"),
-    (dict(l1_weight=float("nan")), "l1_weight=nan must be a number >= 0"),
+    (dict(learning_rate=-0.1), "learning_rate=-0.1 must be a finite number >= 0"),
+    (dict(l1_weight=float("nan")), "l1_weight=nan must be a finite number >= 0"),
+    # An infinite rate sets gates to 0 or 1 at once; an infinite penalty makes them NaN.
+    (dict(learning_rate=float("inf")), "learning_rate=inf must be a finite number >= 0"),
+    (dict(l1_weight=float("inf")), "l1_weight=inf must be a finite number >= 0"),
+    (dict(weight_decay=-1e-4), "weight_decay=-0.0001 must be a finite number >= 0"),
+    (dict(lr_schedule="cosine"), "lr_schedule='cosine'; allowed: warmup_decay, constant"),
   ],
 )
 def test_bad_training_settings_raise_clearly(kwargs, message):
@@ -182,10 +210,45 @@ def test_training_refuses_what_it_cannot_train_on():
   with pytest.raises(ValueError, match="lacks prefill_hidden_states"):
     train_duo_gates(NoHidden(), params, _tiny_samples(), GateTraining(sinks=1, recent=4))
 
+  class CausalOnly(NoHidden):
+    """Hands back hidden states, but would attend causally whatever the gates say: the gates
+    would then learn the L1 penalty alone."""
+
+    def prefill_hidden_states(self, *args):
+      return decoder.prefill_hidden_states(*args)
+
+  with pytest.raises(ValueError, match="duo gate training's caches say how the prompt attends"):
+    train_duo_gates(CausalOnly(), params, _tiny_samples(), GateTraining(sinks=1, recent=4))
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (dict(tokens=np.full((4, 40), 64, np.int32)), "outside the vocabulary|vocab"),
+    (dict(lengths=np.full((4,), 41, np.int32)), "lengths"),
+    (dict(supervised=np.zeros((4, 40), bool)), "row 0 has no supervised position"),
+    (dict(supervised=np.ones((4, 39), bool)), "samples.supervised must be bool of the tokens"),
+    (dict(lengths=np.array([40, 20, 40, 40], np.int32)), "row 1 supervises positions past"),
+  ],
+)
+def test_training_refuses_samples_it_would_train_wrongly_on(change, message):
+  """Unchecked, ids past the vocabulary gave NaN gates and rows without a supervised position
+  trained the gates on the penalty alone, with no error."""
+  decoder, params = tiny_decoder()
+  samples = dataclasses.replace(_tiny_samples(), **change)
+  with pytest.raises(ValueError, match=message):
+    train_duo_gates(decoder, params, samples, GateTraining(sinks=2, recent=4, steps=1))
+
 
 class CharacterTokenizer:
-  def encode(self, text):
-    return [ord(c) % 250 + 1 for c in text]
+  """One token per character; with `bos`, `encode(..., add_special_tokens=True)` prepends it."""
+
+  def __init__(self, bos=None):
+    self.bos = bos
+
+  def encode(self, text, add_special_tokens=False):
+    ids = [ord(c) % 250 + 1 for c in text]
+    return ([self.bos] if add_special_tokens and self.bos is not None else []) + ids
 
 
 def test_passkey_samples_hide_the_keys_and_supervise_their_recital():
@@ -211,3 +274,15 @@ def test_passkey_samples_hide_the_keys_and_supervise_their_recital():
 def test_passkey_samples_refuse_a_context_too_short_for_the_keys():
   with pytest.raises(ValueError, match="context_len=100 is too short for 10 pass keys of 32"):
     passkey_training_samples(CharacterTokenizer(), context_len=100, num_samples=1, text="a b c")
+
+
+def test_passkey_samples_start_as_the_tokenizer_starts_any_text():
+  """A Llama tokenizer's BOS opens every prompt the model sees (and is its natural sink): the
+  training prompts open with it too, within context_len. A tokenizer without one adds nothing."""
+  text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu " * 40
+  settings = dict(context_len=900, num_samples=2, passkeys=2, passkey_words=3, seed=4, text=text)
+  with_bos = passkey_training_samples(CharacterTokenizer(bos=255), **settings)
+  without = passkey_training_samples(CharacterTokenizer(), **settings)
+  assert with_bos.tokens.shape == without.tokens.shape == (2, 900)
+  assert list(with_bos.tokens[:, 0]) == [255, 255] and 255 not in without.tokens
+  np.testing.assert_array_equal(with_bos.supervised, without.supervised)
