@@ -36,8 +36,20 @@ def _prefilled(spec, max_new_tokens, layer_loop="unroll"):
   return decoder, params, logits, caches
 
 
-@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
-@pytest.mark.parametrize("spec", BOUNDED)
+# Each method in one layer loop by default, alternating, and in the other under `-m slow`.
+ROOM_CASES = [
+  pytest.param(
+    spec,
+    layer_loop,
+    id=f"{spec}-{layer_loop}",
+    marks=[pytest.mark.slow] if (index + (layer_loop == "unroll")) % 2 else [],
+  )
+  for index, spec in enumerate(BOUNDED)
+  for layer_loop in ("unroll", "scan")
+]
+
+
+@pytest.mark.parametrize("spec, layer_loop", ROOM_CASES)
 def test_bounded_caches_report_their_room_and_loops_refuse_more(spec, layer_loop):
   decoder, params, logits, caches = _prefilled(spec, 3, layer_loop)
   room = rows_room(caches)

@@ -102,7 +102,13 @@ def test_questions_fed_after_a_full_cache_answer_like_their_whole_prompts(questi
 
 
 @pytest.mark.parametrize(
-  "spec", ["full", KIVI, "snapkv:budget=16,window=4", "streaming:budget=16,sinks=2"]
+  "spec",
+  [
+    "full",
+    KIVI,
+    pytest.param("snapkv:budget=16,window=4", marks=pytest.mark.slow),  # a full storage, as full
+    "streaming:budget=16,sinks=2",
+  ],
 )
 def test_feeding_in_the_decode_loop_is_teacher_forcing_then_decoding(spec):
   decoder, params = tiny_decoder()
@@ -197,7 +203,7 @@ def test_sampling_follows_the_key():
     (KIVI, "unroll"),
     (f"snapkv:budget=16,window=4+{KIVI}", "scan"),
     ("h2o_decode:budget=16,window=4", "unroll"),
-    ("razor", "scan"),
+    pytest.param("razor", "scan", marks=pytest.mark.slow),  # razor: shared in the default run
   ],
 )
 def test_a_repeated_context_answers_each_question_as_the_context_alone(
@@ -372,8 +378,18 @@ def test_pallas_on_a_backend_without_kernels_is_refused_before_anything_runs():
     share_context(decoder, context, 2, room=4, implementation="pallas")
 
 
-@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
-@pytest.mark.parametrize("spec", ["full", "snapkv:budget=16,window=4", "razor"])
+@pytest.mark.parametrize(
+  "spec, layer_loop",
+  [
+    ("full", "scan"),
+    ("snapkv:budget=16,window=4", "unroll"),
+    ("razor", "scan"),
+    # each in the other layer loop too
+    pytest.param("full", "unroll", marks=pytest.mark.slow),
+    pytest.param("snapkv:budget=16,window=4", "scan", marks=pytest.mark.slow),
+    pytest.param("razor", "unroll", marks=pytest.mark.slow),
+  ],
+)
 def test_a_shared_context_answers_as_the_repeated_context(spec, layer_loop, profile_path):
   """Methods whose decoding only appends to a full-precision storage: the context held once
   answers every question as its copies do."""
@@ -448,7 +464,8 @@ def test_share_context_refuses_bad_arguments_and_what_cannot_be_shared(tmp_path)
 
 
 @pytest.mark.parametrize(
-  "spec, layer_loop", [("full", "unroll"), (KIVI, "scan"), ("razor", "scan")]
+  "spec, layer_loop",
+  [("full", "unroll"), (KIVI, "scan"), pytest.param("razor", "scan", marks=pytest.mark.slow)],
 )
 def test_a_shared_context_fed_in_chunks_answers_as_fed_token_by_token(
   spec, layer_loop, profile_path

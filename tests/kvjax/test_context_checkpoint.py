@@ -243,9 +243,17 @@ def test_another_format_is_refused(tmp_path):
     restore_context(tmp_path / "context", _template(KIVI))
 
 
-@pytest.mark.parametrize("layer_loop", ["unroll", "scan"])
 @pytest.mark.parametrize(
-  "spec", [KIVI, "gear:bits=2,group_size=16,block=16,rank=2", f"snapkv:budget=24,window=8+{KIVI}"]
+  "spec, layer_loop",
+  [
+    (KIVI, "unroll"),
+    ("gear:bits=2,group_size=16,block=16,rank=2", "scan"),
+    (f"snapkv:budget=24,window=8+{KIVI}", "scan"),
+    # each in the other layer loop too
+    pytest.param(KIVI, "scan", marks=pytest.mark.slow),
+    pytest.param("gear:bits=2,group_size=16,block=16,rank=2", "unroll", marks=pytest.mark.slow),
+    pytest.param(f"snapkv:budget=24,window=8+{KIVI}", "unroll", marks=pytest.mark.slow),
+  ],
 )
 def test_a_kivi_context_saved_before_v27_restores_into_a_template_made_now(
   spec, layer_loop, tmp_path

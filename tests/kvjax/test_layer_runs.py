@@ -91,7 +91,9 @@ FOUR_LAYERS = dataclasses.replace(TINY_CONFIG, num_layers=4)
   [
     "full",
     "kivi:bits=2,group_size=16,residual=16",
-    "gear:bits=2,group_size=16,block=16,rank=2,outliers=0.02",
+    # 26 s; GEAR's stacked arrays also go through the scan in test_cache_room and
+    # test_context_checkpoint by default.
+    pytest.param("gear:bits=2,group_size=16,block=16,rank=2,outliers=0.02", marks=pytest.mark.slow),
     "pyramidkv:budget=16,window=4",
     "streaming:budget=16,sinks=2",
   ],

@@ -67,6 +67,38 @@ PROMPTS = [
   list(np.random.default_rng(1).integers(1, 64, 29)),
 ]
 CASES = [(name, spec, bound) for name, specs in MATRIX.items() for spec, bound in specs.items()]
+# One configuration per method, the one that takes the most of its code (GEAR's outliers, the
+# compositions with KIVI): the tests that generate run these by default and the others under
+# `-m slow`, since each configuration compiles its own prefill and decode programs.
+EVERY_METHOD_ONCE = {
+  "full",
+  f"kivi:bits=2,{QUANT}",
+  f"gear:bits=4,{GEAR},outliers=0.02",
+  "snapkv:budget=16,window=4,kernel=3",
+  "h2o:budget=16,window=4",
+  "h2o_decode:budget=16,window=4",
+  f"pyramidkv:budget=16,window=4+kivi:bits=4,{QUANT}",
+  "streaming:budget=16,sinks=2",
+  "razor:budget=12,sinks=2,profile={profile}",
+  f"duo:sinks=2,recent=8,profile={{gates}}+kivi:bits=4,{QUANT}",
+}
+
+
+def case_id(spec: str) -> str:
+  return spec.replace(",profile={profile}", "").replace(",profile={gates}", "")
+
+
+def matrix_params(*, every_method_once: bool = False) -> list:
+  """CASES as pytest params; with `every_method_once`, those not in EVERY_METHOD_ONCE are
+  marked slow."""
+  return [
+    pytest.param(
+      *case,
+      id=case_id(case[1]),
+      marks=[pytest.mark.slow] if every_method_once and case[1] not in EVERY_METHOD_ONCE else [],
+    )
+    for case in CASES
+  ]
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +114,12 @@ def test_every_registered_method_is_in_the_matrix():
   assert set(MATRIX) == set(METHODS)
 
 
-@pytest.mark.parametrize(
-  "name, spec, kl_bound",
-  CASES,
-  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
-)
+def test_the_default_run_takes_every_method_once():
+  names = [name for name, spec, _ in CASES if spec in EVERY_METHOD_ONCE]
+  assert sorted(names) == sorted(METHODS)  # no method twice, none missing, no stale spec
+
+
+@pytest.mark.parametrize("name, spec, kl_bound", matrix_params())
 def test_method(name, spec, kl_bound, profile_path, gates_path, full_scores):
   decoder, params = tiny_decoder()
   method = parse_method_spec(spec.format(profile=profile_path, gates=gates_path))
@@ -145,11 +178,7 @@ def test_method(name, spec, kl_bound, profile_path, gates_path, full_scores):
   assert np.all(np.isfinite(scores.logprobs))
 
 
-@pytest.mark.parametrize(
-  "name, spec, kl_bound",
-  CASES,
-  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
-)
+@pytest.mark.parametrize("name, spec, kl_bound", matrix_params(every_method_once=True))
 def test_method_in_chunks(name, spec, kl_bound, profile_path, gates_path):
   """A method generates from the prompt in one piece; it either prefills in chunks too (same
   cache bytes; a lossless configuration the same tokens) or refuses before anything runs,
@@ -185,11 +214,7 @@ def test_method_in_chunks(name, spec, kl_bound, profile_path, gates_path):
     assert chunked.token_lists() == one_piece.token_lists()
 
 
-@pytest.mark.parametrize(
-  "name, spec, kl_bound",
-  CASES,
-  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
-)
+@pytest.mark.parametrize("name, spec, kl_bound", matrix_params(every_method_once=True))
 def test_rows_of_a_batch_generate_what_they_generate_alone(
   name, spec, kl_bound, profile_path, gates_path
 ):
@@ -206,11 +231,7 @@ def test_rows_of_a_batch_generate_what_they_generate_alone(
   np.testing.assert_array_equal(run(PROMPTS), alone)
 
 
-@pytest.mark.parametrize(
-  "name, spec, kl_bound",
-  CASES,
-  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
-)
+@pytest.mark.parametrize("name, spec, kl_bound", matrix_params(every_method_once=True))
 def test_generate_decodes_in_the_prefill_caches_memory(
   name, spec, kl_bound, profile_path, gates_path
 ):
@@ -229,11 +250,7 @@ def test_generate_decodes_in_the_prefill_caches_memory(
   assert decode_compiled.memory_analysis().alias_size_in_bytes == result.cache_bytes
 
 
-@pytest.mark.parametrize(
-  "name, spec, kl_bound",
-  CASES,
-  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
-)
+@pytest.mark.parametrize("name, spec, kl_bound", matrix_params())
 def test_a_sliding_window_model_is_served_only_within_its_window(
   name, spec, kl_bound, profile_path, gates_path
 ):
@@ -253,11 +270,7 @@ def test_a_sliding_window_model_is_served_only_within_its_window(
     allocate(40)
 
 
-@pytest.mark.parametrize(
-  "name, spec, kl_bound",
-  CASES,
-  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
-)
+@pytest.mark.parametrize("name, spec, kl_bound", matrix_params())
 def test_every_cache_array_keeps_the_batch_on_axis_0(
   name, spec, kl_bound, profile_path, gates_path
 ):
@@ -272,11 +285,7 @@ def test_every_cache_array_keeps_the_batch_on_axis_0(
     assert one.shape[0] == 1 and three.shape == (3,) + one.shape[1:], (one.shape, three.shape)
 
 
-@pytest.mark.parametrize(
-  "name, spec, kl_bound",
-  CASES,
-  ids=[c[1].replace(",profile={profile}", "").replace(",profile={gates}", "") for c in CASES],
-)
+@pytest.mark.parametrize("name, spec, kl_bound", matrix_params(every_method_once=True))
 def test_method_shared_by_several_rows(name, spec, kl_bound, profile_path, gates_path):
   """A context held once for three rows per prompt (share_context) scores continuations as
   the same context copied per row with each row's tokens kept beside it; where decoding only
