@@ -10,6 +10,7 @@ from kvjax.generate import decode, prefill
 from kvjax.method_spec import parse_method_spec
 from kvjax.sampling import SamplingConfig
 from kvjax.teacher_forcing import teacher_force
+from tests.kvjax.layer_loop_params import each_in_one_layer_loop
 from tests.kvjax.tiny_decoder import tiny_decoder
 
 TOKENS = np.random.default_rng(0).integers(1, 64, (2, 40)).astype(np.int32)
@@ -36,20 +37,10 @@ def _prefilled(spec, max_new_tokens, layer_loop="unroll"):
   return decoder, params, logits, caches
 
 
-# Each method in one layer loop by default, alternating, and in the other under `-m slow`.
-ROOM_CASES = [
-  pytest.param(
-    spec,
-    layer_loop,
-    id=f"{spec}-{layer_loop}",
-    marks=[pytest.mark.slow] if (index + (layer_loop == "unroll")) % 2 else [],
-  )
-  for index, spec in enumerate(BOUNDED)
-  for layer_loop in ("unroll", "scan")
-]
-
-
-@pytest.mark.parametrize("spec, layer_loop", ROOM_CASES)
+@pytest.mark.parametrize(
+  "spec, layer_loop",
+  each_in_one_layer_loop(zip(BOUNDED, ["scan", "unroll", "scan", "unroll"], strict=True)),
+)
 def test_bounded_caches_report_their_room_and_loops_refuse_more(spec, layer_loop):
   decoder, params, logits, caches = _prefilled(spec, 3, layer_loop)
   room = rows_room(caches)

@@ -20,6 +20,7 @@ from kvjax.method_spec import parse_method_spec
 from kvjax.prompt_batch import pack_prompts
 from kvjax.sampling import SamplingConfig
 from kvjax.teacher_forcing import teacher_force
+from tests.kvjax.layer_loop_params import each_in_one_layer_loop
 from tests.kvjax.test_method_matrix import PROMPTS
 from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
@@ -380,15 +381,9 @@ def test_pallas_on_a_backend_without_kernels_is_refused_before_anything_runs():
 
 @pytest.mark.parametrize(
   "spec, layer_loop",
-  [
-    ("full", "scan"),
-    ("snapkv:budget=16,window=4", "unroll"),
-    ("razor", "scan"),
-    # each in the other layer loop too
-    pytest.param("full", "unroll", marks=pytest.mark.slow),
-    pytest.param("snapkv:budget=16,window=4", "scan", marks=pytest.mark.slow),
-    pytest.param("razor", "unroll", marks=pytest.mark.slow),
-  ],
+  each_in_one_layer_loop(
+    [("full", "scan"), ("snapkv:budget=16,window=4", "unroll"), ("razor", "scan")]
+  ),
 )
 def test_a_shared_context_answers_as_the_repeated_context(spec, layer_loop, profile_path):
   """Methods whose decoding only appends to a full-precision storage: the context held once

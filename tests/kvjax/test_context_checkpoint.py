@@ -20,6 +20,7 @@ from kvjax.context_checkpoint import (
 )
 from kvjax.generate import _decode_in_jit
 from kvjax.method_spec import parse_method_spec
+from tests.kvjax.layer_loop_params import each_in_one_layer_loop
 from tests.kvjax.test_compressed_context import QUESTIONS, assert_same_arrays
 from tests.kvjax.test_method_matrix import CASES, PROMPTS
 from tests.kvjax.tiny_decoder import tiny_decoder
@@ -245,15 +246,13 @@ def test_another_format_is_refused(tmp_path):
 
 @pytest.mark.parametrize(
   "spec, layer_loop",
-  [
-    (KIVI, "unroll"),
-    ("gear:bits=2,group_size=16,block=16,rank=2", "scan"),
-    (f"snapkv:budget=24,window=8+{KIVI}", "scan"),
-    # each in the other layer loop too
-    pytest.param(KIVI, "scan", marks=pytest.mark.slow),
-    pytest.param("gear:bits=2,group_size=16,block=16,rank=2", "unroll", marks=pytest.mark.slow),
-    pytest.param(f"snapkv:budget=24,window=8+{KIVI}", "unroll", marks=pytest.mark.slow),
-  ],
+  each_in_one_layer_loop(
+    [
+      (KIVI, "unroll"),
+      ("gear:bits=2,group_size=16,block=16,rank=2", "scan"),
+      (f"snapkv:budget=24,window=8+{KIVI}", "scan"),
+    ]
+  ),
 )
 def test_a_kivi_context_saved_before_v27_restores_into_a_template_made_now(
   spec, layer_loop, tmp_path

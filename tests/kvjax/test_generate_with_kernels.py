@@ -17,6 +17,7 @@ from kvjax.generate import generate
 from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import parse_method_spec
 from pallas_kernels import decode_attention_gpu, quantized_decode_attention_gpu
+from tests.kvjax.layer_loop_params import each_in_one_layer_loop
 from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
 KERNEL_CONFIG = dataclasses.replace(TINY_CONFIG, head_dim=64)
@@ -37,14 +38,8 @@ def fallback_warnings_fire_again(monkeypatch):
 
 @pytest.mark.parametrize(
   "spec, layer_loop",
-  [
-    ("full", "unroll"),
-    ("kivi:bits=4,group_size=16,residual=16", "scan"),
-    # Each storage's kernel in the other layer loop too (the scan and the unrolled loop call the
-    # same dispatch): 18 s and 7 s in interpret mode.
-    pytest.param("kivi:bits=4,group_size=16,residual=16", "unroll", marks=pytest.mark.slow),
-    pytest.param("full", "scan", marks=pytest.mark.slow),
-  ],
+  # The other loops (the same dispatch) under -m slow: 7 s and 18 s in interpret mode.
+  each_in_one_layer_loop([("full", "unroll"), ("kivi:bits=4,group_size=16,residual=16", "scan")]),
 )
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
 def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):

@@ -301,8 +301,8 @@ def test_the_two_device_tests_pass_on_two_host_devices():
   # The two-device process starts from the caller's XLA_FLAGS (kept by tests/conftest.py) and
   # takes the caller's compile setting. With conftest's fast-compile flags, the split and whole
   # programs once differed in the last bit of a float (4.8e-7, AMD EPYC): floats are compared
-  # within rounding since (`assert_trees_equal`), and the fast flags halve this test's time
-  # (113 s against 150 s beside another job, 2026-11-27; it passed on jax 0.12.0.1 and 0.11.2).
+  # within rounding since (`assert_trees_equal`). The fast flags took this test from 154 s to
+  # 98-106 s in the full suite (2026-11-27; it passed on jax 0.12.0.1 and 0.11.2).
   flags = os.environ.get("KVJAX_TESTS_CALLER_XLA_FLAGS", "")
   flags = f"{flags} --xla_force_host_platform_device_count=2".strip()
   settings = {
