@@ -10,7 +10,9 @@ bf16 cache, contexts 8k / 32k / 128k, every row full. Measured in one run:
   pallas_bf16  the full-precision Pallas kernel (Triton lowering) on the bf16 cache;
   mosaic_bf16  the full-precision Mosaic GPU kernel (TMA, wgmma) on the bf16 cache (GPU only;
              interpret mode in --small);
-  kivi2 / kivi4  the fused dequantize-attention kernel on 2/4-bit codes (group 32, bf16 stats);
+  kivi2 / kivi4  the fused dequantize-attention kernel on 2/4-bit codes (group 32, bf16 stats)
+             with --kernel-config, by default the measured default (KERNEL_NOTES v29: folded
+             Mosaic GPU on Hopper for 2 or more heads per KV head, else folded Triton);
   kivi2_mosaic / kivi4_mosaic  the same caches through the Mosaic GPU quantized kernel
              (`pallas_kernels/quantized_decode_attention_mosaic_gpu.py`: TMA ring, K and V
              dequantized into swizzled bf16 tiles, wgmma; --quantized-mosaic-kernel-config adds

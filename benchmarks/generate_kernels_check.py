@@ -1,8 +1,10 @@
 """End-to-end check on an accelerator: `generate` through the Pallas kernels gives the tokens of
 the jnp reference path (tiny random Llama, full and quantized caches), and decode timings.
 
-    python benchmarks/generate_kernels_check.py
+    python benchmarks/generate_kernels_check.py [--only bfloat16]
 """
+
+import argparse
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,9 @@ CONFIG = DecoderConfig(
 
 
 def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--only", help="run only the checks whose label contains this text")
+  args = parser.parse_args()
   print(jax.__version__, jax.devices())
   decoder, params = split_decoder(random_decoder(CONFIG, seed=0))
   rng = np.random.default_rng(0)
@@ -49,7 +54,12 @@ def main():
       KernelSettings(quantized={"lowering": "mosaic_gpu", "variant": "folded"}),
       jnp.bfloat16,
     ),
+    # The default (folded Triton) kernel on the same bf16 cache: whether a difference in the row
+    # above is the Mosaic kernel's or the bf16 cache's (a near tie between two greedy tokens).
+    ("kivi:bits=4,residual=32", KernelSettings(), jnp.bfloat16),
   ]
+  if args.only:
+    runs_to_check = [run for run in runs_to_check if args.only in _label(*run)]
   for spec, settings, *cache_dtype in runs_to_check:
     cache_dtype = cache_dtype[0] if cache_dtype else jnp.float32
     runs = {
@@ -63,15 +73,26 @@ def main():
       )
       for impl in ("reference", "pallas")
     }
-    same = np.array_equal(runs["pallas"].tokens, runs["reference"].tokens)
-    agree = float(np.mean(runs["pallas"].tokens == runs["reference"].tokens))
-    label = spec + (f" {dict(settings.quantized)}" if settings.quantized else "")
-    label += f" {jnp.dtype(cache_dtype).name}" if cache_dtype != jnp.float32 else ""
+    pallas_tokens, reference_tokens = (np.asarray(runs[i].tokens) for i in ("pallas", "reference"))
+    same = np.array_equal(pallas_tokens, reference_tokens)
+    agree = float(np.mean(pallas_tokens == reference_tokens))
+    # per row, the first generated position where the tokens differ (-1: none)
+    first_difference = [
+      int(np.argmax(row_p != row_r)) if np.any(row_p != row_r) else -1
+      for row_p, row_r in zip(pallas_tokens, reference_tokens)
+    ]
     speeds = {impl: f"{run.decode_tokens_per_s:.0f}" for impl, run in runs.items()}
     print(
-      f"{label:28s} same tokens: {same} (agreement {agree:.2f}); decode tok/s "
+      f"{_label(spec, settings, cache_dtype):28s} same tokens: {same} (agreement {agree:.2f}, "
+      f"first difference per row {first_difference}); decode tok/s "
       f"reference {speeds['reference']}, pallas {speeds['pallas']}"
     )
+
+
+def _label(spec, settings, *cache_dtype) -> str:
+  cache_dtype = cache_dtype[0] if cache_dtype else jnp.float32
+  label = spec + (f" {dict(settings.quantized)}" if settings.quantized else "")
+  return label + (f" {jnp.dtype(cache_dtype).name}" if cache_dtype != jnp.float32 else "")
 
 
 if __name__ == "__main__":

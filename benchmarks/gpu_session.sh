@@ -9,9 +9,18 @@
 #   bash benchmarks/gpu_session.sh check_triton  # Triton and bf16 kernels' native tests
 #   bash benchmarks/gpu_session.sh sweep    # 32k sweep + the 32k table             (~4 min)
 #   bash benchmarks/gpu_session.sh ncu '{"lowering": "mosaic_gpu", "variant": "folded"}'
-#   bash benchmarks/gpu_session.sh ncu '{}'    # the default (folded Triton) kernel
+#   bash benchmarks/gpu_session.sh ncu '{"variant": "folded"}'  # folded Triton
 #   bash benchmarks/gpu_session.sh gear     # GEAR's XLA parts, v21's reductions vs einsums
 #   bash benchmarks/gpu_session.sh rows     # padded query rows vs v22's stack copies (~3 min)
+#   bash benchmarks/gpu_session.sh brief    # one call of <= 9 min: the 32k sweep and table, every
+#                                           # GPU kernel's native tests, the generate check, stack
+#                                           # copies at 1 and 4 heads, ncu of the default kernel
+#   bash benchmarks/gpu_session.sh recheck  # v29's second call (~6 min): see the step's comment
+#   bash benchmarks/gpu_session.sh defaults # v29's third call (~3 min): folded Mosaic vs Triton
+#
+# Folded Triton is named as {"variant": "folded"}: since KERNEL_NOTES v29 an empty config is the
+# measured default, which on Hopper is folded Mosaic GPU for most shapes (in v29's own calls, {}
+# still meant folded Triton).
 #
 # Run from the repository root, on the device image's python3 (jax 0.11.2 with CUDA; nothing
 # to install: the kernels and checks import no package the image lacks). Logs and JSON go to
@@ -28,7 +37,7 @@ python="${PYTHON:-python3}"
 # SM, with the planner's 32 splits (5.2 waves) and with 37 (whole waves: 2368 programs, 6 x 396);
 # 3 stages (two per SM); block 64 with 4 stages (four per SM) and 3 stages.
 folded='{"lowering": "mosaic_gpu", "variant": "folded"'
-sweep_configs="[{}, {\"prefetch\": false}, {\"num_stages\": 3}, \
+sweep_configs="[{\"variant\": \"folded\"}, {\"prefetch\": false}, {\"num_stages\": 3}, \
 ${folded}}, ${folded}, \"num_splits\": 37}, ${folded}, \"num_stages\": 3}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 4}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 3}]"
@@ -76,7 +85,7 @@ case "${1:-}" in
       set -- $shape
       "$python" benchmarks/decode_attention.py --contexts 32768 --sweep --sweep-only \
         --query-group "$1" --group-size "$2" \
-        --sweep-configs '[{}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]' \
+        --sweep-configs '[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]' \
         --out "$out/stack_copies_q$1_g$2_32k.json" 2>&1 | tee "$out/stack_copies_q$1_g$2_32k.log"
     done
     ;;
@@ -97,8 +106,93 @@ case "${1:-}" in
       > "$out/ncu_sass.csv"
     "$python" benchmarks/ncu_sass_summary.py "$out/ncu_sass.csv" | tee "$out/ncu_sass_summary.txt"
     ;;
+  brief)
+    # Everything above that a 15-minute device budget affords, in one call (v29: the first GPU
+    # since v18). Each step has its own time limit, so a slow step cannot starve the next; the
+    # timings run alone (the native tests, which use many processes, come after them). At most 8
+    # files come back from $OUT, so logs are joined and the ncu report stays in /tmp.
+    set +e
+    status=0
+    log="$out/decode_attention_32k.log"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$log"
+    timeout --signal=INT 230 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
+      --sweep-configs "[{\"variant\": \"folded\"}, {\"prefetch\": false}, {\"num_stages\": 3}, ${folded}}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 4}]" \
+      --out "$out/decode_attention_32k.json" 2>&1 | tee -a "$log" || status=1
+    timeout --signal=INT 130 env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 "$python" -m pytest -q -n 8 \
+      -p no:cacheprovider tests/pallas_kernels/test_quantized_kernels.py \
+      tests/pallas_kernels/test_folded_scales_kernel_triton.py \
+      tests/pallas_kernels/test_decode_attention_kernels.py \
+      tests/pallas_kernels/test_decode_attention_mosaic_gpu.py \
+      tests/pallas_kernels/test_quantized_decode_attention_folded_mosaic_gpu.py \
+      tests/pallas_kernels/test_quantized_decode_attention_mosaic_gpu.py 2>&1 |
+      tee "$out/native_tests.log" || status=1
+    timeout --signal=INT 70 "$python" benchmarks/generate_kernels_check.py 2>&1 |
+      tee "$out/generate_kernels_check.log" || status=1
+    for shape in "1 32" "4 64"; do
+      set -- $shape
+      timeout --signal=INT 40 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
+        --sweep-only --query-group "$1" --group-size "$2" \
+        --sweep-configs '[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]' \
+        2>&1 | tee -a "$out/stack_copies_32k.log" || status=1
+    done
+    report=/tmp/triton_kernel
+    timeout --signal=INT 50 ncu --target-processes all \
+      --kernel-name regex:quantized_decode_attention --launch-skip 1 --launch-count 1 \
+      --set full --import-source no -o "$report" -f \
+      "$python" benchmarks/profile_quantized_kernel.py --bits 2 --kernel-config '{"variant": "folded"}' \
+      > /tmp/ncu.log 2>&1 || status=1
+    ncu --import "$report.ncu-rep" --page details > "$out/ncu_details.txt" 2>&1
+    ncu --import "$report.ncu-rep" --page source --csv --print-source sass > /tmp/ncu_sass.csv
+    "$python" benchmarks/ncu_sass_summary.py /tmp/ncu_sass.csv > "$out/ncu_sass_summary.txt" 2>&1
+    exit "$status"
+    ;;
+  recheck)
+    # v29's second call: the key-bias ring padded for TMA (block 64 faulted in `brief`), the
+    # float32 tolerances of interpreted kernels on a GPU, the 32k table that the fault cut off,
+    # stack copies at 2 heads, and the bf16-cache generate checks with their first differences.
+    set +e
+    status=0
+    log="$out/decode_attention_32k.log"
+    nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$log"
+    timeout --signal=INT 100 env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 \
+      "$python" -m pytest -q -n 8 -p no:cacheprovider \
+      tests/pallas_kernels/test_quantized_decode_attention_folded_mosaic_gpu.py \
+      "tests/pallas_kernels/test_quantized_kernels.py::test_tpu_kernel_matches_reference" \
+      tests/pallas_kernels/test_quantized_kernels.py::test_planar_steps_by_key_groups_whatever_block_tokens_says \
+      tests/pallas_kernels/test_decode_attention_kernels.py::test_tpu_kernel_matches_reference \
+      tests/pallas_kernels/test_decode_attention_kernels.py::test_a_nan_in_a_valid_slot_makes_its_row_nan_as_in_the_reference \
+      2>&1 | tee "$out/native_tests.log" || status=1
+    timeout --signal=INT 240 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
+      --sweep-configs "[{\"variant\": \"folded\"}, ${folded}}, ${folded}, \"block_tokens\": 64, \"num_stages\": 4}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 3}]" \
+      --out "$out/decode_attention_32k.json" 2>&1 | tee -a "$log" || status=1
+    timeout --signal=INT 40 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
+      --sweep-only --query-group 2 --group-size 32 \
+      --sweep-configs '[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]' \
+      2>&1 | tee "$out/stack_copies_q2_32k.log" || status=1
+    timeout --signal=INT 60 "$python" benchmarks/generate_kernels_check.py --only bfloat16 2>&1 |
+      tee "$out/generate_kernels_check.log" || status=1
+    exit "$status"
+    ;;
+  defaults)
+    # v29's third call: folded Mosaic GPU against folded Triton (the default) beyond 32k and 4
+    # heads per KV head, and stack copies again at 1 head (v29's first call: 216.3 us against
+    # 253.7), before either becomes a default. One sweep per process, 50 s each.
+    set +e
+    status=0
+    for shape in "8192 4" "131072 4" "32768 1" "32768 8"; do
+      set -- $shape
+      configs="[{\"variant\": \"folded\"}, ${folded}}]"
+      [ "$2" = 1 ] && configs="[{\"variant\": \"folded\"}, {\"stack_copies\": true}, ${folded}}]"
+      timeout --signal=INT 50 "$python" benchmarks/decode_attention.py --sweep --sweep-only \
+        --sweep-context "$1" --query-group "$2" --sweep-configs "$configs" \
+        --out "$out/sweep_${1}_q$2.json" 2>&1 | tee -a "$out/defaults.log" || status=1
+    done
+    exit "$status"
+    ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

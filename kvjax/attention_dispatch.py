@@ -196,11 +196,16 @@ def quantized_decode_attention(
   """(out, lse) of one query position over a KIVI/GEAR quantized segment (fused dequantize).
 
   Storage layout: see `pallas_kernels.quantized_decode_attention_reference`. Configuration
-  errors raise ValueError before anything is traced. On GPU, `kernel_config` may pick the
-  kernel variant: {"variant": "folded" (default) | "joined" | "reshape" | "planar"} and, for
-  "folded", {"prefetch": True (default) | False, "code_operand": "subnormal" (default for bf16
-  2- and 4-bit codes) | "offset", "channel_parts": 1 (default) | 2 | 4, "gear_terms": "xla"
-  (default) | "kernel", "stack_copies": False (default) | True} (see
+  errors raise ValueError before anything is traced. On GPU (and in interpret mode) an empty
+  `kernel_config` runs the measured default, `quantized_decode_attention_gpu.
+  measured_default_config`: folded Triton with stack copies for one query head per KV head,
+  the folded Mosaic GPU kernel on Hopper for 2 to 8 where it takes the segment, folded Triton
+  otherwise. A
+  non-empty one is taken as given. It may pick the Triton kernel's variant: {"variant":
+  "folded" (default) | "joined" | "reshape" | "planar"} and, for "folded", {"prefetch": True
+  (default) | False, "code_operand": "subnormal" (default for bf16 2- and 4-bit codes) |
+  "offset", "channel_parts": 1 (default) | 2 | 4, "gear_terms": "xla" (default) | "kernel",
+  "stack_copies": False (default) | True} (see
   `pallas_kernels.quantized_decode_attention_triton`); or
   {"lowering": "mosaic_gpu"} (also "variant": "dequantize" (default) | "folded", block_tokens,
   num_splits, num_stages; KIVI segments, others run the Triton kernel with a warning; see

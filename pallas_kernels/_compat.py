@@ -92,3 +92,12 @@ def gpu_multiprocessor_count(default: int = 132) -> int:
     return int(count) if count else default
   except Exception:  # pylint: disable=broad-except
     return default
+
+
+def gpu_compute_capability() -> str | None:
+  """Compute capability of the first device ("9.0" on an H100 / H200), None where it has none."""
+  try:
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return str(capability) if capability else None

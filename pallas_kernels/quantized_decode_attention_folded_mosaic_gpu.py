@@ -60,6 +60,7 @@ bf16 products); 2- and 4-bit codes; whole key groups per block.
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,11 @@ DEFAULT_BLOCK_TOKENS = 128
 # rows) cross the four warps in one round. The sums over tokens run once, after the loop.
 REDUCTION_SCRATCH_BYTES = 1024
 _SHARED_MEMORY_ALIGNMENT = 1024  # Pallas Mosaic GPU's, per scratch buffer
+# A TMA copy's shared-memory destination must start on a 128-byte boundary (cp.async.bulk.tensor).
+# Every ring slot after the first starts at slot x its bytes, so each slot's bytes must be a
+# multiple of it: a 64-byte key-bias slot (block 64, 8 rows) faulted with
+# CUDA_ERROR_MISALIGNED_ADDRESS on an H200 (KERNEL_NOTES v29).
+TMA_SLOT_ALIGNMENT = 128
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
 
@@ -172,20 +178,37 @@ def unsupported_reason(
   return None
 
 
+def key_bias_slot_groups(key_groups: int, rows: int) -> int:
+  """Key groups one key-bias ring slot holds: a block's, padded so that the slot's f32 [groups,
+  rows] is a whole number of `TMA_SLOT_ALIGNMENT` bytes. The copy fills the first `key_groups`."""
+  step = TMA_SLOT_ALIGNMENT // math.gcd(TMA_SLOT_ALIGNMENT, rows * 4)
+  return -(-key_groups // step) * step
+
+
+def ring_slot_shapes(group, head_dim, bits, group_size, block_tokens) -> dict:
+  """{ring buffer: (shape of one slot, dtype)}: what TMA writes per block and stage."""
+  words = head_dim * bits // 32
+  rows = tile_rows(group)
+  key_groups = block_tokens // group_size
+  return dict(
+    k_words_smem=((block_tokens, words), jnp.uint32),
+    k_scale_smem=((key_groups, head_dim), jnp.bfloat16),
+    key_bias_smem=((key_bias_slot_groups(key_groups, rows), rows), jnp.float32),
+    v_words_smem=((block_tokens, words), jnp.uint32),
+    # (scale, minimum) bf16 pairs, group-major
+    v_stats_smem=((head_dim // group_size, block_tokens), jnp.uint32),
+  )
+
+
 def shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_stages):
   """Bytes of shared memory one program allocates, each buffer rounded up to the 1024-byte
   alignment Pallas gives it (an upper bound: 72704 for the shapes of record, which compile to
   71680)."""
-  words = head_dim * bits // 32
   rows = tile_rows(group)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
-  key_groups = block_tokens // group_size
   ring = [
-    block_tokens * words * 4,  # key code words
-    key_groups * head_dim * 2,  # k_scale
-    key_groups * rows * 4,  # the key bias
-    block_tokens * words * 4,  # value code words
-    2 * (head_dim // group_size) * block_tokens * 2,  # value statistics
+    math.prod(shape) * jnp.dtype(dtype).itemsize
+    for shape, dtype in ring_slot_shapes(group, head_dim, bits, group_size, block_tokens).values()
   ]
   buffers = [num_stages * size for size in ring] + [
     LENGTH_WORDS * 4,
@@ -252,7 +275,7 @@ def _folded_kernel(
   queries_smem,  # f32 [D, rows]: the queries, then the output (see `scratch_types`)
   k_words_smem,  # [stages, block, W]
   k_scale_smem,  # [stages, KG, D]
-  key_bias_smem,  # [stages, KG, rows]
+  key_bias_smem,  # [stages, >= KG, rows] (`key_bias_slot_groups`)
   v_words_smem,
   v_stats_smem,  # [stages, VG, block]
   codes_smem,  # bf16 [block, D]: the staged key codes, then the value codes
@@ -478,7 +501,7 @@ def _folded_partials(
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
-  tokens, words = k_codes.shape[2], k_codes.shape[3]
+  tokens = k_codes.shape[2]
   rows = tile_rows(group)
   real_rows, _ = value_slots(group)
   exponents = _Exponents.for_run(interpret)
@@ -493,8 +516,6 @@ def _folded_partials(
   code_queries = jnp.swapaxes(scaled, 2, 3) * channel_scale[:, None]  # [B, H, D, rows]
   v_stats = group_major_value_stat_pairs(v_scale, v_min)
   lengths = padded_lengths(lengths)
-  key_groups = block_tokens // group_size
-  value_groups = head_dim // group_size
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
   operand = functools.partial(swizzled_operand_transforms, dtype=jnp.bfloat16)
   kernel = plgpu.kernel(
@@ -523,11 +544,12 @@ def _folded_partials(
     scratch_types=dict(
       lengths_smem=plgpu.SMEM(lengths.shape, jnp.int32),
       queries_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
-      k_words_smem=plgpu.SMEM((num_stages, block_tokens, words), jnp.uint32),
-      k_scale_smem=plgpu.SMEM((num_stages, key_groups, head_dim), jnp.bfloat16),
-      key_bias_smem=plgpu.SMEM((num_stages, key_groups, rows), jnp.float32),
-      v_words_smem=plgpu.SMEM((num_stages, block_tokens, words), jnp.uint32),
-      v_stats_smem=plgpu.SMEM((num_stages, value_groups, block_tokens), jnp.uint32),
+      **{
+        name: plgpu.SMEM((num_stages, *shape), dtype)
+        for name, (shape, dtype) in ring_slot_shapes(
+          group, head_dim, bits, group_size, block_tokens
+        ).items()
+      },
       codes_smem=plgpu.SMEM((block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
       stacks_smem=plgpu.RefUnion(
         plgpu.SMEM((key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),

@@ -1,10 +1,15 @@
 """The one GPU entry point for decode attention over a quantized (KIVI / GEAR) segment: picks the
-Pallas lowering. "triton" (the default, measured on an H100; its variants and settings are
-`quantized_decode_attention_triton`'s) or "mosaic_gpu" (TMA ring and warpgroup MMA; KIVI
-segments only), in one of two variants: "dequantize" (the default: K and V dequantized element
-by element and staged in bf16; measured on an H100, slower than Triton's folded variant) or
-"folded" (scales folded into stacked queries and probabilities, codes staged by masking alone as
-subnormal bf16 operands; `quantized_decode_attention_folded_mosaic_gpu`, not yet run on a GPU).
+Pallas lowering. "triton" (its variants and settings are `quantized_decode_attention_triton`'s)
+or "mosaic_gpu" (TMA ring and warpgroup MMA; KIVI segments only), in one of two variants:
+"dequantize" (the default: K and V dequantized element by element and staged in bf16; measured
+on an H100 and an H200, slower than either folded kernel) or "folded" (scales folded into stacked
+queries and probabilities, codes staged by masking alone as subnormal bf16 operands;
+`quantized_decode_attention_folded_mosaic_gpu`).
+
+An empty kernel_config runs what was measured fastest (`measured_default_config`): on a Hopper
+GPU (and in interpret mode, which checks what such a GPU runs) the folded Mosaic GPU kernel where
+it takes the segment, for 2 to 8 query heads per KV head; otherwise the folded Triton kernel, with
+stack copies for one head.
 
 A segment the chosen Mosaic GPU kernel does not take (GEAR terms, head dims other than 64 / 128,
 fewer than 8 code words per token, for "folded" also 8-bit codes and non-bf16 statistics, ...)
@@ -13,6 +18,7 @@ caller can warn.
 """
 
 from pallas_kernels import (
+  _compat,
   quantized_decode_attention_folded_mosaic_gpu,
   quantized_decode_attention_mosaic_gpu,
   quantized_decode_attention_triton,
@@ -98,6 +104,45 @@ def mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, *, config: di
   )
 
 
+FOLDED_MOSAIC_GPU = {"lowering": "mosaic_gpu", "variant": "folded"}
+MOSAIC_DEFAULT_MAX_GROUP = 8  # the largest query group timed (KERNEL_NOTES v29)
+
+
+def measured_default_config(
+  queries, k_codes, k_scale, v_scale, *, interpret: bool, **segment
+) -> dict:
+  """The kernel_config an empty one stands for. By KERNEL_NOTES v29 (H200, jax 0.11.2, KIVI-2
+  with 32-token groups, head_dim 128, 8 rows x 8 KV heads; us per call, folded Triton -> folded
+  Mosaic GPU): 8k 98.0 -> 92.6, 32k 254.1 -> 233.7 (the table; sweeps 242.9 / 257.7 -> 232.0 /
+  234.5), 128k 882.3 -> 783.4, 32k with 8 heads per KV head 294.9 -> 238.3; KIVI-4 at 32k level
+  (266.8, 267.1). With one head per KV head folded Triton with stack copies was faster (216.3 /
+  219.3 against 231.7 folded Mosaic and 253.7 / 259.8 padded); at 2 heads (group size 32) and at
+  4 heads with group size 64 the copies gained nothing. Two heads per KV head were not timed on
+  the Mosaic kernel; more than 8 (shared contexts fold rows into the query group) were not timed
+  at all, so they keep folded Triton's path.
+
+  The folded Mosaic GPU kernel issues wgmma, which exists on Hopper (compute capability 9.x)
+  alone; elsewhere, and for segments it does not take (GEAR terms, f32 / f16 statistics, 8-bit
+  codes, ...), the folded Triton kernel runs."""
+  group = queries.shape[2]
+  if group == 1:
+    return {"stack_copies": True}
+  capability = _compat.gpu_compute_capability()
+  hopper = interpret or (capability is not None and capability.split(".")[0] == "9")
+  if (
+    hopper
+    and group <= MOSAIC_DEFAULT_MAX_GROUP
+    and (
+      quantized_decode_attention_folded_mosaic_gpu.unsupported_reason(
+        queries, k_codes, k_scale, v_scale, **segment
+      )
+      is None
+    )
+  ):
+    return dict(FOLDED_MOSAIC_GPU)
+  return {}
+
+
 def quantized_decode_attention_gpu(
   queries,
   k_codes,
@@ -120,6 +165,10 @@ def quantized_decode_attention_gpu(
   """(out f32 [B,H,G,D], lse f32 [B,H,G]) by the configured lowering's kernel."""
   arrays = (queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths)
   segment = dict(bits=bits, group_size=group_size, lowrank=lowrank, outliers=outliers, block=block)
+  if not config:
+    config = measured_default_config(
+      queries, k_codes, k_scale, v_scale, interpret=interpret, **segment
+    )
   settings = {key: value for key, value in config.items() if key != "lowering"}
   if check_config(config) == "mosaic_gpu":
     if mosaic_gpu_fallback_reason(*arrays[:3], v_scale, config=config, **segment) is None:

@@ -240,8 +240,12 @@ def fetch_block(
     (row, head, token_box),
     (row, head, slice(None), token_box),
   )
-  for source, destination, box, barrier in zip(sources, destinations, boxes, barriers):
-    plgpu.copy_gmem_to_smem(source.at[box], destination.at[slot], barrier.at[slot])
+  groups = destinations[1].shape[1]
+  slots = [destination.at[slot] for destination in destinations]
+  if destinations[2].shape[1] > groups:  # the folded kernel's key-bias slots are padded for TMA
+    slots[2] = destinations[2].at[slot, pl.ds(0, groups)]
+  for source, destination, box, barrier in zip(sources, slots, boxes, barriers):
+    plgpu.copy_gmem_to_smem(source.at[box], destination, barrier.at[slot])
 
 
 def _quantized_decode_kernel(

@@ -21,14 +21,22 @@ def tpu_interpret() -> bool:
   return not (NATIVE and jax.default_backend() == "tpu")
 
 
+def exact_float32_products() -> bool:
+  """Whether f32 dots (the reference's, and an interpreted kernel's) are exact f32 here. On a GPU
+  XLA computes them on tf32 tensor cores, interpret mode included: the TPU kernels' native test
+  run on an H200 measured 3.3e-4 and 8.4e-4 relative error with both sides correct (v29)."""
+  return jax.default_backend() == "cpu"
+
+
 def relative_tolerance(dtype, interpret: bool) -> float:
   """Relative L2 error allowed against the f32 reference.
 
-  f32 operands: exact f32 arithmetic in interpret mode; tf32 tensor cores on GPU (~3e-4).
+  f32 operands: exact f32 arithmetic in interpret mode on CPU; tf32 tensor cores on GPU (~3e-4),
+  compiled or interpreted.
   bf16 operands (bf16 caches: K/V, or codes x bf16 scaled queries / probabilities): ~4e-3.
   """
   if np.dtype(dtype) == np.float32:
-    return 2e-5 if interpret else 3e-3
+    return 2e-5 if interpret and exact_float32_products() else 3e-3
   return 2e-2
 
 

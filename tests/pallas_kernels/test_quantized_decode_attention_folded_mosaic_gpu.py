@@ -9,6 +9,8 @@ every value statistic past a row's length and in every key group that starts pas
 buffer the kernel allocates starts as NaN.
 """
 
+import itertools
+import math
 import re
 
 import jax
@@ -20,6 +22,7 @@ from kvjax import attention_dispatch
 from pallas_kernels import quantized_decode_attention_folded_mosaic_gpu as folded
 from pallas_kernels import quantized_decode_attention_gpu
 from pallas_kernels.bit_packing import pack_codes
+from pallas_kernels.quantized_decode_attention_mosaic_gpu import BLOCK_TOKENS
 from pallas_kernels.quantized_decode_attention_reference import (
   quantized_decode_attention_reference,
 )
@@ -72,6 +75,8 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     (4, 64, 3, 64, 192, dict(block_tokens=128, num_stages=3)),
     (2, 128, 2, 16, 256, dict(block_tokens=64, num_stages=2, num_splits=2)),
     (2, 128, 1, 128, 256, dict(block_tokens=128, num_splits=3)),
+    # generate_kernels_check.py's shape (its tiny model, KIVI-4), default settings
+    (4, 64, 4, 32, 224, dict()),
     pytest.param(4, 128, 16, 32, 160, dict(num_splits=2), marks=pytest.mark.slow),
   ],
 )
@@ -111,6 +116,32 @@ def test_value_groups_share_a_tile_in_slots(block_tokens, head_dim, group_size, 
   """(N of the key product, N of the value product): 8 columns per key group, and on the value
   side 8 // R value groups per 8-column tile (R: the group padded to a power of two)."""
   assert folded.stacks(block_tokens, head_dim, group_size, group) == expected
+
+
+def test_every_ring_slot_starts_where_tma_can_write():
+  """Ring slot s of a buffer starts s x (one slot's bytes) past the buffer's start, and a TMA
+  copy's shared-memory destination must sit on a 128-byte boundary. Over every shape the kernel
+  takes, each slot's bytes are a multiple of 128; the key bias is padded to get there (an
+  unpadded 64-byte slot faulted natively, KERNEL_NOTES v29), by no more than one step."""
+  padded = 0
+  for bits, head_dim, group_size, block_tokens, group in itertools.product(
+    (2, 4), (64, 128), (16, 32, 64, 128), BLOCK_TOKENS, range(1, 17)
+  ):
+    if block_tokens % group_size or head_dim % group_size:
+      continue
+    if max(folded.stacks(block_tokens, head_dim, group_size, group)) > folded.MAX_STACK:
+      continue
+    slots = folded.ring_slot_shapes(group, head_dim, bits, group_size, block_tokens)
+    for name, (shape, dtype) in slots.items():
+      slot_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize
+      assert slot_bytes % folded.TMA_SLOT_ALIGNMENT == 0, (name, shape, block_tokens, group)
+    key_groups = block_tokens // group_size
+    (bias_groups, rows), _ = slots["key_bias_smem"]
+    # the fewest groups from a block's up that fill whole 128-byte lines
+    assert bias_groups == next(g for g in itertools.count(key_groups) if g * rows * 4 % 128 == 0)
+    padded += bias_groups > key_groups
+  assert padded  # the shapes that faulted (block 64, group size 32: 2 groups x 8 rows) are here
+  assert folded.ring_slot_shapes(4, 128, 2, 32, 64)["key_bias_smem"][0] == (4, 8)
 
 
 def test_pick_value_slots_takes_each_channels_rows_from_its_groups_slot():

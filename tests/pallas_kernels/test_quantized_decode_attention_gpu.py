@@ -1,0 +1,154 @@
+"""The GPU entry point's measured default: what an empty kernel_config runs (KERNEL_NOTES v29),
+on CPU in interpret mode, which picks as a Hopper GPU does."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax import attention_dispatch
+from pallas_kernels import (
+  _compat,
+  quantized_decode_attention_gpu,
+  quantized_decode_attention_triton,
+)
+from pallas_kernels.quantized_decode_attention_reference import (
+  quantized_decode_attention_reference,
+)
+from pallas_kernels.random_inputs import random_quantized_segment, random_queries
+from tests.pallas_kernels.kernel_checks import assert_matches_reference, relative_tolerance
+from tests.pallas_kernels.test_quantized_decode_attention_mosaic_gpu import _inputs
+
+pytestmark = pytest.mark.filterwarnings(
+  "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
+)
+
+FOLDED_MOSAIC_GPU = {"lowering": "mosaic_gpu", "variant": "folded"}
+
+
+def _segment(*, group, dtype=jnp.bfloat16, bits=2, head_dim=128, gear=False):
+  rng = np.random.default_rng(group)
+  segment = random_quantized_segment(
+    rng,
+    1,
+    2,
+    128,
+    head_dim,
+    bits=bits,
+    group_size=32,
+    dtype=dtype,
+    rank=2 if gear else 0,
+    outliers_per_block=4 if gear else 0,
+  )
+  queries = random_queries(rng, 1, 2, group, head_dim)
+  return queries, segment
+
+
+@pytest.mark.parametrize(
+  "group,dtype,bits,head_dim,gear,capability,interpret,expected",
+  [
+    # Hopper, or interpret mode: the folded Mosaic GPU kernel where it takes the segment
+    (4, jnp.bfloat16, 2, 128, False, "9.0", False, FOLDED_MOSAIC_GPU),
+    (8, jnp.bfloat16, 4, 64, False, "9.0", False, FOLDED_MOSAIC_GPU),
+    (2, jnp.bfloat16, 2, 128, False, None, True, FOLDED_MOSAIC_GPU),
+    # one query head per KV head: folded Triton with stack copies, on any GPU
+    (1, jnp.bfloat16, 2, 128, False, "9.0", False, {"stack_copies": True}),
+    (1, jnp.float32, 2, 128, False, "8.0", False, {"stack_copies": True}),
+    # segments the folded Mosaic kernel does not take, and GPUs without wgmma: folded Triton
+    (4, jnp.float32, 2, 128, False, "9.0", False, {}),
+    (4, jnp.bfloat16, 2, 128, True, "9.0", False, {}),
+    (4, jnp.bfloat16, 2, 64, False, "9.0", False, {}),  # 2-bit at head_dim 64: 4 words a token
+    (4, jnp.bfloat16, 2, 128, False, "8.0", False, {}),
+    (4, jnp.bfloat16, 2, 128, False, "10.0", False, {}),
+    (4, jnp.bfloat16, 2, 128, False, None, False, {}),
+    (16, jnp.bfloat16, 4, 128, False, "9.0", False, {}),  # past the query groups timed
+  ],
+)
+def test_an_empty_config_stands_for_the_kernel_measured_fastest(
+  group, dtype, bits, head_dim, gear, capability, interpret, expected, monkeypatch
+):
+  monkeypatch.setattr(_compat, "gpu_compute_capability", lambda: capability)
+  queries, segment = _segment(group=group, dtype=dtype, bits=bits, head_dim=head_dim, gear=gear)
+  config = quantized_decode_attention_gpu.measured_default_config(
+    queries,
+    segment.k_codes,
+    segment.k_scale,
+    segment.v_scale,
+    bits=bits,
+    group_size=32,
+    lowrank=segment.lowrank,
+    outliers=segment.outliers,
+    block=64,
+    interpret=interpret,
+  )
+  assert config == expected
+
+
+def _recording(monkeypatch, module, name, calls):
+  kernel = getattr(module, name)
+
+  def record(*args, **kwargs):
+    calls.append(kwargs)
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(module, name, record)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no fallback warning for the default
+@pytest.mark.parametrize("group", [1, 4])
+def test_an_empty_config_runs_the_measured_default_kernel(group, monkeypatch):
+  """Four heads per KV head reach the folded Mosaic GPU kernel, one head folded Triton with stack
+  copies; both give the reference's attention."""
+  mosaic_calls, triton_calls = [], []
+  module, entry_point = quantized_decode_attention_gpu.MOSAIC_GPU_KERNELS["folded"]
+  _recording(monkeypatch, module, entry_point, mosaic_calls)
+  _recording(
+    monkeypatch,
+    quantized_decode_attention_triton,
+    "quantized_decode_attention_triton",
+    triton_calls,
+  )
+  arrays, clean = _inputs(
+    np.random.default_rng(3),
+    head_dim=128,
+    group=group,
+    bits=2,
+    group_size=32,
+    tokens=192,
+    dtype=jnp.bfloat16,
+  )
+  quantization = dict(bits=2, group_size=32)
+  out, lse = attention_dispatch.quantized_decode_attention(
+    *arrays, **quantization, sm_scale=0.1, implementation="interpret"
+  )
+  if group == 1:
+    assert not mosaic_calls and len(triton_calls) == 1
+    assert triton_calls[0]["stack_copies"] is True
+  else:
+    assert len(mosaic_calls) == 1 and not triton_calls
+  ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=0.1)
+  assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, True))
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_a_segment_the_default_mosaic_kernel_does_not_take_runs_triton_without_a_warning(
+  monkeypatch,
+):
+  """f32 statistics: the folded Mosaic kernel refuses them; the default was not asked for by
+  name, so its fallback to folded Triton says nothing (a warning would fail here)."""
+  triton_calls = []
+  _recording(
+    monkeypatch,
+    quantized_decode_attention_triton,
+    "quantized_decode_attention_triton",
+    triton_calls,
+  )
+  queries, segment = _segment(group=4, dtype=jnp.float32)
+  lengths = jnp.asarray([100], jnp.int32)
+  arrays = (queries, *segment[:6], lengths)
+  quantization = dict(bits=2, group_size=32)
+  out, lse = attention_dispatch.quantized_decode_attention(
+    *arrays, **quantization, sm_scale=0.1, implementation="interpret"
+  )
+  assert len(triton_calls) == 1 and "lowering" not in triton_calls[0]
+  ref = quantized_decode_attention_reference(*arrays, **quantization, sm_scale=0.1)
+  assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.float32, True))
