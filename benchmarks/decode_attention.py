@@ -12,7 +12,8 @@ bf16 cache, contexts 8k / 32k / 128k, every row full. Measured in one run:
              interpret mode in --small);
   kivi2 / kivi4  the fused dequantize-attention kernel on 2/4-bit codes (group 32, bf16 stats)
              with --kernel-config, by default the measured default (KERNEL_NOTES v29: folded
-             Mosaic GPU on Hopper for 2 or more heads per KV head, else folded Triton);
+             Mosaic GPU on Hopper for 2 to 8 heads per KV head where it takes the segment,
+             else folded Triton; `{"variant": "folded"}` names folded Triton);
   kivi2_mosaic / kivi4_mosaic  the same caches through the Mosaic GPU quantized kernel
              (`pallas_kernels/quantized_decode_attention_mosaic_gpu.py`: TMA ring, K and V
              dequantized into swizzled bf16 tiles, wgmma; --quantized-mosaic-kernel-config adds

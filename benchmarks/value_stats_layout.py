@@ -115,7 +115,10 @@ def timing(args) -> None:
     keys[1], batch, kv_heads, tokens, head_dim, bits=2, group_size=KIVI_GROUP, dtype=jnp.bfloat16
   )
   lengths = jnp.full((batch,), tokens, jnp.int32)
-  for name, config in (("folded Triton", {}), ("folded Mosaic GPU", FOLDED_MOSAIC)):
+  for name, config in (
+    ("folded Triton", {"variant": "folded"}),
+    ("folded Mosaic GPU", FOLDED_MOSAIC),
+  ):
 
     def op(q, segment, lengths, config=config):
       return attention_dispatch.quantized_decode_attention(

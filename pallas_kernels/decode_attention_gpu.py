@@ -1,8 +1,8 @@
 """The one GPU entry point for decode attention over a full-precision segment: picks the Pallas
 lowering. "triton" (the default) or "mosaic_gpu" (TMA and warpgroup MMA; jax's successor to the
-deprecated Triton lowering). Both read a bf16 cache at the copy rate from 32k on: 287.3 and
-281.8 us at 32k on an H200 (KERNEL_NOTES v29), a difference inside the spread between runs, so
-the default stays."""
+deprecated Triton lowering). On an H200 at 32k both read a bf16 cache at about the copy rate:
+287.3 and 281.8 us, one timing each (KERNEL_NOTES v29). 2% apart in one run is not enough to
+change the default."""
 
 from pallas_kernels import decode_attention_mosaic_gpu, decode_attention_triton
 from pallas_kernels.launch_settings import check_launch_settings

@@ -117,28 +117,29 @@ def measured_default_config(
   234.5), 128k 882.3 -> 783.4, 32k with 8 heads per KV head 294.9 -> 238.3; KIVI-4 at 32k level
   (266.8, 267.1). With one head per KV head folded Triton with stack copies was faster (216.3 /
   219.3 against 231.7 folded Mosaic and 253.7 / 259.8 padded); at 2 heads (group size 32) and at
-  4 heads with group size 64 the copies gained nothing. Two heads per KV head were not timed on
-  the Mosaic kernel; more than 8 (shared contexts fold rows into the query group) were not timed
-  at all, so they keep folded Triton's path.
+  4 heads with group size 64 the copies gained nothing. Timed were 1, 4 and 8 heads per KV head;
+  2 were not timed on the Mosaic kernel, more than 8 (shared contexts fold rows into the query
+  group) not at all, so those keep folded Triton's path. KIVI-4 was timed once (level), head_dim
+  64 and other group sizes not at all.
 
-  The folded Mosaic GPU kernel issues wgmma, which exists on Hopper (compute capability 9.x)
-  alone; elsewhere, and for segments it does not take (GEAR terms, f32 / f16 statistics, 8-bit
-  codes, ...), the folded Triton kernel runs."""
+  Both choices were measured on Hopper (compute capability 9.x) only, and the folded Mosaic GPU
+  kernel issues wgmma, which exists there alone; elsewhere, and for segments it does not take
+  (GEAR terms, f32 / f16 statistics, 8-bit codes, ...), the folded Triton kernel runs as it did
+  before these measurements."""
+  capability = _compat.gpu_compute_capability()
+  hopper = interpret or (capability is not None and capability.split(".")[0] == "9")
+  if not hopper:
+    return {}
   group = queries.shape[2]
   if group == 1:
     return {"stack_copies": True}
-  capability = _compat.gpu_compute_capability()
-  hopper = interpret or (capability is not None and capability.split(".")[0] == "9")
-  if (
-    hopper
-    and group <= MOSAIC_DEFAULT_MAX_GROUP
-    and (
-      quantized_decode_attention_folded_mosaic_gpu.unsupported_reason(
-        queries, k_codes, k_scale, v_scale, **segment
-      )
-      is None
+  mosaic_takes_it = (
+    quantized_decode_attention_folded_mosaic_gpu.unsupported_reason(
+      queries, k_codes, k_scale, v_scale, **segment
     )
-  ):
+    is None
+  )
+  if group <= MOSAIC_DEFAULT_MAX_GROUP and mosaic_takes_it:
     return dict(FOLDED_MOSAIC_GPU)
   return {}
 

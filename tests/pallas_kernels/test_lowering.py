@@ -185,9 +185,10 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
     ("dequantize", 4, 128, 8, 128, dict(block_tokens=64, num_stages=2)),
     ("dequantize", 8, 64, 1, 16, dict(block_tokens=64, num_stages=4)),
     ("folded", 2, 128, 4, 32, dict(block_tokens=128, num_stages=2)),
+    ("folded", 4, 128, 8, 16, dict(block_tokens=64, num_stages=3)),
     # Two key groups per block: the key-bias ring's slots padded to 128 bytes, TMA filling the
     # first two groups of each (KERNEL_NOTES v29).
-    ("folded", 4, 128, 8, 32, dict(block_tokens=64, num_stages=3)),
+    ("folded", 4, 128, 8, 32, dict(block_tokens=64, num_stages=4)),
     ("folded", 4, 64, 3, 64, dict(block_tokens=128, num_stages=4)),
     # 16 rows: a wider row max through the 1 KB reduction scratch (REDUCTION_SCRATCH_BYTES).
     ("folded", 2, 128, 16, 32, dict(block_tokens=128, num_stages=2)),

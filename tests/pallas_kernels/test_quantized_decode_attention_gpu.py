@@ -50,9 +50,10 @@ def _segment(*, group, dtype=jnp.bfloat16, bits=2, head_dim=128, gear=False):
     (4, jnp.bfloat16, 2, 128, False, "9.0", False, FOLDED_MOSAIC_GPU),
     (8, jnp.bfloat16, 4, 64, False, "9.0", False, FOLDED_MOSAIC_GPU),
     (2, jnp.bfloat16, 2, 128, False, None, True, FOLDED_MOSAIC_GPU),
-    # one query head per KV head: folded Triton with stack copies, on any GPU
+    # one query head per KV head: folded Triton with stack copies, where it was timed (Hopper)
     (1, jnp.bfloat16, 2, 128, False, "9.0", False, {"stack_copies": True}),
-    (1, jnp.float32, 2, 128, False, "8.0", False, {"stack_copies": True}),
+    (1, jnp.float32, 2, 128, False, None, True, {"stack_copies": True}),
+    (1, jnp.bfloat16, 2, 128, False, "8.0", False, {}),
     # segments the folded Mosaic kernel does not take, and GPUs without wgmma: folded Triton
     (4, jnp.float32, 2, 128, False, "9.0", False, {}),
     (4, jnp.bfloat16, 2, 128, True, "9.0", False, {}),
@@ -135,6 +136,7 @@ def test_a_segment_the_default_mosaic_kernel_does_not_take_runs_triton_without_a
 ):
   """f32 statistics: the folded Mosaic kernel refuses them; the default was not asked for by
   name, so its fallback to folded Triton says nothing (a warning would fail here)."""
+  monkeypatch.setattr(attention_dispatch, "_warned", set())  # warnings are given once a process
   triton_calls = []
   _recording(
     monkeypatch,
@@ -152,3 +154,31 @@ def test_a_segment_the_default_mosaic_kernel_does_not_take_runs_triton_without_a
   assert len(triton_calls) == 1 and "lowering" not in triton_calls[0]
   ref = quantized_decode_attention_reference(*arrays, **quantization, sm_scale=0.1)
   assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.float32, True))
+
+
+def test_asking_for_triton_by_name_keeps_folded_triton(monkeypatch):
+  """{"lowering": "triton"} is not empty: where the default would run the Mosaic kernel (4 heads,
+  bf16 statistics), the Triton kernel runs, with its own defaults."""
+  mosaic_calls, triton_calls = [], []
+  module, entry_point = quantized_decode_attention_gpu.MOSAIC_GPU_KERNELS["folded"]
+  _recording(monkeypatch, module, entry_point, mosaic_calls)
+  _recording(
+    monkeypatch,
+    quantized_decode_attention_triton,
+    "quantized_decode_attention_triton",
+    triton_calls,
+  )
+  queries, segment = _segment(group=4)
+  lengths = jnp.asarray([100], jnp.int32)
+  arrays = (queries, *segment[:6], lengths)
+  quantization = dict(bits=2, group_size=32)
+  out, lse = attention_dispatch.quantized_decode_attention(
+    *arrays,
+    **quantization,
+    sm_scale=0.1,
+    implementation="interpret",
+    kernel_config={"lowering": "triton"},
+  )
+  assert not mosaic_calls and len(triton_calls) == 1 and "stack_copies" not in triton_calls[0]
+  ref = quantized_decode_attention_reference(*arrays, **quantization, sm_scale=0.1)
+  assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, True))
