@@ -94,11 +94,8 @@ def _recording(monkeypatch, module, name, calls):
   monkeypatch.setattr(module, name, record)
 
 
-@pytest.mark.filterwarnings("error::RuntimeWarning")  # no fallback warning for the default
-@pytest.mark.parametrize("group", [1, 4])
-def test_an_empty_config_runs_the_measured_default_kernel(group, monkeypatch):
-  """Four heads per KV head reach the folded Mosaic GPU kernel, one head folded Triton with stack
-  copies; both give the reference's attention."""
+def _record_both_kernels(monkeypatch):
+  """(calls of the folded Mosaic GPU entry point, calls of the Triton one): each call's kwargs."""
   mosaic_calls, triton_calls = [], []
   module, entry_point = quantized_decode_attention_gpu.MOSAIC_GPU_KERNELS["folded"]
   _recording(monkeypatch, module, entry_point, mosaic_calls)
@@ -108,6 +105,15 @@ def test_an_empty_config_runs_the_measured_default_kernel(group, monkeypatch):
     "quantized_decode_attention_triton",
     triton_calls,
   )
+  return mosaic_calls, triton_calls
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no fallback warning for the default
+@pytest.mark.parametrize("group", [1, 4])
+def test_an_empty_config_runs_the_measured_default_kernel(group, monkeypatch):
+  """Four heads per KV head reach the folded Mosaic GPU kernel, one head folded Triton with stack
+  copies; both give the reference's attention."""
+  mosaic_calls, triton_calls = _record_both_kernels(monkeypatch)
   arrays, clean = _inputs(
     np.random.default_rng(3),
     head_dim=128,
@@ -159,15 +165,7 @@ def test_a_segment_the_default_mosaic_kernel_does_not_take_runs_triton_without_a
 def test_asking_for_triton_by_name_keeps_folded_triton(monkeypatch):
   """{"lowering": "triton"} is not empty: where the default would run the Mosaic kernel (4 heads,
   bf16 statistics), the Triton kernel runs, with its own defaults."""
-  mosaic_calls, triton_calls = [], []
-  module, entry_point = quantized_decode_attention_gpu.MOSAIC_GPU_KERNELS["folded"]
-  _recording(monkeypatch, module, entry_point, mosaic_calls)
-  _recording(
-    monkeypatch,
-    quantized_decode_attention_triton,
-    "quantized_decode_attention_triton",
-    triton_calls,
-  )
+  mosaic_calls, triton_calls = _record_both_kernels(monkeypatch)
   queries, segment = _segment(group=4)
   lengths = jnp.asarray([100], jnp.int32)
   arrays = (queries, *segment[:6], lengths)
