@@ -41,6 +41,8 @@ sweep_configs="[{\"variant\": \"folded\"}, {\"prefetch\": false}, {\"num_stages\
 ${folded}}, ${folded}, \"num_splits\": 37}, ${folded}, \"num_stages\": 3}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 4}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 3}]"
+# Folded Triton with padded query rows, with stack copies, and with copies but no prefetch.
+stack_copies_configs='[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]'
 
 case "${1:-}" in
   check)
@@ -85,7 +87,7 @@ case "${1:-}" in
       set -- $shape
       "$python" benchmarks/decode_attention.py --contexts 32768 --sweep --sweep-only \
         --query-group "$1" --group-size "$2" \
-        --sweep-configs '[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]' \
+        --sweep-configs "$stack_copies_configs" \
         --out "$out/stack_copies_q$1_g$2_32k.json" 2>&1 | tee "$out/stack_copies_q$1_g$2_32k.log"
     done
     ;;
@@ -133,7 +135,7 @@ ${folded}, \"block_tokens\": 64, \"num_stages\": 4}]" \
       set -- $shape
       timeout --signal=INT 40 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
         --sweep-only --query-group "$1" --group-size "$2" \
-        --sweep-configs '[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]' \
+        --sweep-configs "$stack_copies_configs" \
         2>&1 | tee -a "$out/stack_copies_32k.log" || status=1
     done
     report=/tmp/triton_kernel
@@ -169,7 +171,7 @@ ${folded}, \"block_tokens\": 64, \"num_stages\": 3}]" \
       --out "$out/decode_attention_32k.json" 2>&1 | tee -a "$log" || status=1
     timeout --signal=INT 40 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
       --sweep-only --query-group 2 --group-size 32 \
-      --sweep-configs '[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]' \
+      --sweep-configs "$stack_copies_configs" \
       2>&1 | tee "$out/stack_copies_q2_32k.log" || status=1
     timeout --signal=INT 60 "$python" benchmarks/generate_kernels_check.py --only bfloat16 2>&1 |
       tee "$out/generate_kernels_check.log" || status=1

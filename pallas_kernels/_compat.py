@@ -84,20 +84,21 @@ def tpu_vmem_scratch(shape, dtype):
   return vmem(shape, dtype)
 
 
+def _first_device_attribute(name: str):
+  """Attribute `name` of the first device, None where it lacks one or no device answers."""
+  try:
+    return getattr(jax.devices()[0], name, None)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
 def gpu_multiprocessor_count(default: int = 132) -> int:
   """SM count of the first GPU (used to size the flash-decoding split), or `default`."""
-  try:
-    device = jax.devices()[0]
-    count = getattr(device, "core_count", None)
-    return int(count) if count else default
-  except Exception:  # pylint: disable=broad-except
-    return default
+  count = _first_device_attribute("core_count")
+  return int(count) if count else default
 
 
 def gpu_compute_capability() -> str | None:
   """Compute capability of the first device ("9.0" on an H100 / H200), None where it has none."""
-  try:
-    capability = getattr(jax.devices()[0], "compute_capability", None)
-  except Exception:  # pylint: disable=broad-except
-    return None
+  capability = _first_device_attribute("compute_capability")
   return str(capability) if capability else None

@@ -231,8 +231,9 @@ def fetch_block(
   their ring `destinations` and one barrier array per stream."""
   slot = lax.rem(i, num_stages)
   first = start + i * block
+  groups = destinations[1].shape[1]  # key groups per block
   token_box = pl.ds(first, block)
-  group_box = pl.ds(first // group_size, destinations[1].shape[1])
+  group_box = pl.ds(first // group_size, groups)
   boxes = (
     (row, head, token_box),
     (row, head, group_box),
@@ -240,12 +241,14 @@ def fetch_block(
     (row, head, token_box),
     (row, head, slice(None), token_box),
   )
-  groups = destinations[1].shape[1]
-  slots = [destination.at[slot] for destination in destinations]
-  if destinations[2].shape[1] > groups:  # the folded kernel's key-bias slots are padded for TMA
-    slots[2] = destinations[2].at[slot, pl.ds(0, groups)]
-  for source, destination, box, barrier in zip(sources, slots, boxes, barriers):
-    plgpu.copy_gmem_to_smem(source.at[box], destination, barrier.at[slot])
+  # Rows each stream's box copies per block. A ring slot may hold more (the folded kernel pads
+  # its key-bias slots to 128 bytes for TMA): the copy fills the slot's first rows.
+  box_rows = (block, groups, groups, block, destinations[4].shape[1])
+  streams = zip(sources, destinations, boxes, box_rows, barriers)
+  for source, destination, box, rows, barrier in streams:
+    padded = destination.shape[1] > rows
+    view = destination.at[slot, pl.ds(0, rows)] if padded else destination.at[slot]
+    plgpu.copy_gmem_to_smem(source.at[box], view, barrier.at[slot])
 
 
 def _quantized_decode_kernel(

@@ -243,13 +243,8 @@ def test_ask_answers_every_question_about_one_compressed_document(tmp_path, caps
   )
   assert json.loads(capsys.readouterr().out)["answers"] == record["answers"]
   with pytest.raises(SystemExit):  # saved before, without --overwrite
-    main(
-      ["ask", "--model", str(model), "--document", str(document), "--question", "q"]
-      + [
-        "--save",
-        argv[2],
-      ]
-    )
+    save_again = ["--question", "q", "--save", argv[2]]
+    main(["ask", "--model", str(model), "--document", str(document), *save_again])
   assert "the directory exists; pass --overwrite" in capsys.readouterr().err
   # A context saved before the prompt format was recorded cut its prompts otherwise.
   record_path = tmp_path / "context" / METADATA_FILE
