@@ -198,17 +198,18 @@ def quantized_decode_attention(
   Storage layout: see `pallas_kernels.quantized_decode_attention_reference`. Configuration
   errors raise ValueError before anything is traced. On GPU (and in interpret mode) an empty
   `kernel_config` runs the measured default, `quantized_decode_attention_gpu.
-  measured_default_config`: folded Triton with stack copies for one query head per KV head,
-  the folded Mosaic GPU kernel on Hopper for 2 to 8 where it takes the segment, folded Triton
-  otherwise. A
-  non-empty one is taken as given. It may pick the Triton kernel's variant: {"variant":
-  "folded" (default) | "joined" | "reshape" | "planar"} and, for "folded", {"prefetch": True
-  (default) | False, "code_operand": "subnormal" (default for bf16 2- and 4-bit codes) |
-  "offset", "channel_parts": 1 (default) | 2 | 4, "gear_terms": "xla" (default) | "kernel",
-  "stack_copies": False (default) | True} (see
+  measured_default_config`: on Hopper, for 1 to 8 query heads per KV head, the folded Mosaic
+  GPU kernel with its v30 settings where it takes the segment; folded Triton otherwise (with
+  stack copies for one head). A non-empty one is taken as given. It may pick the Triton
+  kernel's variant: {"variant": "folded" (default) | "joined" | "reshape" | "planar"} and, for
+  "folded", {"prefetch": True (default) | False, "code_operand": "subnormal" (default for bf16
+  2- and 4-bit codes) | "offset", "channel_parts": 1 (default) | 2 | 4, "gear_terms": "xla"
+  (default) | "kernel", "stack_copies": False (default) | True} (see
   `pallas_kernels.quantized_decode_attention_triton`); or
   {"lowering": "mosaic_gpu"} (also "variant": "dequantize" (default) | "folded", block_tokens,
-  num_splits, num_stages; KIVI segments, others run the Triton kernel with a warning; see
+  num_splits, num_stages, and for "folded" "key_operand": "shared_memory" (default) |
+  "registers", "operand_order": "channel" (default) | "word", "approx_math": False (default) |
+  True; KIVI segments, others run the Triton kernel with a warning; see
   `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)

@@ -39,6 +39,15 @@ not need a product's result is placed between the product and that read: the key
 in the key product's shadow, the per-token denominator and value-minimum terms in the value
 product's (KERNEL_NOTES v17).
 
+Two settings change where the codes go (KERNEL_NOTES v30; both on in the Hopper default):
+`key_operand="registers"` hands the key codes to wgmma from the registers the unpacking leaves
+them in (the key product's codes are its A operand untransposed; the value product's are not),
+one product per 64-token row tile against the key groups that tile holds; and
+`operand_order="word"` makes each masked code word one operand register as it is, in the
+column order `word_operand_order` derives, with the queries, key scales and output permuted to
+match. `folded_decode_attention_mosaic_gpu` merges the splits before it picks each channel's
+value slot (and position), so no gather runs over the per-split partials.
+
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
 the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
@@ -64,6 +73,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -103,6 +113,14 @@ from pallas_kernels.subnormal_codes import (
   masked_code_pairs,
   power_of_two,
 )
+from pallas_kernels.word_operand_order import (
+  OPERAND_ORDERS,
+  channel_at_position,
+  check_word_order_shape,
+  load_channels_in_word_order,
+  stage_words_in_word_order,
+  word_order_channels,
+)
 
 SUPPORTED_BITS = (2, 4)  # two fields of a word per pair of bf16 operands, each below bit 8
 MAX_STACK = 256  # wgmma's largest N
@@ -116,6 +134,16 @@ _SHARED_MEMORY_ALIGNMENT = 1024  # Pallas Mosaic GPU's, per scratch buffer
 # multiple of it: a 64-byte key-bias slot (block 64, 8 rows) faulted with
 # CUDA_ERROR_MISALIGNED_ADDRESS on an H200 (KERNEL_NOTES v29).
 TMA_SLOT_ALIGNMENT = 128
+# Where the key product's code operand comes from: staged through the code tile in shared memory
+# (v14 on), or handed to wgmma from the registers the unpacking leaves it in (v30: the key codes
+# then never touch shared memory as bf16, 32 KB of stores and the tensor core's reads of them per
+# 128-token block; the value codes cannot, wgmma takes a register operand untransposed only).
+KEY_OPERANDS = ("shared_memory", "registers")
+DEFAULT_KEY_OPERAND = "shared_memory"
+# Column order of the staged code operands (`word_operand_order`): "channel" joins the halves of
+# two words into each operand register (a byte permute each), "word" takes each masked word as a
+# register and permutes the queries, key scales and output instead (v30).
+DEFAULT_OPERAND_ORDER = "channel"
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
 
@@ -222,11 +250,46 @@ def shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_sta
   return sum(-(-size // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT for size in buffers)
 
 
-def check_config(group, head_dim, bits, group_size, *, block_tokens, num_stages, num_splits):
+def check_key_operand(key_operand) -> None:
+  """ValueError naming `key_operand` and its allowed values."""
+  if key_operand not in KEY_OPERANDS:
+    raise ValueError(f"key_operand={key_operand!r} is not supported; allowed: {KEY_OPERANDS}")
+
+
+def check_operand_order(operand_order) -> None:
+  """ValueError naming `operand_order` and its allowed values."""
+  if operand_order not in OPERAND_ORDERS:
+    raise ValueError(f"operand_order={operand_order!r} is not supported; allowed: {OPERAND_ORDERS}")
+
+
+def check_approx_math(approx_math) -> None:
+  """ValueError naming `approx_math` and its allowed values."""
+  if not isinstance(approx_math, bool):
+    raise ValueError(f"approx_math={approx_math!r} is not supported; allowed: (False, True)")
+
+
+def check_config(
+  group,
+  head_dim,
+  bits,
+  group_size,
+  *,
+  block_tokens,
+  num_stages,
+  num_splits,
+  key_operand=DEFAULT_KEY_OPERAND,
+  operand_order=DEFAULT_OPERAND_ORDER,
+  approx_math=False,
+):
   """ValueError naming the setting and its allowed values; raised before anything is traced."""
   dequantizing.check_settings(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
+  check_key_operand(key_operand)
+  check_operand_order(operand_order)
+  check_approx_math(approx_math)
+  if operand_order == "word":
+    check_word_order_shape(head_dim, bits)
   needed = shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_stages)
   if needed > SHARED_MEMORY_BYTES:
     raise ValueError(
@@ -253,12 +316,34 @@ def stage_codes(words, bits: int, emulate: bool):
   return jnp.concatenate(lows + highs, axis=1)
 
 
-def _stage_block(codes_smem, words_smem, *, slot, bits, emulate):
+def _staged_chunks(words_smem, *, slot, bits, emulate, operand_order) -> list:
+  """Ring slot `slot` of `words_smem` ([stages, block, W] code words) as bf16 [64, D] register
+  arrays in the wgmma layout, one per 64-token wgmma row tile, columns in `operand_order`."""
+
+  def stage(words):
+    if operand_order == "channel":
+      return stage_codes(words, bits, emulate)
+    if emulate:  # the same operand, from the emulated channel-order staging
+      head_dim = words.shape[1] * 32 // bits
+      # built in the kernel: a Pallas kernel cannot close over an array constant
+      order = channel_at_position(lax.iota(jnp.int32, head_dim), head_dim, bits)
+      return jnp.take(stage_codes(words, bits, emulate), order, axis=1)
+    return stage_words_in_word_order(words, bits)
+
+  return [
+    wgmma_layout(stage(wgmma_layout(words_smem[slot, pl.ds(c * CHUNK_TOKENS, CHUNK_TOKENS), :])))
+    for c in range(words_smem.shape[1] // CHUNK_TOKENS)
+  ]
+
+
+def _stage_block(codes_smem, words_smem, *, slot, bits, emulate, operand_order):
   """Stages ring slot `slot` of `words_smem` ([stages, block, W] code words) into `codes_smem`
   ([block, D] bf16), one 64-token wgmma row tile at a time."""
-  for c in range(codes_smem.shape[0] // CHUNK_TOKENS):
-    chunk = pl.ds(c * CHUNK_TOKENS, CHUNK_TOKENS)
-    codes_smem[chunk, :] = stage_codes(wgmma_layout(words_smem[slot, chunk, :]), bits, emulate)
+  chunks = _staged_chunks(
+    words_smem, slot=slot, bits=bits, emulate=emulate, operand_order=operand_order
+  )
+  for c, chunk in enumerate(chunks):
+    codes_smem[pl.ds(c * CHUNK_TOKENS, CHUNK_TOKENS), :] = chunk
 
 
 def _folded_kernel(
@@ -290,6 +375,8 @@ def _folded_kernel(
   group_size: int,
   real_rows: int,
   emulate: bool,
+  key_operand: str,
+  operand_order: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   lengths_barrier, queries_barrier, stream_barriers = barriers
@@ -357,41 +444,110 @@ def _folded_kernel(
     for barrier in stream_barriers:
       plgpu.barrier_wait(barrier.at[slot])
 
-    stage = functools.partial(_stage_block, codes_smem, slot=slot, bits=bits, emulate=emulate)
+    stage = functools.partial(
+      _stage_block,
+      codes_smem,
+      slot=slot,
+      bits=bits,
+      emulate=emulate,
+      operand_order=operand_order,
+    )
     # The code tile was last read by the previous block's value product: each warp has waited
     # for it, but the tile is overwritten only once all four have.
     plgpu.commit_smem()
-    stage(k_words_smem)
-    for k in range(key_groups):
-      k_scale = per_channel(
-        plgpu.layout_cast(k_scale_smem[slot, k, :], plgpu.Layout.WGMMA.reduce(1))
+    if key_operand == "registers":
+      key_chunks = _staged_chunks(
+        k_words_smem, slot=slot, bits=bits, emulate=emulate, operand_order=operand_order
       )
+    else:
+      stage(k_words_smem)
+    for k in range(key_groups):
+      if operand_order == "word":
+        k_scale = per_channel(
+          load_channels_in_word_order(k_scale_smem.at[slot, k], head_dim, bits, emulate)
+        )
+      else:
+        k_scale = per_channel(
+          plgpu.layout_cast(k_scale_smem[slot, k, :], plgpu.Layout.WGMMA.reduce(1))
+        )
       key_stack_smem.at[pl.ds(k * rows, rows)].T[...] = code_queries * k_scale
     plgpu.commit_smem()  # staged codes and Q' visible to the tensor core
 
-    def key_product(acc_ref):
-      plgpu.wgmma(acc_ref, codes_smem, key_stack_smem.T)
-      # Read while the tensor core computes the scores (reading the accumulator is what
-      # waits): every key group's bias, [KG * rows].
-      key_bias = jnp.concatenate(
+    def group_bias(groups):
+      """The bias of key groups `groups` of this block, [len(groups) * rows]."""
+      return jnp.concatenate(
+        [plgpu.layout_cast(key_bias_smem[slot, k, :], plgpu.Layout.WGMMA.reduce(0)) for k in groups]
+      )
+
+    def pick_group_scores(stacked, bias, first_group, num_groups, token_offset):
+      """[tokens, num_groups * rows] stacked products and the groups' `group_bias` -> [tokens,
+      rows]: each token's own key group's columns, scaled back and with that group's bias."""
+      stacked = stacked * score_scale + lax.broadcast_in_dim(bias, stacked.shape, [1])
+      token = token_offset + plgpu.broadcasted_iota(
+        jnp.int32, (stacked.shape[0], rows), 0, layout=plgpu.Layout.WGMMA
+      )
+      picked = stacked[:, :rows]
+      for k in range(1, num_groups):
+        group_scores = stacked[:, k * rows : (k + 1) * rows]
+        picked = jnp.where(token // group_size == first_group + k, group_scores, picked)
+      return picked
+
+    if key_operand == "registers":
+      # One product per 64-token row tile against the stacked queries of the key groups that
+      # tile holds only (2 of 4 at block 128 and group 32): half the columns, accumulator
+      # registers and selects of one product over the whole block.
+      chunk_groups = [
+        (c * CHUNK_TOKENS // group_size, max(1, CHUNK_TOKENS // group_size))
+        for c in range(len(key_chunks))
+      ]
+
+      def key_products(*acc_refs):
+        for acc_ref, chunk, (first_group, num_groups) in zip(acc_refs, key_chunks, chunk_groups):
+          stack = key_stack_smem.at[pl.ds(first_group * rows, num_groups * rows)]
+          plgpu.wgmma(acc_ref, chunk, stack.T)
+        # Read while the tensor core computes the scores (reading an accumulator is what waits).
+        biases = [group_bias(range(g, g + n)) for g, n in chunk_groups]
+        return [acc_ref[...] for acc_ref in acc_refs], biases
+
+      if emulate:
+        # Mosaic GPU's interpreter takes wgmma operands from shared memory only: the same
+        # products of the same registers, as dots.
+        stacked_chunks = [
+          chunk.astype(jnp.float32)
+          @ key_stack_smem[pl.ds(first_group * rows, num_groups * rows), :].astype(jnp.float32).T
+          for chunk, (first_group, num_groups) in zip(key_chunks, chunk_groups)
+        ]
+        biases = [group_bias(range(g, g + n)) for g, n in chunk_groups]
+      else:
+        stacked_chunks, biases = pl.run_scoped(
+          key_products,
+          *[
+            plgpu.ACC((CHUNK_TOKENS, num_groups * rows), jnp.float32)
+            for _, num_groups in chunk_groups
+          ],
+        )
+      scores = jnp.concatenate(
         [
-          plgpu.layout_cast(key_bias_smem[slot, k, :], plgpu.Layout.WGMMA.reduce(0))
-          for k in range(key_groups)
+          pick_group_scores(stacked, bias, first_group, num_groups, c * CHUNK_TOKENS)
+          for c, (stacked, bias, (first_group, num_groups)) in enumerate(
+            zip(stacked_chunks, biases, chunk_groups)
+          )
         ]
       )
-      return acc_ref[...], key_bias
+    else:
 
-    stacked_scores, key_bias = pl.run_scoped(
-      key_product, plgpu.ACC((block, key_groups * rows), jnp.float32)
-    )
+      def key_product(acc_ref):
+        plgpu.wgmma(acc_ref, codes_smem, key_stack_smem.T)
+        # Read while the tensor core computes the scores (reading the accumulator is what
+        # waits).
+        bias = group_bias(range(key_groups))
+        return acc_ref[...], bias
+
+      stacked_scores, bias = pl.run_scoped(
+        key_product, plgpu.ACC((block, key_groups * rows), jnp.float32)
+      )
+      scores = pick_group_scores(stacked_scores, bias, 0, key_groups, 0)
     token = plgpu.broadcasted_iota(jnp.int32, (block, rows), 0, layout=plgpu.Layout.WGMMA)
-    scores = jnp.zeros((block, rows), jnp.float32)
-    stacked_scores = stacked_scores * score_scale + lax.broadcast_in_dim(
-      key_bias, stacked_scores.shape, [1]
-    )
-    for k in range(key_groups):
-      group_scores = stacked_scores[:, k * rows : (k + 1) * rows]
-      scores = jnp.where(token // group_size == k, group_scores, scores)
 
     new_max, correction, probs = softmax_step_numerators(scores, token + first < end, running_max)
 
@@ -448,6 +604,8 @@ def _folded_kernel(
   value_bias = value_bias_partials.sum(axis=0)
 
   channel = plgpu.broadcasted_iota(jnp.int32, (head_dim, rows), 0, layout=plgpu.Layout.WGMMA)
+  if operand_order == "word":  # the accumulator's rows are operand positions
+    channel = channel_at_position(channel, head_dim, bits)
   output_scale = power_of_two(
     exponents.code - exponents.probs - code_exponent(channel, head_dim, bits)
   )
@@ -479,10 +637,13 @@ def _folded_kernel(
     "block_tokens",
     "num_splits",
     "num_stages",
+    "key_operand",
+    "operand_order",
+    "approx_math",
     "interpret",
   ),
 )
-def _folded_partials(
+def _jitted_kernel_outputs(
   queries,
   k_codes,
   k_scale,
@@ -498,6 +659,9 @@ def _folded_partials(
   block_tokens,
   num_splits,
   num_stages,
+  key_operand,
+  operand_order,
+  approx_math,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -514,6 +678,8 @@ def _folded_partials(
     exponents.query - code_exponent(jnp.arange(head_dim, dtype=jnp.int32), head_dim, bits)
   )
   code_queries = jnp.swapaxes(scaled, 2, 3) * channel_scale[:, None]  # [B, H, D, rows]
+  if operand_order == "word":
+    code_queries = code_queries[:, :, word_order_channels(head_dim, bits), :]
   v_stats = group_major_value_stat_pairs(v_scale, v_min)
   lengths = padded_lengths(lengths)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
@@ -528,6 +694,8 @@ def _folded_partials(
       group_size=group_size,
       real_rows=real_rows,
       emulate=interpret,
+      key_operand=key_operand,
+      operand_order=operand_order,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
@@ -570,13 +738,18 @@ def _folded_partials(
     # step that read it. 5 barriers per 128-token block, down from 51 (sm_90a SASS,
     # `benchmarks/mosaic_static_cost.py`; KERNEL_NOTES v15, v19).
     compiler_params=_compat.mosaic_gpu_compiler_params(
-      unsafe_no_auto_barriers=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES
+      unsafe_no_auto_barriers=True,
+      reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES,
+      # exp2 and the reciprocal as single approximate instructions (ex2.approx, rcp.approx:
+      # ~2^-22 relative error, far below the bf16 operands'): 535 -> 513 instructions per
+      # 64-token block in the word order (static count), yet timed no faster (v30): off unless
+      # asked for.
+      approx_math=approx_math,
     ),
     interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
   )
   bias = key_bias(scaled, k_min)  # [B, H, T / group_size, rows]
-  out, lse = kernel(lengths, code_queries, k_codes, k_scale, bias, v_codes, v_stats)
-  return pick_value_slots(out, group_size, real_rows), lse[..., :real_rows]
+  return kernel(lengths, code_queries, k_codes, k_scale, bias, v_codes, v_stats)
 
 
 def group_major_value_stat_pairs(v_scale: jax.Array, v_min: jax.Array) -> jax.Array:
@@ -602,17 +775,30 @@ def value_minimum_of_pair(pair: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(pair & jnp.uint32(0xFFFF0000), jnp.float32)
 
 
-def pick_value_slots(out: jax.Array, group_size: int, real_rows: int) -> jax.Array:
-  """f32 [B, H, S, D, rows] -> [B, H, S, D, real_rows]: channel c's rows from its value group's
-  slot, columns [s * real_rows, (s + 1) * real_rows) with s = (c // group_size) % slots."""
+def pick_value_slots(
+  out: jax.Array, group_size: int, real_rows: int, positions: np.ndarray | None = None
+) -> jax.Array:
+  """f32 [..., D, rows] -> [..., D, real_rows]: channel c's rows from its value group's slot,
+  columns [s * real_rows, (s + 1) * real_rows) with s = (c // group_size) % slots, read at
+  row `positions[c]` (the operand position holding channel c; None: row c). One gather."""
   head_dim, rows = out.shape[-2:]
   slots = rows // real_rows
-  slot = jnp.arange(head_dim) // group_size % slots
-  columns = slot[:, None] * real_rows + jnp.arange(real_rows)[None, :]  # [D, real_rows]
-  return jnp.take_along_axis(out, jnp.broadcast_to(columns, out.shape[:-1] + (real_rows,)), -1)
+  channel = np.arange(head_dim)
+  row = channel if positions is None else np.asarray(positions)
+  columns = (channel // group_size % slots)[:, None] * real_rows + np.arange(real_rows)[None, :]
+  flat = out.reshape(*out.shape[:-2], head_dim * rows)
+  picked = jnp.take(flat, (row[:, None] * rows + columns).reshape(-1), axis=-1)
+  return picked.reshape(*out.shape[:-2], head_dim, real_rows)
 
 
-def folded_partials_mosaic_gpu(
+def _channel_positions(operand_order: str, head_dim: int, bits: int) -> np.ndarray | None:
+  """Operand position of each channel in the kernel's output rows (None: channel order)."""
+  if operand_order == "channel":
+    return None
+  return np.argsort(word_order_channels(head_dim, bits))
+
+
+def folded_kernel_outputs(
   queries: jax.Array,  # [B, H, G, D]
   k_codes: jax.Array,  # uint32 [B, H, T, D * bits / 32]
   k_scale: jax.Array,  # bf16 [B, H, T / group_size, D]
@@ -628,10 +814,14 @@ def folded_partials_mosaic_gpu(
   block_tokens: int = DEFAULT_BLOCK_TOKENS,
   num_splits: int | None = None,
   num_stages: int = 2,
+  key_operand: str = DEFAULT_KEY_OPERAND,
+  operand_order: str = DEFAULT_OPERAND_ORDER,
+  approx_math: bool = False,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """Per-split partials (out^T f32 [B,H,S,D,R], lse f32 [B,H,S,R]; R: the query group padded to
-  a power of two). Settings and shapes are checked (ValueError) before anything is traced."""
+  """The kernel's own outputs: out f32 [B,H,S,D,rows] (rows in operand positions, every value
+  slot's columns) and lse f32 [B,H,S,rows]. Settings and shapes are checked (ValueError) before
+  anything is traced. The entry points below take the same arguments."""
   dequantizing.check_settings(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
@@ -650,8 +840,11 @@ def folded_partials_mosaic_gpu(
     block_tokens=block_tokens,
     num_stages=num_stages,
     num_splits=num_splits,
+    key_operand=key_operand,
+    operand_order=operand_order,
+    approx_math=approx_math,
   )
-  return _folded_partials(
+  return _jitted_kernel_outputs(
     queries,
     k_codes,
     k_scale,
@@ -666,11 +859,43 @@ def folded_partials_mosaic_gpu(
     block_tokens=block_tokens,
     num_splits=num_splits,
     num_stages=num_stages,
+    key_operand=key_operand,
+    operand_order=operand_order,
+    approx_math=approx_math,
     interpret=interpret,
   )
 
 
-def folded_decode_attention_mosaic_gpu(*arrays, **settings):
-  """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the jnp reference (KIVI segments)."""
-  out, lse = folded_partials_mosaic_gpu(*arrays, **settings)
-  return merge_split_partials(out, lse, arrays[0].shape[2], head_dim_last=False)
+def folded_partials_mosaic_gpu(*arrays, bits, group_size, **settings):
+  """Per-split partials (out^T f32 [B,H,S,D,R], lse f32 [B,H,S,R]; R: the query group padded to
+  a power of two), channels in order; `folded_kernel_outputs`'s arguments."""
+  out, lse = folded_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
+  queries = arrays[0]
+  real_rows, _ = value_slots(queries.shape[2])
+  order = settings.get("operand_order", DEFAULT_OPERAND_ORDER)
+  positions = _channel_positions(order, queries.shape[3], bits)
+  return pick_value_slots(out, group_size, real_rows, positions), lse[..., :real_rows]
+
+
+def folded_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
+  """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the jnp reference (KIVI segments);
+  `folded_kernel_outputs`'s arguments.
+
+  The splits are merged before each channel's value slot is picked (and, in the word operand
+  order, before the rows go back to channel order): every column j of the partials is query row
+  j % R, so the merge weighs it as that row, and the picks then read the merged [B,H,D,rows],
+  not the partials, which are a split count times larger (KERNEL_NOTES v30: a separate gather
+  over the partials cost 9 us per call at 32k)."""
+  queries = arrays[0]
+  group, head_dim = queries.shape[2:]
+  out, lse = folded_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
+  rows = out.shape[-1]
+  real_rows, _ = value_slots(group)
+  merged, total = merge_split_partials(
+    out, lse[..., np.arange(rows) % real_rows], rows, head_dim_last=False
+  )  # [B, H, rows, D], [B, H, rows]
+  positions = _channel_positions(
+    settings.get("operand_order", DEFAULT_OPERAND_ORDER), head_dim, bits
+  )
+  picked = pick_value_slots(jnp.swapaxes(merged, 2, 3), group_size, real_rows, positions)
+  return jnp.swapaxes(picked, 2, 3)[:, :, :group], total[:, :, :group]

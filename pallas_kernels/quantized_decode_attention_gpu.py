@@ -7,9 +7,9 @@ queries and probabilities, codes staged by masking alone as subnormal bf16 opera
 `quantized_decode_attention_folded_mosaic_gpu`).
 
 An empty kernel_config runs what was measured fastest (`measured_default_config`): on a Hopper
-GPU (and in interpret mode, which checks what such a GPU runs) the folded Mosaic GPU kernel where
-it takes the segment, for 2 to 8 query heads per KV head; otherwise the folded Triton kernel, with
-stack copies for one head.
+GPU (and in interpret mode, which checks what such a GPU runs) the folded Mosaic GPU kernel with
+v30's settings (`FOLDED_MOSAIC_GPU_V30`) where it takes the segment, for 1 to 8 query heads per
+KV head; otherwise the folded Triton kernel, with stack copies for one head.
 
 A segment the chosen Mosaic GPU kernel does not take (GEAR terms, head dims other than 64 / 128,
 fewer than 8 code words per token, for "folded" also 8-bit codes and non-bf16 statistics, ...)
@@ -24,6 +24,7 @@ from pallas_kernels import (
   quantized_decode_attention_triton,
 )
 from pallas_kernels.launch_settings import check_launch_settings
+from pallas_kernels.word_operand_order import check_word_order_shape
 
 LOWERINGS = ("triton", "mosaic_gpu")
 # Mosaic GPU variant -> (its module, the name of its entry point there). The entry point is looked
@@ -48,8 +49,17 @@ CONFIG_KEYS = {
     "gear_terms",
     "stack_copies",
   ),
-  "mosaic_gpu": ("variant", "block_tokens", "num_splits", "num_stages"),
+  "mosaic_gpu": (
+    "variant",
+    "block_tokens",
+    "num_splits",
+    "num_stages",
+    "key_operand",
+    "operand_order",
+    "approx_math",
+  ),
 }
+FOLDED_ONLY_KEYS = ("key_operand", "operand_order", "approx_math")
 
 
 def check_config(config: dict) -> str:
@@ -66,7 +76,20 @@ def check_config(config: dict) -> str:
   check_launch_settings(config)
   if lowering == "mosaic_gpu":
     _mosaic_gpu_kernel(config)
-    quantized_decode_attention_mosaic_gpu.check_settings(**_mosaic_gpu_settings(config))
+    settings = _mosaic_gpu_settings(config)
+    folded_only = {key: settings.pop(key) for key in FOLDED_ONLY_KEYS if key in settings}
+    if folded_only and config.get("variant") != "folded":
+      raise ValueError(
+        f"kernel_config keys {sorted(folded_only)} are taken by the folded Mosaic GPU kernel "
+        f'only; add "variant": "folded" or remove them'
+      )
+    if "key_operand" in folded_only:
+      quantized_decode_attention_folded_mosaic_gpu.check_key_operand(folded_only["key_operand"])
+    if "operand_order" in folded_only:
+      quantized_decode_attention_folded_mosaic_gpu.check_operand_order(folded_only["operand_order"])
+    if "approx_math" in folded_only:
+      quantized_decode_attention_folded_mosaic_gpu.check_approx_math(folded_only["approx_math"])
+    quantized_decode_attention_mosaic_gpu.check_settings(**settings)
   return lowering
 
 
@@ -105,43 +128,63 @@ def mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, *, config: di
 
 
 FOLDED_MOSAIC_GPU = {"lowering": "mosaic_gpu", "variant": "folded"}
-MOSAIC_DEFAULT_MAX_GROUP = 8  # the largest query group timed (KERNEL_NOTES v29)
+# KERNEL_NOTES v30: 64-token blocks in 4 stages, the key codes handed to wgmma from registers,
+# each masked code word one operand register.
+FOLDED_MOSAIC_GPU_V30 = {
+  **FOLDED_MOSAIC_GPU,
+  "block_tokens": 64,
+  "num_stages": 4,
+  "key_operand": "registers",
+  "operand_order": "word",
+}
+MOSAIC_DEFAULT_MAX_GROUP = 8  # the largest query group timed (KERNEL_NOTES v29, v30)
 
 
 def measured_default_config(
   queries, k_codes, k_scale, v_scale, *, interpret: bool, **segment
 ) -> dict:
-  """The kernel_config an empty one stands for. By KERNEL_NOTES v29 (H200, jax 0.11.2, KIVI-2
-  with 32-token groups, head_dim 128, 8 rows x 8 KV heads; us per call, folded Triton -> folded
-  Mosaic GPU): 8k 98.0 -> 92.6, 32k 254.1 -> 233.7 (the table; sweeps 242.9 / 257.7 -> 232.0 /
-  234.5), 128k 882.3 -> 783.4, 32k with 8 heads per KV head 294.9 -> 238.3; KIVI-4 at 32k level
-  (266.8, 267.1). With one head per KV head folded Triton with stack copies was faster (216.3 /
-  219.3 against 231.7 folded Mosaic and 253.7 / 259.8 padded); at 2 heads (group size 32) and at
-  4 heads with group size 64 the copies gained nothing. Timed were 1, 4 and 8 heads per KV head;
-  2 were not timed on the Mosaic kernel, more than 8 (shared contexts fold rows into the query
-  group) not at all, so those keep folded Triton's path. KIVI-4 was timed once (level), head_dim
-  64 and other group sizes not at all.
+  """The kernel_config an empty one stands for, by KERNEL_NOTES v30 (H200, jax 0.11.2, KIVI
+  group size 32, head_dim 128, 8 rows x 8 KV heads; us per call in one run, folded Mosaic GPU
+  as v29 left it -> `FOLDED_MOSAIC_GPU_V30` (with approximate exp2, which timed the same or
+  slower at 32k): KIVI-2 32k 232.8 -> 215.0 (218.8), 8k 93.5 -> (91.8), 128k 777.2 -> (729.3),
+  32k with 1 head per KV head 230.0 -> (197.6) against 222.0 for folded Triton with stack
+  copies (v29's one-head default), 8 heads 273.6 -> (230.7); KIVI-4 at 32k 257.4 -> (231.1).
+  Two to eight heads were timed at 4 and 8, not 2; more than 8 (shared contexts fold rows into
+  the query group) not at all, so those keep folded Triton's path.
 
-  Both choices were measured on Hopper (compute capability 9.x) only, and the folded Mosaic GPU
-  kernel issues wgmma, which exists there alone; elsewhere, and for segments it does not take
-  (GEAR terms, f32 / f16 statistics, 8-bit codes, ...), the folded Triton kernel runs as it did
-  before these measurements."""
+  On Hopper (compute capability 9.x: the Mosaic kernels issue wgmma, which exists there alone)
+  and in interpret mode (which checks what such a GPU runs), for 1 to 8 query heads per KV head:
+  `FOLDED_MOSAIC_GPU_V30` where the kernel takes the segment at its 64-token blocks (whole key
+  groups per block: group sizes up to 64), else v29's folded Mosaic GPU default where that
+  takes it, else folded Triton (with stack copies for one head, v29's measurement). Segments
+  neither Mosaic kernel takes (GEAR terms, f32 / f16 statistics, 8-bit codes, 2-bit codes at
+  head_dim 64, ...) and other GPUs run folded Triton as before these measurements."""
   capability = _compat.gpu_compute_capability()
   hopper = interpret or (capability is not None and capability.split(".")[0] == "9")
   if not hopper:
     return {}
   group = queries.shape[2]
-  if group == 1:
-    return {"stack_copies": True}
-  mosaic_takes_it = (
-    quantized_decode_attention_folded_mosaic_gpu.unsupported_reason(
-      queries, k_codes, k_scale, v_scale, **segment
-    )
-    is None
-  )
-  if group <= MOSAIC_DEFAULT_MAX_GROUP and mosaic_takes_it:
-    return dict(FOLDED_MOSAIC_GPU)
-  return {}
+  triton_default = {"stack_copies": True} if group == 1 else {}
+  if group > MOSAIC_DEFAULT_MAX_GROUP:
+    return triton_default
+  folded = quantized_decode_attention_folded_mosaic_gpu
+  for config in (FOLDED_MOSAIC_GPU_V30, FOLDED_MOSAIC_GPU):
+    block_tokens = config.get("block_tokens")
+    if folded.unsupported_reason(
+      queries, k_codes, k_scale, v_scale, block_tokens=block_tokens, **segment
+    ) is None and _word_order_takes(config, queries.shape[3], segment.get("bits")):
+      return dict(config)
+  return triton_default
+
+
+def _word_order_takes(config: dict, head_dim: int, bits) -> bool:
+  if config.get("operand_order") != "word":
+    return True
+  try:
+    check_word_order_shape(head_dim, bits)
+  except ValueError:
+    return False
+  return True
 
 
 def quantized_decode_attention_gpu(

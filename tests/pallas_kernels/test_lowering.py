@@ -192,6 +192,17 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
     ("folded", 4, 64, 3, 64, dict(block_tokens=128, num_stages=4)),
     # 16 rows: a wider row max through the 1 KB reduction scratch (REDUCTION_SCRATCH_BYTES).
     ("folded", 2, 128, 16, 32, dict(block_tokens=128, num_stages=2)),
+    # The key codes as wgmma's register operand (v30), which interpret mode replaces by a dot.
+    ("folded", 2, 128, 4, 32, dict(block_tokens=128, num_stages=2, key_operand="registers")),
+    # Each masked word one operand register, built by inline Mosaic GPU code (v30).
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(block_tokens=64, num_stages=4, key_operand="registers", operand_order="word"),
+    ),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

@@ -77,6 +77,40 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     (2, 128, 1, 128, 256, dict(block_tokens=128, num_splits=3)),
     # generate_kernels_check.py's shape (its tiny model, KIVI-4), default settings
     (4, 64, 4, 32, 224, dict()),
+    # the key codes handed to wgmma from registers (v30): one and two 64-token row tiles per
+    # block, 2- and 4-bit, several splits (two tiles in the channel order: slow, the word order
+    # below has them by default)
+    pytest.param(
+      2,
+      128,
+      4,
+      32,
+      224,
+      dict(block_tokens=128, num_splits=2, key_operand="registers"),
+      marks=pytest.mark.slow,
+    ),
+    (4, 64, 8, 16, 192, dict(block_tokens=64, num_stages=3, key_operand="registers")),
+    # each masked word one operand register, queries / key scales / output permuted (v30)
+    (2, 128, 4, 32, 224, dict(block_tokens=64, num_stages=4, operand_order="word")),
+    (
+      4,
+      128,
+      3,
+      16,
+      192,
+      dict(block_tokens=128, num_splits=2, key_operand="registers", operand_order="word"),
+    ),
+    (4, 64, 8, 64, 192, dict(block_tokens=64, key_operand="registers", operand_order="word")),
+    # approximate exp2 / reciprocal: timed no faster (v30), not a default
+    pytest.param(
+      2,
+      128,
+      4,
+      32,
+      224,
+      dict(block_tokens=64, operand_order="word", approx_math=True),
+      marks=pytest.mark.slow,
+    ),
     pytest.param(4, 128, 16, 32, 160, dict(num_splits=2), marks=pytest.mark.slow),
   ],
 )
@@ -95,6 +129,30 @@ def test_folded_mosaic_gpu_kernel_matches_reference(
     seed=bits * 7 + head_dim + group,
     **config,
   )
+
+
+@pytest.mark.parametrize(
+  "group,config",
+  [
+    (4, dict(num_splits=3)),
+    (3, dict(block_tokens=64, num_splits=2, key_operand="registers", operand_order="word")),
+  ],
+)
+def test_decode_entry_merges_before_picking_value_slots(group, config):
+  """`folded_decode_attention_mosaic_gpu` merges the splits over every column and picks the
+  value slots (and, in the word order, the channels) after: the reference's output and lse."""
+  rng = np.random.default_rng(group)
+  arrays, clean = _inputs(
+    rng, head_dim=128, group=group, bits=2, group_size=32, tokens=224, dtype=jnp.bfloat16
+  )
+  quantization = dict(bits=2, group_size=32)
+  interpret = triton_interpret()
+  out, lse = folded.folded_decode_attention_mosaic_gpu(
+    *arrays, **quantization, sm_scale=0.125, interpret=interpret, **config
+  )
+  ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=0.125)
+  assert out.shape == ref[0].shape and lse.shape == ref[1].shape
+  assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, interpret))
 
 
 def test_folded_mosaic_gpu_kernel_batch_of_unequal_rows():
@@ -144,14 +202,18 @@ def test_every_ring_slot_starts_where_tma_can_write():
   assert folded.ring_slot_shapes(4, 128, 2, 32, 64)["key_bias_smem"][0] == (4, 8)
 
 
-def test_pick_value_slots_takes_each_channels_rows_from_its_groups_slot():
+@pytest.mark.parametrize("permuted", [False, True])
+def test_pick_value_slots_takes_each_channels_rows_from_its_groups_slot(permuted):
+  """...at the channel's own row, or at its operand position when the rows are permuted."""
   head_dim, rows, real_rows, group_size = 64, 8, 2, 8  # 8 value groups in 4 slots of 2 columns
   out = np.arange(3 * head_dim * rows, dtype=np.float32).reshape(3, head_dim, rows)
-  picked = np.asarray(folded.pick_value_slots(jnp.asarray(out), group_size, real_rows))
+  positions = np.random.default_rng(0).permutation(head_dim) if permuted else None
+  picked = np.asarray(folded.pick_value_slots(jnp.asarray(out), group_size, real_rows, positions))
   for channel in range(head_dim):
     slot = channel // group_size % (rows // real_rows)
+    row = channel if positions is None else positions[channel]
     np.testing.assert_array_equal(
-      picked[:, channel], out[:, channel, slot * real_rows : (slot + 1) * real_rows]
+      picked[:, channel], out[:, row, slot * real_rows : (slot + 1) * real_rows]
     )
 
 
@@ -233,6 +295,26 @@ def test_bad_mosaic_gpu_variant_is_named():
     quantized_decode_attention_gpu.check_config({"lowering": "mosaic_gpu", "variant": "fold"})
   with pytest.raises(ValueError, match="allowed: dequantize, folded"):
     quantized_decode_attention_gpu.check_config({"lowering": "mosaic_gpu", "variant": "planar"})
+
+
+def test_bad_key_operand_is_named_before_tracing():
+  arrays, quantization = _zeros_segment()
+  with pytest.raises(ValueError, match=r"key_operand='smem' is not supported; allowed: \("):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, key_operand="smem")
+  with pytest.raises(ValueError, match="key_operand='regs' is not supported"):
+    quantized_decode_attention_gpu.check_config(
+      {"lowering": "mosaic_gpu", "variant": "folded", "key_operand": "regs"}
+    )
+  with pytest.raises(ValueError, match=r"approx_math=1 is not supported; allowed: \(False, True\)"):
+    quantized_decode_attention_gpu.check_config(
+      {"lowering": "mosaic_gpu", "variant": "folded", "approx_math": 1}
+    )
+  with pytest.raises(ValueError, match="operand_order='words' is not supported"):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, operand_order="words")
+  with pytest.raises(ValueError, match=r"\['key_operand'\] are taken by the folded Mosaic GPU"):
+    quantized_decode_attention_gpu.check_config(
+      {"lowering": "mosaic_gpu", "key_operand": "registers"}
+    )
 
 
 def test_f16_segment_asking_for_folded_runs_the_triton_kernel_with_a_warning(monkeypatch):

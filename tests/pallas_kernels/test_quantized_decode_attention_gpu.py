@@ -22,10 +22,11 @@ pytestmark = pytest.mark.filterwarnings(
   "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 )
 
-FOLDED_MOSAIC_GPU = {"lowering": "mosaic_gpu", "variant": "folded"}
+FOLDED_MOSAIC_GPU = quantized_decode_attention_gpu.FOLDED_MOSAIC_GPU
+FOLDED_MOSAIC_GPU_V30 = quantized_decode_attention_gpu.FOLDED_MOSAIC_GPU_V30
 
 
-def _segment(*, group, dtype=jnp.bfloat16, bits=2, head_dim=128, gear=False):
+def _segment(*, group, dtype=jnp.bfloat16, bits=2, head_dim=128, gear=False, group_size=32):
   rng = np.random.default_rng(group)
   segment = random_quantized_segment(
     rng,
@@ -34,7 +35,7 @@ def _segment(*, group, dtype=jnp.bfloat16, bits=2, head_dim=128, gear=False):
     128,
     head_dim,
     bits=bits,
-    group_size=32,
+    group_size=group_size,
     dtype=dtype,
     rank=2 if gear else 0,
     outliers_per_block=4 if gear else 0,
@@ -46,12 +47,14 @@ def _segment(*, group, dtype=jnp.bfloat16, bits=2, head_dim=128, gear=False):
 @pytest.mark.parametrize(
   "group,dtype,bits,head_dim,gear,capability,interpret,expected",
   [
-    # Hopper, or interpret mode: the folded Mosaic GPU kernel where it takes the segment
-    (4, jnp.bfloat16, 2, 128, False, "9.0", False, FOLDED_MOSAIC_GPU),
-    (8, jnp.bfloat16, 4, 64, False, "9.0", False, FOLDED_MOSAIC_GPU),
-    (2, jnp.bfloat16, 2, 128, False, None, True, FOLDED_MOSAIC_GPU),
-    # one query head per KV head: folded Triton with stack copies, where it was timed (Hopper)
-    (1, jnp.bfloat16, 2, 128, False, "9.0", False, {"stack_copies": True}),
+    # Hopper, or interpret mode: the folded Mosaic GPU kernel with v30's settings where it
+    # takes the segment, one query head per KV head included (v30 timed it faster than folded
+    # Triton with stack copies)
+    (4, jnp.bfloat16, 2, 128, False, "9.0", False, FOLDED_MOSAIC_GPU_V30),
+    (8, jnp.bfloat16, 4, 64, False, "9.0", False, FOLDED_MOSAIC_GPU_V30),
+    (2, jnp.bfloat16, 2, 128, False, None, True, FOLDED_MOSAIC_GPU_V30),
+    (1, jnp.bfloat16, 2, 128, False, "9.0", False, FOLDED_MOSAIC_GPU_V30),
+    # one head, a segment no Mosaic kernel takes: folded Triton with stack copies (v29, Hopper)
     (1, jnp.float32, 2, 128, False, None, True, {"stack_copies": True}),
     (1, jnp.bfloat16, 2, 128, False, "8.0", False, {}),
     # segments the folded Mosaic kernel does not take, and GPUs without wgmma: folded Triton
@@ -69,19 +72,33 @@ def test_an_empty_config_stands_for_the_kernel_measured_fastest(
 ):
   monkeypatch.setattr(_compat, "gpu_compute_capability", lambda: capability)
   queries, segment = _segment(group=group, dtype=dtype, bits=bits, head_dim=head_dim, gear=gear)
-  config = quantized_decode_attention_gpu.measured_default_config(
+  assert _default_config(queries, segment, bits=bits, group_size=32, interpret=interpret) == (
+    expected
+  )
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_group_size_128_keeps_the_block_128_default(group, monkeypatch):
+  """A 128-token key group does not fit v30's 64-token blocks: v29's folded Mosaic default."""
+  monkeypatch.setattr(_compat, "gpu_compute_capability", lambda: "9.0")
+  queries, segment = _segment(group=group, group_size=128)
+  config = _default_config(queries, segment, bits=2, group_size=128, interpret=False)
+  assert config == FOLDED_MOSAIC_GPU
+
+
+def _default_config(queries, segment, *, bits, group_size, interpret):
+  return quantized_decode_attention_gpu.measured_default_config(
     queries,
     segment.k_codes,
     segment.k_scale,
     segment.v_scale,
     bits=bits,
-    group_size=32,
+    group_size=group_size,
     lowrank=segment.lowrank,
     outliers=segment.outliers,
     block=64,
     interpret=interpret,
   )
-  assert config == expected
 
 
 def _recording(monkeypatch, module, name, calls):
@@ -111,8 +128,8 @@ def _record_both_kernels(monkeypatch):
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # no fallback warning for the default
 @pytest.mark.parametrize("group", [1, 4])
 def test_an_empty_config_runs_the_measured_default_kernel(group, monkeypatch):
-  """Four heads per KV head reach the folded Mosaic GPU kernel, one head folded Triton with stack
-  copies; both give the reference's attention."""
+  """One and four heads per KV head reach the folded Mosaic GPU kernel with v30's settings, and
+  give the reference's attention."""
   mosaic_calls, triton_calls = _record_both_kernels(monkeypatch)
   arrays, clean = _inputs(
     np.random.default_rng(3),
@@ -127,11 +144,9 @@ def test_an_empty_config_runs_the_measured_default_kernel(group, monkeypatch):
   out, lse = attention_dispatch.quantized_decode_attention(
     *arrays, **quantization, sm_scale=0.1, implementation="interpret"
   )
-  if group == 1:
-    assert not mosaic_calls and len(triton_calls) == 1
-    assert triton_calls[0]["stack_copies"] is True
-  else:
-    assert len(mosaic_calls) == 1 and not triton_calls
+  assert len(mosaic_calls) == 1 and not triton_calls
+  settings = {key: mosaic_calls[0][key] for key in FOLDED_MOSAIC_GPU_V30 if key in mosaic_calls[0]}
+  assert settings == {k: v for k, v in FOLDED_MOSAIC_GPU_V30.items() if k not in FOLDED_MOSAIC_GPU}
   ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=0.1)
   assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, True))
 

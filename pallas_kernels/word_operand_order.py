@@ -1,0 +1,183 @@
+"""Code words staged as wgmma operands one masked word per register: the "word" operand order.
+
+A wgmma operand in registers (and the tile `stmatrix` stores from them) holds, per thread and
+per 8-column group G, one 32-bit register with columns (8G + 2q, 8G + 2q + 1), q = lane % 4.
+A masked planar code word (`subnormal_codes.masked_code_pairs`) is such a register, but its two
+halves are channels c and c + D/2, not c and c + 1: staged in channel order, every register is
+assembled from the halves of two words, one byte permute (PRMT) per register, 128 per warp and
+128-token block in the folded Mosaic GPU kernel (KERNEL_NOTES v30's profile). Taken in the order
+the words give instead, each masked word is a register as it is, and only the small operands
+(queries, key scales, the output) follow the permutation.
+
+With the words of a [64, W] chunk in the wgmma layout, a thread holds words 8j + 2q and
+8j + 2q + 1 (t = 0, 1) of its two rows. Pair p of word 8j + 2q + t (fields p and p + P, P = 16 /
+bits, in the low and high halves) becomes register G = 2P j + 2p + t, so operand column
+L = 8G + 2q + h holds field p + hP of word 8j + 2q + t, which is channel
+
+    C(L) = (p + h P) W + 8j + 2q + t          (planar packing: field k of word w is kW + w).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+OPERAND_ORDERS = ("channel", "word")
+
+
+def _split_position(position, bits: int):
+  """Operand position L -> (j, p, t, q, h): works on Python ints, numpy and jnp integers."""
+  pairs = 16 // bits  # P: pairs per word
+  group = position // 8
+  return (
+    group // (2 * pairs),
+    (group % (2 * pairs)) // 2,
+    group % 2,
+    (position % 8) // 2,
+    position % 2,
+  )
+
+
+def channel_at_position(position, head_dim: int, bits: int):
+  """C(L): the channel that operand position L holds in the "word" order (ints or arrays)."""
+  words = head_dim * bits // 32
+  j, p, t, q, h = _split_position(position, bits)
+  return (p + h * (16 // bits)) * words + 8 * j + 2 * q + t
+
+
+def word_order_channels(head_dim: int, bits: int) -> np.ndarray:
+  """int32 [D]: channel at each operand position (a permutation of the channels)."""
+  return np.asarray(channel_at_position(np.arange(head_dim), head_dim, bits), np.int32)
+
+
+def check_word_order_shape(head_dim: int, bits: int) -> None:
+  """The order needs whole 8-word groups per row (W % 8 == 0): the wgmma layout's columns."""
+  words = head_dim * bits // 32
+  if words % 8:
+    raise ValueError(
+      f"the word operand order needs head_dim * bits / 32 to be a multiple of 8 code words; "
+      f"head_dim={head_dim} with bits={bits} gives {words}"
+    )
+
+
+def stage_words_in_word_order(words: jax.Array, bits: int) -> jax.Array:
+  """uint32 [64, W] planar words (wgmma layout) -> bf16 [64, D] operands in the word order, each
+  masked word one operand register (`inline_mgpu`). Native only: in interpret mode, where
+  subnormals flush, the caller stages in channel order and gathers `word_order_channels`."""
+  rows, width = words.shape
+  head_dim = width * 32 // bits
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.Layout.WGMMA,),
+    return_type=plgpu.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+  )
+  def unpack(_, words_array):
+    # Imported here: the CUDA-only lowering modules stay out of CPU runs.
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, vector
+
+    i32 = ir.IntegerType.get_signless(32)
+    pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
+    pairs = 16 // bits
+    field_mask = (1 << bits) - 1
+    registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((rows, head_dim)), dtype=object)
+    for index, register in np.ndenumerate(words_array.registers):
+      # index: (row tile, word group j, ..., row half, ...) of the [rows, W] wgmma layout
+      for t in range(2):
+        word = vector.extract(
+          register, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([t])
+        )
+        upper = arith.shrui(word, mgpu_utils.c(8, i32))
+        for p in range(pairs):
+          position = bits * p
+          source = word if position + bits <= 8 else upper
+          mask = (field_mask << (position % 8)) * 0x00010001
+          masked = arith.andi(source, mgpu_utils.c(mask, i32))
+          column_group = 2 * pairs * index[1] + 2 * p + t
+          registers[(index[0], column_group, *index[2:])] = mgpu_utils.bitcast(masked, pair_type)
+    return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return unpack(words)
+
+
+def load_channels_in_word_order(vector_ref, head_dim: int, bits: int, emulate: bool) -> jax.Array:
+  """A [D] per-channel vector in shared memory -> [D] in the word order, in the layout of a
+  [D, n] wgmma array's per-row values (`plgpu.Layout.WGMMA.reduce(1)`): each thread loads the
+  channels of its own rows, as many 16-bit loads as a channel-order read takes."""
+  if emulate:
+    # built in the kernel: a Pallas kernel cannot close over an array constant
+    order = channel_at_position(jax.lax.iota(jnp.int32, head_dim), head_dim, bits)
+    return plgpu.layout_cast(jnp.take(vector_ref[...], order), plgpu.Layout.WGMMA.reduce(1))
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(),),
+    return_type=plgpu.ShapeDtypeStruct(
+      (head_dim,), vector_ref.dtype, layout=plgpu.Layout.WGMMA.reduce(1)
+    ),
+  )
+  def load(_, ref):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, memref, vector
+
+    i32 = ir.IntegerType.get_signless(32)
+    index_type = ir.IndexType.get()
+    layout = fa.WGMMA_LAYOUT.reduce((1,))
+    element_type = ir.MemRefType(ref.type).element_type
+    thread = mgpu_utils.thread_idx()
+    lane = arith.remui(thread, mgpu_utils.c(32, i32))
+    warp = arith.remui(arith.divui(thread, mgpu_utils.c(32, i32)), mgpu_utils.c(4, i32))
+    first_row = arith.addi(
+      arith.muli(warp, mgpu_utils.c(16, i32)), arith.divui(lane, mgpu_utils.c(4, i32))
+    )
+    registers = np.empty(layout.registers_shape((head_dim,)), dtype=object)
+    for index in np.ndindex(registers.shape):
+      # index: (row tile m, ..., row half, ...): row 64 m + 16 warp + 8 half + lane / 4
+      row = arith.addi(first_row, mgpu_utils.c(64 * index[0] + 8 * index[2], i32))
+      channel = channel_at_position(_MlirInt(row, i32), head_dim, bits).value
+      value = memref.load(ref, [arith.index_cast(index_type, channel)])
+      registers[index] = vector.broadcast(ir.VectorType.get((1,), element_type), value)
+    return fa.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
+
+  return load(vector_ref)
+
+
+class _MlirInt:
+  """An MLIR i32 value with the integer operators `channel_at_position` uses (the divisors and
+  multipliers are powers of two or small constants), so one formula serves numpy and the kernel."""
+
+  def __init__(self, value, type_):
+    self.value, self.type = value, type_
+
+  def _binary(self, other, op):
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    other = other.value if isinstance(other, _MlirInt) else mgpu_utils.c(other, self.type)
+    return _MlirInt(op(self.value, other), self.type)
+
+  def __floordiv__(self, other):
+    from jaxlib.mlir.dialects import arith
+
+    return self._binary(other, arith.divui)
+
+  def __mod__(self, other):
+    from jaxlib.mlir.dialects import arith
+
+    return self._binary(other, arith.remui)
+
+  def __mul__(self, other):
+    from jaxlib.mlir.dialects import arith
+
+    return self._binary(other, arith.muli)
+
+  __rmul__ = __mul__
+
+  def __add__(self, other):
+    from jaxlib.mlir.dialects import arith
+
+    return self._binary(other, arith.addi)
+
+  __radd__ = __add__

@@ -1,0 +1,52 @@
+"""The "word" operand order against a simulation of what each thread's registers hold."""
+
+import numpy as np
+import pytest
+
+from pallas_kernels import word_operand_order as order
+from pallas_kernels.subnormal_codes import code_exponent
+
+
+def _simulated_channels(head_dim: int, bits: int) -> np.ndarray:
+  """Operand column -> channel, built from the registers: in the wgmma layout a thread of quad q
+  holds words 8j + 2q + t of a row; pair p of word w holds fields p and p + P (low and high
+  halves) and is operand register G = 2P j + 2p + t, i.e. columns 8G + 2q + (0, 1)."""
+  words = head_dim * bits // 32
+  pairs = 16 // bits
+  channels = np.full(head_dim, -1)
+  for j in range(words // 8):
+    for q in range(4):
+      for t in range(2):
+        word = 8 * j + 2 * q + t
+        for p in range(pairs):
+          register = 2 * pairs * j + 2 * p + t
+          for half in range(2):
+            field = p + half * pairs
+            channels[8 * register + 2 * q + half] = field * words + word  # planar packing
+  return channels
+
+
+@pytest.mark.parametrize("head_dim,bits", [(128, 2), (128, 4), (64, 4), (256, 2)])
+def test_word_order_is_what_the_registers_hold(head_dim, bits):
+  channels = order.word_order_channels(head_dim, bits)
+  np.testing.assert_array_equal(channels, _simulated_channels(head_dim, bits))
+  assert sorted(channels.tolist()) == list(range(head_dim))
+
+
+@pytest.mark.parametrize("head_dim,bits", [(128, 2), (128, 4), (64, 4)])
+def test_a_register_pairs_channels_of_one_word_at_one_bit(head_dim, bits):
+  """Columns 2i and 2i + 1 are the two halves of one masked word: channels D/2 apart, each at
+  the same bit of its half (so one AND masks both)."""
+  channels = order.word_order_channels(head_dim, bits)
+  low, high = channels[0::2], channels[1::2]
+  words = head_dim * bits // 32
+  np.testing.assert_array_equal(high - low, head_dim // 2)
+  np.testing.assert_array_equal(low % words, high % words)
+  np.testing.assert_array_equal(
+    code_exponent(low, head_dim, bits), code_exponent(high, head_dim, bits)
+  )
+
+
+def test_too_few_words_per_row_are_refused():
+  with pytest.raises(ValueError, match="head_dim=64 with bits=2 gives 4"):
+    order.check_word_order_shape(64, 2)
