@@ -328,7 +328,7 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None, list[dict]]:
     kv_heads,
     tokens,
     head_dim,
-    bits=2,
+    bits=args.sweep_bits,
     group_size=args.group_size,
     dtype=jnp.bfloat16,
   )
@@ -399,7 +399,7 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None, list[dict]]:
       q,
       *s[:6],
       lens,
-      bits=2,
+      bits=args.sweep_bits,
       group_size=args.group_size,
       sm_scale=sm_scale,
       implementation="pallas",
@@ -408,9 +408,11 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None, list[dict]]:
     try:
       seconds = time_op(op, (queries, segment, lengths), iters=args.iters, repeats=3)
     except Exception as e:  # a setting that fails to compile is reported, not fatal
-      print(f"  sweep kivi2 {config}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+      print(
+        f"  sweep kivi{args.sweep_bits} {config}: {type(e).__name__}: {str(e)[:300]}", flush=True
+      )
       continue
-    print(f"  sweep kivi2 {config}: {seconds * 1e6:.1f} us", flush=True)
+    print(f"  sweep kivi{args.sweep_bits} {config}: {seconds * 1e6:.1f} us", flush=True)
     quantized_timings.append({"config": config, "seconds": seconds})
     # The Mosaic GPU configs compete among themselves, per variant: the table times each in
     # its own row, beside the Triton kernel's.
@@ -780,6 +782,14 @@ def main():
   )
   parser.add_argument("--sweep-context", type=int, default=32768)
   parser.add_argument(
+    "--sweep-bits",
+    type=int,
+    default=2,
+    choices=(2, 4),
+    help="code width of the swept segment (with --sweep-configs and --sweep-only: the timings "
+    "stay under sweep_kivi2 in --out, labelled kivi<bits> in the log)",
+  )
+  parser.add_argument(
     "--sweep-configs",
     help="JSON list of quantized kernel_config dicts: --sweep times only these (no bf16 sweep)",
   )
@@ -796,6 +806,8 @@ def main():
   args = parser.parse_args()
   if args.sweep_only and not args.sweep:
     parser.error("--sweep-only needs --sweep")
+  if args.sweep_bits != 2 and not (args.sweep_only and args.sweep_configs):
+    parser.error("--sweep-bits 4 needs --sweep-only and --sweep-configs (the tables pick kivi2's)")
   if args.query_group is not None and args.query_group < 1:
     parser.error(f"--query-group must be >= 1, got {args.query_group}")
   if args.small:

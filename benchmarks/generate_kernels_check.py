@@ -29,14 +29,19 @@ CONFIG = DecoderConfig(
 )
 
 
+def prompts_of_record() -> list[list[int]]:
+  """Two rows of random ids, 700 and 333 tokens: several quantized groups, different lengths."""
+  rng = np.random.default_rng(0)
+  return [rng.integers(1, 256, n).tolist() for n in (700, 333)]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--only", help="run only the checks whose label contains this text")
   args = parser.parse_args()
   print(jax.__version__, jax.devices())
   decoder, params = split_decoder(random_decoder(CONFIG, seed=0))
-  rng = np.random.default_rng(0)
-  prompts = [rng.integers(1, 256, n).tolist() for n in (700, 333)]
+  prompts = prompts_of_record()
   runs_to_check = [
     ("full", KernelSettings()),
     ("kivi:bits=4,residual=32", KernelSettings()),
@@ -54,6 +59,9 @@ def main():
       KernelSettings(quantized={"lowering": "mosaic_gpu", "variant": "folded"}),
       jnp.bfloat16,
     ),
+    # The measured default (KERNEL_NOTES v30: on Hopper the folded Mosaic GPU kernel with
+    # 64-token blocks, register key codes and the word operand order) on the same bf16 cache.
+    ("kivi:bits=4,residual=32", KernelSettings(), jnp.bfloat16),
     # Folded Triton on the same bf16 cache (named: on Hopper the empty setting is the Mosaic
     # kernel above, KERNEL_NOTES v29), to tell a difference in the row above that is the Mosaic
     # kernel's from one both kernels share.

@@ -17,6 +17,11 @@
 #                                           # copies at 1 and 4 heads, ncu of the default kernel
 #   bash benchmarks/gpu_session.sh recheck  # v29's second call (~6 min): see the step's comment
 #   bash benchmarks/gpu_session.sh defaults # v29's third call (~3 min): folded Mosaic vs Triton
+#   bash benchmarks/gpu_session.sh probe    # v30's first call (~5 min): register key operand,
+#                                           # ncu of folded Mosaic, teacher-forced logit margins
+#   bash benchmarks/gpu_session.sh word     # v30's second call (~5 min): the word operand order
+#   bash benchmarks/gpu_session.sh tune     # v30's third call (~4 min): word order settings
+#   bash benchmarks/gpu_session.sh final    # v30's fourth call (~4 min): 32k table, generate check
 #
 # Folded Triton is named as {"variant": "folded"}: since KERNEL_NOTES v29 an empty config is the
 # measured default, which on Hopper is folded Mosaic GPU for most shapes (in v29's own calls, {}
@@ -43,6 +48,43 @@ ${folded}, \"block_tokens\": 64, \"num_stages\": 4}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 3}]"
 # Folded Triton with padded query rows, with stack copies, and with copies but no prefetch.
 stack_copies_configs='[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]'
+
+# v30's steps share these: the folded Mosaic test file natively (its log to $1), Nsight Compute
+# on one folded Mosaic config (the report in /tmp: at most 8 files come back from $OUT), and a
+# sweep per shape of the configs given ("context heads bits" lines; 1 head adds stack copies).
+native_folded_tests() {
+  timeout --signal=INT 100 env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 \
+    "$python" -m pytest -q -n 8 -p no:cacheprovider \
+    tests/pallas_kernels/test_quantized_decode_attention_folded_mosaic_gpu.py 2>&1 | tee "$1"
+}
+ncu_folded_mosaic() {
+  local report=/tmp/mosaic_kernel
+  timeout --signal=INT 60 ncu --target-processes all --kernel-name regex:mosaic \
+    --launch-skip 1 --launch-count 1 --set full --import-source no -o "$report" -f \
+    "$python" benchmarks/profile_quantized_kernel.py --bits 2 --kernel-config "$1" \
+    > /tmp/ncu.log 2>&1
+  local profiled=$?
+  tail -3 /tmp/ncu.log
+  ncu --import "$report.ncu-rep" --page details > "$out/ncu_details.txt" 2>&1
+  ncu --import "$report.ncu-rep" --page source --csv --print-source sass > /tmp/ncu_sass.csv
+  "$python" benchmarks/ncu_sass_summary.py /tmp/ncu_sass.csv > "$out/ncu_sass_summary.txt" 2>&1
+  return "$profiled"
+}
+sweep_shapes() {  # sweep_shapes LOG CONFIG...: the configs at 8k / 128k, 1 and 8 heads, KIVI-4
+  local log="$1" shape status=0
+  shift
+  local configs
+  configs="[$(IFS=,; echo "$*")]"
+  for shape in "8192 4 2" "131072 4 2" "32768 1 2" "32768 8 2" "32768 4 4"; do
+    set -- $shape
+    local these="$configs"
+    [ "$2" = 1 ] && these="[{\"stack_copies\": true}, ${configs#[}"
+    timeout --signal=INT 50 "$python" benchmarks/decode_attention.py --sweep --sweep-only \
+      --sweep-context "$1" --query-group "$2" --sweep-bits "$3" --sweep-configs "$these" \
+      2>&1 | grep "sweep kivi" | sed "s/^/[$1 q$2 kivi$3] /" | tee -a "$log" || status=1
+  done
+  return "$status"
+}
 
 case "${1:-}" in
   check)
@@ -193,8 +235,92 @@ ${folded}, \"block_tokens\": 64, \"num_stages\": 3}]" \
     done
     exit "$status"
     ;;
+  probe)
+    # v30's first call (~5 min): the key codes as wgmma's register operand, natively checked and
+    # timed at 32k against the shared-memory operand (block 128 and block 64); Nsight Compute on
+    # folded Mosaic GPU, the Hopper default since v29, which was never profiled on the H200; the
+    # bf16-cache generate difference of v29 as teacher-forced logits (near tie or not).
+    set +e
+    status=0
+    log="$out/probe.log"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
+    native_folded_tests "$out/native_tests.log" || status=1
+    timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
+      --sweep-only --sweep-configs "[${folded}}, ${folded}, \"key_operand\": \"registers\"}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 4}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"key_operand\": \"registers\"}, \
+{\"variant\": \"folded\"}]" \
+      --out "$out/sweep_32k.json" 2>&1 | tee -a "$log" || status=1
+    for kernel in "folded Triton:{\"variant\": \"folded\"}" "folded Mosaic:${folded}}"; do
+      timeout --signal=INT 60 "$python" benchmarks/generate_logit_margins.py \
+        --kernel-config "${kernel#*:}" 2>&1 | tee -a "$out/logit_margins.log" || status=1
+    done
+    ncu_folded_mosaic "${folded}}" >> "$log" || status=1
+    exit "$status"
+    ;;
+  word)
+    # v30's second call (~5 min): each masked word one operand register ("operand_order":
+    # "word", no byte permutes), natively checked, then timed beside the channel order at 32k
+    # (block 128 and 64, key codes from registers or shared memory), and the best candidate
+    # against the default at 8k / 128k, 1 and 8 heads per KV head and KIVI-4; the candidate
+    # through generate (teacher-forced logits, bf16 cache); ncu of the candidate.
+    set +e
+    status=0
+    log="$out/word.log"
+    best="${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"key_operand\": \"registers\", \"operand_order\": \"word\"}"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
+    native_folded_tests "$out/native_tests.log" || status=1
+    timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
+      --sweep-only --sweep-configs "[${folded}}, ${folded}, \"operand_order\": \"word\"}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"key_operand\": \"registers\"}, ${best}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"operand_order\": \"word\"}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 3, \"key_operand\": \"registers\", \"operand_order\": \"word\"}, \
+{\"variant\": \"folded\"}]" \
+      --out "$out/sweep_32k.json" 2>&1 | tee -a "$log" || status=1
+    sweep_shapes "$log" "${folded}}" "${best}" || status=1
+    timeout --signal=INT 50 "$python" benchmarks/generate_logit_margins.py --kernel-config "${best}" \
+      2>&1 | tee "$out/logit_margins.log" || status=1
+    ncu_folded_mosaic "${best}" >> "$log" || status=1
+    exit "$status"
+    ;;
+  tune)
+    # v30's third call (~4 min): after the splits are merged before the value slots are picked
+    # (the word order's un-permuting gather over the partials cost 9 us in the second call):
+    # the word order at block 64 with shared or register key codes, with and without
+    # approximate exp2 / reciprocal, against the default at 32k, then the two candidates against
+    # the default at 8k / 128k, 1 and 8 heads per KV head and KIVI-4.
+    set +e
+    status=0
+    log="$out/tune.log"
+    word64="${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"operand_order\": \"word\""
+    shared="${word64}, \"approx_math\": true}"
+    registers="${word64}, \"key_operand\": \"registers\", \"approx_math\": true}"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
+    native_folded_tests "$out/native_tests.log" | tail -3 || status=1
+    timeout --signal=INT 120 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
+      --sweep-only --sweep-configs "[${folded}}, ${word64}}, ${shared}, \
+${word64}, \"key_operand\": \"registers\"}, ${registers}, \
+${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" \
+      --out "$out/sweep_32k.json" 2>&1 | tee -a "$log" || status=1
+    sweep_shapes "$log" "${folded}}" "${shared}" "${registers}" || status=1
+    exit "$status"
+    ;;
+  final)
+    # v30's fourth call (~4 min): the 32k table with v30's folded Mosaic settings in its row
+    # (the kivi2 row named folded Triton), beside XLA's bf16 attention and the copy rate of the
+    # same run; the generate check with the new default.
+    set +e
+    status=0
+    timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
+      --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config \
+      '{"block_tokens": 64, "num_stages": 4, "key_operand": "registers", "operand_order": "word"}' \
+      --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
+    timeout --signal=INT 75 "$python" benchmarks/generate_kernels_check.py 2>&1 |
+      tee "$out/generate_kernels_check.log" || status=1
+    exit "$status"
+    ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac
