@@ -2,6 +2,8 @@
 the score bias is q . (K_gear - K_kivi) and the value terms are sum_t p_t (V_gear - V_kivi)[t],
 with K / V materialised by `dequantize_segment` with and without the GEAR parts."""
 
+import functools
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -41,8 +43,10 @@ def _segment(seed, rank, outliers_per_block, tokens=TOKENS, head_dim=HEAD_DIM, b
   return rng, segment
 
 
+@functools.partial(jax.jit, static_argnames="block")
 def _gear_parts(segment, block):
-  """(K_gear - K_kivi, V_gear - V_kivi) float32 [B, H, T, D]."""
+  """(K_gear - K_kivi, V_gear - V_kivi) float32 [B, H, T, D]. Jitted, as are the terms below:
+  each example's shapes then compile a few programs instead of every op apart."""
   kwargs = dict(bits=2, group_size=16, block=block)
   gear_k, gear_v = dequantize_segment(
     *segment[:6], lowrank=segment.lowrank, outliers=segment.outliers, **kwargs
@@ -72,7 +76,9 @@ def test_gear_terms_are_the_gear_parts_of_the_dense_cache(
   rng, segment = _segment(seed, rank, outliers_per_block, tokens, head_dim, block)
   key_part, value_part = _gear_parts(segment, block)
   queries = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, group, head_dim)), jnp.float32)
-  bias = gear_score_bias(segment.lowrank, segment.outliers, queries, tokens=tokens, block=block)
+  bias = jax.jit(gear_score_bias, static_argnames=("tokens", "block"))(
+    segment.lowrank, segment.outliers, queries, tokens=tokens, block=block
+  )
   expected_bias = jnp.einsum("bhgd,bhtd->bhgt", queries, key_part, precision=HIGHEST)
   np.testing.assert_allclose(np.asarray(bias), np.asarray(expected_bias), rtol=1e-5, atol=1e-5)
 
@@ -81,7 +87,7 @@ def test_gear_terms_are_the_gear_parts_of_the_dense_cache(
   scores = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, group, tokens)), jnp.float32)
   masked = jnp.where(inside, scores, -jnp.inf)
   lse = jax.nn.logsumexp(masked, axis=-1)
-  terms = gear_value_terms_from_scores(
+  terms = jax.jit(gear_value_terms_from_scores, static_argnames=("block", "head_dim"))(
     segment.lowrank,
     segment.outliers,
     jnp.where(inside, scores * LOG2_E, jnp.nan),  # the kernel's base-2 scores
