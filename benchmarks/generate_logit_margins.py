@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.generate_kernels_check import CONFIG, prompts_of_record
-from kvjax.generate import _as_compact_batch, generate, prefill
+from kvjax.generate import generate, prefill
 from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import parse_method_spec
+from kvjax.prompt_batch import pack_prompts
 from models.nnx_decoder import split_decoder
 from models.weights import random_decoder
 
@@ -96,7 +97,7 @@ def main():
     cache_dtype=cache_dtype,
     cache_method=methods["reference"],
   )
-  tokens, lengths = _as_compact_batch(prompts, None, 0)
+  tokens, lengths = pack_prompts(prompts)
   logits = {
     impl: teacher_forced_logits(
       decoder, params, tokens, lengths, reference_run.tokens, method, cache_dtype

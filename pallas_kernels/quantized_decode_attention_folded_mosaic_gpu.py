@@ -116,10 +116,10 @@ from pallas_kernels.subnormal_codes import (
 from pallas_kernels.word_operand_order import (
   OPERAND_ORDERS,
   channel_at_position,
-  check_word_order_shape,
   load_channels_in_word_order,
   stage_words_in_word_order,
   word_order_channels,
+  word_order_unsupported_reason,
 )
 
 SUPPORTED_BITS = (2, 4)  # two fields of a word per pair of bf16 operands, each below bit 8
@@ -179,10 +179,19 @@ def stacks(block_tokens: int, head_dim: int, group_size: int, group: int) -> tup
 
 
 def unsupported_reason(
-  queries, k_codes, k_scale, v_scale, *, bits, group_size, block_tokens=None, **segment
+  queries,
+  k_codes,
+  k_scale,
+  v_scale,
+  *,
+  bits,
+  group_size,
+  block_tokens=None,
+  operand_order=None,
+  **segment,
 ) -> str | None:
-  """Why this kernel cannot take this segment (None if it can); the dequantizing Mosaic GPU
-  kernel's limits, and its own."""
+  """Why this kernel cannot take this segment with these settings (None if it can); the
+  dequantizing Mosaic GPU kernel's limits, and its own."""
   reason = dequantizing.unsupported_reason(
     queries, k_codes, k_scale, v_scale, bits=bits, group_size=group_size, **segment
   )
@@ -203,6 +212,8 @@ def unsupported_reason(
       f"query group {queries.shape[2]} with group_size={group_size}: a stacked operand would "
       f"have more than {MAX_STACK} rows"
     )
+  if operand_order == "word":
+    return word_order_unsupported_reason(head_dim, bits)
   return None
 
 
@@ -250,20 +261,15 @@ def shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_sta
   return sum(-(-size // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT for size in buffers)
 
 
-def check_key_operand(key_operand) -> None:
-  """ValueError naming `key_operand` and its allowed values."""
+def check_folded_settings(
+  *, key_operand=DEFAULT_KEY_OPERAND, operand_order=DEFAULT_OPERAND_ORDER, approx_math=False
+) -> None:
+  """ValueError naming the first of this kernel's own settings outside its allowed values (the
+  checks that need no shapes; the dispatch runs them on a kernel_config too)."""
   if key_operand not in KEY_OPERANDS:
     raise ValueError(f"key_operand={key_operand!r} is not supported; allowed: {KEY_OPERANDS}")
-
-
-def check_operand_order(operand_order) -> None:
-  """ValueError naming `operand_order` and its allowed values."""
   if operand_order not in OPERAND_ORDERS:
     raise ValueError(f"operand_order={operand_order!r} is not supported; allowed: {OPERAND_ORDERS}")
-
-
-def check_approx_math(approx_math) -> None:
-  """ValueError naming `approx_math` and its allowed values."""
   if not isinstance(approx_math, bool):
     raise ValueError(f"approx_math={approx_math!r} is not supported; allowed: (False, True)")
 
@@ -285,11 +291,9 @@ def check_config(
   dequantizing.check_settings(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
-  check_key_operand(key_operand)
-  check_operand_order(operand_order)
-  check_approx_math(approx_math)
-  if operand_order == "word":
-    check_word_order_shape(head_dim, bits)
+  check_folded_settings(
+    key_operand=key_operand, operand_order=operand_order, approx_math=approx_math
+  )
   needed = shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_stages)
   if needed > SHARED_MEMORY_BYTES:
     raise ValueError(
@@ -826,7 +830,14 @@ def folded_kernel_outputs(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
   reason = unsupported_reason(
-    queries, k_codes, k_scale, v_scale, bits=bits, group_size=group_size, block_tokens=block_tokens
+    queries,
+    k_codes,
+    k_scale,
+    v_scale,
+    bits=bits,
+    group_size=group_size,
+    block_tokens=block_tokens,
+    operand_order=operand_order,
   )
   if reason is not None:
     raise ValueError(

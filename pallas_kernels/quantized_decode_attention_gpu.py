@@ -24,7 +24,6 @@ from pallas_kernels import (
   quantized_decode_attention_triton,
 )
 from pallas_kernels.launch_settings import check_launch_settings
-from pallas_kernels.word_operand_order import check_word_order_shape
 
 LOWERINGS = ("triton", "mosaic_gpu")
 # Mosaic GPU variant -> (its module, the name of its entry point there). The entry point is looked
@@ -83,12 +82,7 @@ def check_config(config: dict) -> str:
         f"kernel_config keys {sorted(folded_only)} are taken by the folded Mosaic GPU kernel "
         f'only; add "variant": "folded" or remove them'
       )
-    if "key_operand" in folded_only:
-      quantized_decode_attention_folded_mosaic_gpu.check_key_operand(folded_only["key_operand"])
-    if "operand_order" in folded_only:
-      quantized_decode_attention_folded_mosaic_gpu.check_operand_order(folded_only["operand_order"])
-    if "approx_math" in folded_only:
-      quantized_decode_attention_folded_mosaic_gpu.check_approx_math(folded_only["approx_math"])
+    quantized_decode_attention_folded_mosaic_gpu.check_folded_settings(**folded_only)
     quantized_decode_attention_mosaic_gpu.check_settings(**settings)
   return lowering
 
@@ -123,7 +117,13 @@ def mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, *, config: di
     return None
   module, _ = _mosaic_gpu_kernel(config)
   return module.unsupported_reason(
-    queries, k_codes, k_scale, v_scale, block_tokens=config.get("block_tokens"), **segment
+    queries,
+    k_codes,
+    k_scale,
+    v_scale,
+    block_tokens=config.get("block_tokens"),
+    operand_order=config.get("operand_order"),
+    **segment,
   )
 
 
@@ -167,24 +167,13 @@ def measured_default_config(
   triton_default = {"stack_copies": True} if group == 1 else {}
   if group > MOSAIC_DEFAULT_MAX_GROUP:
     return triton_default
-  folded = quantized_decode_attention_folded_mosaic_gpu
   for config in (FOLDED_MOSAIC_GPU_V30, FOLDED_MOSAIC_GPU):
-    block_tokens = config.get("block_tokens")
-    if folded.unsupported_reason(
-      queries, k_codes, k_scale, v_scale, block_tokens=block_tokens, **segment
-    ) is None and _word_order_takes(config, queries.shape[3], segment.get("bits")):
+    if (
+      mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, config=config, **segment)
+      is None
+    ):
       return dict(config)
   return triton_default
-
-
-def _word_order_takes(config: dict, head_dim: int, bits) -> bool:
-  if config.get("operand_order") != "word":
-    return True
-  try:
-    check_word_order_shape(head_dim, bits)
-  except ValueError:
-    return False
-  return True
 
 
 def quantized_decode_attention_gpu(

@@ -50,14 +50,16 @@ def word_order_channels(head_dim: int, bits: int) -> np.ndarray:
   return np.asarray(channel_at_position(np.arange(head_dim), head_dim, bits), np.int32)
 
 
-def check_word_order_shape(head_dim: int, bits: int) -> None:
-  """The order needs whole 8-word groups per row (W % 8 == 0): the wgmma layout's columns."""
+def word_order_unsupported_reason(head_dim: int, bits: int) -> str | None:
+  """Why the word order cannot stage rows of this width (None if it can): it needs whole 8-word
+  groups per row (W % 8 == 0), the wgmma layout's columns."""
   words = head_dim * bits // 32
   if words % 8:
-    raise ValueError(
-      f"the word operand order needs head_dim * bits / 32 to be a multiple of 8 code words; "
-      f"head_dim={head_dim} with bits={bits} gives {words}"
+    return (
+      f"the word operand order at head_dim={head_dim} with bits={bits}: {words} code words per "
+      f"token, not a multiple of 8"
     )
+  return None
 
 
 def stage_words_in_word_order(words: jax.Array, bits: int) -> jax.Array:
