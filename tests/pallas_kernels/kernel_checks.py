@@ -40,6 +40,13 @@ def relative_tolerance(dtype, interpret: bool) -> float:
   return 2e-2
 
 
+def assert_relative_error_below(out, ref_out, rtol: float) -> None:
+  """Relative L2 error of `out` against `ref_out` below `rtol`."""
+  out, ref_out = np.asarray(out, np.float64), np.asarray(ref_out, np.float64)
+  error = np.linalg.norm(out - ref_out) / max(np.linalg.norm(ref_out), 1e-30)
+  assert error < rtol, f"relative error {error:.3g} >= {rtol:.3g}"
+
+
 def assert_matches_reference(out, lse, ref_out, ref_lse, *, rtol: float):
   """out within rtol (relative L2) of the reference, lse close, every element finite where the
   reference is, and empty rows exactly (0, -inf). NaN never passes."""
@@ -51,8 +58,7 @@ def assert_matches_reference(out, lse, ref_out, ref_lse, *, rtol: float):
   np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
   empty = np.isneginf(ref_lse)
   assert np.all(out[empty] == 0.0), "rows with no valid slot must give 0"
-  error = np.linalg.norm(out - ref_out) / max(np.linalg.norm(ref_out), 1e-30)
-  assert error < rtol, f"relative error {error:.3g} >= {rtol:.3g}"
+  assert_relative_error_below(out, ref_out, rtol)
   finite = ~empty
   lse_error = np.max(np.abs(lse[finite] - ref_lse[finite]), initial=0.0)
   # 3x the relative tolerance, absolute: on 2026-11-25 the largest lse error over the kernel
