@@ -22,6 +22,9 @@
 #   bash benchmarks/gpu_session.sh word     # v30's second call (~5 min): the word operand order
 #   bash benchmarks/gpu_session.sh tune     # v30's third call (~4 min): word order settings
 #   bash benchmarks/gpu_session.sh final    # v30's fourth call (~4 min): 32k table, generate check
+#   bash benchmarks/gpu_session.sh issuer   # v31, not yet run (~5 min): the first warp issuing
+#                                           # the copies, fewer splits; then `final` with the
+#                                           # winner in its folded Mosaic row
 #
 # Folded Triton is named as {"variant": "folded"}: since KERNEL_NOTES v29 an empty config is the
 # measured default, which on Hopper is folded Mosaic GPU for most shapes (in v29's own calls, {}
@@ -69,6 +72,10 @@ ncu_folded_mosaic() {
   ncu --import "$report.ncu-rep" --page source --csv --print-source sass > /tmp/ncu_sass.csv
   "$python" benchmarks/ncu_sass_summary.py /tmp/ncu_sass.csv > "$out/ncu_sass_summary.txt" 2>&1
   return "$profiled"
+}
+sweep_at_32k() {  # sweep_at_32k LOG CONFIGS_JSON: the configs timed at 32k (JSON to $out)
+  timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
+    --sweep-only --sweep-configs "$2" --out "$out/sweep_32k.json" 2>&1 | tee -a "$1"
 }
 sweep_shapes() {  # sweep_shapes LOG CONFIG...: the configs at 8k / 128k, 1 and 8 heads, KIVI-4
   local log="$1" shape status=0
@@ -297,11 +304,9 @@ ${folded}, \"block_tokens\": 64, \"num_stages\": 3, \"key_operand\": \"registers
     registers="${word64}, \"key_operand\": \"registers\", \"approx_math\": true}"
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
     native_folded_tests "$out/native_tests.log" | tail -3 || status=1
-    timeout --signal=INT 120 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
-      --sweep-only --sweep-configs "[${folded}}, ${word64}}, ${shared}, \
+    sweep_at_32k "$log" "[${folded}}, ${word64}}, ${shared}, \
 ${word64}, \"key_operand\": \"registers\"}, ${registers}, \
-${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" \
-      --out "$out/sweep_32k.json" 2>&1 | tee -a "$log" || status=1
+${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" || status=1
     sweep_shapes "$log" "${folded}}" "${shared}" "${registers}" || status=1
     exit "$status"
     ;;
@@ -319,8 +324,30 @@ ${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" \
       tee "$out/generate_kernels_check.log" || status=1
     exit "$status"
     ;;
+  issuer)
+    # v31's first call (~5 min): the first warp alone issuing each block's copies, on one barrier
+    # per ring slot ("copy_issuer": "first_warp"; static count 535 -> 415 mean instructions per
+    # 64 tokens and 128 -> 109 registers at the v30 default's settings), natively checked, then
+    # timed at 32k beside the v30 default, with 2 stages, with fewer splits (8 and 16 per row
+    # and KV head: 512 and 1024 programs against the planner's 2048) and at block 128; the
+    # winner against the v30 default at 8k / 128k, 1 and 8 heads and KIVI-4; ncu of it.
+    set +e
+    status=0
+    log="$out/issuer.log"
+    v30="${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"key_operand\": \"registers\", \"operand_order\": \"word\""
+    first="${v30}, \"copy_issuer\": \"first_warp\""
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
+    native_folded_tests "$out/native_tests.log" | tail -3 || status=1
+    sweep_at_32k "$log" "[${v30}}, ${first}}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 2, \"key_operand\": \"registers\", \"operand_order\": \"word\", \"copy_issuer\": \"first_warp\"}, \
+${first}, \"num_splits\": 8}, ${first}, \"num_splits\": 16}, \
+${folded}, \"copy_issuer\": \"first_warp\"}, ${folded}}]" || status=1
+    sweep_shapes "$log" "${v30}}" "${first}}" || status=1
+    ncu_folded_mosaic "${first}}" >> "$log" || status=1
+    exit "$status"
+    ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

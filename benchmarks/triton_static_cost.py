@@ -95,6 +95,31 @@ def main_loop_instructions(instructions) -> list[tuple[str, str]]:
   """(opcode, operands) of the longest backward-branch region (the kernel's main loop).
   Branches placed after the first EXIT are out-of-line stubs (Mosaic GPU's mbarrier try-wait
   retries jump back into the body from there) and bound no loop."""
+  return [(opcode, operands) for _, opcode, operands in main_loop(instructions)]
+
+
+# The low two bits of the warp index tested into a predicate: `pl.when(warp == 0)` inside
+# `plgpu.warp_map` (warp % 4 == 0), right before the branch that skips the other warps.
+WARP_INDEX_TEST = re.compile(r"^\s*P\d+, RZ, R\d+, 0x3, RZ, 0xc0")
+
+
+def first_warp_only(loop) -> int:
+  """Instructions of a loop body ((address, opcode, operands), as `main_loop` gives) that only
+  the first warp of the warpgroup runs: those a forward branch skips right after a test of the
+  warp index (`WARP_INDEX_TEST`)."""
+  skipped = set()
+  for (_, opcode, operands), (address, next_opcode, next_operands) in zip(loop, loop[1:]):
+    if not (opcode.startswith("LOP3") and WARP_INDEX_TEST.match(operands)):
+      continue
+    target = re.search(r"0x([0-9a-f]+)", next_operands)
+    if next_opcode.startswith("BRA") and target and int(target.group(1), 16) > address:
+      end = int(target.group(1), 16)
+      skipped |= {a for a, _, _ in loop if address < a < end}
+  return len(skipped)
+
+
+def main_loop(instructions) -> list[tuple[int, str, str]]:
+  """(address, opcode, operands) of `main_loop_instructions`'s region."""
   exit_address = min(
     (address for address, opcode, _ in instructions if opcode.startswith("EXIT")), default=None
   )
@@ -109,9 +134,7 @@ def main_loop_instructions(instructions) -> list[tuple[str, str]]:
   if not loops:
     raise ValueError("no backward branch in the SASS: the kernel has no loop")
   low, high = max(loops, key=lambda loop: loop[1] - loop[0])
-  return [
-    (opcode, operands) for address, opcode, operands in instructions if low <= address <= high
-  ]
+  return [instruction for instruction in instructions if low <= instruction[0] <= high]
 
 
 def wgmma_shadows(body: list[tuple[str, str]]) -> list[int]:
@@ -145,16 +168,23 @@ class LoopCost:
   warps: int
   opcodes: dict
   wgmma_shadows: list  # `wgmma_shadows`: instructions issued while each warpgroup MMA runs
+  # of `instructions`, those only the first warp runs (`first_warp_only`)
+  first_warp_only: int = 0
+
+  @property
+  def mean_instructions(self) -> float:
+    """Warp instructions per iteration, averaged over the warps (the first warp may run more)."""
+    return self.instructions - self.first_warp_only * (self.warps - 1) / self.warps
 
   def per_element(self, head_dim: int) -> float:
     """Thread instructions per cached K or V element (one lane of a warp instruction each)."""
     elements_per_warp = 2 * self.tokens_per_iteration * head_dim / self.warps
-    return self.instructions * 32 / elements_per_warp
+    return self.mean_instructions * 32 / elements_per_warp
 
   def floors_us(self, *, programs_tokens: int) -> dict:
     """Issue and shared-memory floors for `programs_tokens` = sum over programs of tokens."""
     iterations = programs_tokens / self.tokens_per_iteration
-    warp_instructions = iterations * self.warps * self.instructions
+    warp_instructions = iterations * self.warps * self.mean_instructions
     wavefronts = iterations * self.warps * self.wavefronts
     return {
       "issue_us": 1e6 * warp_instructions / (H100_SMS * SCHEDULERS_PER_SM * H100_CLOCK_HZ),
@@ -163,7 +193,8 @@ class LoopCost:
 
 
 def loop_cost(name, sass: str, resources: str, ttgir: str, *, tokens_per_iteration, warps):
-  body_instructions = main_loop_instructions(parse_sass(sass))
+  loop = main_loop(parse_sass(sass))
+  body_instructions = [(opcode, operands) for _, opcode, operands in loop]
   body = [opcode for opcode, _ in body_instructions]
   by_base = collections.Counter(opcode.split(".")[0] for opcode in body)
   registers = re.search(r"REG:(\d+)", resources)
@@ -183,6 +214,7 @@ def loop_cost(name, sass: str, resources: str, ttgir: str, *, tokens_per_iterati
     warps=warps,
     opcodes=dict(by_base.most_common(20)),
     wgmma_shadows=wgmma_shadows(body_instructions),
+    first_warp_only=first_warp_only(loop),
   )
 
 

@@ -48,6 +48,11 @@ column order `word_operand_order` derives, with the queries, key scales and outp
 match. `folded_decode_attention_mosaic_gpu` merges the splits before it picks each channel's
 value slot (and position), so no gather runs over the per-split partials.
 
+`copy_issuer="first_warp"` (v31, not yet timed on a GPU) leaves each block's five TMA copies to
+the first warp alone, in warp semantics (`plgpu.warp_map`), all arriving on one barrier per ring
+slot: the other three warps skip the copies' address arithmetic and wait once per block instead
+of five times. Interpret mode runs the same warp map and checks the barrier's arrival count.
+
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
 the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
@@ -144,6 +149,14 @@ DEFAULT_KEY_OPERAND = "shared_memory"
 # two words into each operand register (a byte permute each), "word" takes each masked word as a
 # register and permutes the queries, key scales and output instead (v30).
 DEFAULT_OPERAND_ORDER = "channel"
+# Who issues each block's TMA copies. One thread does either way; with "warpgroup" (v14 on) all
+# four warps compute the copies' addresses and barrier arrivals, one barrier per copy; with
+# "first_warp" (v31) only the first warp does, in warp semantics (`plgpu.warp_map`), and the
+# block's copies arrive on one barrier per ring slot, so each warp waits once per block instead
+# of five times. sm_90a static count at block 64 with the v30 default's settings: 535 -> 399
+# instructions per 64 tokens in three of the four warps (461 in the first), 128 -> 109 registers.
+COPY_ISSUERS = ("warpgroup", "first_warp")
+DEFAULT_COPY_ISSUER = "warpgroup"
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
 
@@ -255,14 +268,18 @@ def shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_sta
     block_tokens * head_dim * 2,  # one bf16 code tile: K, then V
     max(key_rows * head_dim, value_rows * block_tokens) * 2,  # Q', then P'
     rows * 4,  # lse
-    8 * (2 + 5 * num_stages),  # barriers
+    8 * (2 + 5 * num_stages),  # barriers (one per ring buffer and stage, at most)
     REDUCTION_SCRATCH_BYTES,
   ]
   return sum(-(-size // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT for size in buffers)
 
 
 def check_folded_settings(
-  *, key_operand=DEFAULT_KEY_OPERAND, operand_order=DEFAULT_OPERAND_ORDER, approx_math=False
+  *,
+  key_operand=DEFAULT_KEY_OPERAND,
+  operand_order=DEFAULT_OPERAND_ORDER,
+  approx_math=False,
+  copy_issuer=DEFAULT_COPY_ISSUER,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values (the
   checks that need no shapes; the dispatch runs them on a kernel_config too)."""
@@ -272,6 +289,8 @@ def check_folded_settings(
     raise ValueError(f"operand_order={operand_order!r} is not supported; allowed: {OPERAND_ORDERS}")
   if not isinstance(approx_math, bool):
     raise ValueError(f"approx_math={approx_math!r} is not supported; allowed: (False, True)")
+  if copy_issuer not in COPY_ISSUERS:
+    raise ValueError(f"copy_issuer={copy_issuer!r} is not supported; allowed: {COPY_ISSUERS}")
 
 
 def check_config(
@@ -286,13 +305,17 @@ def check_config(
   key_operand=DEFAULT_KEY_OPERAND,
   operand_order=DEFAULT_OPERAND_ORDER,
   approx_math=False,
+  copy_issuer=DEFAULT_COPY_ISSUER,
 ):
   """ValueError naming the setting and its allowed values; raised before anything is traced."""
   dequantizing.check_settings(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
   check_folded_settings(
-    key_operand=key_operand, operand_order=operand_order, approx_math=approx_math
+    key_operand=key_operand,
+    operand_order=operand_order,
+    approx_math=approx_math,
+    copy_issuer=copy_issuer,
   )
   needed = shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_stages)
   if needed > SHARED_MEMORY_BYTES:
@@ -381,9 +404,10 @@ def _folded_kernel(
   emulate: bool,
   key_operand: str,
   operand_order: str,
+  copy_issuer: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
-  lengths_barrier, queries_barrier, stream_barriers = barriers
+  lengths_barrier, queries_barrier, ring_barriers = barriers
   block = plan.block_tokens
   head_dim, rows = queries_smem.shape
   key_stack_smem, value_stack_smem = stacks_smem
@@ -399,11 +423,16 @@ def _folded_kernel(
   plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
   plgpu.barrier_wait(lengths_barrier)
   start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
-  fetch = functools.partial(
+  ring = (k_words_smem, k_scale_smem, key_bias_smem, v_words_smem, v_stats_smem)
+  waited_barriers = ring_barriers
+  if copy_issuer == "first_warp":  # one barrier per slot, each copy one arrival on it
+    waited_barriers = (ring_barriers,)
+    ring_barriers = waited_barriers * len(ring)
+  fetch_copies = functools.partial(
     fetch_block,
     (k_codes_gmem, k_scale_gmem, key_bias_gmem, v_codes_gmem, v_stats_gmem),
-    (k_words_smem, k_scale_smem, key_bias_smem, v_words_smem, v_stats_smem),
-    stream_barriers,
+    ring,
+    ring_barriers,
     row=row,
     head=head,
     start=start,
@@ -411,6 +440,13 @@ def _folded_kernel(
     group_size=group_size,
     num_stages=num_stages,
   )
+
+  def fetch(i):
+    if copy_issuer == "first_warp":
+      plgpu.warp_map(lambda warp: pl.when(warp == 0)(functools.partial(fetch_copies, i)))
+    else:
+      fetch_copies(i)
+
   for i in range(num_stages - 1):
     pl.when(i < num_blocks)(functools.partial(fetch, i))
   plgpu.barrier_wait(queries_barrier)
@@ -445,7 +481,7 @@ def _folded_kernel(
     slot = lax.rem(i, num_stages)
     pl.when(i + num_stages - 1 < num_blocks)(functools.partial(fetch, i + num_stages - 1))
     first = start + i * block
-    for barrier in stream_barriers:
+    for barrier in waited_barriers:
       plgpu.barrier_wait(barrier.at[slot])
 
     stage = functools.partial(
@@ -644,6 +680,7 @@ def _folded_kernel(
     "key_operand",
     "operand_order",
     "approx_math",
+    "copy_issuer",
     "interpret",
   ),
 )
@@ -666,6 +703,7 @@ def _jitted_kernel_outputs(
   key_operand,
   operand_order,
   approx_math,
+  copy_issuer,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -687,6 +725,7 @@ def _jitted_kernel_outputs(
   v_stats = group_major_value_stat_pairs(v_scale, v_min)
   lengths = padded_lengths(lengths)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
+  ring_slots = ring_slot_shapes(group, head_dim, bits, group_size, block_tokens)
   operand = functools.partial(swizzled_operand_transforms, dtype=jnp.bfloat16)
   kernel = plgpu.kernel(
     functools.partial(
@@ -700,6 +739,7 @@ def _jitted_kernel_outputs(
       emulate=interpret,
       key_operand=key_operand,
       operand_order=operand_order,
+      copy_issuer=copy_issuer,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
@@ -717,10 +757,7 @@ def _jitted_kernel_outputs(
       lengths_smem=plgpu.SMEM(lengths.shape, jnp.int32),
       queries_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
       **{
-        name: plgpu.SMEM((num_stages, *shape), dtype)
-        for name, (shape, dtype) in ring_slot_shapes(
-          group, head_dim, bits, group_size, block_tokens
-        ).items()
+        name: plgpu.SMEM((num_stages, *shape), dtype) for name, (shape, dtype) in ring_slots.items()
       },
       codes_smem=plgpu.SMEM((block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
       stacks_smem=plgpu.RefUnion(
@@ -731,7 +768,11 @@ def _jitted_kernel_outputs(
       barriers=(
         plgpu.Barrier(),
         plgpu.Barrier(),
-        tuple(plgpu.Barrier(num_barriers=num_stages) for _ in range(5)),
+        (
+          plgpu.Barrier(num_arrivals=len(ring_slots), num_barriers=num_stages)
+          if copy_issuer == "first_warp"
+          else tuple(plgpu.Barrier(num_barriers=num_stages) for _ in ring_slots)
+        ),
       ),
     ),
     # The stores need none of the barriers Pallas would put around each of them: every tile a
@@ -821,6 +862,7 @@ def folded_kernel_outputs(
   key_operand: str = DEFAULT_KEY_OPERAND,
   operand_order: str = DEFAULT_OPERAND_ORDER,
   approx_math: bool = False,
+  copy_issuer: str = DEFAULT_COPY_ISSUER,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (rows in operand positions, every value
@@ -854,6 +896,7 @@ def folded_kernel_outputs(
     key_operand=key_operand,
     operand_order=operand_order,
     approx_math=approx_math,
+    copy_issuer=copy_issuer,
   )
   return _jitted_kernel_outputs(
     queries,
@@ -873,6 +916,7 @@ def folded_kernel_outputs(
     key_operand=key_operand,
     operand_order=operand_order,
     approx_math=approx_math,
+    copy_issuer=copy_issuer,
     interpret=interpret,
   )
 

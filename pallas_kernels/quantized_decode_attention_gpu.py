@@ -56,9 +56,10 @@ CONFIG_KEYS = {
     "key_operand",
     "operand_order",
     "approx_math",
+    "copy_issuer",
   ),
 }
-FOLDED_ONLY_KEYS = ("key_operand", "operand_order", "approx_math")
+FOLDED_ONLY_KEYS = ("key_operand", "operand_order", "approx_math", "copy_issuer")
 
 
 def check_config(config: dict) -> str:
@@ -75,7 +76,7 @@ def check_config(config: dict) -> str:
   check_launch_settings(config)
   if lowering == "mosaic_gpu":
     _mosaic_gpu_kernel(config)
-    settings = _mosaic_gpu_settings(config)
+    settings = mosaic_gpu_settings(config)
     folded_only = {key: settings.pop(key) for key in FOLDED_ONLY_KEYS if key in settings}
     if folded_only and config.get("variant") != "folded":
       raise ValueError(
@@ -98,7 +99,8 @@ def _mosaic_gpu_kernel(config: dict):
   return MOSAIC_GPU_KERNELS[variant]
 
 
-def _mosaic_gpu_settings(config: dict) -> dict:
+def mosaic_gpu_settings(config: dict) -> dict:
+  """A Mosaic GPU kernel_config's keyword arguments to the kernel: all but lowering and variant."""
   return {key: value for key, value in config.items() if key not in ("lowering", "variant")}
 
 
@@ -212,7 +214,7 @@ def quantized_decode_attention_gpu(
         group_size=group_size,
         sm_scale=sm_scale,
         interpret=interpret,
-        **_mosaic_gpu_settings(config),
+        **mosaic_gpu_settings(config),
       )
     settings = {}  # the Triton kernel's defaults: the Mosaic GPU settings are not its own
   return quantized_decode_attention_triton.quantized_decode_attention_triton(

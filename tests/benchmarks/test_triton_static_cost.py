@@ -109,3 +109,32 @@ def test_a_warpgroup_mma_line_keeps_its_shape_in_the_opcode():
   [(address, opcode, operands)] = static_cost.parse_sass(line)
   assert (address, opcode) == (0x57A0, "HGMMA.64x16x16.F32.BF16")
   assert static_cost.shared_memory_wavefronts(opcode, operands) == pytest.approx(1.0)
+
+
+# A loop whose first warp alone runs 0x0050-0x0060: the warp index's low two bits tested into P1,
+# a forward branch over the copies (as `pl.when(warp == 0)` inside `plgpu.warp_map` compiles).
+WARP_MAP_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/                   ISETP.LE.AND P0, PT, R9, UR6, PT ;     /* 0x000000040000780c */
+        /*0020*/                @P0 BRA 0x70 ;                            /* 0x0000000000008947 */
+        /*0030*/                   SHFL.IDX PT, R2, R3, RZ, 0x1f ;        /* 0x0000000000007f89 */
+        /*0040*/                   LOP3.LUT P1, RZ, R2, 0x3, RZ, 0xc0, !PT ; /* 0x0 */
+        /*0050*/                @P1 BRA 0x70 ;                            /* 0x0000000000008947 */
+        /*0060*/                   UTMALDG.4D [UR8], [UR20] ;             /* 0x0000000000007f89 */
+        /*0070*/                   HGMMA.64x8x16.F32.BF16 R12, R8, gdesc[UR4], R12 ; /* 0x0 */
+        /*0080*/                   ISETP.GE.AND P0, PT, R0, 0x4, PT ;     /* 0x000000040000780c */
+        /*0090*/               @!P0 BRA 0x10 ;                            /* 0xffffff9000008947 */
+        /*00a0*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+
+def test_instructions_only_the_first_warp_runs_are_counted_apart():
+  loop = static_cost.main_loop(static_cost.parse_sass(WARP_MAP_SASS))
+  assert len(loop) == 9 and static_cost.first_warp_only(loop) == 1
+  cost = static_cost.loop_cost(
+    "warp map", WARP_MAP_SASS, "REG:64", "", tokens_per_iteration=64, warps=4
+  )
+  assert (cost.instructions, cost.first_warp_only) == (9, 1)
+  assert cost.mean_instructions == 9 - 3 / 4
+  # the other forward branch (the block-count test) guards no warp: nothing counted for it
+  assert static_cost.first_warp_only(static_cost.main_loop(static_cost.parse_sass(SASS))) == 0

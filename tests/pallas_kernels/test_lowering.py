@@ -19,6 +19,7 @@ from pallas_kernels.decode_attention_triton import decode_attention_triton
 from pallas_kernels.quantized_decode_attention_folded_mosaic_gpu import (
   folded_decode_attention_mosaic_gpu,
 )
+from pallas_kernels.quantized_decode_attention_gpu import FOLDED_MOSAIC_GPU_V30, mosaic_gpu_settings
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
   quantized_decode_attention_mosaic_gpu,
 )
@@ -30,6 +31,9 @@ from pallas_kernels.random_inputs import random_quantized_segment
 pytestmark = pytest.mark.filterwarnings(
   "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 )
+
+# The Hopper default's settings with the first warp alone issuing the copies (v31).
+V30_FIRST_WARP = dict(mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V30), copy_issuer="first_warp")
 
 
 def _quantized_args(gear: bool):
@@ -203,6 +207,8 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       32,
       dict(block_tokens=64, num_stages=4, key_operand="registers", operand_order="word"),
     ),
+    # The first warp alone issues the copies, in warp semantics, on one barrier per slot (v31).
+    ("folded", 2, 128, 4, 32, V30_FIRST_WARP),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

@@ -22,6 +22,7 @@ from kvjax import attention_dispatch
 from pallas_kernels import quantized_decode_attention_folded_mosaic_gpu as folded
 from pallas_kernels import quantized_decode_attention_gpu
 from pallas_kernels.bit_packing import pack_codes
+from pallas_kernels.quantized_decode_attention_gpu import FOLDED_MOSAIC_GPU_V30, mosaic_gpu_settings
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import BLOCK_TOKENS
 from pallas_kernels.quantized_decode_attention_reference import (
   quantized_decode_attention_reference,
@@ -101,6 +102,24 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       dict(block_tokens=128, num_splits=2, key_operand="registers", operand_order="word"),
     ),
     (4, 64, 8, 64, 192, dict(block_tokens=64, key_operand="registers", operand_order="word")),
+    # the first warp alone issues the copies, one barrier per ring slot (v31): the v30 default's
+    # settings, and one split of four 64-token blocks through two ring slots (each slot refilled)
+    (
+      2,
+      128,
+      4,
+      32,
+      224,
+      dict(mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V30), copy_issuer="first_warp"),
+    ),
+    (
+      4,
+      64,
+      2,
+      16,
+      256,
+      dict(block_tokens=64, num_stages=2, num_splits=1, copy_issuer="first_warp"),
+    ),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -308,6 +327,12 @@ def test_bad_key_operand_is_named_before_tracing():
   with pytest.raises(ValueError, match=r"approx_math=1 is not supported; allowed: \(False, True\)"):
     quantized_decode_attention_gpu.check_config(
       {"lowering": "mosaic_gpu", "variant": "folded", "approx_math": 1}
+    )
+  with pytest.raises(ValueError, match=r"copy_issuer='warp' is not supported; allowed: \("):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, copy_issuer="warp")
+  with pytest.raises(ValueError, match="copy_issuer='one_warp' is not supported"):
+    quantized_decode_attention_gpu.check_config(
+      {"lowering": "mosaic_gpu", "variant": "folded", "copy_issuer": "one_warp"}
     )
   with pytest.raises(ValueError, match="operand_order='words' is not supported"):
     folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, operand_order="words")
