@@ -22,9 +22,9 @@
 #   bash benchmarks/gpu_session.sh word     # v30's second call (~5 min): the word operand order
 #   bash benchmarks/gpu_session.sh tune     # v30's third call (~4 min): word order settings
 #   bash benchmarks/gpu_session.sh final    # v30's fourth call (~4 min): 32k table, generate check
-#   bash benchmarks/gpu_session.sh issuer   # v31, not yet run (~5 min): the first warp issuing
-#                                           # the copies, fewer splits; then `final` with the
-#                                           # winner in its folded Mosaic row
+#   bash benchmarks/gpu_session.sh issuer   # v31, not yet run (~5 min): copies from the first
+#                                           # warp, the carried value accumulator, fewer splits;
+#                                           # then `final` with the winner in its Mosaic row
 #
 # Folded Triton is named as {"variant": "folded"}: since KERNEL_NOTES v29 an empty config is the
 # measured default, which on Hopper is folded Mosaic GPU for most shapes (in v29's own calls, {}
@@ -325,25 +325,29 @@ ${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" || status=1
     exit "$status"
     ;;
   issuer)
-    # v31's first call (~5 min): the first warp alone issuing each block's copies, on one barrier
-    # per ring slot ("copy_issuer": "first_warp"; static count 535 -> 415 mean instructions per
-    # 64 tokens and 128 -> 109 registers at the v30 default's settings), natively checked, then
-    # timed at 32k beside the v30 default, with 2 stages, with fewer splits (8 and 16 per row
-    # and KV head: 512 and 1024 programs against the planner's 2048) and at block 128; the
-    # winner against the v30 default at 8k / 128k, 1 and 8 heads and KIVI-4; ncu of it.
+    # v31's first call (~5 min): two settings the static count favours, neither yet run on a
+    # GPU. "copy_issuer": "first_warp" (the first warp alone issues each block's copies, on one
+    # barrier per ring slot) and "value_accumulator": "carried" (the value product adds into the
+    # running accumulator): at the v30 default's settings 535 -> 398 mean instructions per 64
+    # tokens, 128 -> 109 registers. Natively checked, then timed at 32k beside the v30 default:
+    # each setting alone, both, both with 2 stages, with 8 and 16 splits (512 and 1024 programs
+    # against the planner's 2048) and at block 128; both against the v30 default at 8k / 128k,
+    # 1 and 8 heads and KIVI-4; ncu of both.
     set +e
     status=0
     log="$out/issuer.log"
     v30="${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"key_operand\": \"registers\", \"operand_order\": \"word\""
-    first="${v30}, \"copy_issuer\": \"first_warp\""
+    first="\"copy_issuer\": \"first_warp\""
+    carried="\"value_accumulator\": \"carried\""
+    both="${v30}, ${first}, ${carried}"
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
     native_folded_tests "$out/native_tests.log" | tail -3 || status=1
-    sweep_at_32k "$log" "[${v30}}, ${first}}, \
-${folded}, \"block_tokens\": 64, \"num_stages\": 2, \"key_operand\": \"registers\", \"operand_order\": \"word\", \"copy_issuer\": \"first_warp\"}, \
-${first}, \"num_splits\": 8}, ${first}, \"num_splits\": 16}, \
-${folded}, \"copy_issuer\": \"first_warp\"}, ${folded}}]" || status=1
-    sweep_shapes "$log" "${v30}}" "${first}}" || status=1
-    ncu_folded_mosaic "${first}}" >> "$log" || status=1
+    sweep_at_32k "$log" "[${v30}}, ${v30}, ${first}}, ${v30}, ${carried}}, ${both}}, \
+${folded}, \"block_tokens\": 64, \"num_stages\": 2, \"key_operand\": \"registers\", \"operand_order\": \"word\", ${first}, ${carried}}, \
+${both}, \"num_splits\": 8}, ${both}, \"num_splits\": 16}, \
+${folded}, ${first}, ${carried}}, ${folded}}]" || status=1
+    sweep_shapes "$log" "${v30}}" "${both}}" || status=1
+    ncu_folded_mosaic "${both}}" >> "$log" || status=1
     exit "$status"
     ;;
   *)

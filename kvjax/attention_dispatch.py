@@ -209,8 +209,9 @@ def quantized_decode_attention(
   {"lowering": "mosaic_gpu"} (also "variant": "dequantize" (default) | "folded", block_tokens,
   num_splits, num_stages, and for "folded" "key_operand": "shared_memory" (default) |
   "registers", "operand_order": "channel" (default) | "word", "approx_math": False (default) |
-  True, "copy_issuer": "warpgroup" (default) | "first_warp"; KIVI segments, others run the
-  Triton kernel with a warning; see `pallas_kernels.quantized_decode_attention_gpu`).
+  True, "copy_issuer": "warpgroup" (default) | "first_warp", "value_accumulator": "fresh"
+  (default) | "carried"; KIVI segments, others run the Triton kernel with a warning; see
+  `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=True, family=family)

@@ -48,10 +48,14 @@ column order `word_operand_order` derives, with the queries, key scales and outp
 match. `folded_decode_attention_mosaic_gpu` merges the splits before it picks each channel's
 value slot (and position), so no gather runs over the per-split partials.
 
-`copy_issuer="first_warp"` (v31, not yet timed on a GPU) leaves each block's five TMA copies to
-the first warp alone, in warp semantics (`plgpu.warp_map`), all arriving on one barrier per ring
-slot: the other three warps skip the copies' address arithmetic and wait once per block instead
-of five times. Interpret mode runs the same warp map and checks the barrier's arrival count.
+Two settings of v31, not yet timed on a GPU: `copy_issuer="first_warp"` leaves each block's five
+TMA copies to the first warp alone, in warp semantics (`plgpu.warp_map`), all arriving on one
+barrier per ring slot: the other three warps skip the copies' address arithmetic and wait once
+per block instead of five times (interpret mode runs the same warp map and checks the barrier's
+arrival count). `value_accumulator="carried"` rescales the running accumulator and hands it to
+the value product, which adds into it, instead of adding a zeroed accumulator's product after
+(interpret mode, which has no wgmma into an accumulator made from registers, adds the product
+as a dot to the same rescaled accumulator).
 
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
@@ -157,6 +161,13 @@ DEFAULT_OPERAND_ORDER = "channel"
 # instructions per 64 tokens in three of the four warps (461 in the first), 128 -> 109 registers.
 COPY_ISSUERS = ("warpgroup", "first_warp")
 DEFAULT_COPY_ISSUER = "warpgroup"
+# Where each block's value product goes: into a zeroed accumulator, added to the running one
+# after it (v14 on: 16 registers zeroed and 16 fused multiply-adds per thread and block at the
+# shapes of record), or into the running accumulator itself, rescaled before the product (v31:
+# 16 multiplies; static count at the v30 default's settings with the first warp issuing: 461 ->
+# 444 instructions per 64 tokens, registers unchanged).
+VALUE_ACCUMULATORS = ("fresh", "carried")
+DEFAULT_VALUE_ACCUMULATOR = "fresh"
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
 
@@ -280,6 +291,7 @@ def check_folded_settings(
   operand_order=DEFAULT_OPERAND_ORDER,
   approx_math=False,
   copy_issuer=DEFAULT_COPY_ISSUER,
+  value_accumulator=DEFAULT_VALUE_ACCUMULATOR,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values (the
   checks that need no shapes; the dispatch runs them on a kernel_config too)."""
@@ -291,6 +303,10 @@ def check_folded_settings(
     raise ValueError(f"approx_math={approx_math!r} is not supported; allowed: (False, True)")
   if copy_issuer not in COPY_ISSUERS:
     raise ValueError(f"copy_issuer={copy_issuer!r} is not supported; allowed: {COPY_ISSUERS}")
+  if value_accumulator not in VALUE_ACCUMULATORS:
+    raise ValueError(
+      f"value_accumulator={value_accumulator!r} is not supported; allowed: {VALUE_ACCUMULATORS}"
+    )
 
 
 def check_config(
@@ -306,6 +322,7 @@ def check_config(
   operand_order=DEFAULT_OPERAND_ORDER,
   approx_math=False,
   copy_issuer=DEFAULT_COPY_ISSUER,
+  value_accumulator=DEFAULT_VALUE_ACCUMULATOR,
 ):
   """ValueError naming the setting and its allowed values; raised before anything is traced."""
   dequantizing.check_settings(
@@ -316,6 +333,7 @@ def check_config(
     operand_order=operand_order,
     approx_math=approx_math,
     copy_issuer=copy_issuer,
+    value_accumulator=value_accumulator,
   )
   needed = shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_stages)
   if needed > SHARED_MEMORY_BYTES:
@@ -405,6 +423,7 @@ def _folded_kernel(
   key_operand: str,
   operand_order: str,
   copy_issuer: str,
+  value_accumulator: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   lengths_barrier, queries_barrier, ring_barriers = barriers
@@ -611,22 +630,44 @@ def _folded_kernel(
     stacked_correction_row = jnp.concatenate([correction] * value_tiles)
     plgpu.commit_smem()  # the staged value codes and P' visible to the tensor core
 
-    def value_product(acc_ref):
-      plgpu.wgmma(acc_ref, codes_smem.T, value_stack_smem.T)
-      # In the product's shadow: the softmax denominator and sum_t p v_min[t] per value group,
-      # kept per token slot and rescaled like the accumulator. Summed over tokens once, after
-      # the loop: a sum over tokens crosses the four warps through shared memory (KERNEL_NOTES
-      # v18: those round trips are where the kernel stalls).
-      new_sum_partials = sum_partials * per_token_correction + probs
-      new_value_bias_partials = value_bias_partials * jnp.concatenate(
-        [per_token_correction] * value_tiles, axis=1
-      ) + jnp.concatenate([probs * value_tile(v_mins, t) for t in range(value_tiles)], axis=1)
-      return acc_ref[...], new_sum_partials, new_value_bias_partials
-
     per_token_correction = lax.broadcast_in_dim(correction, (block, rows), [1])
     stacked_correction = lax.broadcast_in_dim(
       stacked_correction_row, (head_dim, value_tiles * rows), [1]
     )
+
+    def update_partials(sum_partials, value_bias_partials):
+      """In the value product's shadow: the softmax denominator and sum_t p v_min[t] per value
+      group, kept per token slot and rescaled like the accumulator. Summed over tokens once,
+      after the loop: a sum over tokens crosses the four warps through shared memory
+      (KERNEL_NOTES v18: those round trips are where the kernel stalls)."""
+      return sum_partials * per_token_correction + probs, value_bias_partials * jnp.concatenate(
+        [per_token_correction] * value_tiles, axis=1
+      ) + jnp.concatenate([probs * value_tile(v_mins, t) for t in range(value_tiles)], axis=1)
+
+    if value_accumulator == "carried":
+      rescaled = acc * stacked_correction
+      if emulate:
+        # Mosaic GPU's interpreter has no wgmma into an accumulator made from registers: the
+        # same sum, with the product as a dot.
+        product = (
+          codes_smem[...].astype(jnp.float32).T @ value_stack_smem[...].astype(jnp.float32).T
+        )
+        return rescaled + product, new_max, *update_partials(sum_partials, value_bias_partials)
+
+      def value_product_into(refs):
+        acc_ref, sum_ref, bias_ref = refs
+        plgpu.wgmma(acc_ref, codes_smem.T, value_stack_smem.T)
+        sum_ref[...], bias_ref[...] = update_partials(sum_ref[...], bias_ref[...])
+
+      acc, sum_partials, value_bias_partials = pl.run_state(value_product_into)(
+        (plgpu.ACC.init(rescaled), sum_partials, value_bias_partials)
+      )
+      return acc, new_max, sum_partials, value_bias_partials
+
+    def value_product(acc_ref):
+      plgpu.wgmma(acc_ref, codes_smem.T, value_stack_smem.T)
+      return acc_ref[...], *update_partials(sum_partials, value_bias_partials)
+
     update, sum_partials, value_bias_partials = pl.run_scoped(
       value_product, plgpu.ACC((head_dim, value_tiles * rows), jnp.float32)
     )
@@ -681,6 +722,7 @@ def _folded_kernel(
     "operand_order",
     "approx_math",
     "copy_issuer",
+    "value_accumulator",
     "interpret",
   ),
 )
@@ -704,6 +746,7 @@ def _jitted_kernel_outputs(
   operand_order,
   approx_math,
   copy_issuer,
+  value_accumulator,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -740,6 +783,7 @@ def _jitted_kernel_outputs(
       key_operand=key_operand,
       operand_order=operand_order,
       copy_issuer=copy_issuer,
+      value_accumulator=value_accumulator,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
@@ -863,6 +907,7 @@ def folded_kernel_outputs(
   operand_order: str = DEFAULT_OPERAND_ORDER,
   approx_math: bool = False,
   copy_issuer: str = DEFAULT_COPY_ISSUER,
+  value_accumulator: str = DEFAULT_VALUE_ACCUMULATOR,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (rows in operand positions, every value
@@ -897,6 +942,7 @@ def folded_kernel_outputs(
     operand_order=operand_order,
     approx_math=approx_math,
     copy_issuer=copy_issuer,
+    value_accumulator=value_accumulator,
   )
   return _jitted_kernel_outputs(
     queries,
@@ -917,6 +963,7 @@ def folded_kernel_outputs(
     operand_order=operand_order,
     approx_math=approx_math,
     copy_issuer=copy_issuer,
+    value_accumulator=value_accumulator,
     interpret=interpret,
   )
 

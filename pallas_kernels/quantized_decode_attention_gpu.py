@@ -57,9 +57,16 @@ CONFIG_KEYS = {
     "operand_order",
     "approx_math",
     "copy_issuer",
+    "value_accumulator",
   ),
 }
-FOLDED_ONLY_KEYS = ("key_operand", "operand_order", "approx_math", "copy_issuer")
+FOLDED_ONLY_KEYS = (
+  "key_operand",
+  "operand_order",
+  "approx_math",
+  "copy_issuer",
+  "value_accumulator",
+)
 
 
 def check_config(config: dict) -> str:

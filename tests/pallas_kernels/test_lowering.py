@@ -32,8 +32,11 @@ pytestmark = pytest.mark.filterwarnings(
   "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 )
 
-# The Hopper default's settings with the first warp alone issuing the copies (v31).
-V30_FIRST_WARP = dict(mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V30), copy_issuer="first_warp")
+# The Hopper default's settings with v31's two untimed settings on: the first warp alone issuing
+# the copies, the value product adding into the running accumulator.
+V31_CANDIDATE = dict(
+  mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V30), copy_issuer="first_warp", value_accumulator="carried"
+)
 
 
 def _quantized_args(gear: bool):
@@ -207,8 +210,9 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       32,
       dict(block_tokens=64, num_stages=4, key_operand="registers", operand_order="word"),
     ),
-    # The first warp alone issues the copies, in warp semantics, on one barrier per slot (v31).
-    ("folded", 2, 128, 4, 32, V30_FIRST_WARP),
+    # v31: the copies from the first warp (warp semantics, one barrier per slot), the value
+    # product into the running accumulator (an accumulator initialised from registers).
+    ("folded", 2, 128, 4, 32, V31_CANDIDATE),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

@@ -41,6 +41,11 @@ pytestmark = pytest.mark.filterwarnings(
   "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 )
 
+# The Hopper default's settings with v31's two untimed settings on.
+V31_CANDIDATE = dict(
+  mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V30), copy_issuer="first_warp", value_accumulator="carried"
+)
+
 
 def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **config):
   rng = np.random.default_rng(seed)
@@ -102,16 +107,12 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       dict(block_tokens=128, num_splits=2, key_operand="registers", operand_order="word"),
     ),
     (4, 64, 8, 64, 192, dict(block_tokens=64, key_operand="registers", operand_order="word")),
-    # the first warp alone issues the copies, one barrier per ring slot (v31): the v30 default's
-    # settings, and one split of four 64-token blocks through two ring slots (each slot refilled)
-    (
-      2,
-      128,
-      4,
-      32,
-      224,
-      dict(mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V30), copy_issuer="first_warp"),
-    ),
+    # v31's candidates: the first warp alone issues the copies, one barrier per ring slot, and
+    # the value product adds into the running accumulator (with the v30 default's settings);
+    # one split of four 64-token blocks through two ring slots (each slot refilled); the
+    # running accumulator carried in the channel order. One split each, so that the running
+    # state crosses blocks (the planner gives these tokens one block per split)
+    (2, 128, 4, 32, 224, dict(V31_CANDIDATE, num_splits=1)),
     (
       4,
       64,
@@ -120,6 +121,7 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       256,
       dict(block_tokens=64, num_stages=2, num_splits=1, copy_issuer="first_warp"),
     ),
+    (4, 128, 3, 32, 224, dict(block_tokens=64, num_splits=1, value_accumulator="carried")),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -330,6 +332,10 @@ def test_bad_key_operand_is_named_before_tracing():
     )
   with pytest.raises(ValueError, match=r"copy_issuer='warp' is not supported; allowed: \("):
     folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, copy_issuer="warp")
+  with pytest.raises(ValueError, match=r"value_accumulator='kept' is not supported; allowed: \("):
+    folded.folded_partials_mosaic_gpu(
+      *arrays, **quantization, sm_scale=1.0, value_accumulator="kept"
+    )
   with pytest.raises(ValueError, match="copy_issuer='one_warp' is not supported"):
     quantized_decode_attention_gpu.check_config(
       {"lowering": "mosaic_gpu", "variant": "folded", "copy_issuer": "one_warp"}
