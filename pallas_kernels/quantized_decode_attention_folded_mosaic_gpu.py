@@ -443,15 +443,16 @@ def _folded_kernel(
   plgpu.barrier_wait(lengths_barrier)
   start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
   ring = (k_words_smem, k_scale_smem, key_bias_smem, v_words_smem, v_stats_smem)
-  waited_barriers = ring_barriers
-  if copy_issuer == "first_warp":  # one barrier per slot, each copy one arrival on it
+  if copy_issuer == "first_warp":  # one barrier per ring slot: each copy one arrival on it
     waited_barriers = (ring_barriers,)
-    ring_barriers = waited_barriers * len(ring)
+    copy_barriers = waited_barriers * len(ring)
+  else:  # one barrier per ring buffer and slot
+    waited_barriers = copy_barriers = ring_barriers
   fetch_copies = functools.partial(
     fetch_block,
     (k_codes_gmem, k_scale_gmem, key_bias_gmem, v_codes_gmem, v_stats_gmem),
     ring,
-    ring_barriers,
+    copy_barriers,
     row=row,
     head=head,
     start=start,
