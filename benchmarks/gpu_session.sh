@@ -21,7 +21,8 @@
 #                                           # ncu of folded Mosaic, teacher-forced logit margins
 #   bash benchmarks/gpu_session.sh word     # v30's second call (~5 min): the word operand order
 #   bash benchmarks/gpu_session.sh tune     # v30's third call (~4 min): word order settings
-#   bash benchmarks/gpu_session.sh final    # v30's fourth call (~4 min): 32k table, generate check
+#   bash benchmarks/gpu_session.sh final ['<folded Mosaic settings JSON>']  # v30's fourth call
+#                                           # (~4 min): 32k table, generate check
 #   bash benchmarks/gpu_session.sh issuer   # v31, not yet run (~5 min): copies from the first
 #                                           # warp, the carried value accumulator, fewer splits;
 #                                           # then `final` with the winner in its Mosaic row
@@ -312,13 +313,14 @@ ${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" || status=1
     ;;
   final)
     # v30's fourth call (~4 min): the 32k table with v30's folded Mosaic settings in its row
-    # (the kivi2 row named folded Triton), beside XLA's bf16 attention and the copy rate of the
-    # same run; the generate check with the new default.
+    # (the kivi2 row named folded Triton), or the settings given as the step's argument (a JSON
+    # dict of folded Mosaic settings, e.g. v31's winner), beside XLA's bf16 attention and the
+    # copy rate of the same run; the generate check with the default.
     set +e
     status=0
+    settings="${2:-{\"block_tokens\": 64, \"num_stages\": 4, \"key_operand\": \"registers\", \"operand_order\": \"word\"\}}"
     timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
-      --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config \
-      '{"block_tokens": 64, "num_stages": 4, "key_operand": "registers", "operand_order": "word"}' \
+      --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$settings" \
       --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
     timeout --signal=INT 75 "$python" benchmarks/generate_kernels_check.py 2>&1 |
       tee "$out/generate_kernels_check.log" || status=1
