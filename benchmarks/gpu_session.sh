@@ -50,6 +50,10 @@ sweep_configs="[{\"variant\": \"folded\"}, {\"prefetch\": false}, {\"num_stages\
 ${folded}}, ${folded}, \"num_splits\": 37}, ${folded}, \"num_stages\": 3}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 4}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 3}]"
+# The Hopper default's folded Mosaic settings since v30 (FOLDED_MOSAIC_GPU_V30), and that config
+# open for more keys.
+v30_settings='"block_tokens": 64, "num_stages": 4, "key_operand": "registers", "operand_order": "word"'
+v30="${folded}, ${v30_settings}"
 # Folded Triton with padded query rows, with stack copies, and with copies but no prefetch.
 stack_copies_configs='[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]'
 
@@ -73,6 +77,10 @@ ncu_folded_mosaic() {
   ncu --import "$report.ncu-rep" --page source --csv --print-source sass > /tmp/ncu_sass.csv
   "$python" benchmarks/ncu_sass_summary.py /tmp/ncu_sass.csv > "$out/ncu_sass_summary.txt" 2>&1
   return "$profiled"
+}
+device_and_native_tests() {  # device_and_native_tests LOG: the GPU to LOG, native test summary
+  nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$1"
+  native_folded_tests "$out/native_tests.log" | tail -3
 }
 sweep_at_32k() {  # sweep_at_32k LOG CONFIGS_JSON: the configs timed at 32k (JSON to $out)
   timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
@@ -275,7 +283,7 @@ ${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"key_operand\": \"registers
     set +e
     status=0
     log="$out/word.log"
-    best="${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"key_operand\": \"registers\", \"operand_order\": \"word\"}"
+    best="${v30}}"
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
     native_folded_tests "$out/native_tests.log" || status=1
     timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
@@ -303,8 +311,7 @@ ${folded}, \"block_tokens\": 64, \"num_stages\": 3, \"key_operand\": \"registers
     word64="${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"operand_order\": \"word\""
     shared="${word64}, \"approx_math\": true}"
     registers="${word64}, \"key_operand\": \"registers\", \"approx_math\": true}"
-    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
-    native_folded_tests "$out/native_tests.log" | tail -3 || status=1
+    device_and_native_tests "$log" || status=1
     sweep_at_32k "$log" "[${folded}}, ${word64}}, ${shared}, \
 ${word64}, \"key_operand\": \"registers\"}, ${registers}, \
 ${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" || status=1
@@ -318,7 +325,7 @@ ${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" || status=1
     # copy rate of the same run; the generate check with the default.
     set +e
     status=0
-    settings="${2:-{\"block_tokens\": 64, \"num_stages\": 4, \"key_operand\": \"registers\", \"operand_order\": \"word\"\}}"
+    settings="${2:-{${v30_settings}\}}"
     timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
       --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$settings" \
       --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
@@ -338,12 +345,10 @@ ${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" || status=1
     set +e
     status=0
     log="$out/issuer.log"
-    v30="${folded}, \"block_tokens\": 64, \"num_stages\": 4, \"key_operand\": \"registers\", \"operand_order\": \"word\""
     first="\"copy_issuer\": \"first_warp\""
     carried="\"value_accumulator\": \"carried\""
     both="${v30}, ${first}, ${carried}"
-    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
-    native_folded_tests "$out/native_tests.log" | tail -3 || status=1
+    device_and_native_tests "$log" || status=1
     sweep_at_32k "$log" "[${v30}}, ${v30}, ${first}}, ${v30}, ${carried}}, ${both}}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 2, \"key_operand\": \"registers\", \"operand_order\": \"word\", ${first}, ${carried}}, \
 ${both}, \"num_splits\": 8}, ${both}, \"num_splits\": 16}, \

@@ -168,6 +168,14 @@ DEFAULT_COPY_ISSUER = "warpgroup"
 # 444 instructions per 64 tokens, registers unchanged).
 VALUE_ACCUMULATORS = ("fresh", "carried")
 DEFAULT_VALUE_ACCUMULATOR = "fresh"
+# This kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
+FOLDED_SETTINGS = (
+  "key_operand",
+  "operand_order",
+  "approx_math",
+  "copy_issuer",
+  "value_accumulator",
+)
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
 
@@ -719,11 +727,7 @@ def _folded_kernel(
     "block_tokens",
     "num_splits",
     "num_stages",
-    "key_operand",
-    "operand_order",
-    "approx_math",
-    "copy_issuer",
-    "value_accumulator",
+    *FOLDED_SETTINGS,
     "interpret",
   ),
 )

@@ -53,20 +53,10 @@ CONFIG_KEYS = {
     "block_tokens",
     "num_splits",
     "num_stages",
-    "key_operand",
-    "operand_order",
-    "approx_math",
-    "copy_issuer",
-    "value_accumulator",
+    *quantized_decode_attention_folded_mosaic_gpu.FOLDED_SETTINGS,
   ),
 }
-FOLDED_ONLY_KEYS = (
-  "key_operand",
-  "operand_order",
-  "approx_math",
-  "copy_issuer",
-  "value_accumulator",
-)
+FOLDED_ONLY_KEYS = quantized_decode_attention_folded_mosaic_gpu.FOLDED_SETTINGS
 
 
 def check_config(config: dict) -> str:

@@ -19,23 +19,17 @@ from pallas_kernels.decode_attention_triton import decode_attention_triton
 from pallas_kernels.quantized_decode_attention_folded_mosaic_gpu import (
   folded_decode_attention_mosaic_gpu,
 )
-from pallas_kernels.quantized_decode_attention_gpu import FOLDED_MOSAIC_GPU_V30, mosaic_gpu_settings
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
   quantized_decode_attention_mosaic_gpu,
 )
 from pallas_kernels.quantized_decode_attention_tpu import quantized_decode_attention_tpu
 from pallas_kernels.quantized_decode_attention_triton import quantized_decode_attention_triton
 from pallas_kernels.random_inputs import random_quantized_segment
+from tests.pallas_kernels.test_quantized_decode_attention_folded_mosaic_gpu import V31_CANDIDATE
 
 # Lowering the Triton kernels is exactly what jax's Pallas-Triton deprecation notice is about.
 pytestmark = pytest.mark.filterwarnings(
   "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
-)
-
-# The Hopper default's settings with v31's two untimed settings on: the first warp alone issuing
-# the copies, the value product adding into the running accumulator.
-V31_CANDIDATE = dict(
-  mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V30), copy_issuer="first_warp", value_accumulator="carried"
 )
 
 
