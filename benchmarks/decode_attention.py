@@ -71,6 +71,19 @@ from pallas_kernels.subnormal_codes import CODE_OPERANDS
 
 def time_op(op, args, *, iters: int, repeats: int) -> float:
   """Median seconds per call of op(queries, *rest) -> (out, lse), run `iters` times in a loop."""
+  loop = timed_loop(op, iters)
+  jax.block_until_ready(loop(*args))  # compile + warm-up
+  jax.block_until_ready(loop(*args))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(loop(*args))
+    samples.append((time.perf_counter() - start) / iters)
+  return statistics.median(samples)
+
+
+def timed_loop(op, iters: int):
+  """The jitted loop `time_op` times: op(queries, *rest) called `iters` times back to back."""
 
   @jax.jit
   def loop(queries, *rest):
@@ -87,14 +100,7 @@ def time_op(op, args, *, iters: int, repeats: int) -> float:
 
     return jax.lax.fori_loop(0, iters, body, queries)
 
-  jax.block_until_ready(loop(*args))  # compile + warm-up
-  jax.block_until_ready(loop(*args))
-  samples = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(loop(*args))
-    samples.append((time.perf_counter() - start) / iters)
-  return statistics.median(samples)
+  return loop
 
 
 def copy_bandwidth(*, nbytes: int, iters: int, repeats: int) -> dict:

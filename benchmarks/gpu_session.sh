@@ -23,8 +23,9 @@
 #   bash benchmarks/gpu_session.sh tune     # v30's third call (~4 min): word order settings
 #   bash benchmarks/gpu_session.sh final ['<folded Mosaic settings JSON>']  # v30's fourth call
 #                                           # (~4 min): 32k table, generate check
-#   bash benchmarks/gpu_session.sh issuer   # v31, not yet run (~5 min): copies from the first
-#                                           # warp, the carried value accumulator, fewer splits;
+#   bash benchmarks/gpu_session.sh issuer   # v31-v32, not yet run (~6 min): copies from the
+#                                           # first warp, the carried value accumulator, value
+#                                           # statistics unpaired, fewer splits;
 #                                           # then `final` with the winner in its Mosaic row
 #
 # Folded Triton is named as {"variant": "folded"}: since KERNEL_NOTES v29 an empty config is the
@@ -83,7 +84,7 @@ device_and_native_tests() {  # device_and_native_tests LOG: the GPU to LOG, nati
   native_folded_tests "$out/native_tests.log" | tail -3
 }
 sweep_at_32k() {  # sweep_at_32k LOG CONFIGS_JSON: the configs timed at 32k (JSON to $out)
-  timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
+  timeout --signal=INT 210 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
     --sweep-only --sweep-configs "$2" --out "$out/sweep_32k.json" 2>&1 | tee -a "$1"
 }
 sweep_shapes() {  # sweep_shapes LOG CONFIG...: the configs at 8k / 128k, 1 and 8 heads, KIVI-4
@@ -341,19 +342,24 @@ ${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" || status=1
     # tokens, 128 -> 109 registers. Natively checked, then timed at 32k beside the v30 default:
     # each setting alone, both, both with 2 stages, with 8 and 16 splits (512 and 1024 programs
     # against the planner's 2048) and at block 128; both against the v30 default at 8k / 128k,
-    # 1 and 8 heads and KIVI-4; ncu of both.
+    # 1 and 8 heads and KIVI-4; ncu of both. With them (v32) "value_stats": "separate": the value
+    # statistics reach the kernel as two group-major bf16 arrays, not packed into pairs by an
+    # XLA pass at every call (67 MB of the timed loop's 291.6 MB per call at 32k by the compiled
+    # HLO; 12-15 more instructions per 64 tokens in the kernel by the static count).
     set +e
     status=0
     log="$out/issuer.log"
     first="\"copy_issuer\": \"first_warp\""
     carried="\"value_accumulator\": \"carried\""
+    separate="\"value_stats\": \"separate\""
     both="${v30}, ${first}, ${carried}"
     device_and_native_tests "$log" || status=1
     sweep_at_32k "$log" "[${v30}}, ${v30}, ${first}}, ${v30}, ${carried}}, ${both}}, \
+${v30}, ${separate}}, ${both}, ${separate}}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 2, \"key_operand\": \"registers\", \"operand_order\": \"word\", ${first}, ${carried}}, \
 ${both}, \"num_splits\": 8}, ${both}, \"num_splits\": 16}, \
 ${folded}, ${first}, ${carried}}, ${folded}}]" || status=1
-    sweep_shapes "$log" "${v30}}" "${both}}" || status=1
+    sweep_shapes "$log" "${v30}}" "${both}}" "${both}, ${separate}}" || status=1
     ncu_folded_mosaic "${both}}" >> "$log" || status=1
     exit "$status"
     ;;

@@ -31,7 +31,7 @@ KIVI_GROUP = 32  # kivi's default group size (both parts): channels per value-st
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLED = re.compile(r"\b(?:calls|body|condition|to_apply)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
-_WHILE_BODY = re.compile(r"\swhile\(.*\bbody=%?([\w.\-]+)")
+WHILE_BODY = re.compile(r"\swhile\(.*\bbody=%?([\w.\-]+)")  # a while loop's body name
 _TRANSPOSE = re.compile(r"=\s*\w+\[([\d,]*)\]\{[\d,]*\}\s+transpose\(.*dimensions=\{([\d,]*)\}")
 
 
@@ -61,7 +61,7 @@ def computations_inside_loops(computations: dict[str, list[str]]) -> set[str]:
   inside, pending = set(), []
   for lines in computations.values():
     for line in lines:
-      match = _WHILE_BODY.search(line)
+      match = WHILE_BODY.search(line)
       if match:
         pending.append(match.group(1))
   while pending:

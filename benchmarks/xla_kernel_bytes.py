@@ -15,11 +15,19 @@ floors and which formulation writes fewer intermediates, not their times: those 
 `gear_terms_parts.py` on a GPU. Autotuning needs a device, so GEMM tilings here are XLA's
 defaults, not the ones a GPU run picks; the kernels and their operands are the same.
 
+`--folded-mosaic-configs` adds, for each folded Mosaic GPU setting given, the kernels of a
+standalone KIVI-2 call and those of one iteration of `decode_attention.time_op`'s timed loop (the
+`while` body: what runs at every call once XLA has moved what it can out of the loop and chosen
+the layouts it carries the cache in).
+
 Setup: the environment of `mosaic_static_cost.py` (jax's CUDA plugin, no GPU and no CUDA driver
-needed). Example:
+needed). Examples:
 
   PYTHONPATH=. .venv-mosaic-analysis/bin/python benchmarks/xla_kernel_bytes.py \
     [--context 32768] [--out results/xla_kernel_bytes_v21.json]
+  PYTHONPATH=. .venv-mosaic-analysis/bin/python benchmarks/xla_kernel_bytes.py \
+    --only-folded-mosaic --folded-mosaic-configs '[{"block_tokens": 64, "num_stages": 4,
+    "key_operand": "registers", "operand_order": "word", "value_stats": "separate"}]'
 """
 
 import argparse
@@ -28,6 +36,8 @@ import json
 import os
 import re
 import sys
+
+from benchmarks.value_stats_layout import WHILE_BODY
 
 # Read when jax loads its plugins (see mosaic_static_cost.py), so set before jax is imported.
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -107,10 +117,30 @@ def _call_operands(tail: str) -> tuple[str, list[str]]:
 
 def entry_kernels(hlo_text: str) -> list[Kernel]:
   """The kernel launches of an optimised HLO module's entry computation, in program order."""
+  return computation_kernels(hlo_text)
+
+
+def while_body_kernels(hlo_text: str) -> list[Kernel]:
+  """The kernel launches of the body of the module's one `while` loop: what runs at every
+  iteration (a decode step, a timed call)."""
+  bodies = WHILE_BODY.findall(hlo_text)
+  if len(bodies) != 1:
+    raise ValueError(f"expected one while loop, found {len(bodies)}")
+  return computation_kernels(hlo_text, bodies[0])
+
+
+def computation_kernels(hlo_text: str, name: str | None = None) -> list[Kernel]:
+  """The kernel launches of one computation of an optimised HLO module (None: the entry
+  computation), in program order."""
   lines = hlo_text.splitlines()
-  starts = [index for index, line in enumerate(lines) if line.startswith("ENTRY")]
-  if len(starts) != 1:
-    raise ValueError(f"expected one ENTRY computation, found {len(starts)}")
+  if name is None:
+    starts = [index for index, line in enumerate(lines) if line.startswith("ENTRY")]
+    if len(starts) != 1:
+      raise ValueError(f"expected one ENTRY computation, found {len(starts)}")
+  else:
+    starts = [index for index, line in enumerate(lines) if line.startswith(f"%{name} ")]
+    if len(starts) != 1:
+      raise ValueError(f"expected one computation named {name!r}, found {len(starts)}")
   types: dict[str, str] = {}
   kernels = []
   for line in lines[starts[0] + 1 :]:
@@ -160,16 +190,16 @@ def gear_parts_kernels(context: int) -> dict[str, list[Kernel]]:
   return result
 
 
-def kivi_call_kernels(context: int, bits: int = 2) -> list[Kernel]:
-  """The kernels of one KIVI decode-attention call on the GPU path (the default kernel, folded
-  Triton, with XLA's work around it) at decode_attention.py's shapes, for a compile-only H100."""
+def _benchmark_call(function, context: int, bits: int, **settings) -> tuple:
+  """(`function` bound to decode_attention.py's KIVI quantization and `settings`, its abstract
+  arguments at `context` tokens placed on a compile-only H100)."""
+  import functools
+
   import jax
 
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import mosaic_static_cost
   import triton_static_cost
-
-  from pallas_kernels.quantized_decode_attention_gpu import quantized_decode_attention_gpu
 
   shape = mosaic_static_cost.BENCHMARK_SHAPE
   arguments = triton_static_cost.quantized_call_shapes(
@@ -182,19 +212,56 @@ def kivi_call_kernels(context: int, bits: int = 2) -> list[Kernel]:
     shape["group_size"],
   )
   sharding = jax.sharding.SingleDeviceSharding(mosaic_static_cost.compile_only_device())
-  placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in arguments]
+  call = functools.partial(
+    function,
+    bits=bits,
+    group_size=shape["group_size"],
+    sm_scale=shape["head_dim"] ** -0.5,
+    **settings,
+  )
+  return call, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in arguments]
 
-  def call(*arrays):
-    return quantized_decode_attention_gpu(
-      *arrays,
-      bits=bits,
-      group_size=shape["group_size"],
-      sm_scale=shape["head_dim"] ** -0.5,
-    )
 
+def kivi_call_kernels(context: int, bits: int = 2) -> list[Kernel]:
+  """The kernels of one KIVI decode-attention call on the GPU path (the default kernel, folded
+  Triton, with XLA's work around it) at decode_attention.py's shapes, for a compile-only H100."""
+  import jax
+
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import triton_static_cost
+
+  from pallas_kernels.quantized_decode_attention_gpu import quantized_decode_attention_gpu
+
+  call, placed = _benchmark_call(quantized_decode_attention_gpu, context, bits)
   with triton_static_cost.pallas_triton_for_h100():
     lowered = jax.jit(call).trace(*placed).lower(lowering_platforms=("cuda",))
   return entry_kernels(lowered.compile().as_text())
+
+
+def folded_mosaic_call_kernels(context: int, settings: dict, bits: int = 2) -> dict:
+  """{"call": kernels of one standalone jitted call, "timed loop": the kernels of one iteration
+  of `decode_attention.time_op`'s loop} for the folded Mosaic GPU kernel with `settings` at
+  decode_attention.py's shapes, for a compile-only H100. In the loop XLA may carry the cache in
+  the layouts the kernel reads (a transpose then runs once, before the loop); what it computes
+  from the cache runs at every call."""
+  import jax
+
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import decode_attention
+
+  from pallas_kernels.quantized_decode_attention_folded_mosaic_gpu import (
+    folded_decode_attention_mosaic_gpu,
+  )
+
+  call, placed = _benchmark_call(folded_decode_attention_mosaic_gpu, context, bits, **settings)
+
+  def compiled_text(function):
+    return function.trace(*placed).lower(lowering_platforms=("cuda",)).compile().as_text()
+
+  return {
+    "call": entry_kernels(compiled_text(jax.jit(call))),
+    "timed loop": while_body_kernels(compiled_text(decode_attention.timed_loop(call, iters=2))),
+  }
 
 
 def _print_kernels(name: str, kernels: list[Kernel]) -> None:
@@ -208,12 +275,28 @@ def _print_kernels(name: str, kernels: list[Kernel]) -> None:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--context", type=int, default=32768)
+  parser.add_argument(
+    "--folded-mosaic-configs",
+    default="[]",
+    help="JSON list of folded Mosaic GPU kernel settings: for each, the kernels of a standalone "
+    "KIVI-2 call and of one iteration of decode_attention.py's timed loop, e.g. '[{\"block_"
+    'tokens": 64, "num_stages": 4, "value_stats": "separate"}]\'',
+  )
+  parser.add_argument(
+    "--only-folded-mosaic", action="store_true", help="skip GEAR's parts and the folded Triton call"
+  )
   parser.add_argument("--out", help="write the kernels of each part as JSON here")
   args = parser.parse_args()
-  parts = gear_parts_kernels(args.context)
-  parts["KIVI-2 decode-attention call (folded Triton and XLA around it)"] = kivi_call_kernels(
-    args.context
-  )
+  parts = {}
+  if not args.only_folded_mosaic:
+    parts = gear_parts_kernels(args.context)
+    parts["KIVI-2 decode-attention call (folded Triton and XLA around it)"] = kivi_call_kernels(
+      args.context
+    )
+  for settings in json.loads(args.folded_mosaic_configs):
+    label = ",".join(f"{key}={value}" for key, value in sorted(settings.items()))
+    for where, kernels in folded_mosaic_call_kernels(args.context, settings).items():
+      parts[f"KIVI-2 folded Mosaic GPU {where} ({label})"] = kernels
   for name, kernels in parts.items():
     _print_kernels(name, kernels)
   if args.out:

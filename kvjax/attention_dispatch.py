@@ -210,7 +210,8 @@ def quantized_decode_attention(
   num_splits, num_stages, and for "folded" "key_operand": "shared_memory" (default) |
   "registers", "operand_order": "channel" (default) | "word", "approx_math": False (default) |
   True, "copy_issuer": "warpgroup" (default) | "first_warp", "value_accumulator": "fresh"
-  (default) | "carried"; KIVI segments, others run the Triton kernel with a warning; see
+  (default) | "carried", "value_stats": "pairs" (default) | "separate"; KIVI segments, others
+  run the Triton kernel with a warning; see
   `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)

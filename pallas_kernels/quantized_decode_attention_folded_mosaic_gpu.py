@@ -57,6 +57,13 @@ the value product, which adds into it, instead of adding a zeroed accumulator's 
 (interpret mode, which has no wgmma into an accumulator made from registers, adds the product
 as a dot to the same rescaled accumulator).
 
+A setting of v32, not yet timed on a GPU: `value_stats="separate"` hands the kernel the value
+statistics as the cache's bf16 scales and minimums, each transposed group-major (two TMA copies
+and two 16-bit loads per group and token), instead of "pairs", one uint32 (scale, minimum) word
+per group and token packed by the wrapper. In a loop XLA carries the statistics group-major, so
+the transposes become layout, but the packing is computed at every call: 67 MB of the 291.6 MB
+one iteration of the benchmark's timed loop moves at 32k (`VALUE_STATS`).
+
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
 the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
@@ -168,6 +175,16 @@ DEFAULT_COPY_ISSUER = "warpgroup"
 # 444 instructions per 64 tokens, registers unchanged).
 VALUE_ACCUMULATORS = ("fresh", "carried")
 DEFAULT_VALUE_ACCUMULATOR = "fresh"
+# How the value statistics reach the kernel. The caches hold them token-major, [B, H, T, D / g]
+# bf16 scales and minimums; TMA needs them group-major. "pairs" (v19 on): the wrapper packs each
+# token's (scale, minimum) into one uint32, [B, H, D / g, T], one 32-bit load per group and token
+# in the kernel. "separate" (v32): the two bf16 arrays group-major, two copies and two 16-bit
+# loads. In a loop XLA carries the cache's statistics in the group-major layout (the transposes
+# become layout, run once before the loop), but the packing is a computation on them: at 32k,
+# batch 8, one 67 MB pass per call inside the loop, beside the kernel's 195 MB (the benchmark's
+# timed loop compiled for an H100; `benchmarks/xla_kernel_bytes.py`). "separate" has no pass.
+VALUE_STATS = ("pairs", "separate")
+DEFAULT_VALUE_STATS = "pairs"
 # This kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
 FOLDED_SETTINGS = (
   "key_operand",
@@ -175,6 +192,7 @@ FOLDED_SETTINGS = (
   "approx_math",
   "copy_issuer",
   "value_accumulator",
+  "value_stats",
 )
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
@@ -256,38 +274,48 @@ def key_bias_slot_groups(key_groups: int, rows: int) -> int:
   return -(-key_groups // step) * step
 
 
-def ring_slot_shapes(group, head_dim, bits, group_size, block_tokens) -> dict:
-  """{ring buffer: (shape of one slot, dtype)}: what TMA writes per block and stage."""
+def ring_slot_shapes(
+  group, head_dim, bits, group_size, block_tokens, value_stats=DEFAULT_VALUE_STATS
+) -> dict:
+  """{ring buffer: (shape of one slot, dtype)}: what TMA writes per block and stage, in the
+  order the copies are issued."""
   words = head_dim * bits // 32
   rows = tile_rows(group)
   key_groups = block_tokens // group_size
+  value_groups = head_dim // group_size
+  if value_stats == "pairs":  # (scale, minimum) bf16 pairs, group-major
+    value_statistics = dict(v_stats_smem=((value_groups, block_tokens), jnp.uint32))
+  else:  # scales and minimums, each group-major
+    value_statistics = dict(
+      v_scale_smem=((value_groups, block_tokens), jnp.bfloat16),
+      v_min_smem=((value_groups, block_tokens), jnp.bfloat16),
+    )
   return dict(
     k_words_smem=((block_tokens, words), jnp.uint32),
     k_scale_smem=((key_groups, head_dim), jnp.bfloat16),
     key_bias_smem=((key_bias_slot_groups(key_groups, rows), rows), jnp.float32),
     v_words_smem=((block_tokens, words), jnp.uint32),
-    # (scale, minimum) bf16 pairs, group-major
-    v_stats_smem=((head_dim // group_size, block_tokens), jnp.uint32),
+    **value_statistics,
   )
 
 
-def shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_stages):
+def shared_memory_bytes(
+  group, head_dim, bits, group_size, block_tokens, num_stages, value_stats=DEFAULT_VALUE_STATS
+):
   """Bytes of shared memory one program allocates, each buffer rounded up to the 1024-byte
   alignment Pallas gives it (an upper bound: 72704 for the shapes of record, which compile to
   71680)."""
   rows = tile_rows(group)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
-  ring = [
-    math.prod(shape) * jnp.dtype(dtype).itemsize
-    for shape, dtype in ring_slot_shapes(group, head_dim, bits, group_size, block_tokens).values()
-  ]
+  ring_slots = ring_slot_shapes(group, head_dim, bits, group_size, block_tokens, value_stats)
+  ring = [math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in ring_slots.values()]
   buffers = [num_stages * size for size in ring] + [
     LENGTH_WORDS * 4,
     head_dim * rows * 4,  # the queries, then the output
     block_tokens * head_dim * 2,  # one bf16 code tile: K, then V
     max(key_rows * head_dim, value_rows * block_tokens) * 2,  # Q', then P'
     rows * 4,  # lse
-    8 * (2 + 5 * num_stages),  # barriers (one per ring buffer and stage, at most)
+    8 * (2 + len(ring) * num_stages),  # barriers (one per ring buffer and stage, at most)
     REDUCTION_SCRATCH_BYTES,
   ]
   return sum(-(-size // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT for size in buffers)
@@ -300,6 +328,7 @@ def check_folded_settings(
   approx_math=False,
   copy_issuer=DEFAULT_COPY_ISSUER,
   value_accumulator=DEFAULT_VALUE_ACCUMULATOR,
+  value_stats=DEFAULT_VALUE_STATS,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values (the
   checks that need no shapes; the dispatch runs them on a kernel_config too)."""
@@ -315,6 +344,8 @@ def check_folded_settings(
     raise ValueError(
       f"value_accumulator={value_accumulator!r} is not supported; allowed: {VALUE_ACCUMULATORS}"
     )
+  if value_stats not in VALUE_STATS:
+    raise ValueError(f"value_stats={value_stats!r} is not supported; allowed: {VALUE_STATS}")
 
 
 def check_config(
@@ -331,6 +362,7 @@ def check_config(
   approx_math=False,
   copy_issuer=DEFAULT_COPY_ISSUER,
   value_accumulator=DEFAULT_VALUE_ACCUMULATOR,
+  value_stats=DEFAULT_VALUE_STATS,
 ):
   """ValueError naming the setting and its allowed values; raised before anything is traced."""
   dequantizing.check_settings(
@@ -342,8 +374,11 @@ def check_config(
     approx_math=approx_math,
     copy_issuer=copy_issuer,
     value_accumulator=value_accumulator,
+    value_stats=value_stats,
   )
-  needed = shared_memory_bytes(group, head_dim, bits, group_size, block_tokens, num_stages)
+  needed = shared_memory_bytes(
+    group, head_dim, bits, group_size, block_tokens, num_stages, value_stats
+  )
   if needed > SHARED_MEMORY_BYTES:
     raise ValueError(
       f"block_tokens={block_tokens} with num_stages={num_stages} needs {needed} bytes of shared "
@@ -406,21 +441,24 @@ def _folded_kernel(
   k_scale_gmem,  # bf16 [B, H, T / group_size, D]
   key_bias_gmem,  # f32 [B, H, T / group_size, rows]: q . k_min per key group (`key_bias`)
   v_codes_gmem,
-  v_stats_gmem,  # uint32 [B, H, D / group_size, T]: (scale, minimum) bf16 pairs
-  out_gmem,  # f32 [B, H, S, D, rows]: channel c's rows in the slot of its value group
-  lse_gmem,  # f32 [B, H, S, rows]
+  # The value statistics, group-major (`value_stats`): uint32 [B, H, D / group_size, T] (scale,
+  # minimum) bf16 pairs, or the bf16 scales and minimums, each [B, H, D / group_size, T]; then
+  # out f32 [B, H, S, D, rows] (channel c's rows in the slot of its value group) and lse f32
+  # [B, H, S, rows].
+  *value_stats_and_outputs,
   lengths_smem,
   queries_smem,  # f32 [D, rows]: the queries, then the output (see `scratch_types`)
   k_words_smem,  # [stages, block, W]
   k_scale_smem,  # [stages, KG, D]
   key_bias_smem,  # [stages, >= KG, rows] (`key_bias_slot_groups`)
   v_words_smem,
-  v_stats_smem,  # [stages, VG, block]
   codes_smem,  # bf16 [block, D]: the staged key codes, then the value codes
   stacks_smem,  # bf16 Q' [KG * rows, D] and P' [VG * rows, block] in one buffer
   lse_smem,
   barriers,
-  *,
+  v_stats_smem=None,  # uint32 [stages, VG, block] ("pairs")
+  v_scale_smem=None,  # bf16 [stages, VG, block] ("separate")
+  v_min_smem=None,
   plan,
   tokens: int,
   num_stages: int,
@@ -432,14 +470,20 @@ def _folded_kernel(
   operand_order: str,
   copy_issuer: str,
   value_accumulator: str,
+  value_stats: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
+  *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
+  if value_stats == "pairs":
+    value_stats_rings = (v_stats_smem,)
+  else:
+    value_stats_rings = (v_scale_smem, v_min_smem)
   lengths_barrier, queries_barrier, ring_barriers = barriers
   block = plan.block_tokens
   head_dim, rows = queries_smem.shape
   key_stack_smem, value_stack_smem = stacks_smem
   key_groups = k_scale_smem.shape[1]
-  value_groups = v_stats_smem.shape[1]
+  value_groups = value_stats_rings[0].shape[1]
   slots = rows // real_rows  # value groups per value tile (`value_slots`)
   value_tiles = value_stack_smem.shape[0] // rows
   exponents = _Exponents.for_run(emulate)
@@ -450,7 +494,7 @@ def _folded_kernel(
   plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
   plgpu.barrier_wait(lengths_barrier)
   start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
-  ring = (k_words_smem, k_scale_smem, key_bias_smem, v_words_smem, v_stats_smem)
+  ring = (k_words_smem, k_scale_smem, key_bias_smem, v_words_smem, *value_stats_rings)
   if copy_issuer == "first_warp":  # one barrier per ring slot: each copy one arrival on it
     waited_barriers = (ring_barriers,)
     copy_barriers = waited_barriers * len(ring)
@@ -458,7 +502,7 @@ def _folded_kernel(
     waited_barriers = copy_barriers = ring_barriers
   fetch_copies = functools.partial(
     fetch_block,
-    (k_codes_gmem, k_scale_gmem, key_bias_gmem, v_codes_gmem, v_stats_gmem),
+    (k_codes_gmem, k_scale_gmem, key_bias_gmem, v_codes_gmem, *value_stats_gmem),
     ring,
     copy_barriers,
     row=row,
@@ -625,14 +669,21 @@ def _folded_kernel(
     # Past the length p is 0 but the statistics may be NaN: they are zeroed there (a select per
     # token, before the broadcast over rows), and then products may be taken.
     valid_token = token_in_block + first < end
-    v_pairs = [
-      plgpu.layout_cast(v_stats_smem[slot, k, :], plgpu.Layout.WGMMA.reduce(1))
-      for k in range(value_groups)
-    ]
-    v_scales = [
-      jnp.where(valid_token, value_scale_of_pair(pair), 0.0) * probs_scale for pair in v_pairs
-    ]
-    v_mins = [jnp.where(valid_token, value_minimum_of_pair(pair), 0.0) for pair in v_pairs]
+
+    def per_token_stats(ring, k):
+      return plgpu.layout_cast(ring[slot, k, :], plgpu.Layout.WGMMA.reduce(1))
+
+    if value_stats == "pairs":
+      v_pairs = [per_token_stats(v_stats_smem, k) for k in range(value_groups)]
+      v_scales = [value_scale_of_pair(pair) for pair in v_pairs]
+      v_mins = [value_minimum_of_pair(pair) for pair in v_pairs]
+    else:
+      v_scales, v_mins = (
+        [per_token_stats(ring, k).astype(jnp.float32) for k in range(value_groups)]
+        for ring in (v_scale_smem, v_min_smem)
+      )
+    v_scales = [jnp.where(valid_token, scale, 0.0) * probs_scale for scale in v_scales]
+    v_mins = [jnp.where(valid_token, minimum, 0.0) for minimum in v_mins]
     for t in range(value_tiles):
       stacked = probs * value_tile(v_scales, t)
       value_stack_smem.at[pl.ds(t * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
@@ -752,6 +803,7 @@ def _jitted_kernel_outputs(
   approx_math,
   copy_issuer,
   value_accumulator,
+  value_stats,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -770,10 +822,13 @@ def _jitted_kernel_outputs(
   code_queries = jnp.swapaxes(scaled, 2, 3) * channel_scale[:, None]  # [B, H, D, rows]
   if operand_order == "word":
     code_queries = code_queries[:, :, word_order_channels(head_dim, bits), :]
-  v_stats = group_major_value_stat_pairs(v_scale, v_min)
+  if value_stats == "pairs":
+    value_statistics = (group_major_value_stat_pairs(v_scale, v_min),)
+  else:  # in a loop XLA makes these transposes layout (`VALUE_STATS`)
+    value_statistics = (jnp.swapaxes(v_scale, 2, 3), jnp.swapaxes(v_min, 2, 3))
   lengths = padded_lengths(lengths)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
-  ring_slots = ring_slot_shapes(group, head_dim, bits, group_size, block_tokens)
+  ring_slots = ring_slot_shapes(group, head_dim, bits, group_size, block_tokens, value_stats)
   operand = functools.partial(swizzled_operand_transforms, dtype=jnp.bfloat16)
   kernel = plgpu.kernel(
     functools.partial(
@@ -789,6 +844,7 @@ def _jitted_kernel_outputs(
       operand_order=operand_order,
       copy_issuer=copy_issuer,
       value_accumulator=value_accumulator,
+      value_stats=value_stats,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
@@ -843,7 +899,7 @@ def _jitted_kernel_outputs(
     interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
   )
   bias = key_bias(scaled, k_min)  # [B, H, T / group_size, rows]
-  return kernel(lengths, code_queries, k_codes, k_scale, bias, v_codes, v_stats)
+  return kernel(lengths, code_queries, k_codes, k_scale, bias, v_codes, *value_statistics)
 
 
 def group_major_value_stat_pairs(v_scale: jax.Array, v_min: jax.Array) -> jax.Array:
@@ -913,6 +969,7 @@ def folded_kernel_outputs(
   approx_math: bool = False,
   copy_issuer: str = DEFAULT_COPY_ISSUER,
   value_accumulator: str = DEFAULT_VALUE_ACCUMULATOR,
+  value_stats: str = DEFAULT_VALUE_STATS,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (rows in operand positions, every value
@@ -948,6 +1005,7 @@ def folded_kernel_outputs(
     approx_math=approx_math,
     copy_issuer=copy_issuer,
     value_accumulator=value_accumulator,
+    value_stats=value_stats,
   )
   return _jitted_kernel_outputs(
     queries,
@@ -969,6 +1027,7 @@ def folded_kernel_outputs(
     approx_math=approx_math,
     copy_issuer=copy_issuer,
     value_accumulator=value_accumulator,
+    value_stats=value_stats,
     interpret=interpret,
   )
 

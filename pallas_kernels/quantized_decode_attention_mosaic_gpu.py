@@ -227,24 +227,25 @@ def fetch_block(
   sources, destinations, barriers, i, *, row, head, start, block, group_size, num_stages
 ):
   """Starts the TMA copies of block i of this program's split into ring slot i % num_stages:
-  `sources` (k codes, k_scale, k_min, v codes, group-major value statistics in global memory),
-  their ring `destinations` and one barrier array per stream."""
+  `sources` (k codes, k_scale, k_min, v codes, then one or more arrays of group-major value
+  statistics in global memory), their ring `destinations` and one barrier array per stream."""
   slot = lax.rem(i, num_stages)
   first = start + i * block
   groups = destinations[1].shape[1]  # key groups per block
   token_box = pl.ds(first, block)
   group_box = pl.ds(first // group_size, groups)
+  statistics = destinations[4:]
   boxes = (
     (row, head, token_box),
     (row, head, group_box),
     (row, head, group_box),
     (row, head, token_box),
-    (row, head, slice(None), token_box),
+    *[(row, head, slice(None), token_box)] * len(statistics),
   )
   # Rows each stream's box copies per block. A ring slot may hold more (the folded kernel pads
   # its key-bias slots to 128 bytes for TMA): the copy fills the slot's first rows.
-  box_rows = (block, groups, groups, block, destinations[4].shape[1])
-  streams = zip(sources, destinations, boxes, box_rows, barriers)
+  box_rows = (block, groups, groups, block, *[ring.shape[1] for ring in statistics])
+  streams = zip(sources, destinations, boxes, box_rows, barriers, strict=True)
   for source, destination, box, rows, barrier in streams:
     padded = destination.shape[1] > rows
     view = destination.at[slot, pl.ds(0, rows)] if padded else destination.at[slot]

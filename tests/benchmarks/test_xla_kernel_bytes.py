@@ -5,7 +5,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks.xla_kernel_bytes import entry_kernels, type_bytes
+from benchmarks.xla_kernel_bytes import (
+  computation_kernels,
+  entry_kernels,
+  type_bytes,
+  while_body_kernels,
+)
 
 # Shaped like the H100 compile of GEAR's score bias: a called computation (not read), bitcasts
 # and tuple accesses (not launches), a fusion reading one operand twice, a multi-output fusion,
@@ -79,3 +84,29 @@ def test_entry_kernels_of_a_cpu_compile():
   assert sum(k.bytes_written for k in kernels) >= x.nbytes
   assert all(k.bytes_read <= x.nbytes + 1024 for k in kernels)  # x, and at most a constant
   assert kernels[-1].result.startswith("f32[48,64]")
+
+
+def test_while_body_kernels_are_what_each_iteration_launches():
+  """The timed loop's body on a CPU compile: the per-iteration transpose is there, and the
+  entry computation's launches are not."""
+
+  def loop(x, y):
+    def body(_, carry):
+      carry, y_barrier = jax.lax.optimization_barrier((carry, y))
+      return carry + jnp.swapaxes(y_barrier, 0, 1)
+
+    return jax.lax.fori_loop(0, 3, body, x)
+
+  x, y = jnp.zeros((48, 64), jnp.float32), jnp.zeros((64, 48), jnp.float32)
+  text = jax.jit(loop).lower(x, y).compile().as_text()
+  body = while_body_kernels(text)
+  assert body, text
+  assert any(k.bytes_read >= y.nbytes and k.bytes_written >= x.nbytes for k in body)
+  assert [k.name for k in body] != [k.name for k in entry_kernels(text)]
+
+
+def test_computation_kernels_names_a_missing_computation_or_loop():
+  with pytest.raises(ValueError, match="named 'fused_sum'"):
+    computation_kernels(MODULE, "fused_sum")
+  with pytest.raises(ValueError, match="one while loop, found 0"):
+    while_body_kernels(MODULE)

@@ -207,6 +207,8 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
     # v31: the copies from the first warp (warp semantics, one barrier per slot), the value
     # product into the running accumulator (an accumulator initialised from registers).
     ("folded", 2, 128, 4, 32, V31_CANDIDATE),
+    # v32: the value statistics as two group-major bf16 arrays, six copies on one barrier.
+    ("folded", 2, 128, 4, 32, dict(V31_CANDIDATE, value_stats="separate")),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

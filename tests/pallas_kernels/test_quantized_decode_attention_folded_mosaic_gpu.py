@@ -122,6 +122,11 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       dict(block_tokens=64, num_stages=2, num_splits=1, copy_issuer="first_warp"),
     ),
     (4, 128, 3, 32, 224, dict(block_tokens=64, num_splits=1, value_accumulator="carried")),
+    # the value statistics as two group-major bf16 arrays (v32): with v31's candidate (six
+    # copies on one barrier per slot) over one split, and with a copy barrier per stream, two
+    # value groups per head (two 256-byte slots per block) and two splits
+    (2, 128, 4, 32, 224, dict(V31_CANDIDATE, num_splits=1, value_stats="separate")),
+    (4, 64, 4, 32, 192, dict(block_tokens=64, num_splits=2, value_stats="separate")),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -210,10 +215,11 @@ def test_every_ring_slot_starts_where_tma_can_write():
       continue
     if max(folded.stacks(block_tokens, head_dim, group_size, group)) > folded.MAX_STACK:
       continue
-    slots = folded.ring_slot_shapes(group, head_dim, bits, group_size, block_tokens)
-    for name, (shape, dtype) in slots.items():
-      slot_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize
-      assert slot_bytes % folded.TMA_SLOT_ALIGNMENT == 0, (name, shape, block_tokens, group)
+    for value_stats in folded.VALUE_STATS:
+      slots = folded.ring_slot_shapes(group, head_dim, bits, group_size, block_tokens, value_stats)
+      for name, (shape, dtype) in slots.items():
+        slot_bytes = math.prod(shape) * jnp.dtype(dtype).itemsize
+        assert slot_bytes % folded.TMA_SLOT_ALIGNMENT == 0, (name, shape, block_tokens, group)
     key_groups = block_tokens // group_size
     (bias_groups, rows), _ = slots["key_bias_smem"]
     # the fewest groups from a block's up that fill whole 128-byte lines
@@ -335,6 +341,12 @@ def test_bad_key_operand_is_named_before_tracing():
   with pytest.raises(ValueError, match=r"value_accumulator='kept' is not supported; allowed: \("):
     folded.folded_partials_mosaic_gpu(
       *arrays, **quantization, sm_scale=1.0, value_accumulator="kept"
+    )
+  with pytest.raises(ValueError, match=r"value_stats='pair' is not supported; allowed: \("):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, value_stats="pair")
+  with pytest.raises(ValueError, match="value_stats='split' is not supported"):
+    quantized_decode_attention_gpu.check_config(
+      {"lowering": "mosaic_gpu", "variant": "folded", "value_stats": "split"}
     )
   with pytest.raises(ValueError, match="copy_issuer='one_warp' is not supported"):
     quantized_decode_attention_gpu.check_config(
