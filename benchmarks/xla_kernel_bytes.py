@@ -18,7 +18,8 @@ defaults, not the ones a GPU run picks; the kernels and their operands are the s
 `--folded-mosaic-configs` adds, for each folded Mosaic GPU setting given, the kernels of a
 standalone KIVI-2 call and those of one iteration of `decode_attention.time_op`'s timed loop (the
 `while` body: what runs at every call once XLA has moved what it can out of the loop and chosen
-the layouts it carries the cache in).
+the layouts it carries the cache in). `--decode-step-configs` adds, for each quantized kernel
+setting, one step of kvjax's own decode loop (`decode_step_kernels`).
 
 Setup: the environment of `mosaic_static_cost.py` (jax's CUDA plugin, no GPU and no CUDA driver
 needed). Examples:
@@ -264,6 +265,87 @@ def folded_mosaic_call_kernels(context: int, settings: dict, bits: int = 2) -> d
   }
 
 
+def decode_step_kernels(context: int, quantized_settings: dict, bits: int = 2) -> list[Kernel]:
+  """The kernels of one step of kvjax's decode loop (`generate`'s `while` body), compiled for a
+  compile-only H100: a one-layer random Llama with decode_attention.py's attention shapes (8 KV
+  heads, 4 query heads each, head_dim 128), batch 8, a KIVI cache (group 32, residual 128) of
+  `context` tokens, the GPU kernels with `quantized_settings`. The model's layout choices are
+  XLA's, as on a GPU: what it carries across steps and what it recomputes at every step.
+
+  The cache's updates are scatters, which XLA runs in place: their operand-plus-result bytes
+  here are the arrays they update, not what they move."""
+  import importlib
+  from unittest import mock
+
+  import jax
+  import jax.numpy as jnp
+
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import mosaic_static_cost
+  import triton_static_cost
+
+  from kvjax.kernel_settings import KernelSettings
+  from kvjax.method_spec import parse_method_spec
+  from kvjax.sampling import SamplingConfig
+  from models.config import DecoderConfig
+  from models.nnx_decoder import split_decoder
+  from models.weights import random_decoder
+
+  generate_module = importlib.import_module("kvjax.generate")  # the package exports the function
+  shape = mosaic_static_cost.BENCHMARK_SHAPE
+  new_tokens = 64
+  config = DecoderConfig(
+    vocab_size=256,
+    hidden_size=512,
+    intermediate_size=512,
+    num_layers=1,
+    num_heads=shape["kv_heads"] * shape["group"],
+    num_kv_heads=shape["kv_heads"],
+    head_dim=shape["head_dim"],
+    max_position_embeddings=context + new_tokens,
+  )
+  decoder, params = split_decoder(random_decoder(config, seed=0))
+  sharding = jax.sharding.SingleDeviceSharding(mosaic_static_cost.compile_only_device())
+
+  def placed(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+  method = parse_method_spec(
+    f"kivi:bits={bits},residual=128,group_size={shape['group_size']}",
+    implementation="pallas",
+    kernel_settings=KernelSettings(quantized=quantized_settings),
+  )
+  batch, prompt = shape["batch"], context - new_tokens
+  prefill_static = dict(
+    cache_method=method, max_new_tokens=new_tokens, cache_dtype=jnp.bfloat16, prefill_chunk=None
+  )
+  # kvjax picks its kernels by the default backend, which is this machine's CPU.
+  with (
+    mock.patch("jax.default_backend", return_value="gpu"),
+    triton_static_cost.pallas_triton_for_h100(),
+  ):
+    logits, caches = jax.eval_shape(
+      lambda tokens, lengths: generate_module._prefill_in_jit(
+        decoder, params, tokens, lengths, **prefill_static
+      ),
+      jax.ShapeDtypeStruct((batch, prompt), jnp.int32),
+      jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )
+    lowered = generate_module._decode_in_jit_donating_caches.trace(
+      decoder,
+      placed(params),
+      placed(logits),
+      placed(caches),
+      placed(jax.ShapeDtypeStruct((batch,), jnp.int32)),
+      placed(jax.eval_shape(lambda: jax.random.key(0))),
+      max_new_tokens=new_tokens,
+      sampling=SamplingConfig(),
+      stop_token_ids=(),
+      pad_token_id=0,
+    ).lower(lowering_platforms=("cuda",))
+  return while_body_kernels(lowered.compile().as_text())
+
+
 def _print_kernels(name: str, kernels: list[Kernel]) -> None:
   total = sum(k.bytes_read + k.bytes_written for k in kernels)
   print(f"{name}: {len(kernels)} kernels, {total / 1e6:.1f} MB")
@@ -283,7 +365,15 @@ def main():
     'tokens": 64, "num_stages": 4, "value_stats": "separate"}]\'',
   )
   parser.add_argument(
-    "--only-folded-mosaic", action="store_true", help="skip GEAR's parts and the folded Triton call"
+    "--decode-step-configs",
+    default="[]",
+    help="JSON list of quantized kernel settings: for each, the kernels of one step of kvjax's "
+    "decode loop (one layer, KIVI-2 cache of --context tokens)",
+  )
+  parser.add_argument(
+    "--only-folded-mosaic",
+    action="store_true",
+    help="skip GEAR's parts and the folded Triton call",
   )
   parser.add_argument("--out", help="write the kernels of each part as JSON here")
   args = parser.parse_args()
@@ -297,6 +387,9 @@ def main():
     label = ",".join(f"{key}={value}" for key, value in sorted(settings.items()))
     for where, kernels in folded_mosaic_call_kernels(args.context, settings).items():
       parts[f"KIVI-2 folded Mosaic GPU {where} ({label})"] = kernels
+  for settings in json.loads(args.decode_step_configs):
+    label = ",".join(f"{key}={value}" for key, value in sorted(settings.items()))
+    parts[f"decode step, one layer ({label})"] = decode_step_kernels(args.context, settings)
   for name, kernels in parts.items():
     _print_kernels(name, kernels)
   if args.out:
