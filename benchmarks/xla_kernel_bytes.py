@@ -272,8 +272,8 @@ def decode_step_kernels(context: int, quantized_settings: dict, bits: int = 2) -
   `context` tokens, the GPU kernels with `quantized_settings`. The model's layout choices are
   XLA's, as on a GPU: what it carries across steps and what it recomputes at every step.
 
-  The cache's updates are scatters, which XLA runs in place: their operand-plus-result bytes
-  here are the arrays they update, not what they move."""
+  The cache's updates are scatters: their operand-plus-result bytes here are the arrays they
+  update; a scatter XLA runs in place moves only its updates."""
   import importlib
   from unittest import mock
 
