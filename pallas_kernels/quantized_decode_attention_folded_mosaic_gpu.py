@@ -357,25 +357,15 @@ def check_config(
   block_tokens,
   num_stages,
   num_splits,
-  key_operand=DEFAULT_KEY_OPERAND,
-  operand_order=DEFAULT_OPERAND_ORDER,
-  approx_math=False,
-  copy_issuer=DEFAULT_COPY_ISSUER,
-  value_accumulator=DEFAULT_VALUE_ACCUMULATOR,
-  value_stats=DEFAULT_VALUE_STATS,
+  **folded_settings,
 ):
-  """ValueError naming the setting and its allowed values; raised before anything is traced."""
+  """ValueError naming the setting and its allowed values; raised before anything is traced.
+  `folded_settings`: this kernel's own (`FOLDED_SETTINGS`, `check_folded_settings`)."""
   dequantizing.check_settings(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
-  check_folded_settings(
-    key_operand=key_operand,
-    operand_order=operand_order,
-    approx_math=approx_math,
-    copy_issuer=copy_issuer,
-    value_accumulator=value_accumulator,
-    value_stats=value_stats,
-  )
+  check_folded_settings(**folded_settings)
+  value_stats = folded_settings.get("value_stats", DEFAULT_VALUE_STATS)
   needed = shared_memory_bytes(
     group, head_dim, bits, group_size, block_tokens, num_stages, value_stats
   )
@@ -992,6 +982,14 @@ def folded_kernel_outputs(
     raise ValueError(
       f"the folded Mosaic GPU quantized decode-attention kernel does not support {reason}"
     )
+  folded_settings = dict(
+    key_operand=key_operand,
+    operand_order=operand_order,
+    approx_math=approx_math,
+    copy_issuer=copy_issuer,
+    value_accumulator=value_accumulator,
+    value_stats=value_stats,
+  )
   check_config(
     queries.shape[2],
     queries.shape[3],
@@ -1000,12 +998,7 @@ def folded_kernel_outputs(
     block_tokens=block_tokens,
     num_stages=num_stages,
     num_splits=num_splits,
-    key_operand=key_operand,
-    operand_order=operand_order,
-    approx_math=approx_math,
-    copy_issuer=copy_issuer,
-    value_accumulator=value_accumulator,
-    value_stats=value_stats,
+    **folded_settings,
   )
   return _jitted_kernel_outputs(
     queries,
@@ -1022,12 +1015,7 @@ def folded_kernel_outputs(
     block_tokens=block_tokens,
     num_splits=num_splits,
     num_stages=num_stages,
-    key_operand=key_operand,
-    operand_order=operand_order,
-    approx_math=approx_math,
-    copy_issuer=copy_issuer,
-    value_accumulator=value_accumulator,
-    value_stats=value_stats,
+    **folded_settings,
     interpret=interpret,
   )
 
