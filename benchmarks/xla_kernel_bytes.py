@@ -33,6 +33,7 @@ needed). Examples:
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -167,23 +168,42 @@ def computation_kernels(hlo_text: str, name: str | None = None) -> list[Kernel]:
   return kernels
 
 
+@functools.cache
+def _compile_only_h100_sharding():
+  """One compile-only H100 for the run: each topology makes devices of its own, and one jitted
+  function's arguments must sit on one device."""
+  import jax
+
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import mosaic_static_cost
+
+  return jax.sharding.SingleDeviceSharding(mosaic_static_cost.compile_only_device())
+
+
+def _on_compile_only_h100(tree):
+  """The abstract arrays of `tree` (shapes and dtypes) placed on the run's compile-only H100."""
+  import jax
+
+  sharding = _compile_only_h100_sharding()
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def _settings_label(settings: dict) -> str:
+  return ",".join(f"{key}={value}" for key, value in sorted(settings.items()))
+
+
 def gear_parts_kernels(context: int) -> dict[str, list[Kernel]]:
   """part name -> its kernels, compiled for a compile-only H100 at `context` tokens."""
   import jax
 
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import gear_terms_parts
-  import mosaic_static_cost
-
-  device = mosaic_static_cost.compile_only_device()
-  sharding = jax.sharding.SingleDeviceSharding(device)
 
   def abstract_inputs():
     queries, segment, lengths = gear_terms_parts.gear_segment(context)
     return gear_terms_parts.part_inputs(queries, lengths, context), segment
 
-  shapes = jax.eval_shape(abstract_inputs)
-  placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), shapes)
+  placed = _on_compile_only_h100(jax.eval_shape(abstract_inputs))
   result = {}
   for name, fn in gear_terms_parts.parts(context).items():
     compiled = jax.jit(fn).trace(*placed).lower(lowering_platforms=("cuda",)).compile()
@@ -194,10 +214,6 @@ def gear_parts_kernels(context: int) -> dict[str, list[Kernel]]:
 def _benchmark_call(function, context: int, bits: int, **settings) -> tuple:
   """(`function` bound to decode_attention.py's KIVI quantization and `settings`, its abstract
   arguments at `context` tokens placed on a compile-only H100)."""
-  import functools
-
-  import jax
-
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import mosaic_static_cost
   import triton_static_cost
@@ -212,7 +228,6 @@ def _benchmark_call(function, context: int, bits: int, **settings) -> tuple:
     bits,
     shape["group_size"],
   )
-  sharding = jax.sharding.SingleDeviceSharding(mosaic_static_cost.compile_only_device())
   call = functools.partial(
     function,
     bits=bits,
@@ -220,7 +235,7 @@ def _benchmark_call(function, context: int, bits: int, **settings) -> tuple:
     sm_scale=shape["head_dim"] ** -0.5,
     **settings,
   )
-  return call, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in arguments]
+  return call, _on_compile_only_h100(list(arguments))
 
 
 def kivi_call_kernels(context: int, bits: int = 2) -> list[Kernel]:
@@ -305,10 +320,7 @@ def decode_step_kernels(context: int, quantized_settings: dict, bits: int = 2) -
     max_position_embeddings=context + new_tokens,
   )
   decoder, params = split_decoder(random_decoder(config, seed=0))
-  sharding = jax.sharding.SingleDeviceSharding(mosaic_static_cost.compile_only_device())
-
-  def placed(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+  placed = _on_compile_only_h100
 
   method = parse_method_spec(
     f"kivi:bits={bits},residual=128,group_size={shape['group_size']}",
@@ -384,12 +396,12 @@ def main():
       args.context
     )
   for settings in json.loads(args.folded_mosaic_configs):
-    label = ",".join(f"{key}={value}" for key, value in sorted(settings.items()))
     for where, kernels in folded_mosaic_call_kernels(args.context, settings).items():
-      parts[f"KIVI-2 folded Mosaic GPU {where} ({label})"] = kernels
+      parts[f"KIVI-2 folded Mosaic GPU {where} ({_settings_label(settings)})"] = kernels
   for settings in json.loads(args.decode_step_configs):
-    label = ",".join(f"{key}={value}" for key, value in sorted(settings.items()))
-    parts[f"decode step, one layer ({label})"] = decode_step_kernels(args.context, settings)
+    parts[f"decode step, one layer ({_settings_label(settings)})"] = decode_step_kernels(
+      args.context, settings
+    )
   for name, kernels in parts.items():
     _print_kernels(name, kernels)
   if args.out:
