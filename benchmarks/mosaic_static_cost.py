@@ -232,10 +232,12 @@ def main():
   device = compile_only_device()
   shape = BENCHMARK_SHAPE
   programs_tokens = shape["batch"] * shape["kv_heads"] * shape["tokens"]
-  cases = []  # (label, file name, (function, arguments), tokens per iteration)
+  # (label, file name, (function, arguments), tokens per iteration, branch arms): with arms
+  # (0, 1), a row per path through the loop body's branch (`triton_static_cost.branch_paths`).
+  cases = []
   if args.bf16:
     settings = {"block_tokens": 64, "num_stages": 2}  # the kernel's defaults
-    cases.append(("bf16", "bf16", full_precision_call(settings), settings["block_tokens"]))
+    cases.append(("bf16", "bf16", full_precision_call(settings), settings["block_tokens"], (None,)))
   for variant in args.variants:
     for bits in args.bits:
       for settings in json.loads(args.configs):
@@ -244,25 +246,35 @@ def main():
           f"{key}={value}" for key, value in sorted(settings.items())
         )
         call = kernel_call(variant, bits, settings)
-        cases.append((label, f"{variant}{bits}", call, settings["block_tokens"]))
+        # row_max="bound": each block takes the fixed reference's arm or the exchange's
+        arms = (0, 1) if settings.get("row_max") == "bound" else (None,)
+        cases.append((label, f"{variant}{bits}", call, settings["block_tokens"], arms))
   rows = []
   with tempfile.TemporaryDirectory() as workdir:
-    for label, file_name, call, tokens_per_iteration in cases:
+    for label, file_name, call, tokens_per_iteration, arms in cases:
       ptx, resources = ptx_of(*call, device)
       sass, usage = sass_of(ptx, workdir, file_name)
-      cost = triton_static_cost.loop_cost(
-        label,
-        sass,
-        usage,
-        "",
-        tokens_per_iteration=tokens_per_iteration,
-        warps=THREADS_PER_PROGRAM // 32,
-      )
-      shared = re.search(r"smem_scratch_bytes=(\d+)", resources)
-      cost.shared_bytes = int(shared.group(1)) if shared else -1
-      floors = cost.floors_us(programs_tokens=programs_tokens)
-      floors["programs_per_sm"] = programs_per_sm(cost.registers, cost.shared_bytes)
-      rows.append((cost, floors))
+      for arm in arms:
+        cost = triton_static_cost.loop_cost(
+          label,
+          sass,
+          usage,
+          "",
+          tokens_per_iteration=tokens_per_iteration,
+          warps=THREADS_PER_PROGRAM // 32,
+          branch_arm=arm,
+        )
+        if arm is not None:  # the arm with the row max's FMNMX is the exchange's
+          path = triton_static_cost.branch_paths(
+            triton_static_cost.main_loop(triton_static_cost.parse_sass(sass))
+          )[arm]
+          row_max = any(opcode.startswith("FMNMX") for _, opcode, _ in path)
+          cost.name += " [exchange arm]" if row_max else " [fixed arm]"
+        shared = re.search(r"smem_scratch_bytes=(\d+)", resources)
+        cost.shared_bytes = int(shared.group(1)) if shared else -1
+        floors = cost.floors_us(programs_tokens=programs_tokens)
+        floors["programs_per_sm"] = programs_per_sm(cost.registers, cost.shared_bytes)
+        rows.append((cost, floors))
 
   print(
     "| kernel | regs | shared KB | programs/SM | instr/iter/warp | first warp only "

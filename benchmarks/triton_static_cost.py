@@ -137,6 +137,36 @@ def main_loop(instructions) -> list[tuple[int, str, str]]:
   return [instruction for instruction in instructions if low <= instruction[0] <= high]
 
 
+def branch_paths(loop) -> list[list[tuple[int, str, str]]]:
+  """The two paths through a loop body ((address, opcode, operands), as `main_loop` gives)
+  whose work is one two-armed branch (an if/else taken per iteration, as the folded Mosaic GPU
+  kernel's row_max="bound" has): the instructions before the branch, one arm, and those after
+  the arms join, for each arm. The branch is the first forward branch to a target t in the body
+  whose preceding instruction is a branch forward past t (the first arm's jump to the join)."""
+  addresses = [address for address, _, _ in loop]
+  by_address = {address: index for index, address in enumerate(addresses)}
+  for index, (address, opcode, operands) in enumerate(loop):
+    target = re.search(r"0x([0-9a-f]+)", operands)
+    if not (opcode.startswith("BRA") and target):
+      continue
+    else_start = int(target.group(1), 16)
+    if not address < else_start <= addresses[-1] or else_start not in by_address:
+      continue
+    _, jump_opcode, jump_operands = loop[by_address[else_start] - 1]
+    join = re.search(r"0x([0-9a-f]+)", jump_operands)
+    if not (jump_opcode.startswith("BRA") and join):
+      continue
+    join_start = int(join.group(1), 16)
+    if not else_start < join_start <= addresses[-1] or join_start not in by_address:
+      continue
+    before, after = loop[: index + 1], loop[by_address[join_start] :]
+    return [
+      before + loop[index + 1 : by_address[else_start]] + after,
+      before + loop[by_address[else_start] : by_address[join_start]] + after,
+    ]
+  raise ValueError("no two-armed branch in the loop body")
+
+
 def wgmma_shadows(body: list[tuple[str, str]]) -> list[int]:
   """For each warpgroup MMA in a loop body (WARPGROUP.ARRIVE up to its WARPGROUP.DEPBAR wait),
   the other instructions the warps issue in between: work that overlaps the tensor core
@@ -192,8 +222,14 @@ class LoopCost:
     }
 
 
-def loop_cost(name, sass: str, resources: str, ttgir: str, *, tokens_per_iteration, warps):
+def loop_cost(
+  name, sass: str, resources: str, ttgir: str, *, tokens_per_iteration, warps, branch_arm=None
+):
+  """`branch_arm` 0 or 1: count the path through that arm of the body's branch
+  (`branch_paths`) instead of the whole body."""
   loop = main_loop(parse_sass(sass))
+  if branch_arm is not None:
+    loop = branch_paths(loop)[branch_arm]
   body_instructions = [(opcode, operands) for _, opcode, operands in loop]
   body = [opcode for opcode, _ in body_instructions]
   by_base = collections.Counter(opcode.split(".")[0] for opcode in body)

@@ -138,3 +138,39 @@ def test_instructions_only_the_first_warp_runs_are_counted_apart():
   assert cost.mean_instructions == 9 - 3 / 4
   # the other forward branch (the block-count test) guards no warp: nothing counted for it
   assert static_cost.first_warp_only(static_cost.main_loop(static_cost.parse_sass(SASS))) == 0
+
+
+# A loop (0x0020-0x00b0) whose body is an if/else: the branch at 0x0030 to the else arm at
+# 0x0070, the then arm (0x0040-0x0060) jumping to the join at 0x00a0; a forward branch inside the
+# then arm (0x0040, skipping 0x0050) is not the if/else.
+BRANCH_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/                   S2R R0, SR_TID.X ;                     /* 0x0000000000007919 */
+        /*0020*/                   LDS.128 R4, [R2] ;                     /* 0x0000000002047984 */
+        /*0030*/               @!P1 BRA 0x70 ;                            /* 0xffffff9000008947 */
+        /*0040*/                @P2 BRA 0x60 ;                            /* 0xffffff9000008947 */
+        /*0050*/                   FMUL R5, R5, R4 ;                      /* 0x0000000405057220 */
+        /*0060*/                   BRA 0xa0 ;                             /* 0xffffff9000008947 */
+        /*0070*/                   FMNMX R5, R5, R4, !PT ;                /* 0x0000000405057209 */
+        /*0080*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;          /* 0x0000000000007b1d */
+        /*0090*/                   FMUL R5, R5, R4 ;                      /* 0x0000000405057220 */
+        /*00a0*/                   STS [R3], R5 ;                         /* 0x0000000503007388 */
+        /*00b0*/               @!P0 BRA 0x20 ;                            /* 0xffffff9000008947 */
+        /*00c0*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+
+def test_branch_paths_are_each_arm_between_the_shared_parts():
+  loop = static_cost.main_loop(static_cost.parse_sass(BRANCH_SASS))
+  then_path, else_path = static_cost.branch_paths(loop)
+  assert [address for address, _, _ in then_path] == [0x20, 0x30, 0x40, 0x50, 0x60, 0xA0, 0xB0]
+  assert [address for address, _, _ in else_path] == [0x20, 0x30, 0x70, 0x80, 0x90, 0xA0, 0xB0]
+  cost = static_cost.loop_cost(
+    "toy", BRANCH_SASS, "REG:40", "", tokens_per_iteration=64, warps=4, branch_arm=1
+  )
+  assert (cost.instructions, cost.barriers) == (7, 1)
+
+
+def test_a_loop_without_an_if_else_has_no_branch_paths():
+  with pytest.raises(ValueError, match="no two-armed branch"):
+    static_cost.branch_paths(static_cost.main_loop(static_cost.parse_sass(SASS)))
