@@ -210,7 +210,8 @@ def quantized_decode_attention(
   num_splits, num_stages, and for "folded" "key_operand": "shared_memory" (default) |
   "registers", "operand_order": "channel" (default) | "word", "approx_math": False (default) |
   True, "copy_issuer": "warpgroup" (default) | "first_warp", "value_accumulator": "fresh"
-  (default) | "carried", "value_stats": "pairs" (default) | "separate"; KIVI segments, others
+  (default) | "carried", "value_stats": "pairs" (default) | "separate", "row_max": "exchange"
+  (default) | "bound"; KIVI segments, others
   run the Triton kernel with a warning; see
   `pallas_kernels.quantized_decode_attention_gpu`).
   """

@@ -64,6 +64,14 @@ per group and token packed by the wrapper. In a loop XLA carries the statistics 
 the transposes become layout, but the packing is computed at every call: 67 MB of the 291.6 MB
 one iteration of the benchmark's timed loop moves at 32k (`VALUE_STATS`).
 
+A setting of v33, not yet timed on a GPU: `row_max="bound"` runs the softmax against a fixed
+reference per split, from the bounds the key statistics put on the scores (computed by XLA
+before the kernel, `softmax_reference_bounds`), instead of the running max: no reduction over
+tokens, no rescaling of the accumulator and the per-token sums, 2 of the 5 barriers per block
+gone (the reference's p are at most 2^32, so value scales must stay below 2^31). A split the
+bounds cannot serve gets the reference +inf and its program takes the running max's branch at
+every block (`ROW_MAXES`).
+
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
 the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
@@ -114,6 +122,11 @@ from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
   CHUNK_TOKENS,
   fetch_block,
   wgmma_layout,
+)
+from pallas_kernels.softmax_reference_bounds import (
+  EXCHANGE,
+  key_score_bounds,
+  split_softmax_references,
 )
 from pallas_kernels.splits import (
   gpu_target_programs,
@@ -185,6 +198,14 @@ DEFAULT_VALUE_ACCUMULATOR = "fresh"
 # timed loop compiled for an H100; `benchmarks/xla_kernel_bytes.py`). "separate" has no pass.
 VALUE_STATS = ("pairs", "separate")
 DEFAULT_VALUE_STATS = "pairs"
+# The softmax's reference per row. "exchange": the online softmax's running max, whose reduction
+# over tokens crosses the four warps through shared memory at every block (the largest single
+# stall in v30's profile). "bound" (v33): a fixed reference per split from the key statistics'
+# bounds on the scores, computed by XLA before the kernel (`softmax_reference_bounds`): no max,
+# no rescaling in the loop; a split the bounds cannot serve (1.5-2% of SmolLM2's) takes the
+# "exchange" branch of the loop's body at every block, chosen per program.
+ROW_MAXES = ("exchange", "bound")
+DEFAULT_ROW_MAX = "exchange"
 # This kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
 FOLDED_SETTINGS = (
   "key_operand",
@@ -193,6 +214,7 @@ FOLDED_SETTINGS = (
   "copy_issuer",
   "value_accumulator",
   "value_stats",
+  "row_max",
 )
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
@@ -300,11 +322,18 @@ def ring_slot_shapes(
 
 
 def shared_memory_bytes(
-  group, head_dim, bits, group_size, block_tokens, num_stages, value_stats=DEFAULT_VALUE_STATS
+  group,
+  head_dim,
+  bits,
+  group_size,
+  block_tokens,
+  num_stages,
+  value_stats=DEFAULT_VALUE_STATS,
+  row_max=DEFAULT_ROW_MAX,
 ):
   """Bytes of shared memory one program allocates, each buffer rounded up to the 1024-byte
   alignment Pallas gives it (an upper bound: 72704 for the shapes of record, which compile to
-  71680)."""
+  71680). Q' and P' share one buffer unless row_max="bound" (`_folded_kernel`'s scratch)."""
   rows = tile_rows(group)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
   ring_slots = ring_slot_shapes(group, head_dim, bits, group_size, block_tokens, value_stats)
@@ -313,7 +342,10 @@ def shared_memory_bytes(
     LENGTH_WORDS * 4,
     head_dim * rows * 4,  # the queries, then the output
     block_tokens * head_dim * 2,  # one bf16 code tile: K, then V
-    max(key_rows * head_dim, value_rows * block_tokens) * 2,  # Q', then P'
+  ]
+  stack_bytes = (key_rows * head_dim * 2, value_rows * block_tokens * 2)  # Q', P'
+  buffers += list(stack_bytes) if row_max == "bound" else [max(stack_bytes)]
+  buffers += [
     rows * 4,  # lse
     8 * (2 + len(ring) * num_stages),  # barriers (one per ring buffer and stage, at most)
     REDUCTION_SCRATCH_BYTES,
@@ -329,6 +361,7 @@ def check_folded_settings(
   copy_issuer=DEFAULT_COPY_ISSUER,
   value_accumulator=DEFAULT_VALUE_ACCUMULATOR,
   value_stats=DEFAULT_VALUE_STATS,
+  row_max=DEFAULT_ROW_MAX,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values (the
   checks that need no shapes; the dispatch runs them on a kernel_config too)."""
@@ -346,6 +379,8 @@ def check_folded_settings(
     )
   if value_stats not in VALUE_STATS:
     raise ValueError(f"value_stats={value_stats!r} is not supported; allowed: {VALUE_STATS}")
+  if row_max not in ROW_MAXES:
+    raise ValueError(f"row_max={row_max!r} is not supported; allowed: {ROW_MAXES}")
 
 
 def check_config(
@@ -365,9 +400,15 @@ def check_config(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
   check_folded_settings(**folded_settings)
-  value_stats = folded_settings.get("value_stats", DEFAULT_VALUE_STATS)
   needed = shared_memory_bytes(
-    group, head_dim, bits, group_size, block_tokens, num_stages, value_stats
+    group,
+    head_dim,
+    bits,
+    group_size,
+    block_tokens,
+    num_stages,
+    folded_settings.get("value_stats", DEFAULT_VALUE_STATS),
+    folded_settings.get("row_max", DEFAULT_ROW_MAX),
   )
   if needed > SHARED_MEMORY_BYTES:
     raise ValueError(
@@ -433,8 +474,9 @@ def _folded_kernel(
   v_codes_gmem,
   # The value statistics, group-major (`value_stats`): uint32 [B, H, D / group_size, T] (scale,
   # minimum) bf16 pairs, or the bf16 scales and minimums, each [B, H, D / group_size, T]; then
-  # out f32 [B, H, S, D, rows] (channel c's rows in the slot of its value group) and lse f32
-  # [B, H, S, rows].
+  # with row_max="bound" each split's softmax reference f32 [B, H, S, rows]
+  # (`softmax_reference_bounds`); then out f32 [B, H, S, D, rows] (channel c's rows in the slot
+  # of its value group) and lse f32 [B, H, S, rows].
   *value_stats_and_outputs,
   lengths_smem,
   queries_smem,  # f32 [D, rows]: the queries, then the output (see `scratch_types`)
@@ -461,9 +503,12 @@ def _folded_kernel(
   copy_issuer: str,
   value_accumulator: str,
   value_stats: str,
+  row_max: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
+  if row_max == "bound":
+    *value_stats_gmem, references_gmem = value_stats_gmem
   if value_stats == "pairs":
     value_stats_rings = (v_stats_smem,)
   else:
@@ -482,6 +527,8 @@ def _folded_kernel(
 
   plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, lengths_barrier)
   plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
+  if row_max == "bound":  # lse_smem holds them until the loop; the output's lse comes after it
+    plgpu.copy_gmem_to_smem(references_gmem.at[row, head, split], lse_smem, queries_barrier)
   plgpu.barrier_wait(lengths_barrier)
   start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
   ring = (k_words_smem, k_scale_smem, key_bias_smem, v_words_smem, *value_stats_rings)
@@ -538,7 +585,9 @@ def _folded_kernel(
       tile = jnp.where(value_slot == s, per_token(per_group[i * slots + s]), tile)
     return tile
 
-  def body(i, state):
+  def body(i, state, reference=None):
+    """One block. `reference` [rows]: the split's fixed softmax reference (row_max="bound"),
+    so nothing is rescaled; None: the online softmax's running max."""
     acc, running_max, sum_partials, value_bias_partials = state
     slot = lax.rem(i, num_stages)
     pl.when(i + num_stages - 1 < num_blocks)(functools.partial(fetch, i + num_stages - 1))
@@ -651,10 +700,21 @@ def _folded_kernel(
       scores = pick_group_scores(stacked_scores, bias, 0, key_groups, 0)
     token = plgpu.broadcasted_iota(jnp.int32, (block, rows), 0, layout=plgpu.Layout.WGMMA)
 
-    new_max, correction, probs = softmax_step_numerators(scores, token + first < end, running_max)
+    if reference is None:
+      new_max, correction, probs = softmax_step_numerators(scores, token + first < end, running_max)
+    else:
+      new_max, correction = running_max, None
+      probs = jnp.exp2(
+        jnp.where(token + first < end, scores, -jnp.inf)
+        - lax.broadcast_in_dim(reference, scores.shape, [1])
+      )
 
     # The key product has completed (its result was read): the tile takes the value codes.
     # One tile instead of two keeps three programs per SM (`shared_memory_bytes`).
+    if reference is not None and key_operand == "shared_memory":
+      # Without the row max's cross-warp reduction nothing says the other warps' key products
+      # (their tensor cores read this tile) are done: a barrier does.
+      plgpu.commit_smem()
     stage(v_words_smem)
     # Past the length p is 0 but the statistics may be NaN: they are zeroed there (a select per
     # token, before the broadcast over rows), and then products may be taken.
@@ -677,25 +737,32 @@ def _folded_kernel(
     for t in range(value_tiles):
       stacked = probs * value_tile(v_scales, t)
       value_stack_smem.at[pl.ds(t * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
-    stacked_correction_row = jnp.concatenate([correction] * value_tiles)
+    if correction is not None:
+      stacked_correction_row = jnp.concatenate([correction] * value_tiles)
     plgpu.commit_smem()  # the staged value codes and P' visible to the tensor core
 
-    per_token_correction = lax.broadcast_in_dim(correction, (block, rows), [1])
-    stacked_correction = lax.broadcast_in_dim(
-      stacked_correction_row, (head_dim, value_tiles * rows), [1]
-    )
+    def rescale_accumulator(acc):
+      if correction is None:  # a fixed reference: nothing to rescale
+        return acc
+      return acc * lax.broadcast_in_dim(stacked_correction_row, (head_dim, value_tiles * rows), [1])
 
     def update_partials(sum_partials, value_bias_partials):
       """In the value product's shadow: the softmax denominator and sum_t p v_min[t] per value
       group, kept per token slot and rescaled like the accumulator. Summed over tokens once,
       after the loop: a sum over tokens crosses the four warps through shared memory
       (KERNEL_NOTES v18: those round trips are where the kernel stalls)."""
-      return sum_partials * per_token_correction + probs, value_bias_partials * jnp.concatenate(
-        [per_token_correction] * value_tiles, axis=1
-      ) + jnp.concatenate([probs * value_tile(v_mins, t) for t in range(value_tiles)], axis=1)
+      if correction is not None:
+        per_token_correction = lax.broadcast_in_dim(correction, (block, rows), [1])
+        sum_partials = sum_partials * per_token_correction
+        value_bias_partials = value_bias_partials * jnp.concatenate(
+          [per_token_correction] * value_tiles, axis=1
+        )
+      return sum_partials + probs, value_bias_partials + jnp.concatenate(
+        [probs * value_tile(v_mins, t) for t in range(value_tiles)], axis=1
+      )
 
     if value_accumulator == "carried":
-      rescaled = acc * stacked_correction
+      rescaled = rescale_accumulator(acc)
       if emulate:
         # Mosaic GPU's interpreter has no wgmma into an accumulator made from registers: the
         # same sum, with the product as a dot.
@@ -721,16 +788,29 @@ def _folded_kernel(
     update, sum_partials, value_bias_partials = pl.run_scoped(
       value_product, plgpu.ACC((head_dim, value_tiles * rows), jnp.float32)
     )
-    return acc * stacked_correction + update, new_max, sum_partials, value_bias_partials
+    return rescale_accumulator(acc) + update, new_max, sum_partials, value_bias_partials
 
-  _, running_max, _ = initial_softmax_state(rows, head_dim)
+  _, initial_max, _ = initial_softmax_state(rows, head_dim)
+  start_max, step = initial_max, body
+  if row_max == "bound":
+    # Read before the loop: lse_smem takes the output's lse after it. Every thread reads the
+    # same first element, so the whole warpgroup takes the same branch at every block. One loop
+    # with a branch per block, not a loop per branch: two loops in one kernel took 135
+    # registers (three programs per SM) where either alone takes 127-128 (four), sm_90a static
+    # count (KERNEL_NOTES v33).
+    reference = plgpu.layout_cast(lse_smem[...], plgpu.Layout.WGMMA.reduce(0))
+    exchange = lse_smem[0] == EXCHANGE
+    start_max = lax.cond(exchange, lambda: initial_max, lambda: reference)
+    step = lambda i, state: lax.cond(
+      exchange, body, functools.partial(body, reference=reference), i, state
+    )
   init = (
     wgmma_layout(jnp.zeros((head_dim, value_tiles * rows), jnp.float32)),
-    running_max,
+    start_max,  # the running max, or the fixed reference it stays at
     wgmma_layout(jnp.zeros((block, rows), jnp.float32)),
     wgmma_layout(jnp.zeros((block, value_tiles * rows), jnp.float32)),
   )
-  acc, running_max, sum_partials, value_bias_partials = lax.fori_loop(0, num_blocks, body, init)
+  acc, running_max, sum_partials, value_bias_partials = lax.fori_loop(0, num_blocks, step, init)
   running_sum = sum_partials.sum(axis=0)
   value_bias = value_bias_partials.sum(axis=0)
 
@@ -794,6 +874,7 @@ def _jitted_kernel_outputs(
   copy_issuer,
   value_accumulator,
   value_stats,
+  row_max,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -820,6 +901,10 @@ def _jitted_kernel_outputs(
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
   ring_slots = ring_slot_shapes(group, head_dim, bits, group_size, block_tokens, value_stats)
   operand = functools.partial(swizzled_operand_transforms, dtype=jnp.bfloat16)
+  stack_buffers = (  # Q', P'
+    plgpu.SMEM((key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
+    plgpu.SMEM((value_rows, block_tokens), jnp.bfloat16, transforms=operand(block_tokens)),
+  )
   kernel = plgpu.kernel(
     functools.partial(
       _folded_kernel,
@@ -835,6 +920,7 @@ def _jitted_kernel_outputs(
       copy_issuer=copy_issuer,
       value_accumulator=value_accumulator,
       value_stats=value_stats,
+      row_max=row_max,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
@@ -847,7 +933,9 @@ def _jitted_kernel_outputs(
     # - the queries are read into registers before the loop, the output written after it;
     # - Q' is read by the key product, P' written after every warp has read the scores (the
     #   row max's cross-warp reduction is a barrier) and read by the value product, the next Q'
-    #   written after the next block's first `commit_smem`: the code tile's cycle.
+    #   written after the next block's first `commit_smem`: the code tile's cycle. With
+    #   row_max="bound" no barrier follows the key product in the fixed reference's branch, so
+    #   Q' and P' take a buffer each (+2 KB at the v30 default's shapes: still four per SM).
     scratch_types=dict(
       lengths_smem=plgpu.SMEM(lengths.shape, jnp.int32),
       queries_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
@@ -855,14 +943,12 @@ def _jitted_kernel_outputs(
         name: plgpu.SMEM((num_stages, *shape), dtype) for name, (shape, dtype) in ring_slots.items()
       },
       codes_smem=plgpu.SMEM((block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
-      stacks_smem=plgpu.RefUnion(
-        plgpu.SMEM((key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
-        plgpu.SMEM((value_rows, block_tokens), jnp.bfloat16, transforms=operand(block_tokens)),
-      ),
+      stacks_smem=plgpu.RefUnion(*stack_buffers) if row_max == "exchange" else stack_buffers,
       lse_smem=plgpu.SMEM((rows,), jnp.float32),
       barriers=(
         plgpu.Barrier(),
-        plgpu.Barrier(),
+        # the queries, and with row_max="bound" the split's softmax references
+        plgpu.Barrier(num_arrivals=2 if row_max == "bound" else 1),
         (
           plgpu.Barrier(num_arrivals=len(ring_slots), num_barriers=num_stages)
           if copy_issuer == "first_warp"
@@ -889,7 +975,20 @@ def _jitted_kernel_outputs(
     interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
   )
   bias = key_bias(scaled, k_min)  # [B, H, T / group_size, rows]
-  return kernel(lengths, code_queries, k_codes, k_scale, bias, v_codes, *value_statistics)
+  references = ()
+  if row_max == "bound":
+    references = (
+      split_softmax_references(
+        *key_score_bounds(scaled, k_scale, bias, bits=bits),
+        lengths[:batch],
+        group_size=group_size,
+        split_tokens=plan.split_tokens,
+        num_splits=plan.num_splits,
+      ),
+    )
+  return kernel(
+    lengths, code_queries, k_codes, k_scale, bias, v_codes, *value_statistics, *references
+  )
 
 
 def group_major_value_stat_pairs(v_scale: jax.Array, v_min: jax.Array) -> jax.Array:
@@ -960,6 +1059,7 @@ def folded_kernel_outputs(
   copy_issuer: str = DEFAULT_COPY_ISSUER,
   value_accumulator: str = DEFAULT_VALUE_ACCUMULATOR,
   value_stats: str = DEFAULT_VALUE_STATS,
+  row_max: str = DEFAULT_ROW_MAX,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (rows in operand positions, every value
@@ -989,6 +1089,7 @@ def folded_kernel_outputs(
     copy_issuer=copy_issuer,
     value_accumulator=value_accumulator,
     value_stats=value_stats,
+    row_max=row_max,
   )
   check_config(
     queries.shape[2],

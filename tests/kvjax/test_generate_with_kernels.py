@@ -110,6 +110,13 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       marks=pytest.mark.slow,
     ),
     (
+      # The folded Mosaic GPU kernel with a fixed softmax reference per split from the key
+      # statistics' bounds (KERNEL_NOTES v33), through the decode loop.
+      "kivi:bits=4,group_size=16,residual=16",
+      KernelSettings(quantized={"lowering": "mosaic_gpu", "variant": "folded", "row_max": "bound"}),
+      jnp.bfloat16,
+    ),
+    (
       # 2 query heads per KV head: the folded kernel's stacked operands in 2 copies instead of
       # 2 padding query rows (KERNEL_NOTES v22).
       "kivi:bits=2,group_size=16,residual=16",
@@ -134,7 +141,7 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
     kernel = getattr(module, name)
 
     def record(*args, **kwargs):
-      recorded = ("lowering", "variant", "gear_terms", "stack_copies")
+      recorded = ("lowering", "variant", "gear_terms", "stack_copies", "row_max")
       seen.append({k: v for k, v in kwargs.items() if k in recorded})
       return kernel(*args, **kwargs)
 

@@ -209,6 +209,9 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
     ("folded", 2, 128, 4, 32, V31_CANDIDATE),
     # v32: the value statistics as two group-major bf16 arrays, six copies on one barrier.
     ("folded", 2, 128, 4, 32, dict(V31_CANDIDATE, value_stats="separate")),
+    # v33: a fixed softmax reference per split (two TMA copies on the queries' barrier, a scalar
+    # read from shared memory and a branch per block between two loop bodies).
+    ("folded", 2, 128, 4, 32, dict(V31_CANDIDATE, value_stats="separate", row_max="bound")),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

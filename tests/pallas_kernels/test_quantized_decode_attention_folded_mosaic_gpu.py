@@ -21,13 +21,25 @@ import pytest
 from kvjax import attention_dispatch
 from pallas_kernels import quantized_decode_attention_folded_mosaic_gpu as folded
 from pallas_kernels import quantized_decode_attention_gpu
-from pallas_kernels.bit_packing import pack_codes
+from pallas_kernels.base_two_softmax import base_two_queries
+from pallas_kernels.bit_packing import pack_codes, unpack_codes
+from pallas_kernels.key_bias import key_bias
 from pallas_kernels.quantized_decode_attention_gpu import FOLDED_MOSAIC_GPU_V30, mosaic_gpu_settings
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import BLOCK_TOKENS
 from pallas_kernels.quantized_decode_attention_reference import (
   quantized_decode_attention_reference,
 )
-from pallas_kernels.splits import merge_split_partials, next_power_of_two
+from pallas_kernels.softmax_reference_bounds import (
+  EXCHANGE,
+  key_score_bounds,
+  split_softmax_references,
+)
+from pallas_kernels.splits import (
+  gpu_target_programs,
+  merge_split_partials,
+  next_power_of_two,
+  plan_splits,
+)
 from pallas_kernels.subnormal_codes import code_exponent
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
@@ -41,10 +53,9 @@ pytestmark = pytest.mark.filterwarnings(
   "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 )
 
-# The Hopper default's settings with v31's two untimed settings on.
-V31_CANDIDATE = dict(
-  mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V30), copy_issuer="first_warp", value_accumulator="carried"
-)
+# The Hopper default's settings, and with v31's two untimed settings on.
+V30_SETTINGS = mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V30)
+V31_CANDIDATE = dict(V30_SETTINGS, copy_issuer="first_warp", value_accumulator="carried")
 
 
 def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **config):
@@ -127,6 +138,19 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     # value groups per head (two 256-byte slots per block) and two splits
     (2, 128, 4, 32, 224, dict(V31_CANDIDATE, num_splits=1, value_stats="separate")),
     (4, 64, 4, 32, 192, dict(block_tokens=64, num_splits=2, value_stats="separate")),
+    # a fixed softmax reference per split from the key statistics' bounds (v33): with the v30
+    # default's settings over one split of four blocks; in the channel order at block 128; with
+    # v31's candidate, "separate" and two splits at head_dim 64
+    (2, 128, 4, 32, 224, dict(V30_SETTINGS, num_splits=1, row_max="bound")),
+    (2, 128, 2, 32, 256, dict(num_splits=1, row_max="bound")),
+    (
+      4,
+      64,
+      3,
+      16,
+      192,
+      dict(V31_CANDIDATE, num_splits=2, value_stats="separate", row_max="bound"),
+    ),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -181,6 +205,88 @@ def test_decode_entry_merges_before_picking_value_slots(group, config):
   assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, interpret))
 
 
+def _kivi2_inputs(seed):
+  """(poisoned, clean) inputs of head_dim 128, 4 heads per KV head, KIVI-2 with group 32,
+  224 tokens."""
+  return _inputs(
+    np.random.default_rng(seed),
+    head_dim=128,
+    group=4,
+    bits=2,
+    group_size=32,
+    tokens=224,
+    dtype=jnp.bfloat16,
+  )
+
+
+def test_bound_row_max_runs_the_exact_softmax_where_the_bounds_are_loose():
+  """row_max="bound": in one KV head of one row a key channel's scale is large while its codes
+  are all 0, so its bounds are 150 (base 2) wider than its scores: a reference from them would
+  sit far enough above the true max that every p underflows (the split would look empty). Those
+  programs run the exact online softmax; the others keep their fixed reference; all match the
+  jnp reference."""
+  head_dim, group, bits, group_size, tokens = 128, 4, 2, 32, 224
+  arrays, clean = _kivi2_inputs(33)
+  queries, k_codes, k_scale = arrays[:3]
+  channel = 5
+  queries = queries.at[0, 1, :, channel].set(2.0)
+  codes = unpack_codes(k_codes[0, 1], bits).at[:, channel].set(0)
+  k_codes = k_codes.at[0, 1].set(pack_codes(codes, bits))
+  loose = lambda scale: scale.at[0, 1, :, channel].set(200.0)
+  arrays = (queries, k_codes, loose(k_scale), *arrays[3:])
+  clean = (queries, k_codes, loose(clean[2]), *clean[3:])
+  quantization = dict(bits=bits, group_size=group_size)
+  sm_scale = head_dim**-0.5
+  config = dict(V30_SETTINGS, num_splits=2, row_max="bound")
+
+  scaled = base_two_queries(queries, sm_scale)
+  plan = plan_splits(tokens, config["block_tokens"], 3 * 2, 2, gpu_target_programs())
+  references = split_softmax_references(
+    *key_score_bounds(scaled, arrays[2], key_bias(scaled, arrays[3]), bits=bits),
+    arrays[7],
+    group_size=group_size,
+    split_tokens=plan.split_tokens,
+    num_splits=plan.num_splits,
+  )
+  exact = np.asarray(references == EXCHANGE).all(axis=-1)  # [B, H, S]
+  assert exact[0, 1].all() and not exact[0, 0].any()  # both arms run in this call
+  interpret = triton_interpret()
+  out_t, lse_p = folded.folded_partials_mosaic_gpu(
+    *arrays, **quantization, sm_scale=sm_scale, interpret=interpret, **config
+  )
+  assert_all_written(out_t, lse_p)
+  out, lse = merge_split_partials(out_t, lse_p, group, head_dim_last=False)
+  ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=sm_scale)
+  assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, interpret))
+
+
+def test_bound_row_max_hands_on_nan_statistics_as_the_reference():
+  """A NaN the cache holds for a valid token (its key group's scale or minimum, its value
+  scale) makes the bounds NaN, so its split takes the exact branch, or (value scales, which no
+  bound reads) reaches P': the row's output is NaN exactly where the reference's is; the split
+  does not look empty."""
+  arrays, clean = _kivi2_inputs(7)
+  quantization = dict(bits=2, group_size=32)
+  interpret = triton_interpret()
+  for index in (2, 3, 5):  # k_scale, k_min, v_scale of row 1, KV head 0, its first token
+    poison = lambda stats: stats.at[1, 0, 0, 3].set(jnp.nan)
+    poisoned = tuple(poison(a) if i == index else a for i, a in enumerate(arrays))
+    reference_inputs = tuple(poison(a) if i == index else a for i, a in enumerate(clean))
+    out, lse = folded.folded_decode_attention_mosaic_gpu(
+      *poisoned,
+      **quantization,
+      sm_scale=0.125,
+      interpret=interpret,
+      **dict(V30_SETTINGS, num_splits=2, row_max="bound"),
+    )
+    ref_out, ref_lse = quantized_decode_attention_reference(
+      *reference_inputs, **quantization, sm_scale=0.125
+    )
+    assert np.isnan(np.asarray(ref_out)[1, 0]).any()
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+
+
 def test_folded_mosaic_gpu_kernel_batch_of_unequal_rows():
   """Five rows of different lengths, one of them empty, on the default settings."""
   _check(head_dim=128, group=4, bits=2, group_size=32, tokens=160, batch=5, seed=5, num_splits=2)
@@ -227,6 +333,19 @@ def test_every_ring_slot_starts_where_tma_can_write():
     padded += bias_groups > key_groups
   assert padded  # the shapes that faulted (block 64, group size 32: 2 groups x 8 rows) are here
   assert folded.ring_slot_shapes(4, 128, 2, 32, 64)["key_bias_smem"][0] == (4, 8)
+
+
+@pytest.mark.parametrize("block_tokens,num_stages,extra", [(64, 4, 2048), (128, 2, 4096)])
+def test_bound_row_max_gives_q_and_p_a_buffer_each(block_tokens, num_stages, extra):
+  """Without the row max's barrier after the key product, P' may not overwrite Q': with
+  row_max="bound" each has its own buffer (the smaller one, 1024-byte aligned, comes on top),
+  and the v30 default's shapes of record still leave room for four programs per SM."""
+  shapes = (4, 128, 2, 32, block_tokens, num_stages)
+  shared = folded.shared_memory_bytes(*shapes)
+  bound = folded.shared_memory_bytes(*shapes, row_max="bound")
+  assert bound - shared == extra
+  if block_tokens == 64:
+    assert 4 * bound <= 227 * 1024 - 4 * 1024  # what an SM gives, less 1 KB per program
 
 
 @pytest.mark.parametrize("permuted", [False, True])
@@ -347,6 +466,12 @@ def test_bad_key_operand_is_named_before_tracing():
   with pytest.raises(ValueError, match="value_stats='split' is not supported"):
     quantized_decode_attention_gpu.check_config(
       {"lowering": "mosaic_gpu", "variant": "folded", "value_stats": "split"}
+    )
+  with pytest.raises(ValueError, match=r"row_max='max' is not supported; allowed: \("):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, row_max="max")
+  with pytest.raises(ValueError, match="row_max='bounds' is not supported"):
+    quantized_decode_attention_gpu.check_config(
+      {"lowering": "mosaic_gpu", "variant": "folded", "row_max": "bounds"}
     )
   with pytest.raises(ValueError, match="copy_issuer='one_warp' is not supported"):
     quantized_decode_attention_gpu.check_config(
