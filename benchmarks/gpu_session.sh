@@ -23,10 +23,12 @@
 #   bash benchmarks/gpu_session.sh tune     # v30's third call (~4 min): word order settings
 #   bash benchmarks/gpu_session.sh final ['<folded Mosaic settings JSON>']  # v30's fourth call
 #                                           # (~4 min): 32k table, generate check
-#   bash benchmarks/gpu_session.sh issuer   # v31-v32, not yet run (~6 min): copies from the
+#   bash benchmarks/gpu_session.sh issuer   # v31-v33, not yet run (~6-8 min): copies from the
 #                                           # first warp, the carried value accumulator, value
-#                                           # statistics unpaired, fewer splits;
+#                                           # statistics unpaired, the bound row max, fewer splits;
 #                                           # then `final` with the winner in its Mosaic row
+#   bash benchmarks/gpu_session.sh shapes '<folded Mosaic config JSON>'  # the winner against
+#                                           # the v30 default at the other shapes (~4 min)
 #
 # Folded Triton is named as {"variant": "folded"}: since KERNEL_NOTES v29 an empty config is the
 # measured default, which on Hopper is folded Mosaic GPU for most shapes (in v29's own calls, {}
@@ -62,7 +64,7 @@ stack_copies_configs='[{"variant": "folded"}, {"stack_copies": true}, {"stack_co
 # on one folded Mosaic config (the report in /tmp: at most 8 files come back from $OUT), and a
 # sweep per shape of the configs given ("context heads bits" lines; 1 head adds stack copies).
 native_folded_tests() {
-  timeout --signal=INT 100 env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 \
+  timeout --signal=INT "${NATIVE_TESTS_SECONDS:-100}" env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 \
     "$python" -m pytest -q -n 8 -p no:cacheprovider \
     tests/pallas_kernels/test_quantized_decode_attention_folded_mosaic_gpu.py 2>&1 | tee "$1"
 }
@@ -83,8 +85,8 @@ device_and_native_tests() {  # device_and_native_tests LOG: the GPU to LOG, nati
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$1"
   native_folded_tests "$out/native_tests.log" | tail -3
 }
-sweep_at_32k() {  # sweep_at_32k LOG CONFIGS_JSON: the configs timed at 32k (JSON to $out)
-  timeout --signal=INT 210 "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
+sweep_at_32k() {  # sweep_at_32k LOG CONFIGS_JSON [SECONDS]: the configs timed at 32k (JSON to $out)
+  timeout --signal=INT "${3:-210}" "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
     --sweep-only --sweep-configs "$2" --out "$out/sweep_32k.json" 2>&1 | tee -a "$1"
 }
 sweep_shapes() {  # sweep_shapes LOG CONFIG...: the configs at 8k / 128k, 1 and 8 heads, KIVI-4
@@ -345,26 +347,42 @@ ${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" || status=1
     # 1 and 8 heads and KIVI-4; ncu of both. With them (v32) "value_stats": "separate": the value
     # statistics reach the kernel as two group-major bf16 arrays, not packed into pairs by an
     # XLA pass at every call (67 MB of the timed loop's 291.6 MB per call at 32k by the compiled
-    # HLO; 12-15 more instructions per 64 tokens in the kernel by the static count).
+    # HLO; 12-15 more instructions per 64 tokens in the kernel by the static count). And (v33)
+    # "row_max": "bound": a fixed softmax reference per split from the key statistics' bounds,
+    # no row max and no rescaling in the loop (fixed arm 535 -> 450 instructions per 64 tokens
+    # at the v30 default's settings, 444 -> 369 with both of v31's, 5 -> 3 barriers; XLA reads
+    # the key scales once more per call, 28 MB): with the v30 default's settings, with both of
+    # v31's, and with those and "separate", which also goes to ncu. The other shapes moved to
+    # `shapes` (a call of its own, with the sweep's winner), to keep this call inside the device
+    # tool's 10 minutes with 14 configs (~8 min at the time limits, start included).
     set +e
     status=0
     log="$out/issuer.log"
     first="\"copy_issuer\": \"first_warp\""
     carried="\"value_accumulator\": \"carried\""
     separate="\"value_stats\": \"separate\""
+    bound="\"row_max\": \"bound\""
     both="${v30}, ${first}, ${carried}"
-    device_and_native_tests "$log" || status=1
+    NATIVE_TESTS_SECONDS=150 device_and_native_tests "$log" || status=1
     sweep_at_32k "$log" "[${v30}}, ${v30}, ${first}}, ${v30}, ${carried}}, ${both}}, \
 ${v30}, ${separate}}, ${both}, ${separate}}, \
+${v30}, ${bound}}, ${both}, ${bound}}, ${both}, ${separate}, ${bound}}, \
 ${folded}, \"block_tokens\": 64, \"num_stages\": 2, \"key_operand\": \"registers\", \"operand_order\": \"word\", ${first}, ${carried}}, \
 ${both}, \"num_splits\": 8}, ${both}, \"num_splits\": 16}, \
-${folded}, ${first}, ${carried}}, ${folded}}]" || status=1
-    sweep_shapes "$log" "${v30}}" "${both}}" "${both}, ${separate}}" || status=1
-    ncu_folded_mosaic "${both}}" >> "$log" || status=1
+${folded}, ${first}, ${carried}}, ${folded}}]" 280 || status=1
+    ncu_folded_mosaic "${both}, ${separate}, ${bound}}" >> "$log" || status=1
     exit "$status"
     ;;
+  shapes)
+    # After `issuer` (~4 min): the v30 default against the folded Mosaic config given (a JSON
+    # dict, e.g. the 32k sweep's winner, "lowering" and "variant" included) at 8k / 128k, 1 and
+    # 8 heads per KV head and KIVI-4.
+    set +e
+    sweep_shapes "$out/shapes.log" "${v30}}" "$2"
+    exit $?
+    ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac
