@@ -254,6 +254,10 @@ def main():
     for label, file_name, call, tokens_per_iteration, arms in cases:
       ptx, resources = ptx_of(*call, device)
       sass, usage = sass_of(ptx, workdir, file_name)
+      if arms != (None,):  # the arm with the row max's FMNMX is the exchange's
+        paths = triton_static_cost.branch_paths(
+          triton_static_cost.main_loop(triton_static_cost.parse_sass(sass))
+        )
       for arm in arms:
         cost = triton_static_cost.loop_cost(
           label,
@@ -264,11 +268,8 @@ def main():
           warps=THREADS_PER_PROGRAM // 32,
           branch_arm=arm,
         )
-        if arm is not None:  # the arm with the row max's FMNMX is the exchange's
-          path = triton_static_cost.branch_paths(
-            triton_static_cost.main_loop(triton_static_cost.parse_sass(sass))
-          )[arm]
-          row_max = any(opcode.startswith("FMNMX") for _, opcode, _ in path)
+        if arm is not None:
+          row_max = any(opcode.startswith("FMNMX") for _, opcode, _ in paths[arm])
           cost.name += " [exchange arm]" if row_max else " [fixed arm]"
         shared = re.search(r"smem_scratch_bytes=(\d+)", resources)
         cost.shared_bytes = int(shared.group(1)) if shared else -1

@@ -103,6 +103,12 @@ def main_loop_instructions(instructions) -> list[tuple[str, str]]:
 WARP_INDEX_TEST = re.compile(r"^\s*P\d+, RZ, R\d+, 0x3, RZ, 0xc0")
 
 
+def branch_target(opcode: str, operands: str) -> int | None:
+  """The address a BRA instruction jumps to; None for any other instruction."""
+  target = re.search(r"0x([0-9a-f]+)", operands)
+  return int(target.group(1), 16) if opcode.startswith("BRA") and target else None
+
+
 def first_warp_only(loop) -> int:
   """Instructions of a loop body ((address, opcode, operands), as `main_loop` gives) that only
   the first warp of the warpgroup runs: those a forward branch skips right after a test of the
@@ -111,9 +117,8 @@ def first_warp_only(loop) -> int:
   for (_, opcode, operands), (address, next_opcode, next_operands) in zip(loop, loop[1:]):
     if not (opcode.startswith("LOP3") and WARP_INDEX_TEST.match(operands)):
       continue
-    target = re.search(r"0x([0-9a-f]+)", next_operands)
-    if next_opcode.startswith("BRA") and target and int(target.group(1), 16) > address:
-      end = int(target.group(1), 16)
+    end = branch_target(next_opcode, next_operands)
+    if end is not None and end > address:
       skipped |= {a for a, _, _ in loop if address < a < end}
   return len(skipped)
 
@@ -127,10 +132,9 @@ def main_loop(instructions) -> list[tuple[int, str, str]]:
   for address, opcode, operands in instructions:
     if exit_address is not None and address > exit_address:
       break
-    if opcode.startswith("BRA"):
-      target = re.search(r"0x([0-9a-f]+)", operands)
-      if target and int(target.group(1), 16) < address:
-        loops.append((int(target.group(1), 16), address))
+    target = branch_target(opcode, operands)
+    if target is not None and target < address:
+      loops.append((target, address))
   if not loops:
     raise ValueError("no backward branch in the SASS: the kernel has no loop")
   low, high = max(loops, key=lambda loop: loop[1] - loop[0])
@@ -143,21 +147,13 @@ def branch_paths(loop) -> list[list[tuple[int, str, str]]]:
   kernel's row_max="bound" has): the instructions before the branch, one arm, and those after
   the arms join, for each arm. The branch is the first forward branch to a target t in the body
   whose preceding instruction is a branch forward past t (the first arm's jump to the join)."""
-  addresses = [address for address, _, _ in loop]
-  by_address = {address: index for index, address in enumerate(addresses)}
+  by_address = {address: index for index, (address, _, _) in enumerate(loop)}
   for index, (address, opcode, operands) in enumerate(loop):
-    target = re.search(r"0x([0-9a-f]+)", operands)
-    if not (opcode.startswith("BRA") and target):
+    else_start = branch_target(opcode, operands)
+    if else_start is None or else_start <= address or else_start not in by_address:
       continue
-    else_start = int(target.group(1), 16)
-    if not address < else_start <= addresses[-1] or else_start not in by_address:
-      continue
-    _, jump_opcode, jump_operands = loop[by_address[else_start] - 1]
-    join = re.search(r"0x([0-9a-f]+)", jump_operands)
-    if not (jump_opcode.startswith("BRA") and join):
-      continue
-    join_start = int(join.group(1), 16)
-    if not else_start < join_start <= addresses[-1] or join_start not in by_address:
+    join_start = branch_target(*loop[by_address[else_start] - 1][1:])
+    if join_start is None or join_start <= else_start or join_start not in by_address:
       continue
     before, after = loop[: index + 1], loop[by_address[join_start] :]
     return [

@@ -136,13 +136,12 @@ def computation_kernels(hlo_text: str, name: str | None = None) -> list[Kernel]:
   computation), in program order."""
   lines = hlo_text.splitlines()
   if name is None:
-    starts = [index for index, line in enumerate(lines) if line.startswith("ENTRY")]
-    if len(starts) != 1:
-      raise ValueError(f"expected one ENTRY computation, found {len(starts)}")
+    header, what = "ENTRY", "ENTRY computation"
   else:
-    starts = [index for index, line in enumerate(lines) if line.startswith(f"%{name} ")]
-    if len(starts) != 1:
-      raise ValueError(f"expected one computation named {name!r}, found {len(starts)}")
+    header, what = f"%{name} ", f"computation named {name!r}"
+  starts = [index for index, line in enumerate(lines) if line.startswith(header)]
+  if len(starts) != 1:
+    raise ValueError(f"expected one {what}, found {len(starts)}")
   types: dict[str, str] = {}
   kernels = []
   for line in lines[starts[0] + 1 :]:

@@ -211,8 +211,7 @@ def quantized_decode_attention(
   "registers", "operand_order": "channel" (default) | "word", "approx_math": False (default) |
   True, "copy_issuer": "warpgroup" (default) | "first_warp", "value_accumulator": "fresh"
   (default) | "carried", "value_stats": "pairs" (default) | "separate", "row_max": "exchange"
-  (default) | "bound"; KIVI segments, others
-  run the Triton kernel with a warning; see
+  (default) | "bound"; KIVI segments, others run the Triton kernel with a warning; see
   `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)
