@@ -29,6 +29,14 @@
 #                                           # then `final` with the winner in its Mosaic row
 #   bash benchmarks/gpu_session.sh shapes '<folded Mosaic config JSON>'  # the winner against
 #                                           # the v30 default at the other shapes (~4 min)
+#   bash benchmarks/gpu_session.sh v34      # v34's third call (~5 min): the new default through
+#                                           # generate, each kernel of one call timed, settings
+#                                           # around it at 32k, ncu of it
+#   bash benchmarks/gpu_session.sh v35      # not yet run (~5 min): XLA's products before the
+#                                           # kernel as reductions (key_products), the value codes
+#                                           # from registers (value_operand), with and without
+#                                           # the bound row max; then `final` with the winner
+#                                           # and `shapes`
 #
 # Folded Triton is named as {"variant": "folded"}: since KERNEL_NOTES v29 an empty config is the
 # measured default, which on Hopper is folded Mosaic GPU for most shapes (in v29's own calls, {}
@@ -57,6 +65,9 @@ ${folded}, \"block_tokens\": 64, \"num_stages\": 3}]"
 # open for more keys.
 v30_settings='"block_tokens": 64, "num_stages": 4, "key_operand": "registers", "operand_order": "word"'
 v30="${folded}, ${v30_settings}"
+# The Hopper default's since v34 (FOLDED_MOSAIC_GPU_V34).
+v34_settings="${v30_settings}, \"copy_issuer\": \"first_warp\", \"value_accumulator\": \"carried\", \"value_stats\": \"separate\""
+v34="${folded}, ${v34_settings}"
 # Folded Triton with padded query rows, with stack copies, and with copies but no prefetch.
 stack_copies_configs='[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]'
 
@@ -81,6 +92,18 @@ ncu_folded_mosaic() {
   "$python" benchmarks/ncu_sass_summary.py /tmp/ncu_sass.csv > "$out/ncu_sass_summary.txt" 2>&1
   return "$profiled"
 }
+call_kernels() {  # call_kernels CONFIG...: each kernel of two jitted calls timed under ncu
+  local config status=0
+  for config in "$@"; do
+    echo "call kernels of $config" >> "$out/call_kernels.txt"
+    timeout --signal=INT 45 ncu --target-processes all --metrics gpu__time_duration.sum \
+      "$python" benchmarks/profile_quantized_kernel.py --bits 2 --calls 2 --kernel-config "$config" \
+      2>&1 | grep -E "Context [0-9]|gpu__time_duration" | tail -32 >> "$out/call_kernels.txt" ||
+      status=1
+  done
+  cat "$out/call_kernels.txt"
+  return "$status"
+}
 device_and_native_tests() {  # device_and_native_tests LOG: the GPU to LOG, native test summary
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$1"
   native_folded_tests "$out/native_tests.log" | tail -3
@@ -90,11 +113,18 @@ sweep_at_32k() {  # sweep_at_32k LOG CONFIGS_JSON [SECONDS]: the configs timed a
     --sweep-only --sweep-configs "$2" --out "$out/sweep_32k.json" 2>&1 | tee -a "$1"
 }
 sweep_shapes() {  # sweep_shapes LOG CONFIG...: the configs at 8k / 128k, 1 and 8 heads, KIVI-4
-  local log="$1" shape status=0
+  local log="$1"
+  shift
+  sweep_shapes_only "$log" "8192 4 2" "131072 4 2" "32768 1 2" "32768 8 2" "32768 4 4" -- "$@"
+}
+sweep_shapes_only() {  # sweep_shapes_only LOG "CONTEXT HEADS BITS"... -- CONFIG...
+  local log="$1" shape status=0 shapes=()
+  shift
+  while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do shapes+=("$1"); shift; done
   shift
   local configs
   configs="[$(IFS=,; echo "$*")]"
-  for shape in "8192 4 2" "131072 4 2" "32768 1 2" "32768 8 2" "32768 4 4"; do
+  for shape in "${shapes[@]}"; do
     set -- $shape
     local these="$configs"
     [ "$2" = 1 ] && these="[{\"stack_copies\": true}, ${configs#[}"
@@ -322,17 +352,18 @@ ${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" || status=1
     exit "$status"
     ;;
   final)
-    # v30's fourth call (~4 min): the 32k table with v30's folded Mosaic settings in its row
-    # (the kivi2 row named folded Triton), or the settings given as the step's argument (a JSON
-    # dict of folded Mosaic settings, e.g. v31's winner), beside XLA's bf16 attention and the
-    # copy rate of the same run; the generate check with the default.
+    # v30's fourth call (~4 min): the 32k table with the Hopper default's folded Mosaic settings
+    # in its row (v34's since v34; the kivi2 row named folded Triton), or the settings given as
+    # the step's argument (a JSON dict of folded Mosaic settings, e.g. a sweep's winner), beside
+    # XLA's bf16 attention and the copy rate of the same run; the generate check with the
+    # default (its time limit cut it after GEAR in v34's second call: 150 s since).
     set +e
     status=0
-    settings="${2:-{${v30_settings}\}}"
+    settings="${2:-{${v34_settings}\}}"
     timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
       --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$settings" \
       --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
-    timeout --signal=INT 75 "$python" benchmarks/generate_kernels_check.py 2>&1 |
+    timeout --signal=INT 150 "$python" benchmarks/generate_kernels_check.py 2>&1 |
       tee "$out/generate_kernels_check.log" || status=1
     exit "$status"
     ;;
@@ -381,8 +412,62 @@ ${folded}, ${first}, ${carried}}, ${folded}}]" 280 || status=1
     sweep_shapes "$out/shapes.log" "${v30}}" "$2"
     exit $?
     ;;
+  v34)
+    # v34's third call (~6 min), after `issuer` and `final` + `shapes` made v30's settings with
+    # first_warp, carried and separate the Hopper default (FOLDED_MOSAIC_GPU_V34): the generate
+    # check with it (v34's `final` ran the check with v30's default, and its 75 s limit stopped
+    # the script after GEAR); the dispatch's tests natively; each kernel of one jitted call
+    # timed under ncu (how much of the call is XLA's), for the default and with row_max="bound"
+    # (slower per call in `issuer`: its kernel or its XLA side?); the settings around the
+    # default at 32k; ncu of the default.
+    set +e
+    status=0
+    log="$out/v34.log"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
+    timeout --signal=INT 150 "$python" benchmarks/generate_kernels_check.py 2>&1 |
+      tee "$out/generate_kernels_check.log" || status=1
+    timeout --signal=INT 60 env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 \
+      "$python" -m pytest -q -n 8 -p no:cacheprovider \
+      tests/pallas_kernels/test_quantized_decode_attention_gpu.py 2>&1 | tail -3 | tee -a "$log" ||
+      status=1
+    call_kernels "${v34}}" "${v34}, \"row_max\": \"bound\"}" || status=1
+    sweep_at_32k "$log" "[${v34}}, ${v34}, \"num_stages\": 3}, ${v34}, \"num_stages\": 2}, \
+${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, ${v30}}]" 120 || status=1
+    ncu_folded_mosaic "${v34}}" >> "$log" || status=1
+    exit "$status"
+    ;;
+  v35)
+    # After v34 (~5 min): two settings of v34 not yet run on a GPU. "key_products": "reduction"
+    # (in v34's third call ncu put XLA's q . k_min, a GEMM fusion, at 41 us of a call whose
+    # kernel took 165 us, and row_max="bound"'s second GEMM fusion at 45 us, while "bound" cut
+    # the kernel to 143 us; "reduction" makes both reduction fusions over the same 17 / 21 MB)
+    # and "value_operand": "registers" (the value codes handed to wgmma from registers built by
+    # byte permutes: no code tile stored and read back, shared-memory wavefronts per 64 tokens
+    # and warp 126 -> 82 by the static count, where ncu found shared memory the busiest unit).
+    # The folded Mosaic tests natively (the register value operand's inline code runs only
+    # there); the products' tests on the GPU's XLA; the 32k sweep of their combinations and
+    # KIVI-4 with and without register values (four programs per SM instead of three); each
+    # kernel of one call under ncu; ncu of the default with register values.
+    set +e
+    status=0
+    log="$out/v35.log"
+    reduction="\"key_products\": \"reduction\""
+    bound="\"row_max\": \"bound\""
+    values="\"value_operand\": \"registers\""
+    NATIVE_TESTS_SECONDS=150 device_and_native_tests "$log" || status=1
+    timeout --signal=INT 60 "$python" -m pytest -q -p no:cacheprovider \
+      tests/pallas_kernels/test_key_bias.py tests/pallas_kernels/test_softmax_reference_bounds.py \
+      2>&1 | tail -3 | tee -a "$log" || status=1
+    sweep_at_32k "$log" "[${v34}}, ${v34}, ${reduction}}, ${v34}, ${values}}, \
+${v34}, ${values}, ${reduction}}, ${v34}, ${bound}, ${reduction}}, \
+${v34}, ${bound}, ${reduction}, ${values}}, ${v34}, ${values}, \"num_splits\": 16}]" 180 || status=1
+    sweep_shapes_only "$log" "32768 4 4" -- "${v34}}" "${v34}, ${values}}" || status=1
+    call_kernels "${v34}, ${reduction}}" "${v34}, ${bound}, ${reduction}, ${values}}" || status=1
+    ncu_folded_mosaic "${v34}, ${values}}" >> "$log" || status=1
+    exit "$status"
+    ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

@@ -199,7 +199,7 @@ def quantized_decode_attention(
   errors raise ValueError before anything is traced. On GPU (and in interpret mode) an empty
   `kernel_config` runs the measured default, `quantized_decode_attention_gpu.
   measured_default_config`: on Hopper, for 1 to 8 query heads per KV head, the folded Mosaic
-  GPU kernel with its v30 settings where it takes the segment; folded Triton otherwise (with
+  GPU kernel with its v34 settings where it takes the segment; folded Triton otherwise (with
   stack copies for one head). A non-empty one is taken as given. It may pick the Triton
   kernel's variant: {"variant": "folded" (default) | "joined" | "reshape" | "planar"} and, for
   "folded", {"prefetch": True (default) | False, "code_operand": "subnormal" (default for bf16
@@ -211,8 +211,9 @@ def quantized_decode_attention(
   "registers", "operand_order": "channel" (default) | "word", "approx_math": False (default) |
   True, "copy_issuer": "warpgroup" (default) | "first_warp", "value_accumulator": "fresh"
   (default) | "carried", "value_stats": "pairs" (default) | "separate", "row_max": "exchange"
-  (default) | "bound"; KIVI segments, others run the Triton kernel with a warning; see
-  `pallas_kernels.quantized_decode_attention_gpu`).
+  (default) | "bound", "key_products": "einsum" (default) | "reduction", "value_operand":
+  "shared_memory" (default) | "registers"; KIVI segments, others run the Triton kernel with a
+  warning; see `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=True, family=family)

@@ -48,7 +48,7 @@ column order `word_operand_order` derives, with the queries, key scales and outp
 match. `folded_decode_attention_mosaic_gpu` merges the splits before it picks each channel's
 value slot (and position), so no gather runs over the per-split partials.
 
-Two settings of v31, not yet timed on a GPU: `copy_issuer="first_warp"` leaves each block's five
+Two settings of v31: `copy_issuer="first_warp"` leaves each block's five
 TMA copies to the first warp alone, in warp semantics (`plgpu.warp_map`), all arriving on one
 barrier per ring slot: the other three warps skip the copies' address arithmetic and wait once
 per block instead of five times (interpret mode runs the same warp map and checks the barrier's
@@ -57,20 +57,38 @@ the value product, which adds into it, instead of adding a zeroed accumulator's 
 (interpret mode, which has no wgmma into an accumulator made from registers, adds the product
 as a dot to the same rescaled accumulator).
 
-A setting of v32, not yet timed on a GPU: `value_stats="separate"` hands the kernel the value
+A setting of v32: `value_stats="separate"` hands the kernel the value
 statistics as the cache's bf16 scales and minimums, each transposed group-major (two TMA copies
 and two 16-bit loads per group and token), instead of "pairs", one uint32 (scale, minimum) word
 per group and token packed by the wrapper. In a loop XLA carries the statistics group-major, so
 the transposes become layout, but the packing is computed at every call: 67 MB of the 291.6 MB
 one iteration of the benchmark's timed loop moves at 32k (`VALUE_STATS`).
 
-A setting of v33, not yet timed on a GPU: `row_max="bound"` runs the softmax against a fixed
+Timed on the H200 in KERNEL_NOTES v34 (KIVI-2, 32k, batch 8, 8 KV heads, 4 heads each, us per
+call): v30's settings 222.8; with "first_warp" 192.8, "carried" 214.8, both 191.9, both and
+"separate" 183.6, the Hopper default since (`FOLDED_MOSAIC_GPU_V34` in
+`quantized_decode_attention_gpu`).
+
+A setting of v33: `row_max="bound"` runs the softmax against a fixed
 reference per split, from the bounds the key statistics put on the scores (computed by XLA
 before the kernel, `softmax_reference_bounds`), instead of the running max: no reduction over
 tokens, no rescaling of the accumulator and the per-token sums, 2 of the 5 barriers per block
 gone (the reference's p are at most 2^32, so value scales must stay below 2^31). A split the
 bounds cannot serve gets the reference +inf and its program takes the running max's branch at
-every block (`ROW_MAXES`).
+every block (`ROW_MAXES`). Timed in v34: the kernel alone 165.5 -> 143.7 us under Nsight Compute
+(at its 1.36 GHz clock), but the call 183.6 -> 192.1 us: XLA's product for the bounds (a second
+GEMM fusion, 45 us under Nsight Compute) costs more than the kernel saves.
+
+A setting of v34, not yet timed on a GPU: `key_products="reduction"` has XLA compute q . k_min
+per key group (and with "bound" the bounds' product over the key scales) as a broadcast product
+summed over the channels, a reduction fusion, instead of an einsum, which XLA made a GEMM fusion
+that took 41 us under Nsight Compute for 17 MB (`key_bias.KEY_PRODUCTS`).
+
+A second setting of v34, not yet timed on a GPU: `value_operand="registers"` hands the value
+codes to wgmma from registers, built from two tokens' words by one byte permute and one AND per
+register, instead of staging a [block, D] bf16 tile in shared memory for the tensor core to read
+back (`value_operand_registers`): v34's profile found shared memory the kernel's busiest unit.
+The accumulator's rows are then channels in order whatever `operand_order` says.
 
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
@@ -117,7 +135,11 @@ from pallas_kernels.decode_attention_mosaic_gpu import (
   write_partials,
 )
 from pallas_kernels.float_unpacking import bf16_halves
-from pallas_kernels.key_bias import key_bias
+from pallas_kernels.key_bias import (
+  DEFAULT_KEY_PRODUCT,
+  check_key_product,
+  key_bias,
+)
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
   CHUNK_TOKENS,
   fetch_block,
@@ -141,6 +163,12 @@ from pallas_kernels.subnormal_codes import (
   code_exponent,
   masked_code_pairs,
   power_of_two,
+)
+from pallas_kernels.value_operand_registers import (
+  DEFAULT_VALUE_OPERAND,
+  VALUE_OPERANDS,
+  value_operand_from_registers,
+  value_operand_unsupported_reason,
 )
 from pallas_kernels.word_operand_order import (
   OPERAND_ORDERS,
@@ -215,6 +243,8 @@ FOLDED_SETTINGS = (
   "value_accumulator",
   "value_stats",
   "row_max",
+  "key_products",
+  "value_operand",
 )
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
@@ -260,6 +290,7 @@ def unsupported_reason(
   group_size,
   block_tokens=None,
   operand_order=None,
+  value_operand=None,
   **segment,
 ) -> str | None:
   """Why this kernel cannot take this segment with these settings (None if it can); the
@@ -284,8 +315,10 @@ def unsupported_reason(
       f"query group {queries.shape[2]} with group_size={group_size}: a stacked operand would "
       f"have more than {MAX_STACK} rows"
     )
-  if operand_order == "word":
-    return word_order_unsupported_reason(head_dim, bits)
+  if operand_order == "word" and (reason := word_order_unsupported_reason(head_dim, bits)):
+    return reason
+  if value_operand == "registers":
+    return value_operand_unsupported_reason(head_dim, block)
   return None
 
 
@@ -330,10 +363,12 @@ def shared_memory_bytes(
   num_stages,
   value_stats=DEFAULT_VALUE_STATS,
   row_max=DEFAULT_ROW_MAX,
+  code_tile=True,
 ):
   """Bytes of shared memory one program allocates, each buffer rounded up to the 1024-byte
   alignment Pallas gives it (an upper bound: 72704 for the shapes of record, which compile to
-  71680). Q' and P' share one buffer unless row_max="bound" (`_folded_kernel`'s scratch)."""
+  71680). Q' and P' share one buffer unless row_max="bound" (`_folded_kernel`'s scratch); the
+  code tile only where codes are staged (`needs_code_tile`)."""
   rows = tile_rows(group)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
   ring_slots = ring_slot_shapes(group, head_dim, bits, group_size, block_tokens, value_stats)
@@ -341,8 +376,9 @@ def shared_memory_bytes(
   buffers = [num_stages * size for size in ring] + [
     LENGTH_WORDS * 4,
     head_dim * rows * 4,  # the queries, then the output
-    block_tokens * head_dim * 2,  # one bf16 code tile: K, then V
   ]
+  if code_tile:
+    buffers.append(block_tokens * head_dim * 2)  # one bf16 code tile: K, then V
   stack_bytes = (key_rows * head_dim * 2, value_rows * block_tokens * 2)  # Q', P'
   buffers += list(stack_bytes) if row_max == "bound" else [max(stack_bytes)]
   buffers += [
@@ -351,6 +387,13 @@ def shared_memory_bytes(
     REDUCTION_SCRATCH_BYTES,
   ]
   return sum(-(-size // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT for size in buffers)
+
+
+def needs_code_tile(key_operand: str, value_operand: str, emulate: bool) -> bool:
+  """Whether a program stages codes in its shared-memory code tile: natively not when both
+  products take their codes from registers (16 KB less at head_dim 128 and block 64);
+  interpret mode stages every operand."""
+  return emulate or "shared_memory" in (key_operand, value_operand)
 
 
 def check_folded_settings(
@@ -362,6 +405,8 @@ def check_folded_settings(
   value_accumulator=DEFAULT_VALUE_ACCUMULATOR,
   value_stats=DEFAULT_VALUE_STATS,
   row_max=DEFAULT_ROW_MAX,
+  key_products=DEFAULT_KEY_PRODUCT,
+  value_operand=DEFAULT_VALUE_OPERAND,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values (the
   checks that need no shapes; the dispatch runs them on a kernel_config too)."""
@@ -381,6 +426,9 @@ def check_folded_settings(
     raise ValueError(f"value_stats={value_stats!r} is not supported; allowed: {VALUE_STATS}")
   if row_max not in ROW_MAXES:
     raise ValueError(f"row_max={row_max!r} is not supported; allowed: {ROW_MAXES}")
+  check_key_product(key_products)
+  if value_operand not in VALUE_OPERANDS:
+    raise ValueError(f"value_operand={value_operand!r} is not supported; allowed: {VALUE_OPERANDS}")
 
 
 def check_config(
@@ -409,6 +457,11 @@ def check_config(
     num_stages,
     folded_settings.get("value_stats", DEFAULT_VALUE_STATS),
     folded_settings.get("row_max", DEFAULT_ROW_MAX),
+    needs_code_tile(
+      folded_settings.get("key_operand", DEFAULT_KEY_OPERAND),
+      folded_settings.get("value_operand", DEFAULT_VALUE_OPERAND),
+      emulate=False,
+    ),
   )
   if needed > SHARED_MEMORY_BYTES:
     raise ValueError(
@@ -484,10 +537,10 @@ def _folded_kernel(
   k_scale_smem,  # [stages, KG, D]
   key_bias_smem,  # [stages, >= KG, rows] (`key_bias_slot_groups`)
   v_words_smem,
-  codes_smem,  # bf16 [block, D]: the staged key codes, then the value codes
   stacks_smem,  # bf16 Q' [KG * rows, D] and P' [VG * rows, block] in one buffer
   lse_smem,
   barriers,
+  codes_smem=None,  # bf16 [block, D]: the staged key codes, then the value codes (if staged)
   v_stats_smem=None,  # uint32 [stages, VG, block] ("pairs")
   v_scale_smem=None,  # bf16 [stages, VG, block] ("separate")
   v_min_smem=None,
@@ -504,6 +557,7 @@ def _folded_kernel(
   value_accumulator: str,
   value_stats: str,
   row_max: str,
+  value_operand: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
@@ -524,6 +578,9 @@ def _folded_kernel(
   exponents = _Exponents.for_run(emulate)
   score_scale = 2.0 ** (exponents.code - exponents.query)
   probs_scale = 2.0**exponents.probs
+  # The order of the value product's rows, the accumulator's: register value codes are built in
+  # channel order whatever order the key side takes (`value_operand_registers`).
+  value_order = value_output_order(operand_order, value_operand)
 
   plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, lengths_barrier)
   plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
@@ -711,11 +768,18 @@ def _folded_kernel(
 
     # The key product has completed (its result was read): the tile takes the value codes.
     # One tile instead of two keeps three programs per SM (`shared_memory_bytes`).
-    if reference is not None and key_operand == "shared_memory":
-      # Without the row max's cross-warp reduction nothing says the other warps' key products
-      # (their tensor cores read this tile) are done: a barrier does.
-      plgpu.commit_smem()
-    stage(v_words_smem)
+    value_codes = None
+    if value_operand == "registers" and not emulate:
+      # Read here, before the commit below: TMA refills this ring slot only after it.
+      value_codes = value_operand_from_registers(v_words_smem.at[slot], head_dim, bits)
+    else:
+      if reference is not None and key_operand == "shared_memory":
+        # Without the row max's cross-warp reduction nothing says the other warps' key
+        # products (their tensor cores read this tile) are done: a barrier does.
+        plgpu.commit_smem()
+      # Interpret mode stages even register operands, in the order their rows take.
+      stage(v_words_smem, operand_order=value_order)
+    value_operand_a = codes_smem.T if value_codes is None else value_codes
     # Past the length p is 0 but the statistics may be NaN: they are zeroed there (a select per
     # token, before the broadcast over rows), and then products may be taken.
     valid_token = token_in_block + first < end
@@ -761,6 +825,13 @@ def _folded_kernel(
         [probs * value_tile(v_mins, t) for t in range(value_tiles)], axis=1
       )
 
+    if emulate and value_operand == "registers":
+      # Mosaic GPU's interpreter takes wgmma operands from shared memory only: the same
+      # product of the same (emulated) codes, as a dot.
+      product = codes_smem[...].astype(jnp.float32).T @ value_stack_smem[...].astype(jnp.float32).T
+      sum_partials, value_bias_partials = update_partials(sum_partials, value_bias_partials)
+      return rescale_accumulator(acc) + product, new_max, sum_partials, value_bias_partials
+
     if value_accumulator == "carried":
       rescaled = rescale_accumulator(acc)
       if emulate:
@@ -773,7 +844,7 @@ def _folded_kernel(
 
       def value_product_into(refs):
         acc_ref, sum_ref, bias_ref = refs
-        plgpu.wgmma(acc_ref, codes_smem.T, value_stack_smem.T)
+        plgpu.wgmma(acc_ref, value_operand_a, value_stack_smem.T)
         sum_ref[...], bias_ref[...] = update_partials(sum_ref[...], bias_ref[...])
 
       acc, sum_partials, value_bias_partials = pl.run_state(value_product_into)(
@@ -782,7 +853,7 @@ def _folded_kernel(
       return acc, new_max, sum_partials, value_bias_partials
 
     def value_product(acc_ref):
-      plgpu.wgmma(acc_ref, codes_smem.T, value_stack_smem.T)
+      plgpu.wgmma(acc_ref, value_operand_a, value_stack_smem.T)
       return acc_ref[...], *update_partials(sum_partials, value_bias_partials)
 
     update, sum_partials, value_bias_partials = pl.run_scoped(
@@ -815,7 +886,7 @@ def _folded_kernel(
   value_bias = value_bias_partials.sum(axis=0)
 
   channel = plgpu.broadcasted_iota(jnp.int32, (head_dim, rows), 0, layout=plgpu.Layout.WGMMA)
-  if operand_order == "word":  # the accumulator's rows are operand positions
+  if value_order == "word":  # the accumulator's rows are operand positions
     channel = channel_at_position(channel, head_dim, bits)
   output_scale = power_of_two(
     exponents.code - exponents.probs - code_exponent(channel, head_dim, bits)
@@ -875,6 +946,8 @@ def _jitted_kernel_outputs(
   value_accumulator,
   value_stats,
   row_max,
+  key_products,
+  value_operand,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -921,6 +994,7 @@ def _jitted_kernel_outputs(
       value_accumulator=value_accumulator,
       value_stats=value_stats,
       row_max=row_max,
+      value_operand=value_operand,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
@@ -942,7 +1016,15 @@ def _jitted_kernel_outputs(
       **{
         name: plgpu.SMEM((num_stages, *shape), dtype) for name, (shape, dtype) in ring_slots.items()
       },
-      codes_smem=plgpu.SMEM((block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
+      **(
+        dict(
+          codes_smem=plgpu.SMEM(
+            (block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim)
+          )
+        )
+        if needs_code_tile(key_operand, value_operand, interpret)
+        else {}
+      ),
       stacks_smem=plgpu.RefUnion(*stack_buffers) if row_max == "exchange" else stack_buffers,
       lse_smem=plgpu.SMEM((rows,), jnp.float32),
       barriers=(
@@ -974,12 +1056,12 @@ def _jitted_kernel_outputs(
     ),
     interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
   )
-  bias = key_bias(scaled, k_min)  # [B, H, T / group_size, rows]
+  bias = key_bias(scaled, k_min, key_products=key_products)  # [B, H, T / group_size, rows]
   references = ()
   if row_max == "bound":
     references = (
       split_softmax_references(
-        *key_score_bounds(scaled, k_scale, bias, bits=bits),
+        *key_score_bounds(scaled, k_scale, bias, bits=bits, key_products=key_products),
         lengths[:batch],
         group_size=group_size,
         split_tokens=plan.split_tokens,
@@ -1030,9 +1112,19 @@ def pick_value_slots(
   return picked.reshape(*out.shape[:-2], head_dim, real_rows)
 
 
-def _channel_positions(operand_order: str, head_dim: int, bits: int) -> np.ndarray | None:
+def value_output_order(operand_order: str, value_operand: str) -> str:
+  """The order of the kernel's output rows: the staged value codes' column order, or channel
+  order for register value codes (`value_operand_registers`)."""
+  return "channel" if value_operand == "registers" else operand_order
+
+
+def _channel_positions(settings: dict, head_dim: int, bits: int) -> np.ndarray | None:
   """Operand position of each channel in the kernel's output rows (None: channel order)."""
-  if operand_order == "channel":
+  order = value_output_order(
+    settings.get("operand_order", DEFAULT_OPERAND_ORDER),
+    settings.get("value_operand", DEFAULT_VALUE_OPERAND),
+  )
+  if order == "channel":
     return None
   return np.argsort(word_order_channels(head_dim, bits))
 
@@ -1060,6 +1152,8 @@ def folded_kernel_outputs(
   value_accumulator: str = DEFAULT_VALUE_ACCUMULATOR,
   value_stats: str = DEFAULT_VALUE_STATS,
   row_max: str = DEFAULT_ROW_MAX,
+  key_products: str = DEFAULT_KEY_PRODUCT,
+  value_operand: str = DEFAULT_VALUE_OPERAND,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (rows in operand positions, every value
@@ -1077,6 +1171,7 @@ def folded_kernel_outputs(
     group_size=group_size,
     block_tokens=block_tokens,
     operand_order=operand_order,
+    value_operand=value_operand,
   )
   if reason is not None:
     raise ValueError(
@@ -1090,6 +1185,8 @@ def folded_kernel_outputs(
     value_accumulator=value_accumulator,
     value_stats=value_stats,
     row_max=row_max,
+    key_products=key_products,
+    value_operand=value_operand,
   )
   check_config(
     queries.shape[2],
@@ -1127,8 +1224,7 @@ def folded_partials_mosaic_gpu(*arrays, bits, group_size, **settings):
   out, lse = folded_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
   queries = arrays[0]
   real_rows, _ = value_slots(queries.shape[2])
-  order = settings.get("operand_order", DEFAULT_OPERAND_ORDER)
-  positions = _channel_positions(order, queries.shape[3], bits)
+  positions = _channel_positions(settings, queries.shape[3], bits)
   return pick_value_slots(out, group_size, real_rows, positions), lse[..., :real_rows]
 
 
@@ -1149,8 +1245,6 @@ def folded_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
   merged, total = merge_split_partials(
     out, lse[..., np.arange(rows) % real_rows], rows, head_dim_last=False
   )  # [B, H, rows, D], [B, H, rows]
-  positions = _channel_positions(
-    settings.get("operand_order", DEFAULT_OPERAND_ORDER), head_dim, bits
-  )
+  positions = _channel_positions(settings, head_dim, bits)
   picked = pick_value_slots(jnp.swapaxes(merged, 2, 3), group_size, real_rows, positions)
   return jnp.swapaxes(picked, 2, 3)[:, :, :group], total[:, :, :group]

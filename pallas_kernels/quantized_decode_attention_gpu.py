@@ -8,7 +8,7 @@ queries and probabilities, codes staged by masking alone as subnormal bf16 opera
 
 An empty kernel_config runs what was measured fastest (`measured_default_config`): on a Hopper
 GPU (and in interpret mode, which checks what such a GPU runs) the folded Mosaic GPU kernel with
-v30's settings (`FOLDED_MOSAIC_GPU_V30`) where it takes the segment, for 1 to 8 query heads per
+v34's settings (`FOLDED_MOSAIC_GPU_V34`) where it takes the segment, for 1 to 8 query heads per
 KV head; otherwise the folded Triton kernel, with stack copies for one head.
 
 A segment the chosen Mosaic GPU kernel does not take (GEAR terms, head dims other than 64 / 128,
@@ -122,6 +122,7 @@ def mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, *, config: di
     v_scale,
     block_tokens=config.get("block_tokens"),
     operand_order=config.get("operand_order"),
+    value_operand=config.get("value_operand"),
     **segment,
   )
 
@@ -136,26 +137,39 @@ FOLDED_MOSAIC_GPU_V30 = {
   "key_operand": "registers",
   "operand_order": "word",
 }
-MOSAIC_DEFAULT_MAX_GROUP = 8  # the largest query group timed (KERNEL_NOTES v29, v30)
+# KERNEL_NOTES v34 (H200): v30's settings with the first warp alone issuing the copies, the value
+# product adding into the running accumulator and the value statistics as two arrays; the fastest
+# of v31-v33's settings at every shape timed (v33's fixed softmax reference was slower).
+FOLDED_MOSAIC_GPU_V34 = {
+  **FOLDED_MOSAIC_GPU_V30,
+  "copy_issuer": "first_warp",
+  "value_accumulator": "carried",
+  "value_stats": "separate",
+}
+MOSAIC_DEFAULT_MAX_GROUP = 8  # the largest query group timed (KERNEL_NOTES v29, v30, v34)
 
 
 def measured_default_config(
   queries, k_codes, k_scale, v_scale, *, interpret: bool, **segment
 ) -> dict:
-  """The kernel_config an empty one stands for, by KERNEL_NOTES v30 (H200, jax 0.11.2, KIVI
-  group size 32, head_dim 128, 8 rows x 8 KV heads; us per call in one run, folded Mosaic GPU
-  as v29 left it -> `FOLDED_MOSAIC_GPU_V30` (with approximate exp2, which timed the same or
-  slower at 32k): KIVI-2 32k 232.8 -> 215.0 (218.8), 8k 93.5 -> (91.8), 128k 777.2 -> (729.3),
-  32k with 1 head per KV head 230.0 -> (197.6) against 222.0 for folded Triton with stack
-  copies (v29's one-head default), 8 heads 273.6 -> (230.7); KIVI-4 at 32k 257.4 -> (231.1).
+  """The kernel_config an empty one stands for, by KERNEL_NOTES v30 and v34 (H200, jax 0.11.2,
+  KIVI group size 32, head_dim 128, 8 rows x 8 KV heads; us per call in one run). v30: folded
+  Mosaic GPU as v29 left it -> `FOLDED_MOSAIC_GPU_V30` (with approximate exp2, which timed the
+  same or slower at 32k): KIVI-2 32k 232.8 -> 215.0 (218.8), 8k 93.5 -> (91.8), 128k 777.2 ->
+  (729.3), 32k with 1 head per KV head 230.0 -> (197.6) against 222.0 for folded Triton with
+  stack copies (v29's one-head default), 8 heads 273.6 -> (230.7); KIVI-4 at 32k 257.4 ->
+  (231.1). v34: `FOLDED_MOSAIC_GPU_V30` -> `FOLDED_MOSAIC_GPU_V34`: KIVI-2 32k 222.8 -> 183.6
+  (216.1 -> 180.9 in a later call), 8k 93.4 -> 78.8, 128k 731.5 -> 563.7, 1 head 208.4 -> 197.6
+  (folded Triton with stack copies 223.9), 8 heads 239.1 -> 198.3; KIVI-4 218.0 -> 207.7.
   Two to eight heads were timed at 4 and 8, not 2; more than 8 (shared contexts fold rows into
   the query group) not at all, so those keep folded Triton's path.
 
   On Hopper (compute capability 9.x: the Mosaic kernels issue wgmma, which exists there alone)
   and in interpret mode (which checks what such a GPU runs), for 1 to 8 query heads per KV head:
-  `FOLDED_MOSAIC_GPU_V30` where the kernel takes the segment at its 64-token blocks (whole key
-  groups per block: group sizes up to 64), else v29's folded Mosaic GPU default where that
-  takes it, else folded Triton (with stack copies for one head, v29's measurement). Segments
+  `FOLDED_MOSAIC_GPU_V34` where the kernel takes the segment at its 64-token blocks (whole key
+  groups per block: group sizes up to 64), else `FOLDED_MOSAIC_GPU_V30`, else v29's folded
+  Mosaic GPU default where that takes it, else folded Triton (with stack copies for one head,
+  v29's measurement). Segments
   neither Mosaic kernel takes (GEAR terms, f32 / f16 statistics, 8-bit codes, 2-bit codes at
   head_dim 64, ...) and other GPUs run folded Triton as before these measurements."""
   capability = _compat.gpu_compute_capability()
@@ -166,7 +180,7 @@ def measured_default_config(
   triton_default = {"stack_copies": True} if group == 1 else {}
   if group > MOSAIC_DEFAULT_MAX_GROUP:
     return triton_default
-  for config in (FOLDED_MOSAIC_GPU_V30, FOLDED_MOSAIC_GPU):
+  for config in (FOLDED_MOSAIC_GPU_V34, FOLDED_MOSAIC_GPU_V30, FOLDED_MOSAIC_GPU):
     if (
       mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, config=config, **segment)
       is None

@@ -39,7 +39,8 @@ leaves 2^31 of bf16's range; the exact path's p <= 1 leaves 2^63).
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+
+from pallas_kernels.key_bias import DEFAULT_KEY_PRODUCT, query_group_products
 
 # m sits this far (base 2) below the split's upper bound: p <= 2^HEADROOM.
 HEADROOM = 32.0
@@ -55,20 +56,16 @@ def key_score_bounds(
   bias: jax.Array,  # f32 [B, H, G, rows]: q . k_min[g] (`key_bias`)
   *,
   bits: int,
+  key_products: str = DEFAULT_KEY_PRODUCT,
 ) -> tuple[jax.Array, jax.Array]:
   """(lower, upper) f32 [B, H, G, rows]: bounds on every score of key group g (base 2, like the
-  scores). One product over the key scales, the queries split by sign."""
+  scores). One product over the key scales, the queries split by sign; f32 throughout either way
+  (`KEY_PRODUCTS`): a TF32 product's rounding could put a score above its bound."""
   levels = float(2**bits - 1)
   queries = queries.astype(jnp.float32)
   rows = queries.shape[2]
   by_sign = jnp.concatenate([jnp.minimum(queries, 0.0), jnp.maximum(queries, 0.0)], axis=2)
-  products = levels * jnp.einsum(
-    "bhrd,bhgd->bhgr",
-    by_sign,
-    k_scale.astype(jnp.float32),
-    # f32 throughout: a TF32 product's rounding could put a score above its bound.
-    precision=lax.Precision.HIGHEST,
-  )
+  products = levels * query_group_products(by_sign, k_scale, key_products=key_products)
   return products[..., :rows] + bias, products[..., rows:] + bias
 
 

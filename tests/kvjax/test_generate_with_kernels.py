@@ -111,9 +111,18 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
     ),
     (
       # The folded Mosaic GPU kernel with a fixed softmax reference per split from the key
-      # statistics' bounds (KERNEL_NOTES v33), through the decode loop.
+      # statistics' bounds (KERNEL_NOTES v33), XLA's products for them and for q . k_min as
+      # reductions and the value codes as the register operand (v34), through the decode loop.
       "kivi:bits=4,group_size=16,residual=16",
-      KernelSettings(quantized={"lowering": "mosaic_gpu", "variant": "folded", "row_max": "bound"}),
+      KernelSettings(
+        quantized={
+          "lowering": "mosaic_gpu",
+          "variant": "folded",
+          "row_max": "bound",
+          "key_products": "reduction",
+          "value_operand": "registers",
+        }
+      ),
       jnp.bfloat16,
     ),
     (
@@ -141,7 +150,15 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
     kernel = getattr(module, name)
 
     def record(*args, **kwargs):
-      recorded = ("lowering", "variant", "gear_terms", "stack_copies", "row_max")
+      recorded = (
+        "lowering",
+        "variant",
+        "gear_terms",
+        "stack_copies",
+        "row_max",
+        "key_products",
+        "value_operand",
+      )
       seen.append({k: v for k, v in kwargs.items() if k in recorded})
       return kernel(*args, **kwargs)
 

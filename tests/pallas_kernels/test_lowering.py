@@ -212,6 +212,25 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
     # v33: a fixed softmax reference per split (two TMA copies on the queries' barrier, a scalar
     # read from shared memory and a branch per block between two loop bodies).
     ("folded", 2, 128, 4, 32, dict(V31_CANDIDATE, value_stats="separate", row_max="bound")),
+    # v34: the value codes as wgmma's register operand, built by inline Mosaic GPU code (loads,
+    # byte permutes, masks), with and without the fixed reference; 4-bit at head_dim 64
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(V31_CANDIDATE, value_stats="separate", value_operand="registers"),
+    ),
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(V31_CANDIDATE, value_stats="separate", row_max="bound", value_operand="registers"),
+    ),
+    ("folded", 4, 64, 4, 32, dict(block_tokens=128, num_stages=2, value_operand="registers")),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

@@ -24,7 +24,11 @@ from pallas_kernels import quantized_decode_attention_gpu
 from pallas_kernels.base_two_softmax import base_two_queries
 from pallas_kernels.bit_packing import pack_codes, unpack_codes
 from pallas_kernels.key_bias import key_bias
-from pallas_kernels.quantized_decode_attention_gpu import FOLDED_MOSAIC_GPU_V30, mosaic_gpu_settings
+from pallas_kernels.quantized_decode_attention_gpu import (
+  FOLDED_MOSAIC_GPU_V30,
+  FOLDED_MOSAIC_GPU_V34,
+  mosaic_gpu_settings,
+)
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import BLOCK_TOKENS
 from pallas_kernels.quantized_decode_attention_reference import (
   quantized_decode_attention_reference,
@@ -41,6 +45,7 @@ from pallas_kernels.splits import (
   plan_splits,
 )
 from pallas_kernels.subnormal_codes import code_exponent
+from pallas_kernels.word_operand_order import OPERAND_ORDERS
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
@@ -53,8 +58,9 @@ pytestmark = pytest.mark.filterwarnings(
   "ignore:The Pallas Triton backend is deprecated:DeprecationWarning"
 )
 
-# The Hopper default's settings, and with v31's two untimed settings on.
+# v30's Hopper default, v34's (v31's two settings and v32's "separate" on top), and v31's two.
 V30_SETTINGS = mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V30)
+V34_SETTINGS = mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V34)
 V31_CANDIDATE = dict(V30_SETTINGS, copy_issuer="first_warp", value_accumulator="carried")
 
 
@@ -151,6 +157,21 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       192,
       dict(V31_CANDIDATE, num_splits=2, value_stats="separate", row_max="bound"),
     ),
+    # XLA's products before the kernel as reductions (v34): q . k_min alone with the Hopper
+    # default's settings, and with the bounds' product too
+    (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=1, key_products="reduction")),
+    (
+      4,
+      128,
+      2,
+      32,
+      192,
+      dict(V34_SETTINGS, num_splits=2, row_max="bound", key_products="reduction"),
+    ),
+    # the value codes as wgmma's register operand (v34): rows in channel order under the Hopper
+    # default's word order; with shared-memory key codes, 4-bit, head_dim 64, block 128
+    (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=1, value_operand="registers")),
+    (4, 64, 3, 16, 256, dict(num_splits=2, value_operand="registers")),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -186,6 +207,17 @@ def test_folded_mosaic_gpu_kernel_matches_reference(
   [
     (4, dict(num_splits=3)),
     (3, dict(block_tokens=64, num_splits=2, key_operand="registers", operand_order="word")),
+    # register value codes: the output rows in channel order under the word order (v34)
+    (
+      3,
+      dict(
+        block_tokens=64,
+        num_splits=2,
+        key_operand="registers",
+        operand_order="word",
+        value_operand="registers",
+      ),
+    ),
   ],
 )
 def test_decode_entry_merges_before_picking_value_slots(group, config):
@@ -348,6 +380,32 @@ def test_bound_row_max_gives_q_and_p_a_buffer_each(block_tokens, num_stages, ext
     assert 4 * bound <= 227 * 1024 - 4 * 1024  # what an SM gives, less 1 KB per program
 
 
+@pytest.mark.parametrize("operand_order", OPERAND_ORDERS)
+def test_register_value_codes_put_the_output_rows_in_channel_order(operand_order):
+  """`value_operand_registers` builds the value product's rows in channel order whatever the
+  key side's order (checked there against the cache's codes, thread by thread): the kernel's
+  output rows and the picks after it must say the same. Interpret mode stages the values in
+  whichever order this names, so only this pins it."""
+  assert folded.value_output_order(operand_order, "registers") == "channel"
+  assert folded.value_output_order(operand_order, "shared_memory") == operand_order
+
+
+def test_a_program_without_staged_codes_has_no_code_tile():
+  """Key and value codes both from registers: natively no code tile (16 KB at head_dim 128,
+  block 64), which brings KIVI-4 at the v34 default's shapes from three programs per SM to
+  four; interpret mode stages every operand and keeps it."""
+  assert not folded.needs_code_tile("registers", "registers", emulate=False)
+  assert folded.needs_code_tile("registers", "registers", emulate=True)
+  assert folded.needs_code_tile("registers", "shared_memory", emulate=False)
+  assert folded.needs_code_tile("shared_memory", "registers", emulate=False)
+  shapes = (4, 128, 4, 32, 64, 4)
+  staged = folded.shared_memory_bytes(*shapes, value_stats="separate")
+  unstaged = folded.shared_memory_bytes(*shapes, value_stats="separate", code_tile=False)
+  assert staged - unstaged == 64 * 128 * 2
+  programs = lambda size: (227 * 1024) // (size + 1024)  # an SM's, 1 KB reserved per program
+  assert (programs(staged), programs(unstaged)) == (3, 4)
+
+
 @pytest.mark.parametrize("permuted", [False, True])
 def test_pick_value_slots_takes_each_channels_rows_from_its_groups_slot(permuted):
   """...at the channel's own row, or at its operand position when the rows are permuted."""
@@ -472,6 +530,18 @@ def test_bad_key_operand_is_named_before_tracing():
   with pytest.raises(ValueError, match="row_max='bounds' is not supported"):
     quantized_decode_attention_gpu.check_config(
       {"lowering": "mosaic_gpu", "variant": "folded", "row_max": "bounds"}
+    )
+  with pytest.raises(ValueError, match=r"key_products='dot' is not supported; allowed: \("):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, key_products="dot")
+  with pytest.raises(ValueError, match=r"value_operand='regs' is not supported; allowed: \("):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, value_operand="regs")
+  with pytest.raises(ValueError, match="value_operand='register' is not supported"):
+    quantized_decode_attention_gpu.check_config(
+      {"lowering": "mosaic_gpu", "variant": "folded", "value_operand": "register"}
+    )
+  with pytest.raises(ValueError, match="key_products='reduce' is not supported"):
+    quantized_decode_attention_gpu.check_config(
+      {"lowering": "mosaic_gpu", "variant": "folded", "key_products": "reduce"}
     )
   with pytest.raises(ValueError, match="copy_issuer='one_warp' is not supported"):
     quantized_decode_attention_gpu.check_config(

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 FOLDED_MOSAIC_GPU = quantized_decode_attention_gpu.FOLDED_MOSAIC_GPU
 FOLDED_MOSAIC_GPU_V30 = quantized_decode_attention_gpu.FOLDED_MOSAIC_GPU_V30
+FOLDED_MOSAIC_GPU_V34 = quantized_decode_attention_gpu.FOLDED_MOSAIC_GPU_V34
 
 
 def _segment(*, group, dtype=jnp.bfloat16, bits=2, head_dim=128, gear=False, group_size=32):
@@ -47,13 +48,13 @@ def _segment(*, group, dtype=jnp.bfloat16, bits=2, head_dim=128, gear=False, gro
 @pytest.mark.parametrize(
   "group,dtype,bits,head_dim,gear,capability,interpret,expected",
   [
-    # Hopper, or interpret mode: the folded Mosaic GPU kernel with v30's settings where it
-    # takes the segment, one query head per KV head included (v30 timed it faster than folded
-    # Triton with stack copies)
-    (4, jnp.bfloat16, 2, 128, False, "9.0", False, FOLDED_MOSAIC_GPU_V30),
-    (8, jnp.bfloat16, 4, 64, False, "9.0", False, FOLDED_MOSAIC_GPU_V30),
-    (2, jnp.bfloat16, 2, 128, False, None, True, FOLDED_MOSAIC_GPU_V30),
-    (1, jnp.bfloat16, 2, 128, False, "9.0", False, FOLDED_MOSAIC_GPU_V30),
+    # Hopper, or interpret mode: the folded Mosaic GPU kernel with v34's settings where it
+    # takes the segment, one query head per KV head included (v30 and v34 timed it faster than
+    # folded Triton with stack copies)
+    (4, jnp.bfloat16, 2, 128, False, "9.0", False, FOLDED_MOSAIC_GPU_V34),
+    (8, jnp.bfloat16, 4, 64, False, "9.0", False, FOLDED_MOSAIC_GPU_V34),
+    (2, jnp.bfloat16, 2, 128, False, None, True, FOLDED_MOSAIC_GPU_V34),
+    (1, jnp.bfloat16, 2, 128, False, "9.0", False, FOLDED_MOSAIC_GPU_V34),
     # one head, a segment no Mosaic kernel takes: folded Triton with stack copies (v29, Hopper)
     (1, jnp.float32, 2, 128, False, None, True, {"stack_copies": True}),
     (1, jnp.bfloat16, 2, 128, False, "8.0", False, {}),
@@ -128,7 +129,7 @@ def _record_both_kernels(monkeypatch):
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # no fallback warning for the default
 @pytest.mark.parametrize("group", [1, 4])
 def test_an_empty_config_runs_the_measured_default_kernel(group, monkeypatch):
-  """One and four heads per KV head reach the folded Mosaic GPU kernel with v30's settings, and
+  """One and four heads per KV head reach the folded Mosaic GPU kernel with v34's settings, and
   give the reference's attention."""
   mosaic_calls, triton_calls = _record_both_kernels(monkeypatch)
   arrays, clean = _inputs(
@@ -145,7 +146,7 @@ def test_an_empty_config_runs_the_measured_default_kernel(group, monkeypatch):
     *arrays, **quantization, sm_scale=0.1, implementation="interpret"
   )
   assert len(mosaic_calls) == 1 and not triton_calls
-  expected = {k: v for k, v in FOLDED_MOSAIC_GPU_V30.items() if k not in FOLDED_MOSAIC_GPU}
+  expected = {k: v for k, v in FOLDED_MOSAIC_GPU_V34.items() if k not in FOLDED_MOSAIC_GPU}
   assert {key: mosaic_calls[0][key] for key in expected} == expected
   ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=0.1)
   assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, True))

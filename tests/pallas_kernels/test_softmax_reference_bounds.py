@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.bit_packing import unpack_codes
-from pallas_kernels.key_bias import key_bias
+from pallas_kernels.key_bias import KEY_PRODUCTS, key_bias
 from pallas_kernels.random_inputs import random_quantized_segment
 from pallas_kernels.softmax_reference_bounds import (
   EXCHANGE,
@@ -37,8 +37,11 @@ def _dequantized_scores(queries, k_codes, k_scale, k_min, *, bits, group_size):
   group_size=st.sampled_from([16, 32]),
   rows=st.sampled_from([1, 4, 8]),
   seed=st.integers(0, 2**31 - 1),
+  key_products=st.sampled_from(KEY_PRODUCTS),
 )
-def test_every_score_lies_within_its_groups_bounds(bits, head_dim, group_size, rows, seed):
+def test_every_score_lies_within_its_groups_bounds(
+  bits, head_dim, group_size, rows, seed, key_products
+):
   rng = np.random.default_rng(seed)
   tokens = 4 * group_size
   segment = random_quantized_segment(
@@ -46,7 +49,11 @@ def test_every_score_lies_within_its_groups_bounds(bits, head_dim, group_size, r
   )
   queries = jnp.asarray(rng.standard_normal((2, 2, rows, head_dim)), jnp.float32)
   lower, upper = key_score_bounds(
-    queries, segment.k_scale, key_bias(queries, segment.k_min), bits=bits
+    queries,
+    segment.k_scale,
+    key_bias(queries, segment.k_min, key_products=key_products),
+    bits=bits,
+    key_products=key_products,
   )
   assert lower.shape == upper.shape == (2, 2, tokens // group_size, rows)
   scores = _dequantized_scores(

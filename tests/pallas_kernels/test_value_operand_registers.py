@@ -1,0 +1,87 @@
+"""The value codes as wgmma's register operand (`value_operand_registers`): the per-thread
+construction, run in numpy exactly as the kernel's inline code runs it (which only a GPU
+executes), against the cache's own codes masked in place; PTX's byte permute against its
+definition; which registers share their loads and permutes. The kernel with the setting is
+checked in test_quantized_decode_attention_folded_mosaic_gpu.py (interpret mode: the emulated
+path) and lowered for sm_90 in test_lowering.py (the inline code)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.bit_packing import unpack_codes
+from pallas_kernels.subnormal_codes import code_exponent
+from pallas_kernels.value_operand_registers import (
+  assemble_value_operand,
+  prmt,
+  register_sources,
+  shared_sources,
+  value_operand_unsupported_reason,
+)
+
+
+def _masked_in_place(words: np.ndarray, bits: int) -> np.ndarray:
+  """uint16 [D, tokens]: each channel's code at its `code_exponent` bit, the pattern the staged
+  tile holds in channel order (code * 2^(q - 133) as bf16)."""
+  codes = np.asarray(unpack_codes(jnp.asarray(words)[None, None], bits))[0, 0]  # [tokens, D]
+  head_dim = codes.shape[1]
+  exponent = np.asarray(code_exponent(np.arange(head_dim), head_dim, bits))
+  return (codes.T.astype(np.uint32) << exponent[:, None]).astype(np.uint16)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+  head_dim=st.sampled_from([64, 128]),
+  bits=st.sampled_from([2, 4]),
+  tokens=st.sampled_from([64, 128]),
+  seed=st.integers(0, 2**31 - 1),
+)
+def test_registers_hold_each_channels_codes_masked_in_place(head_dim, bits, tokens, seed):
+  words_per_token = head_dim * bits // 32
+  words = np.random.default_rng(seed).integers(0, 2**32, (tokens, words_per_token), np.uint64)
+  words = words.astype(np.uint32)
+  np.testing.assert_array_equal(assemble_value_operand(words, bits), _masked_in_place(words, bits))
+
+
+def test_every_code_value_reaches_its_channel():
+  """Words holding one code value everywhere: every element is that value at its channel's bit,
+  for each of the 2-bit values (a mask off by a bit would lose or keep a neighbour's bits)."""
+  for code in range(4):
+    word = sum(code << (2 * field) for field in range(16))
+    words = np.full((64, 8), word, np.uint32)
+    exponent = np.asarray(code_exponent(np.arange(128), 128, 2))
+    np.testing.assert_array_equal(
+      assemble_value_operand(words, 2), np.broadcast_to((code << exponent)[:, None], (128, 64))
+    )
+
+
+def test_prmt_picks_the_selected_bytes_of_both_operands():
+  first, second = np.uint32(0x33221100), np.uint32(0x77665544)
+  assert prmt(first, second, np.uint32(0x3210)) == 0x33221100
+  assert prmt(first, second, np.uint32(0x7654)) == 0x77665544
+  assert prmt(first, second, np.uint32(0x5410)) == 0x55441100
+  assert prmt(first, second, np.uint32(0x7531)) == 0x77553311
+
+
+@pytest.mark.parametrize(
+  "head_dim,bits,loads,permutes",
+  [(128, 2, 1, 2), (128, 4, 2, 4), (64, 2, 1, 1), (64, 4, 1, 1)],
+)
+def test_registers_share_loads_and_permutes(head_dim, bits, loads, permutes):
+  """Per column group, the distinct words a thread loads (two tokens each) and the permutes it
+  issues: at head_dim 128 with 2-bit codes one word for all four (row tile, half) registers
+  and one permute per row tile."""
+  groups = shared_sources(register_sources(head_dim, bits))
+  assert len(groups) == loads
+  assert sum(len(group) for group in groups) == permutes
+  assert sorted(key for group in groups for keys in group for key in keys) == [
+    (tile, half) for tile in range(head_dim // 64) for half in range(2)
+  ]
+
+
+def test_sizes_the_operand_cannot_take_are_named():
+  assert value_operand_unsupported_reason(128, 64) is None
+  assert "head_dim=96" in value_operand_unsupported_reason(96, 64)
+  assert "block_tokens=32" in value_operand_unsupported_reason(128, 32)
