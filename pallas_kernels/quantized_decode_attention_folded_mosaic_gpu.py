@@ -173,6 +173,7 @@ from pallas_kernels.value_operand_registers import (
 from pallas_kernels.word_operand_order import (
   OPERAND_ORDERS,
   channel_at_position,
+  channels_in_word_order,
   load_channels_in_word_order,
   stage_words_in_word_order,
   word_order_channels,
@@ -957,15 +958,16 @@ def _jitted_kernel_outputs(
   exponents = _Exponents.for_run(interpret)
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, gpu_target_programs())
   # Padding rows repeat the real rows (row j is row j % real_rows), so every value slot's columns
-  # hold real probabilities.
+  # hold real probabilities. A tile, not a gather: XLA fuses it into q . k_min's product, one
+  # kernel fewer per call (v34, `benchmarks/xla_kernel_bytes.py`).
   scaled = pad_query_group(base_two_queries(queries, sm_scale), real_rows, jnp.float32)
-  scaled = scaled[:, :, jnp.arange(rows) % real_rows]
+  scaled = jnp.tile(scaled, (1, 1, rows // real_rows, 1))
   channel_scale = power_of_two(
     exponents.query - code_exponent(jnp.arange(head_dim, dtype=jnp.int32), head_dim, bits)
   )
   code_queries = jnp.swapaxes(scaled, 2, 3) * channel_scale[:, None]  # [B, H, D, rows]
-  if operand_order == "word":
-    code_queries = code_queries[:, :, word_order_channels(head_dim, bits), :]
+  if operand_order == "word":  # a transpose, not a gather
+    code_queries = channels_in_word_order(code_queries, 2, bits)
   if value_stats == "pairs":
     value_statistics = (group_major_value_stat_pairs(v_scale, v_min),)
   else:  # in a loop XLA makes these transposes layout (`VALUE_STATS`)

@@ -50,6 +50,20 @@ def word_order_channels(head_dim: int, bits: int) -> np.ndarray:
   return np.asarray(channel_at_position(np.arange(head_dim), head_dim, bits), np.int32)
 
 
+def channels_in_word_order(values: jax.Array, axis: int, bits: int) -> jax.Array:
+  """`values` with its channel axis put in the word order: a reshape and a transpose, the same
+  permutation as indexing with `word_order_channels` (no gather). C(L)'s terms are a mixed-radix
+  number in (h, p, j, q, t), most significant first, and L's in (j, p, t, q, h)."""
+  axis = axis % values.ndim
+  head_dim = values.shape[axis]
+  words = head_dim * bits // 32
+  digits = (2, 16 // bits, words // 8, 4, 2)  # h, p, j, q, t
+  split = values.reshape(*values.shape[:axis], *digits, *values.shape[axis + 1 :])
+  order = [axis + i for i in (2, 1, 4, 3, 0)]  # j, p, t, q, h
+  moved = list(range(axis)) + order + list(range(axis + 5, split.ndim))
+  return jnp.transpose(split, moved).reshape(values.shape)
+
+
 def word_order_unsupported_reason(head_dim: int, bits: int) -> str | None:
   """Why the word order cannot stage rows of this width (None if it can): it needs whole 8-word
   groups per row (W % 8 == 0), the wgmma layout's columns."""

@@ -1,5 +1,6 @@
 """The "word" operand order against a simulation of what each thread's registers hold."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -51,3 +52,17 @@ def test_too_few_words_per_row_are_refused():
   reason = order.word_order_unsupported_reason(64, 2)
   assert reason is not None and "head_dim=64 with bits=2: 4 code words" in reason
   assert order.word_order_unsupported_reason(64, 4) is None  # 8 words: one whole group
+
+
+@pytest.mark.parametrize("head_dim,bits", [(64, 4), (128, 2), (128, 4), (256, 2)])
+@pytest.mark.parametrize("axis", [0, 2, -1])
+def test_the_word_order_as_a_transpose_is_the_gather(head_dim, bits, axis):
+  """`channels_in_word_order` (a reshape and a transpose, which XLA fuses) moves each channel to
+  the position `word_order_channels` gives it, along any axis."""
+  shape = [3, 5, 2]
+  shape[axis] = head_dim
+  values = np.random.default_rng(head_dim + bits).standard_normal(shape).astype(np.float32)
+  gathered = np.take(values, order.word_order_channels(head_dim, bits), axis=axis)
+  np.testing.assert_array_equal(
+    np.asarray(order.channels_in_word_order(jnp.asarray(values), axis, bits)), gathered
+  )
