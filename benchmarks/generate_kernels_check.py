@@ -1,10 +1,14 @@
 """End-to-end check on an accelerator: `generate` through the Pallas kernels gives the tokens of
 the jnp reference path (tiny random Llama, full and quantized caches), and decode timings.
 
-    python benchmarks/generate_kernels_check.py [--only bfloat16]
+    python benchmarks/generate_kernels_check.py [--only bfloat16] [--kivi-settings '<JSON>']
+
+--kivi-settings replaces the default quantized kernel setting of the KIVI runs (a candidate for
+the default, checked through the decode loop before it becomes one).
 """
 
 import argparse
+import json
 
 import jax
 import jax.numpy as jnp
@@ -35,21 +39,18 @@ def prompts_of_record() -> list[list[int]]:
   return [rng.integers(1, 256, n).tolist() for n in (700, 333)]
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--only", help="run only the checks whose label contains this text")
-  args = parser.parse_args()
-  print(jax.__version__, jax.devices())
-  decoder, params = split_decoder(random_decoder(CONFIG, seed=0))
-  prompts = prompts_of_record()
-  runs_to_check = [
-    # First: the measured default (KERNEL_NOTES v30: on Hopper the folded Mosaic GPU kernel
-    # with 64-token blocks, register key codes and the word operand order) on a bf16 cache. In
-    # v30's last call the step's time limit stopped the script before its bf16 runs.
-    ("kivi:bits=4,residual=32", KernelSettings(), jnp.bfloat16),
+def runs_to_check(kivi_settings: dict | None = None) -> list[tuple]:
+  """(method spec, KernelSettings[, cache dtype]) per run; `kivi_settings` in place of the empty
+  default setting of the KIVI runs."""
+  default = KernelSettings(quantized=kivi_settings) if kivi_settings else KernelSettings()
+  return [
+    # First: the measured default (KERNEL_NOTES v34: on Hopper the folded Mosaic GPU kernel with
+    # FOLDED_MOSAIC_GPU_V34's settings) on a bf16 cache. In v30's last call the step's time
+    # limit stopped the script before its bf16 runs.
+    ("kivi:bits=4,residual=32", default, jnp.bfloat16),
     ("full", KernelSettings()),
-    ("kivi:bits=4,residual=32", KernelSettings()),
-    ("kivi:bits=2,residual=32", KernelSettings()),
+    ("kivi:bits=4,residual=32", default),
+    ("kivi:bits=2,residual=32", default),
     ("gear:bits=2", KernelSettings()),
     # GEAR's low-rank and outlier terms fused into the kernel (the default since KERNEL_NOTES
     # v13 has XLA compute them around it)
@@ -72,9 +73,24 @@ def main():
       jnp.bfloat16,
     ),
   ]
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--only", help="run only the checks whose label contains this text")
+  parser.add_argument(
+    "--kivi-settings",
+    type=json.loads,
+    help="quantized kernel setting (JSON) for the KIVI runs that use the default",
+  )
+  args = parser.parse_args()
+  print(jax.__version__, jax.devices())
+  decoder, params = split_decoder(random_decoder(CONFIG, seed=0))
+  prompts = prompts_of_record()
+  checks = runs_to_check(args.kivi_settings)
   if args.only:
-    runs_to_check = [run for run in runs_to_check if args.only in _label(*run)]
-  for spec, settings, *cache_dtype in runs_to_check:
+    checks = [check for check in checks if args.only in _label(*check)]
+  for spec, settings, *cache_dtype in checks:
     cache_dtype = cache_dtype[0] if cache_dtype else jnp.float32
     runs = {
       impl: generate(

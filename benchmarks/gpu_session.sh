@@ -356,14 +356,17 @@ ${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" || status=1
     # in its row (v34's since v34; the kivi2 row named folded Triton), or the settings given as
     # the step's argument (a JSON dict of folded Mosaic settings, e.g. a sweep's winner), beside
     # XLA's bf16 attention and the copy rate of the same run; the generate check with the
-    # default (its time limit cut it after GEAR in v34's second call: 150 s since).
+    # default, or with the settings given in its KIVI runs (its time limit cut it after GEAR in
+    # v34's second call: 150 s since).
     set +e
     status=0
     settings="${2:-{${v34_settings}\}}"
     timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
       --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$settings" \
       --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
-    timeout --signal=INT 150 "$python" benchmarks/generate_kernels_check.py 2>&1 |
+    candidate=()
+    [ -n "${2:-}" ] && candidate=(--kivi-settings "{\"lowering\": \"mosaic_gpu\", \"variant\": \"folded\", ${2#\{}")
+    timeout --signal=INT 150 "$python" benchmarks/generate_kernels_check.py "${candidate[@]}" 2>&1 |
       tee "$out/generate_kernels_check.log" || status=1
     exit "$status"
     ;;
