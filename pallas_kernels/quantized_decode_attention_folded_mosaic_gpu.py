@@ -826,22 +826,16 @@ def _folded_kernel(
         [probs * value_tile(v_mins, t) for t in range(value_tiles)], axis=1
       )
 
-    if emulate and value_operand == "registers":
-      # Mosaic GPU's interpreter takes wgmma operands from shared memory only: the same
-      # product of the same (emulated) codes, as a dot.
+    if emulate and (value_operand == "registers" or value_accumulator == "carried"):
+      # Mosaic GPU's interpreter takes wgmma operands from shared memory only and has no wgmma
+      # into an accumulator made from registers: the same sum, with the product of the same
+      # (emulated, staged) codes as a dot.
       product = codes_smem[...].astype(jnp.float32).T @ value_stack_smem[...].astype(jnp.float32).T
       sum_partials, value_bias_partials = update_partials(sum_partials, value_bias_partials)
       return rescale_accumulator(acc) + product, new_max, sum_partials, value_bias_partials
 
     if value_accumulator == "carried":
       rescaled = rescale_accumulator(acc)
-      if emulate:
-        # Mosaic GPU's interpreter has no wgmma into an accumulator made from registers: the
-        # same sum, with the product as a dot.
-        product = (
-          codes_smem[...].astype(jnp.float32).T @ value_stack_smem[...].astype(jnp.float32).T
-        )
-        return rescaled + product, new_max, *update_partials(sum_partials, value_bias_partials)
 
       def value_product_into(refs):
         acc_ref, sum_ref, bias_ref = refs

@@ -167,9 +167,8 @@ def measured_default_config(
   On Hopper (compute capability 9.x: the Mosaic kernels issue wgmma, which exists there alone)
   and in interpret mode (which checks what such a GPU runs), for 1 to 8 query heads per KV head:
   `FOLDED_MOSAIC_GPU_V34` where the kernel takes the segment at its 64-token blocks (whole key
-  groups per block: group sizes up to 64), else `FOLDED_MOSAIC_GPU_V30`, else v29's folded
-  Mosaic GPU default where that takes it, else folded Triton (with stack copies for one head,
-  v29's measurement). Segments
+  groups per block: group sizes up to 64), else v29's folded Mosaic GPU default where that
+  takes it, else folded Triton (with stack copies for one head, v29's measurement). Segments
   neither Mosaic kernel takes (GEAR terms, f32 / f16 statistics, 8-bit codes, 2-bit codes at
   head_dim 64, ...) and other GPUs run folded Triton as before these measurements."""
   capability = _compat.gpu_compute_capability()
@@ -180,7 +179,8 @@ def measured_default_config(
   triton_default = {"stack_copies": True} if group == 1 else {}
   if group > MOSAIC_DEFAULT_MAX_GROUP:
     return triton_default
-  for config in (FOLDED_MOSAIC_GPU_V34, FOLDED_MOSAIC_GPU_V30, FOLDED_MOSAIC_GPU):
+  # v34's settings take the segments v30's take (they differ in none that a segment can refuse)
+  for config in (FOLDED_MOSAIC_GPU_V34, FOLDED_MOSAIC_GPU):
     if (
       mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, config=config, **segment)
       is None

@@ -501,54 +501,48 @@ def test_bad_mosaic_gpu_variant_is_named():
     quantized_decode_attention_gpu.check_config({"lowering": "mosaic_gpu", "variant": "planar"})
 
 
-def test_bad_key_operand_is_named_before_tracing():
+@pytest.mark.parametrize(
+  "name,value",
+  [
+    ("key_operand", "smem"),
+    ("operand_order", "words"),
+    ("copy_issuer", "warp"),
+    ("value_accumulator", "kept"),
+    ("value_stats", "pair"),
+    ("row_max", "max"),
+    ("key_products", "dot"),
+    ("value_operand", "regs"),
+  ],
+)
+def test_a_bad_setting_is_named_before_tracing(name, value):
   arrays, quantization = _zeros_segment()
-  with pytest.raises(ValueError, match=r"key_operand='smem' is not supported; allowed: \("):
-    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, key_operand="smem")
-  with pytest.raises(ValueError, match="key_operand='regs' is not supported"):
+  with pytest.raises(ValueError, match=rf"{name}='{value}' is not supported; allowed: \("):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **{name: value})
+
+
+@pytest.mark.parametrize(
+  "name,value",
+  [
+    ("key_operand", "regs"),
+    ("copy_issuer", "one_warp"),
+    ("value_stats", "split"),
+    ("row_max", "bounds"),
+    ("key_products", "reduce"),
+    ("value_operand", "register"),
+  ],
+)
+def test_a_bad_setting_is_named_by_the_dispatch(name, value):
+  with pytest.raises(ValueError, match=f"{name}='{value}' is not supported"):
     quantized_decode_attention_gpu.check_config(
-      {"lowering": "mosaic_gpu", "variant": "folded", "key_operand": "regs"}
+      {"lowering": "mosaic_gpu", "variant": "folded", name: value}
     )
+
+
+def test_folded_settings_need_the_folded_variant_and_their_types():
   with pytest.raises(ValueError, match=r"approx_math=1 is not supported; allowed: \(False, True\)"):
     quantized_decode_attention_gpu.check_config(
       {"lowering": "mosaic_gpu", "variant": "folded", "approx_math": 1}
     )
-  with pytest.raises(ValueError, match=r"copy_issuer='warp' is not supported; allowed: \("):
-    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, copy_issuer="warp")
-  with pytest.raises(ValueError, match=r"value_accumulator='kept' is not supported; allowed: \("):
-    folded.folded_partials_mosaic_gpu(
-      *arrays, **quantization, sm_scale=1.0, value_accumulator="kept"
-    )
-  with pytest.raises(ValueError, match=r"value_stats='pair' is not supported; allowed: \("):
-    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, value_stats="pair")
-  with pytest.raises(ValueError, match="value_stats='split' is not supported"):
-    quantized_decode_attention_gpu.check_config(
-      {"lowering": "mosaic_gpu", "variant": "folded", "value_stats": "split"}
-    )
-  with pytest.raises(ValueError, match=r"row_max='max' is not supported; allowed: \("):
-    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, row_max="max")
-  with pytest.raises(ValueError, match="row_max='bounds' is not supported"):
-    quantized_decode_attention_gpu.check_config(
-      {"lowering": "mosaic_gpu", "variant": "folded", "row_max": "bounds"}
-    )
-  with pytest.raises(ValueError, match=r"key_products='dot' is not supported; allowed: \("):
-    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, key_products="dot")
-  with pytest.raises(ValueError, match=r"value_operand='regs' is not supported; allowed: \("):
-    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, value_operand="regs")
-  with pytest.raises(ValueError, match="value_operand='register' is not supported"):
-    quantized_decode_attention_gpu.check_config(
-      {"lowering": "mosaic_gpu", "variant": "folded", "value_operand": "register"}
-    )
-  with pytest.raises(ValueError, match="key_products='reduce' is not supported"):
-    quantized_decode_attention_gpu.check_config(
-      {"lowering": "mosaic_gpu", "variant": "folded", "key_products": "reduce"}
-    )
-  with pytest.raises(ValueError, match="copy_issuer='one_warp' is not supported"):
-    quantized_decode_attention_gpu.check_config(
-      {"lowering": "mosaic_gpu", "variant": "folded", "copy_issuer": "one_warp"}
-    )
-  with pytest.raises(ValueError, match="operand_order='words' is not supported"):
-    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, operand_order="words")
   with pytest.raises(ValueError, match=r"\['key_operand'\] are taken by the folded Mosaic GPU"):
     quantized_decode_attention_gpu.check_config(
       {"lowering": "mosaic_gpu", "key_operand": "registers"}
