@@ -32,7 +32,8 @@
 #   bash benchmarks/gpu_session.sh v34      # v34's third call (~5 min): the new default through
 #                                           # generate, each kernel of one call timed, settings
 #                                           # around it at 32k, ncu of it
-#   bash benchmarks/gpu_session.sh v35      # not yet run (~5 min): XLA's products before the
+#   bash benchmarks/gpu_session.sh v35      # not yet run (~6 min): q . k_min by the kernel
+#                                           # itself (key_bias_source), XLA's products before the
 #                                           # kernel as reductions (key_products), the value codes
 #                                           # from registers (value_operand), with and without
 #                                           # the bound row max; then `final` with the winner
@@ -451,21 +452,32 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
     # there); the products' tests on the GPU's XLA; the 32k sweep of their combinations and
     # KIVI-4 with and without register values (four programs per SM instead of three); each
     # kernel of one call under ncu; ncu of the default with register values.
+    # And v35's "key_bias_source": "kernel" (q . k_min computed by each program before its loop,
+    # one wgmma per 64 key groups: no GEMM fusion, no bias written and read back; the loop's
+    # static count unchanged, 459 -> 458 instructions, 109 -> 111 registers, four programs per
+    # SM), alone and with register values, and with "bound", whose softmax references the
+    # kernel then computes too (a second wgmma per chunk over k_scale: no XLA product at all;
+    # the fixed arm 377 instructions at 136 registers, three programs per SM, or 399 at 124
+    # with register values, four), in the sweep and under ncu's per-kernel timing.
     set +e
     status=0
     log="$out/v35.log"
+    kernel_bias="\"key_bias_source\": \"kernel\""
     reduction="\"key_products\": \"reduction\""
     bound="\"row_max\": \"bound\""
     values="\"value_operand\": \"registers\""
     NATIVE_TESTS_SECONDS=150 device_and_native_tests "$log" || status=1
     timeout --signal=INT 60 "$python" -m pytest -q -p no:cacheprovider \
       tests/pallas_kernels/test_key_bias.py tests/pallas_kernels/test_softmax_reference_bounds.py \
-      2>&1 | tail -3 | tee -a "$log" || status=1
-    sweep_at_32k "$log" "[${v34}}, ${v34}, ${reduction}}, ${v34}, ${values}}, \
-${v34}, ${values}, ${reduction}}, ${v34}, ${bound}, ${reduction}}, \
-${v34}, ${bound}, ${reduction}, ${values}}, ${v34}, ${values}, \"num_splits\": 16}]" 180 || status=1
-    sweep_shapes_only "$log" "32768 4 4" -- "${v34}}" "${v34}, ${values}}" || status=1
-    call_kernels "${v34}, ${reduction}}" "${v34}, ${bound}, ${reduction}, ${values}}" || status=1
+      tests/pallas_kernels/test_key_bias_in_kernel.py 2>&1 | tail -3 | tee -a "$log" || status=1
+    sweep_at_32k "$log" "[${v34}}, ${v34}, ${kernel_bias}}, ${v34}, ${kernel_bias}, ${values}}, \
+${v34}, ${bound}, ${kernel_bias}}, ${v34}, ${bound}, ${kernel_bias}, ${values}}, \
+${v34}, ${reduction}}, ${v34}, ${values}}, ${v34}, ${values}, ${reduction}}, \
+${v34}, ${bound}, ${reduction}}, ${v34}, ${bound}, ${reduction}, ${values}}]" 260 || status=1
+    sweep_shapes_only "$log" "32768 4 4" -- "${v34}}" "${v34}, ${values}}" \
+      "${v34}, ${kernel_bias}}" || status=1
+    call_kernels "${v34}, ${kernel_bias}}" "${v34}, ${bound}, ${kernel_bias}, ${values}}" \
+      "${v34}, ${reduction}}" || status=1
     ncu_folded_mosaic "${v34}, ${values}}" >> "$log" || status=1
     exit "$status"
     ;;

@@ -212,7 +212,8 @@ def quantized_decode_attention(
   True, "copy_issuer": "warpgroup" (default) | "first_warp", "value_accumulator": "fresh"
   (default) | "carried", "value_stats": "pairs" (default) | "separate", "row_max": "exchange"
   (default) | "bound", "key_products": "einsum" (default) | "reduction", "value_operand":
-  "shared_memory" (default) | "registers"; KIVI segments, others run the Triton kernel with a
+  "shared_memory" (default) | "registers", "key_bias_source": "xla" (default) | "kernel"; KIVI
+  segments, others run the Triton kernel with a
   warning; see `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)

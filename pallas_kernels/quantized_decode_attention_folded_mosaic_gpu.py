@@ -90,6 +90,15 @@ register, instead of staging a [block, D] bf16 tile in shared memory for the ten
 back (`value_operand_registers`): v34's profile found shared memory the kernel's busiest unit.
 The accumulator's rows are then channels in order whatever `operand_order` says.
 
+A setting of v35, not yet timed on a GPU: `key_bias_source="kernel"` has each program compute
+q . k_min for its split's key groups itself, before its loop: one TMA copy of the split's
+minimums into the code tile and one wgmma against the queries split into two bf16 halves per
+64 key groups, into a [split groups, rows] f32 buffer the loop reads instead of a key-bias ring
+slot (`key_bias_in_kernel`). XLA's GEMM fusion and the 2 MB of bias it wrote go; the kernel
+reads k_min's 17 MB instead. The planner makes each split a multiple of 8 key groups for it
+(the copy into the swizzled tile starts on a whole tile). Only with row_max="exchange": the
+bounds of "bound" need the bias before the kernel.
+
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
 the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
@@ -120,7 +129,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, key_bias_in_kernel
 from pallas_kernels import quantized_decode_attention_mosaic_gpu as dequantizing
 from pallas_kernels.base_two_softmax import base_two_queries
 from pallas_kernels.decode_attention_mosaic_gpu import (
@@ -140,6 +149,17 @@ from pallas_kernels.key_bias import (
   check_key_product,
   key_bias,
 )
+from pallas_kernels.key_bias_in_kernel import (
+  DEFAULT_KEY_BIAS_SOURCE,
+  any_row_exchanges,
+  bias_chunks,
+  check_key_bias_source,
+  copies_per_chunk,
+  query_halves,
+  split_blocks_multiple,
+  split_key_groups,
+  split_key_statistics,
+)
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
   CHUNK_TOKENS,
   fetch_block,
@@ -151,6 +171,7 @@ from pallas_kernels.softmax_reference_bounds import (
   split_softmax_references,
 )
 from pallas_kernels.splits import (
+  SplitPlan,
   gpu_target_programs,
   merge_split_partials,
   next_power_of_two,
@@ -235,6 +256,9 @@ DEFAULT_VALUE_STATS = "pairs"
 # "exchange" branch of the loop's body at every block, chosen per program.
 ROW_MAXES = ("exchange", "bound")
 DEFAULT_ROW_MAX = "exchange"
+# Where q . k_min per key group is computed (`key_bias_in_kernel`): by XLA before the kernel, the
+# bias read per block through the ring ("xla", v19 on), or by each program before its loop on the
+# tensor core ("kernel", v35).
 # This kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
 FOLDED_SETTINGS = (
   "key_operand",
@@ -246,6 +270,7 @@ FOLDED_SETTINGS = (
   "row_max",
   "key_products",
   "value_operand",
+  "key_bias_source",
 )
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
@@ -292,6 +317,8 @@ def unsupported_reason(
   block_tokens=None,
   operand_order=None,
   value_operand=None,
+  key_bias_source=None,
+  num_splits=None,
   **segment,
 ) -> str | None:
   """Why this kernel cannot take this segment with these settings (None if it can); the
@@ -318,9 +345,32 @@ def unsupported_reason(
     )
   if operand_order == "word" and (reason := word_order_unsupported_reason(head_dim, bits)):
     return reason
-  if value_operand == "registers":
-    return value_operand_unsupported_reason(head_dim, block)
+  if value_operand == "registers" and (reason := value_operand_unsupported_reason(head_dim, block)):
+    return reason
+  if key_bias_source == "kernel":
+    plan = folded_split_plan(
+      queries, k_codes, block, num_splits, group_size=group_size, key_bias_source=key_bias_source
+    )
+    return key_bias_in_kernel.unsupported_reason(plan.split_tokens, group_size)
   return None
+
+
+def folded_split_plan(
+  queries, k_codes, block_tokens, num_splits, *, group_size, key_bias_source
+) -> SplitPlan:
+  """The split plan of a segment (`plan_splits`); with key_bias_source="kernel" each split holds
+  a multiple of 8 key groups (`key_bias_in_kernel.split_blocks_multiple`)."""
+  multiple = 1
+  if key_bias_source == "kernel":
+    multiple = split_blocks_multiple(block_tokens, group_size)
+  return plan_splits(
+    k_codes.shape[2],
+    block_tokens,
+    queries.shape[0] * queries.shape[1],
+    num_splits,
+    gpu_target_programs(),
+    blocks_multiple=multiple,
+  )
 
 
 def key_bias_slot_groups(key_groups: int, rows: int) -> int:
@@ -331,10 +381,16 @@ def key_bias_slot_groups(key_groups: int, rows: int) -> int:
 
 
 def ring_slot_shapes(
-  group, head_dim, bits, group_size, block_tokens, value_stats=DEFAULT_VALUE_STATS
+  group,
+  head_dim,
+  bits,
+  group_size,
+  block_tokens,
+  value_stats=DEFAULT_VALUE_STATS,
+  key_bias_source=DEFAULT_KEY_BIAS_SOURCE,
 ) -> dict:
   """{ring buffer: (shape of one slot, dtype)}: what TMA writes per block and stage, in the
-  order the copies are issued."""
+  order the copies are issued. No key-bias slots when the kernel computes the bias itself."""
   words = head_dim * bits // 32
   rows = tile_rows(group)
   key_groups = block_tokens // group_size
@@ -346,10 +402,15 @@ def ring_slot_shapes(
       v_scale_smem=((value_groups, block_tokens), jnp.bfloat16),
       v_min_smem=((value_groups, block_tokens), jnp.bfloat16),
     )
+  key_bias_ring = {}
+  if key_bias_source == "xla":
+    key_bias_ring = dict(
+      key_bias_smem=((key_bias_slot_groups(key_groups, rows), rows), jnp.float32)
+    )
   return dict(
     k_words_smem=((block_tokens, words), jnp.uint32),
     k_scale_smem=((key_groups, head_dim), jnp.bfloat16),
-    key_bias_smem=((key_bias_slot_groups(key_groups, rows), rows), jnp.float32),
+    **key_bias_ring,
     v_words_smem=((block_tokens, words), jnp.uint32),
     **value_statistics,
   )
@@ -365,14 +426,20 @@ def shared_memory_bytes(
   value_stats=DEFAULT_VALUE_STATS,
   row_max=DEFAULT_ROW_MAX,
   code_tile=True,
+  key_bias_source=DEFAULT_KEY_BIAS_SOURCE,
+  split_groups=0,
 ):
   """Bytes of shared memory one program allocates, each buffer rounded up to the 1024-byte
   alignment Pallas gives it (an upper bound: 72704 for the shapes of record, which compile to
   71680). Q' and P' share one buffer unless row_max="bound" (`_folded_kernel`'s scratch); the
-  code tile only where codes are staged (`needs_code_tile`)."""
+  code tile only where codes are staged (`needs_code_tile`). With key_bias_source="kernel"
+  (`key_bias_in_kernel`; `split_groups` key groups per split) the bias buffer, and the query
+  halves and k_min tile (the code tile, if there is one) in the union with Q' and P'."""
   rows = tile_rows(group)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
-  ring_slots = ring_slot_shapes(group, head_dim, bits, group_size, block_tokens, value_stats)
+  ring_slots = ring_slot_shapes(
+    group, head_dim, bits, group_size, block_tokens, value_stats, key_bias_source
+  )
   ring = [math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in ring_slots.values()]
   buffers = [num_stages * size for size in ring] + [
     LENGTH_WORDS * 4,
@@ -381,13 +448,32 @@ def shared_memory_bytes(
   if code_tile:
     buffers.append(block_tokens * head_dim * 2)  # one bf16 code tile: K, then V
   stack_bytes = (key_rows * head_dim * 2, value_rows * block_tokens * 2)  # Q', P'
-  buffers += list(stack_bytes) if row_max == "bound" else [max(stack_bytes)]
+  barriers = 2 + len(ring) * num_stages  # one per ring buffer and stage, at most
+  if key_bias_source == "kernel":
+    align = functools.partial(_aligned, alignment=_SHARED_MEMORY_ALIGNMENT)
+    bound = row_max == "bound"
+    prologue = align((4 if bound else 2) * rows * head_dim * 2)  # the query halves
+    if not code_tile:  # the statistics' tile
+      prologue += block_tokens * head_dim * 2
+    chunks = bias_chunks(split_groups, block_tokens)
+    buffers.append(chunks * block_tokens * rows * 4)  # the split's bias
+    barriers += chunks * copies_per_chunk(bound)
+    # Q' and P' (side by side with "bound") in a union with the prologue's buffers
+    buffers.append(max(sum(map(align, stack_bytes)) if bound else max(stack_bytes), prologue))
+  elif row_max == "bound":
+    buffers += list(stack_bytes)
+  else:
+    buffers.append(max(stack_bytes))
   buffers += [
     rows * 4,  # lse
-    8 * (2 + len(ring) * num_stages),  # barriers (one per ring buffer and stage, at most)
+    8 * barriers,
     REDUCTION_SCRATCH_BYTES,
   ]
   return sum(-(-size // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT for size in buffers)
+
+
+def _aligned(size: int, alignment: int) -> int:
+  return -(-size // alignment) * alignment
 
 
 def needs_code_tile(key_operand: str, value_operand: str, emulate: bool) -> bool:
@@ -408,9 +494,11 @@ def check_folded_settings(
   row_max=DEFAULT_ROW_MAX,
   key_products=DEFAULT_KEY_PRODUCT,
   value_operand=DEFAULT_VALUE_OPERAND,
+  key_bias_source=DEFAULT_KEY_BIAS_SOURCE,
 ) -> None:
-  """ValueError naming the first of this kernel's own settings outside its allowed values (the
-  checks that need no shapes; the dispatch runs them on a kernel_config too)."""
+  """ValueError naming the first of this kernel's own settings outside its allowed values, or a
+  pair of them that does not go together (the checks that need no shapes; the dispatch runs them
+  on a kernel_config too)."""
   if key_operand not in KEY_OPERANDS:
     raise ValueError(f"key_operand={key_operand!r} is not supported; allowed: {KEY_OPERANDS}")
   if operand_order not in OPERAND_ORDERS:
@@ -430,6 +518,13 @@ def check_folded_settings(
   check_key_product(key_products)
   if value_operand not in VALUE_OPERANDS:
     raise ValueError(f"value_operand={value_operand!r} is not supported; allowed: {VALUE_OPERANDS}")
+  check_key_bias_source(key_bias_source)
+  if key_bias_source == "kernel" and key_products != DEFAULT_KEY_PRODUCT:
+    raise ValueError(
+      f"key_products={key_products!r} sets how XLA computes the key products; with "
+      f"key_bias_source='kernel' the kernel computes them (the bias, and with row_max='bound' "
+      f"the bounds) and XLA none: leave it at {DEFAULT_KEY_PRODUCT!r}"
+    )
 
 
 def check_config(
@@ -441,10 +536,12 @@ def check_config(
   block_tokens,
   num_stages,
   num_splits,
+  split_groups=0,
   **folded_settings,
 ):
   """ValueError naming the setting and its allowed values; raised before anything is traced.
-  `folded_settings`: this kernel's own (`FOLDED_SETTINGS`, `check_folded_settings`)."""
+  `folded_settings`: this kernel's own (`FOLDED_SETTINGS`, `check_folded_settings`);
+  `split_groups`: key groups per split (for key_bias_source="kernel")."""
   dequantizing.check_settings(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
@@ -463,6 +560,8 @@ def check_config(
       folded_settings.get("value_operand", DEFAULT_VALUE_OPERAND),
       emulate=False,
     ),
+    folded_settings.get("key_bias_source", DEFAULT_KEY_BIAS_SOURCE),
+    split_groups,
   )
   if needed > SHARED_MEMORY_BYTES:
     raise ValueError(
@@ -524,23 +623,30 @@ def _folded_kernel(
   queries_gmem,  # f32 [B, H, D, rows]: q^T x sm_scale log2(e) x 2^(query - q); padding rows repeat
   k_codes_gmem,  # uint32 [B, H, T, W]
   k_scale_gmem,  # bf16 [B, H, T / group_size, D]
-  key_bias_gmem,  # f32 [B, H, T / group_size, rows]: q . k_min per key group (`key_bias`)
+  # f32 [B, H, T / group_size, rows]: q . k_min per key group (`key_bias`); with
+  # key_bias_source="kernel" the minimums themselves, bf16 [B, H, T / group_size, D]
+  key_bias_gmem,
   v_codes_gmem,
   # The value statistics, group-major (`value_stats`): uint32 [B, H, D / group_size, T] (scale,
   # minimum) bf16 pairs, or the bf16 scales and minimums, each [B, H, D / group_size, T]; then
   # with row_max="bound" each split's softmax reference f32 [B, H, S, rows]
-  # (`softmax_reference_bounds`); then out f32 [B, H, S, D, rows] (channel c's rows in the slot
-  # of its value group) and lse f32 [B, H, S, rows].
+  # (`softmax_reference_bounds`; not with key_bias_source="kernel", which computes them); then
+  # with key_bias_source="kernel" the query halves bf16 [B, H, 2 or 4 * rows, D]
+  # (`key_bias_in_kernel.query_halves`); then out f32 [B, H, S, D, rows]
+  # (channel c's rows in the slot of its value group) and lse f32 [B, H, S, rows].
   *value_stats_and_outputs,
   lengths_smem,
   queries_smem,  # f32 [D, rows]: the queries, then the output (see `scratch_types`)
   k_words_smem,  # [stages, block, W]
   k_scale_smem,  # [stages, KG, D]
-  key_bias_smem,  # [stages, >= KG, rows] (`key_bias_slot_groups`)
   v_words_smem,
-  stacks_smem,  # bf16 Q' [KG * rows, D] and P' [VG * rows, block] in one buffer
+  # bf16 Q' [KG * rows, D] and P' [VG * rows, block] in one buffer; with key_bias_source="kernel"
+  # the query halves [2 * rows, D] (and the k_min tile [block, D] without a code tile) too
+  stacks_smem,
   lse_smem,
   barriers,
+  key_bias_smem=None,  # [stages, >= KG, rows] (`key_bias_slot_groups`; "xla")
+  split_bias_smem=None,  # f32 [chunks * block, rows]: the split's bias ("kernel")
   codes_smem=None,  # bf16 [block, D]: the staged key codes, then the value codes (if staged)
   v_stats_smem=None,  # uint32 [stages, VG, block] ("pairs")
   v_scale_smem=None,  # bf16 [stages, VG, block] ("separate")
@@ -559,19 +665,25 @@ def _folded_kernel(
   value_stats: str,
   row_max: str,
   value_operand: str,
+  key_bias_source: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
-  if row_max == "bound":
+  if key_bias_source == "kernel":
+    *value_stats_gmem, query_halves_gmem = value_stats_gmem
+  if row_max == "bound" and key_bias_source == "xla":
     *value_stats_gmem, references_gmem = value_stats_gmem
   if value_stats == "pairs":
     value_stats_rings = (v_stats_smem,)
   else:
     value_stats_rings = (v_scale_smem, v_min_smem)
-  lengths_barrier, queries_barrier, ring_barriers = barriers
+  lengths_barrier, queries_barrier, ring_barriers, *chunk_barriers = barriers
   block = plan.block_tokens
   head_dim, rows = queries_smem.shape
-  key_stack_smem, value_stack_smem = stacks_smem
+  if key_bias_source == "kernel" and row_max == "bound":
+    (key_stack_smem, value_stack_smem), *prologue_smem = stacks_smem
+  else:
+    key_stack_smem, value_stack_smem, *prologue_smem = stacks_smem
   key_groups = k_scale_smem.shape[1]
   value_groups = value_stats_rings[0].shape[1]
   slots = rows // real_rows  # value groups per value tile (`value_slots`)
@@ -585,11 +697,21 @@ def _folded_kernel(
 
   plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, lengths_barrier)
   plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
-  if row_max == "bound":  # lse_smem holds them until the loop; the output's lse comes after it
+  if row_max == "bound" and key_bias_source == "xla":
+    # lse_smem holds them until the loop; the output's lse comes after it
     plgpu.copy_gmem_to_smem(references_gmem.at[row, head, split], lse_smem, queries_barrier)
+  if key_bias_source == "kernel":
+    ((query_halves_smem, *k_min_tile),) = prologue_smem
+    # The k_min tile: the code tile where there is one (free until the loop's first staging).
+    (k_min_tile_smem,) = k_min_tile if k_min_tile else (codes_smem,)
+    plgpu.copy_gmem_to_smem(query_halves_gmem.at[row, head], query_halves_smem, queries_barrier)
   plgpu.barrier_wait(lengths_barrier)
   start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
-  ring = (k_words_smem, k_scale_smem, key_bias_smem, v_words_smem, *value_stats_rings)
+  if key_bias_source == "kernel":
+    key_bias_rings, key_bias_sources = (), ()
+  else:
+    key_bias_rings, key_bias_sources = (key_bias_smem,), (key_bias_gmem,)
+  ring = (k_words_smem, k_scale_smem, *key_bias_rings, v_words_smem, *value_stats_rings)
   if copy_issuer == "first_warp":  # one barrier per ring slot: each copy one arrival on it
     waited_barriers = (ring_barriers,)
     copy_barriers = waited_barriers * len(ring)
@@ -597,7 +719,7 @@ def _folded_kernel(
     waited_barriers = copy_barriers = ring_barriers
   fetch_copies = functools.partial(
     fetch_block,
-    (k_codes_gmem, k_scale_gmem, key_bias_gmem, v_codes_gmem, *value_stats_gmem),
+    (k_codes_gmem, k_scale_gmem, *key_bias_sources, v_codes_gmem, *value_stats_gmem),
     ring,
     copy_barriers,
     row=row,
@@ -606,6 +728,7 @@ def _folded_kernel(
     block=block,
     group_size=group_size,
     num_stages=num_stages,
+    group_streams=1 + len(key_bias_rings),
   )
 
   def fetch(i):
@@ -617,6 +740,24 @@ def _folded_kernel(
   for i in range(num_stages - 1):
     pl.when(i < num_blocks)(functools.partial(fetch, i))
   plgpu.barrier_wait(queries_barrier)
+  if key_bias_source == "kernel":
+    # After the ring's first copies are issued, so that they land while the bias (and with
+    # "bound" the split's references, into lse_smem until the loop) is computed.
+    split_key_statistics(
+      key_bias_gmem,
+      k_scale_gmem,
+      query_halves_smem,
+      k_min_tile_smem,
+      split_bias_smem,
+      lse_smem if row_max == "bound" else None,
+      chunk_barriers[0],
+      row=row,
+      head=head,
+      first_group=start // group_size,
+      groups_used=(end - start + group_size - 1) // group_size,
+      split_groups=split_key_groups(plan.split_tokens, group_size),
+      bits=bits,
+    )
   # Rounded to bf16 once, as the folded Triton kernel takes them: each Q' element is then one
   # packed bf16 product (HMUL2, the exact product rounded once), not an f32 product and a
   # conversion (KERNEL_NOTES v20: 1057 -> 1009 instructions per block, 4 registers fewer).
@@ -684,8 +825,12 @@ def _folded_kernel(
 
     def group_bias(groups):
       """The bias of key groups `groups` of this block, [len(groups) * rows]."""
+      if key_bias_source == "kernel":
+        biases = [split_bias_smem[i * key_groups + k, :] for k in groups]
+      else:
+        biases = [key_bias_smem[slot, k, :] for k in groups]
       return jnp.concatenate(
-        [plgpu.layout_cast(key_bias_smem[slot, k, :], plgpu.Layout.WGMMA.reduce(0)) for k in groups]
+        [plgpu.layout_cast(bias, plgpu.Layout.WGMMA.reduce(0)) for bias in biases]
       )
 
     def pick_group_scores(stacked, bias, first_group, num_groups, token_offset):
@@ -865,7 +1010,10 @@ def _folded_kernel(
     # registers (three programs per SM) where either alone takes 127-128 (four), sm_90a static
     # count (KERNEL_NOTES v33).
     reference = plgpu.layout_cast(lse_smem[...], plgpu.Layout.WGMMA.reduce(0))
-    exchange = lse_smem[0] == EXCHANGE
+    if key_bias_source == "kernel":  # the kernel's references are per row (`any_row_exchanges`)
+      exchange = any_row_exchanges(lse_smem)
+    else:  # XLA's are EXCHANGE in every row or none
+      exchange = lse_smem[0] == EXCHANGE
     start_max = lax.cond(exchange, lambda: initial_max, lambda: reference)
     step = lambda i, state: lax.cond(
       exchange, body, functools.partial(body, reference=reference), i, state
@@ -912,7 +1060,7 @@ def _folded_kernel(
     "group_size",
     "sm_scale",
     "block_tokens",
-    "num_splits",
+    "plan",
     "num_stages",
     *FOLDED_SETTINGS,
     "interpret",
@@ -932,7 +1080,7 @@ def _jitted_kernel_outputs(
   group_size,
   sm_scale,
   block_tokens,
-  num_splits,
+  plan: SplitPlan,
   num_stages,
   key_operand,
   operand_order,
@@ -943,6 +1091,7 @@ def _jitted_kernel_outputs(
   row_max,
   key_products,
   value_operand,
+  key_bias_source,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -950,7 +1099,6 @@ def _jitted_kernel_outputs(
   rows = tile_rows(group)
   real_rows, _ = value_slots(group)
   exponents = _Exponents.for_run(interpret)
-  plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, gpu_target_programs())
   # Padding rows repeat the real rows (row j is row j % real_rows), so every value slot's columns
   # hold real probabilities. A tile, not a gather: XLA fuses it into q . k_min's product, one
   # kernel fewer per call (v34, `benchmarks/xla_kernel_bytes.py`).
@@ -968,12 +1116,32 @@ def _jitted_kernel_outputs(
     value_statistics = (jnp.swapaxes(v_scale, 2, 3), jnp.swapaxes(v_min, 2, 3))
   lengths = padded_lengths(lengths)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
-  ring_slots = ring_slot_shapes(group, head_dim, bits, group_size, block_tokens, value_stats)
+  ring_slots = ring_slot_shapes(
+    group, head_dim, bits, group_size, block_tokens, value_stats, key_bias_source
+  )
   operand = functools.partial(swizzled_operand_transforms, dtype=jnp.bfloat16)
+  code_tile = needs_code_tile(key_operand, value_operand, interpret)
   stack_buffers = (  # Q', P'
     plgpu.SMEM((key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
     plgpu.SMEM((value_rows, block_tokens), jnp.bfloat16, transforms=operand(block_tokens)),
   )
+  kernel_bias_scratch, chunk_barriers = {}, ()
+  if key_bias_source == "kernel":
+    split_groups = split_key_groups(plan.split_tokens, group_size)
+    chunks = bias_chunks(split_groups, block_tokens)
+    # Read only before the loop: in the union with Q' and P', which the loop alone uses.
+    halves_rows = (4 if row_max == "bound" else 2) * rows
+    prologue = (plgpu.SMEM((halves_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),)
+    if not code_tile:
+      prologue += (
+        plgpu.SMEM((block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
+      )
+    # With "bound" Q' and P' take a buffer each, the prologue's buffers both their bytes.
+    stack_buffers = (stack_buffers, prologue) if row_max == "bound" else (*stack_buffers, prologue)
+    kernel_bias_scratch = dict(
+      split_bias_smem=plgpu.SMEM((chunks * block_tokens, rows), jnp.float32)
+    )
+    chunk_barriers = (plgpu.Barrier(num_barriers=chunks * copies_per_chunk(row_max == "bound")),)
   kernel = plgpu.kernel(
     functools.partial(
       _folded_kernel,
@@ -991,6 +1159,7 @@ def _jitted_kernel_outputs(
       value_stats=value_stats,
       row_max=row_max,
       value_operand=value_operand,
+      key_bias_source=key_bias_source,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
@@ -1018,20 +1187,31 @@ def _jitted_kernel_outputs(
             (block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim)
           )
         )
-        if needs_code_tile(key_operand, value_operand, interpret)
+        if code_tile
         else {}
       ),
-      stacks_smem=plgpu.RefUnion(*stack_buffers) if row_max == "exchange" else stack_buffers,
+      **kernel_bias_scratch,
+      stacks_smem=(
+        plgpu.RefUnion(*stack_buffers)
+        if row_max == "exchange" or key_bias_source == "kernel"
+        else stack_buffers
+      ),
       lse_smem=plgpu.SMEM((rows,), jnp.float32),
       barriers=(
         plgpu.Barrier(),
-        # the queries, and with row_max="bound" the split's softmax references
-        plgpu.Barrier(num_arrivals=2 if row_max == "bound" else 1),
+        # the queries; with row_max="bound" the split's softmax references, with
+        # key_bias_source="kernel" the query halves
+        plgpu.Barrier(
+          num_arrivals=1
+          + (row_max == "bound" and key_bias_source == "xla")
+          + (key_bias_source == "kernel")
+        ),
         (
           plgpu.Barrier(num_arrivals=len(ring_slots), num_barriers=num_stages)
           if copy_issuer == "first_warp"
           else tuple(plgpu.Barrier(num_barriers=num_stages) for _ in ring_slots)
         ),
+        *chunk_barriers,
       ),
     ),
     # The stores need none of the barriers Pallas would put around each of them: every tile a
@@ -1052,9 +1232,21 @@ def _jitted_kernel_outputs(
     ),
     interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
   )
-  bias = key_bias(scaled, k_min, key_products=key_products)  # [B, H, T / group_size, rows]
+  if key_bias_source == "kernel":
+    # A copy of a split's statistics takes up to a block's worth of key groups, which may be
+    # more than a short cache holds (a split of 8 groups over a 7-group cache): such a cache's
+    # statistics are padded (by less than a block's worth of groups).
+    short = max(kernel_k_min_rows(plan, group_size) - k_min.shape[2], 0)
+    padding = ((0, 0), (0, 0), (0, short), (0, 0))
+    bias = jnp.pad(k_min, padding)
+    if short and row_max == "bound":
+      k_scale = jnp.pad(k_scale, padding)
+    bias_queries = (query_halves(scaled, bounds=row_max == "bound"),)
+  else:
+    bias = key_bias(scaled, k_min, key_products=key_products)  # [B, H, T / group_size, rows]
+    bias_queries = ()
   references = ()
-  if row_max == "bound":
+  if row_max == "bound" and key_bias_source == "xla":
     references = (
       split_softmax_references(
         *key_score_bounds(scaled, k_scale, bias, bits=bits, key_products=key_products),
@@ -1065,7 +1257,25 @@ def _jitted_kernel_outputs(
       ),
     )
   return kernel(
-    lengths, code_queries, k_codes, k_scale, bias, v_codes, *value_statistics, *references
+    lengths,
+    code_queries,
+    k_codes,
+    k_scale,
+    bias,
+    v_codes,
+    *value_statistics,
+    *references,
+    *bias_queries,
+  )
+
+
+def kernel_k_min_rows(plan, group_size: int) -> int:
+  """The fewest key groups k_min must have for key_bias_source="kernel": its largest TMA box
+  (`key_bias_in_kernel.chunk_copy_groups`), which may reach past the cache's end."""
+  split_groups = split_key_groups(plan.split_tokens, group_size)
+  return max(
+    key_bias_in_kernel.chunk_copy_groups(split_groups, plan.block_tokens, c)
+    for c in range(bias_chunks(split_groups, plan.block_tokens))
   )
 
 
@@ -1150,6 +1360,7 @@ def folded_kernel_outputs(
   row_max: str = DEFAULT_ROW_MAX,
   key_products: str = DEFAULT_KEY_PRODUCT,
   value_operand: str = DEFAULT_VALUE_OPERAND,
+  key_bias_source: str = DEFAULT_KEY_BIAS_SOURCE,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (rows in operand positions, every value
@@ -1168,6 +1379,8 @@ def folded_kernel_outputs(
     block_tokens=block_tokens,
     operand_order=operand_order,
     value_operand=value_operand,
+    key_bias_source=key_bias_source,
+    num_splits=num_splits,
   )
   if reason is not None:
     raise ValueError(
@@ -1183,6 +1396,15 @@ def folded_kernel_outputs(
     row_max=row_max,
     key_products=key_products,
     value_operand=value_operand,
+    key_bias_source=key_bias_source,
+  )
+  plan = folded_split_plan(
+    queries,
+    k_codes,
+    block_tokens,
+    num_splits,
+    group_size=group_size,
+    key_bias_source=key_bias_source,
   )
   check_config(
     queries.shape[2],
@@ -1192,6 +1414,7 @@ def folded_kernel_outputs(
     block_tokens=block_tokens,
     num_stages=num_stages,
     num_splits=num_splits,
+    split_groups=split_key_groups(plan.split_tokens, group_size),
     **folded_settings,
   )
   return _jitted_kernel_outputs(
@@ -1207,7 +1430,7 @@ def folded_kernel_outputs(
     group_size=group_size,
     sm_scale=sm_scale,
     block_tokens=block_tokens,
-    num_splits=num_splits,
+    plan=plan,
     num_stages=num_stages,
     **folded_settings,
     interpret=interpret,

@@ -123,6 +123,8 @@ def mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, *, config: di
     block_tokens=config.get("block_tokens"),
     operand_order=config.get("operand_order"),
     value_operand=config.get("value_operand"),
+    key_bias_source=config.get("key_bias_source"),
+    num_splits=config.get("num_splits"),
     **segment,
   )
 

@@ -224,27 +224,39 @@ def _dequantize_chunk(words, bits, scale_of_field, minimum_of_field, dtype, vali
 
 
 def fetch_block(
-  sources, destinations, barriers, i, *, row, head, start, block, group_size, num_stages
+  sources,
+  destinations,
+  barriers,
+  i,
+  *,
+  row,
+  head,
+  start,
+  block,
+  group_size,
+  num_stages,
+  group_streams=2,
 ):
   """Starts the TMA copies of block i of this program's split into ring slot i % num_stages:
-  `sources` (k codes, k_scale, k_min, v codes, then one or more arrays of group-major value
-  statistics in global memory), their ring `destinations` and one barrier array per stream."""
+  `sources` (k codes, `group_streams` arrays per key group: k_scale, and k_min or the folded
+  kernel's key bias unless that kernel computes the bias itself; v codes, then one or more
+  arrays of group-major value statistics in global memory), their ring `destinations` and one
+  barrier array per stream."""
   slot = lax.rem(i, num_stages)
   first = start + i * block
   groups = destinations[1].shape[1]  # key groups per block
   token_box = pl.ds(first, block)
   group_box = pl.ds(first // group_size, groups)
-  statistics = destinations[4:]
+  statistics = destinations[2 + group_streams :]
   boxes = (
     (row, head, token_box),
-    (row, head, group_box),
-    (row, head, group_box),
+    *[(row, head, group_box)] * group_streams,
     (row, head, token_box),
     *[(row, head, slice(None), token_box)] * len(statistics),
   )
   # Rows each stream's box copies per block. A ring slot may hold more (the folded kernel pads
   # its key-bias slots to 128 bytes for TMA): the copy fills the slot's first rows.
-  box_rows = (block, groups, groups, block, *[ring.shape[1] for ring in statistics])
+  box_rows = (block, *[groups] * group_streams, block, *[ring.shape[1] for ring in statistics])
   streams = zip(sources, destinations, boxes, box_rows, barriers, strict=True)
   for source, destination, box, rows, barrier in streams:
     padded = destination.shape[1] > rows

@@ -45,9 +45,11 @@ def plan_splits(
   rows_times_heads: int,
   num_splits: int | None,
   target_programs: int,
+  blocks_multiple: int = 1,
 ) -> SplitPlan:
   """Splits `tokens` into `num_splits` ranges of whole blocks (None: enough to reach about
-  `target_programs` programs in all). Trailing empty splits are dropped."""
+  `target_programs` programs in all), each a multiple of `blocks_multiple` blocks (fewer splits
+  where that needs them). Trailing empty splits are dropped."""
   total_blocks = cdiv(tokens, block_tokens)
   if num_splits is None:
     num_splits = cdiv(target_programs, rows_times_heads)
@@ -55,7 +57,7 @@ def plan_splits(
     check_launch_settings({"num_splits": num_splits})
   # More splits than blocks would leave splits empty: one block each is the most there are.
   num_splits = max(1, min(int(num_splits), total_blocks))
-  blocks_per_split = cdiv(total_blocks, num_splits)
+  blocks_per_split = cdiv(cdiv(total_blocks, num_splits), blocks_multiple) * blocks_multiple
   num_splits = cdiv(total_blocks, blocks_per_split)
   return SplitPlan(block_tokens, num_splits, blocks_per_split)
 

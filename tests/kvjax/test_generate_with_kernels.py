@@ -126,6 +126,15 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       jnp.bfloat16,
     ),
     (
+      # The folded Mosaic GPU kernel computing q . k_min itself before its loop (KERNEL_NOTES
+      # v35), through the decode loop.
+      "kivi:bits=4,group_size=16,residual=16",
+      KernelSettings(
+        quantized={"lowering": "mosaic_gpu", "variant": "folded", "key_bias_source": "kernel"}
+      ),
+      jnp.bfloat16,
+    ),
+    (
       # 2 query heads per KV head: the folded kernel's stacked operands in 2 copies instead of
       # 2 padding query rows (KERNEL_NOTES v22).
       "kivi:bits=2,group_size=16,residual=16",
@@ -158,6 +167,7 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
         "row_max",
         "key_products",
         "value_operand",
+        "key_bias_source",
       )
       seen.append({k: v for k, v in kwargs.items() if k in recorded})
       return kernel(*args, **kwargs)

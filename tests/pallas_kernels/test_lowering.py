@@ -25,7 +25,10 @@ from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
 from pallas_kernels.quantized_decode_attention_tpu import quantized_decode_attention_tpu
 from pallas_kernels.quantized_decode_attention_triton import quantized_decode_attention_triton
 from pallas_kernels.random_inputs import random_quantized_segment
-from tests.pallas_kernels.test_quantized_decode_attention_folded_mosaic_gpu import V31_CANDIDATE
+from tests.pallas_kernels.test_quantized_decode_attention_folded_mosaic_gpu import (
+  V31_CANDIDATE,
+  V34_SETTINGS,
+)
 
 # Lowering the Triton kernels is exactly what jax's Pallas-Triton deprecation notice is about.
 pytestmark = pytest.mark.filterwarnings(
@@ -231,6 +234,46 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       dict(V31_CANDIDATE, value_stats="separate", row_max="bound", value_operand="registers"),
     ),
     ("folded", 4, 64, 4, 32, dict(block_tokens=128, num_stages=2, value_operand="registers")),
+    # v35: q . k_min computed by the kernel before its loop (a TMA copy into the code tile, one
+    # wgmma against the query halves, a store; the loop reads the split's bias at a dynamic
+    # row), with and without a code tile (both code operands from registers), group size 8
+    ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel")),
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(V34_SETTINGS, value_operand="registers", key_bias_source="kernel"),
+    ),
+    ("folded", 4, 64, 4, 8, dict(block_tokens=64, num_splits=1, key_bias_source="kernel")),
+    # two chunks of 64 key groups
+    (
+      "folded",
+      2,
+      128,
+      4,
+      8,
+      dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel", tokens=1024),
+    ),
+    # and the softmax references from the bounds (a second copy and product per chunk, a max
+    # over the groups across the warps, the branch chosen from every row's reference)
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel", row_max="bound"),
+    ),
+    (
+      "folded",
+      2,
+      128,
+      4,
+      8,
+      dict(V34_SETTINGS, key_bias_source="kernel", row_max="bound", tokens=1024),
+    ),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(
@@ -248,7 +291,7 @@ def test_mosaic_gpu_quantized_kernels_lower_for_sm90(
     np.random.default_rng(0),
     2,
     2,
-    256,
+    config.get("tokens", 256),
     head_dim,
     bits=bits,
     group_size=group_size,
@@ -258,7 +301,13 @@ def test_mosaic_gpu_quantized_kernels_lower_for_sm90(
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   text = _lower(
     lambda q, s, lens: function(
-      q, *s[:6], lens, bits=bits, group_size=group_size, sm_scale=0.1, **config
+      q,
+      *s[:6],
+      lens,
+      bits=bits,
+      group_size=group_size,
+      sm_scale=0.1,
+      **{key: value for key, value in config.items() if key != "tokens"},
     ),
     "cuda",
     queries,

@@ -9,6 +9,7 @@ every value statistic past a row's length and in every key group that starts pas
 buffer the kernel allocates starts as NaN.
 """
 
+import functools
 import itertools
 import math
 import re
@@ -39,10 +40,8 @@ from pallas_kernels.softmax_reference_bounds import (
   split_softmax_references,
 )
 from pallas_kernels.splits import (
-  gpu_target_programs,
   merge_split_partials,
   next_power_of_two,
-  plan_splits,
 )
 from pallas_kernels.subnormal_codes import code_exponent
 from pallas_kernels.word_operand_order import OPERAND_ORDERS
@@ -172,6 +171,40 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     # default's word order; with shared-memory key codes, 4-bit, head_dim 64, block 128
     (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=1, value_operand="registers")),
     (4, 64, 3, 16, 256, dict(num_splits=2, value_operand="registers")),
+    # q . k_min by the kernel before its loop (v35): with the Hopper default's settings over one
+    # split; two chunks of 64 key groups (group size 8, 72 groups: the second chunk a partial
+    # copy); 4-bit at head_dim 64 where the planner must lengthen the splits to whole 8-group
+    # tiles (2 asked, 1 given); with register value codes (no code tile natively)
+    (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel")),
+    (2, 128, 4, 8, 576, dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel")),
+    (4, 64, 3, 16, 192, dict(block_tokens=64, num_splits=2, key_bias_source="kernel")),
+    (
+      2,
+      128,
+      4,
+      32,
+      224,
+      dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel", value_operand="registers"),
+    ),
+    # and the fixed softmax references from the bounds, by the kernel too (v35): one split;
+    # two chunks; at head_dim 64 with 4-bit codes and the channel order
+    (
+      2,
+      128,
+      4,
+      32,
+      224,
+      dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel", row_max="bound"),
+    ),
+    (2, 128, 4, 8, 576, dict(V34_SETTINGS, key_bias_source="kernel", row_max="bound")),
+    (
+      4,
+      64,
+      3,
+      16,
+      192,
+      dict(block_tokens=64, num_splits=2, key_bias_source="kernel", row_max="bound"),
+    ),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -251,13 +284,15 @@ def _kivi2_inputs(seed):
   )
 
 
-def test_bound_row_max_runs_the_exact_softmax_where_the_bounds_are_loose():
+@pytest.mark.parametrize("key_bias_source", ["xla", "kernel"])
+def test_bound_row_max_runs_the_exact_softmax_where_the_bounds_are_loose(key_bias_source):
   """row_max="bound": in one KV head of one row a key channel's scale is large while its codes
   are all 0, so its bounds are 150 (base 2) wider than its scores: a reference from them would
   sit far enough above the true max that every p underflows (the split would look empty). Those
   programs run the exact online softmax; the others keep their fixed reference; all match the
-  jnp reference."""
-  head_dim, group, bits, group_size, tokens = 128, 4, 2, 32, 224
+  jnp reference. With key_bias_source="kernel" each program computes its references itself
+  (their agreement with XLA's: test_key_bias_in_kernel.py)."""
+  head_dim, group, bits, group_size = 128, 4, 2, 32
   arrays, clean = _kivi2_inputs(33)
   queries, k_codes, k_scale = arrays[:3]
   channel = 5
@@ -269,10 +304,12 @@ def test_bound_row_max_runs_the_exact_softmax_where_the_bounds_are_loose():
   clean = (queries, k_codes, loose(clean[2]), *clean[3:])
   quantization = dict(bits=bits, group_size=group_size)
   sm_scale = head_dim**-0.5
-  config = dict(V30_SETTINGS, num_splits=2, row_max="bound")
+  config = dict(V30_SETTINGS, num_splits=2, row_max="bound", key_bias_source=key_bias_source)
 
   scaled = base_two_queries(queries, sm_scale)
-  plan = plan_splits(tokens, config["block_tokens"], 3 * 2, 2, gpu_target_programs())
+  plan = folded.folded_split_plan(
+    queries, k_codes, config["block_tokens"], 2, group_size=32, key_bias_source=key_bias_source
+  )
   references = split_softmax_references(
     *key_score_bounds(scaled, arrays[2], key_bias(scaled, arrays[3]), bits=bits),
     arrays[7],
@@ -487,6 +524,83 @@ def test_folded_unsupported_segments_are_refused(segment, config, match):
     folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **config)
 
 
+@pytest.mark.parametrize("row_max", ["exchange", "bound"])
+def test_kernel_key_bias_refuses_a_setting_for_xlas_products(row_max):
+  arrays, quantization = _zeros_segment()
+  config = dict(key_bias_source="kernel", key_products="reduction", row_max=row_max)
+  match = r"key_products='reduction' sets how XLA computes the key products; with key_bias_sou"
+  with pytest.raises(ValueError, match=match):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **config)
+  with pytest.raises(ValueError, match=match):
+    quantized_decode_attention_gpu.check_config(
+      {"lowering": "mosaic_gpu", "variant": "folded", **config}
+    )
+
+
+def test_kernel_key_bias_refuses_splits_longer_than_its_buffer():
+  """264 key groups in one split (132 blocks of 64 tokens), more than the 256 the bias buffer
+  holds: refused with the reason (the dispatch then falls back), and two splits take it."""
+  arrays, quantization = _zeros_segment(tokens=132 * 64, group_size=32)
+  config = dict(key_bias_source="kernel", block_tokens=64, num_splits=1)
+  match = r"key_bias_source='kernel' with 8448-token splits: 264 key groups per split, more than"
+  reason = folded.unsupported_reason(
+    arrays[0], arrays[1], arrays[2], arrays[5], **quantization, **config
+  )
+  assert reason is not None and re.search(match, reason), reason
+  with pytest.raises(ValueError, match=match):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **config)
+  two_splits = dict(config, num_splits=2)
+  assert (
+    folded.unsupported_reason(
+      arrays[0], arrays[1], arrays[2], arrays[5], **quantization, **two_splits
+    )
+    is None
+  )
+
+
+def test_kernel_key_bias_agrees_with_xlas_f32_bias():
+  """The kernel's bias (bf16 query halves on the tensor core) against XLA's f32 einsum, the same
+  kernel otherwise: far tighter than the reference tolerance, so that a lost low half (2^-9
+  relative error in the bias instead of 2^-17) shows."""
+  arrays, _ = _kivi2_inputs(11)
+  # minimums far from zero, so that the bias carries most of each score
+  k_min = arrays[3].astype(jnp.float32)
+  arrays = (*arrays[:3], (k_min + 4.0 * jnp.sign(k_min)).astype(jnp.bfloat16), *arrays[4:])
+  run = functools.partial(
+    folded.folded_partials_mosaic_gpu,
+    *arrays,
+    bits=2,
+    group_size=32,
+    sm_scale=128**-0.5,
+    interpret=triton_interpret(),
+    **dict(V34_SETTINGS, num_splits=1),
+  )
+  (out_xla, lse_xla), (out_kernel, lse_kernel) = (
+    run(key_bias_source=source) for source in ("xla", "kernel")
+  )
+  finite = np.isfinite(np.asarray(lse_xla))
+  assert finite.any()
+  np.testing.assert_allclose(
+    np.asarray(lse_kernel)[finite], np.asarray(lse_xla)[finite], rtol=0, atol=2e-4
+  )
+  np.testing.assert_allclose(
+    np.asarray(out_kernel), np.asarray(out_xla), rtol=0, atol=2e-4 * float(jnp.abs(out_xla).max())
+  )
+
+
+def test_kernel_key_bias_plans_splits_of_whole_eight_group_tiles():
+  """The planner lengthens splits for key_bias_source="kernel" (block 64, group 32: two groups
+  per block, so splits of a multiple of four blocks), and the kernel's partials come out with
+  the plan's split count."""
+  arrays, quantization = _zeros_segment(tokens=1024, group_size=32)
+  for source, splits in (("xla", 8), ("kernel", 4)):
+    plan = folded.folded_split_plan(
+      arrays[0], arrays[1], 64, 8, group_size=32, key_bias_source=source
+    )
+    assert plan.num_splits == splits
+    assert (plan.split_tokens // 32) % 8 == 0 or source == "xla"
+
+
 def test_folded_refuses_non_bf16_statistics():
   arrays, quantization = _zeros_segment()
   arrays = tuple(a.astype(jnp.float16) if a.dtype == jnp.bfloat16 else a for a in arrays)
@@ -512,6 +626,7 @@ def test_bad_mosaic_gpu_variant_is_named():
     ("row_max", "max"),
     ("key_products", "dot"),
     ("value_operand", "regs"),
+    ("key_bias_source", "smem"),
   ],
 )
 def test_a_bad_setting_is_named_before_tracing(name, value):
@@ -529,6 +644,7 @@ def test_a_bad_setting_is_named_before_tracing(name, value):
     ("row_max", "bounds"),
     ("key_products", "reduce"),
     ("value_operand", "register"),
+    ("key_bias_source", "in_kernel"),
   ],
 )
 def test_a_bad_setting_is_named_by_the_dispatch(name, value):
