@@ -95,9 +95,10 @@ q . k_min for its split's key groups itself, before its loop: one TMA copy of th
 minimums into the code tile and one wgmma against the queries split into two bf16 halves per
 64 key groups, into a [split groups, rows] f32 buffer the loop reads instead of a key-bias ring
 slot (`key_bias_in_kernel`). XLA's GEMM fusion and the 2 MB of bias it wrote go; the kernel
-reads k_min's 17 MB instead. The planner makes each split a multiple of 8 key groups for it
-(the copy into the swizzled tile starts on a whole tile). Only with row_max="exchange": the
-bounds of "bound" need the bias before the kernel.
+reads k_min's 17 MB instead. With row_max="bound" the program computes its split's softmax
+references too (a second copy, of k_scale, and product per chunk, and the bounds' maxima across
+the warps), so that XLA computes no product for the kernel at all. The planner makes each split
+a multiple of 8 key groups for it (the copy into the swizzled tile starts on a whole tile).
 
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
@@ -258,7 +259,7 @@ ROW_MAXES = ("exchange", "bound")
 DEFAULT_ROW_MAX = "exchange"
 # Where q . k_min per key group is computed (`key_bias_in_kernel`): by XLA before the kernel, the
 # bias read per block through the ring ("xla", v19 on), or by each program before its loop on the
-# tensor core ("kernel", v35).
+# tensor core ("kernel", v35; with row_max="bound" the softmax references too).
 # This kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
 FOLDED_SETTINGS = (
   "key_operand",

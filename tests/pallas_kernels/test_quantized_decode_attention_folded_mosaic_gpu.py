@@ -417,6 +417,26 @@ def test_bound_row_max_gives_q_and_p_a_buffer_each(block_tokens, num_stages, ext
     assert 4 * bound <= 227 * 1024 - 4 * 1024  # what an SM gives, less 1 KB per program
 
 
+@pytest.mark.parametrize(
+  "row_max,code_tile,extra",
+  [("exchange", True, 1024), ("exchange", False, 1024), ("bound", True, 3072)],
+)
+def test_kernel_key_bias_memory_keeps_four_programs_per_sm(row_max, code_tile, extra):
+  """key_bias_source="kernel" at the v34 default's shapes of record (KIVI-2, a 32-group split
+  at 32k): no key-bias ring slot (1 KB aligned), the split's bias (2 KB: one 64-group chunk x
+  8 rows), and the query halves (4 or, with "bound", 8 KB) and, without a code tile, the k_min
+  tile (16 KB) in the union with Q' and P'. Four programs per SM every way: an SM's 228 KB
+  less 1 KB per program (this count is an upper bound; "bound" compiles to 55 KB, sm_90a
+  static count, `results/mosaic_static_cost_v35.json`)."""
+  ring = folded.ring_slot_shapes(4, 128, 2, 32, 64, "separate", key_bias_source="kernel")
+  assert "key_bias_smem" not in ring and len(ring) == 5
+  shapes = (4, 128, 2, 32, 64, 4, "separate", row_max, code_tile)
+  xla = folded.shared_memory_bytes(*shapes)
+  kernel = folded.shared_memory_bytes(*shapes, key_bias_source="kernel", split_groups=32)
+  assert kernel - xla == extra + (0 if code_tile else 16384)
+  assert 4 * (kernel + 1024) <= 228 * 1024
+
+
 @pytest.mark.parametrize("operand_order", OPERAND_ORDERS)
 def test_register_value_codes_put_the_output_rows_in_channel_order(operand_order):
   """`value_operand_registers` builds the value product's rows in channel order whatever the
