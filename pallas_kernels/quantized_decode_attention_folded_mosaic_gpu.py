@@ -484,6 +484,21 @@ def needs_code_tile(key_operand: str, value_operand: str, emulate: bool) -> bool
   return emulate or "shared_memory" in (key_operand, value_operand)
 
 
+def needs_block_start_barrier(
+  key_operand: str, value_operand: str, row_max: str, emulate: bool
+) -> bool:
+  """Whether each block starts with a barrier (`commit_smem`) before it writes shared memory.
+
+  It guards what the previous block's value product read: the code tile, and P' where Q' and P'
+  share a buffer (row_max="exchange"), since the next block's staged codes and Q' overwrite
+  them and each warp has waited only for its own share of the product. With no code tile (both
+  code operands from registers) and Q' and P' in buffers of their own ("bound"), nothing needs
+  it: Q' was last read by the previous block's key product, which every warp waited for before
+  that block's barrier after P' (v35: the fixed arm's barriers per block 3 -> 2). The ring needs
+  none either way: a slot's last reads (codes and statistics) come before that barrier too."""
+  return needs_code_tile(key_operand, value_operand, emulate) or row_max == "exchange"
+
+
 def check_folded_settings(
   *,
   key_operand=DEFAULT_KEY_OPERAND,
@@ -695,6 +710,7 @@ def _folded_kernel(
   # The order of the value product's rows, the accumulator's: register value codes are built in
   # channel order whatever order the key side takes (`value_operand_registers`).
   value_order = value_output_order(operand_order, value_operand)
+  block_start_barrier = needs_block_start_barrier(key_operand, value_operand, row_max, emulate)
 
   plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, lengths_barrier)
   plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
@@ -803,9 +819,11 @@ def _folded_kernel(
       emulate=emulate,
       operand_order=operand_order,
     )
-    # The code tile was last read by the previous block's value product: each warp has waited
-    # for it, but the tile is overwritten only once all four have.
-    plgpu.commit_smem()
+    if block_start_barrier:
+      # The code tile (and, with Q' and P' in one buffer, P') was last read by the previous
+      # block's value product: each warp has waited for it, but the tile is overwritten only
+      # once all four have.
+      plgpu.commit_smem()
     if key_operand == "registers":
       key_chunks = _staged_chunks(
         k_words_smem, slot=slot, bits=bits, emulate=emulate, operand_order=operand_order

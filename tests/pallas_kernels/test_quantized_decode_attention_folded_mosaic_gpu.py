@@ -205,6 +205,30 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       192,
       dict(block_tokens=64, num_splits=2, key_bias_source="kernel", row_max="bound"),
     ),
+    # both code operands from registers with "bound": no barrier at a block's start natively
+    # (v35), with XLA's references and with the kernel's
+    (
+      2,
+      128,
+      4,
+      32,
+      224,
+      dict(V34_SETTINGS, num_splits=1, row_max="bound", value_operand="registers"),
+    ),
+    (
+      2,
+      128,
+      4,
+      32,
+      224,
+      dict(
+        V34_SETTINGS,
+        num_splits=1,
+        row_max="bound",
+        value_operand="registers",
+        key_bias_source="kernel",
+      ),
+    ),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -435,6 +459,19 @@ def test_kernel_key_bias_memory_keeps_four_programs_per_sm(row_max, code_tile, e
   kernel = folded.shared_memory_bytes(*shapes, key_bias_source="kernel", split_groups=32)
   assert kernel - xla == extra + (0 if code_tile else 16384)
   assert 4 * (kernel + 1024) <= 228 * 1024
+
+
+def test_only_register_operands_with_separate_stacks_skip_the_block_start_barrier():
+  """The barrier at a block's start guards the code tile and a P' that shares Q''s buffer: it
+  goes only natively, with both code operands from registers and row_max="bound"."""
+  skipped = [
+    settings
+    for settings in itertools.product(
+      folded.KEY_OPERANDS, folded.VALUE_OPERANDS, folded.ROW_MAXES, (False, True)
+    )
+    if not folded.needs_block_start_barrier(*settings)
+  ]
+  assert skipped == [("registers", "registers", "bound", False)]
 
 
 @pytest.mark.parametrize("operand_order", OPERAND_ORDERS)
