@@ -75,10 +75,11 @@ stack_copies_configs='[{"variant": "folded"}, {"stack_copies": true}, {"stack_co
 # v30's steps share these: the folded Mosaic test file natively (its log to $1), Nsight Compute
 # on one folded Mosaic config (the report in /tmp: at most 8 files come back from $OUT), and a
 # sweep per shape of the configs given ("context heads bits" lines; 1 head adds stack copies).
-native_folded_tests() {
+native_folded_tests() {  # every case, slow ones included: natively they compile in seconds
   timeout --signal=INT "${NATIVE_TESTS_SECONDS:-100}" env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 \
-    "$python" -m pytest -q -n 8 -p no:cacheprovider \
-    tests/pallas_kernels/test_quantized_decode_attention_folded_mosaic_gpu.py 2>&1 | tee "$1"
+    "$python" -m pytest -q -n 8 -p no:cacheprovider -m "slow or not slow" \
+    tests/pallas_kernels/test_quantized_decode_attention_folded_mosaic_gpu.py \
+    tests/pallas_kernels/test_key_bias_in_kernel.py 2>&1 | tee "$1"
 }
 ncu_folded_mosaic() {
   local report=/tmp/mosaic_kernel

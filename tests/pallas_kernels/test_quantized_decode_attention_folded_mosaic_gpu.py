@@ -174,17 +174,27 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     # q . k_min by the kernel before its loop (v35): with the Hopper default's settings over one
     # split; two chunks of 64 key groups (group size 8, 72 groups: the second chunk a partial
     # copy); 4-bit at head_dim 64 where the planner must lengthen the splits to whole 8-group
-    # tiles (2 asked, 1 given); with register value codes (no code tile natively)
+    # tiles (2 asked, 1 given); with register value codes (no code tile natively). Slow ones:
+    # the prologue's two chunks run alone in test_key_bias_in_kernel.py.
     (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel")),
-    (2, 128, 4, 8, 576, dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel")),
+    pytest.param(
+      2,
+      128,
+      4,
+      8,
+      576,
+      dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel"),
+      marks=pytest.mark.slow,
+    ),
     (4, 64, 3, 16, 192, dict(block_tokens=64, num_splits=2, key_bias_source="kernel")),
-    (
+    pytest.param(
       2,
       128,
       4,
       32,
       224,
       dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel", value_operand="registers"),
+      marks=pytest.mark.slow,
     ),
     # and the fixed softmax references from the bounds, by the kernel too (v35): one split;
     # two chunks; at head_dim 64 with 4-bit codes and the channel order
@@ -196,24 +206,34 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       224,
       dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel", row_max="bound"),
     ),
-    (2, 128, 4, 8, 576, dict(V34_SETTINGS, key_bias_source="kernel", row_max="bound")),
-    (
+    pytest.param(
+      2,
+      128,
+      4,
+      8,
+      576,
+      dict(V34_SETTINGS, key_bias_source="kernel", row_max="bound"),
+      marks=pytest.mark.slow,
+    ),
+    pytest.param(
       4,
       64,
       3,
       16,
       192,
       dict(block_tokens=64, num_splits=2, key_bias_source="kernel", row_max="bound"),
+      marks=pytest.mark.slow,
     ),
     # both code operands from registers with "bound": no barrier at a block's start natively
     # (v35), with XLA's references and with the kernel's
-    (
+    pytest.param(
       2,
       128,
       4,
       32,
       224,
       dict(V34_SETTINGS, num_splits=1, row_max="bound", value_operand="registers"),
+      marks=pytest.mark.slow,
     ),
     (
       2,
