@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.softmax_reference_bounds import EXCHANGE, HEADROOM, UNDERFLOW_MARGIN
+from pallas_kernels.splits import cdiv
 
 KEY_BIAS_SOURCES = ("xla", "kernel")
 DEFAULT_KEY_BIAS_SOURCE = "xla"
@@ -62,12 +63,12 @@ def split_blocks_multiple(block_tokens: int, group_size: int) -> int:
 
 def split_key_groups(split_tokens: int, group_size: int) -> int:
   """Key groups of one split (the bias buffer's rows before padding to whole chunks)."""
-  return -(-split_tokens // group_size)
+  return cdiv(split_tokens, group_size)
 
 
 def bias_chunks(split_groups: int, chunk_groups: int) -> int:
   """Products (and copies of k_min) per program: one per `chunk_groups` key groups."""
-  return -(-split_groups // chunk_groups)
+  return cdiv(split_groups, chunk_groups)
 
 
 def chunk_copy_groups(split_groups: int, chunk_groups: int, chunk: int) -> int:

@@ -173,6 +173,7 @@ from pallas_kernels.softmax_reference_bounds import (
 )
 from pallas_kernels.splits import (
   SplitPlan,
+  cdiv,
   gpu_target_programs,
   merge_split_partials,
   next_power_of_two,
@@ -451,16 +452,15 @@ def shared_memory_bytes(
   stack_bytes = (key_rows * head_dim * 2, value_rows * block_tokens * 2)  # Q', P'
   barriers = 2 + len(ring) * num_stages  # one per ring buffer and stage, at most
   if key_bias_source == "kernel":
-    align = functools.partial(_aligned, alignment=_SHARED_MEMORY_ALIGNMENT)
     bound = row_max == "bound"
-    prologue = align((4 if bound else 2) * rows * head_dim * 2)  # the query halves
+    prologue = _aligned((4 if bound else 2) * rows * head_dim * 2)  # the query halves
     if not code_tile:  # the statistics' tile
       prologue += block_tokens * head_dim * 2
     chunks = bias_chunks(split_groups, block_tokens)
     buffers.append(chunks * block_tokens * rows * 4)  # the split's bias
     barriers += chunks * copies_per_chunk(bound)
     # Q' and P' (side by side with "bound") in a union with the prologue's buffers
-    buffers.append(max(sum(map(align, stack_bytes)) if bound else max(stack_bytes), prologue))
+    buffers.append(max(sum(map(_aligned, stack_bytes)) if bound else max(stack_bytes), prologue))
   elif row_max == "bound":
     buffers += list(stack_bytes)
   else:
@@ -470,11 +470,12 @@ def shared_memory_bytes(
     8 * barriers,
     REDUCTION_SCRATCH_BYTES,
   ]
-  return sum(-(-size // _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT for size in buffers)
+  return sum(map(_aligned, buffers))
 
 
-def _aligned(size: int, alignment: int) -> int:
-  return -(-size // alignment) * alignment
+def _aligned(size: int) -> int:
+  """`size` rounded up to the alignment Pallas gives each shared-memory buffer."""
+  return cdiv(size, _SHARED_MEMORY_ALIGNMENT) * _SHARED_MEMORY_ALIGNMENT
 
 
 def needs_code_tile(key_operand: str, value_operand: str, emulate: bool) -> bool:
@@ -657,7 +658,7 @@ def _folded_kernel(
   k_scale_smem,  # [stages, KG, D]
   v_words_smem,
   # bf16 Q' [KG * rows, D] and P' [VG * rows, block] in one buffer; with key_bias_source="kernel"
-  # the query halves [2 * rows, D] (and the k_min tile [block, D] without a code tile) too
+  # the query halves [2 or 4 * rows, D] (and the k_min tile [block, D] without a code tile) too
   stacks_smem,
   lse_smem,
   barriers,
@@ -1289,13 +1290,11 @@ def _jitted_kernel_outputs(
 
 
 def kernel_k_min_rows(plan, group_size: int) -> int:
-  """The fewest key groups k_min must have for key_bias_source="kernel": its largest TMA box
-  (`key_bias_in_kernel.chunk_copy_groups`), which may reach past the cache's end."""
+  """The fewest key groups k_min must have for key_bias_source="kernel": its largest TMA box,
+  the first chunk's (`key_bias_in_kernel.chunk_copy_groups`), which may reach past the cache's
+  end."""
   split_groups = split_key_groups(plan.split_tokens, group_size)
-  return max(
-    key_bias_in_kernel.chunk_copy_groups(split_groups, plan.block_tokens, c)
-    for c in range(bias_chunks(split_groups, plan.block_tokens))
-  )
+  return key_bias_in_kernel.chunk_copy_groups(split_groups, plan.block_tokens, 0)
 
 
 def group_major_value_stat_pairs(v_scale: jax.Array, v_min: jax.Array) -> jax.Array:
