@@ -33,8 +33,10 @@ $MOSAIC_GPU_CUDA_ROOT/nvvm/libdevice (default root /usr/local/cuda). cuobjdump i
 values past a row's length, which runs only in a split's last block.)
 
 The loop count includes the instructions only the first warp runs (the folded kernel's copies
-with `copy_issuer="first_warp"`); the "first warp only" column counts them, and the issue floor
-and instructions per element take the mean over the four warps.
+with `copy_issuer="first_warp"`); the "first warp only" column counts them. Each warp's own path
+through the body (`triton_static_cost.warp_path_lengths`: the branches on the warp index taken as
+that warp takes them) gives the "slowest warp" column, what the block's barriers wait for, and
+the mean the issue floor and instructions per element use.
 """
 
 import argparse
@@ -254,6 +256,7 @@ def main():
     for label, file_name, call, tokens_per_iteration, arms in cases:
       ptx, resources = ptx_of(*call, device)
       sass, usage = sass_of(ptx, workdir, file_name)
+      paths = [None]
       if arms != (None,):  # the arm with the row max's FMNMX is the exchange's
         paths = triton_static_cost.branch_paths(
           triton_static_cost.main_loop(triton_static_cost.parse_sass(sass))
@@ -271,6 +274,12 @@ def main():
         if arm is not None:
           row_max = any(opcode.startswith("FMNMX") for _, opcode, _ in paths[arm])
           cost.name += " [exchange arm]" if row_max else " [fixed arm]"
+        try:
+          cost.warp_instructions = triton_static_cost.warp_path_lengths(
+            sass, paths[arm or 0], warps=cost.warps
+          )
+        except ValueError as unknown:  # the mean then counts every warp's branches (an upper bound)
+          print(f"{cost.name}: no per-warp count ({unknown})", file=sys.stderr)
         shared = re.search(r"smem_scratch_bytes=(\d+)", resources)
         cost.shared_bytes = int(shared.group(1)) if shared else -1
         floors = cost.floors_us(programs_tokens=programs_tokens)
@@ -279,13 +288,15 @@ def main():
 
   print(
     "| kernel | regs | shared KB | programs/SM | instr/iter/warp | first warp only "
-    "| tokens/iter | thread instr/elem | barriers/iter | wgmma shadows | issue floor us |"
+    "| slowest warp | tokens/iter | thread instr/elem | barriers/iter | wgmma shadows "
+    "| issue floor us |"
   )
-  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for cost, floors in rows:
     print(
       f"| {cost.name} | {cost.registers} | {cost.shared_bytes / 1024:.0f} "
       f"| {floors['programs_per_sm']} | {cost.instructions} | {cost.first_warp_only} "
+      f"| {max(cost.warp_instructions) if cost.warp_instructions else '?'} "
       f"| {cost.tokens_per_iteration} | {cost.per_element(shape['head_dim']):.1f} "
       f"| {cost.barriers} | {' / '.join(map(str, cost.wgmma_shadows))} "
       f"| {floors['issue_us']:.0f} |"

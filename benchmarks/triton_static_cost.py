@@ -123,6 +123,87 @@ def first_warp_only(loop) -> int:
   return len(skipped)
 
 
+GUARDED_SASS_LINE = re.compile(
+  r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@(!?)(U?P\w+)\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);"
+)
+# Where Mosaic GPU's `plgpu.warp_map` code reads and tests the warp index in SASS: the index is
+# broadcast with a shuffle, masked to its low two bits, and compared with a constant.
+_WARP_SHUFFLE = re.compile(r"^\s*PT, (R\d+), R\d+, RZ, 0x1f")
+_WARP_MASK = re.compile(r"^\s*(R\d+|P\d+), (?:RZ, )?(R\d+), 0x3, RZ, 0xc0")
+_WARP_COMPARE = re.compile(r"^\s*(P\d+), PT, (R\d+)(?:\.reuse)?, 0x([0-9a-f]+), PT")
+_PREDICATE_WRITE = re.compile(r"^\s*(P\d+),")
+
+
+def parse_guarded_sass(text: str) -> dict[int, tuple[tuple[bool, str] | None, str, str]]:
+  """{address: (guard, opcode, operands)}: guard (negated, predicate) of a predicated
+  instruction (`@!P0 BRA ...`), None for one that always runs."""
+  instructions = {}
+  for line in text.splitlines():
+    match = GUARDED_SASS_LINE.match(line)
+    if match:
+      address, negated, predicate, opcode, operands = match.groups()
+      guard = (negated == "!", predicate) if predicate else None
+      instructions[int(address, 16)] = (guard, opcode, operands)
+  return instructions
+
+
+def warp_path_lengths(sass: str, path=None, warps: int = 4) -> list[int]:
+  """Instructions each warp of a warpgroup issues per loop iteration: the loop body (or `path`,
+  one arm of it as `branch_paths` gives) walked once per warp index, with branches on the warp
+  index (`plgpu.warp_map`'s tests) resolved for that warp and every other conditional branch
+  on its steady-state side: not taken (the next block's fetch runs, barrier waits succeed at
+  once), unless only its target is on `path`. ValueError if a path meets an indirect branch
+  (BRX: ptxas may turn a switch on the warp index into a jump table, whose targets the
+  listing does not give)."""
+  guarded = parse_guarded_sass(sass)
+  path = path if path is not None else main_loop(parse_sass(sass))
+  addresses = [address for address, _, _ in path]
+  on_path = set(addresses)
+  following = dict(zip(addresses, addresses[1:]))
+  lengths = []
+  for warp in range(warps):
+    registers, predicates = {}, {}  # what is known of this warp's index in registers
+    address, count = addresses[0], 0
+    while address is not None:
+      guard, opcode, operands = guarded[address]
+      count += 1
+      if address == addresses[-1]:  # the loop's backward branch
+        break
+      if opcode.startswith("BRX"):
+        raise ValueError(f"an indirect branch at {address:#x}: its targets are not in the SASS")
+      written = _PREDICATE_WRITE.match(operands)
+      if written:
+        predicates.pop(written.group(1), None)
+      if opcode.startswith("SHFL.IDX") and (shuffle := _WARP_SHUFFLE.match(operands)):
+        registers[shuffle.group(1)] = warp
+      elif opcode.startswith("LOP3") and (mask := _WARP_MASK.match(operands)):
+        destination, source = mask.groups()
+        if source in registers:
+          value = registers[source] & 3
+          if destination.startswith("P"):
+            predicates[destination] = value != 0
+          else:
+            registers[destination] = value
+      elif opcode.startswith("ISETP") and (compare := _WARP_COMPARE.match(operands)):
+        destination, source, constant = compare.groups()
+        if source in registers and (".NE." in opcode or ".EQ." in opcode):
+          equal = registers[source] == int(constant, 16)
+          predicates[destination] = equal if ".EQ." in opcode else not equal
+      target = branch_target(opcode, operands)
+      if target is None:
+        address = following.get(address)
+        continue
+      if guard is None:
+        taken = True
+      elif guard[1] in predicates:
+        taken = predicates[guard[1]] != guard[0]
+      else:
+        taken = target in on_path and following.get(address) not in on_path
+      address = target if taken and target in on_path else following.get(address)
+    lengths.append(count)
+  return lengths
+
+
 def main_loop(instructions) -> list[tuple[int, str, str]]:
   """(address, opcode, operands) of `main_loop_instructions`'s region."""
   exit_address = min(
@@ -196,10 +277,14 @@ class LoopCost:
   wgmma_shadows: list  # `wgmma_shadows`: instructions issued while each warpgroup MMA runs
   # of `instructions`, those only the first warp runs (`first_warp_only`)
   first_warp_only: int = 0
+  # what each warp issues per iteration, where warps take different paths (`warp_path_lengths`)
+  warp_instructions: list | None = None
 
   @property
   def mean_instructions(self) -> float:
     """Warp instructions per iteration, averaged over the warps (the first warp may run more)."""
+    if self.warp_instructions:
+      return sum(self.warp_instructions) / len(self.warp_instructions)
     return self.instructions - self.first_warp_only * (self.warps - 1) / self.warps
 
   def per_element(self, head_dim: int) -> float:
@@ -437,6 +522,44 @@ def kernel_cases(args):
   return cases
 
 
+def split_merge_cost(word_order_bits, *, tokens: int, workdir: str) -> dict:
+  """Static cost of the split-merge kernel (`split_merge_triton`, no loop: the whole kernel) at
+  the shape of record, 32 splits: instructions by opcode, registers, global loads by width."""
+  import jax
+  import jax.numpy as jnp
+
+  from pallas_kernels import split_merge_triton
+  from pallas_kernels.splits import gpu_target_programs, plan_splits
+
+  batch, heads, group, head_dim, rows = 8, 8, 4, 128, 8
+  splits = plan_splits(tokens, 64, batch * heads, None, gpu_target_programs()).num_splits
+  arguments = (
+    jax.ShapeDtypeStruct((batch, heads, splits, head_dim, rows), jnp.float32),
+    jax.ShapeDtypeStruct((batch, heads, splits, rows), jnp.float32),
+  )
+  [ttir] = capture_triton_ir(
+    lambda out, lse: split_merge_triton.merge_value_slot_partials_triton(
+      out, lse, group=group, group_size=32, real_rows=4, word_order_bits=word_order_bits
+    ),
+    *arguments,
+  )
+  sass, usage, _ = compile_sm90(
+    ttir, num_warps=split_merge_triton.NUM_WARPS, num_stages=1, workdir=workdir, name="merge"
+  )
+  instructions = parse_sass(sass)
+  opcodes = {}
+  for _, opcode, _ in instructions:
+    opcodes[opcode] = opcodes.get(opcode, 0) + 1
+  registers = re.search(r"REG:(\d+)", usage)
+  return {
+    "name": f"split merge, {splits} splits, word_order_bits={word_order_bits}",
+    "instructions": len(instructions),
+    "registers": int(registers.group(1)) if registers else -1,
+    "global_loads": {op: n for op, n in sorted(opcodes.items()) if op.startswith("LDG")},
+    "opcodes": dict(sorted(opcodes.items(), key=lambda item: -item[1])),
+  }
+
+
 def main():
   from kvjax.gear_cache import Gear
 
@@ -473,12 +596,30 @@ def main():
     default=[],
     help="VARIANT=JSON kernel settings, repeatable, e.g. 'joined={\"block_tokens\": 128}'",
   )
+  parser.add_argument(
+    "--split-merge",
+    action="store_true",
+    help="the split-merge kernel instead (split_merge_triton; channel and word order)",
+  )
   parser.add_argument("--out", help="write the records as JSON here")
   args = parser.parse_args()
   try:
     import triton  # noqa: F401
   except ImportError:
     sys.exit('this script needs triton: pip install -e ".[kernel-analysis]" (no GPU is needed)')
+
+  if args.split_merge:
+    with tempfile.TemporaryDirectory() as workdir:
+      records = [split_merge_cost(bits, tokens=args.tokens, workdir=workdir) for bits in (None, 2)]
+    for record in records:
+      print(
+        f"{record['name']}: {record['instructions']} instructions, {record['registers']} "
+        f"registers, global loads {record['global_loads']}"
+      )
+    if args.out:
+      with open(args.out, "w") as f:
+        json.dump(records, f, indent=1)
+    return
 
   records = []
   head_dim, programs_tokens = 128, 8 * 8 * args.tokens

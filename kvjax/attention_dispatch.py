@@ -209,12 +209,13 @@ def quantized_decode_attention(
   {"lowering": "mosaic_gpu"} (also "variant": "dequantize" (default) | "folded", block_tokens,
   num_splits, num_stages, and for "folded" "key_operand": "shared_memory" (default) |
   "registers", "operand_order": "channel" (default) | "word", "approx_math": False (default) |
-  True, "copy_issuer": "warpgroup" (default) | "first_warp", "value_accumulator": "fresh"
-  (default) | "carried", "value_stats": "pairs" (default) | "separate", "row_max": "exchange"
-  (default) | "bound", "key_products": "einsum" (default) | "reduction", "value_operand":
-  "shared_memory" (default) | "registers", "key_bias_source": "xla" (default) | "kernel"; KIVI
-  segments, others run the Triton kernel with a
-  warning; see `pallas_kernels.quantized_decode_attention_gpu`).
+  True, "copy_issuer": "warpgroup" (default) | "first_warp" | "spread", "value_accumulator":
+  "fresh" (default) | "carried", "value_stats": "pairs" (default) | "separate", "row_max":
+  "exchange" (default) | "bound", "key_products": "einsum" (default) | "reduction",
+  "value_operand": "shared_memory" (default) | "registers", "key_bias_source": "xla" (default) |
+  "kernel", "value_stat_loads": "all_groups" (default) | "own_slot", "split_merge": "xla"
+  (default) | "triton"; KIVI segments, others run the Triton kernel with a warning; see
+  `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=True, family=family)

@@ -100,6 +100,11 @@ references too (a second copy, of k_scale, and product per chunk, and the bounds
 the warps), so that XLA computes no product for the kernel at all. The planner makes each split
 a multiple of 8 key groups for it (the copy into the swizzled tile starts on a whole tile).
 
+A setting of v36, not yet timed on a GPU: `split_merge="triton"` merges the splits' partials,
+picks each channel's value slot and position and writes the rows in channel order in one Triton
+kernel (`split_merge_triton`) instead of XLA's four (the log-sum-exp, the weights, the weighted
+sum and the pick with its transpose).
+
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
 the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
@@ -171,11 +176,17 @@ from pallas_kernels.softmax_reference_bounds import (
   key_score_bounds,
   split_softmax_references,
 )
+from pallas_kernels.split_merge_triton import (
+  DEFAULT_SPLIT_MERGE,
+  check_split_merge,
+  merge_value_slot_partials_reference,
+  merge_value_slot_partials_triton,
+  pick_value_slots,
+)
 from pallas_kernels.splits import (
   SplitPlan,
   cdiv,
   gpu_target_programs,
-  merge_split_partials,
   next_power_of_two,
   pad_query_group,
   plan_splits,
@@ -192,6 +203,12 @@ from pallas_kernels.value_operand_registers import (
   VALUE_OPERANDS,
   value_operand_from_registers,
   value_operand_unsupported_reason,
+)
+from pallas_kernels.value_stats_own_slot import (
+  DEFAULT_VALUE_STAT_LOADS,
+  check_value_stat_loads,
+  own_slot_statistics,
+  own_slot_unsupported_reason,
 )
 from pallas_kernels.word_operand_order import (
   OPERAND_ORDERS,
@@ -231,7 +248,12 @@ DEFAULT_OPERAND_ORDER = "channel"
 # block's copies arrive on one barrier per ring slot, so each warp waits once per block instead
 # of five times. sm_90a static count at block 64 with the v30 default's settings: 535 -> 399
 # instructions per 64 tokens in three of the four warps (461 in the first), 128 -> 109 registers.
-COPY_ISSUERS = ("warpgroup", "first_warp")
+# "spread" (v36): each warp issues a share of the copies (stream s by warp s % 4), in warp
+# semantics, on the same barrier per ring slot as "first_warp": the barriers at each block wait
+# for the slowest warp, which with "first_warp" is the first one, 69 instructions per 64 tokens
+# longer than the others at v34's default (sm_90a static count, KERNEL_NOTES v36).
+COPY_ISSUERS = ("warpgroup", "first_warp", "spread")
+WARPS = 4  # of the one warpgroup a program runs
 DEFAULT_COPY_ISSUER = "warpgroup"
 # Where each block's value product goes: into a zeroed accumulator, added to the running one
 # after it (v14 on: 16 registers zeroed and 16 fused multiply-adds per thread and block at the
@@ -261,8 +283,11 @@ DEFAULT_ROW_MAX = "exchange"
 # Where q . k_min per key group is computed (`key_bias_in_kernel`): by XLA before the kernel, the
 # bias read per block through the ring ("xla", v19 on), or by each program before its loop on the
 # tensor core ("kernel", v35; with row_max="bound" the softmax references too).
-# This kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
-FOLDED_SETTINGS = (
+# Which value statistics each lane loads (`value_stats_own_slot`): every value group's, each
+# tile's columns picking their group by a select ("all_groups", v32 on), or per value tile only
+# the group of the lane's own columns ("own_slot", v36; natively only, interpret mode selects).
+# The kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
+KERNEL_SETTINGS = (
   "key_operand",
   "operand_order",
   "approx_math",
@@ -273,7 +298,12 @@ FOLDED_SETTINGS = (
   "key_products",
   "value_operand",
   "key_bias_source",
+  "value_stat_loads",
 )
+# What the entry points take besides: who merges the splits' partials after the kernel
+# (`split_merge_triton`), XLA's fusions ("xla": four kernels of the decode loop) or one Triton
+# kernel ("triton", v36).
+FOLDED_SETTINGS = (*KERNEL_SETTINGS, "split_merge")
 _SUBNORMAL_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 
 
@@ -512,6 +542,8 @@ def check_folded_settings(
   key_products=DEFAULT_KEY_PRODUCT,
   value_operand=DEFAULT_VALUE_OPERAND,
   key_bias_source=DEFAULT_KEY_BIAS_SOURCE,
+  value_stat_loads=DEFAULT_VALUE_STAT_LOADS,
+  split_merge=DEFAULT_SPLIT_MERGE,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values, or a
   pair of them that does not go together (the checks that need no shapes; the dispatch runs them
@@ -536,6 +568,8 @@ def check_folded_settings(
   if value_operand not in VALUE_OPERANDS:
     raise ValueError(f"value_operand={value_operand!r} is not supported; allowed: {VALUE_OPERANDS}")
   check_key_bias_source(key_bias_source)
+  check_split_merge(split_merge)
+  check_value_stat_loads(value_stat_loads)
   if key_bias_source == "kernel" and key_products != DEFAULT_KEY_PRODUCT:
     raise ValueError(
       f"key_products={key_products!r} sets how XLA computes the key products; with "
@@ -557,12 +591,20 @@ def check_config(
   **folded_settings,
 ):
   """ValueError naming the setting and its allowed values; raised before anything is traced.
-  `folded_settings`: this kernel's own (`FOLDED_SETTINGS`, `check_folded_settings`);
+  `folded_settings`: this kernel's own (`KERNEL_SETTINGS`, `check_folded_settings`);
   `split_groups`: key groups per split (for key_bias_source="kernel")."""
   dequantizing.check_settings(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
   check_folded_settings(**folded_settings)
+  if folded_settings.get("value_stat_loads", DEFAULT_VALUE_STAT_LOADS) == "own_slot":
+    reason = own_slot_unsupported_reason(
+      tile_rows(group),
+      value_slots(group)[0],
+      folded_settings.get("value_stats", DEFAULT_VALUE_STATS),
+    )
+    if reason is not None:
+      raise ValueError(f"{reason}; use value_stat_loads={DEFAULT_VALUE_STAT_LOADS!r}")
   needed = shared_memory_bytes(
     group,
     head_dim,
@@ -683,6 +725,7 @@ def _folded_kernel(
   row_max: str,
   value_operand: str,
   key_bias_source: str,
+  value_stat_loads: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
@@ -730,7 +773,7 @@ def _folded_kernel(
   else:
     key_bias_rings, key_bias_sources = (key_bias_smem,), (key_bias_gmem,)
   ring = (k_words_smem, k_scale_smem, *key_bias_rings, v_words_smem, *value_stats_rings)
-  if copy_issuer == "first_warp":  # one barrier per ring slot: each copy one arrival on it
+  if copy_issuer in ("first_warp", "spread"):  # a barrier per ring slot, an arrival per copy
     waited_barriers = (ring_barriers,)
     copy_barriers = waited_barriers * len(ring)
   else:  # one barrier per ring buffer and slot
@@ -752,6 +795,12 @@ def _folded_kernel(
   def fetch(i):
     if copy_issuer == "first_warp":
       plgpu.warp_map(lambda warp: pl.when(warp == 0)(functools.partial(fetch_copies, i)))
+    elif copy_issuer == "spread":
+
+      def issue_own_streams(warp):
+        fetch_copies(i, issue=lambda stream, start: pl.when(warp == stream % WARPS)(start))
+
+      plgpu.warp_map(issue_own_streams)
     else:
       fetch_copies(i)
 
@@ -953,7 +1002,21 @@ def _folded_kernel(
     def per_token_stats(ring, k):
       return plgpu.layout_cast(ring[slot, k, :], plgpu.Layout.WGMMA.reduce(1))
 
-    if value_stats == "pairs":
+    # Per value group ("all_groups", each picked per slot by `value_tile`), or per value tile,
+    # each lane holding its own slot's group ("own_slot", natively only).
+    stat_tile = value_tile
+    if value_stat_loads == "own_slot" and not emulate:
+      v_scales, v_mins = (
+        [
+          statistic.astype(jnp.float32)
+          for statistic in own_slot_statistics(
+            ring.at[slot], tiles=value_tiles, rows=rows, real_rows=real_rows
+          )
+        ]
+        for ring in (v_scale_smem, v_min_smem)
+      )
+      stat_tile = lambda per_tile, t: per_token(per_tile[t])  # noqa: E731
+    elif value_stats == "pairs":
       v_pairs = [per_token_stats(v_stats_smem, k) for k in range(value_groups)]
       v_scales = [value_scale_of_pair(pair) for pair in v_pairs]
       v_mins = [value_minimum_of_pair(pair) for pair in v_pairs]
@@ -965,7 +1028,7 @@ def _folded_kernel(
     v_scales = [jnp.where(valid_token, scale, 0.0) * probs_scale for scale in v_scales]
     v_mins = [jnp.where(valid_token, minimum, 0.0) for minimum in v_mins]
     for t in range(value_tiles):
-      stacked = probs * value_tile(v_scales, t)
+      stacked = probs * stat_tile(v_scales, t)
       value_stack_smem.at[pl.ds(t * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
     if correction is not None:
       stacked_correction_row = jnp.concatenate([correction] * value_tiles)
@@ -988,7 +1051,7 @@ def _folded_kernel(
           [per_token_correction] * value_tiles, axis=1
         )
       return sum_partials + probs, value_bias_partials + jnp.concatenate(
-        [probs * value_tile(v_mins, t) for t in range(value_tiles)], axis=1
+        [probs * stat_tile(v_mins, t) for t in range(value_tiles)], axis=1
       )
 
     if emulate and (value_operand == "registers" or value_accumulator == "carried"):
@@ -1082,7 +1145,7 @@ def _folded_kernel(
     "block_tokens",
     "plan",
     "num_stages",
-    *FOLDED_SETTINGS,
+    *KERNEL_SETTINGS,
     "interpret",
   ),
 )
@@ -1112,6 +1175,7 @@ def _jitted_kernel_outputs(
   key_products,
   value_operand,
   key_bias_source,
+  value_stat_loads,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -1180,6 +1244,7 @@ def _jitted_kernel_outputs(
       row_max=row_max,
       value_operand=value_operand,
       key_bias_source=key_bias_source,
+      value_stat_loads=value_stat_loads,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
@@ -1228,7 +1293,7 @@ def _jitted_kernel_outputs(
         ),
         (
           plgpu.Barrier(num_arrivals=len(ring_slots), num_barriers=num_stages)
-          if copy_issuer == "first_warp"
+          if copy_issuer in ("first_warp", "spread")
           else tuple(plgpu.Barrier(num_barriers=num_stages) for _ in ring_slots)
         ),
         *chunk_barriers,
@@ -1320,22 +1385,6 @@ def value_minimum_of_pair(pair: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(pair & jnp.uint32(0xFFFF0000), jnp.float32)
 
 
-def pick_value_slots(
-  out: jax.Array, group_size: int, real_rows: int, positions: np.ndarray | None = None
-) -> jax.Array:
-  """f32 [..., D, rows] -> [..., D, real_rows]: channel c's rows from its value group's slot,
-  columns [s * real_rows, (s + 1) * real_rows) with s = (c // group_size) % slots, read at
-  row `positions[c]` (the operand position holding channel c; None: row c). One gather."""
-  head_dim, rows = out.shape[-2:]
-  slots = rows // real_rows
-  channel = np.arange(head_dim)
-  row = channel if positions is None else np.asarray(positions)
-  columns = (channel // group_size % slots)[:, None] * real_rows + np.arange(real_rows)[None, :]
-  flat = out.reshape(*out.shape[:-2], head_dim * rows)
-  picked = jnp.take(flat, (row[:, None] * rows + columns).reshape(-1), axis=-1)
-  return picked.reshape(*out.shape[:-2], head_dim, real_rows)
-
-
 def value_output_order(operand_order: str, value_operand: str) -> str:
   """The order of the kernel's output rows: the staged value codes' column order, or channel
   order for register value codes (`value_operand_registers`)."""
@@ -1379,6 +1428,7 @@ def folded_kernel_outputs(
   key_products: str = DEFAULT_KEY_PRODUCT,
   value_operand: str = DEFAULT_VALUE_OPERAND,
   key_bias_source: str = DEFAULT_KEY_BIAS_SOURCE,
+  value_stat_loads: str = DEFAULT_VALUE_STAT_LOADS,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (rows in operand positions, every value
@@ -1415,6 +1465,7 @@ def folded_kernel_outputs(
     key_products=key_products,
     value_operand=value_operand,
     key_bias_source=key_bias_source,
+    value_stat_loads=value_stat_loads,
   )
   plan = folded_split_plan(
     queries,
@@ -1455,9 +1506,19 @@ def folded_kernel_outputs(
   )
 
 
+def _split_merge_setting(settings: dict) -> str:
+  """Takes `split_merge` out of `settings` (the kernel's own outputs do not depend on it) and
+  checks it: ValueError naming it and its allowed values."""
+  split_merge = settings.pop("split_merge", DEFAULT_SPLIT_MERGE)
+  check_split_merge(split_merge)
+  return split_merge
+
+
 def folded_partials_mosaic_gpu(*arrays, bits, group_size, **settings):
   """Per-split partials (out^T f32 [B,H,S,D,R], lse f32 [B,H,S,R]; R: the query group padded to
-  a power of two), channels in order; `folded_kernel_outputs`'s arguments."""
+  a power of two), channels in order; `folded_kernel_outputs`'s arguments (and `split_merge`,
+  which unmerged partials do not use)."""
+  _split_merge_setting(settings)
   out, lse = folded_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
   queries = arrays[0]
   real_rows, _ = value_slots(queries.shape[2])
@@ -1467,21 +1528,26 @@ def folded_partials_mosaic_gpu(*arrays, bits, group_size, **settings):
 
 def folded_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
   """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the jnp reference (KIVI segments);
-  `folded_kernel_outputs`'s arguments.
-
-  The splits are merged before each channel's value slot is picked (and, in the word operand
-  order, before the rows go back to channel order): every column j of the partials is query row
-  j % R, so the merge weighs it as that row, and the picks then read the merged [B,H,D,rows],
-  not the partials, which are a split count times larger (KERNEL_NOTES v30: a separate gather
-  over the partials cost 9 us per call at 32k)."""
+  `folded_kernel_outputs`'s arguments, and `split_merge`: who merges the splits' partials, XLA
+  (`merge_value_slot_partials_reference`: the splits merged before each channel's value slot and
+  position are picked, so no gather runs over the partials) or one Triton kernel
+  (`merge_value_slot_partials_triton`)."""
+  split_merge = _split_merge_setting(settings)
   queries = arrays[0]
   group, head_dim = queries.shape[2:]
   out, lse = folded_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
-  rows = out.shape[-1]
   real_rows, _ = value_slots(group)
-  merged, total = merge_split_partials(
-    out, lse[..., np.arange(rows) % real_rows], rows, head_dim_last=False
-  )  # [B, H, rows, D], [B, H, rows]
   positions = _channel_positions(settings, head_dim, bits)
-  picked = pick_value_slots(jnp.swapaxes(merged, 2, 3), group_size, real_rows, positions)
-  return jnp.swapaxes(picked, 2, 3)[:, :, :group], total[:, :, :group]
+  if split_merge == "triton":
+    return merge_value_slot_partials_triton(
+      out,
+      lse,
+      group=group,
+      group_size=group_size,
+      real_rows=real_rows,
+      word_order_bits=None if positions is None else bits,
+      interpret=settings.get("interpret", False),
+    )
+  return merge_value_slot_partials_reference(
+    out, lse, group=group, group_size=group_size, real_rows=real_rows, positions=positions
+  )

@@ -236,12 +236,14 @@ def fetch_block(
   group_size,
   num_stages,
   group_streams=2,
+  issue=None,
 ):
   """Starts the TMA copies of block i of this program's split into ring slot i % num_stages:
   `sources` (k codes, `group_streams` arrays per key group: k_scale, and k_min or the folded
   kernel's key bias unless that kernel computes the bias itself; v codes, then one or more
   arrays of group-major value statistics in global memory), their ring `destinations` and one
-  barrier array per stream."""
+  barrier array per stream. `issue(stream, start_copy)`, if given, decides who starts stream
+  `stream`'s copy (e.g. one warp per stream); by default the caller's threads do."""
   slot = lax.rem(i, num_stages)
   first = start + i * block
   groups = destinations[1].shape[1]  # key groups per block
@@ -258,10 +260,14 @@ def fetch_block(
   # its key-bias slots to 128 bytes for TMA): the copy fills the slot's first rows.
   box_rows = (block, *[groups] * group_streams, block, *[ring.shape[1] for ring in statistics])
   streams = zip(sources, destinations, boxes, box_rows, barriers, strict=True)
-  for source, destination, box, rows, barrier in streams:
+  for stream, (source, destination, box, rows, barrier) in enumerate(streams):
     padded = destination.shape[1] > rows
     view = destination.at[slot, pl.ds(0, rows)] if padded else destination.at[slot]
-    plgpu.copy_gmem_to_smem(source.at[box], view, barrier.at[slot])
+    start_copy = functools.partial(plgpu.copy_gmem_to_smem, source.at[box], view, barrier.at[slot])
+    if issue is None:
+      start_copy()
+    else:
+      issue(stream, start_copy)
 
 
 def _quantized_decode_kernel(

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.warpgroup_thread import thread_coordinates
+
 VALUE_OPERANDS = ("shared_memory", "registers")
 DEFAULT_VALUE_OPERAND = "shared_memory"
 WARPGROUP_THREADS = 128
@@ -162,14 +164,9 @@ def value_operand_from_registers(words_ref, head_dim: int, bits: int) -> jax.Arr
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, memref
 
-    i32 = ir.IntegerType.get_signless(32)
     index_type = ir.IndexType.get()
     pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
-    const = lambda value: mgpu_utils.c(value, i32)
-    thread = mgpu_utils.thread_idx()
-    lane = arith.remui(thread, const(32))
-    warp = arith.remui(arith.divui(thread, const(32)), const(4))
-    quad = arith.remui(lane, const(4))
+    const, lane, warp, quad = thread_coordinates()
 
     def per_thread(row_tile, half):
       """(word, selector, mask) of this thread, as `register_sources` computes them."""

@@ -45,6 +45,18 @@ def channel_at_position(position, head_dim: int, bits: int):
   return (p + h * (16 // bits)) * words + 8 * j + 2 * q + t
 
 
+def position_of_channel(channel, head_dim: int, bits: int):
+  """L(C): the operand position holding `channel` in the "word" order, the inverse of
+  `channel_at_position` where that order is supported (`word_order_unsupported_reason`; ints or
+  arrays, so that a kernel can compute it on an iota)."""
+  words = head_dim * bits // 32
+  pairs = 16 // bits
+  field, within = channel // words, channel % words
+  h, p = field // pairs, field % pairs
+  j, q, t = within // 8, (within % 8) // 2, within % 2
+  return ((j * 2 * pairs + 2 * p + t) * 8) + 2 * q + h
+
+
 def word_order_channels(head_dim: int, bits: int) -> np.ndarray:
   """int32 [D]: channel at each operand position (a permutation of the channels)."""
   return np.asarray(channel_at_position(np.arange(head_dim), head_dim, bits), np.int32)

@@ -174,3 +174,58 @@ def test_branch_paths_are_each_arm_between_the_shared_parts():
 def test_a_loop_without_an_if_else_has_no_branch_paths():
   with pytest.raises(ValueError, match="no two-armed branch"):
     static_cost.branch_paths(static_cost.main_loop(static_cost.parse_sass(SASS)))
+
+
+# A loop (0x0020-0x00f0) in which warps take their own branches: the warp index shuffled into
+# R5 and masked; the first warp alone runs 0x0060-0x0070, the third alone 0x00a0; a barrier
+# wait's retry branch (0x00c0, out of line past the EXIT) is not taken.
+WARP_PATHS_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/                   S2R R0, SR_TID.X ;                     /* 0x0000000000007919 */
+        /*0020*/                   SHFL.IDX PT, R5, R3, RZ, 0x1f ;        /* 0x00001fff03057589 */
+        /*0030*/                   LOP3.LUT R6, R5, 0x3, RZ, 0xc0, !PT ;  /* 0x0000000305067812 */
+        /*0040*/                   LOP3.LUT P0, RZ, R5, 0x3, RZ, 0xc0, !PT ; /* 0x0 */
+        /*0050*/                @P0 BRA 0x80 ;                            /* 0x0000000000080947 */
+        /*0060*/                   UTMALDG.4D [UR8], [UR10] ;             /* 0x00000008ff0075b4 */
+        /*0070*/                   NOP ;                                  /* 0x0000000000007918 */
+        /*0080*/                   ISETP.NE.U32.AND P1, PT, R6, 0x2, PT ; /* 0x000000020600780c */
+        /*0090*/                @P1 BRA 0xb0 ;                            /* 0x0000000000041947 */
+        /*00a0*/                   UTMALDG.4D [UR12], [UR14] ;            /* 0x0000000cff0075b4 */
+        /*00b0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR6], R4 ; /* 0x0 */
+        /*00c0*/               @!P2 BRA 0x110 ;                           /* 0x0000000000108947 */
+        /*00d0*/                   FADD R7, R7, R8 ;                      /* 0x0000000807077221 */
+        /*00e0*/                   ISETP.GE.AND P3, PT, R0, 0x4, PT ;     /* 0x000000040000780c */
+        /*00f0*/               @!P3 BRA 0x20 ;                            /* 0xffffff9000008947 */
+        /*0100*/                   EXIT ;                                 /* 0x000000000000794d */
+        /*0110*/                   BRA 0xb0 ;                             /* 0xffffff9000007947 */
+"""
+
+
+def test_each_warp_path_takes_the_warp_index_branches_as_that_warp_does():
+  assert static_cost.warp_path_lengths(WARP_PATHS_SASS) == [13, 11, 12, 11]
+  cost = static_cost.loop_cost(
+    "warp paths", WARP_PATHS_SASS, "REG:64", "", tokens_per_iteration=64, warps=4
+  )
+  assert cost.instructions == 14
+  cost.warp_instructions = static_cost.warp_path_lengths(WARP_PATHS_SASS)
+  assert cost.mean_instructions == (13 + 11 + 12 + 11) / 4
+  # the first-warp listing above: its one skipped instruction, for the other three warps
+  assert static_cost.warp_path_lengths(WARP_MAP_SASS) == [9, 8, 8, 8]
+
+
+def test_warp_paths_follow_one_arm_of_an_if_else():
+  """Given an arm's path, the if's branch goes where that arm is; other predicated branches
+  (here the then arm's inner one) are not taken."""
+  loop = static_cost.main_loop(static_cost.parse_sass(BRANCH_SASS))
+  then_path, else_path = static_cost.branch_paths(loop)
+  assert static_cost.warp_path_lengths(BRANCH_SASS, then_path) == [7] * 4
+  assert static_cost.warp_path_lengths(BRANCH_SASS, else_path) == [7] * 4
+
+
+def test_warp_paths_refuse_an_indirect_branch():
+  """A jump table (BRX) has targets the listing does not give: no count rather than a wrong one."""
+  listing = WARP_PATHS_SASS.replace(
+    "/*00d0*/                   FADD R7, R7, R8 ;", "/*00d0*/                   BRX R24 -0xe0 ;"
+  )
+  with pytest.raises(ValueError, match="an indirect branch at 0xd0"):
+    static_cost.warp_path_lengths(listing)

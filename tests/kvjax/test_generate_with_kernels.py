@@ -127,10 +127,15 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
     ),
     (
       # The folded Mosaic GPU kernel computing q . k_min itself before its loop (KERNEL_NOTES
-      # v35), through the decode loop.
+      # v35) and its splits merged by the Triton merge kernel (v36), through the decode loop.
       "kivi:bits=4,group_size=16,residual=16",
       KernelSettings(
-        quantized={"lowering": "mosaic_gpu", "variant": "folded", "key_bias_source": "kernel"}
+        quantized={
+          "lowering": "mosaic_gpu",
+          "variant": "folded",
+          "key_bias_source": "kernel",
+          "split_merge": "triton",
+        }
       ),
       jnp.bfloat16,
     ),
@@ -168,6 +173,7 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
         "key_products",
         "value_operand",
         "key_bias_source",
+        "split_merge",
       )
       seen.append({k: v for k, v in kwargs.items() if k in recorded})
       return kernel(*args, **kwargs)

@@ -25,6 +25,7 @@ from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
 from pallas_kernels.quantized_decode_attention_tpu import quantized_decode_attention_tpu
 from pallas_kernels.quantized_decode_attention_triton import quantized_decode_attention_triton
 from pallas_kernels.random_inputs import random_quantized_segment
+from pallas_kernels.split_merge_triton import merge_value_slot_partials_triton
 from tests.pallas_kernels.test_quantized_decode_attention_folded_mosaic_gpu import (
   V31_CANDIDATE,
   V34_SETTINGS,
@@ -127,6 +128,23 @@ def test_triton_kernels_lower_to_triton_ir(fake_h100, variant, config, group):
     cache,
     cache,
     lengths,
+  )
+  assert "triton" in text
+
+
+@pytest.mark.parametrize("word_order_bits", [None, 2])
+def test_split_merge_kernel_lowers_to_triton_ir(fake_h100, word_order_bits):
+  """The merge's gathers (every split of a channel's slot at once, at its operand position) and
+  its scattered stores, at the shapes of record with a split count that is not a power of two."""
+  partials = jax.ShapeDtypeStruct((2, 2, 24, 128, 8), jnp.float32)
+  lse = jax.ShapeDtypeStruct((2, 2, 24, 8), jnp.float32)
+  text = _lower(
+    lambda out, total: merge_value_slot_partials_triton(
+      out, total, group=3, group_size=32, real_rows=4, word_order_bits=word_order_bits
+    ),
+    "cuda",
+    partials,
+    lse,
   )
   assert "triton" in text
 
@@ -273,6 +291,36 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       4,
       8,
       dict(V34_SETTINGS, key_bias_source="kernel", row_max="bound", tokens=1024),
+    ),
+    # v36: each warp issuing its share of the copies (a branch per stream in warp semantics),
+    # six streams and five
+    ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, copy_issuer="spread")),
+    ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, copy_issuer="spread", key_bias_source="kernel")),
+    # v36: each lane loading only its own value slot's statistics (inline Mosaic GPU code: row
+    # vectors whose quads hold different groups), with the Hopper default's settings and with
+    # the fixed reference, the kernel's bias and register value codes
+    ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, value_stat_loads="own_slot")),
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(
+        V34_SETTINGS,
+        value_stat_loads="own_slot",
+        row_max="bound",
+        key_bias_source="kernel",
+        value_operand="registers",
+      ),
+    ),
+    (
+      "folded",
+      4,
+      64,
+      8,
+      16,
+      dict(block_tokens=128, value_stats="separate", value_stat_loads="own_slot"),
     ),
   ],
 )

@@ -171,6 +171,20 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     # default's word order; with shared-memory key codes, 4-bit, head_dim 64, block 128
     (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=1, value_operand="registers")),
     (4, 64, 3, 16, 256, dict(num_splits=2, value_operand="registers")),
+    # each warp issuing a share of the copies (v36): six streams over the four warps (the first
+    # two issue two each) across the ring's slots in one split; five with the kernel's bias
+    (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=1, copy_issuer="spread")),
+    (
+      4,
+      64,
+      3,
+      16,
+      192,
+      dict(block_tokens=64, num_splits=2, key_bias_source="kernel", copy_issuer="spread"),
+    ),
+    # each lane loading only its own value slot's statistics (v36): natively only, so here the
+    # select path runs with the setting's plumbing (the inline code: test_value_stats_own_slot)
+    (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=1, value_stat_loads="own_slot")),
     # q . k_min by the kernel before its loop (v35): with the Hopper default's settings over one
     # split; two chunks of 64 key groups (group size 8, 72 groups: the second chunk a partial
     # copy); 4-bit at head_dim 64 where the planner must lengthen the splits to whole 8-group
@@ -295,6 +309,18 @@ def test_folded_mosaic_gpu_kernel_matches_reference(
         value_operand="registers",
       ),
     ),
+    # the merge, the picks and the word order's positions in one Triton kernel (v36)
+    (
+      3,
+      dict(
+        block_tokens=64,
+        num_splits=2,
+        key_operand="registers",
+        operand_order="word",
+        split_merge="triton",
+      ),
+    ),
+    (4, dict(num_splits=3, split_merge="triton")),
   ],
 )
 def test_decode_entry_merges_before_picking_value_slots(group, config):
@@ -614,6 +640,22 @@ def test_kernel_key_bias_refuses_a_setting_for_xlas_products(row_max):
     )
 
 
+@pytest.mark.parametrize(
+  "group,config,match",
+  [
+    (1, dict(value_stats="separate"), "1 query rows per value slot of a 8-column tile"),
+    (4, dict(value_stats="pairs"), "value_stats='pairs'"),
+  ],
+)
+def test_own_slot_statistics_are_refused_where_a_lane_spans_slots(group, config, match):
+  """One query head: a lane's two columns are two slots, so no lane has one group to load."""
+  arrays, quantization = _zeros_segment(group=group)
+  with pytest.raises(ValueError, match=rf"{match}.*use value_stat_loads='all_groups'"):
+    folded.folded_partials_mosaic_gpu(
+      *arrays, **quantization, sm_scale=1.0, value_stat_loads="own_slot", **config
+    )
+
+
 def test_kernel_key_bias_refuses_splits_longer_than_its_buffer():
   """264 key groups in one split (132 blocks of 64 tokens), more than the 256 the bias buffer
   holds: refused with the reason (the dispatch then falls back), and two splits take it."""
@@ -704,12 +746,15 @@ def test_bad_mosaic_gpu_variant_is_named():
     ("key_products", "dot"),
     ("value_operand", "regs"),
     ("key_bias_source", "smem"),
+    ("split_merge", "kernel"),
+    ("value_stat_loads", "mine"),
   ],
 )
 def test_a_bad_setting_is_named_before_tracing(name, value):
   arrays, quantization = _zeros_segment()
-  with pytest.raises(ValueError, match=rf"{name}='{value}' is not supported; allowed: \("):
-    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **{name: value})
+  for entry in (folded.folded_partials_mosaic_gpu, folded.folded_decode_attention_mosaic_gpu):
+    with pytest.raises(ValueError, match=rf"{name}='{value}' is not supported; allowed: \("):
+      entry(*arrays, **quantization, sm_scale=1.0, **{name: value})
 
 
 @pytest.mark.parametrize(
@@ -722,6 +767,8 @@ def test_a_bad_setting_is_named_before_tracing(name, value):
     ("key_products", "reduce"),
     ("value_operand", "register"),
     ("key_bias_source", "in_kernel"),
+    ("split_merge", "pallas"),
+    ("value_stat_loads", "own"),
   ],
 )
 def test_a_bad_setting_is_named_by_the_dispatch(name, value):

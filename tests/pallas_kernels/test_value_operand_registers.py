@@ -21,6 +21,11 @@ from pallas_kernels.value_operand_registers import (
   shared_sources,
   value_operand_unsupported_reason,
 )
+from tests.pallas_kernels.inline_code_emulation import (
+  CapturedArray,
+  as_uint,
+  emulate_inline_code,
+)
 
 
 def _masked_in_place(words: np.ndarray, bits: int) -> np.ndarray:
@@ -88,20 +93,6 @@ def test_sizes_the_operand_cannot_take_are_named():
   assert "block_tokens=32" in value_operand_unsupported_reason(128, 32)
 
 
-class _Captured:
-  """Stands in for FragmentedArray: keeps the registers the inline code assembles."""
-
-  registers = None
-
-  def __init__(self, *, _registers, _layout, _is_signed):
-    del _layout, _is_signed
-    _Captured.registers = _registers
-
-
-def _as_uint(value):
-  return np.asarray(value, np.uint64)
-
-
 @pytest.mark.parametrize(
   "head_dim,bits,tokens,first_thread",
   [(128, 2, 64, 0), (128, 4, 64, 0), (64, 2, 128, 0), (64, 4, 64, 128), (128, 2, 128, 256)],
@@ -114,41 +105,22 @@ def test_the_inline_code_assembles_what_the_model_does(
   `prmt`), its registers placed where the wgmma layout puts them (row 64 mt + 16 warp + 8 half
   + lane / 4, columns 8 G + 2 (lane % 4) + (0, 1), the first in the low half): the numpy model's
   operand. What only a GPU checks is that the ops are these ops."""
-  from jax.experimental.mosaic.gpu import fragmented_array
   from jax.experimental.mosaic.gpu import utils as mgpu_utils
-  from jax.experimental.pallas import mosaic_gpu as plgpu
   from jaxlib.mlir import ir
-  from jaxlib.mlir.dialects import arith, memref
 
   from pallas_kernels import value_operand_registers
 
   words_per_token = head_dim * bits // 32
   words = np.random.default_rng(head_dim + bits + tokens)
   words = words.integers(0, 2**32, (tokens, words_per_token), np.uint64).astype(np.uint32)
-  low_32 = np.uint64(0xFFFFFFFF)
-  for name, op in {
-    "remui": lambda a, b: _as_uint(a) % _as_uint(b),
-    "divui": lambda a, b: _as_uint(a) // _as_uint(b),
-    "muli": lambda a, b: (_as_uint(a) * _as_uint(b)) & low_32,
-    "addi": lambda a, b: (_as_uint(a) + _as_uint(b)) & low_32,
-    "andi": lambda a, b: _as_uint(a) & _as_uint(b),
-    "shli": lambda a, b: (_as_uint(a) << _as_uint(b)) & low_32,
-    "index_cast": lambda _, value: value,
-  }.items():
-    monkeypatch.setattr(arith, name, op)
-  monkeypatch.setattr(
-    memref,
-    "load",
-    lambda _, index: _as_uint(words[index[0].astype(np.int64), index[1].astype(np.int64)]),
+  emulate_inline_code(
+    monkeypatch,
+    first_thread=first_thread,
+    load=lambda index: as_uint(words[index[0], index[1]]),
   )
-  monkeypatch.setattr(mgpu_utils, "c", lambda value, _: _as_uint(np.full(128, value)))
-  monkeypatch.setattr(mgpu_utils, "thread_idx", lambda: _as_uint(np.arange(128) + first_thread))
   monkeypatch.setattr(
     mgpu_utils, "prmt", lambda first, second, selector: prmt(first, second, selector)
   )
-  monkeypatch.setattr(mgpu_utils, "bitcast", lambda value, _: value)
-  monkeypatch.setattr(fragmented_array, "FragmentedArray", _Captured)
-  monkeypatch.setattr(plgpu, "inline_mgpu", lambda **_: lambda body: lambda ref: body(None, ref))
 
   class WordsRef:
     shape = words.shape
@@ -158,7 +130,7 @@ def test_the_inline_code_assembles_what_the_model_does(
   operand = np.zeros((head_dim, tokens), np.uint16)
   thread = np.arange(128)
   warp, lane = thread // 32, thread % 32
-  for index, register in np.ndenumerate(_Captured.registers):
+  for index, register in np.ndenumerate(CapturedArray.last.registers):
     row_tile, column_group, half = index[0], index[1], index[4]
     row = 64 * row_tile + 16 * warp + 8 * half + lane // 4
     column = 8 * column_group + 2 * (lane % 4)

@@ -66,3 +66,14 @@ def test_the_word_order_as_a_transpose_is_the_gather(head_dim, bits, axis):
   np.testing.assert_array_equal(
     np.asarray(order.channels_in_word_order(jnp.asarray(values), axis, bits)), gathered
   )
+
+
+@pytest.mark.parametrize("head_dim,bits", [(64, 4), (128, 2), (128, 4), (256, 2)])
+def test_position_of_channel_inverts_channel_at_position(head_dim, bits):
+  """L(C) on every channel is the argsort of C(L), on numpy and jnp integers alike."""
+  channels = np.arange(head_dim)
+  expected = np.argsort(order.word_order_channels(head_dim, bits))
+  np.testing.assert_array_equal(order.position_of_channel(channels, head_dim, bits), expected)
+  np.testing.assert_array_equal(
+    np.asarray(order.position_of_channel(jnp.asarray(channels), head_dim, bits)), expected
+  )

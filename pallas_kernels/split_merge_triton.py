@@ -1,0 +1,190 @@
+"""The folded kernels' split merge in one kernel (Pallas, Triton lowering), beside its jnp
+reference.
+
+The folded Mosaic GPU kernel writes, per split of each sequence, a normalised partial output
+with the head dim on its products' M side and one column per query row and value slot (f32
+[B, H, S, D, R]), and each row's log-sum-exp (f32 [B, H, S, R]). What a caller wants is one
+output per real query row in channel order: the splits merged by log-sum-exp, each channel's
+columns taken from its value group's slot (`pick_value_slots`), and, in the word operand order,
+each channel read at its operand position. XLA makes that four kernels of the decode loop (the
+log-sum-exp's reduction, the weights, the weighted sum over the splits and the pick with its
+transpose; KERNEL_NOTES v36), each a launch, and the weighted sum ran at about 1 TB/s in v34's
+profile (8.9 us for 8.5 MB under Nsight Compute). Here each program takes `CHANNELS_PER_PROGRAM`
+channels of one head: it loads every split's log-sum-exp, computes the weights, reads each
+channel's own slot of every split at once (a gather: the loads of all splits are in flight
+together) and writes the merged rows in channel order with the log-sum-exp.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import _compat
+from pallas_kernels.splits import merge_split_partials, next_power_of_two
+from pallas_kernels.word_operand_order import position_of_channel
+
+# Who merges the folded Mosaic GPU kernel's split partials: XLA's fusions ("xla") or this kernel
+# ("triton", one launch).
+SPLIT_MERGES = ("xla", "triton")
+DEFAULT_SPLIT_MERGE = "xla"
+CHANNELS_PER_PROGRAM = 32  # 256 programs at batch 8 x 8 KV heads x head_dim 128
+NUM_WARPS = 4
+
+
+def check_split_merge(split_merge) -> None:
+  """ValueError naming `split_merge` and its allowed values."""
+  if split_merge not in SPLIT_MERGES:
+    raise ValueError(f"split_merge={split_merge!r} is not supported; allowed: {SPLIT_MERGES}")
+
+
+def pick_value_slots(
+  out: jax.Array, group_size: int, real_rows: int, positions: np.ndarray | None = None
+) -> jax.Array:
+  """f32 [..., D, rows] -> [..., D, real_rows]: channel c's rows from its value group's slot,
+  columns [s * real_rows, (s + 1) * real_rows) with s = (c // group_size) % slots, read at
+  row `positions[c]` (the operand position holding channel c; None: row c). One gather."""
+  head_dim, rows = out.shape[-2:]
+  slots = rows // real_rows
+  channel = np.arange(head_dim)
+  row = channel if positions is None else np.asarray(positions)
+  columns = (channel // group_size % slots)[:, None] * real_rows + np.arange(real_rows)[None, :]
+  flat = out.reshape(*out.shape[:-2], head_dim * rows)
+  picked = jnp.take(flat, (row[:, None] * rows + columns).reshape(-1), axis=-1)
+  return picked.reshape(*out.shape[:-2], head_dim, real_rows)
+
+
+def merge_value_slot_partials_reference(
+  out_partials: jax.Array,  # f32 [B, H, S, D, R]: normalised, D in operand positions
+  lse_partials: jax.Array,  # f32 [B, H, S, R]
+  *,
+  group: int,
+  group_size: int,
+  real_rows: int,
+  positions: np.ndarray | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """(out f32 [B, H, G, D] in channel order, lse f32 [B, H, G]) by XLA: the splits merged
+  first, then each channel's slot (and position) picked from the merged [B, H, D, R], so no
+  gather runs over the partials (a split count times larger; KERNEL_NOTES v30). Column j of
+  the partials is query row j % real_rows, and is weighed as that row."""
+  rows = out_partials.shape[-1]
+  merged, total = merge_split_partials(
+    out_partials, lse_partials[..., np.arange(rows) % real_rows], rows, head_dim_last=False
+  )  # [B, H, rows, D], [B, H, rows]
+  picked = pick_value_slots(jnp.swapaxes(merged, 2, 3), group_size, real_rows, positions)
+  return jnp.swapaxes(picked, 2, 3)[:, :, :group], total[:, :, :group]
+
+
+def _broadcast_mask(mask, shape):
+  return jnp.broadcast_to(mask, shape)
+
+
+def _merge_kernel(
+  out_partials_ref,  # f32 [B, H, S, D, R]
+  lse_partials_ref,  # f32 [B, H, S, R]
+  merged_ref,  # f32 [B, H, G, D]
+  total_ref,  # f32 [B, H, G]
+  *,
+  splits: int,
+  group: int,
+  group_size: int,
+  real_rows: int,
+  word_order_bits: int | None,
+):
+  batch, head, channel_block = (pl.program_id(axis) for axis in range(3))
+  head_dim, rows = out_partials_ref.shape[-2:]
+  slots = rows // real_rows
+  split_rows = next_power_of_two(splits)
+  split = lax.iota(jnp.int32, split_rows)
+  valid_split = split < splits
+  row = lax.iota(jnp.int32, real_rows)
+
+  lse = _compat.triton_load(
+    lse_partials_ref.at[batch, head, split[:, None], row[None, :]],
+    mask=_broadcast_mask(valid_split[:, None], (split_rows, real_rows)),
+    other=-jnp.inf,
+  )  # [split_rows, real_rows]; the padding splits are empty
+  # jax.nn.logsumexp's rule: a max that is not finite counts as 0, so an all-empty row gives
+  # log(0) = -inf and a NaN anywhere gives NaN.
+  top = jnp.max(lse, axis=0)
+  safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
+  total = safe_top + jnp.log(jnp.sum(jnp.exp(lse - safe_top[None, :]), axis=0))
+  # merge_split_partials' weights: an empty split (lse -inf) weighs 0, exactly.
+  safe_total = jnp.where(total == -jnp.inf, 0.0, total)
+  weights = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - safe_total[None, :]))
+
+  channel = channel_block * CHANNELS_PER_PROGRAM + lax.iota(jnp.int32, CHANNELS_PER_PROGRAM)
+  slot = lax.rem(lax.div(channel, group_size), slots)
+  column = slot[:, None] * real_rows + row[None, :]  # [channels, real_rows]
+  if word_order_bits is None:
+    position = channel
+  else:
+    position = position_of_channel(channel, head_dim, word_order_bits)
+  shape = (split_rows, CHANNELS_PER_PROGRAM, real_rows)
+  parts = _compat.triton_load(
+    out_partials_ref.at[
+      batch, head, split[:, None, None], position[None, :, None], column[None, :, :]
+    ],
+    mask=_broadcast_mask(valid_split[:, None, None], shape),
+    other=0.0,
+  )  # every split's slot of each channel, loaded together
+  merged = jnp.sum(weights[:, None, :] * parts, axis=0)  # [channels, real_rows]
+
+  real_row = row < group
+  _compat.triton_store(
+    merged_ref.at[batch, head, row[None, :], channel[:, None]],
+    merged,
+    mask=_broadcast_mask(real_row[None, :], merged.shape),
+  )
+  _compat.triton_store(
+    total_ref.at[batch, head, row],
+    total,
+    mask=real_row & (channel_block == 0),
+  )
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=("group", "group_size", "real_rows", "word_order_bits", "interpret"),
+)
+def merge_value_slot_partials_triton(
+  out_partials: jax.Array,  # f32 [B, H, S, D, R]: normalised, D in operand positions
+  lse_partials: jax.Array,  # f32 [B, H, S, R]
+  *,
+  group: int,
+  group_size: int,
+  real_rows: int,
+  word_order_bits: int | None = None,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """`merge_value_slot_partials_reference` as one kernel: (out f32 [B, H, G, D], lse f32
+  [B, H, G]). `word_order_bits`: the partials' D axis is in the word operand order of codes of
+  that many bits (`position_of_channel`); None: channel order."""
+  batch, heads, splits, head_dim, rows = out_partials.shape
+  if head_dim % CHANNELS_PER_PROGRAM:
+    raise ValueError(
+      f"head_dim={head_dim} is not supported by the split-merge kernel; allowed: multiples of "
+      f"{CHANNELS_PER_PROGRAM}"
+    )
+  kernel = functools.partial(
+    _merge_kernel,
+    splits=splits,
+    group=group,
+    group_size=group_size,
+    real_rows=real_rows,
+    word_order_bits=word_order_bits,
+  )
+  return pl.pallas_call(
+    kernel,
+    grid=(batch, heads, head_dim // CHANNELS_PER_PROGRAM),
+    out_shape=(
+      jax.ShapeDtypeStruct((batch, heads, group, head_dim), jnp.float32),
+      jax.ShapeDtypeStruct((batch, heads, group), jnp.float32),
+    ),
+    compiler_params=_compat.triton_compiler_params(num_warps=NUM_WARPS, num_stages=1),
+    interpret=interpret,
+    name="split_merge",
+  )(out_partials, lse_partials)

@@ -1,0 +1,55 @@
+"""Runs a kernel's inline Mosaic GPU code (`plgpu.inline_mgpu` bodies) on numpy arrays: each MLIR
+op it emits is replaced by the same operation on arrays of the warpgroup's 128 threads, so a
+test can read the registers it assembles and compare them with a numpy model. What only a GPU
+checks is that the ops are these ops."""
+
+import numpy as np
+
+_LOW_32 = np.uint64(0xFFFFFFFF)
+
+
+def as_uint(value):
+  return np.asarray(value, np.uint64)
+
+
+class CapturedArray:
+  """Stands in for FragmentedArray: keeps the registers the inline code assembles."""
+
+  last = None
+
+  def __init__(self, *, _registers, _layout, _is_signed):
+    del _layout, _is_signed
+    self.registers = _registers
+    CapturedArray.last = self
+
+
+def emulate_inline_code(monkeypatch, *, first_thread: int, load) -> None:
+  """Patches the ops the kernels' inline code uses: integer arithmetic on uint arrays (wrapping
+  at 32 bits), constants and the thread index as arrays over 128 threads (`first_thread` on),
+  `memref.load(ref, indices)` as `load(indices)`, vectors and bitcasts as the values themselves,
+  FragmentedArray as `CapturedArray`, and `inline_mgpu` as a plain call of its body."""
+  from jax.experimental.mosaic.gpu import fragmented_array
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jaxlib.mlir.dialects import arith, memref, vector
+
+  for name, op in {
+    "remui": lambda a, b: as_uint(a) % as_uint(b),
+    "divui": lambda a, b: as_uint(a) // as_uint(b),
+    "muli": lambda a, b: (as_uint(a) * as_uint(b)) & _LOW_32,
+    "addi": lambda a, b: (as_uint(a) + as_uint(b)) & _LOW_32,
+    "andi": lambda a, b: as_uint(a) & as_uint(b),
+    "shli": lambda a, b: (as_uint(a) << as_uint(b)) & _LOW_32,
+    "minui": lambda a, b: np.minimum(as_uint(a), as_uint(b)),
+    "index_cast": lambda _, value: value,
+  }.items():
+    monkeypatch.setattr(arith, name, op)
+  monkeypatch.setattr(
+    memref, "load", lambda _, index: load([np.asarray(i).astype(np.int64) for i in index])
+  )
+  monkeypatch.setattr(vector, "broadcast", lambda _, value: value)
+  monkeypatch.setattr(mgpu_utils, "c", lambda value, _: as_uint(np.full(128, value)))
+  monkeypatch.setattr(mgpu_utils, "thread_idx", lambda: as_uint(np.arange(128) + first_thread))
+  monkeypatch.setattr(mgpu_utils, "bitcast", lambda value, _: value)
+  monkeypatch.setattr(fragmented_array, "FragmentedArray", CapturedArray)
+  monkeypatch.setattr(plgpu, "inline_mgpu", lambda **_: lambda body: lambda ref: body(None, ref))
