@@ -11,8 +11,8 @@ log-sum-exp's reduction, the weights, the weighted sum over the splits and the p
 transpose; KERNEL_NOTES v36), each a launch, and the weighted sum ran at about 1 TB/s in v34's
 profile (8.9 us for 8.5 MB under Nsight Compute). Here each program takes `CHANNELS_PER_PROGRAM`
 channels of one head: it loads every split's log-sum-exp, computes the weights, reads each
-channel's own slot of every split at once (a gather: the loads of all splits are in flight
-together) and writes the merged rows in channel order with the log-sum-exp.
+channel's own slot of 32 splits at once (a gather: those loads are in flight together; more
+splits, in steps of 32) and writes the merged rows in channel order with the log-sum-exp.
 """
 
 import functools
@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.splits import merge_split_partials, next_power_of_two
+from pallas_kernels.splits import merge_split_partials
 from pallas_kernels.word_operand_order import position_of_channel
 
 # Who merges the folded Mosaic GPU kernel's split partials: XLA's fusions ("xla") or this kernel
@@ -32,6 +32,10 @@ from pallas_kernels.word_operand_order import position_of_channel
 SPLIT_MERGES = ("xla", "triton")
 DEFAULT_SPLIT_MERGE = "xla"
 CHANNELS_PER_PROGRAM = 32  # 256 programs at batch 8 x 8 KV heads x head_dim 128
+# Splits whose partials a program loads at once (32 at the shapes of record: all of them). Few
+# heads get many splits (up to the planner's ~2000 programs at one head), so more are walked in
+# steps of this many.
+SPLITS_PER_STEP = 32
 NUM_WARPS = 4
 
 
@@ -97,24 +101,40 @@ def _merge_kernel(
   batch, head, channel_block = (pl.program_id(axis) for axis in range(3))
   head_dim, rows = out_partials_ref.shape[-2:]
   slots = rows // real_rows
-  split_rows = next_power_of_two(splits)
-  split = lax.iota(jnp.int32, split_rows)
-  valid_split = split < splits
+  steps = pl.cdiv(splits, SPLITS_PER_STEP)
   row = lax.iota(jnp.int32, real_rows)
 
-  lse = _compat.triton_load(
-    lse_partials_ref.at[batch, head, split[:, None], row[None, :]],
-    mask=_broadcast_mask(valid_split[:, None], (split_rows, real_rows)),
-    other=-jnp.inf,
-  )  # [split_rows, real_rows]; the padding splits are empty
-  # jax.nn.logsumexp's rule: a max that is not finite counts as 0, so an all-empty row gives
-  # log(0) = -inf and a NaN anywhere gives NaN.
-  top = jnp.max(lse, axis=0)
+  def splits_of(step):
+    """The splits of `step` ([SPLITS_PER_STEP]) and which of them exist."""
+    split = step * SPLITS_PER_STEP + lax.iota(jnp.int32, SPLITS_PER_STEP)
+    return split, split < splits
+
+  def step_lse(step):
+    split, valid = splits_of(step)
+    return _compat.triton_load(
+      lse_partials_ref.at[batch, head, split[:, None], row[None, :]],
+      mask=_broadcast_mask(valid[:, None], (SPLITS_PER_STEP, real_rows)),
+      other=-jnp.inf,
+    )  # [SPLITS_PER_STEP, real_rows]; splits past the last are empty
+
+  # jax.nn.logsumexp's rule, over every split: a max that is not finite counts as 0, so an
+  # all-empty row gives log(0) = -inf and a NaN anywhere gives NaN.
+  top = lax.fori_loop(
+    0,
+    steps,
+    lambda step, top: jnp.maximum(top, jnp.max(step_lse(step), axis=0)),
+    jnp.full((real_rows,), -jnp.inf, jnp.float32),
+  )
   safe_top = jnp.where(jnp.isfinite(top), top, 0.0)
-  total = safe_top + jnp.log(jnp.sum(jnp.exp(lse - safe_top[None, :]), axis=0))
+  exp_sum = lax.fori_loop(
+    0,
+    steps,
+    lambda step, total: total + jnp.sum(jnp.exp(step_lse(step) - safe_top[None, :]), axis=0),
+    jnp.zeros((real_rows,), jnp.float32),
+  )
+  total = safe_top + jnp.log(exp_sum)
   # merge_split_partials' weights: an empty split (lse -inf) weighs 0, exactly.
   safe_total = jnp.where(total == -jnp.inf, 0.0, total)
-  weights = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - safe_total[None, :]))
 
   channel = channel_block * CHANNELS_PER_PROGRAM + lax.iota(jnp.int32, CHANNELS_PER_PROGRAM)
   slot = lax.rem(lax.div(channel, group_size), slots)
@@ -123,15 +143,24 @@ def _merge_kernel(
     position = channel
   else:
     position = position_of_channel(channel, head_dim, word_order_bits)
-  shape = (split_rows, CHANNELS_PER_PROGRAM, real_rows)
-  parts = _compat.triton_load(
-    out_partials_ref.at[
-      batch, head, split[:, None, None], position[None, :, None], column[None, :, :]
-    ],
-    mask=_broadcast_mask(valid_split[:, None, None], shape),
-    other=0.0,
-  )  # every split's slot of each channel, loaded together
-  merged = jnp.sum(weights[:, None, :] * parts, axis=0)  # [channels, real_rows]
+  shape = (SPLITS_PER_STEP, CHANNELS_PER_PROGRAM, real_rows)
+
+  def add_step(step, merged):
+    lse = step_lse(step)
+    weights = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - safe_total[None, :]))
+    split, valid = splits_of(step)
+    parts = _compat.triton_load(
+      out_partials_ref.at[
+        batch, head, split[:, None, None], position[None, :, None], column[None, :, :]
+      ],
+      mask=_broadcast_mask(valid[:, None, None], shape),
+      other=0.0,
+    )  # the step's splits' slot of each channel, loaded together
+    return merged + jnp.sum(weights[:, None, :] * parts, axis=0)
+
+  merged = lax.fori_loop(
+    0, steps, add_step, jnp.zeros((CHANNELS_PER_PROGRAM, real_rows), jnp.float32)
+  )
 
   real_row = row < group
   _compat.triton_store(

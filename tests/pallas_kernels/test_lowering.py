@@ -132,12 +132,13 @@ def test_triton_kernels_lower_to_triton_ir(fake_h100, variant, config, group):
   assert "triton" in text
 
 
-@pytest.mark.parametrize("word_order_bits", [None, 2])
-def test_split_merge_kernel_lowers_to_triton_ir(fake_h100, word_order_bits):
-  """The merge's gathers (every split of a channel's slot at once, at its operand position) and
-  its scattered stores, at the shapes of record with a split count that is not a power of two."""
-  partials = jax.ShapeDtypeStruct((2, 2, 24, 128, 8), jnp.float32)
-  lse = jax.ShapeDtypeStruct((2, 2, 24, 8), jnp.float32)
+@pytest.mark.parametrize("word_order_bits,splits", [(None, 24), (2, 24), (2, 700)])
+def test_split_merge_kernel_lowers_to_triton_ir(fake_h100, word_order_bits, splits):
+  """The merge's gathers (32 splits of a channel's slot at once, at its operand position) and
+  its scattered stores, with a split count that is not a power of two, and with the many splits
+  a single head gets (walked in steps)."""
+  partials = jax.ShapeDtypeStruct((2, 2, splits, 128, 8), jnp.float32)
+  lse = jax.ShapeDtypeStruct((2, 2, splits, 8), jnp.float32)
   text = _lower(
     lambda out, total: merge_value_slot_partials_triton(
       out, total, group=3, group_size=32, real_rows=4, word_order_bits=word_order_bits

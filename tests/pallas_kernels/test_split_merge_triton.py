@@ -61,12 +61,18 @@ def _both(out, lse, *, group, group_size, real_rows, bits):
     (1, 64, 8, 1, 1, 16, None),  # one split, one query head in 8 slots
     (5, 64, 16, 8, 8, 64, 4),  # a tile of two slots of 8 rows, word order at head_dim 64
     (3, 128, 8, 8, 5, 128, None),  # one slot, a single value group
+    (70, 128, 8, 4, 4, 32, 2),  # three steps of 32 splits, the last partly empty
   ],
 )
 def test_kernel_matches_xlas_merge_and_pick(
   splits, head_dim, rows, real_rows, group, group_size, bits
 ):
   out, lse = _partials(np.random.default_rng(splits + head_dim), 2, 3, splits, head_dim, rows)
+  if splits > merge.SPLITS_PER_STEP:
+    # one head's largest log-sum-exp in the last step, another's in the first, far above the
+    # rest: the reference point of the exponentials must be the max over every step
+    lse[1, 2, -1] += 10.0
+    lse[0, 1, 0] += 120.0
   (ref_out, ref_lse), (got_out, got_lse) = _both(
     out, lse, group=group, group_size=group_size, real_rows=real_rows, bits=bits
   )
