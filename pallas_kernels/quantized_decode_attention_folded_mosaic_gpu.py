@@ -103,7 +103,12 @@ a multiple of 8 key groups for it (the copy into the swizzled tile starts on a w
 A setting of v36, not yet timed on a GPU: `split_merge="triton"` merges the splits' partials,
 picks each channel's value slot and position and writes the rows in channel order in one Triton
 kernel (`split_merge_triton`) instead of XLA's four (the log-sum-exp, the weights, the weighted
-sum and the pick with its transpose).
+sum and the pick with its transpose). Two more of v36, also untimed:
+`value_stat_loads="own_slot"` has each lane load only its own value slot's scales and minimums
+(`value_stats_own_slot`: half the 16-bit loads and conversions, no select between slots; the
+loop's slowest warp 459 -> 413 instructions per 64 tokens at v34's default by the sm_90a static
+count), and `copy_issuer="spread"` has each warp issue a share of the block's copies (459 -> 435
+there, for a longer mean).
 
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
