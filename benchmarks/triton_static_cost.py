@@ -547,16 +547,14 @@ def split_merge_cost(word_order_bits, *, tokens: int, workdir: str) -> dict:
     ttir, num_warps=split_merge_triton.NUM_WARPS, num_stages=1, workdir=workdir, name="merge"
   )
   instructions = parse_sass(sass)
-  opcodes = {}
-  for _, opcode, _ in instructions:
-    opcodes[opcode] = opcodes.get(opcode, 0) + 1
+  opcodes = collections.Counter(opcode for _, opcode, _ in instructions)
   registers = re.search(r"REG:(\d+)", usage)
   return {
     "name": f"split merge, {splits} splits, word_order_bits={word_order_bits}",
     "instructions": len(instructions),
     "registers": int(registers.group(1)) if registers else -1,
     "global_loads": {op: n for op, n in sorted(opcodes.items()) if op.startswith("LDG")},
-    "opcodes": dict(sorted(opcodes.items(), key=lambda item: -item[1])),
+    "opcodes": dict(opcodes.most_common()),
   }
 
 

@@ -1009,8 +1009,13 @@ def _folded_kernel(
 
     # Per value group ("all_groups", each picked per slot by `value_tile`), or per value tile,
     # each lane holding its own slot's group ("own_slot", natively only).
-    stat_tile = value_tile
-    if value_stat_loads == "own_slot" and not emulate:
+    own_slot_loads = value_stat_loads == "own_slot" and not emulate
+
+    def stat_tile(statistics, t):
+      """Value tile t's [block, rows] statistic from the per-group or per-tile vectors."""
+      return per_token(statistics[t]) if own_slot_loads else value_tile(statistics, t)
+
+    if own_slot_loads:
       v_scales, v_mins = (
         [
           statistic.astype(jnp.float32)
@@ -1020,7 +1025,6 @@ def _folded_kernel(
         ]
         for ring in (v_scale_smem, v_min_smem)
       )
-      stat_tile = lambda per_tile, t: per_token(per_tile[t])  # noqa: E731
     elif value_stats == "pairs":
       v_pairs = [per_token_stats(v_stats_smem, k) for k in range(value_groups)]
       v_scales = [value_scale_of_pair(pair) for pair in v_pairs]

@@ -82,10 +82,6 @@ def merge_value_slot_partials_reference(
   return jnp.swapaxes(picked, 2, 3)[:, :, :group], total[:, :, :group]
 
 
-def _broadcast_mask(mask, shape):
-  return jnp.broadcast_to(mask, shape)
-
-
 def _merge_kernel(
   out_partials_ref,  # f32 [B, H, S, D, R]
   lse_partials_ref,  # f32 [B, H, S, R]
@@ -113,7 +109,7 @@ def _merge_kernel(
     split, valid = splits_of(step)
     return _compat.triton_load(
       lse_partials_ref.at[batch, head, split[:, None], row[None, :]],
-      mask=_broadcast_mask(valid[:, None], (SPLITS_PER_STEP, real_rows)),
+      mask=jnp.broadcast_to(valid[:, None], (SPLITS_PER_STEP, real_rows)),
       other=-jnp.inf,
     )  # [SPLITS_PER_STEP, real_rows]; splits past the last are empty
 
@@ -153,7 +149,7 @@ def _merge_kernel(
       out_partials_ref.at[
         batch, head, split[:, None, None], position[None, :, None], column[None, :, :]
       ],
-      mask=_broadcast_mask(valid[:, None, None], shape),
+      mask=jnp.broadcast_to(valid[:, None, None], shape),
       other=0.0,
     )  # the step's splits' slot of each channel, loaded together
     return merged + jnp.sum(weights[:, None, :] * parts, axis=0)
@@ -166,7 +162,7 @@ def _merge_kernel(
   _compat.triton_store(
     merged_ref.at[batch, head, row[None, :], channel[:, None]],
     merged,
-    mask=_broadcast_mask(real_row[None, :], merged.shape),
+    mask=jnp.broadcast_to(real_row[None, :], merged.shape),
   )
   _compat.triton_store(
     total_ref.at[batch, head, row],

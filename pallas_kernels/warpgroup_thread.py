@@ -1,7 +1,8 @@
 """A warpgroup thread's coordinates inside inline Mosaic GPU code (`plgpu.inline_mgpu` bodies):
-what the kernels' register-level code (`value_operand_registers`, `value_stats_own_slot`) derives
-its rows, columns and addresses from, by the wgmma layout (row 16 warp + lane / 4 of a 64-row
-tile, columns 2 (lane % 4) and 2 (lane % 4) + 1 of each 8)."""
+what the kernels' register-level code (`value_operand_registers`, `value_stats_own_slot`,
+`word_operand_order.load_channels_in_word_order`) derives its rows, columns and addresses from,
+by the wgmma layout (row 16 warp + lane / 4 of a 64-row tile, columns 2 (lane % 4) and
+2 (lane % 4) + 1 of each 8)."""
 
 
 def thread_coordinates():

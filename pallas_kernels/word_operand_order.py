@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.warpgroup_thread import thread_coordinates
+
 OPERAND_ORDERS = ("channel", "word")
 
 
@@ -147,7 +149,6 @@ def load_channels_in_word_order(vector_ref, head_dim: int, bits: int, emulate: b
   )
   def load(_, ref):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import arith, memref, vector
 
@@ -155,16 +156,12 @@ def load_channels_in_word_order(vector_ref, head_dim: int, bits: int, emulate: b
     index_type = ir.IndexType.get()
     layout = fa.WGMMA_LAYOUT.reduce((1,))
     element_type = ir.MemRefType(ref.type).element_type
-    thread = mgpu_utils.thread_idx()
-    lane = arith.remui(thread, mgpu_utils.c(32, i32))
-    warp = arith.remui(arith.divui(thread, mgpu_utils.c(32, i32)), mgpu_utils.c(4, i32))
-    first_row = arith.addi(
-      arith.muli(warp, mgpu_utils.c(16, i32)), arith.divui(lane, mgpu_utils.c(4, i32))
-    )
+    const, lane, warp, _ = thread_coordinates()
+    first_row = arith.addi(arith.muli(warp, const(16)), arith.divui(lane, const(4)))
     registers = np.empty(layout.registers_shape((head_dim,)), dtype=object)
     for index in np.ndindex(registers.shape):
       # index: (row tile m, ..., row half, ...): row 64 m + 16 warp + 8 half + lane / 4
-      row = arith.addi(first_row, mgpu_utils.c(64 * index[0] + 8 * index[2], i32))
+      row = arith.addi(first_row, const(64 * index[0] + 8 * index[2]))
       channel = channel_at_position(_MlirInt(row, i32), head_dim, bits).value
       value = memref.load(ref, [arith.index_cast(index_type, channel)])
       registers[index] = vector.broadcast(ir.VectorType.get((1,), element_type), value)
