@@ -32,7 +32,7 @@
 #   bash benchmarks/gpu_session.sh v34      # v34's third call (~5 min): the new default through
 #                                           # generate, each kernel of one call timed, settings
 #                                           # around it at 32k, ncu of it
-#   bash benchmarks/gpu_session.sh v35      # not yet run (~7 min): q . k_min by the kernel
+#   bash benchmarks/gpu_session.sh v35      # not yet run (~8 min): q . k_min by the kernel
 #                                           # itself (key_bias_source), XLA's products before the
 #                                           # kernel as reductions (key_products), the value codes
 #                                           # from registers (value_operand), with and without
@@ -40,7 +40,12 @@
 #                                           # Triton kernel (split_merge, v36), each lane's
 #                                           # own value statistics (value_stat_loads, v36),
 #                                           # copies from every warp (copy_issuer="spread",
-#                                           # v36); then `final` with the winner and `shapes`
+#                                           # v36), ring slots of two blocks
+#                                           # (blocks_per_copy, v37): native tests and the
+#                                           # 32k sweep
+#   bash benchmarks/gpu_session.sh v35_profile  # right after v35 (~4 min): KIVI-4, each
+#                                           # kernel of a call under ncu, ncu of the candidate;
+#                                           # then `final` with the winner and `shapes`
 #
 # Folded Triton is named as {"variant": "folded"}: since KERNEL_NOTES v29 an empty config is the
 # measured default, which on Hopper is folded Mosaic GPU for most shapes (in v29's own calls, {}
@@ -127,13 +132,15 @@ sweep_shapes_only() {  # sweep_shapes_only LOG "CONTEXT HEADS BITS"... -- CONFIG
   shift
   while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do shapes+=("$1"); shift; done
   shift
-  local configs
+  local configs n_configs="$#"
   configs="[$(IFS=,; echo "$*")]"
   for shape in "${shapes[@]}"; do
     set -- $shape
     local these="$configs"
     [ "$2" = 1 ] && these="[{\"stack_copies\": true}, ${configs#[}"
-    timeout --signal=INT 50 "$python" benchmarks/decode_attention.py --sweep --sweep-only \
+    # 10 s to start, ~12 s per config (v34's calls)
+    timeout --signal=INT $((10 + 12 * n_configs)) "$python" benchmarks/decode_attention.py \
+      --sweep --sweep-only \
       --sweep-context "$1" --query-group "$2" --sweep-bits "$3" --sweep-configs "$these" \
       2>&1 | grep "sweep kivi" | sed "s/^/[$1 q$2 kivi$3] /" | tee -a "$log" || status=1
   done
@@ -444,7 +451,9 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
     ncu_folded_mosaic "${v34}}" >> "$log" || status=1
     exit "$status"
     ;;
-  v35)
+  v35 | v35_profile)
+    # v35 at most ~9.5 min (the native tests 150 s, the products' and merge's tests 60 s, the
+    # 32k sweep 350 s), so the rest is v35_profile's: KIVI-4, each kernel of a call, ncu.
     # After v34 (~5 min): two settings of v34 not yet run on a GPU. "key_products": "reduction"
     # (in v34's third call ncu put XLA's q . k_min, a GEMM fusion, at 41 us of a call whose
     # kernel took 165 us, and row_max="bound"'s second GEMM fusion at 45 us, while "bound" cut
@@ -475,9 +484,16 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
     # with the kernel's bias and register values), natively tested (its inline code runs only
     # there), timed alone and in the candidate of every untimed setting the static count
     # favours, which ncu then profiles.
+    # And v37's "blocks_per_copy": 2 (ring slots of two 64-token blocks in two stages: the
+    # copies issued and waited for once per two blocks; the slowest warp 413 -> 374 instructions
+    # per 64 tokens with "own_slot" at 128 registers, four programs per SM; the candidate's
+    # fixed arm 368 -> 325 but at 130 registers, three per SM; with the kernel's bias, register
+    # values and "own_slot" but no "bound" 385 at 127 registers), in place of two of the
+    # "reduction" combinations, and in the KIVI-4 shapes (417 -> 370, three per SM either way;
+    # the candidate with two stages of one block is four per SM there, 52 KB, at 413).
     set +e
     status=0
-    log="$out/v35.log"
+    log="$out/$1.log"
     kernel_bias="\"key_bias_source\": \"kernel\""
     reduction="\"key_products\": \"reduction\""
     bound="\"row_max\": \"bound\""
@@ -486,28 +502,34 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
     spread="${v30}, \"copy_issuer\": \"spread\", \"value_accumulator\": \"carried\", \
 \"value_stats\": \"separate\"" # v34's settings with each warp issuing a share
     own="\"value_stat_loads\": \"own_slot\""
+    two_blocks="\"num_stages\": 2, \"blocks_per_copy\": 2" # the later num_stages wins
     # everything untimed that the static count favours, together
     candidate="${v34}, ${bound}, ${kernel_bias}, ${values}, ${own}"
-    NATIVE_TESTS_SECONDS=150 device_and_native_tests "$log" || status=1
-    timeout --signal=INT 60 "$python" -m pytest -q -p no:cacheprovider \
-      tests/pallas_kernels/test_key_bias.py tests/pallas_kernels/test_softmax_reference_bounds.py \
-      tests/pallas_kernels/test_key_bias_in_kernel.py tests/pallas_kernels/test_split_merge_triton.py \
-      2>&1 | tail -3 | tee -a "$log" || status=1
-    sweep_at_32k "$log" "[${v34}}, ${v34}, ${kernel_bias}}, ${v34}, ${kernel_bias}, ${values}}, \
+    if [ "$1" = v35 ]; then
+      NATIVE_TESTS_SECONDS=150 device_and_native_tests "$log" || status=1
+      timeout --signal=INT 60 "$python" -m pytest -q -p no:cacheprovider \
+        tests/pallas_kernels/test_key_bias.py tests/pallas_kernels/test_softmax_reference_bounds.py \
+        tests/pallas_kernels/test_key_bias_in_kernel.py tests/pallas_kernels/test_split_merge_triton.py \
+        2>&1 | tail -3 | tee -a "$log" || status=1
+      sweep_at_32k "$log" "[${v34}}, ${v34}, ${kernel_bias}}, ${v34}, ${kernel_bias}, ${values}}, \
 ${v34}, ${bound}, ${kernel_bias}}, ${v34}, ${bound}, ${kernel_bias}, ${values}}, \
-${v34}, ${reduction}}, ${v34}, ${values}}, ${v34}, ${values}, ${reduction}}, \
-${v34}, ${bound}, ${reduction}}, ${v34}, ${bound}, ${reduction}, ${values}}, ${v34}, ${merge}}, \
+${v34}, ${reduction}}, ${v34}, ${values}}, ${v34}, ${bound}, ${reduction}}, ${v34}, ${merge}}, \
 ${v34}, ${kernel_bias}, ${values}, ${merge}}, ${spread}}, ${v34}, ${own}}, ${candidate}}, \
-${candidate}, ${merge}}]" 330 || status=1
+${candidate}, ${merge}}, ${v34}, ${own}, ${two_blocks}}, ${candidate}, ${two_blocks}}, \
+${v34}, ${kernel_bias}, ${values}, ${own}, ${two_blocks}}]" 350 || status=1
+      exit "$status"
+    fi
+    # v35_profile, on the warm machine right after (at most ~4.5 min): what v35 left
     sweep_shapes_only "$log" "32768 4 4" -- "${v34}}" "${v34}, ${values}}" \
-      "${v34}, ${kernel_bias}}" "${candidate}}" || status=1
+      "${v34}, ${kernel_bias}}" "${candidate}}" "${candidate}, ${two_blocks}}" \
+      "${candidate}, \"num_stages\": 2}" || status=1
     call_kernels "${v34}, ${kernel_bias}, ${merge}}" "${candidate}, ${merge}}" \
       "${v34}, ${reduction}}" || status=1
     ncu_folded_mosaic "${candidate}}" >> "$log" || status=1
     exit "$status"
     ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

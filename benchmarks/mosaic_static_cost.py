@@ -37,6 +37,12 @@ with `copy_issuer="first_warp"`); the "first warp only" column counts them. Each
 through the body (`triton_static_cost.warp_path_lengths`: the branches on the warp index taken as
 that warp takes them) gives the "slowest warp" column, what the block's barriers wait for, and
 the mean the issue floor and instructions per element use.
+
+`--min-programs-per-sm N` puts `.minnctapersm N` in the kernel's PTX instead of Mosaic GPU's
+`.minnctapersm 1` before ptxas compiles it: what ptxas does when told to fit N programs per SM
+(for 128 threads and N = 4, at most 128 registers), which Mosaic GPU offers no way to ask for
+(KERNEL_NOTES v37). A measurement of what such a request would give, not of what the kernel
+compiles to on a GPU.
 """
 
 import argparse
@@ -202,6 +208,15 @@ def tool(name: str) -> str:
   raise FileNotFoundError(f"{name} not found under {root}/bin or on PATH (CUDA >= 13 needed)")
 
 
+def with_min_programs_per_sm(ptx: str, programs: int) -> str:
+  """The PTX with its kernel's `.minnctapersm` directive set to `programs`; ValueError if it has
+  none (Mosaic GPU's kernels carry one)."""
+  edited, count = re.subn(r"^\.minnctapersm \d+$", f".minnctapersm {programs}", ptx, flags=re.M)
+  if count != 1:
+    raise ValueError(f"expected one .minnctapersm directive in the PTX, found {count}")
+  return edited
+
+
 def sass_of(ptx: str, workdir: str, name: str) -> tuple[str, str]:
   """(SASS listing, cuobjdump resource usage) of PTX compiled for sm_90a."""
   source = os.path.join(workdir, f"{name}.ptx")
@@ -228,6 +243,11 @@ def main():
     default="[{}]",
     help='JSON list of kernel settings, e.g. \'[{}, {"block_tokens": 64, "num_stages": 4}]\'',
   )
+  parser.add_argument(
+    "--min-programs-per-sm",
+    type=int,
+    help="compile each kernel's PTX with .minnctapersm set to this (see the module doc)",
+  )
   parser.add_argument("--out", help="write the rows as JSON here")
   args = parser.parse_args()
 
@@ -250,11 +270,16 @@ def main():
         call = kernel_call(variant, bits, settings)
         # row_max="bound": each block takes the fixed reference's arm or the exchange's
         arms = (0, 1) if settings.get("row_max") == "bound" else (None,)
-        cases.append((label, f"{variant}{bits}", call, settings["block_tokens"], arms))
+        # a loop iteration computes one ring slot: blocks_per_copy blocks (the folded kernel's)
+        tokens = settings["block_tokens"] * settings.get("blocks_per_copy", 1)
+        cases.append((label, f"{variant}{bits}", call, tokens, arms))
   rows = []
   with tempfile.TemporaryDirectory() as workdir:
     for label, file_name, call, tokens_per_iteration, arms in cases:
       ptx, resources = ptx_of(*call, device)
+      if args.min_programs_per_sm:
+        ptx = with_min_programs_per_sm(ptx, args.min_programs_per_sm)
+        label += f" [.minnctapersm {args.min_programs_per_sm}]"
       sass, usage = sass_of(ptx, workdir, file_name)
       paths = [None]
       if arms != (None,):  # the arm with the row max's FMNMX is the exchange's

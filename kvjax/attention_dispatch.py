@@ -213,9 +213,9 @@ def quantized_decode_attention(
   "fresh" (default) | "carried", "value_stats": "pairs" (default) | "separate", "row_max":
   "exchange" (default) | "bound", "key_products": "einsum" (default) | "reduction",
   "value_operand": "shared_memory" (default) | "registers", "key_bias_source": "xla" (default) |
-  "kernel", "value_stat_loads": "all_groups" (default) | "own_slot", "split_merge": "xla"
-  (default) | "triton"; KIVI segments, others run the Triton kernel with a warning; see
-  `pallas_kernels.quantized_decode_attention_gpu`).
+  "kernel", "value_stat_loads": "all_groups" (default) | "own_slot", "blocks_per_copy": 1
+  (default) | 2 | 4, "split_merge": "xla" (default) | "triton"; KIVI segments, others run the
+  Triton kernel with a warning; see `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=True, family=family)

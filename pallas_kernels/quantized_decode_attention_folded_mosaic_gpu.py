@@ -110,6 +110,12 @@ loop's slowest warp 459 -> 413 instructions per 64 tokens at v34's default by th
 count), and `copy_issuer="spread"` has each warp issue a share of the block's copies (459 -> 435
 there, for a longer mean).
 
+A setting of v37, not yet timed on a GPU: `blocks_per_copy=2` (or 4) makes each ring slot hold
+that many blocks: the first warp issues a slot's TMA copies, and every warp waits for its
+barrier, once per slot, and the loop's body computes the slot's blocks one after another, each
+from its offset in the slot (`BLOCKS_PER_COPY`). The planner gives each split whole slots; a
+row's last slot may hold blocks past its length, which run with every token masked.
+
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
 the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
@@ -291,6 +297,16 @@ DEFAULT_ROW_MAX = "exchange"
 # Which value statistics each lane loads (`value_stats_own_slot`): every value group's, each
 # tile's columns picking their group by a select ("all_groups", v32 on), or per value tile only
 # the group of the lane's own columns ("own_slot", v36; natively only, interpret mode selects).
+# How many compute blocks each ring slot holds (v37): one (v14 on), or two or four, the block's
+# TMA copies then issued, and their barrier waited for, once per slot instead of once per block,
+# with the slot's blocks computed one after another from it. The first warp's copies were 65 of
+# its 368 instructions per 64 tokens in v36's candidate (sm_90a static count), the others' 303:
+# the block's barriers wait for the slowest warp. Each copy is also that many times larger (2 KB
+# of codes per 64 tokens at the shapes of record). The ring's tokens in flight are
+# num_stages * blocks_per_copy blocks: two stages of two blocks take the shared memory of four
+# of one.
+BLOCKS_PER_COPY = (1, 2, 4)
+DEFAULT_BLOCKS_PER_COPY = 1
 # The kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
 KERNEL_SETTINGS = (
   "key_operand",
@@ -304,6 +320,7 @@ KERNEL_SETTINGS = (
   "value_operand",
   "key_bias_source",
   "value_stat_loads",
+  "blocks_per_copy",
 )
 # What the entry points take besides: who merges the splits' partials after the kernel
 # (`split_merge_triton`), XLA's fusions ("xla": four kernels of the decode loop) or one Triton
@@ -356,6 +373,7 @@ def unsupported_reason(
   value_operand=None,
   key_bias_source=None,
   num_splits=None,
+  blocks_per_copy=None,
   **segment,
 ) -> str | None:
   """Why this kernel cannot take this segment with these settings (None if it can); the
@@ -386,20 +404,35 @@ def unsupported_reason(
     return reason
   if key_bias_source == "kernel":
     plan = folded_split_plan(
-      queries, k_codes, block, num_splits, group_size=group_size, key_bias_source=key_bias_source
+      queries,
+      k_codes,
+      block,
+      num_splits,
+      group_size=group_size,
+      key_bias_source=key_bias_source,
+      blocks_per_copy=blocks_per_copy,
     )
     return key_bias_in_kernel.unsupported_reason(plan.split_tokens, group_size)
   return None
 
 
 def folded_split_plan(
-  queries, k_codes, block_tokens, num_splits, *, group_size, key_bias_source
+  queries,
+  k_codes,
+  block_tokens,
+  num_splits,
+  *,
+  group_size,
+  key_bias_source,
+  blocks_per_copy=DEFAULT_BLOCKS_PER_COPY,
 ) -> SplitPlan:
-  """The split plan of a segment (`plan_splits`); with key_bias_source="kernel" each split holds
-  a multiple of 8 key groups (`key_bias_in_kernel.split_blocks_multiple`)."""
-  multiple = 1
+  """The split plan of a segment (`plan_splits`): each split a whole number of ring slots of
+  `blocks_per_copy` blocks (so that no copy reaches into the next split, and only a row's last
+  slot may hold a block past its length); with key_bias_source="kernel" also a multiple of 8
+  key groups (`key_bias_in_kernel.split_blocks_multiple`)."""
+  multiple = blocks_per_copy or DEFAULT_BLOCKS_PER_COPY
   if key_bias_source == "kernel":
-    multiple = split_blocks_multiple(block_tokens, group_size)
+    multiple = math.lcm(multiple, split_blocks_multiple(block_tokens, group_size))
   return plan_splits(
     k_codes.shape[2],
     block_tokens,
@@ -422,22 +455,23 @@ def ring_slot_shapes(
   head_dim,
   bits,
   group_size,
-  block_tokens,
+  slot_tokens,
   value_stats=DEFAULT_VALUE_STATS,
   key_bias_source=DEFAULT_KEY_BIAS_SOURCE,
 ) -> dict:
-  """{ring buffer: (shape of one slot, dtype)}: what TMA writes per block and stage, in the
-  order the copies are issued. No key-bias slots when the kernel computes the bias itself."""
+  """{ring buffer: (shape of one slot, dtype)}: what TMA writes per slot of `slot_tokens` tokens
+  (a block, or `blocks_per_copy` of them) and stage, in the order the copies are issued. No
+  key-bias slots when the kernel computes the bias itself."""
   words = head_dim * bits // 32
   rows = tile_rows(group)
-  key_groups = block_tokens // group_size
+  key_groups = slot_tokens // group_size
   value_groups = head_dim // group_size
   if value_stats == "pairs":  # (scale, minimum) bf16 pairs, group-major
-    value_statistics = dict(v_stats_smem=((value_groups, block_tokens), jnp.uint32))
+    value_statistics = dict(v_stats_smem=((value_groups, slot_tokens), jnp.uint32))
   else:  # scales and minimums, each group-major
     value_statistics = dict(
-      v_scale_smem=((value_groups, block_tokens), jnp.bfloat16),
-      v_min_smem=((value_groups, block_tokens), jnp.bfloat16),
+      v_scale_smem=((value_groups, slot_tokens), jnp.bfloat16),
+      v_min_smem=((value_groups, slot_tokens), jnp.bfloat16),
     )
   key_bias_ring = {}
   if key_bias_source == "xla":
@@ -445,10 +479,10 @@ def ring_slot_shapes(
       key_bias_smem=((key_bias_slot_groups(key_groups, rows), rows), jnp.float32)
     )
   return dict(
-    k_words_smem=((block_tokens, words), jnp.uint32),
+    k_words_smem=((slot_tokens, words), jnp.uint32),
     k_scale_smem=((key_groups, head_dim), jnp.bfloat16),
     **key_bias_ring,
-    v_words_smem=((block_tokens, words), jnp.uint32),
+    v_words_smem=((slot_tokens, words), jnp.uint32),
     **value_statistics,
   )
 
@@ -465,17 +499,20 @@ def shared_memory_bytes(
   code_tile=True,
   key_bias_source=DEFAULT_KEY_BIAS_SOURCE,
   split_groups=0,
+  blocks_per_copy=DEFAULT_BLOCKS_PER_COPY,
 ):
   """Bytes of shared memory one program allocates, each buffer rounded up to the 1024-byte
   alignment Pallas gives it (an upper bound: 72704 for the shapes of record, which compile to
   71680). Q' and P' share one buffer unless row_max="bound" (`_folded_kernel`'s scratch); the
   code tile only where codes are staged (`needs_code_tile`). With key_bias_source="kernel"
   (`key_bias_in_kernel`; `split_groups` key groups per split) the bias buffer, and the query
-  halves and k_min tile (the code tile, if there is one) in the union with Q' and P'."""
+  halves and k_min tile (the code tile, if there is one) in the union with Q' and P'. Ring slots
+  hold `blocks_per_copy` blocks each."""
   rows = tile_rows(group)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
+  slot_tokens = block_tokens * blocks_per_copy
   ring_slots = ring_slot_shapes(
-    group, head_dim, bits, group_size, block_tokens, value_stats, key_bias_source
+    group, head_dim, bits, group_size, slot_tokens, value_stats, key_bias_source
   )
   ring = [math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in ring_slots.values()]
   buffers = [num_stages * size for size in ring] + [
@@ -548,6 +585,7 @@ def check_folded_settings(
   value_operand=DEFAULT_VALUE_OPERAND,
   key_bias_source=DEFAULT_KEY_BIAS_SOURCE,
   value_stat_loads=DEFAULT_VALUE_STAT_LOADS,
+  blocks_per_copy=DEFAULT_BLOCKS_PER_COPY,
   split_merge=DEFAULT_SPLIT_MERGE,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values, or a
@@ -575,11 +613,20 @@ def check_folded_settings(
   check_key_bias_source(key_bias_source)
   check_split_merge(split_merge)
   check_value_stat_loads(value_stat_loads)
+  check_blocks_per_copy(blocks_per_copy)
   if key_bias_source == "kernel" and key_products != DEFAULT_KEY_PRODUCT:
     raise ValueError(
       f"key_products={key_products!r} sets how XLA computes the key products; with "
       f"key_bias_source='kernel' the kernel computes them (the bias, and with row_max='bound' "
       f"the bounds) and XLA none: leave it at {DEFAULT_KEY_PRODUCT!r}"
+    )
+
+
+def check_blocks_per_copy(blocks_per_copy) -> None:
+  """ValueError unless `blocks_per_copy` is one of BLOCKS_PER_COPY (an int, not a bool)."""
+  if isinstance(blocks_per_copy, bool) or blocks_per_copy not in BLOCKS_PER_COPY:
+    raise ValueError(
+      f"blocks_per_copy={blocks_per_copy!r} is not supported; allowed: {BLOCKS_PER_COPY}"
     )
 
 
@@ -626,11 +673,14 @@ def check_config(
     ),
     folded_settings.get("key_bias_source", DEFAULT_KEY_BIAS_SOURCE),
     split_groups,
+    folded_settings.get("blocks_per_copy", DEFAULT_BLOCKS_PER_COPY),
   )
   if needed > SHARED_MEMORY_BYTES:
+    blocks_per_copy = folded_settings.get("blocks_per_copy", DEFAULT_BLOCKS_PER_COPY)
     raise ValueError(
-      f"block_tokens={block_tokens} with num_stages={num_stages} needs {needed} bytes of shared "
-      f"memory; at most {SHARED_MEMORY_BYTES} fit: lower either"
+      f"block_tokens={block_tokens} with num_stages={num_stages} and "
+      f"blocks_per_copy={blocks_per_copy} needs {needed} bytes of shared memory; at most "
+      f"{SHARED_MEMORY_BYTES} fit: lower one of them"
     )
 
 
@@ -652,9 +702,13 @@ def stage_codes(words, bits: int, emulate: bool):
   return jnp.concatenate(lows + highs, axis=1)
 
 
-def _staged_chunks(words_smem, *, slot, bits, emulate, operand_order) -> list:
-  """Ring slot `slot` of `words_smem` ([stages, block, W] code words) as bf16 [64, D] register
-  arrays in the wgmma layout, one per 64-token wgmma row tile, columns in `operand_order`."""
+def _staged_chunks(
+  words_smem, *, slot, bits, emulate, operand_order, first_token=0, tokens=None
+) -> list:
+  """Tokens [first_token, first_token + tokens) (default: all) of ring slot `slot` of
+  `words_smem` ([stages, slot tokens, W] code words) as bf16 [64, D] register arrays in the wgmma
+  layout, one per 64-token wgmma row tile, columns in `operand_order`."""
+  tokens = words_smem.shape[1] - first_token if tokens is None else tokens
 
   def stage(words):
     if operand_order == "channel":
@@ -667,16 +721,24 @@ def _staged_chunks(words_smem, *, slot, bits, emulate, operand_order) -> list:
     return stage_words_in_word_order(words, bits)
 
   return [
-    wgmma_layout(stage(wgmma_layout(words_smem[slot, pl.ds(c * CHUNK_TOKENS, CHUNK_TOKENS), :])))
-    for c in range(words_smem.shape[1] // CHUNK_TOKENS)
+    wgmma_layout(
+      stage(wgmma_layout(words_smem[slot, pl.ds(first_token + c * CHUNK_TOKENS, CHUNK_TOKENS), :]))
+    )
+    for c in range(tokens // CHUNK_TOKENS)
   ]
 
 
-def _stage_block(codes_smem, words_smem, *, slot, bits, emulate, operand_order):
-  """Stages ring slot `slot` of `words_smem` ([stages, block, W] code words) into `codes_smem`
-  ([block, D] bf16), one 64-token wgmma row tile at a time."""
+def _stage_block(codes_smem, words_smem, *, slot, bits, emulate, operand_order, first_token=0):
+  """Stages the block at `first_token` of ring slot `slot` of `words_smem` ([stages, slot tokens,
+  W] code words) into `codes_smem` ([block, D] bf16), one 64-token wgmma row tile at a time."""
   chunks = _staged_chunks(
-    words_smem, slot=slot, bits=bits, emulate=emulate, operand_order=operand_order
+    words_smem,
+    slot=slot,
+    bits=bits,
+    emulate=emulate,
+    operand_order=operand_order,
+    first_token=first_token,
+    tokens=codes_smem.shape[0],
   )
   for c, chunk in enumerate(chunks):
     codes_smem[pl.ds(c * CHUNK_TOKENS, CHUNK_TOKENS), :] = chunk
@@ -731,6 +793,7 @@ def _folded_kernel(
   value_operand: str,
   key_bias_source: str,
   value_stat_loads: str,
+  blocks_per_copy: int,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
@@ -749,7 +812,7 @@ def _folded_kernel(
     (key_stack_smem, value_stack_smem), *prologue_smem = stacks_smem
   else:
     key_stack_smem, value_stack_smem, *prologue_smem = stacks_smem
-  key_groups = k_scale_smem.shape[1]
+  key_groups = block // group_size  # per block; a ring slot holds blocks_per_copy blocks' worth
   value_groups = value_stats_rings[0].shape[1]
   slots = rows // real_rows  # value groups per value tile (`value_slots`)
   value_tiles = value_stack_smem.shape[0] // rows
@@ -773,6 +836,10 @@ def _folded_kernel(
     plgpu.copy_gmem_to_smem(query_halves_gmem.at[row, head], query_halves_smem, queries_barrier)
   plgpu.barrier_wait(lengths_barrier)
   start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
+  # Copies of blocks_per_copy blocks each: the split's last may hold blocks past the row's
+  # length, which the loop computes with every token masked (the plan gives each split whole
+  # copies, so they are the row's last split's only).
+  num_copies = (num_blocks + blocks_per_copy - 1) // blocks_per_copy
   if key_bias_source == "kernel":
     key_bias_rings, key_bias_sources = (), ()
   else:
@@ -791,13 +858,14 @@ def _folded_kernel(
     row=row,
     head=head,
     start=start,
-    block=block,
+    block=block * blocks_per_copy,
     group_size=group_size,
     num_stages=num_stages,
     group_streams=1 + len(key_bias_rings),
   )
 
   def fetch(i):
+    """Starts the copies of ring slot i (of the split's `num_copies`)."""
     if copy_issuer == "first_warp":
       plgpu.warp_map(lambda warp: pl.when(warp == 0)(functools.partial(fetch_copies, i)))
     elif copy_issuer == "spread":
@@ -810,7 +878,7 @@ def _folded_kernel(
       fetch_copies(i)
 
   for i in range(num_stages - 1):
-    pl.when(i < num_blocks)(functools.partial(fetch, i))
+    pl.when(i < num_copies)(functools.partial(fetch, i))
   plgpu.barrier_wait(queries_barrier)
   if key_bias_source == "kernel":
     # After the ring's first copies are issued, so that they land while the bias (and with
@@ -856,15 +924,13 @@ def _folded_kernel(
       tile = jnp.where(value_slot == s, per_token(per_group[i * slots + s]), tile)
     return tile
 
-  def body(i, state, reference=None):
-    """One block. `reference` [rows]: the split's fixed softmax reference (row_max="bound"),
-    so nothing is rescaled; None: the online softmax's running max."""
+  def body(i, slot, token_offset, state, reference=None):
+    """Block i of the split, tokens [token_offset, token_offset + block) of ring slot `slot`,
+    whose copies have landed. `reference` [rows]: the split's fixed softmax reference
+    (row_max="bound"), so nothing is rescaled; None: the online softmax's running max."""
     acc, running_max, sum_partials, value_bias_partials = state
-    slot = lax.rem(i, num_stages)
-    pl.when(i + num_stages - 1 < num_blocks)(functools.partial(fetch, i + num_stages - 1))
     first = start + i * block
-    for barrier in waited_barriers:
-      plgpu.barrier_wait(barrier.at[slot])
+    slot_group = token_offset // group_size  # the block's first key group in the slot
 
     stage = functools.partial(
       _stage_block,
@@ -873,6 +939,7 @@ def _folded_kernel(
       bits=bits,
       emulate=emulate,
       operand_order=operand_order,
+      first_token=token_offset,
     )
     if block_start_barrier:
       # The code tile (and, with Q' and P' in one buffer, P') was last read by the previous
@@ -881,18 +948,26 @@ def _folded_kernel(
       plgpu.commit_smem()
     if key_operand == "registers":
       key_chunks = _staged_chunks(
-        k_words_smem, slot=slot, bits=bits, emulate=emulate, operand_order=operand_order
+        k_words_smem,
+        slot=slot,
+        bits=bits,
+        emulate=emulate,
+        operand_order=operand_order,
+        first_token=token_offset,
+        tokens=block,
       )
     else:
       stage(k_words_smem)
     for k in range(key_groups):
       if operand_order == "word":
         k_scale = per_channel(
-          load_channels_in_word_order(k_scale_smem.at[slot, k], head_dim, bits, emulate)
+          load_channels_in_word_order(
+            k_scale_smem.at[slot, slot_group + k], head_dim, bits, emulate
+          )
         )
       else:
         k_scale = per_channel(
-          plgpu.layout_cast(k_scale_smem[slot, k, :], plgpu.Layout.WGMMA.reduce(1))
+          plgpu.layout_cast(k_scale_smem[slot, slot_group + k, :], plgpu.Layout.WGMMA.reduce(1))
         )
       key_stack_smem.at[pl.ds(k * rows, rows)].T[...] = code_queries * k_scale
     plgpu.commit_smem()  # staged codes and Q' visible to the tensor core
@@ -902,7 +977,7 @@ def _folded_kernel(
       if key_bias_source == "kernel":
         biases = [split_bias_smem[i * key_groups + k, :] for k in groups]
       else:
-        biases = [key_bias_smem[slot, k, :] for k in groups]
+        biases = [key_bias_smem[slot, slot_group + k, :] for k in groups]
       return jnp.concatenate(
         [plgpu.layout_cast(bias, plgpu.Layout.WGMMA.reduce(0)) for bias in biases]
       )
@@ -991,7 +1066,9 @@ def _folded_kernel(
     value_codes = None
     if value_operand == "registers" and not emulate:
       # Read here, before the commit below: TMA refills this ring slot only after it.
-      value_codes = value_operand_from_registers(v_words_smem.at[slot], head_dim, bits)
+      value_codes = value_operand_from_registers(
+        v_words_smem.at[slot], head_dim, bits, first_token=token_offset, tokens=block
+      )
     else:
       if reference is not None and key_operand == "shared_memory":
         # Without the row max's cross-warp reduction nothing says the other warps' key
@@ -1005,7 +1082,9 @@ def _folded_kernel(
     valid_token = token_in_block + first < end
 
     def per_token_stats(ring, k):
-      return plgpu.layout_cast(ring[slot, k, :], plgpu.Layout.WGMMA.reduce(1))
+      return plgpu.layout_cast(
+        ring[slot, k, pl.ds(token_offset, block)], plgpu.Layout.WGMMA.reduce(1)
+      )
 
     # Per value group ("all_groups", each picked per slot by `value_tile`), or per value tile,
     # each lane holding its own slot's group ("own_slot", natively only).
@@ -1020,7 +1099,12 @@ def _folded_kernel(
         [
           statistic.astype(jnp.float32)
           for statistic in own_slot_statistics(
-            ring.at[slot], tiles=value_tiles, rows=rows, real_rows=real_rows
+            ring.at[slot],
+            tiles=value_tiles,
+            rows=rows,
+            real_rows=real_rows,
+            first_token=token_offset,
+            tokens=block,
           )
         ]
         for ring in (v_scale_smem, v_min_smem)
@@ -1093,8 +1177,20 @@ def _folded_kernel(
     )
     return rescale_accumulator(acc) + update, new_max, sum_partials, value_bias_partials
 
+  def copy_step(c, state, reference=None):
+    """Ring slot c of the split's copies: starts the copies of the slot `num_stages` - 1 ahead,
+    waits for this one's, and computes its blocks one after another."""
+    slot = lax.rem(c, num_stages)
+    pl.when(c + num_stages - 1 < num_copies)(functools.partial(fetch, c + num_stages - 1))
+    for barrier in waited_barriers:
+      plgpu.barrier_wait(barrier.at[slot])
+    for position in range(blocks_per_copy):
+      i = c * blocks_per_copy + position
+      state = body(i, slot, position * block, state, reference)
+    return state
+
   _, initial_max, _ = initial_softmax_state(rows, head_dim)
-  start_max, step = initial_max, body
+  start_max, step = initial_max, copy_step
   if row_max == "bound":
     # Read before the loop: lse_smem takes the output's lse after it. Every thread reads the
     # same first element, so the whole warpgroup takes the same branch at every block. One loop
@@ -1107,8 +1203,8 @@ def _folded_kernel(
     else:  # XLA's are EXCHANGE in every row or none
       exchange = lse_smem[0] == EXCHANGE
     start_max = lax.cond(exchange, lambda: initial_max, lambda: reference)
-    step = lambda i, state: lax.cond(
-      exchange, body, functools.partial(body, reference=reference), i, state
+    step = lambda c, state: lax.cond(
+      exchange, copy_step, functools.partial(copy_step, reference=reference), c, state
     )
   init = (
     wgmma_layout(jnp.zeros((head_dim, value_tiles * rows), jnp.float32)),
@@ -1116,7 +1212,7 @@ def _folded_kernel(
     wgmma_layout(jnp.zeros((block, rows), jnp.float32)),
     wgmma_layout(jnp.zeros((block, value_tiles * rows), jnp.float32)),
   )
-  acc, running_max, sum_partials, value_bias_partials = lax.fori_loop(0, num_blocks, step, init)
+  acc, running_max, sum_partials, value_bias_partials = lax.fori_loop(0, num_copies, step, init)
   running_sum = sum_partials.sum(axis=0)
   value_bias = value_bias_partials.sum(axis=0)
 
@@ -1185,6 +1281,7 @@ def _jitted_kernel_outputs(
   value_operand,
   key_bias_source,
   value_stat_loads,
+  blocks_per_copy,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -1209,8 +1306,9 @@ def _jitted_kernel_outputs(
     value_statistics = (jnp.swapaxes(v_scale, 2, 3), jnp.swapaxes(v_min, 2, 3))
   lengths = padded_lengths(lengths)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
+  slot_tokens = block_tokens * blocks_per_copy
   ring_slots = ring_slot_shapes(
-    group, head_dim, bits, group_size, block_tokens, value_stats, key_bias_source
+    group, head_dim, bits, group_size, slot_tokens, value_stats, key_bias_source
   )
   operand = functools.partial(swizzled_operand_transforms, dtype=jnp.bfloat16)
   code_tile = needs_code_tile(key_operand, value_operand, interpret)
@@ -1254,6 +1352,7 @@ def _jitted_kernel_outputs(
       value_operand=value_operand,
       key_bias_source=key_bias_source,
       value_stat_loads=value_stat_loads,
+      blocks_per_copy=blocks_per_copy,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
@@ -1438,6 +1537,7 @@ def folded_kernel_outputs(
   value_operand: str = DEFAULT_VALUE_OPERAND,
   key_bias_source: str = DEFAULT_KEY_BIAS_SOURCE,
   value_stat_loads: str = DEFAULT_VALUE_STAT_LOADS,
+  blocks_per_copy: int = DEFAULT_BLOCKS_PER_COPY,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (rows in operand positions, every value
@@ -1446,6 +1546,7 @@ def folded_kernel_outputs(
   dequantizing.check_settings(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
   )
+  check_blocks_per_copy(blocks_per_copy)  # before the split plan, which takes it as a multiple
   reason = unsupported_reason(
     queries,
     k_codes,
@@ -1458,6 +1559,7 @@ def folded_kernel_outputs(
     value_operand=value_operand,
     key_bias_source=key_bias_source,
     num_splits=num_splits,
+    blocks_per_copy=blocks_per_copy,
   )
   if reason is not None:
     raise ValueError(
@@ -1475,6 +1577,7 @@ def folded_kernel_outputs(
     value_operand=value_operand,
     key_bias_source=key_bias_source,
     value_stat_loads=value_stat_loads,
+    blocks_per_copy=blocks_per_copy,
   )
   plan = folded_split_plan(
     queries,
@@ -1483,6 +1586,7 @@ def folded_kernel_outputs(
     num_splits,
     group_size=group_size,
     key_bias_source=key_bias_source,
+    blocks_per_copy=blocks_per_copy,
   )
   check_config(
     queries.shape[2],

@@ -125,6 +125,7 @@ def mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, *, config: di
     value_operand=config.get("value_operand"),
     key_bias_source=config.get("key_bias_source"),
     num_splits=config.get("num_splits"),
+    blocks_per_copy=config.get("blocks_per_copy"),
     **segment,
   )
 

@@ -146,10 +146,13 @@ def value_operand_unsupported_reason(head_dim: int, block_tokens: int) -> str | 
   return None
 
 
-def value_operand_from_registers(words_ref, head_dim: int, bits: int) -> jax.Array:
-  """A [block, W] uint32 planar-word ref in shared memory -> bf16 [D, block] in the wgmma
-  layout: channel m's codes of every token, masked in place (`inline_mgpu`, native only)."""
-  tokens = words_ref.shape[0]
+def value_operand_from_registers(
+  words_ref, head_dim: int, bits: int, *, first_token: int = 0, tokens: int | None = None
+) -> jax.Array:
+  """Tokens [first_token, first_token + tokens) (default: all) of a [slot tokens, W] uint32
+  planar-word ref in shared memory -> bf16 [D, tokens] in the wgmma layout: channel m's codes of
+  every token, masked in place (`inline_mgpu`, native only)."""
+  tokens = words_ref.shape[0] - first_token if tokens is None else tokens
   sources = register_sources(head_dim, bits)
   groups = shared_sources(sources)
 
@@ -194,10 +197,10 @@ def value_operand_from_registers(words_ref, head_dim: int, bits: int) -> jax.Arr
       thread_sources = {key: per_thread(*key) for keys in same_word for key in keys}
       word_index = arith.index_cast(index_type, thread_sources[same_word[0][0]][0])
       for column_group in range(tokens // 8):
-        first_token = arith.addi(arith.muli(quad, const(2)), const(8 * column_group))
+        pair_token = arith.addi(arith.muli(quad, const(2)), const(first_token + 8 * column_group))
         pair = [
           memref.load(ref, [arith.index_cast(index_type, token), word_index])
-          for token in (first_token, arith.addi(first_token, const(1)))
+          for token in (pair_token, arith.addi(pair_token, const(1)))
         ]
         for same_selector in same_word:
           # prmt's first operand's bytes are 0-3, the second's 4-7 (utils.prmt names them

@@ -73,12 +73,20 @@ def lane_groups(tile: int, rows: int, real_rows: int, value_groups: int) -> np.n
 
 
 def own_slot_statistics(
-  statistics_ref, *, tiles: int, rows: int, real_rows: int
+  statistics_ref,
+  *,
+  tiles: int,
+  rows: int,
+  real_rows: int,
+  first_token: int = 0,
+  tokens: int | None = None,
 ) -> list[jax.Array]:
-  """A [value groups, block] bf16 ref in shared memory (one ring slot of group-major scales or
-  minimums) -> per value tile a bf16 [block] row vector in the wgmma row layout whose lanes hold
-  the statistic of their own columns' group (`lane_groups`) for each of their tokens."""
-  value_groups, block = statistics_ref.shape
+  """Tokens [first_token, first_token + tokens) (default: all) of a [value groups, slot tokens]
+  bf16 ref in shared memory (one ring slot of group-major scales or minimums) -> per value tile
+  a bf16 [tokens] row vector in the wgmma row layout whose lanes hold the statistic of their own
+  columns' group (`lane_groups`) for each of their tokens."""
+  value_groups, slot_tokens = statistics_ref.shape
+  block = slot_tokens - first_token if tokens is None else tokens
   slots = rows // real_rows
   row_layout = plgpu.Layout.WGMMA.reduce(1)
 
@@ -100,7 +108,7 @@ def own_slot_statistics(
     tokens = {}
     for row_tile in range(block // _ROW_TILE):
       for half in range(2):
-        token = arith.addi(token_in_tile, const(_ROW_TILE * row_tile + 8 * half))
+        token = arith.addi(token_in_tile, const(first_token + _ROW_TILE * row_tile + 8 * half))
         tokens[(row_tile, half)] = arith.index_cast(index_type, token)
     outputs = []
     for tile in range(tiles):

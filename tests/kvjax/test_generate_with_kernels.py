@@ -140,6 +140,26 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       jnp.bfloat16,
     ),
     (
+      # The folded Mosaic GPU kernel with ring slots of two 64-token blocks (KERNEL_NOTES v37)
+      # and v36's candidate settings, through the decode loop.
+      "kivi:bits=4,group_size=16,residual=16",
+      KernelSettings(
+        quantized={
+          "lowering": "mosaic_gpu",
+          "variant": "folded",
+          "block_tokens": 64,
+          "num_stages": 2,
+          "blocks_per_copy": 2,
+          "row_max": "bound",
+          "key_bias_source": "kernel",
+          "value_operand": "registers",
+          "value_stats": "separate",
+          "value_stat_loads": "own_slot",
+        }
+      ),
+      jnp.bfloat16,
+    ),
+    (
       # 2 query heads per KV head: the folded kernel's stacked operands in 2 copies instead of
       # 2 padding query rows (KERNEL_NOTES v22).
       "kivi:bits=2,group_size=16,residual=16",
@@ -174,6 +194,11 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
         "value_operand",
         "key_bias_source",
         "split_merge",
+        "block_tokens",
+        "num_stages",
+        "blocks_per_copy",
+        "value_stats",
+        "value_stat_loads",
       )
       seen.append({k: v for k, v in kwargs.items() if k in recorded})
       return kernel(*args, **kwargs)

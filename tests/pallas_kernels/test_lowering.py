@@ -323,6 +323,26 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       16,
       dict(block_tokens=128, value_stats="separate", value_stat_loads="own_slot"),
     ),
+    # v37: ring slots of two blocks (each block's loads at its offset in the slot), with the
+    # Hopper default's settings and with every untimed setting of v34-v36 (the fixed reference
+    # in both branches of the loop's body)
+    ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, num_stages=2, blocks_per_copy=2)),
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(
+        V34_SETTINGS,
+        num_stages=2,
+        blocks_per_copy=2,
+        value_stat_loads="own_slot",
+        row_max="bound",
+        key_bias_source="kernel",
+        value_operand="registers",
+      ),
+    ),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

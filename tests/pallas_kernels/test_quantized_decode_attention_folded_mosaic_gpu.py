@@ -263,6 +263,31 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         key_bias_source="kernel",
       ),
     ),
+    # ring slots of several blocks, copied and waited for once per slot (v37): two blocks per
+    # slot with the Hopper default's settings over a row of three blocks (its second slot's
+    # second block past the capacity and the length); the candidate of v36 (both code operands
+    # from registers, the kernel's bias and references, each lane's own statistics); four
+    # blocks per slot with the dequantizing defaults' paths (staged keys, channel order, paired
+    # statistics, every warp copying), a split ending one block into a slot
+    (2, 128, 4, 32, 160, dict(V34_SETTINGS, num_stages=2, num_splits=1, blocks_per_copy=2)),
+    (
+      2,
+      128,
+      4,
+      32,
+      224,
+      dict(
+        V34_SETTINGS,
+        num_stages=2,
+        num_splits=1,
+        blocks_per_copy=2,
+        row_max="bound",
+        key_bias_source="kernel",
+        value_operand="registers",
+        value_stat_loads="own_slot",
+      ),
+    ),
+    (4, 64, 3, 16, 448, dict(block_tokens=64, num_stages=2, num_splits=2, blocks_per_copy=4)),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -718,6 +743,62 @@ def test_kernel_key_bias_plans_splits_of_whole_eight_group_tiles():
     )
     assert plan.num_splits == splits
     assert (plan.split_tokens // 32) % 8 == 0 or source == "xla"
+
+
+def test_ring_slots_of_several_blocks_plan_whole_slots_per_split():
+  """blocks_per_copy: each split a whole number of ring slots (24 blocks asked in 8 splits: 3
+  blocks each, or with two blocks per slot 4 each, 6 splits; with the kernel's bias also a
+  multiple of 8 key groups, 4 blocks at group 32), so that no copy reaches into the next
+  split."""
+  arrays, _ = _zeros_segment(tokens=1536, group_size=32)
+  for source, blocks_per_copy, splits in (
+    ("xla", 1, 8),
+    ("xla", 2, 6),
+    ("xla", 4, 6),
+    ("kernel", 2, 6),
+  ):
+    plan = folded.folded_split_plan(
+      arrays[0],
+      arrays[1],
+      64,
+      8,
+      group_size=32,
+      key_bias_source=source,
+      blocks_per_copy=blocks_per_copy,
+    )
+    assert plan.num_splits == splits
+    assert (plan.split_tokens // 64) % blocks_per_copy == 0
+
+
+def test_two_stages_of_two_blocks_take_the_memory_of_four_stages_of_one():
+  """The ring's bytes are stages x slot tokens: v36's candidate at four programs per SM either
+  way; a ring past what a program may allocate is refused with the setting named."""
+  shapes = (4, 128, 2, 32, 64)
+  settings = dict(value_stats="separate", row_max="bound", code_tile=False)
+  one = folded.shared_memory_bytes(*shapes, 4, **settings)
+  assert folded.shared_memory_bytes(*shapes, 2, **settings, blocks_per_copy=2) == one
+  assert folded.shared_memory_bytes(*shapes, 4, **settings, blocks_per_copy=2) > one
+  folded.check_config(4, 128, 4, 32, block_tokens=128, num_stages=4, num_splits=None)
+  with pytest.raises(ValueError, match=r"num_stages=4 and blocks_per_copy=4 needs \d+ bytes"):
+    folded.check_config(
+      4, 128, 4, 32, block_tokens=128, num_stages=4, num_splits=None, blocks_per_copy=4
+    )
+
+
+@pytest.mark.parametrize("value", [3, 0, True, "2"])
+def test_a_bad_blocks_per_copy_is_named(value):
+  arrays, quantization = _zeros_segment()
+  message = rf"blocks_per_copy={value!r} is not supported; allowed: \(1, 2, 4\)"
+  with pytest.raises(ValueError, match=message):
+    folded.folded_partials_mosaic_gpu(
+      *arrays, **quantization, sm_scale=1.0, block_tokens=64, blocks_per_copy=value
+    )
+  with pytest.raises(ValueError, match=message):
+    quantized_decode_attention_gpu.check_config(
+      {"lowering": "mosaic_gpu", "variant": "folded", "blocks_per_copy": value}
+    )
+  with pytest.raises(ValueError, match=r"\['blocks_per_copy'\] are taken by the folded Mosaic"):
+    quantized_decode_attention_gpu.check_config({"lowering": "mosaic_gpu", "blocks_per_copy": 2})
 
 
 def test_folded_refuses_non_bf16_statistics():

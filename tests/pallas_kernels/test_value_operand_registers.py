@@ -94,11 +94,20 @@ def test_sizes_the_operand_cannot_take_are_named():
 
 
 @pytest.mark.parametrize(
-  "head_dim,bits,tokens,first_thread",
-  [(128, 2, 64, 0), (128, 4, 64, 0), (64, 2, 128, 0), (64, 4, 64, 128), (128, 2, 128, 256)],
+  "head_dim,bits,tokens,first_thread,first_token",
+  [
+    (128, 2, 64, 0, 0),
+    (128, 4, 64, 0, 0),
+    (64, 2, 128, 0, 0),
+    (64, 4, 64, 128, 0),
+    (128, 2, 128, 256, 0),
+    # a block of a ring slot that holds several (blocks_per_copy): its tokens only
+    (128, 2, 64, 0, 64),
+    (64, 4, 64, 128, 192),
+  ],
 )
 def test_the_inline_code_assembles_what_the_model_does(
-  head_dim, bits, tokens, first_thread, monkeypatch
+  head_dim, bits, tokens, first_thread, first_token, monkeypatch
 ):
   """`value_operand_from_registers`'s own code, run with each MLIR op it emits replaced by the
   same operation on numpy arrays of the warpgroup's 128 threads (PTX's prmt as defined:
@@ -111,8 +120,9 @@ def test_the_inline_code_assembles_what_the_model_does(
   from pallas_kernels import value_operand_registers
 
   words_per_token = head_dim * bits // 32
-  words = np.random.default_rng(head_dim + bits + tokens)
-  words = words.integers(0, 2**32, (tokens, words_per_token), np.uint64).astype(np.uint32)
+  slot_tokens = first_token + tokens + (64 if first_token else 0)  # blocks before and after
+  words = np.random.default_rng(head_dim + bits + tokens + first_token)
+  words = words.integers(0, 2**32, (slot_tokens, words_per_token), np.uint64).astype(np.uint32)
   emulate_inline_code(
     monkeypatch,
     first_thread=first_thread,
@@ -126,7 +136,9 @@ def test_the_inline_code_assembles_what_the_model_does(
     shape = words.shape
 
   with ir.Context(), ir.Location.unknown():
-    value_operand_registers.value_operand_from_registers(WordsRef(), head_dim, bits)
+    value_operand_registers.value_operand_from_registers(
+      WordsRef(), head_dim, bits, first_token=first_token, tokens=tokens
+    )
   operand = np.zeros((head_dim, tokens), np.uint16)
   thread = np.arange(128)
   warp, lane = thread // 32, thread % 32
@@ -137,4 +149,5 @@ def test_the_inline_code_assembles_what_the_model_does(
     register = register.astype(np.uint32)
     operand[row, column] = register & 0xFFFF
     operand[row, column + 1] = register >> 16
-  np.testing.assert_array_equal(operand, _masked_in_place(words, bits))
+  block_words = words[first_token : first_token + tokens]
+  np.testing.assert_array_equal(operand, _masked_in_place(block_words, bits))

@@ -58,11 +58,19 @@ def test_a_bad_value_stat_loads_is_named():
 
 
 @pytest.mark.parametrize(
-  "block,rows,real_rows,value_groups,first_thread",
-  [(64, 8, 4, 4, 0), (128, 8, 2, 8, 128), (64, 8, 4, 3, 0), (64, 16, 16, 2, 256)],
+  "block,rows,real_rows,value_groups,first_thread,first_token",
+  [
+    (64, 8, 4, 4, 0, 0),
+    (128, 8, 2, 8, 128, 0),
+    (64, 8, 4, 3, 0, 0),
+    (64, 16, 16, 2, 256, 0),
+    # a block of a ring slot that holds several (blocks_per_copy): its tokens only
+    (64, 8, 4, 4, 0, 64),
+    (64, 8, 2, 3, 128, 128),
+  ],
 )
 def test_the_inline_code_loads_each_lanes_own_group(
-  block, rows, real_rows, value_groups, first_thread, monkeypatch
+  block, rows, real_rows, value_groups, first_thread, first_token, monkeypatch
 ):
   """`own_slot_statistics`'s own code, each MLIR op it emits replaced by the same operation on
   numpy arrays of the warpgroup's 128 threads, its registers read where the wgmma row layout
@@ -71,19 +79,26 @@ def test_the_inline_code_loads_each_lanes_own_group(
   ops are these ops."""
   from jaxlib.mlir import ir
 
-  statistics = np.random.default_rng(block + rows).integers(0, 2**16, (value_groups, block))
+  slot_tokens = first_token + block + (64 if first_token else 0)  # blocks before and after
+  statistics = np.random.default_rng(block + rows + first_token)
+  statistics = statistics.integers(0, 2**16, (value_groups, slot_tokens))
   emulate_inline_code(
     monkeypatch, first_thread=first_thread, load=lambda index: statistics[index[0], index[1]]
   )
 
   class StatisticsRef:
-    shape = (value_groups, block)
+    shape = (value_groups, slot_tokens)
 
   slots = rows // real_rows
   tiles = -(-value_groups // slots)
   with ir.Context(), ir.Location.unknown():
     outputs = own_slot.own_slot_statistics(
-      StatisticsRef(), tiles=tiles, rows=rows, real_rows=real_rows
+      StatisticsRef(),
+      tiles=tiles,
+      rows=rows,
+      real_rows=real_rows,
+      first_token=first_token,
+      tokens=block,
     )
   assert len(outputs) == tiles
   thread = np.arange(128)
@@ -92,5 +107,5 @@ def test_the_inline_code_loads_each_lanes_own_group(
     groups = own_slot.lane_groups(tile, rows, real_rows, value_groups)
     assert output.registers.shape == (block // 64, 1, 2, 1, 1)
     for (row_tile, _, half, _, _), register in np.ndenumerate(output.registers):
-      token = 64 * row_tile + 16 * warp + 8 * half + lane // 4
+      token = first_token + 64 * row_tile + 16 * warp + 8 * half + lane // 4
       np.testing.assert_array_equal(register, statistics[groups, token])
