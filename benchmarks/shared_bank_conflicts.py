@@ -1,0 +1,145 @@
+"""Shared-memory bank conflicts of the folded Mosaic GPU kernel's per-lane loads, from their
+addresses (no GPU): how many wavefronts each warp-wide load takes, for the loads whose addresses
+kvjax's own inline code chooses, the register value operand's code words
+(`value_operand_registers`) and the own-slot value statistics (`value_stats_own_slot`).
+
+`mosaic_static_cost.py` counts conflict-free wavefronts (the fewest a load's bytes need); this
+counts what the addresses give: a bank serves one 32-bit word per wavefront, so a load takes as
+many wavefronts as the most distinct words any one bank is asked for (lanes reading the same word
+share it). Options that change the addresses, to see what each would remove:
+- a TMA swizzle of the ring slot (`--swizzle` 32 | 64 | 128: address bits 4.. XOR bits 7..,
+  as the tensor-map swizzle modes place 16-byte chunks);
+- a token order (`--token-order spread`): operand column k of each 8 reads token
+  k ^ ((k >> 2) & 1), so the four token rows one load touches fall on four bank groups.
+
+  PYTHONPATH=. .venv/bin/python benchmarks/shared_bank_conflicts.py --out results/x.json
+
+Only the addresses are modelled; whether the loads stall on the conflicts is for ncu to say.
+"""
+
+import argparse
+import json
+
+import numpy as np
+
+from pallas_kernels.value_operand_registers import (
+  WARPGROUP_THREADS,
+  register_sources,
+  shared_sources,
+)
+from pallas_kernels.value_stats_own_slot import lane_groups
+
+BANKS = 32
+WORD_BYTES = 4
+WARP = 32
+SWIZZLES = (0, 32, 64, 128)  # bytes; 0: none
+TOKEN_ORDERS = ("natural", "spread")
+_SWIZZLE_BITS = {0: 0, 32: 1, 64: 2, 128: 3}  # 16-byte chunk index bits each mode XORs
+
+
+def wavefronts(byte_addresses) -> int:
+  """Wavefronts one warp-wide load of at most 4 bytes per lane takes: the most distinct 32-bit
+  words any bank is asked for."""
+  words = np.unique(np.asarray(byte_addresses, np.int64) // WORD_BYTES)
+  return int(np.bincount(words % BANKS, minlength=BANKS).max())
+
+
+def swizzled(byte_addresses, swizzle: int):
+  """Shared-memory byte addresses after a TMA swizzle of `swizzle` bytes (0: unchanged)."""
+  if swizzle not in SWIZZLES:
+    raise ValueError(f"swizzle={swizzle!r} is not supported; allowed: {SWIZZLES}")
+  mask = (1 << _SWIZZLE_BITS[swizzle]) - 1
+  addresses = np.asarray(byte_addresses, np.int64)
+  return addresses ^ (((addresses >> 7) & mask) << 4)
+
+
+def token_of_column(column, token_order: str):
+  """The ring token an operand column (or score row) holds in a token order."""
+  if token_order not in TOKEN_ORDERS:
+    raise ValueError(f"token_order={token_order!r} is not supported; allowed: {TOKEN_ORDERS}")
+  column = np.asarray(column)
+  return column if token_order == "natural" else column ^ ((column >> 2) & 1)
+
+
+def value_code_loads(head_dim: int, bits: int, block: int = 64, token_order: str = "natural"):
+  """Byte addresses [lanes] of each warp-wide 32-bit load `value_operand_from_registers` issues
+  per block: warp w, lane (r, q) reads its word of token 8 G + 2 q + t for each group of
+  register sources that share their loads (`shared_sources`), column group G and token t of
+  the pair (rows of W words, 4 bytes each)."""
+  words_per_token = head_dim * bits // 32
+  lane = np.arange(WARP)
+  sources = register_sources(head_dim, bits)
+  loads = []
+  for same_word in shared_sources(sources):
+    source = sources[same_word[0][0]]
+    for warp in range(WARPGROUP_THREADS // WARP):
+      word = source.word[warp * WARP : (warp + 1) * WARP]
+      for column_group in range(block // 8):
+        for t in range(2):
+          token = token_of_column(8 * column_group + 2 * (lane % 4) + t, token_order)
+          loads.append((token * words_per_token + word) * WORD_BYTES)
+  return loads
+
+
+def own_slot_statistic_loads(
+  rows: int, real_rows: int, value_groups: int, slot_tokens: int = 64, token_order: str = "natural"
+):
+  """Byte addresses [lanes] of each warp-wide 16-bit load `own_slot_statistics` issues for one
+  64-token block and statistic: warp w, lane (r, q) reads its own slot's group of token
+  16 w + 8 half + r in a [value groups, slot_tokens] bf16 ring slot (slot_tokens: the block
+  times blocks_per_copy, the groups' stride)."""
+  lane = np.arange(WARP)
+  tiles = -(-value_groups // (rows // real_rows))
+  loads = []
+  for tile in range(tiles):
+    groups = lane_groups(tile, rows, real_rows, value_groups)
+    for warp in range(WARPGROUP_THREADS // WARP):
+      group = groups[warp * WARP : (warp + 1) * WARP]
+      for half in range(2):
+        token = token_of_column(16 * warp + 8 * half + lane // 4, token_order)
+        loads.append((group * slot_tokens + token) * 2)
+  return loads
+
+
+def load_wavefronts(loads, swizzle: int = 0) -> dict:
+  """{"loads", "wavefronts", "conflict_free"}: per block, summed over the warpgroup's four
+  warps, the warp-wide loads, the wavefronts their addresses take, and the fewest they could
+  (one per load: at most 128 bytes each)."""
+  total = sum(wavefronts(swizzled(addresses, swizzle)) for addresses in loads)
+  return {"loads": len(loads), "wavefronts": total, "conflict_free": len(loads)}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--out", help="write the rows as JSON here")
+  args = parser.parse_args()
+  rows = []
+  for head_dim in (64, 128):
+    for bits in (2, 4):
+      for token_order in TOKEN_ORDERS:
+        for swizzle in SWIZZLES:
+          loads = value_code_loads(head_dim, bits, token_order=token_order)
+          shape = f"head_dim {head_dim}, {bits}-bit"
+          rows.append(dict(kind="value codes", shape=shape, token_order=token_order,
+                           swizzle=swizzle, **load_wavefronts(loads, swizzle)))  # fmt: skip
+  for rows_, real_rows, value_groups in ((8, 4, 4), (8, 2, 4), (8, 8, 4), (16, 4, 8)):
+    for block in (64, 128):
+      for token_order in TOKEN_ORDERS:
+        loads = own_slot_statistic_loads(rows_, real_rows, value_groups, block, token_order)
+        shape = f"{rows_} rows ({real_rows} real), {value_groups} groups, slot of {block} tokens"
+        rows.append(dict(kind="own-slot statistics", shape=shape, token_order=token_order,
+                         swizzle=0, **load_wavefronts(loads)))  # fmt: skip
+  print("| loads | shape | token order | swizzle | loads per block | wavefronts | conflict-free |")
+  print("|---|---|---|---:|---:|---:|---:|")
+  for row in rows:
+    print(
+      f"| {row['kind']} | {row['shape']} | {row['token_order']} | {row['swizzle']} "
+      f"| {row['loads']} | {row['wavefronts']} | {row['conflict_free']} |"
+    )
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,83 @@
+"""The shared-memory bank model of benchmarks/shared_bank_conflicts.py (addresses only: no GPU)."""
+
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+
+_PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "shared_bank_conflicts.py"
+_SPEC = importlib.util.spec_from_file_location("shared_bank_conflicts", _PATH)
+bank_model = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bank_model)
+
+LANES = np.arange(32)
+
+
+@pytest.mark.parametrize(
+  "addresses,expected",
+  [
+    (LANES * 4, 1),  # 32 consecutive words: one per bank
+    (np.zeros(32, int), 1),  # one word for every lane: a broadcast
+    (LANES * 2, 1),  # 16-bit loads, two lanes per word
+    (LANES * 128, 32),  # every lane on bank 0, each its own word
+    ((LANES % 16) * 4 + (LANES // 16) * 128, 2),  # two rows 128 bytes apart
+    ((LANES % 8) * 4 + (LANES // 8) * 64, 2),  # four rows 64 bytes apart, 32-byte rows
+  ],
+)
+def test_a_load_takes_the_most_distinct_words_any_bank_is_asked_for(addresses, expected):
+  assert bank_model.wavefronts(addresses) == expected
+
+
+def test_swizzles_xor_the_128_byte_row_into_the_16_byte_chunk():
+  address = np.array([0x80, 0x100, 0x180, 0x200, 0x380])
+  np.testing.assert_array_equal(bank_model.swizzled(address, 0), address)
+  np.testing.assert_array_equal(bank_model.swizzled(address, 32), address ^ [16, 0, 16, 0, 16])
+  np.testing.assert_array_equal(bank_model.swizzled(address, 64), address ^ [16, 32, 48, 0, 48])
+  np.testing.assert_array_equal(bank_model.swizzled(address, 128), address ^ [16, 32, 48, 64, 112])
+  with pytest.raises(ValueError, match=r"swizzle=16 is not supported; allowed: \(0, 32, 64, 128\)"):
+    bank_model.swizzled(address, 16)
+
+
+def test_the_spread_token_order_swaps_the_upper_pairs_of_each_eight():
+  columns = np.arange(16)
+  spread = bank_model.token_of_column(columns, "spread")
+  np.testing.assert_array_equal(spread[:8], [0, 1, 2, 3, 5, 4, 7, 6])
+  np.testing.assert_array_equal(np.sort(spread), columns)  # a permutation
+  np.testing.assert_array_equal(bank_model.token_of_column(spread, "spread"), columns)
+  # the even columns (t = 0 of each lane's pair) land on four different rows modulo 4
+  assert sorted(spread[0:8:2] % 4) == [0, 1, 2, 3]
+  with pytest.raises(ValueError, match="token_order='mixed' is not supported; allowed:"):
+    bank_model.token_of_column(columns, "mixed")
+
+
+def test_the_register_value_codes_conflict_two_way_and_no_swizzle_helps():
+  """head_dim 128, 2-bit: 16 loads per warp and 64-token block (as the kernel's docstring
+  counts), each 2-way: lanes q and q + 2 read rows 128 bytes apart. Every TMA swizzle XORs
+  address bit 7 into bit 4, which the word index already spans; the spread token order
+  removes the conflicts."""
+  loads = bank_model.value_code_loads(128, 2)
+  assert len(loads) == 4 * 16
+  for swizzle in bank_model.SWIZZLES:
+    counts = bank_model.load_wavefronts(loads, swizzle)
+    assert counts["wavefronts"] == 2 * counts["conflict_free"]
+  spread = bank_model.value_code_loads(128, 2, token_order="spread")
+  assert bank_model.load_wavefronts(spread)["wavefronts"] == len(spread)
+
+
+def test_four_bit_value_codes_conflict_four_way_and_a_wide_swizzle_halves_it():
+  loads = bank_model.value_code_loads(128, 4)
+  assert bank_model.load_wavefronts(loads)["wavefronts"] == 4 * len(loads)
+  assert bank_model.load_wavefronts(loads, 128)["wavefronts"] == 2 * len(loads)
+  assert bank_model.load_wavefronts(loads, 32)["wavefronts"] == 4 * len(loads)
+
+
+def test_own_slot_statistics_conflict_across_the_two_slots_groups():
+  """Query group 4 (two slots per tile): the lanes of each slot read a different group's row,
+  64 or 128 tokens apart in the ring slot, on the same banks: 2-way, whatever the token order.
+  A query group of 8 (one slot) reads one group per tile: no conflict."""
+  for slot_tokens in (64, 128):
+    loads = bank_model.own_slot_statistic_loads(8, 4, 4, slot_tokens)
+    assert bank_model.load_wavefronts(loads)["wavefronts"] == 2 * len(loads)
+  loads = bank_model.own_slot_statistic_loads(8, 8, 4)
+  assert bank_model.load_wavefronts(loads)["wavefronts"] == len(loads)
