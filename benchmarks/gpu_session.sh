@@ -452,8 +452,8 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
     exit "$status"
     ;;
   v35 | v35_profile)
-    # v35 at most ~9.5 min (the native tests 150 s, the products' and merge's tests 60 s, the
-    # 32k sweep 350 s), so the rest is v35_profile's: KIVI-4, each kernel of a call, ncu.
+    # v35 at most ~9.7 min (the native tests 150 s, the products' and merge's tests 60 s, the
+    # 32k sweep 370 s), so the rest is v35_profile's: KIVI-4, each kernel of a call, ncu.
     # After v34 (~5 min): two settings of v34 not yet run on a GPU. "key_products": "reduction"
     # (in v34's third call ncu put XLA's q . k_min, a GEMM fusion, at 41 us of a call whose
     # kernel took 165 us, and row_max="bound"'s second GEMM fusion at 45 us, while "bound" cut
@@ -491,6 +491,11 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
     # values and "own_slot" but no "bound" 385 at 127 registers), in place of two of the
     # "reduction" combinations, and in the KIVI-4 shapes (417 -> 370, three per SM either way;
     # the candidate with two stages of one block is four per SM there, 52 KB, at 413).
+    # And v37's "token_order": "spread" (the register value codes' loads conflict-free: 16
+    # wavefronts fewer per warp and 64 tokens by benchmarks/shared_bank_conflicts.py, for ~10
+    # instructions more), with register values and with the kernel's bias, register values and
+    # "own_slot" (113 registers, four per SM; with "bound" 132, three), in place of "bound" with
+    # the kernel's bias alone.
     set +e
     status=0
     log="$out/$1.log"
@@ -503,6 +508,7 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
 \"value_stats\": \"separate\"" # v34's settings with each warp issuing a share
     own="\"value_stat_loads\": \"own_slot\""
     two_blocks="\"num_stages\": 2, \"blocks_per_copy\": 2" # the later num_stages wins
+    token_spread="\"token_order\": \"spread\""
     # everything untimed that the static count favours, together
     candidate="${v34}, ${bound}, ${kernel_bias}, ${values}, ${own}"
     if [ "$1" = v35 ]; then
@@ -512,11 +518,12 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
         tests/pallas_kernels/test_key_bias_in_kernel.py tests/pallas_kernels/test_split_merge_triton.py \
         2>&1 | tail -3 | tee -a "$log" || status=1
       sweep_at_32k "$log" "[${v34}}, ${v34}, ${kernel_bias}}, ${v34}, ${kernel_bias}, ${values}}, \
-${v34}, ${bound}, ${kernel_bias}}, ${v34}, ${bound}, ${kernel_bias}, ${values}}, \
+${v34}, ${values}, ${token_spread}}, ${v34}, ${bound}, ${kernel_bias}, ${values}}, \
 ${v34}, ${reduction}}, ${v34}, ${values}}, ${v34}, ${bound}, ${reduction}}, ${v34}, ${merge}}, \
 ${v34}, ${kernel_bias}, ${values}, ${merge}}, ${spread}}, ${v34}, ${own}}, ${candidate}}, \
 ${candidate}, ${merge}}, ${v34}, ${own}, ${two_blocks}}, ${candidate}, ${two_blocks}}, \
-${v34}, ${kernel_bias}, ${values}, ${own}, ${two_blocks}}]" 350 || status=1
+${v34}, ${kernel_bias}, ${values}, ${own}, ${two_blocks}}, \
+${v34}, ${kernel_bias}, ${values}, ${own}, ${token_spread}}]" 370 || status=1
       exit "$status"
     fi
     # v35_profile, on the warm machine right after (at most ~4.5 min): what v35 left

@@ -9,8 +9,9 @@ many wavefronts as the most distinct words any one bank is asked for (lanes read
 share it). Options that change the addresses, to see what each would remove:
 - a TMA swizzle of the ring slot (`--swizzle` 32 | 64 | 128: address bits 4.. XOR bits 7..,
   as the tensor-map swizzle modes place 16-byte chunks);
-- a token order (`--token-order spread`): operand column k of each 8 reads token
-  k ^ ((k >> 2) & 1), so the four token rows one load touches fall on four bank groups.
+- the kernel's token orders (`spread_token_order`): in "spread" operand column k of each 8
+  reads token k ^ ((k >> 2) & 1), so the four token rows one load touches fall on four bank
+  groups.
 
   PYTHONPATH=. .venv/bin/python benchmarks/shared_bank_conflicts.py --out results/x.json
 
@@ -22,6 +23,7 @@ import json
 
 import numpy as np
 
+from pallas_kernels.spread_token_order import TOKEN_ORDERS, token_of_column
 from pallas_kernels.value_operand_registers import (
   WARPGROUP_THREADS,
   register_sources,
@@ -33,7 +35,6 @@ BANKS = 32
 WORD_BYTES = 4
 WARP = 32
 SWIZZLES = (0, 32, 64, 128)  # bytes; 0: none
-TOKEN_ORDERS = ("natural", "spread")
 _SWIZZLE_BITS = {0: 0, 32: 1, 64: 2, 128: 3}  # 16-byte chunk index bits each mode XORs
 
 
@@ -51,14 +52,6 @@ def swizzled(byte_addresses, swizzle: int):
   mask = (1 << _SWIZZLE_BITS[swizzle]) - 1
   addresses = np.asarray(byte_addresses, np.int64)
   return addresses ^ (((addresses >> 7) & mask) << 4)
-
-
-def token_of_column(column, token_order: str):
-  """The ring token an operand column (or score row) holds in a token order."""
-  if token_order not in TOKEN_ORDERS:
-    raise ValueError(f"token_order={token_order!r} is not supported; allowed: {TOKEN_ORDERS}")
-  column = np.asarray(column)
-  return column if token_order == "natural" else column ^ ((column >> 2) & 1)
 
 
 def value_code_loads(head_dim: int, bits: int, block: int = 64, token_order: str = "natural"):

@@ -116,6 +116,13 @@ barrier, once per slot, and the loop's body computes the slot's blocks one after
 from its offset in the slot (`BLOCKS_PER_COPY`). The planner gives each split whole slots; a
 row's last slot may hold blocks past its length, which run with every token masked.
 
+A second setting of v37, not yet timed on a GPU: `token_order="spread"` (with register value
+codes) puts the value product's tokens in an order where the upper two token pairs of each 8
+swap (`spread_token_order`): the register value operand's 32-bit loads then hit every bank once
+instead of two token rows per bank (a 2-way conflict on each of them at head_dim 128 and 2
+bits, `benchmarks/shared_bank_conflicts.py`), and P' takes the same order by a butterfly
+shuffle of its rows before it is stored. Scores, masks and statistics keep the ring's order.
+
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
 the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
@@ -201,6 +208,13 @@ from pallas_kernels.splits import (
   next_power_of_two,
   pad_query_group,
   plan_splits,
+)
+from pallas_kernels.spread_token_order import (
+  DEFAULT_TOKEN_ORDER,
+  check_token_order,
+  spread_rows,
+  spread_rows_emulated,
+  token_order_unsupported_reason,
 )
 from pallas_kernels.subnormal_codes import (
   PROBS_EXPONENT,
@@ -307,6 +321,9 @@ DEFAULT_ROW_MAX = "exchange"
 # of one.
 BLOCKS_PER_COPY = (1, 2, 4)
 DEFAULT_BLOCKS_PER_COPY = 1
+# The order of the tokens on the value product's K side (`spread_token_order`, v37): the ring's
+# ("natural"), or with the upper token pairs of each 8 swapped ("spread"), so that the register
+# value operand's 32-bit loads hit every bank once instead of two rows per bank.
 # The kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
 KERNEL_SETTINGS = (
   "key_operand",
@@ -321,6 +338,7 @@ KERNEL_SETTINGS = (
   "key_bias_source",
   "value_stat_loads",
   "blocks_per_copy",
+  "token_order",
 )
 # What the entry points take besides: who merges the splits' partials after the kernel
 # (`split_merge_triton`), XLA's fusions ("xla": four kernels of the decode loop) or one Triton
@@ -586,6 +604,7 @@ def check_folded_settings(
   key_bias_source=DEFAULT_KEY_BIAS_SOURCE,
   value_stat_loads=DEFAULT_VALUE_STAT_LOADS,
   blocks_per_copy=DEFAULT_BLOCKS_PER_COPY,
+  token_order=DEFAULT_TOKEN_ORDER,
   split_merge=DEFAULT_SPLIT_MERGE,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values, or a
@@ -614,6 +633,9 @@ def check_folded_settings(
   check_split_merge(split_merge)
   check_value_stat_loads(value_stat_loads)
   check_blocks_per_copy(blocks_per_copy)
+  check_token_order(token_order)
+  if reason := token_order_unsupported_reason(token_order, value_operand):
+    raise ValueError(reason)
   if key_bias_source == "kernel" and key_products != DEFAULT_KEY_PRODUCT:
     raise ValueError(
       f"key_products={key_products!r} sets how XLA computes the key products; with "
@@ -703,11 +725,20 @@ def stage_codes(words, bits: int, emulate: bool):
 
 
 def _staged_chunks(
-  words_smem, *, slot, bits, emulate, operand_order, first_token=0, tokens=None
+  words_smem,
+  *,
+  slot,
+  bits,
+  emulate,
+  operand_order,
+  first_token=0,
+  tokens=None,
+  token_order=DEFAULT_TOKEN_ORDER,
 ) -> list:
   """Tokens [first_token, first_token + tokens) (default: all) of ring slot `slot` of
   `words_smem` ([stages, slot tokens, W] code words) as bf16 [64, D] register arrays in the wgmma
-  layout, one per 64-token wgmma row tile, columns in `operand_order`."""
+  layout, one per 64-token wgmma row tile, columns in `operand_order`, rows in `token_order`
+  (spread: interpret mode's gather only)."""
   tokens = words_smem.shape[1] - first_token if tokens is None else tokens
 
   def stage(words):
@@ -720,26 +751,22 @@ def _staged_chunks(
       return jnp.take(stage_codes(words, bits, emulate), order, axis=1)
     return stage_words_in_word_order(words, bits)
 
-  return [
-    wgmma_layout(
-      stage(wgmma_layout(words_smem[slot, pl.ds(first_token + c * CHUNK_TOKENS, CHUNK_TOKENS), :]))
-    )
-    for c in range(tokens // CHUNK_TOKENS)
-  ]
+  def chunk_words(c):
+    words = words_smem[slot, pl.ds(first_token + c * CHUNK_TOKENS, CHUNK_TOKENS), :]
+    if token_order == "spread":
+      if not emulate:
+        raise ValueError("token_order='spread' stages no codes natively (register values only)")
+      words = spread_rows_emulated(words)
+    return wgmma_layout(words)
+
+  return [wgmma_layout(stage(chunk_words(c))) for c in range(tokens // CHUNK_TOKENS)]
 
 
-def _stage_block(codes_smem, words_smem, *, slot, bits, emulate, operand_order, first_token=0):
-  """Stages the block at `first_token` of ring slot `slot` of `words_smem` ([stages, slot tokens,
-  W] code words) into `codes_smem` ([block, D] bf16), one 64-token wgmma row tile at a time."""
-  chunks = _staged_chunks(
-    words_smem,
-    slot=slot,
-    bits=bits,
-    emulate=emulate,
-    operand_order=operand_order,
-    first_token=first_token,
-    tokens=codes_smem.shape[0],
-  )
+def _stage_block(codes_smem, words_smem, **staging):
+  """Stages a block of `words_smem`'s ring slot (`_staged_chunks`' keyword arguments: the slot,
+  the block's first token, ...) into `codes_smem` ([block, D] bf16), one 64-token wgmma row
+  tile at a time."""
+  chunks = _staged_chunks(words_smem, tokens=codes_smem.shape[0], **staging)
   for c, chunk in enumerate(chunks):
     codes_smem[pl.ds(c * CHUNK_TOKENS, CHUNK_TOKENS), :] = chunk
 
@@ -794,6 +821,7 @@ def _folded_kernel(
   key_bias_source: str,
   value_stat_loads: str,
   blocks_per_copy: int,
+  token_order: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
@@ -1067,7 +1095,12 @@ def _folded_kernel(
     if value_operand == "registers" and not emulate:
       # Read here, before the commit below: TMA refills this ring slot only after it.
       value_codes = value_operand_from_registers(
-        v_words_smem.at[slot], head_dim, bits, first_token=token_offset, tokens=block
+        v_words_smem.at[slot],
+        head_dim,
+        bits,
+        first_token=token_offset,
+        tokens=block,
+        token_order=token_order,
       )
     else:
       if reference is not None and key_operand == "shared_memory":
@@ -1075,7 +1108,7 @@ def _folded_kernel(
         # products (their tensor cores read this tile) are done: a barrier does.
         plgpu.commit_smem()
       # Interpret mode stages even register operands, in the order their rows take.
-      stage(v_words_smem, operand_order=value_order)
+      stage(v_words_smem, operand_order=value_order, token_order=token_order)
     value_operand_a = codes_smem.T if value_codes is None else value_codes
     # Past the length p is 0 but the statistics may be NaN: they are zeroed there (a select per
     # token, before the broadcast over rows), and then products may be taken.
@@ -1121,8 +1154,10 @@ def _folded_kernel(
     v_scales = [jnp.where(valid_token, scale, 0.0) * probs_scale for scale in v_scales]
     v_mins = [jnp.where(valid_token, minimum, 0.0) for minimum in v_mins]
     for t in range(value_tiles):
-      stacked = probs * stat_tile(v_scales, t)
-      value_stack_smem.at[pl.ds(t * rows, rows)].T[...] = stacked.astype(jnp.bfloat16)
+      stacked = (probs * stat_tile(v_scales, t)).astype(jnp.bfloat16)
+      if token_order == "spread":  # P' rows in the value codes' token order
+        stacked = spread_rows_emulated(stacked) if emulate else spread_rows(stacked)
+      value_stack_smem.at[pl.ds(t * rows, rows)].T[...] = stacked
     if correction is not None:
       stacked_correction_row = jnp.concatenate([correction] * value_tiles)
     plgpu.commit_smem()  # the staged value codes and P' visible to the tensor core
@@ -1282,6 +1317,7 @@ def _jitted_kernel_outputs(
   key_bias_source,
   value_stat_loads,
   blocks_per_copy,
+  token_order,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -1353,6 +1389,7 @@ def _jitted_kernel_outputs(
       key_bias_source=key_bias_source,
       value_stat_loads=value_stat_loads,
       blocks_per_copy=blocks_per_copy,
+      token_order=token_order,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
@@ -1538,6 +1575,7 @@ def folded_kernel_outputs(
   key_bias_source: str = DEFAULT_KEY_BIAS_SOURCE,
   value_stat_loads: str = DEFAULT_VALUE_STAT_LOADS,
   blocks_per_copy: int = DEFAULT_BLOCKS_PER_COPY,
+  token_order: str = DEFAULT_TOKEN_ORDER,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (rows in operand positions, every value
@@ -1578,6 +1616,7 @@ def folded_kernel_outputs(
     key_bias_source=key_bias_source,
     value_stat_loads=value_stat_loads,
     blocks_per_copy=blocks_per_copy,
+    token_order=token_order,
   )
   plan = folded_split_plan(
     queries,

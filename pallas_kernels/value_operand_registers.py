@@ -39,6 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.spread_token_order import (
+  DEFAULT_TOKEN_ORDER,
+  check_token_order,
+  token_of_column,
+)
 from pallas_kernels.warpgroup_thread import thread_coordinates
 
 VALUE_OPERANDS = ("shared_memory", "registers")
@@ -116,9 +121,12 @@ def prmt(first: np.ndarray, second: np.ndarray, selector: np.ndarray) -> np.ndar
   return result.astype(np.uint32)
 
 
-def assemble_value_operand(words: np.ndarray, bits: int) -> np.ndarray:
+def assemble_value_operand(
+  words: np.ndarray, bits: int, token_order: str = DEFAULT_TOKEN_ORDER
+) -> np.ndarray:
   """uint32 [tokens, W] planar words -> uint16 [D, tokens]: the bf16 bit patterns the kernel's
-  registers hold, built as `value_operand_from_registers` builds them, thread by thread."""
+  registers hold, built as `value_operand_from_registers` builds them, thread by thread; column
+  k holds token `token_of_column(k, token_order)` (`spread_token_order`)."""
   tokens, width = words.shape
   head_dim = width * 32 // bits
   operand = np.zeros((head_dim, tokens), np.uint16)
@@ -127,11 +135,12 @@ def assemble_value_operand(words: np.ndarray, bits: int) -> np.ndarray:
   for (row_tile, half), source in register_sources(head_dim, bits).items():
     rows = _thread_rows(row_tile, half)
     for column_group in range(tokens // 8):
-      token = 8 * column_group + 2 * quad
-      register = prmt(words[token, source.word], words[token + 1, source.word], source.selector)
+      column = 8 * column_group + 2 * quad
+      first, second = (token_of_column(column + t, token_order) for t in (0, 1))
+      register = prmt(words[first, source.word], words[second, source.word], source.selector)
       register &= source.mask.astype(np.uint32)
-      operand[rows, token] = register & 0xFFFF
-      operand[rows, token + 1] = register >> 16
+      operand[rows, column] = register & 0xFFFF
+      operand[rows, column + 1] = register >> 16
   return operand
 
 
@@ -147,11 +156,19 @@ def value_operand_unsupported_reason(head_dim: int, block_tokens: int) -> str | 
 
 
 def value_operand_from_registers(
-  words_ref, head_dim: int, bits: int, *, first_token: int = 0, tokens: int | None = None
+  words_ref,
+  head_dim: int,
+  bits: int,
+  *,
+  first_token: int = 0,
+  tokens: int | None = None,
+  token_order: str = DEFAULT_TOKEN_ORDER,
 ) -> jax.Array:
   """Tokens [first_token, first_token + tokens) (default: all) of a [slot tokens, W] uint32
   planar-word ref in shared memory -> bf16 [D, tokens] in the wgmma layout: channel m's codes of
-  every token, masked in place (`inline_mgpu`, native only)."""
+  every token, masked in place, column k holding token `token_of_column(k, token_order)` of the
+  block (`inline_mgpu`, native only)."""
+  check_token_order(token_order)
   tokens = words_ref.shape[0] - first_token if tokens is None else tokens
   sources = register_sources(head_dim, bits)
   groups = shared_sources(sources)
@@ -192,15 +209,30 @@ def value_operand_from_registers(
       )
       return arith.remui(channel, const(words)), selector, mask
 
+    # Columns 2 q and 2 q + 1 of each 8 hold tokens 2 q and 2 q + 1, in the spread order
+    # swapped for q >= 2 (`spread_token_order`): the thread's two token offsets, then each
+    # column group's tokens are those plus a constant (an address offset, no arithmetic).
+    swapped = arith.divui(quad, const(2)) if token_order == "spread" else const(0)
+    pair_offsets = (
+      arith.addi(arith.muli(quad, const(2)), swapped),
+      arith.addi(arith.muli(quad, const(2)), arith.subi(const(1), swapped)),
+    )
     registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((head_dim, tokens)), dtype=object)
     for same_word in groups:
       thread_sources = {key: per_thread(*key) for keys in same_word for key in keys}
       word_index = arith.index_cast(index_type, thread_sources[same_word[0][0]][0])
       for column_group in range(tokens // 8):
-        pair_token = arith.addi(arith.muli(quad, const(2)), const(first_token + 8 * column_group))
         pair = [
-          memref.load(ref, [arith.index_cast(index_type, token), word_index])
-          for token in (pair_token, arith.addi(pair_token, const(1)))
+          memref.load(
+            ref,
+            [
+              arith.index_cast(
+                index_type, arith.addi(offset, const(first_token + 8 * column_group))
+              ),
+              word_index,
+            ],
+          )
+          for offset in pair_offsets
         ]
         for same_selector in same_word:
           # prmt's first operand's bytes are 0-3, the second's 4-7 (utils.prmt names them

@@ -39,18 +39,6 @@ def test_swizzles_xor_the_128_byte_row_into_the_16_byte_chunk():
     bank_model.swizzled(address, 16)
 
 
-def test_the_spread_token_order_swaps_the_upper_pairs_of_each_eight():
-  columns = np.arange(16)
-  spread = bank_model.token_of_column(columns, "spread")
-  np.testing.assert_array_equal(spread[:8], [0, 1, 2, 3, 5, 4, 7, 6])
-  np.testing.assert_array_equal(np.sort(spread), columns)  # a permutation
-  np.testing.assert_array_equal(bank_model.token_of_column(spread, "spread"), columns)
-  # the even columns (t = 0 of each lane's pair) land on four different rows modulo 4
-  assert sorted(spread[0:8:2] % 4) == [0, 1, 2, 3]
-  with pytest.raises(ValueError, match="token_order='mixed' is not supported; allowed:"):
-    bank_model.token_of_column(columns, "mixed")
-
-
 def test_the_register_value_codes_conflict_two_way_and_no_swizzle_helps():
   """head_dim 128, 2-bit: 16 loads per warp and 64-token block (as the kernel's docstring
   counts), each 2-way: lanes q and q + 2 read rows 128 bytes apart. Every TMA swizzle XORs

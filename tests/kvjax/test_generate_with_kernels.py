@@ -140,8 +140,9 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       jnp.bfloat16,
     ),
     (
-      # The folded Mosaic GPU kernel with ring slots of two 64-token blocks (KERNEL_NOTES v37)
-      # and v36's candidate settings, through the decode loop.
+      # The folded Mosaic GPU kernel with ring slots of two 64-token blocks and the value
+      # product's tokens in the spread order (KERNEL_NOTES v37) and v36's candidate settings,
+      # through the decode loop.
       "kivi:bits=4,group_size=16,residual=16",
       KernelSettings(
         quantized={
@@ -155,6 +156,7 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
           "value_operand": "registers",
           "value_stats": "separate",
           "value_stat_loads": "own_slot",
+          "token_order": "spread",
         }
       ),
       jnp.bfloat16,
@@ -199,6 +201,7 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
         "blocks_per_copy",
         "value_stats",
         "value_stat_loads",
+        "token_order",
       )
       seen.append({k: v for k, v in kwargs.items() if k in recorded})
       return kernel(*args, **kwargs)

@@ -24,8 +24,9 @@ class CapturedArray:
 
 
 def emulate_inline_code(monkeypatch, *, first_thread: int, load) -> None:
-  """Patches the ops the kernels' inline code uses: integer arithmetic on uint arrays (wrapping
-  at 32 bits), constants and the thread index as arrays over 128 threads (`first_thread` on),
+  """Patches the ops the kernels' inline code uses: integer arithmetic, comparisons and selects
+  on uint arrays (wrapping at 32 bits), butterfly shuffles within a warp, constants and the
+  thread index as arrays over 128 threads (`first_thread` on),
   `memref.load(ref, indices)` as `load(indices)`, vectors and bitcasts as the values themselves,
   FragmentedArray as `CapturedArray`, and `inline_mgpu` as a plain call of its body."""
   from jax.experimental.mosaic.gpu import fragmented_array
@@ -38,6 +39,7 @@ def emulate_inline_code(monkeypatch, *, first_thread: int, load) -> None:
     "divui": lambda a, b: as_uint(a) // as_uint(b),
     "muli": lambda a, b: (as_uint(a) * as_uint(b)) & _LOW_32,
     "addi": lambda a, b: (as_uint(a) + as_uint(b)) & _LOW_32,
+    "subi": lambda a, b: (as_uint(a) - as_uint(b)) & _LOW_32,
     "andi": lambda a, b: as_uint(a) & as_uint(b),
     "shli": lambda a, b: (as_uint(a) << as_uint(b)) & _LOW_32,
     "minui": lambda a, b: np.minimum(as_uint(a), as_uint(b)),
@@ -45,7 +47,20 @@ def emulate_inline_code(monkeypatch, *, first_thread: int, load) -> None:
   }.items():
     monkeypatch.setattr(arith, name, op)
   monkeypatch.setattr(
+    arith,
+    "cmpi",
+    lambda predicate, a, b: {
+      arith.CmpIPredicate.ne: np.not_equal,
+      arith.CmpIPredicate.eq: np.equal,
+    }[predicate](as_uint(a), as_uint(b)),
+  )
+  monkeypatch.setattr(arith, "select", lambda condition, a, b: np.where(condition, a, b))
+  monkeypatch.setattr(
     memref, "load", lambda _, index: load([np.asarray(i).astype(np.int64) for i in index])
+  )
+  # a butterfly shuffle within each warp: thread t takes thread t ^ distance's value
+  monkeypatch.setattr(
+    mgpu_utils, "shfl_bfly", lambda value, distance: np.asarray(value)[np.arange(128) ^ distance]
   )
   monkeypatch.setattr(vector, "broadcast", lambda _, value: value)
   monkeypatch.setattr(mgpu_utils, "c", lambda value, _: as_uint(np.full(128, value)))

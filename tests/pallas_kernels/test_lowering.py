@@ -343,6 +343,25 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
         value_operand="registers",
       ),
     ),
+    # v37: the value product's tokens in the spread order (the register value loads' token
+    # pairs swapped in each quad's upper half, P' rows by a butterfly shuffle), with register
+    # values at the Hopper default's settings and in v36's candidate at 4 bits, head_dim 64
+    ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, value_operand="registers", token_order="spread")),
+    (
+      "folded",
+      4,
+      64,
+      4,
+      16,
+      dict(
+        V34_SETTINGS,
+        value_stat_loads="own_slot",
+        row_max="bound",
+        key_bias_source="kernel",
+        value_operand="registers",
+        token_order="spread",
+      ),
+    ),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

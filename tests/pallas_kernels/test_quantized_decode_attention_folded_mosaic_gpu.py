@@ -288,6 +288,35 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       ),
     ),
     (4, 64, 3, 16, 448, dict(block_tokens=64, num_stages=2, num_splits=2, blocks_per_copy=4)),
+    # the value product's tokens in the spread order (v37: the register value codes and P' rows
+    # with the upper token pairs of each 8 swapped): with the Hopper default's settings and
+    # register values over rows of 1-4 blocks; with v36's candidate and two blocks per slot
+    (
+      2,
+      128,
+      4,
+      32,
+      224,
+      dict(V34_SETTINGS, num_splits=1, value_operand="registers", token_order="spread"),
+    ),
+    (
+      4,
+      64,
+      3,
+      16,
+      256,
+      dict(
+        V34_SETTINGS,
+        num_stages=2,
+        num_splits=2,
+        blocks_per_copy=2,
+        row_max="bound",
+        key_bias_source="kernel",
+        value_operand="registers",
+        value_stat_loads="own_slot",
+        token_order="spread",
+      ),
+    ),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -801,6 +830,18 @@ def test_a_bad_blocks_per_copy_is_named(value):
     quantized_decode_attention_gpu.check_config({"lowering": "mosaic_gpu", "blocks_per_copy": 2})
 
 
+def test_the_spread_token_order_needs_register_value_codes():
+  arrays, quantization = _zeros_segment()
+  with pytest.raises(ValueError, match=r"token_order='spread' with value_operand='shared_memory'"):
+    folded.folded_partials_mosaic_gpu(
+      *arrays, **quantization, sm_scale=1.0, block_tokens=64, token_order="spread"
+    )
+  with pytest.raises(ValueError, match=r"\(value_operand='registers'\)"):
+    quantized_decode_attention_gpu.check_config(
+      {"lowering": "mosaic_gpu", "variant": "folded", "token_order": "spread"}
+    )
+
+
 def test_folded_refuses_non_bf16_statistics():
   arrays, quantization = _zeros_segment()
   arrays = tuple(a.astype(jnp.float16) if a.dtype == jnp.bfloat16 else a for a in arrays)
@@ -829,6 +870,7 @@ def test_bad_mosaic_gpu_variant_is_named():
     ("key_bias_source", "smem"),
     ("split_merge", "kernel"),
     ("value_stat_loads", "mine"),
+    ("token_order", "mixed"),
   ],
 )
 def test_a_bad_setting_is_named_before_tracing(name, value):
@@ -850,6 +892,7 @@ def test_a_bad_setting_is_named_before_tracing(name, value):
     ("key_bias_source", "in_kernel"),
     ("split_merge", "pallas"),
     ("value_stat_loads", "own"),
+    ("token_order", "spreaded"),
   ],
 )
 def test_a_bad_setting_is_named_by_the_dispatch(name, value):

@@ -51,6 +51,19 @@ def test_registers_hold_each_channels_codes_masked_in_place(head_dim, bits, toke
   np.testing.assert_array_equal(assemble_value_operand(words, bits), _masked_in_place(words, bits))
 
 
+@pytest.mark.parametrize("head_dim,bits", [(128, 2), (64, 4)])
+def test_the_spread_order_puts_each_columns_token_in_it(head_dim, bits):
+  """Column k of the spread-order operand is column spread_token(k) of the natural one: the
+  upper two token pairs of each 8 swapped (`spread_token_order`)."""
+  words = np.random.default_rng(head_dim + bits).integers(0, 2**32, (128, head_dim * bits // 32))
+  words = words.astype(np.uint32)
+  natural = assemble_value_operand(words, bits)
+  spread = assemble_value_operand(words, bits, token_order="spread")
+  columns = np.arange(128)
+  np.testing.assert_array_equal(spread, natural[:, columns ^ ((columns >> 2) & 1)])
+  assert not np.array_equal(spread, natural)
+
+
 def test_every_code_value_reaches_its_channel():
   """Words holding one code value everywhere: every element is that value at its channel's bit,
   for each of the 2-bit values (a mask off by a bit would lose or keep a neighbour's bits)."""
@@ -94,20 +107,23 @@ def test_sizes_the_operand_cannot_take_are_named():
 
 
 @pytest.mark.parametrize(
-  "head_dim,bits,tokens,first_thread,first_token",
+  "head_dim,bits,tokens,first_thread,first_token,token_order",
   [
-    (128, 2, 64, 0, 0),
-    (128, 4, 64, 0, 0),
-    (64, 2, 128, 0, 0),
-    (64, 4, 64, 128, 0),
-    (128, 2, 128, 256, 0),
+    (128, 2, 64, 0, 0, "natural"),
+    (128, 4, 64, 0, 0, "natural"),
+    (64, 2, 128, 0, 0, "natural"),
+    (64, 4, 64, 128, 0, "natural"),
+    (128, 2, 128, 256, 0, "natural"),
     # a block of a ring slot that holds several (blocks_per_copy): its tokens only
-    (128, 2, 64, 0, 64),
-    (64, 4, 64, 128, 192),
+    (128, 2, 64, 0, 64, "natural"),
+    (64, 4, 64, 128, 192, "natural"),
+    # the spread token order (v37): each quad's upper token pairs swapped
+    (128, 2, 64, 0, 0, "spread"),
+    (128, 4, 128, 128, 64, "spread"),
   ],
 )
 def test_the_inline_code_assembles_what_the_model_does(
-  head_dim, bits, tokens, first_thread, first_token, monkeypatch
+  head_dim, bits, tokens, first_thread, first_token, token_order, monkeypatch
 ):
   """`value_operand_from_registers`'s own code, run with each MLIR op it emits replaced by the
   same operation on numpy arrays of the warpgroup's 128 threads (PTX's prmt as defined:
@@ -137,7 +153,7 @@ def test_the_inline_code_assembles_what_the_model_does(
 
   with ir.Context(), ir.Location.unknown():
     value_operand_registers.value_operand_from_registers(
-      WordsRef(), head_dim, bits, first_token=first_token, tokens=tokens
+      WordsRef(), head_dim, bits, first_token=first_token, tokens=tokens, token_order=token_order
     )
   operand = np.zeros((head_dim, tokens), np.uint16)
   thread = np.arange(128)
@@ -150,4 +166,6 @@ def test_the_inline_code_assembles_what_the_model_does(
     operand[row, column] = register & 0xFFFF
     operand[row, column + 1] = register >> 16
   block_words = words[first_token : first_token + tokens]
-  np.testing.assert_array_equal(operand, _masked_in_place(block_words, bits))
+  np.testing.assert_array_equal(operand, assemble_value_operand(block_words, bits, token_order))
+  if token_order == "natural":
+    np.testing.assert_array_equal(operand, _masked_in_place(block_words, bits))
