@@ -679,6 +679,7 @@ def check_config(
     )
     if reason is not None:
       raise ValueError(f"{reason}; use value_stat_loads={DEFAULT_VALUE_STAT_LOADS!r}")
+  blocks_per_copy = folded_settings.get("blocks_per_copy", DEFAULT_BLOCKS_PER_COPY)
   needed = shared_memory_bytes(
     group,
     head_dim,
@@ -695,10 +696,9 @@ def check_config(
     ),
     folded_settings.get("key_bias_source", DEFAULT_KEY_BIAS_SOURCE),
     split_groups,
-    folded_settings.get("blocks_per_copy", DEFAULT_BLOCKS_PER_COPY),
+    blocks_per_copy,
   )
   if needed > SHARED_MEMORY_BYTES:
-    blocks_per_copy = folded_settings.get("blocks_per_copy", DEFAULT_BLOCKS_PER_COPY)
     raise ValueError(
       f"block_tokens={block_tokens} with num_stages={num_stages} and "
       f"blocks_per_copy={blocks_per_copy} needs {needed} bytes of shared memory; at most "
@@ -753,9 +753,7 @@ def _staged_chunks(
 
   def chunk_words(c):
     words = words_smem[slot, pl.ds(first_token + c * CHUNK_TOKENS, CHUNK_TOKENS), :]
-    if token_order == "spread":
-      if not emulate:
-        raise ValueError("token_order='spread' stages no codes natively (register values only)")
+    if token_order == "spread":  # staged only in interpret mode (`check_folded_settings`)
       words = spread_rows_emulated(words)
     return wgmma_layout(words)
 
