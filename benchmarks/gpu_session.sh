@@ -41,8 +41,9 @@
 #                                           # own value statistics (value_stat_loads, v36),
 #                                           # copies from every warp (copy_issuer="spread",
 #                                           # v36), ring slots of two blocks
-#                                           # (blocks_per_copy, v37): native tests and the
-#                                           # 32k sweep
+#                                           # (blocks_per_copy, v37), each channel's own
+#                                           # value slot written (partial_slots, v38): native
+#                                           # tests and the 32k sweep
 #   bash benchmarks/gpu_session.sh v35_profile  # right after v35 (~4 min): KIVI-4, each
 #                                           # kernel of a call under ncu, ncu of the candidate;
 #                                           # then `final` with the winner and `shapes`
@@ -496,6 +497,12 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
     # instructions more), with register values and with the kernel's bias, register values and
     # "own_slot" (113 registers, four per SM; with "bound" 132, three), in place of "bound" with
     # the kernel's bias alone.
+    # And v38's "partial_slots": "own" (each channel's own value slot picked in the epilogue:
+    # the partials 8.4 -> 4.2 MB written and read per call, and the candidate's registers
+    # 124 -> 112; with two blocks per slot 130 -> 128, four programs per SM at 325 instructions
+    # per 64 tokens in the fixed arm, the fewest of any four-per-SM config), with the candidate
+    # and the merge kernel, with and without two blocks per slot, in place of the two
+    # "reduction" combinations (v35_profile still times "reduction" under ncu).
     set +e
     status=0
     log="$out/$1.log"
@@ -509,6 +516,7 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
     own="\"value_stat_loads\": \"own_slot\""
     two_blocks="\"num_stages\": 2, \"blocks_per_copy\": 2" # the later num_stages wins
     token_spread="\"token_order\": \"spread\""
+    partials="\"partial_slots\": \"own\""
     # everything untimed that the static count favours, together
     candidate="${v34}, ${bound}, ${kernel_bias}, ${values}, ${own}"
     if [ "$1" = v35 ]; then
@@ -519,7 +527,8 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
         2>&1 | tail -3 | tee -a "$log" || status=1
       sweep_at_32k "$log" "[${v34}}, ${v34}, ${kernel_bias}}, ${v34}, ${kernel_bias}, ${values}}, \
 ${v34}, ${values}, ${token_spread}}, ${v34}, ${bound}, ${kernel_bias}, ${values}}, \
-${v34}, ${reduction}}, ${v34}, ${values}}, ${v34}, ${bound}, ${reduction}}, ${v34}, ${merge}}, \
+${candidate}, ${merge}, ${partials}}, ${v34}, ${values}}, \
+${candidate}, ${merge}, ${two_blocks}, ${partials}}, ${v34}, ${merge}}, \
 ${v34}, ${kernel_bias}, ${values}, ${merge}}, ${spread}}, ${v34}, ${own}}, ${candidate}}, \
 ${candidate}, ${merge}}, ${v34}, ${own}, ${two_blocks}}, ${candidate}, ${two_blocks}}, \
 ${v34}, ${kernel_bias}, ${values}, ${own}, ${two_blocks}}, \

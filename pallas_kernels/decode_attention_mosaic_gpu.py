@@ -171,15 +171,23 @@ def value_product(values_tile, probs_smem, acc):
   return acc + pl.run_scoped(product, plgpu.ACC(acc.shape, jnp.float32))
 
 
-def write_partials(state, out_smem, lse_smem, out_gmem, lse_gmem):
-  """The split's normalised out^T and lse (natural units, from the base-2 state), through
-  shared memory to `out_gmem` / `lse_gmem` (the program's slices). A split with no valid token
-  writes out 0 and lse -inf (it drops out of the merge)."""
+def normalised_partials(state) -> tuple[jax.Array, jax.Array]:
+  """(out^T [D, rows] / each row's sum, lse [rows] in natural units) from the base-2 state
+  (acc, running max, running sum). A split with no valid token gives out 0 and lse -inf (it
+  drops out of the merge); a NaN sum is not empty, its NaN reaches out and lse."""
   acc, running_max, running_sum = state
-  nonempty = running_sum != 0  # a NaN sum is not empty: the NaN reaches out and lse
+  nonempty = running_sum != 0
   safe_sum = jnp.where(nonempty, running_sum, 1.0)
-  out_smem[...] = acc / lax.broadcast_in_dim(safe_sum, acc.shape, [1])
-  lse_smem[...] = jnp.where(nonempty, natural_log_sum_exp(running_max, safe_sum), -jnp.inf)
+  out = acc / lax.broadcast_in_dim(safe_sum, acc.shape, [1])
+  return out, jnp.where(nonempty, natural_log_sum_exp(running_max, safe_sum), -jnp.inf)
+
+
+def write_partials(state, out_smem, lse_smem, out_gmem, lse_gmem):
+  """The split's normalised out^T and lse (`normalised_partials`), through shared memory to
+  `out_gmem` / `lse_gmem` (the program's slices)."""
+  out, lse = normalised_partials(state)
+  out_smem[...] = out
+  lse_smem[...] = lse
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, out_gmem)
   plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)

@@ -160,6 +160,7 @@ from pallas_kernels.decode_attention_mosaic_gpu import (
   LENGTH_WORDS,
   SHARED_MEMORY_BYTES,
   initial_softmax_state,
+  normalised_partials,
   padded_lengths,
   softmax_step_numerators,
   split_bounds,
@@ -183,6 +184,12 @@ from pallas_kernels.key_bias_in_kernel import (
   split_blocks_multiple,
   split_key_groups,
   split_key_statistics,
+)
+from pallas_kernels.own_slot_partials import (
+  DEFAULT_PARTIAL_SLOTS,
+  check_partial_slots,
+  slot_first_column,
+  write_own_slot_partials,
 )
 from pallas_kernels.quantized_decode_attention_mosaic_gpu import (
   CHUNK_TOKENS,
@@ -324,6 +331,9 @@ DEFAULT_BLOCKS_PER_COPY = 1
 # The order of the tokens on the value product's K side (`spread_token_order`, v37): the ring's
 # ("natural"), or with the upper token pairs of each 8 swapped ("spread"), so that the register
 # value operand's 32-bit loads hit every bank once instead of two rows per bank.
+# Which value slots' columns of its output the kernel writes (`own_slot_partials`, v38): every
+# slot's, f32 [B, H, S, D, rows] ("every"), or each channel's own, picked in the epilogue, f32
+# [B, H, S, real_rows, D] ("own": half the bytes at 3-4 query heads per KV head).
 # The kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
 KERNEL_SETTINGS = (
   "key_operand",
@@ -339,6 +349,7 @@ KERNEL_SETTINGS = (
   "value_stat_loads",
   "blocks_per_copy",
   "token_order",
+  "partial_slots",
 )
 # What the entry points take besides: who merges the splits' partials after the kernel
 # (`split_merge_triton`), XLA's fusions ("xla": four kernels of the decode loop) or one Triton
@@ -605,6 +616,7 @@ def check_folded_settings(
   value_stat_loads=DEFAULT_VALUE_STAT_LOADS,
   blocks_per_copy=DEFAULT_BLOCKS_PER_COPY,
   token_order=DEFAULT_TOKEN_ORDER,
+  partial_slots=DEFAULT_PARTIAL_SLOTS,
   split_merge=DEFAULT_SPLIT_MERGE,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values, or a
@@ -636,6 +648,7 @@ def check_folded_settings(
   check_token_order(token_order)
   if reason := token_order_unsupported_reason(token_order, value_operand):
     raise ValueError(reason)
+  check_partial_slots(partial_slots)
   if key_bias_source == "kernel" and key_products != DEFAULT_KEY_PRODUCT:
     raise ValueError(
       f"key_products={key_products!r} sets how XLA computes the key products; with "
@@ -783,11 +796,14 @@ def _folded_kernel(
   # with row_max="bound" each split's softmax reference f32 [B, H, S, rows]
   # (`softmax_reference_bounds`; not with key_bias_source="kernel", which computes them); then
   # with key_bias_source="kernel" the query halves bf16 [B, H, 2 or 4 * rows, D]
-  # (`key_bias_in_kernel.query_halves`); then out f32 [B, H, S, D, rows]
-  # (channel c's rows in the slot of its value group) and lse f32 [B, H, S, rows].
+  # (`key_bias_in_kernel.query_halves`); then out f32 [B, H, S, D, rows] (channel c's rows in
+  # the slot of its value group), or with partial_slots="own" [B, H, S, real_rows, D] (those
+  # rows alone), and lse f32 [B, H, S, rows].
   *value_stats_and_outputs,
   lengths_smem,
-  queries_smem,  # f32 [D, rows]: the queries, then the output (see `scratch_types`)
+  # f32 [D, rows]: the queries, then the output (see `scratch_types`); with partial_slots="own"
+  # a union of it and the own-slot rows f32 [real_rows, D]
+  queries_smem,
   k_words_smem,  # [stages, block, W]
   k_scale_smem,  # [stages, KG, D]
   v_words_smem,
@@ -820,9 +836,12 @@ def _folded_kernel(
   value_stat_loads: str,
   blocks_per_copy: int,
   token_order: str,
+  partial_slots: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
+  if partial_slots == "own":  # the queries, then the own-slot rows (`own_slot_partials`)
+    queries_smem, own_rows_smem = queries_smem
   if key_bias_source == "kernel":
     *value_stats_gmem, query_halves_gmem = value_stats_gmem
   if row_max == "bound" and key_bias_source == "xla":
@@ -1260,18 +1279,19 @@ def _folded_kernel(
     value_bias, acc.shape, [1]
   )
   # Each channel takes its value group's tile; only the columns of the group's slot are its
-  # rows (`pick_value_slots` takes them after the kernel).
+  # rows (`pick_value_slots` takes them after the kernel, or the kernel with "own").
   for t in range(value_tiles):
     out = jnp.where(
       channel // group_size // slots == t, stacked_out[:, t * rows : (t + 1) * rows], out
     )
-  write_partials(
-    (out, running_max, running_sum),
-    queries_smem,
-    lse_smem,
-    out_gmem.at[row, head, split],
-    lse_gmem.at[row, head, split],
-  )
+  state = (out, running_max, running_sum)
+  partials_gmem = (out_gmem.at[row, head, split], lse_gmem.at[row, head, split])
+  if partial_slots == "own":
+    normalised, lse = normalised_partials(state)
+    first_column = slot_first_column(channel, group_size, real_rows, slots)
+    write_own_slot_partials(normalised, lse, first_column, own_rows_smem, lse_smem, *partials_gmem)
+  else:
+    write_partials(state, queries_smem, lse_smem, *partials_gmem)
 
 
 @functools.partial(
@@ -1316,6 +1336,7 @@ def _jitted_kernel_outputs(
   value_stat_loads,
   blocks_per_copy,
   token_order,
+  partial_slots,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -1346,6 +1367,14 @@ def _jitted_kernel_outputs(
   )
   operand = functools.partial(swizzled_operand_transforms, dtype=jnp.bfloat16)
   code_tile = needs_code_tile(key_operand, value_operand, interpret)
+  queries_buffer = plgpu.SMEM((head_dim, rows), jnp.float32)
+  if partial_slots == "own":
+    # Each channel's own slot, head dim last (`own_slot_partials`); the rows are staged in the
+    # queries' buffer, which the loop no longer reads: no memory added.
+    partial_shape = (real_rows, head_dim)
+    queries_buffer = plgpu.RefUnion(queries_buffer, plgpu.SMEM(partial_shape, jnp.float32))
+  else:
+    partial_shape = (head_dim, rows)
   stack_buffers = (  # Q', P'
     plgpu.SMEM((key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
     plgpu.SMEM((value_rows, block_tokens), jnp.bfloat16, transforms=operand(block_tokens)),
@@ -1388,9 +1417,10 @@ def _jitted_kernel_outputs(
       value_stat_loads=value_stat_loads,
       blocks_per_copy=blocks_per_copy,
       token_order=token_order,
+      partial_slots=partial_slots,
     ),
     out_type=(
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, head_dim, rows), jnp.float32),
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, *partial_shape), jnp.float32),
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows), jnp.float32),
     ),
     grid=(batch, kv_heads, plan.num_splits),
@@ -1405,7 +1435,7 @@ def _jitted_kernel_outputs(
     #   Q' and P' take a buffer each (+2 KB at the v30 default's shapes: still four per SM).
     scratch_types=dict(
       lengths_smem=plgpu.SMEM(lengths.shape, jnp.int32),
-      queries_smem=plgpu.SMEM((head_dim, rows), jnp.float32),
+      queries_smem=queries_buffer,
       **{
         name: plgpu.SMEM((num_stages, *shape), dtype) for name, (shape, dtype) in ring_slots.items()
       },
@@ -1574,10 +1604,12 @@ def folded_kernel_outputs(
   value_stat_loads: str = DEFAULT_VALUE_STAT_LOADS,
   blocks_per_copy: int = DEFAULT_BLOCKS_PER_COPY,
   token_order: str = DEFAULT_TOKEN_ORDER,
+  partial_slots: str = DEFAULT_PARTIAL_SLOTS,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """The kernel's own outputs: out f32 [B,H,S,D,rows] (rows in operand positions, every value
-  slot's columns) and lse f32 [B,H,S,rows]. Settings and shapes are checked (ValueError) before
+  """The kernel's own outputs: out f32 [B,H,S,D,rows] (D in operand positions, every value
+  slot's columns), or with partial_slots="own" [B,H,S,real_rows,D] (each channel's own slot),
+  and lse f32 [B,H,S,rows]. Settings and shapes are checked (ValueError) before
   anything is traced. The entry points below take the same arguments."""
   dequantizing.check_settings(
     block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages
@@ -1615,6 +1647,7 @@ def folded_kernel_outputs(
     value_stat_loads=value_stat_loads,
     blocks_per_copy=blocks_per_copy,
     token_order=token_order,
+    partial_slots=partial_slots,
   )
   plan = folded_split_plan(
     queries,
@@ -1673,6 +1706,9 @@ def folded_partials_mosaic_gpu(*arrays, bits, group_size, **settings):
   queries = arrays[0]
   real_rows, _ = value_slots(queries.shape[2])
   positions = _channel_positions(settings, queries.shape[3], bits)
+  if settings.get("partial_slots", DEFAULT_PARTIAL_SLOTS) == "own":
+    own = out if positions is None else out[..., positions]
+    return jnp.swapaxes(own, -1, -2), lse[..., :real_rows]
   return pick_value_slots(out, group_size, real_rows, positions), lse[..., :real_rows]
 
 
@@ -1688,6 +1724,7 @@ def folded_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
   out, lse = folded_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
   real_rows, _ = value_slots(group)
   positions = _channel_positions(settings, head_dim, bits)
+  own_slot = settings.get("partial_slots", DEFAULT_PARTIAL_SLOTS) == "own"
   if split_merge == "triton":
     return merge_value_slot_partials_triton(
       out,
@@ -1696,8 +1733,15 @@ def folded_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
       group_size=group_size,
       real_rows=real_rows,
       word_order_bits=None if positions is None else bits,
+      own_slot=own_slot,
       interpret=settings.get("interpret", False),
     )
   return merge_value_slot_partials_reference(
-    out, lse, group=group, group_size=group_size, real_rows=real_rows, positions=positions
+    out,
+    lse,
+    group=group,
+    group_size=group_size,
+    real_rows=real_rows,
+    positions=positions,
+    own_slot=own_slot,
   )

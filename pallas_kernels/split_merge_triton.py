@@ -69,11 +69,17 @@ def merge_value_slot_partials_reference(
   group_size: int,
   real_rows: int,
   positions: np.ndarray | None = None,
+  own_slot: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """(out f32 [B, H, G, D] in channel order, lse f32 [B, H, G]) by XLA: the splits merged
   first, then each channel's slot (and position) picked from the merged [B, H, D, R], so no
   gather runs over the partials (a split count times larger; KERNEL_NOTES v30). Column j of
-  the partials is query row j % real_rows, and is weighed as that row."""
+  the partials is query row j % real_rows, and is weighed as that row. `own_slot`: the partials
+  hold each channel's own slot alone, f32 [B, H, S, real_rows, D] (`own_slot_partials`): merged
+  as they are, then each channel read at its position."""
+  if own_slot:
+    merged, total = merge_split_partials(out_partials, lse_partials, group, head_dim_last=True)
+    return (merged if positions is None else merged[..., positions]), total
   rows = out_partials.shape[-1]
   merged, total = merge_split_partials(
     out_partials, lse_partials[..., np.arange(rows) % real_rows], rows, head_dim_last=False
@@ -83,7 +89,7 @@ def merge_value_slot_partials_reference(
 
 
 def _merge_kernel(
-  out_partials_ref,  # f32 [B, H, S, D, R]
+  out_partials_ref,  # f32 [B, H, S, D, R], or [B, H, S, real_rows, D] with `own_slot`
   lse_partials_ref,  # f32 [B, H, S, R]
   merged_ref,  # f32 [B, H, G, D]
   total_ref,  # f32 [B, H, G]
@@ -93,9 +99,11 @@ def _merge_kernel(
   group_size: int,
   real_rows: int,
   word_order_bits: int | None,
+  own_slot: bool,
 ):
   batch, head, channel_block = (pl.program_id(axis) for axis in range(3))
-  head_dim, rows = out_partials_ref.shape[-2:]
+  head_dim = merged_ref.shape[-1]
+  rows = lse_partials_ref.shape[-1]
   slots = rows // real_rows
   steps = pl.cdiv(splits, SPLITS_PER_STEP)
   row = lax.iota(jnp.int32, real_rows)
@@ -145,10 +153,12 @@ def _merge_kernel(
     lse = step_lse(step)
     weights = jnp.where(lse == -jnp.inf, 0.0, jnp.exp(lse - safe_total[None, :]))
     split, valid = splits_of(step)
+    if own_slot:  # the kernel kept each channel's slot alone (`own_slot_partials`)
+      index = (split[:, None, None], row[None, None, :], position[None, :, None])
+    else:
+      index = (split[:, None, None], position[None, :, None], column[None, :, :])
     parts = _compat.triton_load(
-      out_partials_ref.at[
-        batch, head, split[:, None, None], position[None, :, None], column[None, :, :]
-      ],
+      out_partials_ref.at[batch, head, *index],
       mask=jnp.broadcast_to(valid[:, None, None], shape),
       other=0.0,
     )  # the step's splits' slot of each channel, loaded together
@@ -173,7 +183,14 @@ def _merge_kernel(
 
 @functools.partial(
   jax.jit,
-  static_argnames=("group", "group_size", "real_rows", "word_order_bits", "interpret"),
+  static_argnames=(
+    "group",
+    "group_size",
+    "real_rows",
+    "word_order_bits",
+    "own_slot",
+    "interpret",
+  ),
 )
 def merge_value_slot_partials_triton(
   out_partials: jax.Array,  # f32 [B, H, S, D, R]: normalised, D in operand positions
@@ -183,12 +200,15 @@ def merge_value_slot_partials_triton(
   group_size: int,
   real_rows: int,
   word_order_bits: int | None = None,
+  own_slot: bool = False,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """`merge_value_slot_partials_reference` as one kernel: (out f32 [B, H, G, D], lse f32
   [B, H, G]). `word_order_bits`: the partials' D axis is in the word operand order of codes of
-  that many bits (`position_of_channel`); None: channel order."""
-  batch, heads, splits, head_dim, rows = out_partials.shape
+  that many bits (`position_of_channel`); None: channel order. `own_slot`: the partials hold
+  each channel's own slot alone, f32 [B, H, S, real_rows, D] (`own_slot_partials`)."""
+  batch, heads, splits = out_partials.shape[:3]
+  head_dim = out_partials.shape[-1] if own_slot else out_partials.shape[-2]
   if head_dim % CHANNELS_PER_PROGRAM:
     raise ValueError(
       f"head_dim={head_dim} is not supported by the split-merge kernel; allowed: multiples of "
@@ -201,6 +221,7 @@ def merge_value_slot_partials_triton(
     group_size=group_size,
     real_rows=real_rows,
     word_order_bits=word_order_bits,
+    own_slot=own_slot,
   )
   return pl.pallas_call(
     kernel,

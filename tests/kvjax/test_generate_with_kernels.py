@@ -127,13 +127,15 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
     ),
     (
       # The folded Mosaic GPU kernel computing q . k_min itself before its loop (KERNEL_NOTES
-      # v35) and its splits merged by the Triton merge kernel (v36), through the decode loop.
+      # v35), writing each channel's own value slot only (v38), and its splits merged by the
+      # Triton merge kernel (v36), through the decode loop.
       "kivi:bits=4,group_size=16,residual=16",
       KernelSettings(
         quantized={
           "lowering": "mosaic_gpu",
           "variant": "folded",
           "key_bias_source": "kernel",
+          "partial_slots": "own",
           "split_merge": "triton",
         }
       ),
@@ -202,6 +204,7 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
         "value_stats",
         "value_stat_loads",
         "token_order",
+        "partial_slots",
       )
       seen.append({k: v for k, v in kwargs.items() if k in recorded})
       return kernel(*args, **kwargs)

@@ -29,6 +29,7 @@ from pallas_kernels.split_merge_triton import merge_value_slot_partials_triton
 from tests.pallas_kernels.test_quantized_decode_attention_folded_mosaic_gpu import (
   V31_CANDIDATE,
   V34_SETTINGS,
+  V36_CANDIDATE,
 )
 
 # Lowering the Triton kernels is exactly what jax's Pallas-Triton deprecation notice is about.
@@ -307,13 +308,7 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       128,
       4,
       32,
-      dict(
-        V34_SETTINGS,
-        value_stat_loads="own_slot",
-        row_max="bound",
-        key_bias_source="kernel",
-        value_operand="registers",
-      ),
+      V36_CANDIDATE,
     ),
     (
       "folded",
@@ -333,15 +328,7 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       128,
       4,
       32,
-      dict(
-        V34_SETTINGS,
-        num_stages=2,
-        blocks_per_copy=2,
-        value_stat_loads="own_slot",
-        row_max="bound",
-        key_bias_source="kernel",
-        value_operand="registers",
-      ),
+      dict(V36_CANDIDATE, num_stages=2, blocks_per_copy=2),
     ),
     # v37: the value product's tokens in the spread order (the register value loads' token
     # pairs swapped in each quad's upper half, P' rows by a butterfly shuffle), with register
@@ -353,13 +340,25 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       64,
       4,
       16,
+      dict(V36_CANDIDATE, token_order="spread"),
+    ),
+    # v38: each channel's own value slot picked in the epilogue (masked sums over the output's
+    # columns, row vectors stored into the queries' buffer), at the Hopper default's settings
+    # (word order) and in v36's candidate at one query head per KV head
+    ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, partial_slots="own")),
+    (
+      "folded",
+      4,
+      64,
+      1,
+      16,
+      # one head per KV head: every lane's statistics (own-slot ones are refused there)
       dict(
-        V34_SETTINGS,
-        value_stat_loads="own_slot",
-        row_max="bound",
-        key_bias_source="kernel",
-        value_operand="registers",
-        token_order="spread",
+        V36_CANDIDATE,
+        value_stat_loads="all_groups",
+        num_stages=2,
+        blocks_per_copy=2,
+        partial_slots="own",
       ),
     ),
   ],

@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from kvjax import attention_dispatch
+from pallas_kernels import own_slot_partials, quantized_decode_attention_gpu
 from pallas_kernels import quantized_decode_attention_folded_mosaic_gpu as folded
-from pallas_kernels import quantized_decode_attention_gpu
 from pallas_kernels.base_two_softmax import base_two_queries
 from pallas_kernels.bit_packing import pack_codes, unpack_codes
 from pallas_kernels.key_bias import key_bias
@@ -61,6 +61,15 @@ pytestmark = pytest.mark.filterwarnings(
 V30_SETTINGS = mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V30)
 V34_SETTINGS = mosaic_gpu_settings(FOLDED_MOSAIC_GPU_V34)
 V31_CANDIDATE = dict(V30_SETTINGS, copy_issuer="first_warp", value_accumulator="carried")
+# v36's candidate: both code operands from registers, the kernel's bias and references, each
+# lane's own value statistics, on v34's settings.
+V36_CANDIDATE = dict(
+  V34_SETTINGS,
+  row_max="bound",
+  key_bias_source="kernel",
+  value_operand="registers",
+  value_stat_loads="own_slot",
+)
 
 
 def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **config):
@@ -276,16 +285,7 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       4,
       32,
       224,
-      dict(
-        V34_SETTINGS,
-        num_stages=2,
-        num_splits=1,
-        blocks_per_copy=2,
-        row_max="bound",
-        key_bias_source="kernel",
-        value_operand="registers",
-        value_stat_loads="own_slot",
-      ),
+      dict(V36_CANDIDATE, num_stages=2, num_splits=1, blocks_per_copy=2),
     ),
     (4, 64, 3, 16, 448, dict(block_tokens=64, num_stages=2, num_splits=2, blocks_per_copy=4)),
     # the value product's tokens in the spread order (v37: the register value codes and P' rows
@@ -305,17 +305,19 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       3,
       16,
       256,
-      dict(
-        V34_SETTINGS,
-        num_stages=2,
-        num_splits=2,
-        blocks_per_copy=2,
-        row_max="bound",
-        key_bias_source="kernel",
-        value_operand="registers",
-        value_stat_loads="own_slot",
-        token_order="spread",
-      ),
+      dict(V36_CANDIDATE, num_stages=2, num_splits=2, blocks_per_copy=2, token_order="spread"),
+    ),
+    # each channel's own value slot picked by the kernel (v38): two slots of 4 rows under the
+    # Hopper default's word order; eight slots of 1 row; v36's candidate at 3 heads per KV head
+    (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=2, partial_slots="own")),
+    (2, 128, 1, 32, 160, dict(block_tokens=64, num_splits=2, partial_slots="own")),
+    (
+      4,
+      64,
+      3,
+      16,
+      256,
+      dict(V36_CANDIDATE, num_stages=2, num_splits=2, blocks_per_copy=2, partial_slots="own"),
     ),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
@@ -375,6 +377,11 @@ def test_folded_mosaic_gpu_kernel_matches_reference(
       ),
     ),
     (4, dict(num_splits=3, split_merge="triton")),
+    # each channel's own slot, picked by the kernel (v38), merged by XLA and by Triton, in the
+    # word order (positions) and in channel order
+    (4, dict(V34_SETTINGS, num_splits=3, partial_slots="own")),
+    (2, dict(V34_SETTINGS, num_splits=2, partial_slots="own", split_merge="triton")),
+    (3, dict(block_tokens=64, num_splits=2, partial_slots="own", split_merge="triton")),
   ],
 )
 def test_decode_entry_merges_before_picking_value_slots(group, config):
@@ -392,6 +399,51 @@ def test_decode_entry_merges_before_picking_value_slots(group, config):
   ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=0.125)
   assert out.shape == ref[0].shape and lse.shape == ref[1].shape
   assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, interpret))
+
+
+@pytest.mark.parametrize(
+  "group,config",
+  [
+    (4, dict(V34_SETTINGS, num_splits=2)),  # two slots, word order
+    (1, dict(block_tokens=64, num_splits=2)),  # eight slots, channel order
+    (8, dict(block_tokens=64, num_splits=2)),  # one slot: the same columns
+  ],
+)
+def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, config):
+  """The kernel's own-slot pick (a masked sum with one column kept per channel) gives exactly
+  the every-slot kernel's columns of each channel's slot (`own_slot_columns`), NaN poison in
+  the other slots' columns not reaching them; half the bytes at 4 heads per KV head."""
+  arrays, _ = _inputs(
+    np.random.default_rng(group),
+    head_dim=128,
+    group=group,
+    bits=2,
+    group_size=32,
+    tokens=224,
+    dtype=jnp.bfloat16,
+  )
+  call = functools.partial(
+    folded.folded_kernel_outputs,
+    *arrays,
+    bits=2,
+    group_size=32,
+    sm_scale=0.125,
+    interpret=triton_interpret(),
+    **config,
+  )
+  every, every_lse = call()
+  own, own_lse = call(partial_slots="own")
+  real_rows, slots = folded.value_slots(group)
+  channels = np.arange(128)
+  if config.get("operand_order") == "word":  # the output's rows are operand positions
+    channels = folded.word_order_channels(128, 2)
+  first_columns = own_slot_partials.slot_first_column(channels, 32, real_rows, slots)
+  expected = own_slot_partials.own_slot_columns(every, first_columns, real_rows)
+  assert own.shape == (*every.shape[:3], real_rows, 128)
+  assert own.size * slots == every.size
+  np.testing.assert_array_equal(np.asarray(own), np.asarray(expected))
+  np.testing.assert_array_equal(np.asarray(own_lse), np.asarray(every_lse))
+  assert np.isfinite(np.asarray(own)).all()
 
 
 def _kivi2_inputs(seed):
@@ -871,6 +923,7 @@ def test_bad_mosaic_gpu_variant_is_named():
     ("split_merge", "kernel"),
     ("value_stat_loads", "mine"),
     ("token_order", "mixed"),
+    ("partial_slots", "mine"),
   ],
 )
 def test_a_bad_setting_is_named_before_tracing(name, value):
@@ -893,6 +946,7 @@ def test_a_bad_setting_is_named_before_tracing(name, value):
     ("split_merge", "pallas"),
     ("value_stat_loads", "own"),
     ("token_order", "spreaded"),
+    ("partial_slots", "own_slot"),
   ],
 )
 def test_a_bad_setting_is_named_by_the_dispatch(name, value):

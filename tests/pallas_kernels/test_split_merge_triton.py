@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import own_slot_partials
 from pallas_kernels import split_merge_triton as merge
 from pallas_kernels.word_operand_order import word_order_channels
 from tests.pallas_kernels.kernel_checks import triton_interpret
@@ -84,6 +85,52 @@ def test_kernel_matches_xlas_merge_and_pick(
   np.testing.assert_allclose(got_lse, ref_lse, rtol=1e-6, atol=1e-6)
   # the empty row: output 0 and lse -inf exactly
   assert np.isneginf(got_lse[0, 0, 0]) and np.all(got_out[0, 0, 0] == 0.0)
+
+
+@pytest.mark.parametrize(
+  "splits,head_dim,rows,real_rows,group,group_size,bits",
+  [
+    (32, 128, 8, 4, 4, 32, None),  # the shapes of record, channel order
+    (24, 128, 8, 4, 3, 32, 2),  # the word order, 3 of 4 rows
+    (3, 64, 8, 1, 1, 16, 4),  # one query head in 8 slots, word order at head_dim 64
+    (70, 128, 8, 8, 5, 128, None),  # one slot; three steps of 32 splits
+  ],
+)
+def test_own_slot_partials_merge_to_the_every_slot_merge(
+  splits, head_dim, rows, real_rows, group, group_size, bits
+):
+  """Partials holding each channel's own slot alone, [B, H, S, real_rows, D]
+  (`own_slot_partials`, what the folded kernel writes with partial_slots="own"), merged by
+  either merge, give the every-slot partials' merge: every other column ignored, each channel
+  read at its position."""
+  out, lse = _partials(np.random.default_rng(splits), 2, 3, splits, head_dim, rows)
+  channels = np.arange(head_dim) if bits is None else word_order_channels(head_dim, bits)
+  first_columns = own_slot_partials.slot_first_column(
+    channels, group_size, real_rows, rows // real_rows
+  )
+  own = np.asarray(own_slot_partials.own_slot_columns(jnp.asarray(out), first_columns, real_rows))
+  (ref_out, ref_lse), _ = _both(
+    out, lse, group=group, group_size=group_size, real_rows=real_rows, bits=bits
+  )
+  positions = None if bits is None else np.argsort(word_order_channels(head_dim, bits))
+  settings = dict(group=group, group_size=group_size, real_rows=real_rows, own_slot=True)
+  merged = [
+    merge.merge_value_slot_partials_reference(
+      jnp.asarray(own), jnp.asarray(lse), positions=positions, **settings
+    ),
+    merge.merge_value_slot_partials_triton(
+      jnp.asarray(own),
+      jnp.asarray(lse),
+      word_order_bits=bits,
+      interpret=triton_interpret(),
+      **settings,
+    ),
+  ]
+  for got_out, got_lse in merged:
+    assert got_out.shape == ref_out.shape and got_lse.shape == ref_lse.shape
+    assert np.all(np.isfinite(np.asarray(got_out))), "unwritten or non-finite output"
+    np.testing.assert_allclose(np.asarray(got_out), ref_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_lse), ref_lse, rtol=1e-6, atol=1e-6)
 
 
 def test_each_channel_reads_its_own_slot_at_its_own_position():
