@@ -500,9 +500,10 @@ ${v34}, \"num_splits\": 16}, ${v34}, \"block_tokens\": 128, \"num_stages\": 2}, 
     # And v38's "partial_slots": "own" (each channel's own value slot picked in the epilogue:
     # the partials 8.4 -> 4.2 MB written and read per call, and the candidate's registers
     # 124 -> 112; with two blocks per slot 130 -> 128, four programs per SM at 325 instructions
-    # per 64 tokens in the fixed arm, the fewest of any four-per-SM config), with the candidate
-    # and the merge kernel, with and without two blocks per slot, in place of the two
-    # "reduction" combinations (v35_profile still times "reduction" under ncu).
+    # per 64 tokens in the fixed arm, the fewest of any four-per-SM config; after v38's one
+    # query array 128 without "own" and 129 with it, so both are here), with the candidate and
+    # the merge kernel, with and without two blocks per slot, in place of the two "reduction"
+    # combinations (v35_profile still times "reduction" under ncu).
     set +e
     status=0
     log="$out/$1.log"

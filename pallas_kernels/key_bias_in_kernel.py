@@ -102,6 +102,22 @@ def query_halves(queries: jax.Array, *, bounds: bool = False) -> jax.Array:
   return jnp.concatenate(halves, axis=2)
 
 
+def queries_with_halves(
+  code_queries: jax.Array,  # [B, H, D, rows]: the key product's queries, D in operand positions
+  queries: jax.Array,  # f32 [B, H, rows, D]: the same queries, D in channel order
+  *,
+  bounds: bool,
+) -> jax.Array:
+  """bf16 [B, H, 2 or 4 * rows + rows, D]: the `query_halves`, then the key product's queries
+  transposed and rounded to bf16 (as the kernel rounds them). One array, so that XLA computes
+  the kernel's queries in one fusion: as two arrays (the f32 code queries and the halves) they
+  took two (compiled for an H100 without a GPU, KERNEL_NOTES v38), a launch each in the decode
+  loop. The kernel copies the halves (whole 8-row tiles of their swizzled layout, as Mosaic GPU
+  requires of the copy) and the queries apart, and reads the queries transposed."""
+  transposed = jnp.swapaxes(code_queries, 2, 3).astype(jnp.bfloat16)  # [B, H, rows, D]
+  return jnp.concatenate([query_halves(queries, bounds=bounds), transposed], axis=2)
+
+
 def copies_per_chunk(bounds: bool) -> int:
   """TMA copies (and barriers) per chunk: k_min, and with the bounds k_scale."""
   return 2 if bounds else 1

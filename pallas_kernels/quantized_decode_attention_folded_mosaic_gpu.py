@@ -180,7 +180,7 @@ from pallas_kernels.key_bias_in_kernel import (
   bias_chunks,
   check_key_bias_source,
   copies_per_chunk,
-  query_halves,
+  queries_with_halves,
   split_blocks_multiple,
   split_key_groups,
   split_key_statistics,
@@ -784,7 +784,10 @@ def _stage_block(codes_smem, words_smem, **staging):
 
 def _folded_kernel(
   lengths_gmem,  # int32 [>= B]
-  queries_gmem,  # f32 [B, H, D, rows]: q^T x sm_scale log2(e) x 2^(query - q); padding rows repeat
+  # f32 [B, H, D, rows]: q^T x sm_scale log2(e) x 2^(query - q), padding rows repeating; with
+  # key_bias_source="kernel" bf16 [B, H, 2 or 4 * rows + rows, D]: the query halves, then those
+  # transposed (`key_bias_in_kernel.queries_with_halves`)
+  queries_gmem,
   k_codes_gmem,  # uint32 [B, H, T, W]
   k_scale_gmem,  # bf16 [B, H, T / group_size, D]
   # f32 [B, H, T / group_size, rows]: q . k_min per key group (`key_bias`); with
@@ -795,14 +798,13 @@ def _folded_kernel(
   # minimum) bf16 pairs, or the bf16 scales and minimums, each [B, H, D / group_size, T]; then
   # with row_max="bound" each split's softmax reference f32 [B, H, S, rows]
   # (`softmax_reference_bounds`; not with key_bias_source="kernel", which computes them); then
-  # with key_bias_source="kernel" the query halves bf16 [B, H, 2 or 4 * rows, D]
-  # (`key_bias_in_kernel.query_halves`); then out f32 [B, H, S, D, rows] (channel c's rows in
-  # the slot of its value group), or with partial_slots="own" [B, H, S, real_rows, D] (those
-  # rows alone), and lse f32 [B, H, S, rows].
+  # out f32 [B, H, S, D, rows] (channel c's rows in the slot of its value group), or with
+  # partial_slots="own" [B, H, S, real_rows, D] (those rows alone), and lse f32 [B, H, S, rows].
   *value_stats_and_outputs,
   lengths_smem,
   # f32 [D, rows]: the queries, then the output (see `scratch_types`); with partial_slots="own"
-  # a union of it and the own-slot rows f32 [real_rows, D]
+  # or key_bias_source="kernel" a union of the queries (bf16 [rows, D] with the kernel's bias)
+  # and the output (the own-slot rows f32 [real_rows, D] with "own")
   queries_smem,
   k_words_smem,  # [stages, block, W]
   k_scale_smem,  # [stages, KG, D]
@@ -840,10 +842,10 @@ def _folded_kernel(
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
-  if partial_slots == "own":  # the queries, then the own-slot rows (`own_slot_partials`)
-    queries_smem, own_rows_smem = queries_smem
-  if key_bias_source == "kernel":
-    *value_stats_gmem, query_halves_gmem = value_stats_gmem
+  # The queries' buffer, then the output's (`scratch_types`): one buffer, or a union of the two
+  output_smem = queries_smem
+  if partial_slots == "own" or key_bias_source == "kernel":
+    queries_smem, output_smem = queries_smem
   if row_max == "bound" and key_bias_source == "xla":
     *value_stats_gmem, references_gmem = value_stats_gmem
   if value_stats == "pairs":
@@ -852,7 +854,10 @@ def _folded_kernel(
     value_stats_rings = (v_scale_smem, v_min_smem)
   lengths_barrier, queries_barrier, ring_barriers, *chunk_barriers = barriers
   block = plan.block_tokens
-  head_dim, rows = queries_smem.shape
+  if key_bias_source == "kernel":  # bf16 [rows, D]: read transposed
+    rows, head_dim = queries_smem.shape
+  else:
+    head_dim, rows = queries_smem.shape
   if key_bias_source == "kernel" and row_max == "bound":
     (key_stack_smem, value_stack_smem), *prologue_smem = stacks_smem
   else:
@@ -870,15 +875,24 @@ def _folded_kernel(
   block_start_barrier = needs_block_start_barrier(key_operand, value_operand, row_max, emulate)
 
   plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, lengths_barrier)
-  plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
-  if row_max == "bound" and key_bias_source == "xla":
-    # lse_smem holds them until the loop; the output's lse comes after it
-    plgpu.copy_gmem_to_smem(references_gmem.at[row, head, split], lse_smem, queries_barrier)
   if key_bias_source == "kernel":
+    # One array, [2 or 4 * rows + rows, D] (`queries_with_halves`): the query halves, then the
+    # key product's queries transposed, copied apart.
     ((query_halves_smem, *k_min_tile),) = prologue_smem
     # The k_min tile: the code tile where there is one (free until the loop's first staging).
     (k_min_tile_smem,) = k_min_tile if k_min_tile else (codes_smem,)
-    plgpu.copy_gmem_to_smem(query_halves_gmem.at[row, head], query_halves_smem, queries_barrier)
+    halves_rows = query_halves_smem.shape[0]
+    plgpu.copy_gmem_to_smem(
+      queries_gmem.at[row, head, pl.ds(0, halves_rows)], query_halves_smem, queries_barrier
+    )
+    plgpu.copy_gmem_to_smem(
+      queries_gmem.at[row, head, pl.ds(halves_rows, rows)], queries_smem, queries_barrier
+    )
+  else:
+    plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)
+  if row_max == "bound" and key_bias_source == "xla":
+    # lse_smem holds them until the loop; the output's lse comes after it
+    plgpu.copy_gmem_to_smem(references_gmem.at[row, head, split], lse_smem, queries_barrier)
   plgpu.barrier_wait(lengths_barrier)
   start, end, num_blocks = split_bounds(lengths_smem, row, split, plan, tokens)
   # Copies of blocks_per_copy blocks each: the split's last may hold blocks past the row's
@@ -946,7 +960,9 @@ def _folded_kernel(
   # Rounded to bf16 once, as the folded Triton kernel takes them: each Q' element is then one
   # packed bf16 product (HMUL2, the exact product rounded once), not an f32 product and a
   # conversion (KERNEL_NOTES v20: 1057 -> 1009 instructions per block, 4 registers fewer).
-  code_queries = wgmma_layout(queries_smem[...]).astype(jnp.bfloat16)  # [D, rows]
+  # [D, rows]; with the kernel's bias already bf16, [rows, D] in shared memory
+  queries_view = queries_smem.T if key_bias_source == "kernel" else queries_smem
+  code_queries = wgmma_layout(queries_view[...]).astype(jnp.bfloat16)
   # A [n] per-row vector over the columns: per channel of [D, rows], per token of [block, rows].
   per_channel = functools.partial(
     lax.broadcast_in_dim, shape=(head_dim, rows), broadcast_dimensions=[0]
@@ -1289,9 +1305,9 @@ def _folded_kernel(
   if partial_slots == "own":
     normalised, lse = normalised_partials(state)
     first_column = slot_first_column(channel, group_size, real_rows, slots)
-    write_own_slot_partials(normalised, lse, first_column, own_rows_smem, lse_smem, *partials_gmem)
+    write_own_slot_partials(normalised, lse, first_column, output_smem, lse_smem, *partials_gmem)
   else:
-    write_partials(state, queries_smem, lse_smem, *partials_gmem)
+    write_partials(state, output_smem, lse_smem, *partials_gmem)
 
 
 @functools.partial(
@@ -1367,14 +1383,15 @@ def _jitted_kernel_outputs(
   )
   operand = functools.partial(swizzled_operand_transforms, dtype=jnp.bfloat16)
   code_tile = needs_code_tile(key_operand, value_operand, interpret)
+  # The queries are read into registers before the loop, the output written after it: one
+  # buffer, or a union of the two where they differ (bf16 queries with the kernel's bias,
+  # `queries_with_halves`; each channel's own slot, head dim last, `own_slot_partials`).
+  partial_shape = (real_rows, head_dim) if partial_slots == "own" else (head_dim, rows)
   queries_buffer = plgpu.SMEM((head_dim, rows), jnp.float32)
-  if partial_slots == "own":
-    # Each channel's own slot, head dim last (`own_slot_partials`); the rows are staged in the
-    # queries' buffer, which the loop no longer reads: no memory added.
-    partial_shape = (real_rows, head_dim)
+  if key_bias_source == "kernel":  # `queries_with_halves`' queries, bf16 [rows, D]
+    queries_buffer = plgpu.SMEM((rows, head_dim), jnp.bfloat16)
+  if partial_slots == "own" or key_bias_source == "kernel":
     queries_buffer = plgpu.RefUnion(queries_buffer, plgpu.SMEM(partial_shape, jnp.float32))
-  else:
-    partial_shape = (head_dim, rows)
   stack_buffers = (  # Q', P'
     plgpu.SMEM((key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
     plgpu.SMEM((value_rows, block_tokens), jnp.bfloat16, transforms=operand(block_tokens)),
@@ -1458,7 +1475,7 @@ def _jitted_kernel_outputs(
       barriers=(
         plgpu.Barrier(),
         # the queries; with row_max="bound" the split's softmax references, with
-        # key_bias_source="kernel" the query halves
+        # key_bias_source="kernel" the query halves (the queries' array copied in two)
         plgpu.Barrier(
           num_arrivals=1
           + (row_max == "bound" and key_bias_source == "xla")
@@ -1499,10 +1516,9 @@ def _jitted_kernel_outputs(
     bias = jnp.pad(k_min, padding)
     if short and row_max == "bound":
       k_scale = jnp.pad(k_scale, padding)
-    bias_queries = (query_halves(scaled, bounds=row_max == "bound"),)
+    code_queries = queries_with_halves(code_queries, scaled, bounds=row_max == "bound")
   else:
     bias = key_bias(scaled, k_min, key_products=key_products)  # [B, H, T / group_size, rows]
-    bias_queries = ()
   references = ()
   if row_max == "bound" and key_bias_source == "xla":
     references = (
@@ -1523,7 +1539,6 @@ def _jitted_kernel_outputs(
     v_codes,
     *value_statistics,
     *references,
-    *bias_queries,
   )
 
 

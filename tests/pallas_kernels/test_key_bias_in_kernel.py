@@ -22,6 +22,7 @@ from pallas_kernels.key_bias_in_kernel import (
   bias_chunks,
   chunk_copy_groups,
   copies_per_chunk,
+  queries_with_halves,
   query_halves,
   split_blocks_multiple,
   split_key_groups,
@@ -116,6 +117,25 @@ def test_splits_longer_than_the_bias_buffer_are_refused_with_the_setting_named()
   assert unsupported_reason(8192, 32) is None
   reason = unsupported_reason(8192 + 64, 32)
   assert reason is not None and "key_bias_source='kernel'" in reason and "num_splits" in reason
+
+
+@pytest.mark.parametrize("bounds", [False, True])
+def test_queries_with_halves_put_the_halves_then_the_code_queries_in_one_array(bounds):
+  """One bf16 array per (row, head): the `query_halves` rows, then the key product's queries
+  [D, rows] transposed to [rows, D] and rounded to bf16 (what the kernel rounds them to)."""
+  rng = np.random.default_rng(5)
+  queries = jnp.asarray(rng.standard_normal((2, 3, 8, 64)), jnp.float32)
+  code_queries = jnp.asarray(rng.standard_normal((2, 3, 64, 8)), jnp.float32)
+  combined = queries_with_halves(code_queries, queries, bounds=bounds)
+  halves_rows = (4 if bounds else 2) * 8
+  assert combined.dtype == jnp.bfloat16 and combined.shape == (2, 3, halves_rows + 8, 64)
+  np.testing.assert_array_equal(
+    np.asarray(combined[:, :, :halves_rows]), np.asarray(query_halves(queries, bounds=bounds))
+  )
+  np.testing.assert_array_equal(
+    np.asarray(combined[:, :, halves_rows:]),
+    np.asarray(jnp.swapaxes(code_queries, 2, 3).astype(jnp.bfloat16)),
+  )
 
 
 def _prologue_outputs(k_min, k_scale, halves, lengths, *, split_tokens, group_size, bits, bounds):
