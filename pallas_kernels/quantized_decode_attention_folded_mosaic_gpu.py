@@ -529,6 +529,7 @@ def shared_memory_bytes(
   key_bias_source=DEFAULT_KEY_BIAS_SOURCE,
   split_groups=0,
   blocks_per_copy=DEFAULT_BLOCKS_PER_COPY,
+  partial_slots=DEFAULT_PARTIAL_SLOTS,
 ):
   """Bytes of shared memory one program allocates, each buffer rounded up to the 1024-byte
   alignment Pallas gives it (an upper bound: 72704 for the shapes of record, which compile to
@@ -536,7 +537,9 @@ def shared_memory_bytes(
   code tile only where codes are staged (`needs_code_tile`). With key_bias_source="kernel"
   (`key_bias_in_kernel`; `split_groups` key groups per split) the bias buffer, and the query
   halves and k_min tile (the code tile, if there is one) in the union with Q' and P'. Ring slots
-  hold `blocks_per_copy` blocks each."""
+  hold `blocks_per_copy` blocks each. The queries' buffer is the larger of the queries (f32
+  [D, rows], or bf16 [rows, D] with the kernel's bias) and the output (f32 [D, rows], or
+  [real_rows, D] with partial_slots="own"), which share it."""
   rows = tile_rows(group)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
   slot_tokens = block_tokens * blocks_per_copy
@@ -544,9 +547,11 @@ def shared_memory_bytes(
     group, head_dim, bits, group_size, slot_tokens, value_stats, key_bias_source
   )
   ring = [math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in ring_slots.values()]
+  query_bytes = head_dim * rows * (2 if key_bias_source == "kernel" else 4)
+  output_rows = value_slots(group)[0] if partial_slots == "own" else rows
   buffers = [num_stages * size for size in ring] + [
     LENGTH_WORDS * 4,
-    head_dim * rows * 4,  # the queries, then the output
+    max(query_bytes, head_dim * output_rows * 4),  # the queries, then the output
   ]
   if code_tile:
     buffers.append(block_tokens * head_dim * 2)  # one bf16 code tile: K, then V
@@ -710,6 +715,7 @@ def check_config(
     folded_settings.get("key_bias_source", DEFAULT_KEY_BIAS_SOURCE),
     split_groups,
     blocks_per_copy,
+    folded_settings.get("partial_slots", DEFAULT_PARTIAL_SLOTS),
   )
   if needed > SHARED_MEMORY_BYTES:
     raise ValueError(
@@ -785,8 +791,8 @@ def _stage_block(codes_smem, words_smem, **staging):
 def _folded_kernel(
   lengths_gmem,  # int32 [>= B]
   # f32 [B, H, D, rows]: q^T x sm_scale log2(e) x 2^(query - q), padding rows repeating; with
-  # key_bias_source="kernel" bf16 [B, H, 2 or 4 * rows + rows, D]: the query halves, then those
-  # transposed (`key_bias_in_kernel.queries_with_halves`)
+  # key_bias_source="kernel" bf16 [B, H, 2 or 4 * rows + rows, D]: the query halves, then these
+  # queries as [rows, D], rounded to bf16 (`key_bias_in_kernel.queries_with_halves`)
   queries_gmem,
   k_codes_gmem,  # uint32 [B, H, T, W]
   k_scale_gmem,  # bf16 [B, H, T / group_size, D]

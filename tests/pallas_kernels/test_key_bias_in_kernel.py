@@ -122,7 +122,7 @@ def test_splits_longer_than_the_bias_buffer_are_refused_with_the_setting_named()
 @pytest.mark.parametrize("bounds", [False, True])
 def test_queries_with_halves_put_the_halves_then_the_code_queries_in_one_array(bounds):
   """One bf16 array per (row, head): the `query_halves` rows, then the key product's queries
-  [D, rows] transposed to [rows, D] and rounded to bf16 (what the kernel rounds them to)."""
+  [D, rows] transposed to [rows, D] and rounded to bf16."""
   rng = np.random.default_rng(5)
   queries = jnp.asarray(rng.standard_normal((2, 3, 8, 64)), jnp.float32)
   code_queries = jnp.asarray(rng.standard_normal((2, 3, 64, 8)), jnp.float32)

@@ -411,8 +411,12 @@ def test_decode_entry_merges_before_picking_value_slots(group, config):
 )
 def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, config):
   """The kernel's own-slot pick (a masked sum with one column kept per channel) gives exactly
-  the every-slot kernel's columns of each channel's slot (`own_slot_columns`), NaN poison in
-  the other slots' columns not reaching them; half the bytes at 4 heads per KV head."""
+  the every-slot kernel's columns of each channel's slot (`own_slot_columns`); half the bytes at
+  4 heads per KV head. With two or more slots, value group 1's scale is NaN at one valid token
+  of row 0, which makes the every-slot partials NaN in group 1's slot columns for every channel:
+  group 0's channels must stay finite (a pick that lets the other columns' NaN through, as
+  `where(kept, out, out * 0)` does, fails; XLA on CPU turns `out * mask` into a select, so
+  interpret mode cannot tell that one apart)."""
   arrays, _ = _inputs(
     np.random.default_rng(group),
     head_dim=128,
@@ -422,6 +426,9 @@ def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, con
     tokens=224,
     dtype=jnp.bfloat16,
   )
+  real_rows, slots = folded.value_slots(group)
+  if slots > 1:  # v_scale [B, H, T, D / 32]: group 1 at token 5 of row 0
+    arrays = (*arrays[:5], arrays[5].at[0, :, 5, 1].set(jnp.nan), *arrays[6:])
   call = functools.partial(
     folded.folded_kernel_outputs,
     *arrays,
@@ -433,7 +440,6 @@ def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, con
   )
   every, every_lse = call()
   own, own_lse = call(partial_slots="own")
-  real_rows, slots = folded.value_slots(group)
   channels = np.arange(128)
   if config.get("operand_order") == "word":  # the output's rows are operand positions
     channels = folded.word_order_channels(128, 2)
@@ -443,7 +449,12 @@ def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, con
   assert own.size * slots == every.size
   np.testing.assert_array_equal(np.asarray(own), np.asarray(expected))
   np.testing.assert_array_equal(np.asarray(own_lse), np.asarray(every_lse))
-  assert np.isfinite(np.asarray(own)).all()
+  group_zero = channels // 32 == 0  # the positions holding value group 0's channels
+  if slots > 1:
+    assert np.isnan(np.asarray(every)[0][..., group_zero, :]).any()
+    assert np.isnan(np.asarray(own)[0][..., ~group_zero]).any()
+  assert np.isfinite(np.asarray(own)[0][..., group_zero]).all()
+  assert np.isfinite(np.asarray(own)[1:]).all()
 
 
 def _kivi2_inputs(seed):
@@ -611,6 +622,18 @@ def test_kernel_key_bias_memory_keeps_four_programs_per_sm(row_max, code_tile, e
   kernel = folded.shared_memory_bytes(*shapes, key_bias_source="kernel", split_groups=32)
   assert kernel - xla == extra + (0 if code_tile else 16384)
   assert 4 * (kernel + 1024) <= 228 * 1024
+
+
+def test_the_queries_buffer_holds_the_larger_of_queries_and_output():
+  """The queries' buffer is shared with the output: f32 [D, rows] queries with XLA's bias, so
+  "own" partials add and save nothing there; bf16 [rows, D] with the kernel's bias, where "own"
+  partials (f32 [real_rows, D] at 4 of 8 rows) take 2 KB less than every slot's [D, rows]."""
+  shapes = (4, 128, 2, 32, 64, 4, "separate", "bound", False)
+  for source, saved in (("xla", 0), ("kernel", 2048)):
+    settings = dict(key_bias_source=source, split_groups=32)
+    every = folded.shared_memory_bytes(*shapes, **settings)
+    own = folded.shared_memory_bytes(*shapes, **settings, partial_slots="own")
+    assert every - own == saved
 
 
 def test_only_register_operands_with_separate_stacks_skip_the_block_start_barrier():
