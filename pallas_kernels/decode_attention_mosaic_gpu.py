@@ -182,16 +182,22 @@ def normalised_partials(state) -> tuple[jax.Array, jax.Array]:
   return out, jnp.where(nonempty, natural_log_sum_exp(running_max, safe_sum), -jnp.inf)
 
 
+def send_partials(out_smem, lse_smem, out_gmem, lse_gmem):
+  """The split's partials, stored to `out_smem` / `lse_smem` by every thread, copied to
+  `out_gmem` / `lse_gmem` (the program's slices) once the stores are visible."""
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+  plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
+  plgpu.wait_smem_to_gmem(0)
+
+
 def write_partials(state, out_smem, lse_smem, out_gmem, lse_gmem):
   """The split's normalised out^T and lse (`normalised_partials`), through shared memory to
   `out_gmem` / `lse_gmem` (the program's slices)."""
   out, lse = normalised_partials(state)
   out_smem[...] = out
   lse_smem[...] = lse
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(out_smem, out_gmem)
-  plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
-  plgpu.wait_smem_to_gmem(0)
+  send_partials(out_smem, lse_smem, out_gmem, lse_gmem)
 
 
 def _decode_kernel(

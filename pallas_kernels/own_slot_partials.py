@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.decode_attention_mosaic_gpu import send_partials
+
 PARTIAL_SLOTS = ("every", "own")
 DEFAULT_PARTIAL_SLOTS = "every"
 
@@ -61,10 +63,7 @@ def write_own_slot_partials(
   for j, row in enumerate(own_slot_rows(out, first_column, rows_smem.shape[0])):
     rows_smem[j, :] = row
   lse_smem[...] = lse
-  plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(rows_smem, out_gmem)
-  plgpu.copy_smem_to_gmem(lse_smem, lse_gmem)
-  plgpu.wait_smem_to_gmem(0)
+  send_partials(rows_smem, lse_smem, out_gmem, lse_gmem)
 
 
 def own_slot_columns(out: jax.Array, first_columns: np.ndarray, real_rows: int) -> jax.Array:

@@ -24,6 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels.own_slot_partials import slot_first_column
 from pallas_kernels.splits import merge_split_partials
 from pallas_kernels.word_operand_order import position_of_channel
 
@@ -52,10 +53,10 @@ def pick_value_slots(
   columns [s * real_rows, (s + 1) * real_rows) with s = (c // group_size) % slots, read at
   row `positions[c]` (the operand position holding channel c; None: row c). One gather."""
   head_dim, rows = out.shape[-2:]
-  slots = rows // real_rows
   channel = np.arange(head_dim)
   row = channel if positions is None else np.asarray(positions)
-  columns = (channel // group_size % slots)[:, None] * real_rows + np.arange(real_rows)[None, :]
+  first_column = slot_first_column(channel, group_size, real_rows, rows // real_rows)
+  columns = first_column[:, None] + np.arange(real_rows)[None, :]
   flat = out.reshape(*out.shape[:-2], head_dim * rows)
   picked = jnp.take(flat, (row[:, None] * rows + columns).reshape(-1), axis=-1)
   return picked.reshape(*out.shape[:-2], head_dim, real_rows)
