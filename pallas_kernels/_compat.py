@@ -60,6 +60,20 @@ def mosaic_gpu_interpret_params():
   return _mosaic_gpu_module().InterpretGPUParams()
 
 
+def finished_if_interpreted(outputs, interpret: bool):
+  """`outputs` of a Pallas kernel (Mosaic GPU or TPU), waited for when an interpreter ran it (and
+  no trace holds them: under one this returns at once).
+
+  The Mosaic GPU and TPU interpreters run jax computations inside their own callbacks (on jax
+  0.11.2 Mosaic GPU's `wait_smem_to_gmem` compares a queue length with `n`, which arrives as a jax
+  Array; the TPU interpreter's `get` unstacks an index array). The CPU client bounds the
+  executions in flight; when the calling thread dispatches more work before the kernel's
+  execution has ended, that work can take the slots a callback's computation needs, and nothing
+  finishes: on jax 0.11.2 on a loaded 2-core CPU the 4th to 17th eager call hung while the caller
+  computed a reference, and none in 80 with this wait (KERNEL_NOTES v39)."""
+  return jax.block_until_ready(outputs) if interpret else outputs
+
+
 def tpu_compiler_params(dimension_semantics: tuple[str, ...]):
   pltpu = _tpu_module()
   params_class = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams

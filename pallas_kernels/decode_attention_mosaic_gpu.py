@@ -359,7 +359,7 @@ def decode_attention_partials_mosaic_gpu(
   reason = unsupported_reason(queries, keys)
   if reason is not None:
     raise ValueError(f"the Mosaic GPU decode-attention kernel does not support {reason}")
-  return _decode_attention_partials(
+  outputs = _decode_attention_partials(
     queries,
     keys,
     values,
@@ -370,6 +370,7 @@ def decode_attention_partials_mosaic_gpu(
     num_stages=num_stages,
     interpret=interpret,
   )
+  return _compat.finished_if_interpreted(outputs, interpret)
 
 
 def decode_attention_mosaic_gpu(queries, keys, values, lengths, *, sm_scale: float, **config):

@@ -94,7 +94,7 @@ def _decode_kernel(lengths_ref, queries_ref, keys_ref, values_ref, *rest, plan: 
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_tokens", "num_splits", "interpret"))
-def decode_attention_partials_tpu(
+def _jitted_decode_attention_partials(
   queries,
   keys,
   values,
@@ -162,6 +162,17 @@ def decode_attention_partials_tpu(
     name="decode_attention_tpu",
   )(lengths.astype(jnp.int32), *args)
   return out, lse[..., 0]
+
+
+def decode_attention_partials_tpu(*arrays, interpret: bool = False, **settings):
+  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]), from
+  `_jitted_decode_attention_partials`'s arguments.
+
+  Interpreted, the outputs are waited for before this returns
+  (`_compat.finished_if_interpreted`: jax 0.11.2's TPU interpreter hung when the caller
+  dispatched more work while it ran)."""
+  outputs = _jitted_decode_attention_partials(*arrays, interpret=interpret, **settings)
+  return _compat.finished_if_interpreted(outputs, interpret)
 
 
 def decode_attention_tpu(queries, keys, values, lengths, *, sm_scale: float, **config):

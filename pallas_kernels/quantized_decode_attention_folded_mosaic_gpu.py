@@ -1690,7 +1690,7 @@ def folded_kernel_outputs(
     split_groups=split_key_groups(plan.split_tokens, group_size),
     **folded_settings,
   )
-  return _jitted_kernel_outputs(
+  outputs = _jitted_kernel_outputs(
     queries,
     k_codes,
     k_scale,
@@ -1708,6 +1708,7 @@ def folded_kernel_outputs(
     **folded_settings,
     interpret=interpret,
   )
+  return _compat.finished_if_interpreted(outputs, interpret)
 
 
 def _split_merge_setting(settings: dict) -> str:

@@ -498,7 +498,7 @@ def quantized_decode_attention_partials_mosaic_gpu(
     num_stages=num_stages,
     num_splits=num_splits,
   )
-  return _quantized_decode_attention_partials(
+  outputs = _quantized_decode_attention_partials(
     queries,
     k_codes,
     k_scale,
@@ -515,6 +515,7 @@ def quantized_decode_attention_partials_mosaic_gpu(
     num_stages=num_stages,
     interpret=interpret,
   )
+  return _compat.finished_if_interpreted(outputs, interpret)
 
 
 def quantized_decode_attention_mosaic_gpu(*arrays, **settings):

@@ -210,7 +210,7 @@ def _quantized_kernel(
     "interpret",
   ),
 )
-def quantized_decode_attention_partials_tpu(
+def _jitted_quantized_decode_attention_partials(
   queries,
   k_codes,
   k_scale,
@@ -374,6 +374,17 @@ def quantized_decode_attention_partials_tpu(
   # [B, H, S, n, rows, W] -> [B, H, S, rows, D]
   out = jnp.moveaxis(out, 3, 4).reshape(batch, kv_heads, plan.num_splits, rows, head_dim)
   return out, lse[..., 0]
+
+
+def quantized_decode_attention_partials_tpu(*arrays, interpret: bool = False, **settings):
+  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]), from
+  `_jitted_quantized_decode_attention_partials`'s arguments.
+
+  Interpreted, the outputs are waited for before this returns
+  (`_compat.finished_if_interpreted`: jax 0.11.2's TPU interpreter hung when the caller
+  dispatched more work while it ran)."""
+  outputs = _jitted_quantized_decode_attention_partials(*arrays, interpret=interpret, **settings)
+  return _compat.finished_if_interpreted(outputs, interpret)
 
 
 def quantized_decode_attention_tpu(
