@@ -77,6 +77,15 @@ def chunk_copy_groups(split_groups: int, chunk_groups: int, chunk: int) -> int:
   return min(chunk_groups, split_groups - chunk * chunk_groups)
 
 
+def padded_key_groups(key_groups: int, copy_groups: int) -> int:
+  """Key groups k_min (and k_scale) must have, zeros appended, for the prologue's copies: at
+  least `copy_groups` (the first chunk's copy, which may reach past a short cache's end), in
+  whole 8-row tiles of the swizzled layout they are copied into (TMA requires it: caches of 12,
+  15 and 22 key groups failed to compile on the H200, KERNEL_NOTES v39)."""
+  rows = max(copy_groups, key_groups)
+  return cdiv(rows, _TILE_ROWS) * _TILE_ROWS
+
+
 def unsupported_reason(split_tokens: int, group_size: int) -> str | None:
   """Why the kernel cannot compute the bias of splits this long (None if it can)."""
   groups = split_key_groups(split_tokens, group_size)
@@ -90,11 +99,20 @@ def unsupported_reason(split_tokens: int, group_size: int) -> str | None:
 
 
 def query_halves(queries: jax.Array, *, bounds: bool = False) -> jax.Array:
-  """f32 [B, H, rows, D] -> bf16 [B, H, 2 * rows, D]: hi = bf16(q), then lo = bf16(q - hi); with
-  `bounds` [B, H, 4 * rows, D], then the halves of max(q, 0) (those of q where q > 0, else 0)."""
+  """f32 [B, H, rows, D] -> bf16 [B, H, 2 * rows, D]: hi = q with its low 16 bits cleared (a bf16
+  number, q truncated), then lo = bf16(q - hi) (|lo| < 2^-7 |q|, so hi + lo is within 2^-16 of
+  q); with `bounds` [B, H, 4 * rows, D], then the halves of max(q, 0) (those of q where q > 0,
+  else 0).
+
+  Not hi = bf16(q), lo = bf16(q - f32(hi)): XLA's GPU compiler drops a f32 -> bf16 -> f32 round
+  trip as excess precision, which made lo = bf16(q - q) = 0 and the bias bf16(q) . k_min
+  (KERNEL_NOTES v39: the H200's lse 0.023 off XLA's f32 bias; the compiled HLO for an H100
+  showed subtract(q, q)). Clearing bits is no conversion, so nothing can drop it."""
   queries = queries.astype(jnp.float32)
-  high = queries.astype(jnp.bfloat16)
-  low = (queries - high.astype(jnp.float32)).astype(jnp.bfloat16)
+  bits = jax.lax.bitcast_convert_type(queries, jnp.uint32)
+  high_f32 = jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
+  high = high_f32.astype(jnp.bfloat16)  # exact: the cleared bits are bf16's missing ones
+  low = (queries - high_f32).astype(jnp.bfloat16)
   halves = [high, low]
   if bounds:
     positive = queries > 0

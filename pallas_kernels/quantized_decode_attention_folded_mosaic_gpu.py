@@ -1516,8 +1516,10 @@ def _jitted_kernel_outputs(
   if key_bias_source == "kernel":
     # A copy of a split's statistics takes up to a block's worth of key groups, which may be
     # more than a short cache holds (a split of 8 groups over a 7-group cache): such a cache's
-    # statistics are padded (by less than a block's worth of groups).
-    short = max(kernel_k_min_rows(plan, group_size) - k_min.shape[2], 0)
+    # statistics are padded (by less than a block's worth of groups). The copy lands in a
+    # swizzled operand tile, and TMA then needs the array's key groups in whole 8-row tiles (a
+    # 12- or 22-group cache failed to compile on the H200, KERNEL_NOTES v39): padded to those.
+    short = kernel_k_min_padding(plan, group_size, k_min.shape[2])
     padding = ((0, 0), (0, 0), (0, short), (0, 0))
     bias = jnp.pad(k_min, padding)
     if short and row_max == "bound":
@@ -1546,6 +1548,12 @@ def _jitted_kernel_outputs(
     *value_statistics,
     *references,
   )
+
+
+def kernel_k_min_padding(plan, group_size: int, key_groups: int) -> int:
+  """Key groups of zeros appended to k_min (and k_scale) for key_bias_source="kernel"."""
+  rows = key_bias_in_kernel.padded_key_groups(key_groups, kernel_k_min_rows(plan, group_size))
+  return rows - key_groups
 
 
 def kernel_k_min_rows(plan, group_size: int) -> int:

@@ -361,6 +361,11 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
         partial_slots="own",
       ),
     ),
+    # v39: the kernel's bias over caches of 12 and 22 key groups (not whole 8-row tiles: the
+    # prologue's TMA copies into a swizzled tile refused them on the H200 until k_min and
+    # k_scale were padded to whole tiles), alone and in the candidate with the bounds
+    ("folded", 2, 128, 4, 16, dict(V34_SETTINGS, key_bias_source="kernel", tokens=192)),
+    ("folded", 2, 128, 3, 32, dict(V36_CANDIDATE, tokens=704)),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(
