@@ -74,6 +74,18 @@ def finished_if_interpreted(outputs, interpret: bool):
   return jax.block_until_ready(outputs) if interpret else outputs
 
 
+def waits_when_interpreted(jitted_function):
+  """Decorates a jitted kernel entry point (one taking `interpret=`) with an eager layer that
+  passes its outputs through `finished_if_interpreted`; the same arguments, name and docstring."""
+
+  @functools.wraps(jitted_function)
+  def entry_point(*args, **kwargs):
+    outputs = jitted_function(*args, **kwargs)
+    return finished_if_interpreted(outputs, kwargs.get("interpret", False))
+
+  return entry_point
+
+
 def tpu_compiler_params(dimension_semantics: tuple[str, ...]):
   pltpu = _tpu_module()
   params_class = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams

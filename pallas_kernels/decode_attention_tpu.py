@@ -93,8 +93,9 @@ def _decode_kernel(lengths_ref, queries_ref, keys_ref, values_ref, *rest, plan: 
     finalize(max_ref, sum_ref, acc_ref[...], out_ref, lse_ref)
 
 
+@_compat.waits_when_interpreted  # the jax 0.11.2 interpreter hang: `finished_if_interpreted`
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_tokens", "num_splits", "interpret"))
-def _jitted_decode_attention_partials(
+def decode_attention_partials_tpu(
   queries,
   keys,
   values,
@@ -106,7 +107,8 @@ def _jitted_decode_attention_partials(
   num_splits: int | None = 2,
   interpret: bool = False,
 ):
-  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows])."""
+  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]). Interpreted, the outputs
+  are waited for before this returns (`_compat.finished_if_interpreted`)."""
   batch, kv_heads, group, head_dim = queries.shape
   tokens = keys.shape[2]
   rows = tile_rows(group)
@@ -162,17 +164,6 @@ def _jitted_decode_attention_partials(
     name="decode_attention_tpu",
   )(lengths.astype(jnp.int32), *args)
   return out, lse[..., 0]
-
-
-def decode_attention_partials_tpu(*arrays, interpret: bool = False, **settings):
-  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]), from
-  `_jitted_decode_attention_partials`'s arguments.
-
-  Interpreted, the outputs are waited for before this returns
-  (`_compat.finished_if_interpreted`: jax 0.11.2's TPU interpreter hung when the caller
-  dispatched more work while it ran)."""
-  outputs = _jitted_decode_attention_partials(*arrays, interpret=interpret, **settings)
-  return _compat.finished_if_interpreted(outputs, interpret)
 
 
 def decode_attention_tpu(queries, keys, values, lengths, *, sm_scale: float, **config):

@@ -1516,9 +1516,8 @@ def _jitted_kernel_outputs(
   if key_bias_source == "kernel":
     # A copy of a split's statistics takes up to a block's worth of key groups, which may be
     # more than a short cache holds (a split of 8 groups over a 7-group cache): such a cache's
-    # statistics are padded (by less than a block's worth of groups). The copy lands in a
-    # swizzled operand tile, and TMA then needs the array's key groups in whole 8-row tiles (a
-    # 12- or 22-group cache failed to compile on the H200, KERNEL_NOTES v39): padded to those.
+    # statistics are padded (by less than a block's worth of groups), and every cache's to whole
+    # tiles of the swizzled layout the copies land in (`key_bias_in_kernel.padded_key_groups`).
     short = kernel_k_min_padding(plan, group_size, k_min.shape[2])
     padding = ((0, 0), (0, 0), (0, short), (0, 0))
     bias = jnp.pad(k_min, padding)

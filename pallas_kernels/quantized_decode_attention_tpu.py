@@ -198,6 +198,7 @@ def _quantized_kernel(
     lse_ref[...] = jnp.where(nonempty, max_ref[...] + jnp.log(safe_total), -jnp.inf)
 
 
+@_compat.waits_when_interpreted  # the jax 0.11.2 interpreter hang: `finished_if_interpreted`
 @functools.partial(
   jax.jit,
   static_argnames=(
@@ -210,7 +211,7 @@ def _quantized_kernel(
     "interpret",
   ),
 )
-def _jitted_quantized_decode_attention_partials(
+def quantized_decode_attention_partials_tpu(
   queries,
   k_codes,
   k_scale,
@@ -231,7 +232,8 @@ def _jitted_quantized_decode_attention_partials(
   num_splits: int | None = 2,
   interpret: bool = False,
 ):
-  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows])."""
+  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]). Interpreted, the outputs
+  are waited for before this returns (`_compat.finished_if_interpreted`)."""
   check_bits(bits)
   sizes = check_quantized_inputs(
     queries,
@@ -374,17 +376,6 @@ def _jitted_quantized_decode_attention_partials(
   # [B, H, S, n, rows, W] -> [B, H, S, rows, D]
   out = jnp.moveaxis(out, 3, 4).reshape(batch, kv_heads, plan.num_splits, rows, head_dim)
   return out, lse[..., 0]
-
-
-def quantized_decode_attention_partials_tpu(*arrays, interpret: bool = False, **settings):
-  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]), from
-  `_jitted_quantized_decode_attention_partials`'s arguments.
-
-  Interpreted, the outputs are waited for before this returns
-  (`_compat.finished_if_interpreted`: jax 0.11.2's TPU interpreter hung when the caller
-  dispatched more work while it ran)."""
-  outputs = _jitted_quantized_decode_attention_partials(*arrays, interpret=interpret, **settings)
-  return _compat.finished_if_interpreted(outputs, interpret)
 
 
 def quantized_decode_attention_tpu(

@@ -32,7 +32,7 @@ from tests.pallas_kernels.kernel_checks import (
   tpu_interpret,
   triton_interpret,
 )
-from tests.pallas_kernels.test_quantized_decode_attention_mosaic_gpu import _inputs
+from tests.pallas_kernels.test_quantized_decode_attention_folded_mosaic_gpu import _kivi2_inputs
 
 TOKENS = 128
 
@@ -153,15 +153,7 @@ def test_interpreted_kernel_then_eager_reference_many_times(kernel):
     pytest.skip("interpret mode only (compiled natively in this run)")
   for repeat in range(15):
     for group, config in settings.items():
-      arrays, clean = _inputs(
-        np.random.default_rng(repeat),
-        head_dim=128,
-        group=group,
-        bits=2,
-        group_size=32,
-        tokens=224,
-        dtype=jnp.bfloat16,
-      )
+      arrays, clean = _kivi2_inputs(seed=repeat, group=group)
       quantization = dict(bits=2, group_size=32, sm_scale=0.125)
       out, lse = entry_point(*arrays, **quantization, interpret=True, **config)
       reference = quantized_decode_attention_reference(*clean, **quantization)

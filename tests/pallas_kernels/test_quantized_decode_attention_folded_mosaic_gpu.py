@@ -387,10 +387,7 @@ def test_folded_mosaic_gpu_kernel_matches_reference(
 def test_decode_entry_merges_before_picking_value_slots(group, config):
   """`folded_decode_attention_mosaic_gpu` merges the splits over every column and picks the
   value slots (and, in the word order, the channels) after: the reference's output and lse."""
-  rng = np.random.default_rng(group)
-  arrays, clean = _inputs(
-    rng, head_dim=128, group=group, bits=2, group_size=32, tokens=224, dtype=jnp.bfloat16
-  )
+  arrays, clean = _kivi2_inputs(seed=group, group=group)
   quantization = dict(bits=2, group_size=32)
   interpret = triton_interpret()
   out, lse = folded.folded_decode_attention_mosaic_gpu(
@@ -417,15 +414,7 @@ def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, con
   group 0's channels must stay finite (a pick that lets the other columns' NaN through, as
   `where(kept, out, out * 0)` does, fails; XLA on CPU turns `out * mask` into a select, so
   interpret mode cannot tell that one apart)."""
-  arrays, _ = _inputs(
-    np.random.default_rng(group),
-    head_dim=128,
-    group=group,
-    bits=2,
-    group_size=32,
-    tokens=224,
-    dtype=jnp.bfloat16,
-  )
+  arrays, _ = _kivi2_inputs(seed=group, group=group)
   real_rows, slots = folded.value_slots(group)
   if slots > 1:  # v_scale [B, H, T, D / 32]: group 1 at token 5 of row 0
     arrays = (*arrays[:5], arrays[5].at[0, :, 5, 1].set(jnp.nan), *arrays[6:])
@@ -457,13 +446,13 @@ def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, con
   assert np.isfinite(np.asarray(own)[1:]).all()
 
 
-def _kivi2_inputs(seed):
-  """(poisoned, clean) inputs of head_dim 128, 4 heads per KV head, KIVI-2 with group 32,
+def _kivi2_inputs(seed, group=4):
+  """(poisoned, clean) inputs of head_dim 128, `group` heads per KV head, KIVI-2 with group 32,
   224 tokens."""
   return _inputs(
     np.random.default_rng(seed),
     head_dim=128,
-    group=4,
+    group=group,
     bits=2,
     group_size=32,
     tokens=224,
