@@ -44,6 +44,13 @@
 #                                           # (blocks_per_copy, v37), each channel's own
 #                                           # value slot written (partial_slots, v38): native
 #                                           # tests and the 32k sweep
+#   bash benchmarks/gpu_session.sh v40      # not yet run (~8 min): v39's checks natively, then
+#                                           # v40's one barrier per block (key_stack_timing)
+#                                           # and refills in the value product's shadow
+#                                           # (copy_issue_point) timed beside C + merge at 32k,
+#                                           # the fastest at the other shapes
+#   bash benchmarks/gpu_session.sh v40_profile  # right after v40 (~2 min): each kernel of a
+#                                           # call and ncu of the fastest
 #   bash benchmarks/gpu_session.sh v35_profile  # right after v35 (~4 min): KIVI-4, each
 #                                           # kernel of a call under ncu, ncu of the candidate;
 #                                           # then `final` with the winner and `shapes`
@@ -567,8 +574,55 @@ ${v34}, ${kernel_bias}, ${values}, ${own}, ${token_spread}}]" 370 || status=1
     sweep_shapes "$log" "${v34}}" "${winner}}" || status=1
     exit "$status"
     ;;
+  v40 | v40_profile)
+    # v40: v39's second call again (its fixes of the kernel's bias natively, the generate check
+    # with C + merge), and v40's two settings timed beside C + merge at 32k: "key_stack_timing":
+    # "block_ahead" (the next block's Q' staged before each block's one barrier: C's fixed arm
+    # 2 -> 1 barriers per block, 368 -> 370 instructions per 64 tokens, 112 -> 109 registers,
+    # the same 55 KB, four programs per SM) and "copy_issue_point": "value_product" (each ring
+    # slot refilled in its last block's value product's shadow, so that the first warp's copies
+    # no longer delay each block's barrier: 368 -> 361, 114 registers; both 383, 111), and the
+    # sweep's fastest against C + merge at the other shapes. By the static count, block_ahead
+    # with two blocks per slot takes 171 registers and with 3 stages 413 instructions: not
+    # timed. ~8.5 min: the native tests 120 s, the generate check 100 s, the 32k sweep 90 s,
+    # the shapes 5 x 34 s, one head per KV head with every lane's statistics 34 s. A pass of the native tests and the generate check makes the fastest the
+    # default. v40_profile, right after on the warm machine (~2 min): each kernel of a call and
+    # ncu of the fastest (its barrier, fence and wgmma-wait stalls against v34's "bound").
+    set +e
+    status=0
+    log="$out/$1.log"
+    winner="${v34}, \"row_max\": \"bound\", \"key_bias_source\": \"kernel\", \
+\"value_operand\": \"registers\", \"value_stat_loads\": \"own_slot\", \"split_merge\": \"triton\""
+    ahead="\"key_stack_timing\": \"block_ahead\""
+    refill="\"copy_issue_point\": \"value_product\""
+    fastest() {  # the fastest config of the 32k sweep's JSON, as JSON
+      "$python" -c "import json, sys; r = json.load(open(sys.argv[1]))['sweep_kivi2']; \
+print(json.dumps(min(r, key=lambda t: t['seconds'])['config']))" "$out/sweep_32k.json"
+    }
+    if [ "$1" = v40 ]; then
+      NATIVE_TESTS_SECONDS=120 device_and_native_tests "$log" || status=1
+      timeout --signal=INT 100 "$python" benchmarks/generate_kernels_check.py \
+        --kivi-settings "${winner}}" 2>&1 | tee "$out/generate_kernels_check.log" | tail -12 ||
+        status=1
+      sweep_at_32k "$log" "[${v34}}, ${winner}}, ${winner}, ${ahead}}, ${winner}, ${refill}}, \
+${winner}, ${ahead}, ${refill}}, ${winner}, \"num_stages\": 2, \"blocks_per_copy\": 2}]" 90 ||
+        status=1
+      best="$(fastest)" && echo "fastest at 32k: $best" | tee -a "$log" &&
+        sweep_shapes "$log" "${winner}}" "$best" || status=1
+      # One query head per KV head (MHA) refuses own-slot statistics: the fastest with every
+      # lane's, against v34's default there
+      one_head="$("$python" -c "import json, sys; c = json.loads(sys.argv[1]); \
+c['value_stat_loads'] = 'all_groups'; print(json.dumps(c))" "$best")" &&
+        sweep_shapes_only "$log" "32768 1 2" -- "${v34}}" "$one_head" || status=1
+      exit "$status"
+    fi
+    best="$(fastest)" || best="${winner}, ${ahead}, ${refill}}"
+    call_kernels "$best" || status=1
+    ncu_folded_mosaic "$best" >> "$log" || status=1
+    exit "$status"
+    ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

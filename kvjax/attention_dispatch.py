@@ -215,8 +215,9 @@ def quantized_decode_attention(
   "value_operand": "shared_memory" (default) | "registers", "key_bias_source": "xla" (default) |
   "kernel", "value_stat_loads": "all_groups" (default) | "own_slot", "blocks_per_copy": 1
   (default) | 2 | 4, "token_order": "natural" (default) | "spread" (with "value_operand":
-  "registers"), "partial_slots": "every" (default) | "own", "split_merge": "xla" (default) |
-  "triton"; KIVI segments, others run the
+  "registers"), "partial_slots": "every" (default) | "own", "key_stack_timing": "own_block"
+  (default) | "block_ahead" (with "row_max": "bound" and both code operands from registers),
+  "split_merge": "xla" (default) | "triton"; KIVI segments, others run the
   Triton kernel with a warning; see `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)

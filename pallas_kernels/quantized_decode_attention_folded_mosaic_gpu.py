@@ -123,6 +123,14 @@ instead of two token rows per bank (a 2-way conflict on each of them at head_dim
 bits, `benchmarks/shared_bank_conflicts.py`), and P' takes the same order by a butterfly
 shuffle of its rows before it is stored. Scores, masks and statistics keep the ring's order.
 
+A setting of v40, not yet timed on a GPU: `key_stack_timing="block_ahead"` (with row_max="bound"
+and both code operands from registers) stages the next block's Q' together with this block's P',
+before the one barrier that publishes both, so that a block of "bound"'s fixed arm has one
+barrier instead of two; Q' and P' then take two buffers each, by block parity
+(`KEY_STACK_TIMINGS`: why two make the one barrier enough). The fixed arm by the sm_90a static
+count: 368 -> 370 instructions per 64 tokens, 112 -> 109 registers, the same 55 KB of shared
+memory (the doubled buffers sit in the union with the kernel's bias prologue).
+
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
 the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
@@ -334,6 +342,27 @@ DEFAULT_BLOCKS_PER_COPY = 1
 # Which value slots' columns of its output the kernel writes (`own_slot_partials`, v38): every
 # slot's, f32 [B, H, S, D, rows] ("every"), or each channel's own, picked in the epilogue, f32
 # [B, H, S, real_rows, D] ("own": half the bytes at 3-4 query heads per KV head).
+# When each block's Q' is staged (v40). "own_block": at the block's start, then a barrier before
+# the key product and another before the value product: two per block in "bound"'s fixed arm.
+# "block_ahead": the next block's Q' is staged with this block's P', before the one barrier that
+# publishes both, so a block has one barrier. Q' and P' then take two buffers each, by block
+# parity: a warp's wgmma wait covers only its own share of a product, so a buffer is rewritten
+# only after a barrier that every warp reached after its wait for the last product reading it
+# (Q' of block i + 1 was last read by block i - 1's key product, P' of block i by block i - 2's
+# value product). It needs what makes the single barrier enough: both code operands from
+# registers (no code tile) and row_max="bound" (Q' and P' in buffers of their own).
+KEY_STACK_TIMINGS = ("own_block", "block_ahead")
+DEFAULT_KEY_STACK_TIMING = "own_block"
+# Where in a ring slot's steps its refill is issued (v40). "slot_start": the copies of the slot
+# num_stages - 1 ahead, into the slot the previous step freed, at the step's start, before its
+# first block's key product: with copy_issuer="first_warp" that warp reaches each block's
+# barrier ~64 instructions per 64 tokens after the others (sm_90a static count), and they wait
+# for it. "value_product": the freed slot refilled right after the last block's value product is
+# issued, so that the copies' instructions run while the tensor core computes it (its shadow
+# was empty in "block_ahead"'s SASS); the slot is free there (every warp's reads of it precede
+# that block's last barrier), and the loop starts with every slot's copies issued.
+COPY_ISSUE_POINTS = ("slot_start", "value_product")
+DEFAULT_COPY_ISSUE_POINT = "slot_start"
 # The kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
 KERNEL_SETTINGS = (
   "key_operand",
@@ -350,6 +379,8 @@ KERNEL_SETTINGS = (
   "blocks_per_copy",
   "token_order",
   "partial_slots",
+  "key_stack_timing",
+  "copy_issue_point",
 )
 # What the entry points take besides: who merges the splits' partials after the kernel
 # (`split_merge_triton`), XLA's fusions ("xla": four kernels of the decode loop) or one Triton
@@ -530,6 +561,7 @@ def shared_memory_bytes(
   split_groups=0,
   blocks_per_copy=DEFAULT_BLOCKS_PER_COPY,
   partial_slots=DEFAULT_PARTIAL_SLOTS,
+  key_stack_timing=DEFAULT_KEY_STACK_TIMING,
 ):
   """Bytes of shared memory one program allocates, each buffer rounded up to the 1024-byte
   alignment Pallas gives it (an upper bound: 72704 for the shapes of record, which compile to
@@ -539,7 +571,8 @@ def shared_memory_bytes(
   halves and k_min tile (the code tile, if there is one) in the union with Q' and P'. Ring slots
   hold `blocks_per_copy` blocks each. The queries' buffer is the larger of the queries (f32
   [D, rows], or bf16 [rows, D] with the kernel's bias) and the output (f32 [D, rows], or
-  [real_rows, D] with partial_slots="own"), which share it."""
+  [real_rows, D] with partial_slots="own"), which share it. With key_stack_timing="block_ahead"
+  Q' and P' take two buffers each."""
   rows = tile_rows(group)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
   slot_tokens = block_tokens * blocks_per_copy
@@ -555,7 +588,11 @@ def shared_memory_bytes(
   ]
   if code_tile:
     buffers.append(block_tokens * head_dim * 2)  # one bf16 code tile: K, then V
-  stack_bytes = (key_rows * head_dim * 2, value_rows * block_tokens * 2)  # Q', P'
+  stack_buffers = stack_buffer_count(key_stack_timing)
+  stack_bytes = (  # Q', P'
+    stack_buffers * key_rows * head_dim * 2,
+    stack_buffers * value_rows * block_tokens * 2,
+  )
   barriers = 2 + len(ring) * num_stages  # one per ring buffer and stage, at most
   if key_bias_source == "kernel":
     bound = row_max == "bound"
@@ -577,6 +614,12 @@ def shared_memory_bytes(
     REDUCTION_SCRATCH_BYTES,
   ]
   return sum(map(_aligned, buffers))
+
+
+def stack_buffer_count(key_stack_timing: str) -> int:
+  """Buffers of Q' and of P' each: two, by block parity, with "block_ahead"
+  (`KEY_STACK_TIMINGS`)."""
+  return 2 if key_stack_timing == "block_ahead" else 1
 
 
 def _aligned(size: int) -> int:
@@ -622,6 +665,8 @@ def check_folded_settings(
   blocks_per_copy=DEFAULT_BLOCKS_PER_COPY,
   token_order=DEFAULT_TOKEN_ORDER,
   partial_slots=DEFAULT_PARTIAL_SLOTS,
+  key_stack_timing=DEFAULT_KEY_STACK_TIMING,
+  copy_issue_point=DEFAULT_COPY_ISSUE_POINT,
   split_merge=DEFAULT_SPLIT_MERGE,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values, or a
@@ -654,12 +699,36 @@ def check_folded_settings(
   if reason := token_order_unsupported_reason(token_order, value_operand):
     raise ValueError(reason)
   check_partial_slots(partial_slots)
+  check_key_stack_timing(key_stack_timing, row_max, key_operand, value_operand)
+  if copy_issue_point not in COPY_ISSUE_POINTS:
+    raise ValueError(
+      f"copy_issue_point={copy_issue_point!r} is not supported; allowed: {COPY_ISSUE_POINTS}"
+    )
   if key_bias_source == "kernel" and key_products != DEFAULT_KEY_PRODUCT:
     raise ValueError(
       f"key_products={key_products!r} sets how XLA computes the key products; with "
       f"key_bias_source='kernel' the kernel computes them (the bias, and with row_max='bound' "
       f"the bounds) and XLA none: leave it at {DEFAULT_KEY_PRODUCT!r}"
     )
+
+
+def check_key_stack_timing(key_stack_timing, row_max, key_operand, value_operand) -> None:
+  """ValueError unless `key_stack_timing` is one of KEY_STACK_TIMINGS, and for "block_ahead"
+  unless the settings its single barrier per block relies on are set (`KEY_STACK_TIMINGS`)."""
+  if key_stack_timing not in KEY_STACK_TIMINGS:
+    raise ValueError(
+      f"key_stack_timing={key_stack_timing!r} is not supported; allowed: {KEY_STACK_TIMINGS}"
+    )
+  if key_stack_timing != "block_ahead":
+    return
+  needed = dict(row_max="bound", key_operand="registers", value_operand="registers")
+  given = dict(row_max=row_max, key_operand=key_operand, value_operand=value_operand)
+  for name, value in needed.items():
+    if given[name] != value:
+      raise ValueError(
+        f"key_stack_timing='block_ahead' needs {name}={value!r} (got {given[name]!r}): its one "
+        f"barrier per block relies on Q' and P' in buffers of their own and no staged code tile"
+      )
 
 
 def check_blocks_per_copy(blocks_per_copy) -> None:
@@ -716,6 +785,7 @@ def check_config(
     split_groups,
     blocks_per_copy,
     folded_settings.get("partial_slots", DEFAULT_PARTIAL_SLOTS),
+    folded_settings.get("key_stack_timing", DEFAULT_KEY_STACK_TIMING),
   )
   if needed > SHARED_MEMORY_BYTES:
     raise ValueError(
@@ -845,6 +915,8 @@ def _folded_kernel(
   blocks_per_copy: int,
   token_order: str,
   partial_slots: str,
+  key_stack_timing: str,
+  copy_issue_point: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
@@ -871,7 +943,9 @@ def _folded_kernel(
   key_groups = block // group_size  # per block; a ring slot holds blocks_per_copy blocks' worth
   value_groups = value_stats_rings[0].shape[1]
   slots = rows // real_rows  # value groups per value tile (`value_slots`)
-  value_tiles = value_stack_smem.shape[0] // rows
+  # With "block_ahead" Q' and P' are [2, ...]: one buffer per block parity (`KEY_STACK_TIMINGS`).
+  ahead = key_stack_timing == "block_ahead"
+  value_tiles = value_stack_smem.shape[-2] // rows
   exponents = _Exponents.for_run(emulate)
   score_scale = 2.0 ** (exponents.code - exponents.query)
   probs_scale = 2.0**exponents.probs
@@ -942,7 +1016,9 @@ def _folded_kernel(
     else:
       fetch_copies(i)
 
-  for i in range(num_stages - 1):
+  # Every slot but the last's copies (issued at the first step's start), or every slot's
+  # (copy_issue_point="value_product": each step refills its own slot after its last barrier).
+  for i in range(num_stages - (copy_issue_point == "slot_start")):
     pl.when(i < num_copies)(functools.partial(fetch, i))
   plgpu.barrier_wait(queries_barrier)
   if key_bias_source == "kernel":
@@ -991,13 +1067,40 @@ def _folded_kernel(
       tile = jnp.where(value_slot == s, per_token(per_group[i * slots + s]), tile)
     return tile
 
-  def body(i, slot, token_offset, state, reference=None):
+  def stage_key_stack(stack_smem, slot, slot_group):
+    """Q' of the block whose key groups start at group `slot_group` of ring slot `slot`, into
+    `stack_smem` ([KG * rows, D]): each key group's queries times its key scales."""
+    for k in range(key_groups):
+      if operand_order == "word":
+        k_scale = per_channel(
+          load_channels_in_word_order(
+            k_scale_smem.at[slot, slot_group + k], head_dim, bits, emulate
+          )
+        )
+      else:
+        k_scale = per_channel(
+          plgpu.layout_cast(k_scale_smem[slot, slot_group + k, :], plgpu.Layout.WGMMA.reduce(1))
+        )
+      stack_smem.at[pl.ds(k * rows, rows)].T[...] = code_queries * k_scale
+
+  def body(i, slot, token_offset, state, reference=None, next_block=None, refill=None):
     """Block i of the split, tokens [token_offset, token_offset + block) of ring slot `slot`,
     whose copies have landed. `reference` [rows]: the split's fixed softmax reference
-    (row_max="bound"), so nothing is rescaled; None: the online softmax's running max."""
+    (row_max="bound"), so nothing is rescaled; None: the online softmax's running max.
+    `next_block` ("block_ahead" only): (ring slot, token offset in it, a function that waits for
+    that slot's copies if the block starts a slot) of the block whose Q' this one stages; its own
+    Q' was staged by the block before (or before the loop) and published by that block's
+    barrier. `refill` (copy_issue_point="value_product", a slot's last block): issues the copies
+    that refill the slot, called once the value product is issued."""
+    refill = refill or (lambda: None)
     acc, running_max, sum_partials, value_bias_partials = state
     first = start + i * block
     slot_group = token_offset // group_size  # the block's first key group in the slot
+    if ahead:
+      parity = lax.rem(i, 2)
+      key_stack_smem_i, value_stack_smem_i = key_stack_smem.at[parity], value_stack_smem.at[parity]
+    else:
+      key_stack_smem_i, value_stack_smem_i = key_stack_smem, value_stack_smem
 
     stage = functools.partial(
       _stage_block,
@@ -1008,10 +1111,11 @@ def _folded_kernel(
       operand_order=operand_order,
       first_token=token_offset,
     )
-    if block_start_barrier:
+    if block_start_barrier and not ahead:
       # The code tile (and, with Q' and P' in one buffer, P') was last read by the previous
       # block's value product: each warp has waited for it, but the tile is overwritten only
-      # once all four have.
+      # once all four have. ("block_ahead" has no code tile natively; interpret mode's, which
+      # stages the value codes, runs without concurrent warps.)
       plgpu.commit_smem()
     if key_operand == "registers":
       key_chunks = _staged_chunks(
@@ -1025,19 +1129,9 @@ def _folded_kernel(
       )
     else:
       stage(k_words_smem)
-    for k in range(key_groups):
-      if operand_order == "word":
-        k_scale = per_channel(
-          load_channels_in_word_order(
-            k_scale_smem.at[slot, slot_group + k], head_dim, bits, emulate
-          )
-        )
-      else:
-        k_scale = per_channel(
-          plgpu.layout_cast(k_scale_smem[slot, slot_group + k, :], plgpu.Layout.WGMMA.reduce(1))
-        )
-      key_stack_smem.at[pl.ds(k * rows, rows)].T[...] = code_queries * k_scale
-    plgpu.commit_smem()  # staged codes and Q' visible to the tensor core
+    if not ahead:
+      stage_key_stack(key_stack_smem_i, slot, slot_group)
+      plgpu.commit_smem()  # staged codes and Q' visible to the tensor core
 
     def group_bias(groups):
       """The bias of key groups `groups` of this block, [len(groups) * rows]."""
@@ -1073,7 +1167,7 @@ def _folded_kernel(
 
       def key_products(*acc_refs):
         for acc_ref, chunk, (first_group, num_groups) in zip(acc_refs, key_chunks, chunk_groups):
-          stack = key_stack_smem.at[pl.ds(first_group * rows, num_groups * rows)]
+          stack = key_stack_smem_i.at[pl.ds(first_group * rows, num_groups * rows)]
           plgpu.wgmma(acc_ref, chunk, stack.T)
         # Read while the tensor core computes the scores (reading an accumulator is what waits).
         biases = [group_bias(range(g, g + n)) for g, n in chunk_groups]
@@ -1084,7 +1178,7 @@ def _folded_kernel(
         # products of the same registers, as dots.
         stacked_chunks = [
           chunk.astype(jnp.float32)
-          @ key_stack_smem[pl.ds(first_group * rows, num_groups * rows), :].astype(jnp.float32).T
+          @ key_stack_smem_i[pl.ds(first_group * rows, num_groups * rows), :].astype(jnp.float32).T
           for chunk, (first_group, num_groups) in zip(key_chunks, chunk_groups)
         ]
         biases = [group_bias(range(g, g + n)) for g, n in chunk_groups]
@@ -1107,7 +1201,7 @@ def _folded_kernel(
     else:
 
       def key_product(acc_ref):
-        plgpu.wgmma(acc_ref, codes_smem, key_stack_smem.T)
+        plgpu.wgmma(acc_ref, codes_smem, key_stack_smem_i.T)
         # Read while the tensor core computes the scores (reading the accumulator is what
         # waits).
         bias = group_bias(range(key_groups))
@@ -1196,10 +1290,18 @@ def _folded_kernel(
       stacked = (probs * stat_tile(v_scales, t)).astype(jnp.bfloat16)
       if token_order == "spread":  # P' rows in the value codes' token order
         stacked = spread_rows_emulated(stacked) if emulate else spread_rows(stacked)
-      value_stack_smem.at[pl.ds(t * rows, rows)].T[...] = stacked
+      value_stack_smem_i.at[pl.ds(t * rows, rows)].T[...] = stacked
     if correction is not None:
       stacked_correction_row = jnp.concatenate([correction] * value_tiles)
-    plgpu.commit_smem()  # the staged value codes and P' visible to the tensor core
+    if ahead:
+      # The next block's Q', into the other buffer (last read by the block before this one,
+      # whose key product every warp waited for before that block's barrier).
+      next_slot, next_offset, wait_for_next_slot = next_block
+      wait_for_next_slot()
+      stage_key_stack(key_stack_smem.at[1 - parity], next_slot, next_offset // group_size)
+    # The staged value codes and P' (with "block_ahead" the next block's Q') visible to the
+    # tensor core
+    plgpu.commit_smem()
 
     def rescale_accumulator(acc):
       if correction is None:  # a fixed reference: nothing to rescale
@@ -1225,7 +1327,10 @@ def _folded_kernel(
       # Mosaic GPU's interpreter takes wgmma operands from shared memory only and has no wgmma
       # into an accumulator made from registers: the same sum, with the product of the same
       # (emulated, staged) codes as a dot.
-      product = codes_smem[...].astype(jnp.float32).T @ value_stack_smem[...].astype(jnp.float32).T
+      product = (
+        codes_smem[...].astype(jnp.float32).T @ value_stack_smem_i[...].astype(jnp.float32).T
+      )
+      refill()
       sum_partials, value_bias_partials = update_partials(sum_partials, value_bias_partials)
       return rescale_accumulator(acc) + product, new_max, sum_partials, value_bias_partials
 
@@ -1234,7 +1339,8 @@ def _folded_kernel(
 
       def value_product_into(refs):
         acc_ref, sum_ref, bias_ref = refs
-        plgpu.wgmma(acc_ref, value_operand_a, value_stack_smem.T)
+        plgpu.wgmma(acc_ref, value_operand_a, value_stack_smem_i.T)
+        refill()
         sum_ref[...], bias_ref[...] = update_partials(sum_ref[...], bias_ref[...])
 
       acc, sum_partials, value_bias_partials = pl.run_state(value_product_into)(
@@ -1243,7 +1349,8 @@ def _folded_kernel(
       return acc, new_max, sum_partials, value_bias_partials
 
     def value_product(acc_ref):
-      plgpu.wgmma(acc_ref, value_operand_a, value_stack_smem.T)
+      plgpu.wgmma(acc_ref, value_operand_a, value_stack_smem_i.T)
+      refill()
       return acc_ref[...], *update_partials(sum_partials, value_bias_partials)
 
     update, sum_partials, value_bias_partials = pl.run_scoped(
@@ -1251,18 +1358,47 @@ def _folded_kernel(
     )
     return rescale_accumulator(acc) + update, new_max, sum_partials, value_bias_partials
 
-  def copy_step(c, state, reference=None):
-    """Ring slot c of the split's copies: starts the copies of the slot `num_stages` - 1 ahead,
-    waits for this one's, and computes its blocks one after another."""
-    slot = lax.rem(c, num_stages)
-    pl.when(c + num_stages - 1 < num_copies)(functools.partial(fetch, c + num_stages - 1))
+  def wait_for_slot(slot):
     for barrier in waited_barriers:
       plgpu.barrier_wait(barrier.at[slot])
+
+  def copy_step(c, state, reference=None):
+    """Ring slot c of the split's copies: starts the copies of the slot `num_stages` - 1 ahead,
+    waits for this one's (with "block_ahead", the slot's first Q' staged, it was waited for
+    before), and computes its blocks one after another."""
+    slot = lax.rem(c, num_stages)
+    # With "block_ahead" too the slot refilled here, the previous one, was last read before the
+    # previous step's last barrier: its value codes and statistics, and the Q' it staged was
+    # this slot's.
+    refill = None
+    if copy_issue_point == "slot_start":
+      pl.when(c + num_stages - 1 < num_copies)(functools.partial(fetch, c + num_stages - 1))
+    else:  # this slot, refilled in its last block's value product (`COPY_ISSUE_POINTS`)
+      refill = functools.partial(
+        pl.when(c + num_stages < num_copies), functools.partial(fetch, c + num_stages)
+      )
+    if not ahead:
+      wait_for_slot(slot)
     for position in range(blocks_per_copy):
       i = c * blocks_per_copy + position
-      state = body(i, slot, position * block, state, reference)
+      next_block = None
+      if ahead and position + 1 < blocks_per_copy:
+        next_block = (slot, (position + 1) * block, lambda: None)
+      elif ahead:
+        next_slot = lax.rem(c + 1, num_stages)
+        # The split's last block stages a Q' no block reads, from a slot never waited for.
+        wait = functools.partial(
+          pl.when(c + 1 < num_copies), functools.partial(wait_for_slot, next_slot)
+        )
+        next_block = (next_slot, 0, wait)
+      last = position + 1 == blocks_per_copy
+      state = body(i, slot, position * block, state, reference, next_block, last and refill)
     return state
 
+  if ahead:  # the first block's Q', which the loop's blocks each stage for the next
+    pl.when(num_copies > 0)(lambda: wait_for_slot(0))
+    stage_key_stack(key_stack_smem.at[0], 0, 0)
+    plgpu.commit_smem()
   _, initial_max, _ = initial_softmax_state(rows, head_dim)
   start_max, step = initial_max, copy_step
   if row_max == "bound":
@@ -1359,6 +1495,8 @@ def _jitted_kernel_outputs(
   blocks_per_copy,
   token_order,
   partial_slots,
+  key_stack_timing,
+  copy_issue_point,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -1398,9 +1536,14 @@ def _jitted_kernel_outputs(
     queries_buffer = plgpu.SMEM((rows, head_dim), jnp.bfloat16)
   if partial_slots == "own" or key_bias_source == "kernel":
     queries_buffer = plgpu.RefUnion(queries_buffer, plgpu.SMEM(partial_shape, jnp.float32))
-  stack_buffers = (  # Q', P'
-    plgpu.SMEM((key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
-    plgpu.SMEM((value_rows, block_tokens), jnp.bfloat16, transforms=operand(block_tokens)),
+  # Q', P'; with "block_ahead" two of each, by block parity
+  buffers_each = stack_buffer_count(key_stack_timing)
+  parities = (buffers_each,) if buffers_each > 1 else ()
+  stack_buffers = (
+    plgpu.SMEM((*parities, key_rows, head_dim), jnp.bfloat16, transforms=operand(head_dim)),
+    plgpu.SMEM(
+      (*parities, value_rows, block_tokens), jnp.bfloat16, transforms=operand(block_tokens)
+    ),
   )
   kernel_bias_scratch, chunk_barriers = {}, ()
   if key_bias_source == "kernel":
@@ -1441,6 +1584,8 @@ def _jitted_kernel_outputs(
       blocks_per_copy=blocks_per_copy,
       token_order=token_order,
       partial_slots=partial_slots,
+      key_stack_timing=key_stack_timing,
+      copy_issue_point=copy_issue_point,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, *partial_shape), jnp.float32),
@@ -1633,6 +1778,8 @@ def folded_kernel_outputs(
   blocks_per_copy: int = DEFAULT_BLOCKS_PER_COPY,
   token_order: str = DEFAULT_TOKEN_ORDER,
   partial_slots: str = DEFAULT_PARTIAL_SLOTS,
+  key_stack_timing: str = DEFAULT_KEY_STACK_TIMING,
+  copy_issue_point: str = DEFAULT_COPY_ISSUE_POINT,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (D in operand positions, every value
@@ -1676,6 +1823,8 @@ def folded_kernel_outputs(
     blocks_per_copy=blocks_per_copy,
     token_order=token_order,
     partial_slots=partial_slots,
+    key_stack_timing=key_stack_timing,
+    copy_issue_point=copy_issue_point,
   )
   plan = folded_split_plan(
     queries,

@@ -26,6 +26,18 @@ PROMPTS = [
   list(np.random.default_rng(3).integers(1, 64, 37)),
   list(np.random.default_rng(4).integers(1, 64, 21)),
 ]
+# v36's candidate for the folded Mosaic GPU kernel (KERNEL_NOTES v36, v39): the fixed softmax
+# reference, the kernel's own bias, register value codes, each lane's own value statistics.
+V36_CANDIDATE_KIVI = {
+  "lowering": "mosaic_gpu",
+  "variant": "folded",
+  "block_tokens": 64,
+  "row_max": "bound",
+  "key_bias_source": "kernel",
+  "value_operand": "registers",
+  "value_stats": "separate",
+  "value_stat_loads": "own_slot",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -148,17 +160,26 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       "kivi:bits=4,group_size=16,residual=16",
       KernelSettings(
         quantized={
-          "lowering": "mosaic_gpu",
-          "variant": "folded",
-          "block_tokens": 64,
+          **V36_CANDIDATE_KIVI,
           "num_stages": 2,
           "blocks_per_copy": 2,
-          "row_max": "bound",
-          "key_bias_source": "kernel",
-          "value_operand": "registers",
-          "value_stats": "separate",
-          "value_stat_loads": "own_slot",
           "token_order": "spread",
+        }
+      ),
+      jnp.bfloat16,
+    ),
+    (
+      # v36's candidate with the next block's Q' staged before each block's one barrier and
+      # each ring slot refilled in the value product's shadow (KERNEL_NOTES v40), through the
+      # decode loop.
+      "kivi:bits=4,group_size=16,residual=16",
+      KernelSettings(
+        quantized={
+          **V36_CANDIDATE_KIVI,
+          "num_stages": 3,
+          "key_operand": "registers",
+          "key_stack_timing": "block_ahead",
+          "copy_issue_point": "value_product",
         }
       ),
       jnp.bfloat16,
@@ -205,6 +226,9 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
         "value_stat_loads",
         "token_order",
         "partial_slots",
+        "key_stack_timing",
+        "key_operand",
+        "copy_issue_point",
       )
       seen.append({k: v for k, v in kwargs.items() if k in recorded})
       return kernel(*args, **kwargs)

@@ -366,6 +366,36 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
     # k_scale were padded to whole tiles), alone and in the candidate with the bounds
     ("folded", 2, 128, 4, 16, dict(V34_SETTINGS, key_bias_source="kernel", tokens=192)),
     ("folded", 2, 128, 3, 32, dict(V36_CANDIDATE, tokens=704)),
+    # v40: the next block's Q' staged before each block's one barrier (Q' and P' by block
+    # parity, a dynamic index into their swizzled buffers), one and two blocks per slot
+    ("folded", 2, 128, 4, 32, dict(V36_CANDIDATE, key_stack_timing="block_ahead")),
+    # v40: each slot refilled in its last block's value product's shadow (the copies in warp
+    # semantics between the wgmma and its wait), with one barrier per block and with the
+    # Hopper default's settings at two blocks per slot
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(V36_CANDIDATE, key_stack_timing="block_ahead", copy_issue_point="value_product"),
+    ),
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(V34_SETTINGS, num_stages=2, blocks_per_copy=2, copy_issue_point="value_product"),
+    ),
+    (
+      "folded",
+      4,
+      64,
+      4,
+      16,
+      dict(V36_CANDIDATE, num_stages=2, blocks_per_copy=2, key_stack_timing="block_ahead"),
+    ),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

@@ -319,6 +319,79 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       256,
       dict(V36_CANDIDATE, num_stages=2, num_splits=2, blocks_per_copy=2, partial_slots="own"),
     ),
+    # the next block's Q' staged before each block's one barrier (v40): v36's candidate over a
+    # split of four blocks through the four slots; two blocks per slot (the next Q' from the
+    # same slot, then from the next); KIVI-4 at head_dim 64 with two splits, each channel's own
+    # slot
+    (2, 128, 4, 32, 224, dict(V36_CANDIDATE, num_splits=1, key_stack_timing="block_ahead")),
+    (
+      2,
+      128,
+      4,
+      32,
+      224,
+      dict(
+        V36_CANDIDATE,
+        num_stages=2,
+        num_splits=1,
+        blocks_per_copy=2,
+        key_stack_timing="block_ahead",
+      ),
+    ),
+    (
+      4,
+      64,
+      3,
+      16,
+      256,
+      dict(
+        V36_CANDIDATE,
+        num_stages=2,
+        num_splits=2,
+        blocks_per_copy=2,
+        partial_slots="own",
+        key_stack_timing="block_ahead",
+      ),
+    ),
+    # each slot refilled in its last block's value product's shadow (v40), every slot copied
+    # before the loop: two stages over six blocks (four refills), with one barrier per block
+    # and with v34's settings; two stages of two blocks over seven blocks, staged operands
+    (
+      2,
+      128,
+      4,
+      32,
+      352,
+      dict(
+        V36_CANDIDATE,
+        num_stages=2,
+        num_splits=1,
+        key_stack_timing="block_ahead",
+        copy_issue_point="value_product",
+      ),
+    ),
+    (
+      2,
+      128,
+      4,
+      32,
+      352,
+      dict(V34_SETTINGS, num_stages=2, num_splits=1, copy_issue_point="value_product"),
+    ),
+    (
+      4,
+      64,
+      3,
+      16,
+      448,
+      dict(
+        block_tokens=64,
+        num_stages=2,
+        num_splits=1,
+        blocks_per_copy=2,
+        copy_issue_point="value_product",
+      ),
+    ),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -460,8 +533,16 @@ def _kivi2_inputs(seed, group=4):
   )
 
 
-@pytest.mark.parametrize("key_bias_source", ["xla", "kernel"])
-def test_bound_row_max_runs_the_exact_softmax_where_the_bounds_are_loose(key_bias_source):
+@pytest.mark.parametrize(
+  "key_bias_source,settings",
+  [
+    ("xla", {}),
+    ("kernel", {}),
+    # one barrier per block (v40) in both arms: the exact arm's Q' staged a block ahead too
+    ("kernel", dict(value_operand="registers", key_stack_timing="block_ahead")),
+  ],
+)
+def test_bound_row_max_runs_the_exact_softmax_where_the_bounds_are_loose(key_bias_source, settings):
   """row_max="bound": in one KV head of one row a key channel's scale is large while its codes
   are all 0, so its bounds are 150 (base 2) wider than its scores: a reference from them would
   sit far enough above the true max that every p underflows (the split would look empty). Those
@@ -480,7 +561,9 @@ def test_bound_row_max_runs_the_exact_softmax_where_the_bounds_are_loose(key_bia
   clean = (queries, k_codes, loose(clean[2]), *clean[3:])
   quantization = dict(bits=bits, group_size=group_size)
   sm_scale = head_dim**-0.5
-  config = dict(V30_SETTINGS, num_splits=2, row_max="bound", key_bias_source=key_bias_source)
+  config = dict(
+    V30_SETTINGS, num_splits=2, row_max="bound", key_bias_source=key_bias_source, **settings
+  )
 
   scaled = base_two_queries(queries, sm_scale)
   plan = folded.folded_split_plan(
@@ -745,17 +828,22 @@ def test_folded_unsupported_segments_are_refused(segment, config, match):
     folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **config)
 
 
-@pytest.mark.parametrize("row_max", ["exchange", "bound"])
-def test_kernel_key_bias_refuses_a_setting_for_xlas_products(row_max):
+def _assert_refused_by_kernel_and_dispatch(settings: dict, match: str):
+  """Both the kernel's entry point and the dispatch's config check raise ValueError(match)."""
   arrays, quantization = _zeros_segment()
-  config = dict(key_bias_source="kernel", key_products="reduction", row_max=row_max)
-  match = r"key_products='reduction' sets how XLA computes the key products; with key_bias_sou"
   with pytest.raises(ValueError, match=match):
-    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **config)
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **settings)
   with pytest.raises(ValueError, match=match):
     quantized_decode_attention_gpu.check_config(
-      {"lowering": "mosaic_gpu", "variant": "folded", **config}
+      {"lowering": "mosaic_gpu", "variant": "folded", **settings}
     )
+
+
+@pytest.mark.parametrize("row_max", ["exchange", "bound"])
+def test_kernel_key_bias_refuses_a_setting_for_xlas_products(row_max):
+  config = dict(key_bias_source="kernel", key_products="reduction", row_max=row_max)
+  match = r"key_products='reduction' sets how XLA computes the key products; with key_bias_sou"
+  _assert_refused_by_kernel_and_dispatch(config, match)
 
 
 @pytest.mark.parametrize(
@@ -911,6 +999,34 @@ def test_the_spread_token_order_needs_register_value_codes():
     )
 
 
+@pytest.mark.parametrize(
+  "name,value",
+  [("row_max", "exchange"), ("key_operand", "shared_memory"), ("value_operand", "shared_memory")],
+)
+def test_one_barrier_per_block_needs_separate_stacks_and_register_operands(name, value):
+  """key_stack_timing="block_ahead" is refused, naming the setting, where its one barrier per
+  block would not order the buffers it relies on: Q' and P' sharing a buffer (row_max
+  "exchange") or a staged code tile (either code operand from shared memory)."""
+  settings = dict(V36_CANDIDATE, key_stack_timing="block_ahead", **{name: value})
+  needed = dict(row_max="bound", key_operand="registers", value_operand="registers")[name]
+  message = rf"key_stack_timing='block_ahead' needs {name}='{needed}' \(got '{value}'\)"
+  _assert_refused_by_kernel_and_dispatch(settings, message)
+
+
+@pytest.mark.parametrize("key_bias_source,extra", [("kernel", 0), ("xla", 6144)])
+def test_one_barrier_per_block_doubles_q_and_p(key_bias_source, extra):
+  """ "block_ahead" gives Q' (4 KB at the shapes of record) and P' (2 KB) two buffers each. With
+  the kernel's bias they sit in the union with its prologue's buffers (the query halves and the
+  k_min tile, 24 KB), which stays the larger: no byte more, four programs per SM; with XLA's
+  bias 6 KB more."""
+  shapes = (4, 128, 2, 32, 64, 4, "separate", "bound", False)
+  settings = dict(key_bias_source=key_bias_source, split_groups=32)
+  own_block = folded.shared_memory_bytes(*shapes, **settings)
+  ahead = folded.shared_memory_bytes(*shapes, **settings, key_stack_timing="block_ahead")
+  assert ahead - own_block == extra
+  assert 4 * (ahead + 1024) <= 228 * 1024
+
+
 def test_folded_refuses_non_bf16_statistics():
   arrays, quantization = _zeros_segment()
   arrays = tuple(a.astype(jnp.float16) if a.dtype == jnp.bfloat16 else a for a in arrays)
@@ -941,6 +1057,8 @@ def test_bad_mosaic_gpu_variant_is_named():
     ("value_stat_loads", "mine"),
     ("token_order", "mixed"),
     ("partial_slots", "mine"),
+    ("key_stack_timing", "early"),
+    ("copy_issue_point", "block_end"),
   ],
 )
 def test_a_bad_setting_is_named_before_tracing(name, value):
@@ -964,6 +1082,8 @@ def test_a_bad_setting_is_named_before_tracing(name, value):
     ("value_stat_loads", "own"),
     ("token_order", "spreaded"),
     ("partial_slots", "own_slot"),
+    ("key_stack_timing", "ahead"),
+    ("copy_issue_point", "value"),
   ],
 )
 def test_a_bad_setting_is_named_by_the_dispatch(name, value):
