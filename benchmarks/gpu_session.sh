@@ -49,8 +49,9 @@
 #                                           # and refills in the value product's shadow
 #                                           # (copy_issue_point) timed beside C + merge at 32k,
 #                                           # the fastest at the other shapes
-#   bash benchmarks/gpu_session.sh v40_profile  # right after v40 (~2 min): each kernel of a
-#                                           # call and ncu of the fastest
+#   bash benchmarks/gpu_session.sh v40_profile ['<config JSON>']  # right after v40 (~4 min):
+#                                           # the 32k table, each kernel of a call and ncu of
+#                                           # the fastest (or of the config given)
 #   bash benchmarks/gpu_session.sh v35_profile  # right after v35 (~4 min): KIVI-4, each
 #                                           # kernel of a call under ncu, ncu of the candidate;
 #                                           # then `final` with the winner and `shapes`
@@ -582,12 +583,17 @@ ${v34}, ${kernel_bias}, ${values}, ${own}, ${token_spread}}]" 370 || status=1
     # the same 55 KB, four programs per SM) and "copy_issue_point": "value_product" (each ring
     # slot refilled in its last block's value product's shadow, so that the first warp's copies
     # no longer delay each block's barrier: 368 -> 361, 114 registers; both 383, 111), and the
-    # sweep's fastest against C + merge at the other shapes. By the static count, block_ahead
+    # sweep's fastest against C + merge at the other shapes; and both with approx_math (exp2 as
+    # one ex2.approx: the softmax's dependent chain shorter, 383 -> 370 instructions, timed no
+    # faster in v30 at that default's settings), and both with 16 splits instead of the
+    # planner's 32 (each program's prologue and first copies' latency over 32 blocks instead of
+    # 16; 1024 programs, 1.94 waves of 528). By the static count, block_ahead
     # with two blocks per slot takes 171 registers and with 3 stages 413 instructions: not
-    # timed. ~8.5 min: the native tests 120 s, the generate check 100 s, the 32k sweep 90 s,
+    # timed. ~8.5 min: the native tests 120 s, the generate check 100 s, the 32k sweep 110 s,
     # the shapes 5 x 34 s, one head per KV head with every lane's statistics 34 s. A pass of the native tests and the generate check makes the fastest the
-    # default. v40_profile, right after on the warm machine (~2 min): each kernel of a call and
-    # ncu of the fastest (its barrier, fence and wgmma-wait stalls against v34's "bound").
+    # default. v40_profile, right after on the warm machine (~4 min): the 32k table with the
+    # fastest, each kernel of a call and ncu of it (its barrier, fence and wgmma-wait stalls
+    # against v34's "bound").
     set +e
     status=0
     log="$out/$1.log"
@@ -605,9 +611,12 @@ print(json.dumps(min(r, key=lambda t: t['seconds'])['config']))" "$out/sweep_32k
         --kivi-settings "${winner}}" 2>&1 | tee "$out/generate_kernels_check.log" | tail -12 ||
         status=1
       sweep_at_32k "$log" "[${v34}}, ${winner}}, ${winner}, ${ahead}}, ${winner}, ${refill}}, \
-${winner}, ${ahead}, ${refill}}, ${winner}, \"num_stages\": 2, \"blocks_per_copy\": 2}]" 90 ||
-        status=1
+${winner}, ${ahead}, ${refill}}, ${winner}, ${ahead}, ${refill}, \"approx_math\": true}, \
+${winner}, ${ahead}, ${refill}, \"num_splits\": 16}, \
+${winner}, \"num_stages\": 2, \"blocks_per_copy\": 2}]" 110 || status=1
+      # kept on the machine for v40_profile ($OUT starts empty at every call)
       best="$(fastest)" && echo "fastest at 32k: $best" | tee -a "$log" &&
+        echo "$best" > /tmp/kvjax_v40_fastest.json &&
         sweep_shapes "$log" "${winner}}" "$best" || status=1
       # One query head per KV head (MHA) refuses own-slot statistics: the fastest with every
       # lane's, against v34's default there
@@ -616,7 +625,15 @@ c['value_stat_loads'] = 'all_groups'; print(json.dumps(c))" "$best")" &&
         sweep_shapes_only "$log" "32768 1 2" -- "${v34}}" "$one_head" || status=1
       exit "$status"
     fi
-    best="$(fastest)" || best="${winner}, ${ahead}, ${refill}}"
+    # the config given, else the one v40 found fastest on this (warm) machine
+    best="${2:-$(cat /tmp/kvjax_v40_fastest.json 2>/dev/null)}"
+    [ -n "$best" ] || best="${winner}, ${ahead}, ${refill}}"
+    echo "profiled: $best" | tee -a "$log"
+    # The 32k table with the fastest in the folded Mosaic rows (the copy rate and XLA's bf16
+    # attention of the same run: the issue's measure), then its kernels and ncu
+    timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
+      --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$best" \
+      --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
     call_kernels "$best" || status=1
     ncu_folded_mosaic "$best" >> "$log" || status=1
     exit "$status"

@@ -129,7 +129,11 @@ before the one barrier that publishes both, so that a block of "bound"'s fixed a
 barrier instead of two; Q' and P' then take two buffers each, by block parity
 (`KEY_STACK_TIMINGS`: why two make the one barrier enough). The fixed arm by the sm_90a static
 count: 368 -> 370 instructions per 64 tokens, 112 -> 109 registers, the same 55 KB of shared
-memory (the doubled buffers sit in the union with the kernel's bias prologue).
+memory (the doubled buffers sit in the union with the kernel's bias prologue). A second one:
+`copy_issue_point="value_product"` refills each ring slot right after its last block's value
+product is issued, so that the copying warp's instructions run in that product's shadow rather
+than ahead of every block's barrier (`COPY_ISSUE_POINTS`): 368 -> 361, 114 registers; both
+settings 383, 111 registers.
 
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
@@ -350,7 +354,9 @@ DEFAULT_BLOCKS_PER_COPY = 1
 # only after a barrier that every warp reached after its wait for the last product reading it
 # (Q' of block i + 1 was last read by block i - 1's key product, P' of block i by block i - 2's
 # value product). It needs what makes the single barrier enough: both code operands from
-# registers (no code tile) and row_max="bound" (Q' and P' in buffers of their own).
+# registers (no code tile) and row_max="bound" (Q' and P' in buffers of their own); and a ring
+# of at least two slots (every Mosaic GPU kernel's `NUM_STAGES`), so that the next slot's copies
+# are in flight while a slot's last block stages the next Q' from it.
 KEY_STACK_TIMINGS = ("own_block", "block_ahead")
 DEFAULT_KEY_STACK_TIMING = "own_block"
 # Where in a ring slot's steps its refill is issued (v40). "slot_start": the copies of the slot
