@@ -392,6 +392,23 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         copy_issue_point="value_product",
       ),
     ),
+    # both at one query head per KV head (MHA: every lane's statistics, own-slot ones are
+    # refused there), the form gpu_session.sh v40 times at that shape
+    (
+      2,
+      128,
+      1,
+      32,
+      352,
+      dict(
+        V36_CANDIDATE,
+        value_stat_loads="all_groups",
+        num_stages=2,
+        num_splits=1,
+        key_stack_timing="block_ahead",
+        copy_issue_point="value_product",
+      ),
+    ),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
