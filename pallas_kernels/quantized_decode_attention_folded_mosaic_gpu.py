@@ -1397,8 +1397,8 @@ def _folded_kernel(
           pl.when(c + 1 < num_copies), functools.partial(wait_for_slot, next_slot)
         )
         next_block = (next_slot, 0, wait)
-      last = position + 1 == blocks_per_copy
-      state = body(i, slot, position * block, state, reference, next_block, last and refill)
+      slot_refill = refill if position + 1 == blocks_per_copy else None
+      state = body(i, slot, position * block, state, reference, next_block, slot_refill)
     return state
 
   if ahead:  # the first block's Q', which the loop's blocks each stage for the next

@@ -990,16 +990,8 @@ def test_two_stages_of_two_blocks_take_the_memory_of_four_stages_of_one():
 
 @pytest.mark.parametrize("value", [3, 0, True, "2"])
 def test_a_bad_blocks_per_copy_is_named(value):
-  arrays, quantization = _zeros_segment()
   message = rf"blocks_per_copy={value!r} is not supported; allowed: \(1, 2, 4\)"
-  with pytest.raises(ValueError, match=message):
-    folded.folded_partials_mosaic_gpu(
-      *arrays, **quantization, sm_scale=1.0, block_tokens=64, blocks_per_copy=value
-    )
-  with pytest.raises(ValueError, match=message):
-    quantized_decode_attention_gpu.check_config(
-      {"lowering": "mosaic_gpu", "variant": "folded", "blocks_per_copy": value}
-    )
+  _assert_refused_by_kernel_and_dispatch(dict(block_tokens=64, blocks_per_copy=value), message)
   with pytest.raises(ValueError, match=r"\['blocks_per_copy'\] are taken by the folded Mosaic"):
     quantized_decode_attention_gpu.check_config({"lowering": "mosaic_gpu", "blocks_per_copy": 2})
 
