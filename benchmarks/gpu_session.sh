@@ -590,8 +590,12 @@ ${v34}, ${kernel_bias}, ${values}, ${own}, ${token_spread}}]" 370 || status=1
     # 16; 1024 programs, 1.94 waves of 528). By the static count, block_ahead
     # with two blocks per slot takes 171 registers and with 3 stages 413 instructions: not
     # timed. ~8.5 min: the native tests 120 s, the generate check 100 s, the 32k sweep 110 s,
-    # the shapes 5 x 34 s, one head per KV head with every lane's statistics 34 s. A pass of the native tests and the generate check makes the fastest the
-    # default. v40_profile, right after on the warm machine (~4 min): the 32k table with the
+    # the shapes 5 x 34 s, one head per KV head with every lane's statistics 34 s. v41 (no GPU
+    # lent) adds "value_product_columns": "own_tiles" (each 64-channel row tile's value product
+    # against its own P' tiles: N 16 -> 8, the carried accumulator [128, 8]; C's fixed arm 368
+    # -> 358 instructions per 64 tokens, 116 registers, four programs per SM) on C and on C
+    # with both of v40's settings: two configs more, the sweep's limit 110 -> 140 s. A pass of
+    # the native tests and the generate check makes the fastest the default. v40_profile, right after on the warm machine (~4 min): the 32k table with the
     # fastest, each kernel of a call and ncu of it (its barrier, fence and wgmma-wait stalls
     # against v34's "bound").
     set +e
@@ -601,6 +605,7 @@ ${v34}, ${kernel_bias}, ${values}, ${own}, ${token_spread}}]" 370 || status=1
 \"value_operand\": \"registers\", \"value_stat_loads\": \"own_slot\", \"split_merge\": \"triton\""
     ahead="\"key_stack_timing\": \"block_ahead\""
     refill="\"copy_issue_point\": \"value_product\""
+    own_tiles="\"value_product_columns\": \"own_tiles\""
     fastest() {  # the fastest config of the 32k sweep's JSON, as JSON
       "$python" -c "import json, sys; r = json.load(open(sys.argv[1]))['sweep_kivi2']; \
 print(json.dumps(min(r, key=lambda t: t['seconds'])['config']))" "$out/sweep_32k.json"
@@ -613,7 +618,8 @@ print(json.dumps(min(r, key=lambda t: t['seconds'])['config']))" "$out/sweep_32k
       sweep_at_32k "$log" "[${v34}}, ${winner}}, ${winner}, ${ahead}}, ${winner}, ${refill}}, \
 ${winner}, ${ahead}, ${refill}}, ${winner}, ${ahead}, ${refill}, \"approx_math\": true}, \
 ${winner}, ${ahead}, ${refill}, \"num_splits\": 16}, \
-${winner}, \"num_stages\": 2, \"blocks_per_copy\": 2}]" 110 || status=1
+${winner}, \"num_stages\": 2, \"blocks_per_copy\": 2}, ${winner}, ${own_tiles}}, \
+${winner}, ${ahead}, ${refill}, ${own_tiles}}]" 140 || status=1
       # kept on the machine for v40_profile ($OUT starts empty at every call)
       best="$(fastest)" && echo "fastest at 32k: $best" | tee -a "$log" &&
         echo "$best" > /tmp/kvjax_v40_fastest.json &&

@@ -7,7 +7,10 @@ ptxas compiles that PTX for sm_90a, and the SASS of the main loop is read off as
 `triton_static_cost.py` (same `loop_cost`): warp instructions per loop iteration by opcode,
 barriers, registers, shared memory, the programs an SM can hold with those (CUDA's occupancy
 rules), each warpgroup MMA's shadow (the instructions issued between the MMA and the wait for
-it, which overlap the tensor core), and the issue floor at the benchmark shape.
+it, which overlap the tensor core), and the issue floor at the benchmark shape. "live regs" is
+the most registers live across any one instruction of the kernel (`nvdisasm -lrm count`, from
+the `triton` package): ptxas allocates that many or a few more, so it says how far a kernel is
+from an allocation that fits more programs per SM (96 registers for five at 128 threads).
 
 What it is good for: comparing Mosaic kernels and their settings between GPU sessions. Against
 Nsight Compute on an H100 (KERNEL_NOTES v13), the dequantizing kernel's loop counts 2771
@@ -217,14 +220,17 @@ def with_min_programs_per_sm(ptx: str, programs: int) -> str:
   return edited
 
 
-def sass_of(ptx: str, workdir: str, name: str) -> tuple[str, str]:
-  """(SASS listing, cuobjdump resource usage) of PTX compiled for sm_90a."""
+def sass_of(ptx: str, workdir: str, name: str) -> tuple[str, str, tuple[int, str]]:
+  """(SASS listing, cuobjdump resource usage, (peak live registers, where)) of PTX compiled for
+  sm_90a."""
   source = os.path.join(workdir, f"{name}.ptx")
   cubin = os.path.join(workdir, f"{name}.cubin")
   with open(source, "w") as f:
     f.write(ptx)
   subprocess.run([tool("ptxas"), "-arch=sm_90a", "-O3", source, "-o", cubin], check=True)
-  return triton_static_cost.disassemble(cubin)
+  sass, usage = triton_static_cost.disassemble(cubin)
+  live = triton_static_cost.live_register_peak(triton_static_cost.live_registers_listing(cubin))
+  return sass, usage, live
 
 
 def main():
@@ -280,7 +286,7 @@ def main():
       if args.min_programs_per_sm:
         ptx = with_min_programs_per_sm(ptx, args.min_programs_per_sm)
         label += f" [.minnctapersm {args.min_programs_per_sm}]"
-      sass, usage = sass_of(ptx, workdir, file_name)
+      sass, usage, (live_registers, live_peak_at) = sass_of(ptx, workdir, file_name)
       paths = [None]
       if arms != (None,):  # the arm with the row max's FMNMX is the exchange's
         paths = triton_static_cost.branch_paths(
@@ -307,19 +313,21 @@ def main():
           print(f"{cost.name}: no per-warp count ({unknown})", file=sys.stderr)
         shared = re.search(r"smem_scratch_bytes=(\d+)", resources)
         cost.shared_bytes = int(shared.group(1)) if shared else -1
+        # the whole kernel's (prologue and epilogue included), not the arm's
+        cost.live_registers, cost.live_peak_at = live_registers, live_peak_at
         floors = cost.floors_us(programs_tokens=programs_tokens)
         floors["programs_per_sm"] = programs_per_sm(cost.registers, cost.shared_bytes)
         rows.append((cost, floors))
 
   print(
-    "| kernel | regs | shared KB | programs/SM | instr/iter/warp | first warp only "
+    "| kernel | regs | live regs | shared KB | programs/SM | instr/iter/warp | first warp only "
     "| slowest warp | tokens/iter | thread instr/elem | barriers/iter | wgmma shadows "
     "| issue floor us |"
   )
-  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+  print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for cost, floors in rows:
     print(
-      f"| {cost.name} | {cost.registers} | {cost.shared_bytes / 1024:.0f} "
+      f"| {cost.name} | {cost.registers} | {cost.live_registers} | {cost.shared_bytes / 1024:.0f} "
       f"| {floors['programs_per_sm']} | {cost.instructions} | {cost.first_warp_only} "
       f"| {max(cost.warp_instructions) if cost.warp_instructions else '?'} "
       f"| {cost.tokens_per_iteration} | {cost.per_element(shape['head_dim']):.1f} "
@@ -328,6 +336,7 @@ def main():
     )
   for cost, _ in rows:
     print(f"{cost.name}: {cost.opcodes}")
+    print(f"  live registers peak at {cost.live_peak_at}")
   if args.out:
     with open(args.out, "w") as f:
       json.dump([{**vars(cost), **floors} for cost, floors in rows], f, indent=1, default=str)

@@ -432,6 +432,39 @@ def disassemble(cubin: str) -> tuple[str, str]:
   return sass.stdout, usage.stdout
 
 
+def live_registers_listing(cubin: str) -> str:
+  """`nvdisasm -lrm count` of a cubin (the `triton` package's nvdisasm): each instruction with the
+  number of registers live across it."""
+  import triton
+
+  tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+  listing = subprocess.run(
+    [os.path.join(tools, "nvdisasm"), "-lrm", "count", "-c", cubin],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
+  return listing.stdout
+
+
+_LIVE_LINE = re.compile(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;\s*//\s*\|\s*(\d+)\s*\|")
+
+
+def live_register_peak(listing: str) -> tuple[int, str]:
+  """(the most general registers live across any instruction, "address: instruction" of the
+  first that has them) from `live_registers_listing`. ptxas allocates at least this many, and
+  rounds up (operand alignment of the wide instructions): the allocated count alone does not say
+  how far a kernel is from a smaller allocation."""
+  peak, where = -1, ""
+  for line in listing.splitlines():
+    match = _LIVE_LINE.search(line)
+    if match and int(match.group(3)) > peak:
+      peak, where = int(match.group(3)), f"{match.group(1)}: {match.group(2)}"
+  if peak < 0:
+    raise ValueError("no instruction with a live-register count in the listing")
+  return peak, where
+
+
 def kernel_cases(args):
   """(name, function, shapes, warps, stages, tokens per loop iteration) to analyse."""
   import jax

@@ -217,9 +217,10 @@ def quantized_decode_attention(
   (default) | 2 | 4, "token_order": "natural" (default) | "spread" (with "value_operand":
   "registers"), "partial_slots": "every" (default) | "own", "key_stack_timing": "own_block"
   (default) | "block_ahead" (with "row_max": "bound" and both code operands from registers),
-  "copy_issue_point": "slot_start" (default) | "value_product", "split_merge": "xla"
-  (default) | "triton"; KIVI segments, others run the
-  Triton kernel with a warning; see `pallas_kernels.quantized_decode_attention_gpu`).
+  "copy_issue_point": "slot_start" (default) | "value_product", "value_product_columns":
+  "all_tiles" (default) | "own_tiles" (with the value product's rows in channel order),
+  "split_merge": "xla" (default) | "triton"; KIVI segments, others run the Triton kernel with a
+  warning; see `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=True, family=family)

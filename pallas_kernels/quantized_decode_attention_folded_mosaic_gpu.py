@@ -135,6 +135,12 @@ product is issued, so that the copying warp's instructions run in that product's
 than ahead of every block's barrier (`COPY_ISSUE_POINTS`): 368 -> 361, 114 registers; both
 settings 383, 111 registers.
 
+A setting of v41, not yet timed on a GPU: `value_product_columns="own_tiles"` (with the value
+product's rows in channel order) multiplies each 64-channel row tile of the value product by the
+P' tiles of its own channels' value groups only (`value_product_tiles`): at 4 query heads per KV
+head one tile of the two, N 16 -> 8 per product and a carried accumulator [D, 8]; the fixed arm
+368 -> 358 instructions per 64 tokens, 116 registers, four programs per SM.
+
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
 the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
@@ -247,6 +253,16 @@ from pallas_kernels.value_operand_registers import (
   VALUE_OPERANDS,
   value_operand_from_registers,
   value_operand_unsupported_reason,
+)
+from pallas_kernels.value_product_tiles import (
+  DEFAULT_VALUE_PRODUCT_COLUMNS,
+  ROW_TILE,
+  accumulator_tiles,
+  check_value_order,
+  check_value_product_columns,
+  first_tile_of_channel,
+  row_tile_value_tiles,
+  uneven_row_tiles_reason,
 )
 from pallas_kernels.value_stats_own_slot import (
   DEFAULT_VALUE_STAT_LOADS,
@@ -387,6 +403,7 @@ KERNEL_SETTINGS = (
   "partial_slots",
   "key_stack_timing",
   "copy_issue_point",
+  "value_product_columns",
 )
 # What the entry points take besides: who merges the splits' partials after the kernel
 # (`split_merge_triton`), XLA's fusions ("xla": four kernels of the decode loop) or one Triton
@@ -673,6 +690,7 @@ def check_folded_settings(
   partial_slots=DEFAULT_PARTIAL_SLOTS,
   key_stack_timing=DEFAULT_KEY_STACK_TIMING,
   copy_issue_point=DEFAULT_COPY_ISSUE_POINT,
+  value_product_columns=DEFAULT_VALUE_PRODUCT_COLUMNS,
   split_merge=DEFAULT_SPLIT_MERGE,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values, or a
@@ -710,6 +728,8 @@ def check_folded_settings(
     raise ValueError(
       f"copy_issue_point={copy_issue_point!r} is not supported; allowed: {COPY_ISSUE_POINTS}"
     )
+  check_value_product_columns(value_product_columns)
+  check_value_order(value_product_columns, value_output_order(operand_order, value_operand))
   if key_bias_source == "kernel" and key_products != DEFAULT_KEY_PRODUCT:
     raise ValueError(
       f"key_products={key_products!r} sets how XLA computes the key products; with "
@@ -772,6 +792,16 @@ def check_config(
     )
     if reason is not None:
       raise ValueError(f"{reason}; use value_stat_loads={DEFAULT_VALUE_STAT_LOADS!r}")
+  _, value_rows = stacks(block_tokens, head_dim, group_size, group)
+  reason = uneven_row_tiles_reason(
+    folded_settings.get("value_product_columns", DEFAULT_VALUE_PRODUCT_COLUMNS),
+    head_dim=head_dim,
+    group_size=group_size,
+    slots=value_slots(group)[1],
+    value_tiles=value_rows // tile_rows(group),
+  )
+  if reason is not None:
+    raise ValueError(reason)
   blocks_per_copy = folded_settings.get("blocks_per_copy", DEFAULT_BLOCKS_PER_COPY)
   needed = shared_memory_bytes(
     group,
@@ -923,6 +953,7 @@ def _folded_kernel(
   partial_slots: str,
   key_stack_timing: str,
   copy_issue_point: str,
+  value_product_columns: str,
 ):
   row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
   *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
@@ -958,6 +989,10 @@ def _folded_kernel(
   # The order of the value product's rows, the accumulator's: register value codes are built in
   # channel order whatever order the key side takes (`value_operand_registers`).
   value_order = value_output_order(operand_order, value_operand)
+  # Each 64-channel row tile's P' tiles (`value_product_tiles`): all of them, or its own.
+  own_tiles = value_product_columns == "own_tiles"
+  row_tiles = row_tile_value_tiles(head_dim, group_size, slots, value_tiles)
+  acc_tiles = accumulator_tiles(value_product_columns, head_dim, group_size, slots, value_tiles)
   block_start_barrier = needs_block_start_barrier(key_operand, value_operand, row_max, emulate)
 
   plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, lengths_barrier)
@@ -1298,7 +1333,7 @@ def _folded_kernel(
         stacked = spread_rows_emulated(stacked) if emulate else spread_rows(stacked)
       value_stack_smem_i.at[pl.ds(t * rows, rows)].T[...] = stacked
     if correction is not None:
-      stacked_correction_row = jnp.concatenate([correction] * value_tiles)
+      stacked_correction_row = jnp.concatenate([correction] * acc_tiles)
     if ahead:
       # The next block's Q', into the other buffer (last read by the block before this one,
       # whose key product every warp waited for before that block's barrier).
@@ -1312,7 +1347,7 @@ def _folded_kernel(
     def rescale_accumulator(acc):
       if correction is None:  # a fixed reference: nothing to rescale
         return acc
-      return acc * lax.broadcast_in_dim(stacked_correction_row, (head_dim, value_tiles * rows), [1])
+      return acc * lax.broadcast_in_dim(stacked_correction_row, (head_dim, acc_tiles * rows), [1])
 
     def update_partials(sum_partials, value_bias_partials):
       """In the value product's shadow: the softmax denominator and sum_t p v_min[t] per value
@@ -1329,13 +1364,36 @@ def _folded_kernel(
         [probs * stat_tile(v_mins, t) for t in range(value_tiles)], axis=1
       )
 
-    if emulate and (value_operand == "registers" or value_accumulator == "carried"):
+    def value_products(acc_ref):
+      """Issues the block's value product into `acc_ref` (f32 [D, acc_tiles * rows])."""
+      if not own_tiles:
+        plgpu.wgmma(acc_ref, value_operand_a, value_stack_smem_i.T)
+        return
+      for m, (first, count) in enumerate(row_tiles):
+        channels = pl.ds(m * ROW_TILE, ROW_TILE)
+        if value_codes is None:
+          operand = codes_smem.at[:, channels].T
+        else:
+          operand = value_codes[m * ROW_TILE : (m + 1) * ROW_TILE]
+        stack = value_stack_smem_i.at[pl.ds(first * rows, count * rows)]
+        plgpu.wgmma(acc_ref.at[channels], operand, stack.T)
+
+    if emulate and (value_operand == "registers" or value_accumulator == "carried" or own_tiles):
       # Mosaic GPU's interpreter takes wgmma operands from shared memory only and has no wgmma
       # into an accumulator made from registers: the same sum, with the product of the same
-      # (emulated, staged) codes as a dot.
-      product = (
-        codes_smem[...].astype(jnp.float32).T @ value_stack_smem_i[...].astype(jnp.float32).T
-      )
+      # (emulated, staged) codes as a dot, per row tile with "own_tiles".
+      codes = codes_smem[...].astype(jnp.float32).T
+      stack = value_stack_smem_i[...].astype(jnp.float32)
+      if own_tiles:
+        product = jnp.concatenate(
+          [
+            codes[m * ROW_TILE : (m + 1) * ROW_TILE]
+            @ stack[first * rows : (first + count) * rows].T
+            for m, (first, count) in enumerate(row_tiles)
+          ]
+        )
+      else:
+        product = codes @ stack.T
       refill()
       sum_partials, value_bias_partials = update_partials(sum_partials, value_bias_partials)
       return rescale_accumulator(acc) + product, new_max, sum_partials, value_bias_partials
@@ -1345,7 +1403,7 @@ def _folded_kernel(
 
       def value_product_into(refs):
         acc_ref, sum_ref, bias_ref = refs
-        plgpu.wgmma(acc_ref, value_operand_a, value_stack_smem_i.T)
+        value_products(acc_ref)
         refill()
         sum_ref[...], bias_ref[...] = update_partials(sum_ref[...], bias_ref[...])
 
@@ -1355,12 +1413,12 @@ def _folded_kernel(
       return acc, new_max, sum_partials, value_bias_partials
 
     def value_product(acc_ref):
-      plgpu.wgmma(acc_ref, value_operand_a, value_stack_smem_i.T)
+      value_products(acc_ref)
       refill()
       return acc_ref[...], *update_partials(sum_partials, value_bias_partials)
 
     update, sum_partials, value_bias_partials = pl.run_scoped(
-      value_product, plgpu.ACC((head_dim, value_tiles * rows), jnp.float32)
+      value_product, plgpu.ACC((head_dim, acc_tiles * rows), jnp.float32)
     )
     return rescale_accumulator(acc) + update, new_max, sum_partials, value_bias_partials
 
@@ -1423,7 +1481,7 @@ def _folded_kernel(
       exchange, copy_step, functools.partial(copy_step, reference=reference), c, state
     )
   init = (
-    wgmma_layout(jnp.zeros((head_dim, value_tiles * rows), jnp.float32)),
+    wgmma_layout(jnp.zeros((head_dim, acc_tiles * rows), jnp.float32)),
     start_max,  # the running max, or the fixed reference it stays at
     wgmma_layout(jnp.zeros((block, rows), jnp.float32)),
     wgmma_layout(jnp.zeros((block, value_tiles * rows), jnp.float32)),
@@ -1439,15 +1497,19 @@ def _folded_kernel(
     exponents.code - exponents.probs - code_exponent(channel, head_dim, bits)
   )
   out = jnp.zeros((head_dim, rows), jnp.float32)
-  stacked_out = acc * jnp.concatenate([output_scale] * value_tiles, axis=1) + lax.broadcast_in_dim(
-    value_bias, acc.shape, [1]
-  )
+  scaled = acc * jnp.concatenate([output_scale] * acc_tiles, axis=1)
+  value_bias = lax.broadcast_in_dim(value_bias, (head_dim, value_tiles * rows), [1])
   # Each channel takes its value group's tile; only the columns of the group's slot are its
-  # rows (`pick_value_slots` takes them after the kernel, or the kernel with "own").
+  # rows (`pick_value_slots` takes them after the kernel, or the kernel with "own"). With
+  # "own_tiles" accumulator block k of a row holds its row tile's tile first + k.
+  tile = channel // group_size // slots
+  acc_block = tile - first_tile_of_channel(channel, group_size, slots) if own_tiles else tile
+  bias = jnp.zeros((head_dim, rows), jnp.float32)
+  for k in range(acc_tiles):
+    out = jnp.where(acc_block == k, scaled[:, k * rows : (k + 1) * rows], out)
   for t in range(value_tiles):
-    out = jnp.where(
-      channel // group_size // slots == t, stacked_out[:, t * rows : (t + 1) * rows], out
-    )
+    bias = jnp.where(tile == t, value_bias[:, t * rows : (t + 1) * rows], bias)
+  out = out + bias
   state = (out, running_max, running_sum)
   partials_gmem = (out_gmem.at[row, head, split], lse_gmem.at[row, head, split])
   if partial_slots == "own":
@@ -1503,6 +1565,7 @@ def _jitted_kernel_outputs(
   partial_slots,
   key_stack_timing,
   copy_issue_point,
+  value_product_columns,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -1592,6 +1655,7 @@ def _jitted_kernel_outputs(
       partial_slots=partial_slots,
       key_stack_timing=key_stack_timing,
       copy_issue_point=copy_issue_point,
+      value_product_columns=value_product_columns,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, *partial_shape), jnp.float32),
@@ -1786,6 +1850,7 @@ def folded_kernel_outputs(
   partial_slots: str = DEFAULT_PARTIAL_SLOTS,
   key_stack_timing: str = DEFAULT_KEY_STACK_TIMING,
   copy_issue_point: str = DEFAULT_COPY_ISSUE_POINT,
+  value_product_columns: str = DEFAULT_VALUE_PRODUCT_COLUMNS,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (D in operand positions, every value
@@ -1831,6 +1896,7 @@ def folded_kernel_outputs(
     partial_slots=partial_slots,
     key_stack_timing=key_stack_timing,
     copy_issue_point=copy_issue_point,
+    value_product_columns=value_product_columns,
   )
   plan = folded_split_plan(
     queries,

@@ -229,3 +229,27 @@ def test_warp_paths_refuse_an_indirect_branch():
   )
   with pytest.raises(ValueError, match="an indirect branch at 0xd0"):
     static_cost.warp_path_lengths(listing)
+
+
+# Shaped like `nvdisasm -lrm count` output: a header, instructions with their live counts.
+LIVE_LISTING = """
+                        // | GPR   | PRED   | UGPR   | UPRED   |
+                        // |    #  |   #    |    #   |    #    |
+        .text.kernel:   // |       |        |        |         |
+        /*0000*/  MOV R1, c[0x0][0x28] ; // |    1  |        |        |         |
+        /*0010*/  LDS.64 R4, [R2] ;      // |   37  |   1    |   2    |         |
+        /*0020*/  HGMMA.64x16x16.F32.BF16 R24, R48, gdesc[UR8], RZ ; // |  107  |   6    |  31    |
+        /*0030*/  FFMA R5, R4, R4, R5 ;  // |  107  |        |        |         |
+        /*0040*/  EXIT ;                 // |    0  |        |        |         |
+"""
+
+
+def test_the_live_register_peak_is_the_first_instruction_holding_the_most():
+  peak, where = static_cost.live_register_peak(LIVE_LISTING)
+  assert peak == 107
+  assert where == "0020: HGMMA.64x16x16.F32.BF16 R24, R48, gdesc[UR8], RZ"
+
+
+def test_a_listing_without_live_counts_is_refused():
+  with pytest.raises(ValueError, match="no instruction with a live-register count"):
+    static_cost.live_register_peak(SASS)

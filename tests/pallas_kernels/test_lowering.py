@@ -396,6 +396,32 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       16,
       dict(V36_CANDIDATE, num_stages=2, blocks_per_copy=2, key_stack_timing="block_ahead"),
     ),
+    # v41: each 64-channel row tile's value product against its own P' tiles only (wgmma into
+    # row slices of the accumulator, column slices of P'): register value codes in the carried
+    # accumulator with v40's settings; staged channel-order codes into a fresh one; two tiles
+    # per row tile at 8 query heads
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(
+        V36_CANDIDATE,
+        key_stack_timing="block_ahead",
+        copy_issue_point="value_product",
+        value_product_columns="own_tiles",
+      ),
+    ),
+    ("folded", 2, 128, 4, 32, dict(block_tokens=64, value_product_columns="own_tiles")),
+    (
+      "folded",
+      2,
+      128,
+      8,
+      32,
+      dict(V36_CANDIDATE, value_product_columns="own_tiles", value_stat_loads="all_groups"),
+    ),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

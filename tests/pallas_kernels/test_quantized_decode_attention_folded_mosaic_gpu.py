@@ -70,6 +70,9 @@ V36_CANDIDATE = dict(
   value_operand="registers",
   value_stat_loads="own_slot",
 )
+# v40's two settings: the next block's Q' staged before each block's one barrier, each ring slot
+# refilled in its last block's value product's shadow.
+V40_BOTH = dict(key_stack_timing="block_ahead", copy_issue_point="value_product")
 
 
 def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **config):
@@ -366,8 +369,7 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         V36_CANDIDATE,
         num_stages=2,
         num_splits=1,
-        key_stack_timing="block_ahead",
-        copy_issue_point="value_product",
+        **V40_BOTH,
       ),
     ),
     (
@@ -405,10 +407,54 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         value_stat_loads="all_groups",
         num_stages=2,
         num_splits=1,
-        key_stack_timing="block_ahead",
-        copy_issue_point="value_product",
+        **V40_BOTH,
       ),
     ),
+    # each 64-channel row tile's value product against its own P' tiles only (v41): one tile
+    # each at 4 heads (with v40's settings, six blocks), two each at 8, the one tile both share
+    # at 2; one row tile at head_dim 64 (all tiles, as before); staged channel-order codes in a
+    # fresh accumulator
+    (
+      2,
+      128,
+      4,
+      32,
+      352,
+      dict(
+        V36_CANDIDATE,
+        num_stages=2,
+        num_splits=1,
+        **V40_BOTH,
+        value_product_columns="own_tiles",
+      ),
+    ),
+    (
+      2,
+      128,
+      8,
+      32,
+      224,
+      dict(
+        V36_CANDIDATE,
+        value_stat_loads="all_groups",
+        num_splits=1,
+        value_product_columns="own_tiles",
+      ),
+    ),
+    (
+      4,
+      128,
+      2,
+      32,
+      192,
+      dict(
+        V36_CANDIDATE,
+        value_stat_loads="all_groups",
+        num_splits=2,
+        value_product_columns="own_tiles",
+      ),
+    ),
+    (4, 64, 4, 32, 224, dict(block_tokens=64, num_splits=2, value_product_columns="own_tiles")),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -504,19 +550,8 @@ def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, con
   group 0's channels must stay finite (a pick that lets the other columns' NaN through, as
   `where(kept, out, out * 0)` does, fails; XLA on CPU turns `out * mask` into a select, so
   interpret mode cannot tell that one apart)."""
-  arrays, _ = _kivi2_inputs(seed=group, group=group)
   real_rows, slots = folded.value_slots(group)
-  if slots > 1:  # v_scale [B, H, T, D / 32]: group 1 at token 5 of row 0
-    arrays = (*arrays[:5], arrays[5].at[0, :, 5, 1].set(jnp.nan), *arrays[6:])
-  call = functools.partial(
-    folded.folded_kernel_outputs,
-    *arrays,
-    bits=2,
-    group_size=32,
-    sm_scale=0.125,
-    interpret=triton_interpret(),
-    **config,
-  )
+  call = _kernel_outputs_call(group, group, config, nan_value_group=1 if slots > 1 else None)
   every, every_lse = call()
   own, own_lse = call(partial_slots="own")
   channels = np.arange(128)
@@ -534,6 +569,51 @@ def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, con
     assert np.isnan(np.asarray(own)[0][..., ~group_zero]).any()
   assert np.isfinite(np.asarray(own)[0][..., group_zero]).all()
   assert np.isfinite(np.asarray(own)[1:]).all()
+
+
+@pytest.mark.parametrize(
+  "group,config",
+  [
+    (4, dict(V36_CANDIDATE, num_splits=2)),  # one tile per row tile, register value codes
+    (8, dict(V36_CANDIDATE, value_stat_loads="all_groups", num_splits=2)),  # two per row tile
+    (4, dict(block_tokens=64, num_splits=2)),  # staged channel-order codes, fresh accumulator
+  ],
+)
+def test_own_value_tiles_give_the_all_tiles_outputs(group, config):
+  """value_product_columns="own_tiles" drops only columns no channel reads: the kernel's
+  outputs (every value slot of each channel's tile) are the all-tiles kernel's. Value group 2's
+  scale is NaN at one valid token of row 0: the all-tiles accumulator then holds NaN in its
+  tile's columns for every channel, which the first row tile's channels (groups 0 and 1) never
+  pick, and own tiles never compute; both keep those channels finite."""
+  call = _kernel_outputs_call(group, group + 40, config, nan_value_group=2)
+  every, every_lse = call()
+  own, own_lse = call(value_product_columns="own_tiles")
+  # Interpret mode takes each row tile's product as a dot of its own, which XLA on CPU may sum
+  # in another order: float32 rounding apart, NaN where the other has NaN.
+  scale = np.nanmax(np.abs(np.asarray(every)))
+  np.testing.assert_allclose(np.asarray(own), np.asarray(every), rtol=1e-5, atol=1e-6 * scale)
+  np.testing.assert_array_equal(np.asarray(own_lse), np.asarray(every_lse))
+  tile_of_channel = np.arange(128) // 32 // folded.value_slots(group)[1]
+  nan_tile = 2 // folded.value_slots(group)[1]  # value group 2's (channels 64-95)
+  assert np.isnan(np.asarray(own)[0][..., tile_of_channel == nan_tile, :]).any()
+  assert np.isfinite(np.asarray(own)[0][..., :64, :]).all()  # row tile 0 reads other tiles
+
+
+def _kernel_outputs_call(group, seed, config, nan_value_group=None):
+  """`folded_kernel_outputs` on `_kivi2_inputs` with `config`, more settings to come; with
+  `nan_value_group`, that value group's scale NaN at token 5 of row 0, a valid token."""
+  arrays, _ = _kivi2_inputs(seed=seed, group=group)
+  if nan_value_group is not None:  # v_scale [B, H, T, D / 32]
+    arrays = (*arrays[:5], arrays[5].at[0, :, 5, nan_value_group].set(jnp.nan), *arrays[6:])
+  return functools.partial(
+    folded.folded_kernel_outputs,
+    *arrays,
+    bits=2,
+    group_size=32,
+    sm_scale=0.125,
+    interpret=triton_interpret(),
+    **config,
+  )
 
 
 def _kivi2_inputs(seed, group=4):
@@ -557,6 +637,8 @@ def _kivi2_inputs(seed, group=4):
     ("kernel", {}),
     # one barrier per block (v40) in both arms: the exact arm's Q' staged a block ahead too
     ("kernel", dict(value_operand="registers", key_stack_timing="block_ahead")),
+    # the exact arm rescales a narrower accumulator (v41)
+    ("kernel", dict(value_operand="registers", value_product_columns="own_tiles")),
   ],
 )
 def test_bound_row_max_runs_the_exact_softmax_where_the_bounds_are_loose(key_bias_source, settings):
@@ -1036,6 +1118,25 @@ def test_one_barrier_per_block_doubles_q_and_p(key_bias_source, extra):
   assert 4 * (ahead + 1024) <= 228 * 1024
 
 
+def test_own_value_tiles_are_refused_for_word_order_rows():
+  """v34's settings stage the value codes in the word order: a 64-row tile of the value product
+  then holds channels of value groups 0 and 2, which no single P' tile range serves."""
+  arrays, quantization = _zeros_segment()
+  message = "value_product_columns='own_tiles' needs the value product's rows in channel order"
+  with pytest.raises(ValueError, match=message):
+    folded.folded_partials_mosaic_gpu(
+      *arrays, **quantization, sm_scale=1.0, **V34_SETTINGS, value_product_columns="own_tiles"
+    )
+  with pytest.raises(ValueError, match=message):
+    quantized_decode_attention_gpu.check_config(
+      dict(FOLDED_MOSAIC_GPU_V34, value_product_columns="own_tiles")
+    )
+  # with register value codes the rows are channels whatever the key side's order
+  quantized_decode_attention_gpu.check_config(
+    dict(FOLDED_MOSAIC_GPU_V34, value_operand="registers", value_product_columns="own_tiles")
+  )
+
+
 def test_folded_refuses_non_bf16_statistics():
   arrays, quantization = _zeros_segment()
   arrays = tuple(a.astype(jnp.float16) if a.dtype == jnp.bfloat16 else a for a in arrays)
@@ -1068,6 +1169,7 @@ def test_bad_mosaic_gpu_variant_is_named():
     ("partial_slots", "mine"),
     ("key_stack_timing", "early"),
     ("copy_issue_point", "block_end"),
+    ("value_product_columns", "own"),
   ],
 )
 def test_a_bad_setting_is_named_before_tracing(name, value):
@@ -1093,6 +1195,7 @@ def test_a_bad_setting_is_named_before_tracing(name, value):
     ("partial_slots", "own_slot"),
     ("key_stack_timing", "ahead"),
     ("copy_issue_point", "value"),
+    ("value_product_columns", "own_tile"),
   ],
 )
 def test_a_bad_setting_is_named_by_the_dispatch(name, value):
