@@ -1497,19 +1497,26 @@ def _folded_kernel(
     exponents.code - exponents.probs - code_exponent(channel, head_dim, bits)
   )
   out = jnp.zeros((head_dim, rows), jnp.float32)
-  scaled = acc * jnp.concatenate([output_scale] * acc_tiles, axis=1)
-  value_bias = lax.broadcast_in_dim(value_bias, (head_dim, value_tiles * rows), [1])
-  # Each channel takes its value group's tile; only the columns of the group's slot are its
-  # rows (`pick_value_slots` takes them after the kernel, or the kernel with "own"). With
-  # "own_tiles" accumulator block k of a row holds its row tile's tile first + k.
+  bias = lax.broadcast_in_dim(value_bias, (head_dim, value_tiles * rows), [1])
   tile = channel // group_size // slots
-  acc_block = tile - first_tile_of_channel(channel, group_size, slots) if own_tiles else tile
-  bias = jnp.zeros((head_dim, rows), jnp.float32)
+  acc_block = tile  # the accumulator's column block each row takes
+  if own_tiles:
+    # Accumulator block k of a row holds tile first + k of its row tile: that tile's bias.
+    first = first_tile_of_channel(channel, group_size, slots)
+    acc_block = tile - first
+
+    def block_bias(k):
+      picked = bias[:, :rows]
+      for t in range(1, value_tiles):
+        picked = jnp.where(first + k == t, bias[:, t * rows : (t + 1) * rows], picked)
+      return picked
+
+    bias = jnp.concatenate([block_bias(k) for k in range(acc_tiles)], axis=1)
+  stacked_out = acc * jnp.concatenate([output_scale] * acc_tiles, axis=1) + bias
+  # Each channel takes its value group's tile; only the columns of the group's slot are its
+  # rows (`pick_value_slots` takes them after the kernel, or the kernel with "own").
   for k in range(acc_tiles):
-    out = jnp.where(acc_block == k, scaled[:, k * rows : (k + 1) * rows], out)
-  for t in range(value_tiles):
-    bias = jnp.where(tile == t, value_bias[:, t * rows : (t + 1) * rows], bias)
-  out = out + bias
+    out = jnp.where(acc_block == k, stacked_out[:, k * rows : (k + 1) * rows], out)
   state = (out, running_max, running_sum)
   partials_gmem = (out_gmem.at[row, head, split], lse_gmem.at[row, head, split])
   if partial_slots == "own":

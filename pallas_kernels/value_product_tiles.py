@@ -12,7 +12,8 @@ for the other tiles are computed, carried in registers across the loop and dropp
 one wgmma chain per row tile, into an accumulator of count x tile_rows columns. At the shapes of
 record (head_dim 128, value groups of 32, 4 query heads per KV head: two tiles of 8 columns, 64
 channels each) each row tile needs one tile of the two: N 16 -> 8 per product, and the carried
-accumulator f32 [128, 8] instead of [128, 16], 8 registers per thread fewer.
+accumulator f32 [128, 8] instead of [128, 16], 8 registers per thread instead of 16 (what ptxas
+allocates in all moves either way with its scheduling: KERNEL_NOTES v41).
 
 Every column an accumulator keeps is computed as before, from the same operands, so the outputs
 are the same numbers. Channel-order rows only: in the "word" order (value codes staged from
