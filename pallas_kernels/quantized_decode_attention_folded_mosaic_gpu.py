@@ -1378,10 +1378,11 @@ def _folded_kernel(
         stack = value_stack_smem_i.at[pl.ds(first * rows, count * rows)]
         plgpu.wgmma(acc_ref.at[channels], operand, stack.T)
 
-    if emulate and (value_operand == "registers" or value_accumulator == "carried" or own_tiles):
+    if emulate and (value_operand == "registers" or value_accumulator == "carried"):
       # Mosaic GPU's interpreter takes wgmma operands from shared memory only and has no wgmma
       # into an accumulator made from registers: the same sum, with the product of the same
-      # (emulated, staged) codes as a dot, per row tile with "own_tiles".
+      # (emulated, staged) codes as a dot, per row tile with "own_tiles". (Staged codes into a
+      # fresh accumulator run `value_products` itself, wgmma slices and all.)
       codes = codes_smem[...].astype(jnp.float32).T
       stack = value_stack_smem_i[...].astype(jnp.float32)
       if own_tiles:

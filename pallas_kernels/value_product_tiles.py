@@ -16,8 +16,10 @@ accumulator f32 [128, 8] instead of [128, 16], 8 registers per thread instead of
 allocates in all moves either way with its scheduling: KERNEL_NOTES v41).
 
 Every column an accumulator keeps is computed as before, from the same operands, so the outputs
-are the same numbers. Channel-order rows only: in the "word" order (value codes staged from
-shared memory with `operand_order="word"`) a 64-row tile holds channels of non-adjacent groups.
+are the same numbers (in interpret mode within float32 rounding: its dots of one row tile sum in
+another order; not yet run on a GPU). Channel-order rows only: in the "word" order (value codes
+staged from shared memory with `operand_order="word"`) a 64-row tile holds channels of
+non-adjacent groups.
 """
 
 VALUE_PRODUCT_COLUMNS = ("all_tiles", "own_tiles")

@@ -455,6 +455,9 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       ),
     ),
     (4, 64, 4, 32, 224, dict(block_tokens=64, num_splits=2, value_product_columns="own_tiles")),
+    # staged codes into a fresh accumulator: the interpreter runs the row tiles' wgmmas into
+    # their slices of the accumulator (register codes and the carried accumulator run as dots)
+    (2, 128, 8, 16, 224, dict(block_tokens=64, num_splits=2, value_product_columns="own_tiles")),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -576,7 +579,9 @@ def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, con
   [
     (4, dict(V36_CANDIDATE, num_splits=2)),  # one tile per row tile, register value codes
     (8, dict(V36_CANDIDATE, value_stat_loads="all_groups", num_splits=2)),  # two per row tile
-    (4, dict(block_tokens=64, num_splits=2)),  # staged channel-order codes, fresh accumulator
+    # staged channel-order codes into a fresh accumulator: the interpreter runs the wgmmas
+    (4, dict(block_tokens=64, num_splits=2)),
+    (8, dict(block_tokens=64, num_splits=2)),
   ],
 )
 def test_own_value_tiles_give_the_all_tiles_outputs(group, config):

@@ -56,8 +56,11 @@ def test_first_tile_of_a_channel_is_its_row_tiles(head_dim, group_size, slots):
     return
   tiles = row_tile_value_tiles(head_dim, group_size, slots, value_tiles)
   channel = np.arange(head_dim)
-  expected = np.array([tiles[c // 64][0] for c in channel])
+  tile = channel // (slots * group_size)
+  # by brute force: the first tile any channel of the row tile is in
+  expected = np.array([tile[c // 64 * 64 : c // 64 * 64 + 64].min() for c in channel])
   np.testing.assert_array_equal(first_tile_of_channel(channel, group_size, slots), expected)
+  assert [first for first, _ in tiles] == list(expected[::64])
   # powers of two: every row tile needs the same number of tiles
   assert (
     uneven_row_tiles_reason(
