@@ -1126,16 +1126,10 @@ def test_one_barrier_per_block_doubles_q_and_p(key_bias_source, extra):
 def test_own_value_tiles_are_refused_for_word_order_rows():
   """v34's settings stage the value codes in the word order: a 64-row tile of the value product
   then holds channels of value groups 0 and 2, which no single P' tile range serves."""
-  arrays, quantization = _zeros_segment()
   message = "value_product_columns='own_tiles' needs the value product's rows in channel order"
-  with pytest.raises(ValueError, match=message):
-    folded.folded_partials_mosaic_gpu(
-      *arrays, **quantization, sm_scale=1.0, **V34_SETTINGS, value_product_columns="own_tiles"
-    )
-  with pytest.raises(ValueError, match=message):
-    quantized_decode_attention_gpu.check_config(
-      dict(FOLDED_MOSAIC_GPU_V34, value_product_columns="own_tiles")
-    )
+  _assert_refused_by_kernel_and_dispatch(
+    dict(V34_SETTINGS, value_product_columns="own_tiles"), message
+  )
   # with register value codes the rows are channels whatever the key side's order
   quantized_decode_attention_gpu.check_config(
     dict(FOLDED_MOSAIC_GPU_V34, value_operand="registers", value_product_columns="own_tiles")
