@@ -49,7 +49,10 @@
 #                                           # and refills in the value product's shadow
 #                                           # (copy_issue_point) timed beside C + merge at 32k,
 #                                           # the fastest at the other shapes
-#   bash benchmarks/gpu_session.sh v40_profile ['<config JSON>']  # right after v40 (~4 min):
+#   bash benchmarks/gpu_session.sh v42      # not yet run (~9 min): v40's checks, its likeliest
+#                                           # configs, and five warpgroups a program
+#                                           # (warpgroups_per_program, v42) at 32k
+#   bash benchmarks/gpu_session.sh v40_profile ['<config JSON>']  # right after v40 or v42 (~4 min):
 #                                           # the 32k table, each kernel of a call and ncu of
 #                                           # the fastest (or of the config given)
 #   bash benchmarks/gpu_session.sh v35_profile  # right after v35 (~4 min): KIVI-4, each
@@ -86,6 +89,10 @@ v30="${folded}, ${v30_settings}"
 # The Hopper default's since v34 (FOLDED_MOSAIC_GPU_V34).
 v34_settings="${v30_settings}, \"copy_issuer\": \"first_warp\", \"value_accumulator\": \"carried\", \"value_stats\": \"separate\""
 v34="${folded}, ${v34_settings}"
+# v35's candidate "C" with the merge kernel (v39 on): the kernel's bias and bounds, register value
+# codes, each lane's own value statistics, the splits merged by one Triton kernel.
+c_merge="${v34}, \"row_max\": \"bound\", \"key_bias_source\": \"kernel\", \
+\"value_operand\": \"registers\", \"value_stat_loads\": \"own_slot\", \"split_merge\": \"triton\""
 # Folded Triton with padded query rows, with stack copies, and with copies but no prefetch.
 stack_copies_configs='[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]'
 
@@ -126,6 +133,14 @@ call_kernels() {  # call_kernels CONFIG...: each kernel of two jitted calls time
 device_and_native_tests() {  # device_and_native_tests LOG: the GPU to LOG, native test summary
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$1"
   native_folded_tests "$out/native_tests.log" | tail -3
+}
+native_tests_and_generate_check() {  # LOG CONFIG: the native tests (120 s), then the generate
+  # check (100 s) with CONFIG in its KIVI runs
+  local status=0
+  NATIVE_TESTS_SECONDS=120 device_and_native_tests "$1" || status=1
+  timeout --signal=INT 100 "$python" benchmarks/generate_kernels_check.py \
+    --kivi-settings "$2" 2>&1 | tee "$out/generate_kernels_check.log" | tail -12 || status=1
+  return "$status"
 }
 sweep_at_32k() {  # sweep_at_32k LOG CONFIGS_JSON [SECONDS]: the configs timed at 32k (JSON to $out)
   timeout --signal=INT "${3:-210}" "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
@@ -566,12 +581,8 @@ ${v34}, ${kernel_bias}, ${values}, ${own}, ${token_spread}}]" 370 || status=1
     set +e
     status=0
     log="$out/v39.log"
-    winner="${v34}, \"row_max\": \"bound\", \"key_bias_source\": \"kernel\", \
-\"value_operand\": \"registers\", \"value_stat_loads\": \"own_slot\", \"split_merge\": \"triton\""
-    NATIVE_TESTS_SECONDS=120 device_and_native_tests "$log" || status=1
-    timeout --signal=INT 100 "$python" benchmarks/generate_kernels_check.py \
-      --kivi-settings "${winner}}" 2>&1 | tee "$out/generate_kernels_check.log" | tail -12 ||
-      status=1
+    winner="${c_merge}"
+    native_tests_and_generate_check "$log" "${winner}}" || status=1
     sweep_shapes "$log" "${v34}}" "${winner}}" || status=1
     exit "$status"
     ;;
@@ -601,8 +612,7 @@ ${v34}, ${kernel_bias}, ${values}, ${own}, ${token_spread}}]" 370 || status=1
     set +e
     status=0
     log="$out/$1.log"
-    winner="${v34}, \"row_max\": \"bound\", \"key_bias_source\": \"kernel\", \
-\"value_operand\": \"registers\", \"value_stat_loads\": \"own_slot\", \"split_merge\": \"triton\""
+    winner="${c_merge}"
     ahead="\"key_stack_timing\": \"block_ahead\""
     refill="\"copy_issue_point\": \"value_product\""
     own_tiles="\"value_product_columns\": \"own_tiles\""
@@ -611,10 +621,7 @@ ${v34}, ${kernel_bias}, ${values}, ${own}, ${token_spread}}]" 370 || status=1
 print(json.dumps(min(r, key=lambda t: t['seconds'])['config']))" "$out/sweep_32k.json"
     }
     if [ "$1" = v40 ]; then
-      NATIVE_TESTS_SECONDS=120 device_and_native_tests "$log" || status=1
-      timeout --signal=INT 100 "$python" benchmarks/generate_kernels_check.py \
-        --kivi-settings "${winner}}" 2>&1 | tee "$out/generate_kernels_check.log" | tail -12 ||
-        status=1
+      native_tests_and_generate_check "$log" "${winner}}" || status=1
       sweep_at_32k "$log" "[${v34}}, ${winner}}, ${winner}, ${ahead}}, ${winner}, ${refill}}, \
 ${winner}, ${ahead}, ${refill}}, ${winner}, ${ahead}, ${refill}, \"approx_math\": true}, \
 ${winner}, ${ahead}, ${refill}, \"num_splits\": 16}, \
@@ -644,8 +651,39 @@ c['value_stat_loads'] = 'all_groups'; print(json.dumps(c))" "$best")" &&
     ncu_folded_mosaic "$best" >> "$log" || status=1
     exit "$status"
     ;;
+  v42)
+    # v42 (no GPU lent when written): v40's checks and its most promising configs, and five
+    # warpgroups a program (`warpgroups_per_program`: launched 640 threads wide, ptxas fits the
+    # kernel into 96 registers, five warps per scheduler instead of four; sm_90a static count of
+    # C + both of v40's settings + own value tiles at two stages: 96 registers, 0 spills, 399
+    # instructions per 64 tokens against 391 at 103 registers, 220 KB a program of five). Each
+    # warpgroup runs its own copy of the code: a five-warpgroup kernel compiles ~5x longer
+    # (~90 s on 2 CPU cores for the static count), hence the sweep's 300 s. ~9 min: native
+    # tests 120 s, the generate check 100 s, the sweep 300 s. Then v40_profile on the warm
+    # machine with the fastest (it reads what this call leaves, as after v40).
+    set +e
+    status=0
+    log="$out/v42.log"
+    winner="${c_merge}"
+    both="\"key_stack_timing\": \"block_ahead\", \"copy_issue_point\": \"value_product\""
+    own_tiles="\"value_product_columns\": \"own_tiles\""
+    five="${winner}, ${both}, ${own_tiles}, \"num_stages\": 2, \"warpgroups_per_program\": 5"
+    native_tests_and_generate_check "$log" "${winner}}" || status=1
+    # 5 warpgroups a program: one program per SM; the planner's 33 splits per (row, KV head)
+    # make 7 programs of 5 each, 448 in all (3.4 waves of 132), 20 splits make 256 (1.9). Not
+    # fewer than 16: a split of more than 64 key groups takes a second 2 KB bias chunk per
+    # warpgroup, over the 227 KB (the kernel refuses it)
+    sweep_at_32k "$log" "[${v34}}, ${winner}}, ${winner}, ${both}}, ${winner}, ${both}, \
+${own_tiles}}, ${winner}, ${both}, ${own_tiles}, \"num_stages\": 2}, ${five}}, \
+${five}, \"num_splits\": 20}]" 300 || status=1
+    best="$("$python" -c "import json, sys; r = json.load(open(sys.argv[1]))['sweep_kivi2']; \
+print(json.dumps(min(r, key=lambda t: t['seconds'])['config']))" "$out/sweep_32k.json")" &&
+      echo "fastest at 32k: $best" | tee -a "$log" && echo "$best" > /tmp/kvjax_v40_fastest.json ||
+      status=1
+    exit "$status"
+    ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | v42 | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

@@ -12,6 +12,11 @@ the most registers live across any one instruction of the kernel (`nvdisasm -lrm
 the `triton` package): ptxas allocates that many or a few more, so it says how far a kernel is
 from an allocation that fits more programs per SM (96 registers for five at 128 threads).
 
+With `warpgroups_per_program` K in a config (the folded kernel's, KERNEL_NOTES v42) the loop
+counted is one warpgroup's (each runs a copy of the code of its own), "shared KB" is the whole
+program's, and "warpgroups/SM" counts the SM's warpgroups: programs of K x 128 threads times K
+(at K = 1 the programs per SM).
+
 What it is good for: comparing Mosaic kernels and their settings between GPU sessions. Against
 Nsight Compute on an H100 (KERNEL_NOTES v13), the dequantizing kernel's loop counts 2771
 instructions here and 2685 executed there, and the same 254-255 registers.
@@ -109,19 +114,20 @@ REGISTER_GRANULE = 8  # registers per thread are allocated in steps of 8 (256 pe
 SHARED_BYTES_PER_SM = 233472
 SHARED_BYTES_RESERVED_PER_PROGRAM = 1024  # the driver's, beside the kernel's own
 WARPS_PER_SM = 64
-THREADS_PER_PROGRAM = 128  # one warpgroup
+THREADS_PER_WARPGROUP = 128
 
 BENCHMARK_SHAPE = dict(batch=8, kv_heads=8, group=4, head_dim=128, tokens=32768, group_size=32)
 
 
-def programs_per_sm(registers: int, shared_bytes: int) -> int:
-  """Programs of one warpgroup an SM can hold at once: the fewest its registers, its shared
-  memory and its warp slots allow."""
+def programs_per_sm(registers: int, shared_bytes: int, warpgroups: int = 1) -> int:
+  """Programs of `warpgroups` warpgroups an SM can hold at once: the fewest its registers, its
+  shared memory and its warp slots allow."""
   granted = -(-registers // REGISTER_GRANULE) * REGISTER_GRANULE
+  threads = THREADS_PER_WARPGROUP * warpgroups
   return min(
-    REGISTERS_PER_SM // (granted * THREADS_PER_PROGRAM),
+    REGISTERS_PER_SM // (granted * threads),
     SHARED_BYTES_PER_SM // (shared_bytes + SHARED_BYTES_RESERVED_PER_PROGRAM),
-    WARPS_PER_SM // (THREADS_PER_PROGRAM // 32),
+    WARPS_PER_SM // (threads // 32),
   )
 
 
@@ -260,12 +266,15 @@ def main():
   device = compile_only_device()
   shape = BENCHMARK_SHAPE
   programs_tokens = shape["batch"] * shape["kv_heads"] * shape["tokens"]
-  # (label, file name, (function, arguments), tokens per iteration, branch arms): with arms
-  # (0, 1), a row per path through the loop body's branch (`triton_static_cost.branch_paths`).
+  # (label, file name, (function, arguments), tokens per iteration, branch arms, warpgroups per
+  # program): with arms (0, 1), a row per path through the loop body's branch
+  # (`triton_static_cost.branch_paths`).
   cases = []
   if args.bf16:
     settings = {"block_tokens": 64, "num_stages": 2}  # the kernel's defaults
-    cases.append(("bf16", "bf16", full_precision_call(settings), settings["block_tokens"], (None,)))
+    cases.append(
+      ("bf16", "bf16", full_precision_call(settings), settings["block_tokens"], (None,), 1)
+    )
   for variant in args.variants:
     for bits in args.bits:
       for settings in json.loads(args.configs):
@@ -278,10 +287,11 @@ def main():
         arms = (0, 1) if settings.get("row_max") == "bound" else (None,)
         # a loop iteration computes one ring slot: blocks_per_copy blocks (the folded kernel's)
         tokens = settings["block_tokens"] * settings.get("blocks_per_copy", 1)
-        cases.append((label, f"{variant}{bits}", call, tokens, arms))
+        warpgroups = settings.get("warpgroups_per_program", 1)
+        cases.append((label, f"{variant}{bits}", call, tokens, arms, warpgroups))
   rows = []
   with tempfile.TemporaryDirectory() as workdir:
-    for label, file_name, call, tokens_per_iteration, arms in cases:
+    for label, file_name, call, tokens_per_iteration, arms, warpgroups in cases:
       ptx, resources = ptx_of(*call, device)
       if args.min_programs_per_sm:
         ptx = with_min_programs_per_sm(ptx, args.min_programs_per_sm)
@@ -299,7 +309,7 @@ def main():
           usage,
           "",
           tokens_per_iteration=tokens_per_iteration,
-          warps=THREADS_PER_PROGRAM // 32,
+          warps=THREADS_PER_WARPGROUP // 32,  # each warpgroup's own code (`_warpgroup_program`)
           branch_arm=arm,
         )
         if arm is not None:
@@ -316,11 +326,12 @@ def main():
         # the whole kernel's (prologue and epilogue included), not the arm's
         cost.live_registers, cost.live_peak_at = live_registers, live_peak_at
         floors = cost.floors_us(programs_tokens=programs_tokens)
-        floors["programs_per_sm"] = programs_per_sm(cost.registers, cost.shared_bytes)
+        floors["programs_per_sm"] = programs_per_sm(cost.registers, cost.shared_bytes, warpgroups)
+        floors["warpgroups_per_sm"] = floors["programs_per_sm"] * warpgroups
         rows.append((cost, floors))
 
   print(
-    "| kernel | regs | live regs | shared KB | programs/SM | instr/iter/warp | first warp only "
+    "| kernel | regs | live regs | shared KB | warpgroups/SM | instr/iter/warp | first warp only "
     "| slowest warp | tokens/iter | thread instr/elem | barriers/iter | wgmma shadows "
     "| issue floor us |"
   )
@@ -328,7 +339,7 @@ def main():
   for cost, floors in rows:
     print(
       f"| {cost.name} | {cost.registers} | {cost.live_registers} | {cost.shared_bytes / 1024:.0f} "
-      f"| {floors['programs_per_sm']} | {cost.instructions} | {cost.first_warp_only} "
+      f"| {floors['warpgroups_per_sm']} | {cost.instructions} | {cost.first_warp_only} "
       f"| {max(cost.warp_instructions) if cost.warp_instructions else '?'} "
       f"| {cost.tokens_per_iteration} | {cost.per_element(shape['head_dim']):.1f} "
       f"| {cost.barriers} | {' / '.join(map(str, cost.wgmma_shadows))} "

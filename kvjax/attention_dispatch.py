@@ -219,7 +219,9 @@ def quantized_decode_attention(
   (default) | "block_ahead" (with "row_max": "bound" and both code operands from registers),
   "copy_issue_point": "slot_start" (default) | "value_product", "value_product_columns":
   "all_tiles" (default) | "own_tiles" (with the value product's rows in channel order),
-  "split_merge": "xla" (default) | "triton"; KIVI segments, others run the Triton kernel with a
+  "warpgroups_per_program": 1 (default) to 8 (each warpgroup its own split; launched that wide,
+  ptxas fits 65536 / (128 x it) registers per thread), "split_merge": "xla" (default) |
+  "triton"; KIVI segments, others run the Triton kernel with a
   warning; see `pallas_kernels.quantized_decode_attention_gpu`).
   """
   family, interpret = choose_kernel_family(implementation, kernel_backend)

@@ -137,13 +137,16 @@ def initial_softmax_state(rows: int, head_dim: int):
   return acc, running_max, running_sum
 
 
-def softmax_step_numerators(scores, valid, running_max):
+def softmax_step_numerators(scores, valid, running_max, max_over_tokens=None):
   """One block of the online softmax over base-2 scores^T [block, rows] (`base_two_softmax`),
   masked where not `valid`, without the sum over tokens: (new_max, correction, probs) [rows],
-  [rows], [block, rows]. The caller rescales what it carries by `correction`."""
+  [rows], [block, rows]. The caller rescales what it carries by `correction`.
+  `max_over_tokens`: the max over axis 0 (default jnp's; a kernel of several warpgroups a program
+  passes `warpgroup_reductions.reduce_rows`)."""
   scores = jnp.where(valid, scores, -jnp.inf)
   # A split's first block holds a valid token, so the max is finite from then on.
-  new_max = jnp.maximum(running_max, scores.max(axis=0))
+  block_max = scores.max(axis=0) if max_over_tokens is None else max_over_tokens(scores)
+  new_max = jnp.maximum(running_max, block_max)
   correction = jnp.exp2(running_max - new_max)
   probs = jnp.exp2(scores - lax.broadcast_in_dim(new_max, scores.shape, [1]))
   return new_max, correction, probs

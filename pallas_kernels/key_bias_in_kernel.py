@@ -27,6 +27,7 @@ cache's end, which TMA fills with zeros): a product row is one key group's, so o
 valid token picks get a NaN or meaningless bias.
 """
 
+import functools
 import math
 
 import jax
@@ -156,6 +157,7 @@ def split_key_statistics(
   groups_used,  # key groups holding a token of the split below the row's length (traced)
   split_groups: int,
   bits: int,
+  max_over_groups=None,
 ) -> None:
   """Fills `split_bias_smem` with q . k_min for the split's key groups, chunk by chunk: a copy,
   one product on the tensor core, the halves added, a store.
@@ -170,7 +172,11 @@ def split_key_statistics(
   bits: they decide how far p may sit from 1, not the softmax.
 
   Every chunk runs (the bounds need each chunk's max; a chunk past the row's length only reads).
-  Ends with `commit_smem`: the stores visible to every warp and the tile free for the loop."""
+  Ends with `commit_smem`: the stores visible to every warp and the tile free for the loop.
+  `max_over_groups`: the max over axis 0 of a wgmma-layout array (default jnp's, through Pallas's
+  program-wide scratch; `warpgroup_reductions.reduce_rows` with several warpgroups a program)."""
+  if max_over_groups is None:
+    max_over_groups = functools.partial(jnp.max, axis=0)
   chunk_groups = tile_smem.shape[0]
   rows = split_bias_smem.shape[1]
   bounds = references_smem is not None
@@ -219,8 +225,9 @@ def split_key_statistics(
       jnp.int32, (chunk_groups, rows), 0, layout=plgpu.Layout.WGMMA
     )
     valid = group < groups_used
-    upper = jnp.where(valid, levels * with_positive + bias, -jnp.inf).max(axis=0)
-    lower = jnp.where(valid, levels * (with_scale - with_positive) + bias, -jnp.inf).max(axis=0)
+    negative = levels * (with_scale - with_positive)
+    upper = max_over_groups(jnp.where(valid, levels * with_positive + bias, -jnp.inf))
+    lower = max_over_groups(jnp.where(valid, negative + bias, -jnp.inf))
     top = upper if top is None else jnp.maximum(top, upper)
     floor = lower if floor is None else jnp.maximum(floor, lower)
   if bounds:

@@ -171,7 +171,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _compat, key_bias_in_kernel
+from pallas_kernels import _compat, key_bias_in_kernel, warpgroup_reductions
 from pallas_kernels import quantized_decode_attention_mosaic_gpu as dequantizing
 from pallas_kernels.base_two_softmax import base_two_queries
 from pallas_kernels.decode_attention_mosaic_gpu import (
@@ -385,6 +385,16 @@ DEFAULT_KEY_STACK_TIMING = "own_block"
 # that block's last barrier), and the loop starts with every slot's copies issued.
 COPY_ISSUE_POINTS = ("slot_start", "value_product")
 DEFAULT_COPY_ISSUE_POINT = "slot_start"
+# Warpgroups per program (v42), each on a split of its own with buffers and barriers of its own.
+# The point is the launch: a program of K warpgroups has K x 128 threads, and ptxas fits a
+# kernel launched that wide into 65536 / (K x 128) registers per thread (granted in units of
+# 8): at K = 5, 96, the most with which an SM holds 20 warps, five per scheduler, where one
+# warpgroup per program compiles to 103 registers and four programs (KERNEL_NOTES v41, v42).
+# Mosaic GPU sets nothing else that bounds the registers (`.minnctapersm 1`). Each warpgroup
+# runs its own copy of the code (`_warpgroup_program`); their reductions over rows use scratch
+# of their own (`warpgroup_reductions`).
+WARPGROUPS_PER_PROGRAM = tuple(range(1, 9))  # up to 1024 threads
+DEFAULT_WARPGROUPS_PER_PROGRAM = 1
 # The kernel's own settings (`check_folded_settings`), beside the launch settings it shares.
 KERNEL_SETTINGS = (
   "key_operand",
@@ -404,6 +414,7 @@ KERNEL_SETTINGS = (
   "key_stack_timing",
   "copy_issue_point",
   "value_product_columns",
+  "warpgroups_per_program",
 )
 # What the entry points take besides: who merges the splits' partials after the kernel
 # (`split_merge_triton`), XLA's fusions ("xla": four kernels of the decode loop) or one Triton
@@ -585,6 +596,7 @@ def shared_memory_bytes(
   blocks_per_copy=DEFAULT_BLOCKS_PER_COPY,
   partial_slots=DEFAULT_PARTIAL_SLOTS,
   key_stack_timing=DEFAULT_KEY_STACK_TIMING,
+  warpgroups_per_program=DEFAULT_WARPGROUPS_PER_PROGRAM,
 ):
   """Bytes of shared memory one program allocates, each buffer rounded up to the 1024-byte
   alignment Pallas gives it (an upper bound: 72704 for the shapes of record, which compile to
@@ -595,7 +607,9 @@ def shared_memory_bytes(
   hold `blocks_per_copy` blocks each. The queries' buffer is the larger of the queries (f32
   [D, rows], or bf16 [rows, D] with the kernel's bias) and the output (f32 [D, rows], or
   [real_rows, D] with partial_slots="own"), which share it. With key_stack_timing="block_ahead"
-  Q' and P' take two buffers each."""
+  Q' and P' take two buffers each. With `warpgroups_per_program` K above 1 all of it K times
+  over, each warpgroup's reduction scratch its own (`warpgroup_reductions`) instead of the
+  program's one."""
   rows = tile_rows(group)
   key_rows, value_rows = stacks(block_tokens, head_dim, group_size, group)
   slot_tokens = block_tokens * blocks_per_copy
@@ -631,12 +645,12 @@ def shared_memory_bytes(
     buffers += list(stack_bytes)
   else:
     buffers.append(max(stack_bytes))
-  buffers += [
-    rows * 4,  # lse
-    8 * barriers,
-    REDUCTION_SCRATCH_BYTES,
-  ]
-  return sum(map(_aligned, buffers))
+  buffers += [rows * 4]  # lse
+  buffers.append(8 * barriers)
+  if warpgroups_per_program == 1:
+    return sum(map(_aligned, [*buffers, REDUCTION_SCRATCH_BYTES]))
+  own = sum(map(_aligned, [*buffers, 4 * warpgroup_reductions.SCRATCH_WORDS]))
+  return warpgroups_per_program * own
 
 
 def stack_buffer_count(key_stack_timing: str) -> int:
@@ -691,6 +705,7 @@ def check_folded_settings(
   key_stack_timing=DEFAULT_KEY_STACK_TIMING,
   copy_issue_point=DEFAULT_COPY_ISSUE_POINT,
   value_product_columns=DEFAULT_VALUE_PRODUCT_COLUMNS,
+  warpgroups_per_program=DEFAULT_WARPGROUPS_PER_PROGRAM,
   split_merge=DEFAULT_SPLIT_MERGE,
 ) -> None:
   """ValueError naming the first of this kernel's own settings outside its allowed values, or a
@@ -730,6 +745,7 @@ def check_folded_settings(
     )
   check_value_product_columns(value_product_columns)
   check_value_order(value_product_columns, value_output_order(operand_order, value_operand))
+  check_warpgroups_per_program(warpgroups_per_program)
   if key_bias_source == "kernel" and key_products != DEFAULT_KEY_PRODUCT:
     raise ValueError(
       f"key_products={key_products!r} sets how XLA computes the key products; with "
@@ -755,6 +771,20 @@ def check_key_stack_timing(key_stack_timing, row_max, key_operand, value_operand
         f"key_stack_timing='block_ahead' needs {name}={value!r} (got {given[name]!r}): its one "
         f"barrier per block relies on Q' and P' in buffers of their own and no staged code tile"
       )
+
+
+def check_warpgroups_per_program(warpgroups_per_program) -> None:
+  """ValueError unless `warpgroups_per_program` is one of WARPGROUPS_PER_PROGRAM (an int, not a
+  bool)."""
+  if (
+    isinstance(warpgroups_per_program, bool)
+    or not isinstance(warpgroups_per_program, (int, np.integer))
+    or warpgroups_per_program not in WARPGROUPS_PER_PROGRAM
+  ):
+    raise ValueError(
+      f"warpgroups_per_program={warpgroups_per_program!r} is not supported; allowed: "
+      f"{WARPGROUPS_PER_PROGRAM}"
+    )
 
 
 def check_blocks_per_copy(blocks_per_copy) -> None:
@@ -803,6 +833,7 @@ def check_config(
   if reason is not None:
     raise ValueError(reason)
   blocks_per_copy = folded_settings.get("blocks_per_copy", DEFAULT_BLOCKS_PER_COPY)
+  warpgroups = folded_settings.get("warpgroups_per_program", DEFAULT_WARPGROUPS_PER_PROGRAM)
   needed = shared_memory_bytes(
     group,
     head_dim,
@@ -822,12 +853,20 @@ def check_config(
     blocks_per_copy,
     folded_settings.get("partial_slots", DEFAULT_PARTIAL_SLOTS),
     folded_settings.get("key_stack_timing", DEFAULT_KEY_STACK_TIMING),
+    warpgroups,
   )
   if needed > SHARED_MEMORY_BYTES:
+    shorter_splits = ""
+    if folded_settings.get("key_bias_source", DEFAULT_KEY_BIAS_SOURCE) == "kernel":
+      shorter_splits = (
+        f", or raise num_splits (key_bias_source='kernel' holds the bias of a split's "
+        f"{split_groups} key groups)"
+      )
     raise ValueError(
-      f"block_tokens={block_tokens} with num_stages={num_stages} and "
-      f"blocks_per_copy={blocks_per_copy} needs {needed} bytes of shared memory; at most "
-      f"{SHARED_MEMORY_BYTES} fit: lower one of them"
+      f"block_tokens={block_tokens} with num_stages={num_stages}, "
+      f"blocks_per_copy={blocks_per_copy} and warpgroups_per_program={warpgroups} needs "
+      f"{needed} bytes of shared memory; at most {SHARED_MEMORY_BYTES} fit: lower one of "
+      f"them{shorter_splits}"
     )
 
 
@@ -932,6 +971,10 @@ def _folded_kernel(
   v_stats_smem=None,  # uint32 [stages, VG, block] ("pairs")
   v_scale_smem=None,  # bf16 [stages, VG, block] ("separate")
   v_min_smem=None,
+  # With several warpgroups per program (`_warpgroup_program`): this warpgroup's split and its
+  # own reduction scratch, f32 [256] (`warpgroup_reductions`).
+  split=None,
+  reduction_smem=None,
   plan,
   tokens: int,
   num_stages: int,
@@ -955,7 +998,16 @@ def _folded_kernel(
   copy_issue_point: str,
   value_product_columns: str,
 ):
-  row, head, split = lax.axis_index("row"), lax.axis_index("head"), lax.axis_index("split")
+  row, head = lax.axis_index("row"), lax.axis_index("head")
+  if split is None:
+    split = lax.axis_index("split")
+  if reduction_smem is None:
+    reduce_rows = warpgroup_reductions.shared_reduce_rows
+  else:
+    reduce_rows = functools.partial(
+      warpgroup_reductions.reduce_rows, scratch_ref=reduction_smem, emulate=emulate
+    )
+  max_over_rows = functools.partial(reduce_rows, op="max")
   *value_stats_gmem, out_gmem, lse_gmem = value_stats_and_outputs
   # The queries' buffer, then the output's (`scratch_types`): one buffer, or a union of the two
   output_smem = queries_smem
@@ -1079,6 +1131,7 @@ def _folded_kernel(
       groups_used=(end - start + group_size - 1) // group_size,
       split_groups=split_key_groups(plan.split_tokens, group_size),
       bits=bits,
+      max_over_groups=max_over_rows,
     )
   # Rounded to bf16 once, as the folded Triton kernel takes them: each Q' element is then one
   # packed bf16 product (HMUL2, the exact product rounded once), not an f32 product and a
@@ -1255,7 +1308,9 @@ def _folded_kernel(
     token = plgpu.broadcasted_iota(jnp.int32, (block, rows), 0, layout=plgpu.Layout.WGMMA)
 
     if reference is None:
-      new_max, correction, probs = softmax_step_numerators(scores, token + first < end, running_max)
+      new_max, correction, probs = softmax_step_numerators(
+        scores, token + first < end, running_max, max_over_tokens=max_over_rows
+      )
     else:
       new_max, correction = running_max, None
       probs = jnp.exp2(
@@ -1488,8 +1543,8 @@ def _folded_kernel(
     wgmma_layout(jnp.zeros((block, value_tiles * rows), jnp.float32)),
   )
   acc, running_max, sum_partials, value_bias_partials = lax.fori_loop(0, num_copies, step, init)
-  running_sum = sum_partials.sum(axis=0)
-  value_bias = value_bias_partials.sum(axis=0)
+  running_sum = reduce_rows(sum_partials, "add")
+  value_bias = reduce_rows(value_bias_partials, "add")
 
   channel = plgpu.broadcasted_iota(jnp.int32, (head_dim, rows), 0, layout=plgpu.Layout.WGMMA)
   if value_order == "word":  # the accumulator's rows are operand positions
@@ -1526,6 +1581,29 @@ def _folded_kernel(
     write_own_slot_partials(normalised, lse, first_column, output_smem, lse_smem, *partials_gmem)
   else:
     write_partials(state, output_smem, lse_smem, *partials_gmem)
+
+
+def _warpgroup_program(*refs, folded_kernel, warpgroups: int, plan, warpgroups_scratch, **settings):
+  """A program of `warpgroups` warpgroups (`WARPGROUPS_PER_PROGRAM`): warpgroup w runs
+  `folded_kernel` on split `program split x warpgroups + w` with the w-th of
+  `warpgroups_scratch` (buffers, barriers and reduction scratch of its own). Where the splits do
+  not fill the last program, its spare warpgroups do nothing.
+
+  Each warpgroup runs a copy of the kernel's code of its own, in which its buffers' addresses
+  are constants, as with one warpgroup a program. Indexing buffers of [warpgroups, ...] by the
+  warpgroup's index instead (one copy of the code) cost 490 instructions per 64 tokens against
+  399, 14 of them spill loads, at 96 registers (sm_90a static count, KERNEL_NOTES v42)."""
+  program_split = lax.axis_index("split")
+  warpgroup = lax.axis_index("warpgroup")
+  for w in range(warpgroups):
+    split = program_split * warpgroups + w
+    run = functools.partial(
+      folded_kernel, *refs, plan=plan, split=split, **settings, **warpgroups_scratch[w]
+    )
+    mine = warpgroup == w
+    if plan.num_splits % warpgroups:
+      mine = mine & (split < plan.num_splits)
+    pl.when(mine)(run)
 
 
 @functools.partial(
@@ -1574,6 +1652,7 @@ def _jitted_kernel_outputs(
   key_stack_timing,
   copy_issue_point,
   value_product_columns,
+  warpgroups_per_program,
   interpret,
 ):
   batch, kv_heads, group, head_dim = queries.shape
@@ -1604,6 +1683,7 @@ def _jitted_kernel_outputs(
   )
   operand = functools.partial(swizzled_operand_transforms, dtype=jnp.bfloat16)
   code_tile = needs_code_tile(key_operand, value_operand, interpret)
+  warpgroups = warpgroups_per_program
   # The queries are read into registers before the loop, the output written after it: one
   # buffer, or a union of the two where they differ (bf16 queries with the kernel's bias,
   # `queries_with_halves`; each channel's own slot, head dim last, `own_slot_partials`).
@@ -1639,9 +1719,66 @@ def _jitted_kernel_outputs(
       split_bias_smem=plgpu.SMEM((chunks * block_tokens, rows), jnp.float32)
     )
     chunk_barriers = (plgpu.Barrier(num_barriers=chunks * copies_per_chunk(row_max == "bound")),)
+  # Buffers whose lifetimes do not overlap share memory, which brings a program of the shapes
+  # of record to 70 KB, so that an SM holds three (`shared_memory_bytes`):
+  # - the queries are read into registers before the loop, the output written after it;
+  # - Q' is read by the key product, P' written after every warp has read the scores (the
+  #   row max's cross-warp reduction is a barrier) and read by the value product, the next Q'
+  #   written after the next block's first `commit_smem`: the code tile's cycle. With
+  #   row_max="bound" no barrier follows the key product in the fixed reference's branch, so
+  #   Q' and P' take a buffer each (+2 KB at the v30 default's shapes: still four per SM).
+  scratch = dict(
+    lengths_smem=plgpu.SMEM(lengths.shape, jnp.int32),
+    queries_smem=queries_buffer,
+    **{
+      name: plgpu.SMEM((num_stages, *shape), dtype) for name, (shape, dtype) in ring_slots.items()
+    },
+    **(
+      dict(
+        codes_smem=plgpu.SMEM((block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim))
+      )
+      if code_tile
+      else {}
+    ),
+    **kernel_bias_scratch,
+    stacks_smem=(
+      plgpu.RefUnion(*stack_buffers)
+      if row_max == "exchange" or key_bias_source == "kernel"
+      else stack_buffers
+    ),
+    lse_smem=plgpu.SMEM((rows,), jnp.float32),
+    barriers=(
+      plgpu.Barrier(),
+      # the queries; with row_max="bound" the split's softmax references, with
+      # key_bias_source="kernel" the query halves (the queries' array copied in two)
+      plgpu.Barrier(
+        num_arrivals=1
+        + (row_max == "bound" and key_bias_source == "xla")
+        + (key_bias_source == "kernel")
+      ),
+      (
+        plgpu.Barrier(num_arrivals=len(ring_slots), num_barriers=num_stages)
+        if copy_issuer in ("first_warp", "spread")
+        else tuple(plgpu.Barrier(num_barriers=num_stages) for _ in ring_slots)
+      ),
+      *chunk_barriers,
+    ),
+  )
+  folded_kernel, scratch_types, warpgroup_options = _folded_kernel, scratch, {}
+  if warpgroups > 1:
+    # Each warpgroup its own buffers and barriers, and its own reduction scratch
+    # (`_warpgroup_program`, `warpgroup_reductions`).
+    own = dict(
+      scratch, reduction_smem=plgpu.SMEM((warpgroup_reductions.SCRATCH_WORDS,), jnp.float32)
+    )
+    scratch_types = dict(warpgroups_scratch=(own,) * warpgroups)
+    folded_kernel = functools.partial(
+      _warpgroup_program, folded_kernel=_folded_kernel, warpgroups=warpgroups, plan=plan
+    )
+    warpgroup_options = dict(num_threads=warpgroups, thread_name="warpgroup")
   kernel = plgpu.kernel(
     functools.partial(
-      _folded_kernel,
+      folded_kernel,
       plan=plan,
       tokens=tokens,
       num_stages=num_stages,
@@ -1669,55 +1806,10 @@ def _jitted_kernel_outputs(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, *partial_shape), jnp.float32),
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows), jnp.float32),
     ),
-    grid=(batch, kv_heads, plan.num_splits),
+    grid=(batch, kv_heads, cdiv(plan.num_splits, warpgroups)),
     grid_names=("row", "head", "split"),
-    # Buffers whose lifetimes do not overlap share memory, which brings a program of the shapes
-    # of record to 70 KB, so that an SM holds three (`shared_memory_bytes`):
-    # - the queries are read into registers before the loop, the output written after it;
-    # - Q' is read by the key product, P' written after every warp has read the scores (the
-    #   row max's cross-warp reduction is a barrier) and read by the value product, the next Q'
-    #   written after the next block's first `commit_smem`: the code tile's cycle. With
-    #   row_max="bound" no barrier follows the key product in the fixed reference's branch, so
-    #   Q' and P' take a buffer each (+2 KB at the v30 default's shapes: still four per SM).
-    scratch_types=dict(
-      lengths_smem=plgpu.SMEM(lengths.shape, jnp.int32),
-      queries_smem=queries_buffer,
-      **{
-        name: plgpu.SMEM((num_stages, *shape), dtype) for name, (shape, dtype) in ring_slots.items()
-      },
-      **(
-        dict(
-          codes_smem=plgpu.SMEM(
-            (block_tokens, head_dim), jnp.bfloat16, transforms=operand(head_dim)
-          )
-        )
-        if code_tile
-        else {}
-      ),
-      **kernel_bias_scratch,
-      stacks_smem=(
-        plgpu.RefUnion(*stack_buffers)
-        if row_max == "exchange" or key_bias_source == "kernel"
-        else stack_buffers
-      ),
-      lse_smem=plgpu.SMEM((rows,), jnp.float32),
-      barriers=(
-        plgpu.Barrier(),
-        # the queries; with row_max="bound" the split's softmax references, with
-        # key_bias_source="kernel" the query halves (the queries' array copied in two)
-        plgpu.Barrier(
-          num_arrivals=1
-          + (row_max == "bound" and key_bias_source == "xla")
-          + (key_bias_source == "kernel")
-        ),
-        (
-          plgpu.Barrier(num_arrivals=len(ring_slots), num_barriers=num_stages)
-          if copy_issuer in ("first_warp", "spread")
-          else tuple(plgpu.Barrier(num_barriers=num_stages) for _ in ring_slots)
-        ),
-        *chunk_barriers,
-      ),
-    ),
+    **warpgroup_options,
+    scratch_types=scratch_types,
     # The stores need none of the barriers Pallas would put around each of them: every tile a
     # thread writes (the staged codes, Q', P') is read only by the tensor core after
     # `commit_smem` (a fence and a barrier), and is next written only after a later barrier (a
@@ -1727,7 +1819,9 @@ def _jitted_kernel_outputs(
     # `benchmarks/mosaic_static_cost.py`; KERNEL_NOTES v15, v19).
     compiler_params=_compat.mosaic_gpu_compiler_params(
       unsafe_no_auto_barriers=True,
-      reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES,
+      # None with several warpgroups, so that a reduction left on this program-wide buffer
+      # fails to lower instead of racing (`warpgroup_reductions`).
+      reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES if warpgroups == 1 else 0,
       # exp2 and the reciprocal as single approximate instructions (ex2.approx, rcp.approx:
       # ~2^-22 relative error, far below the bf16 operands'): 535 -> 513 instructions per
       # 64-token block in the word order (static count), yet timed no faster (v30): off unless
@@ -1859,6 +1953,7 @@ def folded_kernel_outputs(
   key_stack_timing: str = DEFAULT_KEY_STACK_TIMING,
   copy_issue_point: str = DEFAULT_COPY_ISSUE_POINT,
   value_product_columns: str = DEFAULT_VALUE_PRODUCT_COLUMNS,
+  warpgroups_per_program: int = DEFAULT_WARPGROUPS_PER_PROGRAM,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B,H,S,D,rows] (D in operand positions, every value
@@ -1905,6 +2000,7 @@ def folded_kernel_outputs(
     key_stack_timing=key_stack_timing,
     copy_issue_point=copy_issue_point,
     value_product_columns=value_product_columns,
+    warpgroups_per_program=warpgroups_per_program,
   )
   plan = folded_split_plan(
     queries,

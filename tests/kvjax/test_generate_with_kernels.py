@@ -172,7 +172,8 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       # v36's candidate with the next block's Q' staged before each block's one barrier and
       # each ring slot refilled in the value product's shadow (KERNEL_NOTES v40), and each
       # row tile's value product against its own P' tiles (v41: at this head_dim of 64 the one
-      # row tile reads every tile, so it passes the setting through), through the decode loop.
+      # row tile reads every tile, so it passes the setting through), through the decode loop;
+      # as two warpgroups a program, each its own split (v42).
       "kivi:bits=4,group_size=16,residual=16",
       KernelSettings(
         quantized={
@@ -182,6 +183,7 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
           "key_stack_timing": "block_ahead",
           "copy_issue_point": "value_product",
           "value_product_columns": "own_tiles",
+          "warpgroups_per_program": 2,
         }
       ),
       jnp.bfloat16,
@@ -232,6 +234,7 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
         "key_operand",
         "copy_issue_point",
         "value_product_columns",
+        "warpgroups_per_program",
       )
       seen.append({k: v for k, v in kwargs.items() if k in recorded})
       return kernel(*args, **kwargs)

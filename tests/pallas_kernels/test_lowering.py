@@ -422,6 +422,27 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       32,
       dict(V36_CANDIDATE, value_product_columns="own_tiles", value_stat_loads="all_groups"),
     ),
+    # v42: two warpgroups a program, each its own split, code and scratch; Pallas's program-wide
+    # reduction scratch is 0 bytes there, so a cross-warp reduction not given the warpgroup's
+    # own would fail here: v41's nearest to five programs per SM (the kernel's bias and bounds,
+    # the exchange arm's row max), and v34's default (the running max every block, XLA's bias;
+    # 3 splits, the last program's second warpgroup spare)
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(
+        V36_CANDIDATE,
+        num_stages=2,
+        key_stack_timing="block_ahead",
+        copy_issue_point="value_product",
+        value_product_columns="own_tiles",
+        warpgroups_per_program=2,
+      ),
+    ),
+    ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, num_splits=3, warpgroups_per_program=2)),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

@@ -73,6 +73,7 @@ V36_CANDIDATE = dict(
 # v40's two settings: the next block's Q' staged before each block's one barrier, each ring slot
 # refilled in its last block's value product's shadow.
 V40_BOTH = dict(key_stack_timing="block_ahead", copy_issue_point="value_product")
+OWN_TILES = dict(value_product_columns="own_tiles")  # v41
 
 
 def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **config):
@@ -604,10 +605,66 @@ def test_own_value_tiles_give_the_all_tiles_outputs(group, config):
   assert np.isfinite(np.asarray(own)[0][..., :64, :]).all()  # row tile 0 reads other tiles
 
 
-def _kernel_outputs_call(group, seed, config, nan_value_group=None):
+@pytest.mark.parametrize(
+  "config,warpgroups,tokens",
+  [
+    # v41's nearest to five programs per SM, as warpgroups of one program (the reference arm
+    # with the kernel's bias, whose splits are whole multiples of 8 key groups): 3 splits over
+    # programs of 2 (a spare warpgroup in the last) and of 3 (one program; each warpgroup's
+    # copy of the code compiles natively, so not the 5 of the static count)
+    (dict(V36_CANDIDATE, num_stages=2, num_splits=3, **V40_BOTH, **OWN_TILES), 2, 704),
+    (dict(V36_CANDIDATE, num_stages=2, num_splits=3, **V40_BOTH, **OWN_TILES), 3, 704),
+    # v34's default (the online softmax's running max, its cross-warp max every block)
+    (dict(V34_SETTINGS, num_splits=4), 2, 224),
+  ],
+)
+def test_warpgroups_per_program_give_the_one_warpgroup_outputs(config, warpgroups, tokens):
+  """Each warpgroup of a program computes its own split as a program of one warpgroup does:
+  the same outputs, bit for bit, every split written (poisoned before the call)."""
+  call = _kernel_outputs_call(4, 60, config, tokens=tokens)
+  one, one_lse = call()
+  assert one.shape[2] == config["num_splits"]  # the plan kept them
+  several, several_lse = call(warpgroups_per_program=warpgroups)
+  assert_all_written(several, several_lse)
+  np.testing.assert_array_equal(np.asarray(several), np.asarray(one))
+  np.testing.assert_array_equal(np.asarray(several_lse), np.asarray(one_lse))
+
+
+@pytest.mark.parametrize("warpgroups_per_program", [0, 9, True, 2.0, "2"])
+def test_bad_warpgroups_per_program_is_named(warpgroups_per_program):
+  match = rf"warpgroups_per_program={re.escape(repr(warpgroups_per_program))} is not supported"
+  _assert_refused_by_kernel_and_dispatch(dict(warpgroups_per_program=warpgroups_per_program), match)
+
+
+@pytest.mark.parametrize(
+  "config,tokens,match",
+  [
+    # eight warpgroups of v34's default (four 64-token stages each): about 8 x 52 KB
+    (
+      dict(V34_SETTINGS, warpgroups_per_program=8),
+      256,
+      r"warpgroups_per_program=8 needs \d+ bytes of shared memory; at most 232448 fit: lower",
+    ),
+    # five of the v42 candidate with one split of 136 key groups: three bias chunks each
+    (
+      dict(
+        V36_CANDIDATE, num_stages=2, num_splits=1, **V40_BOTH, **OWN_TILES, warpgroups_per_program=5
+      ),
+      4352,
+      r"raise num_splits \(key_bias_source='kernel' holds the bias of a split's 136 key groups\)",
+    ),
+  ],
+)
+def test_warpgroups_beyond_shared_memory_are_refused(config, tokens, match):
+  arrays, quantization = _zeros_segment(tokens=tokens)
+  with pytest.raises(ValueError, match=match):
+    folded.folded_partials_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **config)
+
+
+def _kernel_outputs_call(group, seed, config, nan_value_group=None, tokens=224):
   """`folded_kernel_outputs` on `_kivi2_inputs` with `config`, more settings to come; with
   `nan_value_group`, that value group's scale NaN at token 5 of row 0, a valid token."""
-  arrays, _ = _kivi2_inputs(seed=seed, group=group)
+  arrays, _ = _kivi2_inputs(seed=seed, group=group, tokens=tokens)
   if nan_value_group is not None:  # v_scale [B, H, T, D / 32]
     arrays = (*arrays[:5], arrays[5].at[0, :, 5, nan_value_group].set(jnp.nan), *arrays[6:])
   return functools.partial(
@@ -621,16 +678,16 @@ def _kernel_outputs_call(group, seed, config, nan_value_group=None):
   )
 
 
-def _kivi2_inputs(seed, group=4):
+def _kivi2_inputs(seed, group=4, tokens=224):
   """(poisoned, clean) inputs of head_dim 128, `group` heads per KV head, KIVI-2 with group 32,
-  224 tokens."""
+  `tokens` tokens."""
   return _inputs(
     np.random.default_rng(seed),
     head_dim=128,
     group=group,
     bits=2,
     group_size=32,
-    tokens=224,
+    tokens=tokens,
     dtype=jnp.bfloat16,
   )
 
@@ -1069,7 +1126,8 @@ def test_two_stages_of_two_blocks_take_the_memory_of_four_stages_of_one():
   assert folded.shared_memory_bytes(*shapes, 2, **settings, blocks_per_copy=2) == one
   assert folded.shared_memory_bytes(*shapes, 4, **settings, blocks_per_copy=2) > one
   folded.check_config(4, 128, 4, 32, block_tokens=128, num_stages=4, num_splits=None)
-  with pytest.raises(ValueError, match=r"num_stages=4 and blocks_per_copy=4 needs \d+ bytes"):
+  match = r"num_stages=4, blocks_per_copy=4 and warpgroups_per_program=1 needs \d+ bytes"
+  with pytest.raises(ValueError, match=match):
     folded.check_config(
       4, 128, 4, 32, block_tokens=128, num_stages=4, num_splits=None, blocks_per_copy=4
     )
