@@ -484,3 +484,52 @@ def test_mosaic_gpu_quantized_kernels_lower_for_sm90(
     lengths,
   )
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize(
+  "bits,head_dim,group,group_size,config",
+  [
+    (2, 128, 4, 32, dict(block_tokens=64, num_stages=2)),  # staged codes, XLA's bias, exchange
+    (2, 128, 4, 32, dict(V34_SETTINGS, copy_issuer="spread")),
+    (2, 128, 4, 32, dict(V36_CANDIDATE, partial_slots="own")),
+    (2, 128, 4, 32, dict(V36_CANDIDATE, num_stages=2, blocks_per_copy=2)),
+    (2, 128, 4, 32, dict(V36_CANDIDATE, token_order="spread")),
+    (4, 64, 8, 16, dict(block_tokens=64, key_operand="registers", operand_order="word")),
+    (4, 128, 2, 32, dict(V36_CANDIDATE, value_stat_loads="all_groups", value_stats="pairs")),
+  ],
+)
+def test_folded_settings_lower_with_two_warpgroups_a_program(
+  bits, head_dim, group, group_size, config
+):
+  """v42: with two warpgroups a program Pallas's program-wide reduction scratch is 0 bytes, so
+  any reduction across warps that a setting's code path leaves on it fails here (each
+  warpgroup's must take its own, `warpgroup_reductions`)."""
+  segment = random_quantized_segment(
+    np.random.default_rng(0),
+    2,
+    2,
+    256,
+    head_dim,
+    bits=bits,
+    group_size=group_size,
+    dtype=jnp.bfloat16,
+  )
+  queries = jax.ShapeDtypeStruct((2, 2, group, head_dim), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  text = _lower(
+    lambda q, s, lens: folded_decode_attention_mosaic_gpu(
+      q,
+      *s[:6],
+      lens,
+      bits=bits,
+      group_size=group_size,
+      sm_scale=0.1,
+      warpgroups_per_program=2,
+      **config,
+    ),
+    "cuda",
+    queries,
+    segment,
+    lengths,
+  )
+  assert "mosaic_gpu" in text
