@@ -456,33 +456,7 @@ def test_mosaic_gpu_quantized_kernels_lower_for_sm90(
     "dequantize": quantized_decode_attention_mosaic_gpu,
     "folded": folded_decode_attention_mosaic_gpu,
   }[kernel]
-  segment = random_quantized_segment(
-    np.random.default_rng(0),
-    2,
-    2,
-    config.get("tokens", 256),
-    head_dim,
-    bits=bits,
-    group_size=group_size,
-    dtype=jnp.bfloat16,
-  )
-  queries = jax.ShapeDtypeStruct((2, 2, group, head_dim), jnp.bfloat16)
-  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-  text = _lower(
-    lambda q, s, lens: function(
-      q,
-      *s[:6],
-      lens,
-      bits=bits,
-      group_size=group_size,
-      sm_scale=0.1,
-      **{key: value for key, value in config.items() if key != "tokens"},
-    ),
-    "cuda",
-    queries,
-    segment,
-    lengths,
-  )
+  text = _lower_quantized_mosaic_gpu(function, bits, head_dim, group, group_size, config)
   assert "mosaic_gpu" in text
 
 
@@ -504,11 +478,25 @@ def test_folded_settings_lower_with_two_warpgroups_a_program(
   """v42: with two warpgroups a program Pallas's program-wide reduction scratch is 0 bytes, so
   any reduction across warps that a setting's code path leaves on it fails here (each
   warpgroup's must take its own, `warpgroup_reductions`)."""
+  text = _lower_quantized_mosaic_gpu(
+    folded_decode_attention_mosaic_gpu,
+    bits,
+    head_dim,
+    group,
+    group_size,
+    dict(config, warpgroups_per_program=2),
+  )
+  assert "mosaic_gpu" in text
+
+
+def _lower_quantized_mosaic_gpu(function, bits, head_dim, group, group_size, config) -> str:
+  """`function` (a quantized Mosaic GPU entry point) lowered for sm_90 on a KIVI segment of 2
+  rows x 2 KV heads (`config["tokens"]` tokens, default 256) with the rest of `config`."""
   segment = random_quantized_segment(
     np.random.default_rng(0),
     2,
     2,
-    256,
+    config.get("tokens", 256),
     head_dim,
     bits=bits,
     group_size=group_size,
@@ -516,20 +504,18 @@ def test_folded_settings_lower_with_two_warpgroups_a_program(
   )
   queries = jax.ShapeDtypeStruct((2, 2, group, head_dim), jnp.bfloat16)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
-  text = _lower(
-    lambda q, s, lens: folded_decode_attention_mosaic_gpu(
+  return _lower(
+    lambda q, s, lens: function(
       q,
       *s[:6],
       lens,
       bits=bits,
       group_size=group_size,
       sm_scale=0.1,
-      warpgroups_per_program=2,
-      **config,
+      **{key: value for key, value in config.items() if key != "tokens"},
     ),
     "cuda",
     queries,
     segment,
     lengths,
   )
-  assert "mosaic_gpu" in text
