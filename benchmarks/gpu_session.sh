@@ -146,6 +146,14 @@ sweep_at_32k() {  # sweep_at_32k LOG CONFIGS_JSON [SECONDS]: the configs timed a
   timeout --signal=INT "${3:-210}" "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
     --sweep-only --sweep-configs "$2" --out "$out/sweep_32k.json" 2>&1 | tee -a "$1"
 }
+keep_fastest() {  # keep_fastest LOG: the 32k sweep's fastest config, as JSON to stdout, named in
+  # LOG and on stderr, and kept on the machine for v40_profile ($OUT starts empty at every call)
+  local best
+  best="$("$python" -c "import json, sys; r = json.load(open(sys.argv[1]))['sweep_kivi2']; \
+print(json.dumps(min(r, key=lambda t: t['seconds'])['config']))" "$out/sweep_32k.json")" &&
+    echo "fastest at 32k: $best" | tee -a "$1" >&2 && echo "$best" > /tmp/kvjax_v40_fastest.json &&
+    echo "$best"
+}
 sweep_shapes() {  # sweep_shapes LOG CONFIG...: the configs at 8k / 128k, 1 and 8 heads, KIVI-4
   local log="$1"
   shift
@@ -616,10 +624,6 @@ ${v34}, ${kernel_bias}, ${values}, ${own}, ${token_spread}}]" 370 || status=1
     ahead="\"key_stack_timing\": \"block_ahead\""
     refill="\"copy_issue_point\": \"value_product\""
     own_tiles="\"value_product_columns\": \"own_tiles\""
-    fastest() {  # the fastest config of the 32k sweep's JSON, as JSON
-      "$python" -c "import json, sys; r = json.load(open(sys.argv[1]))['sweep_kivi2']; \
-print(json.dumps(min(r, key=lambda t: t['seconds'])['config']))" "$out/sweep_32k.json"
-    }
     if [ "$1" = v40 ]; then
       native_tests_and_generate_check "$log" "${winner}}" || status=1
       sweep_at_32k "$log" "[${v34}}, ${winner}}, ${winner}, ${ahead}}, ${winner}, ${refill}}, \
@@ -627,10 +631,7 @@ ${winner}, ${ahead}, ${refill}}, ${winner}, ${ahead}, ${refill}, \"approx_math\"
 ${winner}, ${ahead}, ${refill}, \"num_splits\": 16}, \
 ${winner}, \"num_stages\": 2, \"blocks_per_copy\": 2}, ${winner}, ${own_tiles}}, \
 ${winner}, ${ahead}, ${refill}, ${own_tiles}}]" 140 || status=1
-      # kept on the machine for v40_profile ($OUT starts empty at every call)
-      best="$(fastest)" && echo "fastest at 32k: $best" | tee -a "$log" &&
-        echo "$best" > /tmp/kvjax_v40_fastest.json &&
-        sweep_shapes "$log" "${winner}}" "$best" || status=1
+      best="$(keep_fastest "$log")" && sweep_shapes "$log" "${winner}}" "$best" || status=1
       # One query head per KV head (MHA) refuses own-slot statistics: the fastest with every
       # lane's, against v34's default there
       one_head="$("$python" -c "import json, sys; c = json.loads(sys.argv[1]); \
@@ -676,10 +677,7 @@ c['value_stat_loads'] = 'all_groups'; print(json.dumps(c))" "$best")" &&
     sweep_at_32k "$log" "[${v34}}, ${winner}}, ${winner}, ${both}}, ${winner}, ${both}, \
 ${own_tiles}}, ${winner}, ${both}, ${own_tiles}, \"num_stages\": 2}, ${five}}, \
 ${five}, \"num_splits\": 20}]" 200 || status=1
-    best="$("$python" -c "import json, sys; r = json.load(open(sys.argv[1]))['sweep_kivi2']; \
-print(json.dumps(min(r, key=lambda t: t['seconds'])['config']))" "$out/sweep_32k.json")" &&
-      echo "fastest at 32k: $best" | tee -a "$log" && echo "$best" > /tmp/kvjax_v40_fastest.json ||
-      status=1
+    keep_fastest "$log" > /dev/null || status=1
     exit "$status"
     ;;
   *)

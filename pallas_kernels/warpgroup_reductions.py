@@ -1,6 +1,6 @@
 """Reductions over axis 0 of a wgmma-layout array through the warpgroup's own shared-memory
 scratch: what the folded Mosaic GPU kernel uses when a program runs several warpgroups
-(`warpgroup_programs`, KERNEL_NOTES v42).
+(`warpgroups_per_program`, KERNEL_NOTES v42).
 
 Axis 0 of a wgmma-layout array spreads over the four warps of a warpgroup (row 16 warp + lane / 4
 of each 64-row tile), so reducing it needs shared memory: each warp stores its partial results,
@@ -16,7 +16,6 @@ arrays and jnp reduces them.
 """
 
 import jax
-import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # Per warpgroup: one round of 4 warps x 32 lanes x 2 f32 registers (the wgmma row layout's
@@ -29,10 +28,9 @@ def reduce_rows(x: jax.Array, op: str, scratch_ref, *, emulate: bool) -> jax.Arr
   """f32 [n, m] in the wgmma layout -> [m] (`plgpu.Layout.WGMMA.reduce(0)`): the sum ("add") or
   the max ("max": NaN propagates, as jnp.max) over axis 0, through `scratch_ref` (f32
   [SCRATCH_WORDS] in shared memory, this warpgroup's alone)."""
-  if op not in REDUCTIONS:
-    raise ValueError(f"op={op!r} is not supported; allowed: {REDUCTIONS}")
+  _check_op(op)
   if emulate:
-    return x.sum(axis=0) if op == "add" else x.max(axis=0)
+    return shared_reduce_rows(x, op)
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
@@ -45,7 +43,13 @@ def reduce_rows(x: jax.Array, op: str, scratch_ref, *, emulate: bool) -> jax.Arr
 
 
 def shared_reduce_rows(x: jax.Array, op: str) -> jax.Array:
-  """The same reduction through Pallas's program-wide scratch (one warpgroup per program)."""
+  """The same reduction through Pallas's program-wide scratch (one warpgroup per program), or
+  as jnp computes it in interpret mode."""
+  _check_op(op)
+  return x.sum(axis=0) if op == "add" else x.max(axis=0)
+
+
+def _check_op(op) -> None:
+  """ValueError naming `op` and REDUCTIONS."""
   if op not in REDUCTIONS:
     raise ValueError(f"op={op!r} is not supported; allowed: {REDUCTIONS}")
-  return x.sum(axis=0) if op == "add" else jnp.max(x, axis=0)

@@ -30,6 +30,7 @@ from tests.pallas_kernels.test_quantized_decode_attention_folded_mosaic_gpu impo
   V31_CANDIDATE,
   V34_SETTINGS,
   V36_CANDIDATE,
+  V41_NEAREST,
 )
 
 # Lowering the Triton kernels is exactly what jax's Pallas-Triton deprecation notice is about.
@@ -433,14 +434,7 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       128,
       4,
       32,
-      dict(
-        V36_CANDIDATE,
-        num_stages=2,
-        key_stack_timing="block_ahead",
-        copy_issue_point="value_product",
-        value_product_columns="own_tiles",
-        warpgroups_per_program=2,
-      ),
+      dict(V41_NEAREST, warpgroups_per_program=2),
     ),
     ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, num_splits=3, warpgroups_per_program=2)),
   ],

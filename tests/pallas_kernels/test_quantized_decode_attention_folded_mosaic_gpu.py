@@ -74,6 +74,9 @@ V36_CANDIDATE = dict(
 # refilled in its last block's value product's shadow.
 V40_BOTH = dict(key_stack_timing="block_ahead", copy_issue_point="value_product")
 OWN_TILES = dict(value_product_columns="own_tiles")  # v41
+# v41's nearest to five programs per SM: v36's candidate with v40's settings and own value tiles
+# at two stages (v42 runs it as warpgroups of one program).
+V41_NEAREST = dict(V36_CANDIDATE, num_stages=2, **V40_BOTH, **OWN_TILES)
 
 
 def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **config):
@@ -421,13 +424,7 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       4,
       32,
       352,
-      dict(
-        V36_CANDIDATE,
-        num_stages=2,
-        num_splits=1,
-        **V40_BOTH,
-        value_product_columns="own_tiles",
-      ),
+      dict(V41_NEAREST, num_splits=1),
     ),
     (
       2,
@@ -612,8 +609,8 @@ def test_own_value_tiles_give_the_all_tiles_outputs(group, config):
     # with the kernel's bias, whose splits are whole multiples of 8 key groups): 3 splits over
     # programs of 2 (a spare warpgroup in the last) and of 3 (one program; each warpgroup's
     # copy of the code compiles natively, so not the 5 of the static count)
-    (dict(V36_CANDIDATE, num_stages=2, num_splits=3, **V40_BOTH, **OWN_TILES), 2, 704),
-    (dict(V36_CANDIDATE, num_stages=2, num_splits=3, **V40_BOTH, **OWN_TILES), 3, 704),
+    (dict(V41_NEAREST, num_splits=3), 2, 704),
+    (dict(V41_NEAREST, num_splits=3), 3, 704),
     # v34's default (the online softmax's running max, its cross-warp max every block)
     (dict(V34_SETTINGS, num_splits=4), 2, 224),
   ],
@@ -647,9 +644,7 @@ def test_bad_warpgroups_per_program_is_named(warpgroups_per_program):
     ),
     # five of the v42 candidate with one split of 136 key groups: three bias chunks each
     (
-      dict(
-        V36_CANDIDATE, num_stages=2, num_splits=1, **V40_BOTH, **OWN_TILES, warpgroups_per_program=5
-      ),
+      dict(V41_NEAREST, num_splits=1, warpgroups_per_program=5),
       4352,
       r"raise num_splits \(key_bias_source='kernel' holds the bias of a split's 136 key groups\)",
     ),
