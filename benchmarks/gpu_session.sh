@@ -52,7 +52,12 @@
 #   bash benchmarks/gpu_session.sh v42      # not yet run (~8 min): v40's checks, its likeliest
 #                                           # configs, and five warpgroups a program
 #                                           # (warpgroups_per_program, v42) at 32k
-#   bash benchmarks/gpu_session.sh v40_profile ['<config JSON>']  # right after v40 or v42 (~4 min):
+#   bash benchmarks/gpu_session.sh v43      # not yet run (~8.5 min), replaces v42: v42's checks
+#                                           # and configs, and the value codes by transposing
+#                                           # matrix loads (value_operand="matrix_loads", v43)
+#                                           # with C + merge, two blocks per slot, v40's
+#                                           # settings and five warpgroups a program
+#   bash benchmarks/gpu_session.sh v40_profile ['<config JSON>']  # right after v40, v42 or v43 (~4 min):
 #                                           # the 32k table, each kernel of a call and ncu of
 #                                           # the fastest (or of the config given)
 #   bash benchmarks/gpu_session.sh v35_profile  # right after v35 (~4 min): KIVI-4, each
@@ -677,6 +682,33 @@ c['value_stat_loads'] = 'all_groups'; print(json.dumps(c))" "$best")" &&
     sweep_at_32k "$log" "[${v34}}, ${winner}}, ${winner}, ${both}}, ${winner}, ${both}, \
 ${own_tiles}}, ${winner}, ${both}, ${own_tiles}, \"num_stages\": 2}, ${five}}, \
 ${five}, \"num_splits\": 20}]" 200 || status=1
+    keep_fastest "$log" > /dev/null || status=1
+    exit "$status"
+    ;;
+  v43)
+    # v43 (no GPU lent when written): v42's checks and configs, and value_operand="matrix_loads"
+    # (the value codes by ldmatrix.trans: sm_90a static count, per 64 tokens in the slowest warp,
+    # C 368 -> 346, C at two blocks per slot 325 -> 303 at 127 registers, C + v40's settings
+    # 383 -> 359, and at two stages in five warpgroups a program 397 -> 370 at 96 registers).
+    # ~8.5 min: native tests 120 s (the matrix-load cases included), the generate check with
+    # C + merge + matrix loads 100 s, the sweep 240 s. Then v40_profile on the warm machine with
+    # the fastest.
+    set +e
+    status=0
+    log="$out/v43.log"
+    winner="${c_merge}"
+    matrix="\"value_operand\": \"matrix_loads\""
+    both="\"key_stack_timing\": \"block_ahead\", \"copy_issue_point\": \"value_product\""
+    own_tiles="\"value_product_columns\": \"own_tiles\""
+    pairs="\"num_stages\": 2, \"blocks_per_copy\": 2"
+    five="\"num_stages\": 2, \"warpgroups_per_program\": 5"
+    native_tests_and_generate_check "$log" "${winner}, ${matrix}}" || status=1
+    # v34, C + merge, then matrix loads on it, at two blocks per slot (with and without), with
+    # v40's settings, and five warpgroups a program (v42's own-tiles config and the matrix-load
+    # one; own tiles need channel-order rows, so not with matrix loads)
+    sweep_at_32k "$log" "[${v34}}, ${winner}}, ${winner}, ${matrix}}, ${winner}, ${pairs}}, \
+${winner}, ${pairs}, ${matrix}}, ${winner}, ${both}, ${matrix}}, \
+${winner}, ${both}, ${own_tiles}, ${five}}, ${winner}, ${both}, ${matrix}, ${five}}]" 240 || status=1
     keep_fastest "$log" > /dev/null || status=1
     exit "$status"
     ;;

@@ -555,7 +555,7 @@ def kernel_cases(args):
   return cases
 
 
-def split_merge_cost(word_order_bits, *, tokens: int, workdir: str) -> dict:
+def split_merge_cost(value_order: str, *, tokens: int, workdir: str) -> dict:
   """Static cost of the split-merge kernel (`split_merge_triton`, no loop: the whole kernel) at
   the shape of record, 32 splits: instructions by opcode, registers, global loads by width."""
   import jax
@@ -572,7 +572,7 @@ def split_merge_cost(word_order_bits, *, tokens: int, workdir: str) -> dict:
   )
   [ttir] = capture_triton_ir(
     lambda out, lse: split_merge_triton.merge_value_slot_partials_triton(
-      out, lse, group=group, group_size=32, real_rows=4, word_order_bits=word_order_bits
+      out, lse, group=group, group_size=32, real_rows=4, value_order=value_order, bits=2
     ),
     *arguments,
   )
@@ -583,7 +583,7 @@ def split_merge_cost(word_order_bits, *, tokens: int, workdir: str) -> dict:
   opcodes = collections.Counter(opcode for _, opcode, _ in instructions)
   registers = re.search(r"REG:(\d+)", usage)
   return {
-    "name": f"split merge, {splits} splits, word_order_bits={word_order_bits}",
+    "name": f"split merge, {splits} splits, value_order={value_order}",
     "instructions": len(instructions),
     "registers": int(registers.group(1)) if registers else -1,
     "global_loads": {op: n for op, n in sorted(opcodes.items()) if op.startswith("LDG")},
@@ -641,7 +641,10 @@ def main():
 
   if args.split_merge:
     with tempfile.TemporaryDirectory() as workdir:
-      records = [split_merge_cost(bits, tokens=args.tokens, workdir=workdir) for bits in (None, 2)]
+      records = [
+        split_merge_cost(order, tokens=args.tokens, workdir=workdir)
+        for order in ("channel", "word")
+      ]
     for record in records:
       print(
         f"{record['name']}: {record['instructions']} instructions, {record['registers']} "

@@ -212,7 +212,8 @@ def quantized_decode_attention(
   True, "copy_issuer": "warpgroup" (default) | "first_warp" | "spread", "value_accumulator":
   "fresh" (default) | "carried", "value_stats": "pairs" (default) | "separate", "row_max":
   "exchange" (default) | "bound", "key_products": "einsum" (default) | "reduction",
-  "value_operand": "shared_memory" (default) | "registers", "key_bias_source": "xla" (default) |
+  "value_operand": "shared_memory" (default) | "registers" | "matrix_loads" (register codes by
+  transposing matrix loads, head_dim 64 or 128), "key_bias_source": "xla" (default) |
   "kernel", "value_stat_loads": "all_groups" (default) | "own_slot", "blocks_per_copy": 1
   (default) | 2 | 4, "token_order": "natural" (default) | "spread" (with "value_operand":
   "registers"), "partial_slots": "every" (default) | "own", "key_stack_timing": "own_block"

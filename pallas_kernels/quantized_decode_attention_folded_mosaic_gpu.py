@@ -141,6 +141,14 @@ P' tiles of its own channels' value groups only (`value_product_tiles`): at 4 qu
 head one tile of the two, N 16 -> 8 per product and a carried accumulator [D, 8]; the fixed arm
 368 -> 358 instructions per 64 tokens, 116 registers, four programs per SM.
 
+A setting of v43, not yet timed on a GPU: `value_operand="matrix_loads"` builds the register
+value operand by `ldmatrix.trans` (`value_operand_matrix_loads`): each lane receives the same
+half-word of two consecutive tokens in one register, so a shift and an AND per operand register
+replace v34's two 32-bit loads and byte permute. The rows of the value product then come in the
+loads' own order (`value_row_order`: the epilogue takes each row's channel from it, the merges
+read each channel at its row). The slowest warp by the sm_90a static count: C 368 -> 346
+instructions per 64 tokens, C at two blocks per slot 325 -> 303 (127 registers).
+
 The codes are staged for the tensor core by masking alone (`subnormal_codes`): a code c masked in
 place at bit q of a 16-bit half is the bf16 number c * 2^(q - 133), and the powers of two go to
 the queries, the probabilities and the output scale. A word's two 16-bit halves hold channels
@@ -171,7 +179,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _compat, key_bias_in_kernel, warpgroup_reductions
+from pallas_kernels import (
+  _compat,
+  key_bias_in_kernel,
+  value_operand_matrix_loads,
+  value_operand_registers,
+  value_row_order,
+  warpgroup_reductions,
+)
 from pallas_kernels import quantized_decode_attention_mosaic_gpu as dequantizing
 from pallas_kernels.base_two_softmax import base_two_queries
 from pallas_kernels.decode_attention_mosaic_gpu import (
@@ -248,9 +263,12 @@ from pallas_kernels.subnormal_codes import (
   masked_code_pairs,
   power_of_two,
 )
+from pallas_kernels.value_operand_matrix_loads import (
+  MATRIX_LOADS,
+  value_operand_from_matrix_loads,
+)
 from pallas_kernels.value_operand_registers import (
   DEFAULT_VALUE_OPERAND,
-  VALUE_OPERANDS,
   value_operand_from_registers,
   value_operand_unsupported_reason,
 )
@@ -272,11 +290,9 @@ from pallas_kernels.value_stats_own_slot import (
 )
 from pallas_kernels.word_operand_order import (
   OPERAND_ORDERS,
-  channel_at_position,
   channels_in_word_order,
   load_channels_in_word_order,
   stage_words_in_word_order,
-  word_order_channels,
   word_order_unsupported_reason,
 )
 
@@ -298,6 +314,11 @@ TMA_SLOT_ALIGNMENT = 128
 # 128-token block; the value codes cannot, wgmma takes a register operand untransposed only).
 KEY_OPERANDS = ("shared_memory", "registers")
 DEFAULT_KEY_OPERAND = "shared_memory"
+# Where the value product's code operand comes from: staged, from registers built by 32-bit
+# loads and byte permutes (v34, channel order), or by transposing matrix loads (v43, its own
+# row order: `value_operand_matrix_loads`).
+VALUE_OPERANDS = (*value_operand_registers.VALUE_OPERANDS, MATRIX_LOADS)
+REGISTER_VALUE_OPERANDS = ("registers", MATRIX_LOADS)
 # Column order of the staged code operands (`word_operand_order`): "channel" joins the halves of
 # two words into each operand register (a byte permute each), "word" takes each masked word as a
 # register and permutes the queries, key scales and output instead (v30).
@@ -495,6 +516,10 @@ def unsupported_reason(
   if operand_order == "word" and (reason := word_order_unsupported_reason(head_dim, bits)):
     return reason
   if value_operand == "registers" and (reason := value_operand_unsupported_reason(head_dim, block)):
+    return reason
+  if value_operand == MATRIX_LOADS and (
+    reason := value_operand_matrix_loads.unsupported_reason(head_dim, bits, block)
+  ):
     return reason
   if key_bias_source == "kernel":
     plan = folded_split_plan(
@@ -765,6 +790,8 @@ def check_key_stack_timing(key_stack_timing, row_max, key_operand, value_operand
     return
   needed = dict(row_max="bound", key_operand="registers", value_operand="registers")
   given = dict(row_max=row_max, key_operand=key_operand, value_operand=value_operand)
+  if value_operand in REGISTER_VALUE_OPERANDS:  # either register operand: no code tile
+    given["value_operand"] = "registers"
   for name, value in needed.items():
     if given[name] != value:
       raise ValueError(
@@ -911,8 +938,11 @@ def _staged_chunks(
     if emulate:  # the same operand, from the emulated channel-order staging
       head_dim = words.shape[1] * 32 // bits
       # built in the kernel: a Pallas kernel cannot close over an array constant
-      order = channel_at_position(lax.iota(jnp.int32, head_dim), head_dim, bits)
+      rows = lax.iota(jnp.int32, head_dim)
+      order = value_row_order.channel_of_row(rows, operand_order, head_dim, bits)
       return jnp.take(stage_codes(words, bits, emulate), order, axis=1)
+    if operand_order == "matrix":  # natively the matrix loads build it in registers
+      raise ValueError("the matrix-load row order is staged in interpret mode only")
     return stage_words_in_word_order(words, bits)
 
   def chunk_words(c):
@@ -1039,7 +1069,8 @@ def _folded_kernel(
   score_scale = 2.0 ** (exponents.code - exponents.query)
   probs_scale = 2.0**exponents.probs
   # The order of the value product's rows, the accumulator's: register value codes are built in
-  # channel order whatever order the key side takes (`value_operand_registers`).
+  # channel order whatever order the key side takes (`value_operand_registers`), matrix loads
+  # in theirs (`value_operand_matrix_loads`).
   value_order = value_output_order(operand_order, value_operand)
   # Each 64-channel row tile's P' tiles (`value_product_tiles`): all of them, or its own.
   own_tiles = value_product_columns == "own_tiles"
@@ -1331,6 +1362,11 @@ def _folded_kernel(
         tokens=block,
         token_order=token_order,
       )
+    elif value_operand == MATRIX_LOADS and not emulate:
+      # Read here, before the commit below, as above.
+      value_codes = value_operand_from_matrix_loads(
+        v_words_smem.at[slot], head_dim, bits, first_token=token_offset, tokens=block
+      )
     else:
       if reference is not None and key_operand == "shared_memory":
         # Without the row max's cross-warp reduction nothing says the other warps' key
@@ -1433,7 +1469,7 @@ def _folded_kernel(
         stack = value_stack_smem_i.at[pl.ds(first * rows, count * rows)]
         plgpu.wgmma(acc_ref.at[channels], operand, stack.T)
 
-    if emulate and (value_operand == "registers" or value_accumulator == "carried"):
+    if emulate and (value_operand in REGISTER_VALUE_OPERANDS or value_accumulator == "carried"):
       # Mosaic GPU's interpreter takes wgmma operands from shared memory only and has no wgmma
       # into an accumulator made from registers: the same sum, with the product of the same
       # (emulated, staged) codes as a dot, per row tile with "own_tiles". (Staged codes into a
@@ -1547,8 +1583,7 @@ def _folded_kernel(
   value_bias = reduce_rows(value_bias_partials, "add")
 
   channel = plgpu.broadcasted_iota(jnp.int32, (head_dim, rows), 0, layout=plgpu.Layout.WGMMA)
-  if value_order == "word":  # the accumulator's rows are operand positions
-    channel = channel_at_position(channel, head_dim, bits)
+  channel = value_row_order.channel_of_row(channel, value_order, head_dim, bits)
   output_scale = power_of_two(
     exponents.code - exponents.probs - code_exponent(channel, head_dim, bits)
   )
@@ -1904,20 +1939,21 @@ def value_minimum_of_pair(pair: jax.Array) -> jax.Array:
 
 
 def value_output_order(operand_order: str, value_operand: str) -> str:
-  """The order of the kernel's output rows: the staged value codes' column order, or channel
-  order for register value codes (`value_operand_registers`)."""
+  """The order of the kernel's output rows: the staged value codes' column order, channel
+  order for register value codes (`value_operand_registers`), or "matrix" for matrix loads
+  (`value_operand_matrix_loads.channel_of_row`)."""
+  if value_operand == MATRIX_LOADS:
+    return "matrix"
   return "channel" if value_operand == "registers" else operand_order
 
 
 def _channel_positions(settings: dict, head_dim: int, bits: int) -> np.ndarray | None:
-  """Operand position of each channel in the kernel's output rows (None: channel order)."""
+  """The kernel's output row holding each channel (None: channel order)."""
   order = value_output_order(
     settings.get("operand_order", DEFAULT_OPERAND_ORDER),
     settings.get("value_operand", DEFAULT_VALUE_OPERAND),
   )
-  if order == "channel":
-    return None
-  return np.argsort(word_order_channels(head_dim, bits))
+  return value_row_order.channel_rows(order, head_dim, bits)
 
 
 def folded_kernel_outputs(
@@ -2086,7 +2122,11 @@ def folded_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
       group=group,
       group_size=group_size,
       real_rows=real_rows,
-      word_order_bits=None if positions is None else bits,
+      value_order=value_output_order(
+        settings.get("operand_order", DEFAULT_OPERAND_ORDER),
+        settings.get("value_operand", DEFAULT_VALUE_OPERAND),
+      ),
+      bits=bits,
       own_slot=own_slot,
       interpret=settings.get("interpret", False),
     )

@@ -5,14 +5,15 @@ The folded Mosaic GPU kernel writes, per split of each sequence, a normalised pa
 with the head dim on its products' M side and one column per query row and value slot (f32
 [B, H, S, D, R]), and each row's log-sum-exp (f32 [B, H, S, R]). What a caller wants is one
 output per real query row in channel order: the splits merged by log-sum-exp, each channel's
-columns taken from its value group's slot (`pick_value_slots`), and, in the word operand order,
-each channel read at its operand position. XLA makes that four kernels of the decode loop (the
-log-sum-exp's reduction, the weights, the weighted sum over the splits and the pick with its
-transpose; KERNEL_NOTES v36), each a launch, and the weighted sum ran at about 1 TB/s in v34's
-profile (8.9 us for 8.5 MB under Nsight Compute). Here each program takes `CHANNELS_PER_PROGRAM`
-channels of one head: it loads every split's log-sum-exp, computes the weights, reads each
-channel's own slot of 32 splits at once (a gather: those loads are in flight together; more
-splits, in steps of 32) and writes the merged rows in channel order with the log-sum-exp.
+columns taken from its value group's slot (`pick_value_slots`), and, where the rows are not in
+channel order, each channel read at its row (`value_row_order`). XLA makes that four kernels of
+the decode loop (the log-sum-exp's reduction, the weights, the weighted sum over the splits and
+the pick with its transpose; KERNEL_NOTES v36), each a launch, and the weighted sum ran at about
+1 TB/s in v34's profile (8.9 us for 8.5 MB under Nsight Compute). Here each program takes
+`CHANNELS_PER_PROGRAM` channels of one head: it loads every split's log-sum-exp, computes the
+weights, reads each channel's own slot of 32 splits at once (a gather: those loads are in flight
+together; more splits, in steps of 32) and writes the merged rows in channel order with the
+log-sum-exp.
 """
 
 import functools
@@ -26,7 +27,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import _compat
 from pallas_kernels.own_slot_partials import slot_first_column
 from pallas_kernels.splits import merge_split_partials
-from pallas_kernels.word_operand_order import position_of_channel
+from pallas_kernels.value_row_order import check_value_row_order, row_of_channel
 
 # Who merges the folded Mosaic GPU kernel's split partials: XLA's fusions ("xla") or this kernel
 # ("triton", one launch).
@@ -99,7 +100,8 @@ def _merge_kernel(
   group: int,
   group_size: int,
   real_rows: int,
-  word_order_bits: int | None,
+  value_order: str,
+  bits: int | None,
   own_slot: bool,
 ):
   batch, head, channel_block = (pl.program_id(axis) for axis in range(3))
@@ -144,10 +146,7 @@ def _merge_kernel(
   channel = channel_block * CHANNELS_PER_PROGRAM + lax.iota(jnp.int32, CHANNELS_PER_PROGRAM)
   slot = lax.rem(lax.div(channel, group_size), slots)
   column = slot[:, None] * real_rows + row[None, :]  # [channels, real_rows]
-  if word_order_bits is None:
-    position = channel
-  else:
-    position = position_of_channel(channel, head_dim, word_order_bits)
+  position = row_of_channel(channel, value_order, head_dim, bits)
   shape = (SPLITS_PER_STEP, CHANNELS_PER_PROGRAM, real_rows)
 
   def add_step(step, merged):
@@ -188,7 +187,8 @@ def _merge_kernel(
     "group",
     "group_size",
     "real_rows",
-    "word_order_bits",
+    "value_order",
+    "bits",
     "own_slot",
     "interpret",
   ),
@@ -200,14 +200,18 @@ def merge_value_slot_partials_triton(
   group: int,
   group_size: int,
   real_rows: int,
-  word_order_bits: int | None = None,
+  value_order: str = "channel",
+  bits: int | None = None,
   own_slot: bool = False,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """`merge_value_slot_partials_reference` as one kernel: (out f32 [B, H, G, D], lse f32
-  [B, H, G]). `word_order_bits`: the partials' D axis is in the word operand order of codes of
-  that many bits (`position_of_channel`); None: channel order. `own_slot`: the partials hold
-  each channel's own slot alone, f32 [B, H, S, real_rows, D] (`own_slot_partials`)."""
+  [B, H, G]). `value_order`: the order of the partials' D axis (`value_row_order`: "channel",
+  or "word" / "matrix" for codes of `bits` bits). `own_slot`: the partials hold each channel's
+  own slot alone, f32 [B, H, S, real_rows, D] (`own_slot_partials`)."""
+  check_value_row_order(value_order)
+  if value_order != "channel" and bits is None:
+    raise ValueError(f"value_order={value_order!r} needs bits (the codes' width), got None")
   batch, heads, splits = out_partials.shape[:3]
   head_dim = out_partials.shape[-1] if own_slot else out_partials.shape[-2]
   if head_dim % CHANNELS_PER_PROGRAM:
@@ -221,7 +225,8 @@ def merge_value_slot_partials_triton(
     group=group,
     group_size=group_size,
     real_rows=real_rows,
-    word_order_bits=word_order_bits,
+    value_order=value_order,
+    bits=bits,
     own_slot=own_slot,
   )
   return pl.pallas_call(

@@ -51,13 +51,15 @@ def row_tile_value_tiles(
 
 
 def check_value_order(value_product_columns: str, value_order: str) -> None:
-  """ValueError if "own_tiles" is asked for with the value product's rows in the "word" order
-  (value codes staged from shared memory with operand_order="word", `value_output_order`)."""
+  """ValueError if "own_tiles" is asked for with the value product's rows not in channel order
+  (`value_output_order`: "word" for value codes staged from shared memory with
+  operand_order="word", "matrix" for value_operand="matrix_loads")."""
   if value_product_columns != DEFAULT_VALUE_PRODUCT_COLUMNS and value_order != "channel":
     raise ValueError(
       "value_product_columns='own_tiles' needs the value product's rows in channel order: with "
-      "value_operand='shared_memory' and operand_order='word' a 64-row tile holds channels of "
-      "non-adjacent value groups; use value_operand='registers' or operand_order='channel'"
+      "value_operand='shared_memory' and operand_order='word', or value_operand='matrix_loads', "
+      "a 64-row tile holds channels of non-adjacent value groups; use value_operand='registers' "
+      "or operand_order='channel'"
     )
 
 

@@ -189,6 +189,20 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       jnp.bfloat16,
     ),
     (
+      # v36's candidate with the value codes by transposing matrix loads (KERNEL_NOTES v43: the
+      # value product's rows in their own order, taken back to channels by the Triton merge).
+      "kivi:bits=4,group_size=16,residual=16",
+      KernelSettings(
+        quantized={
+          **V36_CANDIDATE_KIVI,
+          "key_operand": "registers",
+          "value_operand": "matrix_loads",
+          "split_merge": "triton",
+        }
+      ),
+      jnp.bfloat16,
+    ),
+    (
       # 2 query heads per KV head: the folded kernel's stacked operands in 2 copies instead of
       # 2 padding query rows (KERNEL_NOTES v22).
       "kivi:bits=2,group_size=16,residual=16",

@@ -68,3 +68,21 @@ def emulate_inline_code(monkeypatch, *, first_thread: int, load) -> None:
   monkeypatch.setattr(mgpu_utils, "bitcast", lambda value, _: value)
   monkeypatch.setattr(fragmented_array, "FragmentedArray", CapturedArray)
   monkeypatch.setattr(plgpu, "inline_mgpu", lambda **_: lambda body: lambda ref: body(None, ref))
+
+
+def captured_wgmma_operand(rows: int, columns: int) -> np.ndarray:
+  """uint16 [rows, columns]: the 32-bit registers the last inline code assembled
+  (`CapturedArray.last`, one array over 128 threads each), placed where the wgmma layout puts
+  them: row 64 tile + 16 warp + 8 half + lane / 4, columns 8 group + 2 (lane % 4) + (0, 1), the
+  first in the low half."""
+  operand = np.zeros((rows, columns), np.uint16)
+  thread = np.arange(128)
+  warp, lane = thread // 32, thread % 32
+  for index, register in np.ndenumerate(CapturedArray.last.registers):
+    row_tile, column_group, half = index[0], index[1], index[4]
+    row = 64 * row_tile + 16 * warp + 8 * half + lane // 4
+    column = 8 * column_group + 2 * (lane % 4)
+    register = np.broadcast_to(register, (128,)).astype(np.uint32)
+    operand[row, column] = register & 0xFFFF
+    operand[row, column + 1] = register >> 16
+  return operand

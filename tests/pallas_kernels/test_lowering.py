@@ -30,6 +30,7 @@ from tests.pallas_kernels.test_quantized_decode_attention_folded_mosaic_gpu impo
   V31_CANDIDATE,
   V34_SETTINGS,
   V36_CANDIDATE,
+  V40_BOTH,
   V41_NEAREST,
 )
 
@@ -134,8 +135,10 @@ def test_triton_kernels_lower_to_triton_ir(fake_h100, variant, config, group):
   assert "triton" in text
 
 
-@pytest.mark.parametrize("word_order_bits,splits", [(None, 24), (2, 24), (2, 700)])
-def test_split_merge_kernel_lowers_to_triton_ir(fake_h100, word_order_bits, splits):
+@pytest.mark.parametrize(
+  "value_order,splits", [("channel", 24), ("word", 24), ("word", 700), ("matrix", 24)]
+)
+def test_split_merge_kernel_lowers_to_triton_ir(fake_h100, value_order, splits):
   """The merge's gathers (32 splits of a channel's slot at once, at its operand position) and
   its scattered stores, with a split count that is not a power of two, and with the many splits
   a single head gets (walked in steps)."""
@@ -143,7 +146,7 @@ def test_split_merge_kernel_lowers_to_triton_ir(fake_h100, word_order_bits, spli
   lse = jax.ShapeDtypeStruct((2, 2, splits, 8), jnp.float32)
   text = _lower(
     lambda out, total: merge_value_slot_partials_triton(
-      out, total, group=3, group_size=32, real_rows=4, word_order_bits=word_order_bits
+      out, total, group=3, group_size=32, real_rows=4, value_order=value_order, bits=2
     ),
     "cuda",
     partials,
@@ -437,6 +440,34 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       dict(V41_NEAREST, warpgroups_per_program=2),
     ),
     ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, num_splits=3, warpgroups_per_program=2)),
+    # v43: the value codes by transposing matrix loads (ldmatrix.trans of the ring slot, each
+    # thread's shift and masks): v36's candidate, at two blocks per slot, with v40's settings in
+    # two warpgroups a program, and at 4 bits, head_dim 128 and 64
+    ("folded", 2, 128, 4, 32, dict(V36_CANDIDATE, value_operand="matrix_loads")),
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(V36_CANDIDATE, value_operand="matrix_loads", num_stages=2, blocks_per_copy=2),
+    ),
+    (
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(
+        V36_CANDIDATE,
+        value_operand="matrix_loads",
+        num_stages=2,
+        warpgroups_per_program=2,
+        **V40_BOTH,
+      ),
+    ),
+    ("folded", 4, 128, 4, 32, dict(V36_CANDIDATE, value_operand="matrix_loads")),
+    ("folded", 4, 64, 4, 16, dict(V36_CANDIDATE, value_operand="matrix_loads")),
   ],
 )
 def test_mosaic_gpu_quantized_kernels_lower_for_sm90(

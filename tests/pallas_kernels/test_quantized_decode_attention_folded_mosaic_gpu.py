@@ -44,7 +44,7 @@ from pallas_kernels.splits import (
   next_power_of_two,
 )
 from pallas_kernels.subnormal_codes import code_exponent
-from pallas_kernels.word_operand_order import OPERAND_ORDERS
+from pallas_kernels.word_operand_order import OPERAND_ORDERS, word_order_channels
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
@@ -456,6 +456,48 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     # staged codes into a fresh accumulator: the interpreter runs the row tiles' wgmmas into
     # their slices of the accumulator (register codes and the carried accumulator run as dots)
     (2, 128, 8, 16, 224, dict(block_tokens=64, num_splits=2, value_product_columns="own_tiles")),
+    # the value codes by transposing matrix loads (v43), rows in their own order: v36's
+    # candidate (2 bits, head_dim 128), with v40's settings at two stages, two blocks per ring
+    # slot at 4 bits and 8 heads, and head_dim 64 at 4 bits (the kernel takes no 2-bit codes at
+    # head_dim 64: 4 words per token)
+    (2, 128, 4, 32, 352, dict(V36_CANDIDATE, value_operand="matrix_loads", num_splits=2)),
+    (
+      2,
+      128,
+      4,
+      32,
+      352,
+      dict(V36_CANDIDATE, value_operand="matrix_loads", num_stages=2, num_splits=1, **V40_BOTH),
+    ),
+    (
+      4,
+      128,
+      8,
+      32,
+      320,
+      dict(
+        V36_CANDIDATE,
+        value_operand="matrix_loads",
+        value_stat_loads="all_groups",
+        blocks_per_copy=2,
+        num_stages=2,
+        num_splits=1,
+      ),
+    ),
+    (
+      4,
+      64,
+      4,
+      16,
+      224,
+      dict(
+        block_tokens=64,
+        num_splits=2,
+        key_operand="registers",
+        operand_order="word",
+        value_operand="matrix_loads",
+      ),
+    ),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
     pytest.param(
       2,
@@ -519,6 +561,19 @@ def test_folded_mosaic_gpu_kernel_matches_reference(
     (4, dict(V34_SETTINGS, num_splits=3, partial_slots="own")),
     (2, dict(V34_SETTINGS, num_splits=2, partial_slots="own", split_merge="triton")),
     (3, dict(block_tokens=64, num_splits=2, partial_slots="own", split_merge="triton")),
+    # the matrix loads' row order (v43), merged by Triton and by XLA, own slots by Triton
+    (4, dict(V36_CANDIDATE, value_operand="matrix_loads", num_splits=3, split_merge="triton")),
+    (3, dict(V36_CANDIDATE, value_operand="matrix_loads", value_stat_loads="all_groups")),
+    (
+      4,
+      dict(
+        V36_CANDIDATE,
+        value_operand="matrix_loads",
+        num_splits=2,
+        partial_slots="own",
+        split_merge="triton",
+      ),
+    ),
   ],
 )
 def test_decode_entry_merges_before_picking_value_slots(group, config):
@@ -557,7 +612,7 @@ def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, con
   own, own_lse = call(partial_slots="own")
   channels = np.arange(128)
   if config.get("operand_order") == "word":  # the output's rows are operand positions
-    channels = folded.word_order_channels(128, 2)
+    channels = word_order_channels(128, 2)
   first_columns = own_slot_partials.slot_first_column(channels, 32, real_rows, slots)
   expected = own_slot_partials.own_slot_columns(every, first_columns, real_rows)
   assert own.shape == (*every.shape[:3], real_rows, 128)
@@ -874,7 +929,10 @@ def test_only_register_operands_with_separate_stacks_skip_the_block_start_barrie
     )
     if not folded.needs_block_start_barrier(*settings)
   ]
-  assert skipped == [("registers", "registers", "bound", False)]
+  assert skipped == [
+    ("registers", "registers", "bound", False),
+    ("registers", "matrix_loads", "bound", False),
+  ]
 
 
 @pytest.mark.parametrize("operand_order", OPERAND_ORDERS)
@@ -885,6 +943,8 @@ def test_register_value_codes_put_the_output_rows_in_channel_order(operand_order
   whichever order this names, so only this pins it."""
   assert folded.value_output_order(operand_order, "registers") == "channel"
   assert folded.value_output_order(operand_order, "shared_memory") == operand_order
+  # matrix loads build them in their own row order (`value_operand_matrix_loads`)
+  assert folded.value_output_order(operand_order, "matrix_loads") == "matrix"
 
 
 def test_a_program_without_staged_codes_has_no_code_tile():
@@ -892,6 +952,7 @@ def test_a_program_without_staged_codes_has_no_code_tile():
   block 64), which brings KIVI-4 at the v34 default's shapes from three programs per SM to
   four; interpret mode stages every operand and keeps it."""
   assert not folded.needs_code_tile("registers", "registers", emulate=False)
+  assert not folded.needs_code_tile("registers", "matrix_loads", emulate=False)
   assert folded.needs_code_tile("registers", "registers", emulate=True)
   assert folded.needs_code_tile("registers", "shared_memory", emulate=False)
   assert folded.needs_code_tile("shared_memory", "registers", emulate=False)
@@ -1146,6 +1207,10 @@ def test_the_spread_token_order_needs_register_value_codes():
     quantized_decode_attention_gpu.check_config(
       {"lowering": "mosaic_gpu", "variant": "folded", "token_order": "spread"}
     )
+  _assert_refused_by_kernel_and_dispatch(
+    dict(V36_CANDIDATE, value_operand="matrix_loads", token_order="spread"),
+    r"token_order='spread' with value_operand='matrix_loads'",
+  )
 
 
 @pytest.mark.parametrize(
@@ -1186,6 +1251,10 @@ def test_own_value_tiles_are_refused_for_word_order_rows():
   # with register value codes the rows are channels whatever the key side's order
   quantized_decode_attention_gpu.check_config(
     dict(FOLDED_MOSAIC_GPU_V34, value_operand="registers", value_product_columns="own_tiles")
+  )
+  # matrix loads take them in their own order
+  _assert_refused_by_kernel_and_dispatch(
+    dict(V36_CANDIDATE, value_operand="matrix_loads", value_product_columns="own_tiles"), message
   )
 
 

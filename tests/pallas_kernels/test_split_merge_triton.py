@@ -9,6 +9,7 @@ import pytest
 
 from pallas_kernels import own_slot_partials
 from pallas_kernels import split_merge_triton as merge
+from pallas_kernels.value_row_order import channel_rows
 from pallas_kernels.word_operand_order import word_order_channels
 from tests.pallas_kernels.kernel_checks import triton_interpret
 
@@ -31,8 +32,9 @@ def _partials(rng, batch, heads, splits, head_dim, rows):
   return out, lse
 
 
-def _both(out, lse, *, group, group_size, real_rows, bits):
-  positions = None if bits is None else np.argsort(word_order_channels(out.shape[3], bits))
+def _both(out, lse, *, group, group_size, real_rows, bits, order=None):
+  order = order or ("channel" if bits is None else "word")
+  positions = channel_rows(order, out.shape[3], bits)
   reference = merge.merge_value_slot_partials_reference(
     jnp.asarray(out),
     jnp.asarray(lse),
@@ -47,7 +49,8 @@ def _both(out, lse, *, group, group_size, real_rows, bits):
     group=group,
     group_size=group_size,
     real_rows=real_rows,
-    word_order_bits=bits,
+    value_order=order,
+    bits=bits,
     interpret=triton_interpret(),
   )
   return [np.asarray(x) for x in reference], [np.asarray(x) for x in kernel]
@@ -87,6 +90,23 @@ def test_kernel_matches_xlas_merge_and_pick(
   assert np.isneginf(got_lse[0, 0, 0]) and np.all(got_out[0, 0, 0] == 0.0)
 
 
+@pytest.mark.parametrize("head_dim,bits", [(128, 2), (128, 4), (64, 2)])
+def test_kernel_reads_each_channel_at_its_matrix_load_row(head_dim, bits):
+  """Partials in the matrix loads' row order (`value_operand_matrix_loads`): both merges read
+  channel c at row `row_of_channel(c)`, and agree with merging the partials put back in channel
+  order first."""
+  out, lse = _partials(np.random.default_rng(head_dim + bits), 2, 3, 7, head_dim, 8)
+  settings = dict(group=4, group_size=32, real_rows=4, bits=bits)
+  (ref_out, ref_lse), (got_out, got_lse) = _both(out, lse, order="matrix", **settings)
+  rows = channel_rows("matrix", head_dim, bits)
+  assert sorted(rows) == list(range(head_dim)) and np.any(rows != np.arange(head_dim))
+  (channel_out, channel_lse), _ = _both(out[:, :, :, rows], lse, **{**settings, "bits": None})
+  np.testing.assert_allclose(ref_out, channel_out, rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(got_out, channel_out, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(got_lse, ref_lse)
+  np.testing.assert_array_equal(ref_lse, channel_lse)
+
+
 @pytest.mark.parametrize(
   "splits,head_dim,rows,real_rows,group,group_size,bits",
   [
@@ -121,7 +141,8 @@ def test_own_slot_partials_merge_to_the_every_slot_merge(
     merge.merge_value_slot_partials_triton(
       jnp.asarray(own),
       jnp.asarray(lse),
-      word_order_bits=bits,
+      value_order="channel" if bits is None else "word",
+      bits=bits,
       interpret=triton_interpret(),
       **settings,
     ),

@@ -22,8 +22,8 @@ from pallas_kernels.value_operand_registers import (
   value_operand_unsupported_reason,
 )
 from tests.pallas_kernels.inline_code_emulation import (
-  CapturedArray,
   as_uint,
+  captured_wgmma_operand,
   emulate_inline_code,
 )
 
@@ -155,16 +155,7 @@ def test_the_inline_code_assembles_what_the_model_does(
     value_operand_registers.value_operand_from_registers(
       WordsRef(), head_dim, bits, first_token=first_token, tokens=tokens, token_order=token_order
     )
-  operand = np.zeros((head_dim, tokens), np.uint16)
-  thread = np.arange(128)
-  warp, lane = thread // 32, thread % 32
-  for index, register in np.ndenumerate(CapturedArray.last.registers):
-    row_tile, column_group, half = index[0], index[1], index[4]
-    row = 64 * row_tile + 16 * warp + 8 * half + lane // 4
-    column = 8 * column_group + 2 * (lane % 4)
-    register = register.astype(np.uint32)
-    operand[row, column] = register & 0xFFFF
-    operand[row, column + 1] = register >> 16
+  operand = captured_wgmma_operand(head_dim, tokens)
   block_words = words[first_token : first_token + tokens]
   np.testing.assert_array_equal(operand, assemble_value_operand(block_words, bits, token_order))
   if token_order == "natural":
