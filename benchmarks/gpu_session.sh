@@ -686,7 +686,8 @@ ${five}, \"num_splits\": 20}]" 200 || status=1
     exit "$status"
     ;;
   v43)
-    # v43 (no GPU lent when written): v42's checks and configs, and value_operand="matrix_loads"
+    # v43 (no GPU lent when written): v42's checks, v34, C + merge and v42's five-warpgroup config
+    # (v42's other configs are left to it and to v40), and value_operand="matrix_loads"
     # (the value codes by ldmatrix.trans: sm_90a static count, per 64 tokens in the slowest warp,
     # C 368 -> 346, C at two blocks per slot 325 -> 303 at 127 registers, C + v40's settings
     # 383 -> 359, and at two stages in five warpgroups a program 397 -> 370 at 96 registers).
@@ -713,7 +714,7 @@ ${winner}, ${both}, ${own_tiles}, ${five}}, ${winner}, ${both}, ${matrix}, ${fiv
     exit "$status"
     ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | v42 | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | v42 | v43 | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

@@ -1,7 +1,8 @@
 """Shared-memory bank conflicts of the folded Mosaic GPU kernel's per-lane loads, from their
 addresses (no GPU): how many wavefronts each warp-wide load takes, for the loads whose addresses
 kvjax's own inline code chooses, the register value operand's code words
-(`value_operand_registers`) and the own-slot value statistics (`value_stats_own_slot`).
+(`value_operand_registers`, and `value_operand_matrix_loads`' transposing matrix loads) and the
+own-slot value statistics (`value_stats_own_slot`).
 
 `mosaic_static_cost.py` counts conflict-free wavefronts (the fewest a load's bytes need); this
 counts what the addresses give: a bank serves one 32-bit word per wavefront, so a load takes as
@@ -23,6 +24,7 @@ import json
 
 import numpy as np
 
+from pallas_kernels import value_operand_matrix_loads
 from pallas_kernels.spread_token_order import TOKEN_ORDERS, token_of_column
 from pallas_kernels.value_operand_registers import (
   WARPGROUP_THREADS,
@@ -74,6 +76,24 @@ def value_code_loads(head_dim: int, bits: int, block: int = 64, token_order: str
   return loads
 
 
+def value_code_matrix_loads(head_dim: int, bits: int, block: int = 64):
+  """Byte addresses of each matrix `value_operand_from_matrix_loads` reads per block: an
+  `ldmatrix.x4` reads four 8 x 16-byte matrices, one wavefront each at best; matrix m's rows are
+  the addresses of lanes 8 m .. 8 m + 7 (token 32 i + lane of the block at byte 16 x the warp's
+  half-word block), each row's four words listed."""
+  token_bytes = head_dim * bits // 8
+  _, warps_per_half_word = value_operand_matrix_loads.thread_bits(head_dim, bits)
+  lane = np.arange(WARP)
+  loads = []
+  for warp in range(WARPGROUP_THREADS // WARP):
+    for load in range(block // WARP):
+      rows = (WARP * load + lane) * token_bytes + 16 * (warp // warps_per_half_word)
+      for matrix in range(4):
+        row = rows[8 * matrix : 8 * matrix + 8]
+        loads.append((row[:, None] + WORD_BYTES * np.arange(4)[None, :]).ravel())
+  return loads
+
+
 def own_slot_statistic_loads(
   rows: int, real_rows: int, value_groups: int, slot_tokens: int = 64, token_order: str = "natural"
 ):
@@ -96,8 +116,8 @@ def own_slot_statistic_loads(
 
 def load_wavefronts(loads, swizzle: int = 0) -> dict:
   """{"loads", "wavefronts", "conflict_free"}: per block, summed over the warpgroup's four
-  warps, the warp-wide loads, the wavefronts their addresses take, and the fewest they could
-  (one per load: at most 128 bytes each)."""
+  warps, the warp-wide loads (or matrices), the wavefronts their addresses take, and the fewest
+  they could (one per load: at most 128 bytes each)."""
   total = sum(wavefronts(swizzled(addresses, swizzle)) for addresses in loads)
   return {"loads": len(loads), "wavefronts": total, "conflict_free": len(loads)}
 
@@ -109,6 +129,11 @@ def main():
   rows = []
   for head_dim in (64, 128):
     for bits in (2, 4):
+      for swizzle in SWIZZLES:
+        loads = value_code_matrix_loads(head_dim, bits)
+        shape = f"head_dim {head_dim}, {bits}-bit"
+        rows.append(dict(kind="value codes, matrix loads", shape=shape, token_order="natural",
+                         swizzle=swizzle, **load_wavefronts(loads, swizzle)))  # fmt: skip
       for token_order in TOKEN_ORDERS:
         for swizzle in SWIZZLES:
           loads = value_code_loads(head_dim, bits, token_order=token_order)

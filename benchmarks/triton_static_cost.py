@@ -630,7 +630,7 @@ def main():
   parser.add_argument(
     "--split-merge",
     action="store_true",
-    help="the split-merge kernel instead (split_merge_triton; channel and word order)",
+    help="the split-merge kernel instead (split_merge_triton; channel, word and matrix orders)",
   )
   parser.add_argument("--out", help="write the records as JSON here")
   args = parser.parse_args()
@@ -643,7 +643,7 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
       records = [
         split_merge_cost(order, tokens=args.tokens, workdir=workdir)
-        for order in ("channel", "word")
+        for order in ("channel", "word", "matrix")
       ]
     for record in records:
       print(

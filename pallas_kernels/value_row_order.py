@@ -23,6 +23,7 @@ def check_value_row_order(order) -> None:
 
 def channel_of_row(row, order: str, head_dim: int, bits: int | None):
   """The channel output row `row` holds (ints, numpy or jnp integers)."""
+  check_value_row_order(order)
   if order == "word":
     return channel_at_position(row, head_dim, bits)
   if order == "matrix":
@@ -32,6 +33,7 @@ def channel_of_row(row, order: str, head_dim: int, bits: int | None):
 
 def row_of_channel(channel, order: str, head_dim: int, bits: int | None):
   """The output row holding `channel`: `channel_of_row`'s inverse (ints, numpy or jnp)."""
+  check_value_row_order(order)
   if order == "word":
     return position_of_channel(channel, head_dim, bits)
   if order == "matrix":

@@ -60,6 +60,27 @@ def test_four_bit_value_codes_conflict_four_way_and_a_wide_swizzle_halves_it():
   assert bank_model.load_wavefronts(loads, 32)["wavefronts"] == 4 * len(loads)
 
 
+def test_matrix_loads_halve_the_value_codes_wavefronts_and_a_row_wide_swizzle_clears_them():
+  """`value_operand="matrix_loads"` (v43): two ldmatrix.x4 per warp and 64-token block, eight
+  matrices of 8 token rows x 16 bytes. At 2 bits the rows are 32 bytes apart, so rows r and
+  r + 4 share banks (2-way: 64 wavefronts per warpgroup against the 32-bit loads' 128); at 4
+  bits 64 bytes apart, 4-way (128 against 512). A swizzle as wide as a token row (32 or 64
+  bytes) moves the rows that collide to other 16-byte chunks: one wavefront per matrix."""
+  for bits, register_loads, matrix_ways, row_swizzle in ((2, 128, 2, 32), (4, 512, 4, 64)):
+    loads = bank_model.value_code_matrix_loads(128, bits)
+    assert len(loads) == 4 * 8  # matrices per warpgroup and block
+    assert all(len(matrix) == 32 for matrix in loads)  # 8 rows of 4 words
+    counts = bank_model.load_wavefronts(loads)
+    assert counts["wavefronts"] == matrix_ways * len(loads)
+    assert bank_model.load_wavefronts(bank_model.value_code_loads(128, bits))["wavefronts"] == (
+      register_loads
+    )
+    assert bank_model.load_wavefronts(loads, row_swizzle)["wavefronts"] == len(loads)
+  # at head_dim 64 and 2 bits a token row is 16 bytes: no conflict to remove
+  loads = bank_model.value_code_matrix_loads(64, 2)
+  assert bank_model.load_wavefronts(loads)["wavefronts"] == len(loads)
+
+
 def test_own_slot_statistics_conflict_across_the_two_slots_groups():
   """Query group 4 (two slots per tile): the lanes of each slot read a different group's row,
   64 or 128 tokens apart in the ring slot, on the same banks: 2-way, whatever the token order.

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvjax import attention_dispatch
-from pallas_kernels import own_slot_partials, quantized_decode_attention_gpu
+from pallas_kernels import own_slot_partials, quantized_decode_attention_gpu, value_row_order
 from pallas_kernels import quantized_decode_attention_folded_mosaic_gpu as folded
 from pallas_kernels.base_two_softmax import base_two_queries
 from pallas_kernels.bit_packing import pack_codes, unpack_codes
@@ -44,7 +44,7 @@ from pallas_kernels.splits import (
   next_power_of_two,
 )
 from pallas_kernels.subnormal_codes import code_exponent
-from pallas_kernels.word_operand_order import OPERAND_ORDERS, word_order_channels
+from pallas_kernels.word_operand_order import OPERAND_ORDERS
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
@@ -596,6 +596,7 @@ def test_decode_entry_merges_before_picking_value_slots(group, config):
     (4, dict(V34_SETTINGS, num_splits=2)),  # two slots, word order
     (1, dict(block_tokens=64, num_splits=2)),  # eight slots, channel order
     (8, dict(block_tokens=64, num_splits=2)),  # one slot: the same columns
+    (4, dict(V36_CANDIDATE, value_operand="matrix_loads", num_splits=2)),  # matrix-load rows
   ],
 )
 def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, config):
@@ -610,9 +611,10 @@ def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, con
   call = _kernel_outputs_call(group, group, config, nan_value_group=1 if slots > 1 else None)
   every, every_lse = call()
   own, own_lse = call(partial_slots="own")
-  channels = np.arange(128)
-  if config.get("operand_order") == "word":  # the output's rows are operand positions
-    channels = word_order_channels(128, 2)
+  order = folded.value_output_order(
+    config.get("operand_order", "channel"), config.get("value_operand", "shared_memory")
+  )
+  channels = value_row_order.channel_of_row(np.arange(128), order, 128, 2)  # each row's channel
   first_columns = own_slot_partials.slot_first_column(channels, 32, real_rows, slots)
   expected = own_slot_partials.own_slot_columns(every, first_columns, real_rows)
   assert own.shape == (*every.shape[:3], real_rows, 128)

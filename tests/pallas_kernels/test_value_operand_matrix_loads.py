@@ -101,8 +101,10 @@ def _emulated_ldmatrix(slot_bytes: np.ndarray):
   """`ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16` over 128 threads' byte addresses into
   `slot_bytes`: lanes 8 m .. 8 m + 7 of each warp address the rows of matrix m."""
 
-  def ldmatrix(ptx, address, **_):
+  def ldmatrix(ptx, address, *, result_types, has_side_effects, convergent):
     assert ptx.startswith("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16")
+    # kept after the slot's barrier wait and out of divergent code; four registers
+    assert has_side_effects and convergent and len(result_types) == 4
     address = np.asarray(address, np.int64)
     registers = np.zeros((128, 4), np.uint32)
     for warp in range(4):
@@ -146,9 +148,12 @@ def test_the_inline_code_assembles_what_the_model_does(
   emulate_inline_code(monkeypatch, first_thread=first_thread, load=None)
   monkeypatch.setattr(arith, "shrui", lambda a, b: as_uint(a) >> as_uint(b))
   monkeypatch.setattr(mgpu_utils, "memref_ptr", lambda ref: as_uint(np.zeros(128)))
-  monkeypatch.setattr(
-    mgpu_utils, "getelementptr", lambda ptr, offsets, _: as_uint(ptr) + as_uint(offsets[0])
-  )
+
+  def byte_offset(pointer, offsets, element_type):
+    assert str(element_type) == "i8", "offsets are in bytes"
+    return as_uint(pointer) + as_uint(offsets[0])
+
+  monkeypatch.setattr(mgpu_utils, "getelementptr", byte_offset)
   monkeypatch.setattr(mgpu_utils, "inline_ptx", _emulated_ldmatrix(words.view(np.uint8).ravel()))
 
   class WordsRef:

@@ -32,8 +32,13 @@ def test_the_orders_differ():
 
 
 def test_a_bad_order_is_named():
-  with pytest.raises(ValueError, match=r"value_order='rows' is not supported; allowed: \("):
-    value_row_order.channel_rows("rows", 128, 2)
+  for function in (
+    value_row_order.channel_rows,
+    lambda *args: value_row_order.channel_of_row(0, *args),
+    lambda *args: value_row_order.row_of_channel(0, *args),
+  ):
+    with pytest.raises(ValueError, match=r"value_order='rows' is not supported; allowed: \("):
+      function("rows", 128, 2)
   partials = jnp.zeros((1, 1, 2, 128, 8)), jnp.zeros((1, 1, 2, 8))
   with pytest.raises(ValueError, match=r"value_order='rows' is not supported"):
     merge_value_slot_partials_triton(
