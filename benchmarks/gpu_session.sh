@@ -52,7 +52,7 @@
 #   bash benchmarks/gpu_session.sh v42      # not yet run (~8 min): v40's checks, its likeliest
 #                                           # configs, and five warpgroups a program
 #                                           # (warpgroups_per_program, v42) at 32k
-#   bash benchmarks/gpu_session.sh v43      # not yet run (~8.5 min), replaces v42: v42's checks
+#   bash benchmarks/gpu_session.sh v43      # not yet run (~9 min), replaces v42: v42's checks
 #                                           # and configs, and the value codes by transposing
 #                                           # matrix loads (value_operand="matrix_loads", v43)
 #                                           # with C + merge, two blocks per slot, v40's
@@ -691,8 +691,8 @@ ${five}, \"num_splits\": 20}]" 200 || status=1
     # (the value codes by ldmatrix.trans: sm_90a static count, per 64 tokens in the slowest warp,
     # C 368 -> 346, C at two blocks per slot 325 -> 303 at 127 registers, C + v40's settings
     # 383 -> 359, and at two stages in five warpgroups a program 397 -> 370 at 96 registers).
-    # ~8.5 min: native tests 120 s (the matrix-load cases included), the generate check with
-    # C + merge + matrix loads 100 s, the sweep 240 s. Then v40_profile on the warm machine with
+    # ~9 min: native tests 120 s (the matrix-load cases included), the generate check with
+    # C + merge + matrix loads 100 s, the sweep 270 s. Then v40_profile on the warm machine with
     # the fastest.
     set +e
     status=0
@@ -706,10 +706,15 @@ ${five}, \"num_splits\": 20}]" 200 || status=1
     native_tests_and_generate_check "$log" "${winner}, ${matrix}}" || status=1
     # v34, C + merge, then matrix loads on it, at two blocks per slot (with and without), with
     # v40's settings, and five warpgroups a program (v42's own-tiles config and the matrix-load
-    # one; own tiles need channel-order rows, so not with matrix loads)
+    # one; own tiles need channel-order rows, so not with matrix loads). Five warpgroups at 20
+    # splits per (row, KV head): 4 programs of 5 each, 256 in all, 1.94 waves of 132 (the
+    # planner's 33 make 448, 3.4 waves, the last 40% full, and a spare warpgroup or two in each
+    # row's last program); the matrix-load one at the planner's too
     sweep_at_32k "$log" "[${v34}}, ${winner}}, ${winner}, ${matrix}}, ${winner}, ${pairs}}, \
 ${winner}, ${pairs}, ${matrix}}, ${winner}, ${both}, ${matrix}}, \
-${winner}, ${both}, ${own_tiles}, ${five}}, ${winner}, ${both}, ${matrix}, ${five}}]" 240 || status=1
+${winner}, ${both}, ${own_tiles}, ${five}, \"num_splits\": 20}, \
+${winner}, ${both}, ${matrix}, ${five}, \"num_splits\": 20}, ${winner}, ${both}, ${matrix}, ${five}}]" \
+      270 || status=1
     keep_fastest "$log" > /dev/null || status=1
     exit "$status"
     ;;
