@@ -689,8 +689,9 @@ ${five}, \"num_splits\": 20}]" 200 || status=1
     # v43 (no GPU lent when written): v42's checks, v34, C + merge and v42's five-warpgroup config
     # (v42's other configs are left to it and to v40), and value_operand="matrix_loads"
     # (the value codes by ldmatrix.trans: sm_90a static count, per 64 tokens in the slowest warp,
-    # C 368 -> 346, C at two blocks per slot 325 -> 303 at 127 registers, C + v40's settings
-    # 383 -> 359, and at two stages in five warpgroups a program 397 -> 370 at 96 registers).
+    # C 368 -> 339, C at two blocks per slot 324.5 -> 299.5 at 127 registers, C + v40's settings
+    # 383 -> 359, and at two stages in five warpgroups a program 397 -> 371 at 96 registers; the
+    # value ring TMA-swizzled for the loads).
     # ~9 min: native tests 120 s (the matrix-load cases included), the generate check with
     # C + merge + matrix loads 100 s, the sweep 270 s. Then v40_profile on the warm machine with
     # the fastest.

@@ -27,6 +27,13 @@ and `row_of_channel` its inverse; the kernel's epilogue and the split merges tak
 accumulator's rows in this order, as they take the "word" order's. A code's bit within its
 byte is the one it has in the planar word, so each channel's power of two is `code_exponent`'s.
 
+The value ring is copied in with a TMA swizzle as wide as a token's row (32 bytes at head_dim 128
+and 2 bits, 64 at 4 bits; `ring_swizzle_bytes`). Unswizzled, the 8 rows of a matrix, a token row
+apart, share banks two (2 bits) or four (4 bits) at a time; the swizzle moves each 16-byte chunk
+to chunk ^ (offset bits 7..) (`swizzled_offsets`), which spreads them over all 32 banks, one
+wavefront per matrix (`benchmarks/shared_bank_conflicts.py`). Each lane's row address takes the
+XOR once: 32 tokens' rows are 1 KB or more, so those bits of a row's offset are the lane's alone.
+
 Native only: interpret mode stages the codes in this row order and takes the product as a dot.
 `assemble_value_operand_from_matrix_loads` builds the operand in numpy, thread by thread, from
 `ldmatrix.trans`'s documented lane mapping (`transposed_matrix_registers`), for tests.
@@ -49,6 +56,35 @@ _HALF_WORD_BITS = 16
 _BYTE = 8
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BITS = (2, 4)
+_SWIZZLE_ROW = 128  # bytes: a TMA swizzle XORs address bits 7.. into the 16-byte chunk index
+_CHUNK = 16
+
+
+def ring_swizzle_bytes(head_dim: int, bits: int) -> int:
+  """The TMA swizzle of the value ring (bytes; 0 for none): a token row's bytes, where a
+  matrix's rows would otherwise share banks (rows of 32 bytes or more)."""
+  row_bytes = head_dim * bits // 8
+  return row_bytes if row_bytes >= 2 * _CHUNK else 0
+
+
+def ring_transforms(head_dim: int, bits: int) -> tuple:
+  """The value ring slot's shared-memory transforms ([tokens, W] uint32 words): 8-row tiles of
+  a whole token row, swizzled by `ring_swizzle_bytes`; none where that is 0. The matrix loads'
+  inline code is declared with the same, as Pallas requires of a transformed ref."""
+  swizzle = ring_swizzle_bytes(head_dim, bits)
+  if not swizzle:
+    return ()
+  return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+
+
+def swizzled_offsets(byte_offsets, swizzle: int):
+  """Where a TMA swizzle of `swizzle` bytes puts each byte offset of a buffer (aligned to the
+  swizzle's pattern): its 16-byte chunk index XOR the offset's bits from bit 7 on, as many as
+  the swizzle has chunks (0: unchanged; ints, numpy or jnp)."""
+  if not swizzle:
+    return byte_offsets
+  chunk_mask = swizzle // _CHUNK - 1
+  return byte_offsets ^ (((byte_offsets // _SWIZZLE_ROW) & chunk_mask) * _CHUNK)
 
 
 def thread_bits(head_dim: int, bits: int) -> tuple[int, int]:
@@ -166,9 +202,12 @@ def value_operand_from_matrix_loads(
   token_bytes = head_dim * bits // 8
   _, warps_per_half_word = thread_bits(head_dim, bits)
   sources = _row_sources(head_dim, bits)
+  swizzle = ring_swizzle_bytes(head_dim, bits)
+  if first_token % _TOKENS_PER_LOAD:
+    raise ValueError(f"first_token={first_token} is not a multiple of {_TOKENS_PER_LOAD}")
 
   @plgpu.inline_mgpu(
-    arg_types=(plgpu.RefType(),),
+    arg_types=(plgpu.RefType(transforms=ring_transforms(head_dim, bits)),),
     return_type=plgpu.ShapeDtypeStruct((head_dim, tokens), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
   )
   def assemble(_, ref):
@@ -183,11 +222,18 @@ def value_operand_from_matrix_loads(
     pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
     const, lane, warp, _ = thread_coordinates()
     # Lanes 8 m .. 8 m + 7 address the rows of matrix m: token `lane` of each 32, at the 16
-    # bytes of the warp's block of 8 half-words.
+    # bytes of the warp's block of 8 half-words, where the ring's swizzle put them
+    # (`swizzled_offsets` of the lane's row; the block's first token and each load's 32 tokens
+    # add whole KB, which leave the swizzle bits alone).
     column_block = arith.divui(warp, const(warps_per_half_word))
+    lane_row = arith.muli(lane, const(token_bytes))
+    chunk = column_block
+    if swizzle:
+      chunk_mask = swizzle // _CHUNK - 1
+      row_bits = arith.andi(arith.divui(lane_row, const(_SWIZZLE_ROW)), const(chunk_mask))
+      chunk = arith.xori(column_block, row_bits)
     offset = arith.addi(
-      arith.muli(lane, const(token_bytes)),
-      arith.addi(arith.muli(column_block, const(16)), const(first_token * token_bytes)),
+      lane_row, arith.addi(arith.muli(chunk, const(_CHUNK)), const(first_token * token_bytes))
     )
     row_address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
 

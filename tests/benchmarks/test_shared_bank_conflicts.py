@@ -6,6 +6,8 @@ import pathlib
 import numpy as np
 import pytest
 
+from pallas_kernels import value_operand_matrix_loads
+
 _PATH = pathlib.Path(__file__).parents[2] / "benchmarks" / "shared_bank_conflicts.py"
 _SPEC = importlib.util.spec_from_file_location("shared_bank_conflicts", _PATH)
 bank_model = importlib.util.module_from_spec(_SPEC)
@@ -64,8 +66,9 @@ def test_matrix_loads_halve_the_value_codes_wavefronts_and_a_row_wide_swizzle_cl
   """`value_operand="matrix_loads"` (v43): two ldmatrix.x4 per warp and 64-token block, eight
   matrices of 8 token rows x 16 bytes. At 2 bits the rows are 32 bytes apart, so rows r and
   r + 4 share banks (2-way: 64 wavefronts per warpgroup against the 32-bit loads' 128); at 4
-  bits 64 bytes apart, 4-way (128 against 512). A swizzle as wide as a token row (32 or 64
-  bytes) moves the rows that collide to other 16-byte chunks: one wavefront per matrix."""
+  bits 64 bytes apart, 4-way (128 against 512). The kernel's ring swizzle, as wide as a token
+  row (32 or 64 bytes), moves the rows that collide to other 16-byte chunks: one wavefront per
+  matrix."""
   for bits, register_loads, matrix_ways, row_swizzle in ((2, 128, 2, 32), (4, 512, 4, 64)):
     loads = bank_model.value_code_matrix_loads(128, bits)
     assert len(loads) == 4 * 8  # matrices per warpgroup and block
@@ -76,6 +79,8 @@ def test_matrix_loads_halve_the_value_codes_wavefronts_and_a_row_wide_swizzle_cl
       register_loads
     )
     assert bank_model.load_wavefronts(loads, row_swizzle)["wavefronts"] == len(loads)
+    # the swizzle the kernel's value ring takes
+    assert value_operand_matrix_loads.ring_swizzle_bytes(128, bits) == row_swizzle
   # at head_dim 64 and 2 bits a token row is 16 bytes: no conflict to remove
   loads = bank_model.value_code_matrix_loads(64, 2)
   assert bank_model.load_wavefronts(loads)["wavefronts"] == len(loads)

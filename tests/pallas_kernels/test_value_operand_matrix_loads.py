@@ -147,6 +147,7 @@ def test_the_inline_code_assembles_what_the_model_does(
   words = words.integers(0, 2**32, (slot_tokens, words_per_token), np.uint64).astype(np.uint32)
   emulate_inline_code(monkeypatch, first_thread=first_thread, load=None)
   monkeypatch.setattr(arith, "shrui", lambda a, b: as_uint(a) >> as_uint(b))
+  monkeypatch.setattr(arith, "xori", lambda a, b: as_uint(a) ^ as_uint(b))
   monkeypatch.setattr(mgpu_utils, "memref_ptr", lambda ref: as_uint(np.zeros(128)))
 
   def byte_offset(pointer, offsets, element_type):
@@ -154,7 +155,12 @@ def test_the_inline_code_assembles_what_the_model_does(
     return as_uint(pointer) + as_uint(offsets[0])
 
   monkeypatch.setattr(mgpu_utils, "getelementptr", byte_offset)
-  monkeypatch.setattr(mgpu_utils, "inline_ptx", _emulated_ldmatrix(words.view(np.uint8).ravel()))
+  # the slot's bytes where the ring's TMA swizzle puts them
+  logical = words.view(np.uint8).ravel()
+  slot_bytes = np.zeros_like(logical)
+  swizzle = matrix_loads.ring_swizzle_bytes(head_dim, bits)
+  slot_bytes[matrix_loads.swizzled_offsets(np.arange(logical.size), swizzle)] = logical
+  monkeypatch.setattr(mgpu_utils, "inline_ptx", _emulated_ldmatrix(slot_bytes))
 
   class WordsRef:
     shape = words.shape
@@ -168,3 +174,20 @@ def test_the_inline_code_assembles_what_the_model_does(
   np.testing.assert_array_equal(
     operand, matrix_loads.assemble_value_operand_from_matrix_loads(block_words, bits)
   )
+
+
+def test_the_ring_swizzle_is_a_token_row_wide_and_permutes_chunks_within_rows():
+  """32 bytes at head_dim 128 and 2 bits (and at 64 / 4), 64 at 128 / 4, none for 16-byte rows;
+  the placement is a permutation of each 1 KB that keeps bytes within their 16-byte chunk and
+  their row group, the banks model's swizzle (benchmarks/shared_bank_conflicts.py)."""
+  assert [matrix_loads.ring_swizzle_bytes(*shape) for shape in SHAPES] == [32, 64, 0, 32]
+  assert matrix_loads.ring_transforms(64, 2) == ()
+  offsets = np.arange(4096)
+  for swizzle in (32, 64):
+    placed = matrix_loads.swizzled_offsets(offsets, swizzle)
+    assert sorted(placed) == list(offsets)
+    np.testing.assert_array_equal(placed % 16, offsets % 16)
+    np.testing.assert_array_equal(placed // swizzle, offsets // swizzle)
+  # rows of 32 bytes: row 4 (byte 128) moves to the second chunk
+  assert matrix_loads.swizzled_offsets(128, 32) == 144
+  assert matrix_loads.swizzled_offsets(128 + 16, 32) == 128
