@@ -37,7 +37,6 @@ BANKS = 32
 WORD_BYTES = 4
 WARP = 32
 SWIZZLES = (0, 32, 64, 128)  # bytes; 0: none
-_SWIZZLE_BITS = {0: 0, 32: 1, 64: 2, 128: 3}  # 16-byte chunk index bits each mode XORs
 
 
 def wavefronts(byte_addresses) -> int:
@@ -48,12 +47,13 @@ def wavefronts(byte_addresses) -> int:
 
 
 def swizzled(byte_addresses, swizzle: int):
-  """Shared-memory byte addresses after a TMA swizzle of `swizzle` bytes (0: unchanged)."""
+  """Shared-memory byte addresses after a TMA swizzle of `swizzle` bytes (0: unchanged), by the
+  rule the kernel's matrix loads address their swizzled ring with
+  (`value_operand_matrix_loads.swizzled_offsets`: 16-byte chunk XOR address bits 7..)."""
   if swizzle not in SWIZZLES:
     raise ValueError(f"swizzle={swizzle!r} is not supported; allowed: {SWIZZLES}")
-  mask = (1 << _SWIZZLE_BITS[swizzle]) - 1
   addresses = np.asarray(byte_addresses, np.int64)
-  return addresses ^ (((addresses >> 7) & mask) << 4)
+  return value_operand_matrix_loads.swizzled_offsets(addresses, swizzle)
 
 
 def value_code_loads(head_dim: int, bits: int, block: int = 64, token_order: str = "natural"):

@@ -1952,13 +1952,17 @@ def value_output_order(operand_order: str, value_operand: str) -> str:
   return "channel" if value_operand == "registers" else operand_order
 
 
-def _channel_positions(settings: dict, head_dim: int, bits: int) -> np.ndarray | None:
-  """The kernel's output row holding each channel (None: channel order)."""
-  order = value_output_order(
+def _settings_value_order(settings: dict) -> str:
+  """`value_output_order` of an entry point's settings (their defaults where not given)."""
+  return value_output_order(
     settings.get("operand_order", DEFAULT_OPERAND_ORDER),
     settings.get("value_operand", DEFAULT_VALUE_OPERAND),
   )
-  return value_row_order.channel_rows(order, head_dim, bits)
+
+
+def _channel_positions(settings: dict, head_dim: int, bits: int) -> np.ndarray | None:
+  """The kernel's output row holding each channel (None: channel order)."""
+  return value_row_order.channel_rows(_settings_value_order(settings), head_dim, bits)
 
 
 def folded_kernel_outputs(
@@ -2127,10 +2131,7 @@ def folded_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
       group=group,
       group_size=group_size,
       real_rows=real_rows,
-      value_order=value_output_order(
-        settings.get("operand_order", DEFAULT_OPERAND_ORDER),
-        settings.get("value_operand", DEFAULT_VALUE_OPERAND),
-      ),
+      value_order=_settings_value_order(settings),
       bits=bits,
       own_slot=own_slot,
       interpret=settings.get("interpret", False),

@@ -13,6 +13,12 @@ from pallas_kernels import value_operand_matrix_loads
 from pallas_kernels.word_operand_order import channel_at_position, position_of_channel
 
 VALUE_ROW_ORDERS = ("channel", "word", "matrix")
+# (row -> channel, channel -> row) of each order but "channel", where both are the identity;
+# each takes (index, head_dim, bits)
+_MAPS = {
+  "word": (channel_at_position, position_of_channel),
+  "matrix": (value_operand_matrix_loads.channel_of_row, value_operand_matrix_loads.row_of_channel),
+}
 
 
 def check_value_row_order(order) -> None:
@@ -24,21 +30,13 @@ def check_value_row_order(order) -> None:
 def channel_of_row(row, order: str, head_dim: int, bits: int | None):
   """The channel output row `row` holds (ints, numpy or jnp integers)."""
   check_value_row_order(order)
-  if order == "word":
-    return channel_at_position(row, head_dim, bits)
-  if order == "matrix":
-    return value_operand_matrix_loads.channel_of_row(row, head_dim, bits)
-  return row
+  return row if order == "channel" else _MAPS[order][0](row, head_dim, bits)
 
 
 def row_of_channel(channel, order: str, head_dim: int, bits: int | None):
   """The output row holding `channel`: `channel_of_row`'s inverse (ints, numpy or jnp)."""
   check_value_row_order(order)
-  if order == "word":
-    return position_of_channel(channel, head_dim, bits)
-  if order == "matrix":
-    return value_operand_matrix_loads.row_of_channel(channel, head_dim, bits)
-  return channel
+  return channel if order == "channel" else _MAPS[order][1](channel, head_dim, bits)
 
 
 def channel_rows(order: str, head_dim: int, bits: int | None) -> np.ndarray | None:
