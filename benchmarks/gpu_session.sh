@@ -151,6 +151,12 @@ sweep_at_32k() {  # sweep_at_32k LOG CONFIGS_JSON [SECONDS]: the configs timed a
   timeout --signal=INT "${3:-210}" "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
     --sweep-only --sweep-configs "$2" --out "$out/sweep_32k.json" 2>&1 | tee -a "$1"
 }
+warp_products_run() {  # warp_products_run LOG: v44's per-warp products experiment checked against
+  # its numpy model and timed at the 32k shape, from the committed cubins (no nvcc needed here)
+  echo "== warp products experiment (KERNEL_NOTES v44)" >> "$1"
+  timeout --signal=INT 90 "$python" benchmarks/warp_products_experiment.py \
+    --run benchmarks/warp_products_cubins --out "$out/warp_products_h200.json" >> "$1" 2>&1
+}
 keep_fastest() {  # keep_fastest LOG: the 32k sweep's fastest config, as JSON to stdout, named in
   # LOG and on stderr, and kept on the machine for v40_profile ($OUT starts empty at every call)
   local best
@@ -717,10 +723,20 @@ ${winner}, ${both}, ${own_tiles}, ${five}, \"num_splits\": 20}, \
 ${winner}, ${both}, ${matrix}, ${five}, \"num_splits\": 20}, ${winner}, ${both}, ${matrix}, ${five}}]" \
       270 || status=1
     keep_fastest "$log" > /dev/null || status=1
+    # v44: the per-warp products experiment (~20 s), last so that it cannot cut the sweep
+    warp_products_run "$log" || status=1
     exit "$status"
     ;;
+  warp_products)
+    # v44 alone (~30 s on a warm machine): the per-warp products loop (mma.sync per warp, no
+    # barrier in the loop) checked against its numpy model and timed at the 32k shape, with the
+    # copy rate of the same run; the folded Mosaic kernel's numbers come from a sweep
+    log="$out/warp_products.log"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$log"
+    warp_products_run "$log"
+    ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | v42 | v43 | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | v42 | v43 | warp_products | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

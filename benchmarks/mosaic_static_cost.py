@@ -76,6 +76,7 @@ os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import triton_static_cost  # noqa: E402  (needs the environment above first)
+from sm90_occupancy import THREADS_PER_WARPGROUP, programs_per_sm  # noqa: E402
 
 # What XLA needs to know of the device to compile for it (GpuTargetConfigProto, text format):
 # an H100 SXM's published limits.
@@ -110,27 +111,7 @@ platform_name: "CUDA"
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
 
-# An H100 SM's limits on resident programs (CUDA occupancy rules for sm_90).
-REGISTERS_PER_SM = 65536
-REGISTER_GRANULE = 8  # registers per thread are allocated in steps of 8 (256 per warp)
-SHARED_BYTES_PER_SM = 233472
-SHARED_BYTES_RESERVED_PER_PROGRAM = 1024  # the driver's, beside the kernel's own
-WARPS_PER_SM = 64
-THREADS_PER_WARPGROUP = 128
-
 BENCHMARK_SHAPE = dict(batch=8, kv_heads=8, group=4, head_dim=128, tokens=32768, group_size=32)
-
-
-def programs_per_sm(registers: int, shared_bytes: int, warpgroups: int = 1) -> int:
-  """Programs of `warpgroups` warpgroups an SM can hold at once: the fewest its registers, its
-  shared memory and its warp slots allow."""
-  granted = -(-registers // REGISTER_GRANULE) * REGISTER_GRANULE
-  threads = THREADS_PER_WARPGROUP * warpgroups
-  return min(
-    REGISTERS_PER_SM // (granted * threads),
-    SHARED_BYTES_PER_SM // (shared_bytes + SHARED_BYTES_RESERVED_PER_PROGRAM),
-    WARPS_PER_SM // (threads // 32),
-  )
 
 
 def compile_only_device():
