@@ -277,3 +277,79 @@ def test_the_committed_cubins_were_built_from_this_source():
   for entry in manifest["cubins"]:
     experiment.check_variant(entry["variant"])
     assert (directory / entry["cubin"]).read_bytes()[:4] == b"\x7fELF"
+
+
+emulation = _load("warp_products_emulation")
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_lane_by_lane_emulation_gives_the_model(tiles):
+  """The experiment's loop run lane by lane (its registers, the PTX fragment layouts of
+  mma.m16n8k16, movmatrix and ldmatrix.trans) equals what the model says it computes, the
+  short row's tail included. Its mutations (a swapped byte-permute selector, the epilogue's
+  channel of a row, the bias of the wrong row, the matrix loads' token rows) each put the output
+  off by 15-106%."""
+  import numpy as np
+
+  arrays = experiment.random_arrays(2, 512, 2, seed=5)
+  out, sums = experiment.model_outputs(arrays, 2, tiles)
+  emulated_out, emulated_sums = emulation.emulate_outputs(arrays, 2, tiles)
+  np.testing.assert_allclose(emulated_out, out, rtol=0, atol=1e-6 * np.abs(out).max())
+  # f32 sums in another order; the v_min sums cancel, so bounded against the largest sum
+  np.testing.assert_allclose(emulated_sums, sums, rtol=0, atol=1e-6 * np.abs(sums).max())
+
+
+def test_ldmatrix_model_agrees_with_the_matrix_load_modules():
+  import numpy as np
+
+  from pallas_kernels.value_operand_matrix_loads import transposed_matrix_registers
+
+  half_words = np.random.default_rng(2).integers(0, 2**16, (32, 16)).astype(np.uint16)
+  lanes = np.arange(32)
+  for first_column in (0, 8):
+    np.testing.assert_array_equal(
+      emulation.ldmatrix_x4_trans(half_words, lanes, np.full(32, first_column)),
+      transposed_matrix_registers(half_words, first_column),
+    )
+
+
+def test_mma_model_multiplies_the_matrices_its_fragments_hold():
+  import numpy as np
+
+  rng = np.random.default_rng(4)
+  a_matrix = rng.integers(-8, 8, (16, 16)).astype(np.float32)
+  b_matrix = rng.integers(-8, 8, (16, 8)).astype(np.float32)
+  g, t = emulation.GROUP_ID, emulation.THREAD_IN_GROUP
+  a = np.stack(
+    [
+      emulation.pack_bf16_pair(
+        a_matrix[g + 8 * (j % 2), 2 * t + 8 * (j // 2)],
+        a_matrix[g + 8 * (j % 2), 2 * t + 8 * (j // 2) + 1],
+      )
+      for j in range(4)
+    ],
+    axis=1,
+  )
+  b = np.stack(
+    [
+      emulation.pack_bf16_pair(b_matrix[2 * t + 8 * j, g], b_matrix[2 * t + 8 * j + 1, g])
+      for j in (0, 1)
+    ],
+    axis=1,
+  )
+  d = emulation.mma_m16n8k16(a, b, np.ones((32, 4), np.float32))
+  product = a_matrix @ b_matrix + 1
+  for j in range(4):
+    np.testing.assert_array_equal(d[:, j], product[g + 8 * (j // 2), 2 * t + j % 2])
+
+
+def test_movmatrix_twice_is_the_identity_and_byte_perm_selects_halves():
+  import numpy as np
+
+  registers = np.random.default_rng(6).integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)
+  once = emulation.movmatrix_trans(registers)
+  assert not np.array_equal(once, registers)
+  np.testing.assert_array_equal(emulation.movmatrix_trans(once), registers)
+  a, b = np.array([0x11112222], np.uint32), np.array([0x33334444], np.uint32)
+  assert emulation.byte_perm(a, b, 0x5410)[0] == 0x44442222  # the low halves
+  assert emulation.byte_perm(a, b, 0x7632)[0] == 0x33331111  # the high halves
