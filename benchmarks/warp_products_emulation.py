@@ -115,14 +115,15 @@ def key_registers(words: np.ndarray) -> np.ndarray:
 
 
 def lane_queries(queries: np.ndarray) -> np.ndarray:
-  """float32 [8, 128] queries -> uint32 [32, 16]: register i of lane (g, t) packs row g's
+  """float32 [4, 128] queries -> uint32 [32, 16]: register i of lane (g, t) packs row g % 4's
   channels 8 f + w and 8 f + 64 + w (w = 2 t + i / 8, f = i % 8), times 2^(69 - 2 (f % 4))."""
   registers = np.zeros((32, 16), np.uint32)
+  query_row = GROUP_ID % experiment.REAL_ROWS
   for i in range(16):
     word, f = 2 * THREAD_IN_GROUP + i // 8, i % 8
     scale = np.float32(2.0 ** (69 - 2 * (f % 4)))
     registers[:, i] = pack_bf16_pair(
-      queries[GROUP_ID, 8 * f + word] * scale, queries[GROUP_ID, 8 * f + 64 + word] * scale
+      queries[query_row, 8 * f + word] * scale, queries[query_row, 8 * f + 64 + word] * scale
     )
   return registers
 
@@ -140,16 +141,16 @@ def warp_tile(state: dict, slot: dict, warp: int, tile: int, tiles: int, token_b
     f = i % 8
     pair = byte_perm(scale_words[:, f], scale_words[:, f + 8], 0x7632 if i // 8 else 0x5410)
     scaled_query[:, i] = hmul2_bf16(state["queries"][:, i], pair)
-  bias = slot["key_bias"][group]  # [8] rows
+  # the C fragment's columns 2 t, 2 t + 1: query rows 2 (t % 2) + 0, 1, in slot t / 2
+  column_row, column_slot = 2 * (THREAD_IN_GROUP % 2), THREAD_IN_GROUP // 2
+  bias = slot["key_bias"][group]  # [4] rows
+  reference = state["reference"]
   shift = np.stack(
-    [
-      bias[2 * THREAD_IN_GROUP] - state["reference"][2 * THREAD_IN_GROUP],
-      bias[2 * THREAD_IN_GROUP + 1] - state["reference"][2 * THREAD_IN_GROUP + 1],
-    ],
+    [bias[column_row] - reference[column_row], bias[column_row + 1] - reference[column_row + 1]],
     axis=1,
   ).astype(np.float32)
 
-  token0 = warp_tokens * warp + 16 * tile + GROUP_ID  # within the block
+  token0 = warp_tokens * warp + 16 * tile + GROUP_ID  # within the block: A rows token0, + 8
   key_words = slot["key_words"]
   own_words = np.stack([2 * THREAD_IN_GROUP, 2 * THREAD_IN_GROUP + 1], axis=1)  # words 2t, 2t+1
   a0 = key_registers(key_words[token0[:, None], own_words])
@@ -168,16 +169,20 @@ def warp_tile(state: dict, slot: dict, warp: int, tile: int, tiles: int, token_b
   token = token_base + token0
   p[token >= state["length"], 0:2] = 0
   p[token + 8 >= state["length"], 2:4] = 0
-  v_scale = experiment.bf16_values(slot["v_scale"][np.stack([token0, token0 + 8], 1)])
-  v_min = experiment.bf16_values(slot["v_min"][np.stack([token0, token0 + 8], 1)])
   state["sums"][:, 0] += p[:, 0] + p[:, 2]
   state["sums"][:, 1] += p[:, 1] + p[:, 3]
-  state["min_sums"][:, 0] += p[:, 0] * v_min[:, 0] + p[:, 2] * v_min[:, 1]
-  state["min_sums"][:, 1] += p[:, 1] * v_min[:, 0] + p[:, 3] * v_min[:, 1]
   probs_scale = np.float32(2.0**64)
-  scaled = (v_scale * probs_scale).astype(np.float32)
-  b0 = movmatrix_trans(pack_bf16_pair(p[:, 0] * scaled[:, 0], p[:, 1] * scaled[:, 0]))
-  b1 = movmatrix_trans(pack_bf16_pair(p[:, 2] * scaled[:, 1], p[:, 3] * scaled[:, 1]))
+  b0, b1 = [], []
+  for b in range(2):  # value group 2 slot + b of the lane's columns
+    value_group = 2 * column_slot + b
+    tokens = np.stack([token0, token0 + 8], 1)
+    v_scale = experiment.bf16_values(slot["v_scale"][value_group[:, None], tokens]) * probs_scale
+    v_min = experiment.bf16_values(slot["v_min"][value_group[:, None], tokens])
+    state["min_sums"][:, b, 0] += p[:, 0] * v_min[:, 0] + p[:, 2] * v_min[:, 1]
+    state["min_sums"][:, b, 1] += p[:, 1] * v_min[:, 0] + p[:, 3] * v_min[:, 1]
+    scaled = v_scale.astype(np.float32)
+    b0.append(movmatrix_trans(pack_bf16_pair(p[:, 0] * scaled[:, 0], p[:, 1] * scaled[:, 0])))
+    b1.append(movmatrix_trans(pack_bf16_pair(p[:, 2] * scaled[:, 1], p[:, 3] * scaled[:, 1])))
 
   half_words = slot["value_words"].view(np.uint16).reshape(slot["value_words"].shape[0], -1)
   matrix = LANES // 8
@@ -187,7 +192,8 @@ def warp_tile(state: dict, slot: dict, warp: int, tile: int, tiles: int, token_b
   for p_field in range(8):
     source = v if p_field < 4 else v_high
     a = field(source, p_field % 4)
-    state["output"][p_field] = mma_m16n8k16(a, np.stack([b0, b1], axis=1), state["output"][p_field])
+    b = np.stack([b0[p_field // 4], b1[p_field // 4]], axis=1)
+    state["output"][p_field] = mma_m16n8k16(a, b, state["output"][p_field])
 
 
 def emulate_outputs(arrays: dict, splits: int, tiles: int) -> tuple[np.ndarray, np.ndarray]:
@@ -211,7 +217,7 @@ def emulate_outputs(arrays: dict, splits: int, tiles: int) -> tuple[np.ndarray, 
           "length": length,
           "output": np.zeros((8, 32, 4), np.float32),
           "sums": np.zeros((32, 2), np.float32),
-          "min_sums": np.zeros((32, 2), np.float32),
+          "min_sums": np.zeros((32, 2, 2), np.float32),
         }
         for _ in range(experiment.WARPS)
       ]
@@ -223,23 +229,29 @@ def emulate_outputs(arrays: dict, splits: int, tiles: int) -> tuple[np.ndarray, 
           "key_words": arrays["key_words"][r, tokens_of_block],
           "value_words": arrays["value_words"][r, tokens_of_block],
           "k_scale": arrays["k_scale"][r, groups],
-          "v_scale": arrays["v_scale"][r, tokens_of_block],
-          "v_min": arrays["v_min"][r, tokens_of_block],
+          "v_scale": arrays["v_scale"][r, :, tokens_of_block],
+          "v_min": arrays["v_min"][r, :, tokens_of_block],
           "key_bias": arrays["key_bias"][r, groups],
         }
         for warp in range(experiment.WARPS):
           for tile in range(tiles):
             warp_tile(states[warp], slot, warp, tile, tiles, first)
-      # the epilogue: accumulator row r of m-tile p is half-word r's field p
+      # the epilogue: accumulator row r of m-tile p is half-word r's field p, in value group
+      # 2 (r % 2) + p / 4: it reads the columns of slot r % 2
+      column_row, column_slot = 2 * (THREAD_IN_GROUP % 2), THREAD_IN_GROUP // 2
       for state in states:
         for tile in range(8):
           for i in range(4):
             half_word = GROUP_ID + 8 * (i // 2)
-            query_row = 2 * THREAD_IN_GROUP + i % 2
+            mine = half_word % 2 == column_slot
             channel = 8 * (8 * (half_word % 2) + tile) + half_word // 2
-            out[r, s, query_row, channel] += state["output"][tile][:, i]
-        for half in range(2):  # rows 2 t + half: summed over the lanes of each t
-          for t in range(4):
-            sums[r, s, 2 * t + half, 0] += state["sums"][THREAD_IN_GROUP == t, half].sum()
-            sums[r, s, 2 * t + half, 1] += state["min_sums"][THREAD_IN_GROUP == t, half].sum()
+            out[r, s, column_row[mine] + i % 2, channel[mine]] += state["output"][tile][mine, i]
+        for t in range(4):  # lanes of one t, summed over g; rows 2 (t % 2) + c, slot t / 2
+          lanes = THREAD_IN_GROUP == t
+          for c in range(2):
+            query_row = 2 * (t % 2) + c
+            if t // 2 == 0:
+              sums[r, s, query_row, 0] += state["sums"][lanes, c].sum()
+            for b in range(2):
+              sums[r, s, query_row, 1 + 2 * (t // 2) + b] += state["min_sums"][lanes, b, c].sum()
   return out, sums

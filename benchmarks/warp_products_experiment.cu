@@ -7,6 +7,11 @@
 // registers, when each warp takes 16 of a block's 64 tokens through both products on its own:
 //   key product   S^T[16 tokens, 8 rows] = K codes [16, 128] . Q'^T [128, 8]   (8 x m16n8k16)
 //   value product O^T[128 ch, 8 rows]   += V^T codes [128, 16] . P'^T [16, 8]  (8 x m16n8k16)
+// KIVI's values have a scale and a minimum per token and 32-channel group, so P' depends on a
+// channel's value group: four query rows (the padding rows 4-7 repeating them) leave an 8-column
+// B operand room for two groups (columns 4 s + j: slot s), and an m-tile's rows (half-word r's
+// field p) fall in two groups by the parity of r (2 (r % 2) + p / 4): two B operands per 16
+// tokens, each row of the accumulator reading the columns of its own group's slot.
 // The key codes are the A operand masked in place from two 64-bit loads (as the folded Mosaic
 // kernel's key_operand="registers"), the value codes the A operand from one transposing matrix
 // load (as its value_operand="matrix_loads"), Q' is built in registers from the queries and the
@@ -57,35 +62,36 @@ constexpr int HEAD_DIM = 128;
 constexpr int WARPS = 4;
 constexpr int WARP_TOKENS = 16 * TILES;
 constexpr int BLOCK = WARPS * WARP_TOKENS;
-constexpr int ROWS = 8;  // the products' N: query rows of a KV head, padded
+constexpr int REAL_ROWS = 4;  // query rows of a KV head (the benchmark's 4 heads per KV head)
 constexpr int WORDS_PER_TOKEN = HEAD_DIM * 2 / 32;
-constexpr int GROUP = 32;
+constexpr int GROUP = 32;  // tokens of a key group, channels of a value group
 constexpr int GROUPS_PER_BLOCK = BLOCK / GROUP;
+constexpr int VALUE_GROUPS = HEAD_DIM / GROUP;
 // bytes the copies of one block bring: codes, key scales, value statistics, key bias
 constexpr unsigned SLOT_BYTES = 2 * BLOCK * WORDS_PER_TOKEN * 4 + GROUPS_PER_BLOCK * HEAD_DIM * 2 +
-                                2 * BLOCK * 2 + GROUPS_PER_BLOCK * ROWS * 4;
+                                2 * VALUE_GROUPS * BLOCK * 2 + GROUPS_PER_BLOCK * REAL_ROWS * 4;
 
 struct __align__(128) Slot {
   uint32_t key_words[BLOCK * WORDS_PER_TOKEN];
   uint32_t value_words[BLOCK * WORDS_PER_TOKEN];
   __nv_bfloat16 k_scale[GROUPS_PER_BLOCK * HEAD_DIM];
-  __nv_bfloat16 v_scale[BLOCK];
-  __nv_bfloat16 v_min[BLOCK];
-  float key_bias[GROUPS_PER_BLOCK * ROWS];  // q . k_min per key group and row (base 2)
+  __nv_bfloat16 v_scale[VALUE_GROUPS][BLOCK];
+  __nv_bfloat16 v_min[VALUE_GROUPS][BLOCK];
+  float key_bias[GROUPS_PER_BLOCK * REAL_ROWS];  // q . k_min per key group and row (base 2)
 };
 
 struct Inputs {
   const uint32_t* key_words;    // [programs' rows, T, 8]
   const uint32_t* value_words;  // [rows, T, 8]
   const __nv_bfloat16* k_scale; // [rows, T / 32, 128]
-  const __nv_bfloat16* v_scale; // [rows, T]
-  const __nv_bfloat16* v_min;   // [rows, T]
-  const float* key_bias;        // [rows, T / 32, 8]
-  const float* queries;         // [rows, 8, 128], scaled to base-2 logits
-  const float* reference;       // [rows, splits, 8]: each split's fixed softmax reference
+  const __nv_bfloat16* v_scale; // [rows, 4, T]: per value group (group-major, as the folded kernel's)
+  const __nv_bfloat16* v_min;   // [rows, 4, T]
+  const float* key_bias;        // [rows, T / 32, 4]
+  const float* queries;         // [rows, 4, 128], scaled to base-2 logits
+  const float* reference;       // [rows, splits, 4]: each split's fixed softmax reference
   const int* lengths;           // [rows]
-  float* out;                   // [rows, splits, 8, 128]
-  float* sums;                  // [rows, splits, 8, 2]: sum of p, sum of p * v_min
+  float* out;                   // [rows, splits, 4, 128]
+  float* sums;                  // [rows, splits, 4, 5]: sum of p, then of p v_min per value group
   int tokens;
   int splits;
 };
@@ -175,8 +181,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) warp_products(Inputs
   __shared__ __align__(8) uint64_t full[STAGES];
   __shared__ __align__(8) uint64_t empty[STAGES];
   // the four warps' partial outputs, added after the loop, where the ring was
-  static_assert(sizeof(float) * WARPS * ROWS * (HEAD_DIM + 4) <= sizeof(Slot) * STAGES);
-  auto& totals = *reinterpret_cast<float(*)[WARPS][ROWS][HEAD_DIM + 4]>(ring);
+  static_assert(sizeof(float) * WARPS * REAL_ROWS * (HEAD_DIM + 4) <= sizeof(Slot) * STAGES);
+  auto& totals = *reinterpret_cast<float(*)[WARPS][REAL_ROWS][HEAD_DIM + 4]>(ring);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int quad = lane % 4, row = lane / 4;  // B / C fragment column pair, A / C fragment row
@@ -202,23 +208,29 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) warp_products(Inputs
     Slot& slot = ring[block % STAGES];
     uint64_t* barrier = &full[block % STAGES];
     const size_t token = token_base + static_cast<size_t>(block) * BLOCK;
+    const size_t in_row = start + static_cast<size_t>(block) * BLOCK;  // the token within its row
     expect_bytes(barrier, SLOT_BYTES);
     copy(slot.key_words, in.key_words + token * WORDS_PER_TOKEN, sizeof(slot.key_words), barrier);
     copy(slot.value_words, in.value_words + token * WORDS_PER_TOKEN, sizeof(slot.value_words),
          barrier);
     copy(slot.k_scale, in.k_scale + token / GROUP * HEAD_DIM, sizeof(slot.k_scale), barrier);
-    copy(slot.v_scale, in.v_scale + token, sizeof(slot.v_scale), barrier);
-    copy(slot.v_min, in.v_min + token, sizeof(slot.v_min), barrier);
-    copy(slot.key_bias, in.key_bias + token / GROUP * ROWS, sizeof(slot.key_bias), barrier);
+#pragma unroll
+    for (int group = 0; group < VALUE_GROUPS; ++group) {
+      const size_t statistics = (static_cast<size_t>(program_row) * VALUE_GROUPS + group) * in.tokens + in_row;
+      copy(slot.v_scale[group], in.v_scale + statistics, sizeof(slot.v_scale[group]), barrier);
+      copy(slot.v_min[group], in.v_min + statistics, sizeof(slot.v_min[group]), barrier);
+    }
+    copy(slot.key_bias, in.key_bias + token / GROUP * REAL_ROWS, sizeof(slot.key_bias), barrier);
   };
   if (warp == 0 && lane == 0) {
     for (int block = 0; block < min(blocks, STAGES); ++block) issue(block);
   }
 
-  // This lane's queries at its B-fragment positions: row `row`, the channels of its key registers
-  // (register i: word w = 2 quad + i / 8, fields f = i % 8 and f + 8, i.e. channels 8 f + w and
-  // 8 f + 64 + w), times 2^(69 - bit of the field) as `subnormal_codes` scales them.
-  const float* q = in.queries + (static_cast<size_t>(program_row) * ROWS + row) * HEAD_DIM;
+  // This lane's queries at its B-fragment positions: row `row` % 4 (the padding rows repeat the
+  // real ones), the channels of its key registers (register i: word w = 2 quad + i / 8, fields
+  // f = i % 8 and f + 8, i.e. channels 8 f + w and 8 f + 64 + w), times 2^(69 - bit of the
+  // field) as `subnormal_codes` scales them.
+  const float* q = in.queries + (static_cast<size_t>(program_row) * REAL_ROWS + row % REAL_ROWS) * HEAD_DIM;
 #if QUERY_F32
   float query[32];
 #pragma unroll
@@ -236,11 +248,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) warp_products(Inputs
                     q[8 * f + 64 + word] * exp2f(69.f - 2 * (f % 4)));
   }
 #endif
-  const float* reference = in.reference + (static_cast<size_t>(program_row) * in.splits + split) * ROWS;
-  const float reference0 = reference[2 * quad], reference1 = reference[2 * quad + 1];
+  // The C fragment's columns 2 quad, 2 quad + 1: query rows 2 (quad % 2) + 0, 1, in slot quad / 2.
+  const int column_row = 2 * (quad % 2), column_slot = quad / 2;
+  const float* reference = in.reference + (static_cast<size_t>(program_row) * in.splits + split) * REAL_ROWS;
+  const float reference0 = reference[column_row], reference1 = reference[column_row + 1];
 
   float output[8][4] = {};  // O^T: m-tile p (channels 16 h + ... + p), this lane's 4 entries
-  float sum0 = 0.f, sum1 = 0.f, min_sum0 = 0.f, min_sum1 = 0.f;  // rows 2 quad, 2 quad + 1
+  float sum0 = 0.f, sum1 = 0.f;  // the lane's two columns
+  float min_sums[2][2] = {};      // [B operand b][column]: value group 2 column_slot + b
   // Shared addresses computed once: the slots, and this lane's offsets in a slot.
   const uint32_t ring_base = smem_address(ring), full_base = smem_address(full);
   const int group = WARP_TOKENS * warp / GROUP;  // the key group of this warp's tokens
@@ -287,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) warp_products(Inputs
       scaled_query[i] = *reinterpret_cast<uint32_t*>(&product);
 #endif
     }
-    const float2 bias = *reinterpret_cast<const float2*>(&slot.key_bias[group * ROWS + 2 * quad]);
+    const float2 bias = *reinterpret_cast<const float2*>(&slot.key_bias[group * REAL_ROWS + column_row]);
     const float shift0 = bias.x - reference0, shift1 = bias.y - reference1;
 
 #pragma unroll
@@ -323,17 +338,24 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) warp_products(Inputs
       if (token >= length) p[0] = p[1] = 0.f;
       if (token + 8 >= length) p[2] = p[3] = 0.f;
 #endif
-      const float v_scale0 = widen(slot.v_scale[token0]), v_scale1 = widen(slot.v_scale[token0 + 8]);
-      const float v_min0 = widen(slot.v_min[token0]), v_min1 = widen(slot.v_min[token0 + 8]);
       sum0 += p[0] + p[2], sum1 += p[1] + p[3];
-      min_sum0 += p[0] * v_min0 + p[2] * v_min1, min_sum1 += p[1] * v_min0 + p[3] * v_min1;
-      // P'^T as the value product's B operand: transpose [token, row] pairs to [row, token].
-      // times 2^64 (`subnormal_codes.PROBS_SCALE`), which keeps P' code products above f32's
-      // subnormals
+      // P'^T as the value product's B operands, one per value group of this lane's slot (2 slot +
+      // b), times 2^64 (`subnormal_codes.PROBS_SCALE`, which keeps the code products above f32's
+      // subnormals): [token, column] pairs transposed to [column, token].
+      uint32_t b0[2], b1[2];
       constexpr float probs_scale = 18446744073709551616.f;
-      const float scaled0 = v_scale0 * probs_scale, scaled1 = v_scale1 * probs_scale;
-      const uint32_t b0 = transpose(pack(p[0] * scaled0, p[1] * scaled0));
-      const uint32_t b1 = transpose(pack(p[2] * scaled1, p[3] * scaled1));
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        const int value_group = 2 * column_slot + b;
+        const float v_scale0 = widen(slot.v_scale[value_group][token0]) * probs_scale;
+        const float v_scale1 = widen(slot.v_scale[value_group][token0 + 8]) * probs_scale;
+        const float v_min0 = widen(slot.v_min[value_group][token0]);
+        const float v_min1 = widen(slot.v_min[value_group][token0 + 8]);
+        min_sums[b][0] += p[0] * v_min0 + p[2] * v_min1;
+        min_sums[b][1] += p[1] * v_min0 + p[3] * v_min1;
+        b0[b] = transpose(pack(p[0] * v_scale0, p[1] * v_scale0));
+        b1[b] = transpose(pack(p[2] * v_scale1, p[3] * v_scale1));
+      }
 
       // Value product: V^T from one transposing matrix load of the tile's 16 tokens.
       uint32_t v[4];
@@ -357,7 +379,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) warp_products(Inputs
         const uint32_t* source = p_field < 4 ? v : v_high;
         const uint32_t a[4] = {field(source[0], p_field % 4), field(source[1], p_field % 4),
                                field(source[2], p_field % 4), field(source[3], p_field % 4)};
-        mma(output[p_field], a, b0, b1);
+        mma(output[p_field], a, b0[p_field / 4], b1[p_field / 4]);
       }
     }
   }
@@ -369,15 +391,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) warp_products(Inputs
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       // accumulator row r of m-tile `tile` is half-word r's field `tile` (half-word r: word r / 2,
-      // fields 8 (r % 2) + 0..7; field f of word w: channel 8 f + w)
-      const int half_word = row + 8 * (i / 2), query_row = 2 * quad + i % 2;
-      const int channel = 8 * (8 * (half_word % 2) + tile) + half_word / 2;
-      totals[warp][query_row][channel] = output[tile][i];
+      // fields 8 (r % 2) + 0..7; field f of word w: channel 8 f + w), in value group
+      // 2 (r % 2) + tile / 4: it reads the columns of slot r % 2
+      const int half_word = row + 8 * (i / 2);
+      if (half_word % 2 == column_slot) {
+        const int channel = 8 * (8 * (half_word % 2) + tile) + half_word / 2;
+        totals[warp][column_row + i % 2][channel] = output[tile][i];
+      }
     }
   }
   __syncthreads();
-  float* out = in.out + (static_cast<size_t>(program_row) * in.splits + split) * ROWS * HEAD_DIM;
-  for (int i = threadIdx.x; i < ROWS * HEAD_DIM; i += WARPS * 32) {
+  float* out = in.out + (static_cast<size_t>(program_row) * in.splits + split) * REAL_ROWS * HEAD_DIM;
+  for (int i = threadIdx.x; i < REAL_ROWS * HEAD_DIM; i += WARPS * 32) {
     const int query_row = i / HEAD_DIM, channel = i % HEAD_DIM;
     out[i] = totals[0][query_row][channel] + totals[1][query_row][channel] +
              totals[2][query_row][channel] + totals[3][query_row][channel];
@@ -386,14 +411,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, 4) warp_products(Inputs
   for (int offset = 4; offset < 32; offset *= 2) {
     sum0 += __shfl_xor_sync(0xffffffffu, sum0, offset);
     sum1 += __shfl_xor_sync(0xffffffffu, sum1, offset);
-    min_sum0 += __shfl_xor_sync(0xffffffffu, min_sum0, offset);
-    min_sum1 += __shfl_xor_sync(0xffffffffu, min_sum1, offset);
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      min_sums[b][0] += __shfl_xor_sync(0xffffffffu, min_sums[b][0], offset);
+      min_sums[b][1] += __shfl_xor_sync(0xffffffffu, min_sums[b][1], offset);
+    }
   }
-  if (row == 0) {
-    float* sums = in.sums + ((static_cast<size_t>(program_row) * in.splits + split) * ROWS) * 2;
-    atomicAdd(&sums[4 * quad], sum0);
-    atomicAdd(&sums[4 * quad + 1], min_sum0);
-    atomicAdd(&sums[4 * quad + 2], sum1);
-    atomicAdd(&sums[4 * quad + 3], min_sum1);
+  if (row == 0) {  // lanes 0-3: quad 0, 1 hold rows 0-1, 2-3 of slot 0 (groups 0, 1), 2-3 slot 1
+    float* sums = in.sums + (static_cast<size_t>(program_row) * in.splits + split) * REAL_ROWS *
+                              (1 + VALUE_GROUPS);
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float* row_sums = sums + (column_row + c) * (1 + VALUE_GROUPS);
+      if (column_slot == 0) atomicAdd(&row_sums[0], c ? sum1 : sum0);
+#pragma unroll
+      for (int b = 0; b < 2; ++b) atomicAdd(&row_sums[1 + 2 * column_slot + b], min_sums[b][c]);
+    }
   }
 }

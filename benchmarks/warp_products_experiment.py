@@ -50,9 +50,10 @@ from sm90_occupancy import programs_per_sm  # noqa: E402
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warp_products_experiment.cu")
 WARPS = 4
 HEAD_DIM = 128
-ROWS = 8  # the products' N: query rows per KV head, padded
+REAL_ROWS = 4  # query rows per KV head (the products' N is 8: the padding rows repeat them)
 WORDS_PER_TOKEN = HEAD_DIM * 2 // 32  # 2-bit codes
-GROUP = 32  # key group (tokens per key scale)
+GROUP = 32  # tokens of a key group, channels of a value group
+VALUE_GROUPS = HEAD_DIM // GROUP
 KERNEL_NAME = "warp_products"
 CHECK_TOLERANCE = {"out": 1e-2, "sums": 1e-3}  # relative to the largest magnitude of each
 # The benchmark's shape: batch 8 x 8 KV heads, 32k tokens, 32 splits of 1024.
@@ -176,14 +177,15 @@ def array_shapes(rows: int, tokens: int, splits: int) -> dict:
     "key_words": (np.uint32, (rows, tokens, WORDS_PER_TOKEN)),
     "value_words": (np.uint32, (rows, tokens, WORDS_PER_TOKEN)),
     "k_scale": (np.uint16, (rows, groups, HEAD_DIM)),  # bf16 bits
-    "v_scale": (np.uint16, (rows, tokens)),
-    "v_min": (np.uint16, (rows, tokens)),
-    "key_bias": (np.float32, (rows, groups, ROWS)),
-    "queries": (np.float32, (rows, ROWS, HEAD_DIM)),
-    "reference": (np.float32, (rows, splits, ROWS)),
+    "v_scale": (np.uint16, (rows, VALUE_GROUPS, tokens)),  # group-major, as the folded kernel's
+    "v_min": (np.uint16, (rows, VALUE_GROUPS, tokens)),
+    "key_bias": (np.float32, (rows, groups, REAL_ROWS)),
+    "queries": (np.float32, (rows, REAL_ROWS, HEAD_DIM)),
+    "reference": (np.float32, (rows, splits, REAL_ROWS)),
     "lengths": (np.int32, (rows,)),
-    "out": (np.float32, (rows, splits, ROWS, HEAD_DIM)),
-    "sums": (np.float32, (rows, splits, ROWS, 2)),
+    "out": (np.float32, (rows, splits, REAL_ROWS, HEAD_DIM)),
+    # the sum of p, then of p v_min per value group
+    "sums": (np.float32, (rows, splits, REAL_ROWS, 1 + VALUE_GROUPS)),
   }
 
 
@@ -218,19 +220,22 @@ def split_tokens(tokens: int, splits: int, tiles: int) -> int:
 
 
 def model_outputs(arrays: dict, splits: int, tiles: int) -> tuple[np.ndarray, np.ndarray]:
-  """(out [rows, splits, 8, 128], sums [rows, splits, 8, 2]) as the experiment computes them:
-  Q' and P' rounded to bf16 where it rounds them, the codes' powers of two left in the output."""
+  """(out [rows, splits, 4, 128], sums [rows, splits, 4, 5]) as the experiment computes them:
+  Q' and P' rounded to bf16 where it rounds them, each channel's P' with its value group's
+  scales, the codes' powers of two left in the output."""
   rows, tokens, _ = arrays["key_words"].shape
   per_split = split_tokens(tokens, splits, tiles)
   exponent = code_exponents()
+  value_group = np.arange(HEAD_DIM) // GROUP
   # the lane's queries: q * 2^(69 - bit), rounded to bf16; Q' = bf16(that * k_scale)
   queries = bf16_values(bf16_bits(arrays["queries"] * 2.0 ** (69 - exponent)))
   k_scale = bf16_values(arrays["k_scale"])
   keys = planar_codes(arrays["key_words"]).astype(np.float64)
   values = planar_codes(arrays["value_words"]).astype(np.float64)
   v_scale, v_min = bf16_values(arrays["v_scale"]), bf16_values(arrays["v_min"])
-  out = np.zeros(array_shapes(rows, tokens, splits)["out"][1], np.float64)
-  sums = np.zeros(array_shapes(rows, tokens, splits)["sums"][1], np.float64)
+  shapes = array_shapes(rows, tokens, splits)
+  out = np.zeros(shapes["out"][1], np.float64)
+  sums = np.zeros(shapes["sums"][1], np.float64)
   for r in range(rows):
     length = int(arrays["lengths"][r])
     for s in range(splits):
@@ -242,11 +247,13 @@ def model_outputs(arrays: dict, splits: int, tiles: int) -> tuple[np.ndarray, np
       # (code * 2^(bit - 133)) (q' * 2^(69 - bit)) summed, times 2^64: q' code
       scores = np.einsum("gtc,tc->gt", scaled * 2.0 ** (exponent - 69.0), keys[r, t])
       logits = scores + arrays["key_bias"][r][t // GROUP].T - arrays["reference"][r, s][:, None]
-      p = np.exp2(logits.astype(np.float32)).astype(np.float64)  # [8, tokens]
+      p = np.exp2(logits.astype(np.float32)).astype(np.float64)  # [4, tokens]
       sums[r, s, :, 0] = p.sum(axis=1)
-      sums[r, s, :, 1] = (p * v_min[r, t]).sum(axis=1)
-      scaled_p = bf16_values(bf16_bits((p * v_scale[r, t] * 2.0**64).astype(np.float32)))
-      out[r, s] = np.einsum("gt,tc->gc", scaled_p.astype(np.float64), values[r, t])
+      sums[r, s, :, 1:] = np.einsum("gt,vt->gv", p, v_min[r][:, t])
+      for group in range(VALUE_GROUPS):
+        channels = value_group == group
+        scaled_p = bf16_values(bf16_bits((p * v_scale[r, group, t] * 2.0**64).astype(np.float32)))
+        out[r, s][:, channels] = scaled_p.astype(np.float64) @ values[r, t][:, channels]
   out *= 2.0 ** (exponent - 133.0)
   return out, sums
 

@@ -25,6 +25,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.warpgroup_thread import thread_coordinates
 
 OPERAND_ORDERS = ("channel", "word")
+# The register layouts `stage_words_in_word_order` can give the operand in: wgmma's, or the A
+# operand of the warp-level `plgpu.mma` (mma.sync) with four warps along M, which holds the same
+# elements in each thread (KERNEL_NOTES v44), its registers indexed by 16-column tiles.
+OPERAND_LAYOUTS = ("wgmma", "mma_lhs")
 
 
 def _split_position(position, bits: int):
@@ -90,16 +94,48 @@ def word_order_unsupported_reason(head_dim: int, bits: int) -> str | None:
   return None
 
 
-def stage_words_in_word_order(words: jax.Array, bits: int) -> jax.Array:
+def check_operand_layout(operand_layout) -> None:
+  """ValueError unless `operand_layout` is one of OPERAND_LAYOUTS."""
+  if operand_layout not in OPERAND_LAYOUTS:
+    raise ValueError(
+      f"operand_layout={operand_layout!r} is not supported; allowed: {', '.join(OPERAND_LAYOUTS)}"
+    )
+
+
+def operand_register_layout(operand_layout: str):
+  """(the Pallas layout, a function from a wgmma register index (row tile, 8-column group,
+  ..., row half, ...) to that layout's index of the same register)."""
+  if operand_layout == "wgmma":
+    return plgpu.Layout.WGMMA, lambda row_tile, group, rest: (row_tile, group, *rest)
+  # MMA_LHS tiles columns by 16: group G is half G % 2 of tile G // 2; rest[2] the row half
+  return plgpu.Layout.MMA_LHS(jnp.bfloat16), lambda row_tile, group, rest: (
+    row_tile,
+    group // 2,
+    0,
+    group % 2,
+    rest[2],
+    0,
+    0,
+    0,
+    0,
+  )
+
+
+def stage_words_in_word_order(
+  words: jax.Array, bits: int, operand_layout: str = "wgmma"
+) -> jax.Array:
   """uint32 [64, W] planar words (wgmma layout) -> bf16 [64, D] operands in the word order, each
-  masked word one operand register (`inline_mgpu`). Native only: in interpret mode, where
-  subnormals flush, the caller stages in channel order and gathers `word_order_channels`."""
+  masked word one operand register (`inline_mgpu`), in `operand_layout` (OPERAND_LAYOUTS).
+  Native only: in interpret mode, where subnormals flush, the caller stages in channel order and
+  gathers `word_order_channels`."""
+  check_operand_layout(operand_layout)
   rows, width = words.shape
   head_dim = width * 32 // bits
+  layout, register_index = operand_register_layout(operand_layout)
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.Layout.WGMMA,),
-    return_type=plgpu.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16, layout=plgpu.Layout.WGMMA),
+    return_type=plgpu.ShapeDtypeStruct((rows, head_dim), jnp.bfloat16, layout=layout),
   )
   def unpack(_, words_array):
     # Imported here: the CUDA-only lowering modules stay out of CPU runs.
@@ -112,7 +148,8 @@ def stage_words_in_word_order(words: jax.Array, bits: int) -> jax.Array:
     pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
     pairs = 16 // bits
     field_mask = (1 << bits) - 1
-    registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((rows, head_dim)), dtype=object)
+    mosaic_layout = layout.to_mgpu() if operand_layout != "wgmma" else fa.WGMMA_LAYOUT
+    registers = np.empty(mosaic_layout.registers_shape((rows, head_dim)), dtype=object)
     for index, register in np.ndenumerate(words_array.registers):
       # index: (row tile, word group j, ..., row half, ...) of the [rows, W] wgmma layout
       for t in range(2):
@@ -126,8 +163,10 @@ def stage_words_in_word_order(words: jax.Array, bits: int) -> jax.Array:
           mask = (field_mask << (position % 8)) * 0x00010001
           masked = arith.andi(source, mgpu_utils.c(mask, i32))
           column_group = 2 * pairs * index[1] + 2 * p + t
-          registers[(index[0], column_group, *index[2:])] = mgpu_utils.bitcast(masked, pair_type)
-    return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+          registers[register_index(index[0], column_group, index[2:])] = mgpu_utils.bitcast(
+            masked, pair_type
+          )
+    return fa.FragmentedArray(_registers=registers, _layout=mosaic_layout, _is_signed=None)
 
   return unpack(words)
 

@@ -26,7 +26,7 @@ occupancy = _load("sm90_occupancy")
 
 
 def test_per_program_tokens_spreads_the_refill_over_the_four_warps():
-  # a 522-instruction loop whose refill arm is 115 (v44's TILES=2 count), two tiles per warp
+  # a 522-instruction loop whose refill arm is 115, two tiles per warp
   counts = experiment.per_program_tokens(522, 407, tiles=2)
   assert counts["copies_arm"] == 115
   assert counts["mean"] == pytest.approx((407 + 115 / 4) / 2)
@@ -124,9 +124,10 @@ def test_kernel_inputs_follow_the_experiments_struct():
 
 def test_model_outputs_are_attention_over_the_dequantized_cache():
   """The numpy model the GPU check compares with: scores q . (k_scale code) + bias - reference
-  in base 2, out = sum_t 2^score v_scale code_v, left times 2^(64 + bit - 133) per channel, as
-  the experiment leaves it; each split over its own tokens, none past a row's length. Within the
-  bf16 roundings of Q' and P'."""
+  in base 2, out = sum_t 2^score v_scale code_v with each channel's value-group scale, left
+  times 2^(64 + bit - 133) per channel, as the experiment leaves it; sums of p and of p v_min per
+  value group; each split over its own tokens, none past a row's length. Within the bf16
+  roundings of Q' and P'."""
   import numpy as np
 
   rows, tokens, splits, tiles = 3, 512, 2, 2
@@ -139,6 +140,7 @@ def test_model_outputs_are_attention_over_the_dequantized_cache():
   v_min = experiment.bf16_values(arrays["v_min"]).astype(np.float64)
   per_split = experiment.split_tokens(tokens, splits, tiles)
   exponent = experiment.code_exponents()
+  channel_group = np.arange(experiment.HEAD_DIM) // experiment.GROUP
   for r in range(rows):
     for s in range(splits):
       t = np.arange(s * per_split, min((s + 1) * per_split, arrays["lengths"][r]))
@@ -148,10 +150,13 @@ def test_model_outputs_are_attention_over_the_dequantized_cache():
       )
       logits += arrays["key_bias"][r][group].T - arrays["reference"][r, s][:, None]
       p = np.exp2(logits)
-      expected = (p * v_scale[r, t]) @ values[r, t] * 2.0 ** (64 + exponent - 133.0)
+      dequantized = v_scale[r][channel_group][:, t].T * values[r, t]  # [tokens, 128]
+      expected = p @ dequantized * 2.0 ** (64 + exponent - 133.0)
       np.testing.assert_allclose(out[r, s], expected, rtol=0, atol=3e-2 * np.abs(expected).max())
       np.testing.assert_allclose(sums[r, s, :, 0], p.sum(axis=1), rtol=3e-2)
-      np.testing.assert_allclose(sums[r, s, :, 1], p @ v_min[r, t], rtol=0, atol=3e-2 * p.sum())
+      np.testing.assert_allclose(
+        sums[r, s, :, 1:], p @ v_min[r][:, t].T, rtol=0, atol=3e-2 * p.sum()
+      )
   assert arrays["lengths"][-1] == tokens - 100  # the short row's tail is outside every split
 
 
@@ -286,9 +291,10 @@ emulation = _load("warp_products_emulation")
 def test_lane_by_lane_emulation_gives_the_model(tiles):
   """The experiment's loop run lane by lane (its registers, the PTX fragment layouts of
   mma.m16n8k16, movmatrix and ldmatrix.trans) equals what the model says it computes, the
-  short row's tail included. Its mutations (a swapped byte-permute selector, the epilogue's
-  channel of a row, the bias of the wrong row, the matrix loads' token rows) each put the output
-  off by 15-106%."""
+  short row's tail included. Seven mutations of the transcription (a swapped byte-permute
+  selector, the epilogue's channel of a row, the bias of the wrong row, the matrix loads' token
+  rows, the value group of a slot, the slot a row reads, the B operand of an m-tile) each put
+  the output or the sums off by 9-101%."""
   import numpy as np
 
   arrays = experiment.random_arrays(2, 512, 2, seed=5)

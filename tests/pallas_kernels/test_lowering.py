@@ -544,3 +544,49 @@ def _lower_quantized_mosaic_gpu(function, bits, head_dim, group, group_size, con
     segment,
     lengths,
   )
+
+
+@pytest.mark.parametrize("rows", [8, 16])
+@pytest.mark.parametrize("operand_layout", ["mma_lhs", "wgmma"])
+def test_key_codes_lower_as_the_warp_level_mma_operand(rows, operand_layout):
+  """v44: the word-order key codes built in the MMA_LHS layout are the A operand `plgpu.mma`
+  (mma.sync per warp) takes: the product lowers for sm_90, layout inference assigning them no
+  relayout. Built in the wgmma layout they are refused by layout inference (Mosaic GPU has no
+  relayout between the two): the reason for the "mma_lhs" option. Q'^T [128, rows] comes from
+  shared memory in MMA_RHS."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from pallas_kernels.word_operand_order import stage_words_in_word_order
+
+  def body(words_gmem, queries_gmem, out_gmem, words_smem, queries_smem, out_smem, barrier):
+    plgpu.copy_gmem_to_smem(words_gmem, words_smem, barrier)
+    plgpu.copy_gmem_to_smem(queries_gmem, queries_smem, barrier)
+    plgpu.barrier_wait(barrier)
+    words = plgpu.layout_cast(words_smem[...], plgpu.Layout.WGMMA)
+    a = stage_words_in_word_order(words, 2, operand_layout=operand_layout)
+    b = plgpu.load(queries_smem.at[...], layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
+    acc = plgpu.layout_cast(jnp.zeros((64, rows), jnp.float32), plgpu.Layout.MMA_ACC(jnp.bfloat16))
+    out_smem[...] = plgpu.mma(acc, a, b)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+  kernel = plgpu.kernel(
+    body,
+    out_type=jax.ShapeDtypeStruct((64, rows), jnp.float32),
+    scratch_types=[
+      plgpu.SMEM((64, 8), jnp.uint32),
+      plgpu.SMEM((128, rows), jnp.bfloat16),
+      plgpu.SMEM((64, rows), jnp.float32),
+      plgpu.Barrier(num_arrivals=2),
+    ],
+  )
+  arguments = (
+    jax.ShapeDtypeStruct((64, 8), jnp.uint32),
+    jax.ShapeDtypeStruct((128, rows), jnp.bfloat16),
+  )
+  if operand_layout == "wgmma":
+    with pytest.raises(ValueError, match="Failed to infer a possible set of layouts"):
+      _lower(kernel, "cuda", *arguments)
+    return
+  assert "mosaic_gpu" in _lower(kernel, "cuda", *arguments)

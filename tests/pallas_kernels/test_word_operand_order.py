@@ -77,3 +77,55 @@ def test_position_of_channel_inverts_channel_at_position(head_dim, bits):
   np.testing.assert_array_equal(
     np.asarray(order.position_of_channel(jnp.asarray(channels), head_dim, bits)), expected
   )
+
+
+def test_stage_words_refuses_an_unknown_operand_layout():
+  with pytest.raises(
+    ValueError, match="operand_layout='wgmma_transposed' is not supported; allowed: wgmma, mma_lhs"
+  ):
+    order.stage_words_in_word_order(
+      jnp.zeros((64, 8), jnp.uint32), 2, operand_layout="wgmma_transposed"
+    )
+
+
+def _placement(layout, shape, element):
+  """(register index, warp, lane, position in the register) of `element` of a [shape] array in a
+  Mosaic GPU TiledLayout, by the layout's own tiling."""
+  tiled = list(layout.tiling.tile_indices(element))
+  tiled_shape = layout.tiling.tile_shape(shape)
+  warp_dims = [d for d in layout.warp_dims if isinstance(d, int)]
+  warp = sum(
+    tiled[d] * int(np.prod([tiled_shape[e] for e in warp_dims[i + 1 :]]))
+    for i, d in enumerate(warp_dims)
+  )
+  lane_dims = [d for d in layout.lane_dims if isinstance(d, int)]
+  lane = sum(
+    tiled[d] * int(np.prod([tiled_shape[e] for e in lane_dims[i + 1 :]]))
+    for i, d in enumerate(lane_dims)
+  )
+  position = tiled[layout.vector_dim]
+  register = list(tiled)
+  for d in (*warp_dims, *lane_dims, layout.vector_dim):
+    register[d] = 0
+  return tuple(register), warp, lane, position
+
+
+def test_mma_lhs_registers_hold_the_elements_wgmma_registers_hold():
+  """`stage_words_in_word_order(..., operand_layout="mma_lhs")` moves each wgmma register to
+  the MMA_LHS index `operand_register_layout` gives: by Mosaic GPU's own tilings of the two
+  layouts, every element of a [64, 128] operand then sits in the same thread, at the same
+  position of a register, as in the wgmma layout."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+  _, to_mma_lhs = order.operand_register_layout("mma_lhs")
+  mma_lhs = order.operand_register_layout("mma_lhs")[0].to_mgpu()
+  shape = (64, 128)
+  for row in range(64):
+    for column in range(128):
+      wgmma_register, *where = _placement(fa.WGMMA_LAYOUT, shape, (row, column))
+      # the wgmma layout as the module doc states it: warp 16-row block, lane (row % 8, pair)
+      assert where == [(row % 64) // 16, 4 * (row % 8) + (column % 8) // 2, column % 2]
+      lhs_register, *lhs_where = _placement(mma_lhs, shape, (row, column))
+      assert lhs_where == where
+      row_tile, group, *rest = wgmma_register
+      assert to_mma_lhs(row_tile, group, rest) == lhs_register
