@@ -26,14 +26,13 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import mosaic_static_cost  # noqa: E402  (sets Mosaic GPU's dump environment before jax loads)
-import triton_static_cost  # noqa: E402
 
 TOKENS, HEAD_DIM, BITS = 64, 128, 2
 
 
-def probe_kernel(rows: int, a_operand: str):
-  """(kernel, abstract arguments): scores [64, rows] = key codes [64, 128] . Q'^T [128, rows]."""
+def probe_kernel(rows: int, a_operand: str = "registers", operand_layout: str = "mma_lhs"):
+  """(kernel, abstract arguments): scores [64, rows] = key codes [64, 128] . Q'^T [128, rows],
+  the key codes built in registers in `operand_layout` or loaded from a staged tile."""
   import jax
   import jax.numpy as jnp
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -54,7 +53,7 @@ def probe_kernel(rows: int, a_operand: str):
     plgpu.barrier_wait(barrier)
     if a_operand == "registers":
       words = plgpu.layout_cast(words_smem[...], plgpu.Layout.WGMMA)
-      a = stage_words_in_word_order(words, BITS, operand_layout="mma_lhs")
+      a = stage_words_in_word_order(words, BITS, operand_layout=operand_layout)
     else:
       a = plgpu.load(a_smem.at[...], layout=plgpu.Layout.MMA_LHS(jnp.bfloat16))
     b = plgpu.load(queries_smem.at[...], layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
@@ -90,6 +89,11 @@ def main():
   parser.add_argument("--rows", nargs="+", type=int, default=[8, 16], choices=[8, 16])
   parser.add_argument("--a-operand", default="registers", choices=["registers", "shared_memory"])
   args = parser.parse_args()
+  # Imported here, before jax: it sets Mosaic GPU's dump environment (and tests import this
+  # module for `probe_kernel` without it).
+  import mosaic_static_cost
+  import triton_static_cost
+
   device = mosaic_static_cost.compile_only_device()
   for rows in args.rows:
     ptx, _ = mosaic_static_cost.ptx_of(*probe_kernel(rows, args.a_operand), device)

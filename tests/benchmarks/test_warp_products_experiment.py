@@ -1,25 +1,12 @@
 """The accounting of benchmarks/warp_products_experiment.py and the sm_90 occupancy rule it and
 mosaic_static_cost.py share (no nvcc, no GPU)."""
 
-import importlib.util
 import pathlib
-import sys
 
 import pytest
 
-_BENCHMARKS = pathlib.Path(__file__).parents[2] / "benchmarks"
-
-
-def _load(name):
-  spec = importlib.util.spec_from_file_location(name, _BENCHMARKS / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.path.insert(0, str(_BENCHMARKS))
-  try:
-    spec.loader.exec_module(module)
-  finally:
-    sys.path.remove(str(_BENCHMARKS))
-  return module
-
+from tests.benchmarks.benchmark_modules import BENCHMARKS as _BENCHMARKS
+from tests.benchmarks.benchmark_modules import load_benchmark as _load
 
 experiment = _load("warp_products_experiment")
 occupancy = _load("sm90_occupancy")
