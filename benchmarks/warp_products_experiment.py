@@ -26,8 +26,8 @@ On a GPU, the same loop can be run and timed before anything of it is built into
 DIR` (on the GPU machine: numpy and the driver, through `cuda_driver`) checks each against a
 numpy model of what the experiment computes (random inputs, a small shape: a wrong fragment
 layout shows as an O(1) error) and times it at the benchmark's shape (8 x 8 rows of a 32k
-KIVI-2 cache, 4 query heads padded to 8, one launch per call, median of repeats), with the
-device-to-device copy rate of the same run as the ceiling.
+KIVI-2 cache, 4 query heads per KV head, one launch per call, median of repeats; also at 8k
+and 128k), with the device-to-device copy rate of the same run as the ceiling.
 """
 
 import argparse
@@ -56,8 +56,10 @@ GROUP = 32  # tokens of a key group, channels of a value group
 VALUE_GROUPS = HEAD_DIM // GROUP
 KERNEL_NAME = "warp_products"
 CHECK_TOLERANCE = {"out": 1e-2, "sums": 1e-3}  # relative to the largest magnitude of each
-# The benchmark's shape: batch 8 x 8 KV heads, 32k tokens, 32 splits of 1024.
-BENCHMARK_ROWS, BENCHMARK_TOKENS, BENCHMARK_SPLITS = 64, 32768, 32
+# The benchmark's shape: batch 8 x 8 KV heads, 32k tokens (also timed at 8k and 128k), splits of
+# 1024 tokens (32 at 32k).
+BENCHMARK_ROWS, BENCHMARK_TOKENS, SPLIT_TOKENS = 64, 32768, 1024
+TIMED_CONTEXTS = (8192, 32768, 131072)
 # The experiment's compile-time settings (its #ifndef defaults) and the values a variant may set.
 DEFINES = {
   "TILES": (1, 2),
@@ -327,10 +329,10 @@ def bytes_read(rows: int, tokens: int, splits: int) -> int:
   return sum(int(np.prod(shapes[n][1])) * np.dtype(shapes[n][0]).itemsize for n in names)
 
 
-def time_on_gpu(driver, function, *, iters=100, repeats=7) -> dict:
-  """Median microseconds per launch at the benchmark's shape (constant inputs: the loop's work
-  does not depend on the values)."""
-  rows, tokens, splits = BENCHMARK_ROWS, BENCHMARK_TOKENS, BENCHMARK_SPLITS
+def time_on_gpu(driver, function, *, tokens=BENCHMARK_TOKENS, iters=100, repeats=7) -> dict:
+  """Median microseconds per launch at the benchmark's shape with `tokens` tokens a row, in
+  splits of SPLIT_TOKENS (constant inputs: the loop's work does not depend on the values)."""
+  rows, splits = BENCHMARK_ROWS, tokens // SPLIT_TOKENS
   pointers, parameters = _device_arrays(driver, rows, tokens, splits)
   shapes = array_shapes(rows, tokens, splits)
   fills = {
@@ -396,8 +398,9 @@ def build(variants: list, directory: str) -> None:
 
 
 def run_on_gpu(directory: str, driver=None) -> list:
-  """Each cubin of `directory` checked (`check_on_gpu`) and timed (`time_on_gpu`), with the copy
-  rate of the same run; `driver` a `cuda_driver.Driver` (made here by default)."""
+  """Each cubin of `directory` checked (`check_on_gpu`) and timed (`time_on_gpu`, at each of
+  TIMED_CONTEXTS), with the copy rate of the same run; `driver` a `cuda_driver.Driver` (made
+  here by default)."""
   if driver is None:
     import cuda_driver
 
@@ -415,8 +418,12 @@ def run_on_gpu(directory: str, driver=None) -> list:
     tiles = entry["variant"].get("TILES", 1)
     row = {"variant": entry["variant"], "device": device, "copy_gbps": ceiling}
     row.update(check_on_gpu(driver, function, tiles))
-    row.update(time_on_gpu(driver, function))
-    row["percent_of_copy"] = 100 * row["gbps"] / ceiling
+    row["contexts"] = {}
+    for tokens in TIMED_CONTEXTS:
+      timing = time_on_gpu(driver, function, tokens=tokens)
+      timing["percent_of_copy"] = 100 * timing["gbps"] / ceiling
+      row["contexts"][tokens] = timing
+    row.update(row["contexts"][BENCHMARK_TOKENS])  # the issue's shape, at the top level
     rows.append(row)
     print(json.dumps(row), flush=True)
   return rows
