@@ -152,10 +152,17 @@ sweep_at_32k() {  # sweep_at_32k LOG CONFIGS_JSON [SECONDS]: the configs timed a
     --sweep-only --sweep-configs "$2" --out "$out/sweep_32k.json" 2>&1 | tee -a "$1"
 }
 warp_products_run() {  # warp_products_run LOG: v44's per-warp products experiment checked against
-  # its numpy model and timed at the 32k shape, from the committed cubins (no nvcc needed here)
+  # its numpy model and timed at the 32k shape (and 8k, 128k), from the committed cubins (no nvcc
+  # needed here); then the same loop as a Mosaic GPU kernel, checked and timed at 32k
   echo "== warp products experiment (KERNEL_NOTES v44)" >> "$1"
+  local status=0
   timeout --signal=INT 90 "$python" benchmarks/warp_products_experiment.py \
-    --run benchmarks/warp_products_cubins --out "$out/warp_products_h200.json" >> "$1" 2>&1
+    --run benchmarks/warp_products_cubins --out "$out/warp_products_h200.json" >> "$1" 2>&1 \
+    || status=1
+  echo "== warp products, Mosaic GPU (KERNEL_NOTES v44)" >> "$1"
+  timeout --signal=INT 90 "$python" benchmarks/warp_products_mosaic_experiment.py \
+    --run --out "$out/warp_products_mosaic_h200.json" >> "$1" 2>&1 || status=1
+  return "$status"
 }
 keep_fastest() {  # keep_fastest LOG: the 32k sweep's fastest config, as JSON to stdout, named in
   # LOG and on stderr, and kept on the machine for v40_profile ($OUT starts empty at every call)

@@ -196,46 +196,54 @@ def warp_tile(state: dict, slot: dict, warp: int, tile: int, tiles: int, token_b
     state["output"][p_field] = mma_m16n8k16(a, b, state["output"][p_field])
 
 
+def warp_states(arrays: dict, r: int, s: int, splits: int, tiles: int) -> list[dict]:
+  """The four warps' states (`warp_tile`'s: each lane's partial output, sums and minimum sums)
+  after row r's split s, lane by lane."""
+  tokens = arrays["key_words"].shape[1]
+  block = 64 * tiles
+  per_split = experiment.split_tokens(tokens, splits, tiles)
+  length = int(arrays["lengths"][r])
+  start = s * per_split
+  blocks = -(-min(per_split, max(length - start, 0)) // block)
+  queries = lane_queries(arrays["queries"][r])
+  states = [
+    {
+      "queries": queries,
+      "reference": arrays["reference"][r, s],
+      "length": length,
+      "output": np.zeros((8, 32, 4), np.float32),
+      "sums": np.zeros((32, 2), np.float32),
+      "min_sums": np.zeros((32, 2, 2), np.float32),
+    }
+    for _ in range(experiment.WARPS)
+  ]
+  for b in range(blocks):
+    first = start + b * block
+    tokens_of_block = slice(first, first + block)
+    groups = slice(first // experiment.GROUP, (first + block) // experiment.GROUP)
+    slot = {
+      "key_words": arrays["key_words"][r, tokens_of_block],
+      "value_words": arrays["value_words"][r, tokens_of_block],
+      "k_scale": arrays["k_scale"][r, groups],
+      "v_scale": arrays["v_scale"][r, :, tokens_of_block],
+      "v_min": arrays["v_min"][r, :, tokens_of_block],
+      "key_bias": arrays["key_bias"][r, groups],
+    }
+    for warp in range(experiment.WARPS):
+      for tile in range(tiles):
+        warp_tile(states[warp], slot, warp, tile, tiles, first)
+  return states
+
+
 def emulate_outputs(arrays: dict, splits: int, tiles: int) -> tuple[np.ndarray, np.ndarray]:
   """(out, sums) shaped as `model_outputs` gives them, computed lane by lane."""
   rows, tokens, _ = arrays["key_words"].shape
-  block = 64 * tiles
-  per_split = experiment.split_tokens(tokens, splits, tiles)
   shapes = experiment.array_shapes(rows, tokens, splits)
   out = np.zeros(shapes["out"][1], np.float32)
   sums = np.zeros(shapes["sums"][1], np.float32)
   for r in range(rows):
-    length = int(arrays["lengths"][r])
     for s in range(splits):
-      start = s * per_split
-      blocks = -(-min(per_split, max(length - start, 0)) // block)
-      queries = lane_queries(arrays["queries"][r])
-      states = [
-        {
-          "queries": queries,
-          "reference": arrays["reference"][r, s],
-          "length": length,
-          "output": np.zeros((8, 32, 4), np.float32),
-          "sums": np.zeros((32, 2), np.float32),
-          "min_sums": np.zeros((32, 2, 2), np.float32),
-        }
-        for _ in range(experiment.WARPS)
-      ]
-      for b in range(blocks):
-        first = start + b * block
-        tokens_of_block = slice(first, first + block)
-        groups = slice(first // experiment.GROUP, (first + block) // experiment.GROUP)
-        slot = {
-          "key_words": arrays["key_words"][r, tokens_of_block],
-          "value_words": arrays["value_words"][r, tokens_of_block],
-          "k_scale": arrays["k_scale"][r, groups],
-          "v_scale": arrays["v_scale"][r, :, tokens_of_block],
-          "v_min": arrays["v_min"][r, :, tokens_of_block],
-          "key_bias": arrays["key_bias"][r, groups],
-        }
-        for warp in range(experiment.WARPS):
-          for tile in range(tiles):
-            warp_tile(states[warp], slot, warp, tile, tiles, first)
+      states = warp_states(arrays, r, s, splits, tiles)
       # the epilogue: accumulator row r of m-tile p is half-word r's field p, in value group
       # 2 (r % 2) + p / 4: it reads the columns of slot r % 2
       column_row, column_slot = 2 * (THREAD_IN_GROUP % 2), THREAD_IN_GROUP // 2

@@ -1,0 +1,439 @@
+"""The per-warp products loop (KERNEL_NOTES v44) as a Pallas Mosaic GPU kernel: an experiment.
+
+`warp_products_experiment.cu` says what the design costs written by hand; this says what it costs
+in the library's own framework, where it would be built (`products="warp"` of the folded kernel,
+not built yet). The same computation and inputs as the CUDA experiment (`warp_products_experiment`'s
+arrays, model and check), with Mosaic GPU's pieces:
+- the ring: TMA copies of a 64-token block's key words, key scales, key bias (q . k_min, XLA's),
+  value words and group-major value statistics, one barrier per slot;
+- the key product: `plgpu.mma` (mma.sync per warp), A the key codes masked straight into the
+  MMA_LHS layout (`stage_words_in_word_order(..., operand_layout="mma_lhs")`), B Q'^T of the
+  block's two key groups [128, 16] staged in shared memory (a barrier) and loaded in MMA_RHS;
+  each warp's 16 tokens take their own group's 8 columns;
+- the softmax with the split's fixed reference, as array code on [64, 8];
+- the value product per warp (`value_product_per_warp`, inline code): P' of the two slot pairings
+  of value groups moved to B operands by `movmatrix`, the warp's own 16 tokens' value codes by
+  one `ldmatrix.x4.trans`, 8 `mma.sync` into the warp's partial output, a [512, 8] f32 array in
+  the wgmma layout (row 64 p + 16 w + r: warp w's m-tile p);
+- a barrier per block before a slot is refilled (the folded kernel's ring protocol).
+The kernel writes each warp's partial output and the per-lane sums as they are; `finish` adds
+them up (numpy), so the outputs compare with `warp_products_experiment.model_outputs`.
+
+Native only (inline PTX). Here it is lowered and counted for sm_90a without a GPU:
+
+  MOSAIC_GPU_CUDA_ROOT=/usr/local/cuda-13.0 PYTHONPATH=. \\
+    .venv-mosaic-analysis/bin/python benchmarks/warp_products_mosaic_experiment.py --count
+
+and `--run` on the GPU machine checks it against the model and times it at the 32k shape.
+"""
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import warp_products_experiment as experiment  # noqa: E402
+
+BLOCK = 64
+STAGES = 4
+ROWS = 8  # the products' N: the 4 query rows, repeated
+BITS = 2
+QUERY_EXPONENT = 69  # `subnormal_codes`: queries times 2^(69 - bit), scores times 2^64
+SCORE_SCALE = 2.0**64
+PROBS_SCALE = 2.0**64
+
+
+def value_product_per_warp(probs_low, probs_high, words_ref, acc):
+  """acc f32 [512, 8] (wgmma layout: row 64 p + 16 w + r is warp w's m-tile p) plus each warp's
+  V^T [128, 16 own tokens] . P'^T [16, 8], for m-tiles p < 4 with P' `probs_low`, p >= 4 with
+  `probs_high` (bf16 [64, 8], wgmma layout: warp w holds its tokens 16 w ..); `words_ref` the
+  block's value words [64, 8] uint32 in shared memory (`inline_mgpu`, native only)."""
+  import jax.numpy as jnp
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from pallas_kernels.warpgroup_thread import thread_coordinates
+
+  wgmma = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(
+    arg_types=(wgmma, wgmma, plgpu.RefType(), wgmma),
+    return_type=plgpu.ShapeDtypeStruct((512, ROWS), jnp.float32, layout=wgmma),
+  )
+  def product(_, low, high, ref, accumulator):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, vector
+
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    f32 = ir.F32Type.get()
+    const, lane, warp, _ = thread_coordinates()
+
+    def transposed(register):
+      # P' [token, column] pairs of an 8 x 8 block -> [column, token] pairs: the B fragment
+      return mgpu_utils.inline_ptx(
+        "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+        mgpu_utils.bitcast(register, i32),
+        result_types=i32,
+        convergent=True,
+      )
+
+    # P' [64, 8] bf16: each thread's registers are (token 16 w + g + 8 h, columns 2 t, 2 t + 1)
+    operands = []
+    for probs in (low, high):
+      registers = probs.registers.reshape(-1)  # h = 0, 1
+      operands.append([transposed(registers[0]), transposed(registers[1])])
+    # Lanes 8 m .. 8 m + 7 address the rows of matrix m: token 16 w + 8 (m / 2) + l % 8, bytes
+    # 16 (m % 2) of its 32.
+    matrix = arith.divui(lane, const(8))
+    token = arith.addi(
+      arith.addi(arith.muli(warp, const(16)), arith.muli(arith.divui(matrix, const(2)), const(8))),
+      arith.remui(lane, const(8)),
+    )
+    offset = arith.addi(
+      arith.muli(token, const(32)), arith.muli(arith.remui(matrix, const(2)), const(16))
+    )
+    address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
+    loaded = mgpu_utils.inline_ptx(
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+      address,
+      result_types=[i32] * 4,
+      has_side_effects=True,
+      convergent=True,
+    )
+    upper = [arith.shrui(register, const(8)) for register in loaded]
+    registers = np.empty(accumulator.registers.shape, dtype=object)
+    undefined = llvm.mlir_undef(ir.VectorType.get((2,), f32))
+    for p in range(8):
+      source = loaded if p < 4 else upper
+      mask = const((0x3 << (2 * (p % 4))) * 0x00010001)
+      a = [arith.andi(register, mask) for register in source]
+      b = operands[p // 4]
+      c = [
+        vector.extract(
+          accumulator.registers[(p, 0, 0, 0, h, 0, 0, 0, 0)],
+          dynamic_position=[],
+          static_position=ir.DenseI64ArrayAttr.get([i]),
+        )
+        for h in range(2)
+        for i in range(2)
+      ]
+      d = mgpu_utils.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        *a,
+        *b,
+        *c,
+        result_types=[f32] * 4,
+      )
+      for h in range(2):
+        pair = llvm.insertelement(undefined, d[2 * h], position=const(0))
+        pair = llvm.insertelement(pair, d[2 * h + 1], position=const(1))
+        registers[(p, 0, 0, 0, h, 0, 0, 0, 0)] = pair
+    return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return product(probs_low, probs_high, words_ref, acc)
+
+
+def experiment_kernel(rows: int, tokens: int, splits: int):
+  """(kernel, its argument shapes) of the experiment for `rows` cache rows (batch x KV heads)."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from pallas_kernels import _compat
+  from pallas_kernels.word_operand_order import (
+    load_channels_in_word_order,
+    stage_words_in_word_order,
+  )
+
+  split_tokens = experiment.split_tokens(tokens, splits, 1)
+  groups = experiment.VALUE_GROUPS
+  wgmma = plgpu.Layout.WGMMA
+
+  def body(
+    lengths_gmem, queries_gmem, k_words_gmem, k_scale_gmem, key_bias_gmem, v_words_gmem,
+    v_scale_gmem, v_min_gmem, reference_gmem, partial_gmem, sums_gmem, min_sums_gmem,
+    lengths_smem, queries_smem, reference_smem, k_words_smem, k_scale_smem, key_bias_smem,
+    v_words_smem, v_scale_smem, v_min_smem, stack_smem, partial_smem, sums_smem, min_sums_smem,
+    setup_barrier, ring_barriers,
+  ):  # fmt: skip
+    row, split = lax.axis_index("row"), lax.axis_index("split")
+    plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, setup_barrier)
+    plgpu.copy_gmem_to_smem(queries_gmem.at[row], queries_smem, setup_barrier)
+    plgpu.copy_gmem_to_smem(reference_gmem.at[row, split], reference_smem, setup_barrier)
+    plgpu.barrier_wait(setup_barrier)
+    start = split * split_tokens
+    length = lengths_smem[row]
+    blocks = (jnp.clip(length - start, 0, split_tokens) + BLOCK - 1) // BLOCK
+
+    def fetch(i):
+      slot, first = lax.rem(i, STAGES), start + i * BLOCK
+      barrier = ring_barriers.at[slot]
+      tokens_of = pl.ds(first, BLOCK)
+      groups_of = pl.ds(first // experiment.GROUP, BLOCK // experiment.GROUP)
+      plgpu.copy_gmem_to_smem(k_words_gmem.at[row, tokens_of], k_words_smem.at[slot], barrier)
+      plgpu.copy_gmem_to_smem(k_scale_gmem.at[row, groups_of], k_scale_smem.at[slot], barrier)
+      plgpu.copy_gmem_to_smem(key_bias_gmem.at[row, groups_of], key_bias_smem.at[slot], barrier)
+      plgpu.copy_gmem_to_smem(v_words_gmem.at[row, tokens_of], v_words_smem.at[slot], barrier)
+      plgpu.copy_gmem_to_smem(v_scale_gmem.at[row, :, tokens_of], v_scale_smem.at[slot], barrier)
+      plgpu.copy_gmem_to_smem(v_min_gmem.at[row, :, tokens_of], v_min_smem.at[slot], barrier)
+
+    def fetch_by_first_warp(i):
+      # the first warp alone issues the copies (the folded kernel's copy_issuer="first_warp")
+      plgpu.warp_map(lambda warp: pl.when(warp == 0)(functools.partial(fetch, i)))
+
+    for i in range(STAGES):
+      pl.when(i < blocks)(functools.partial(fetch_by_first_warp, i))
+    code_queries = plgpu.layout_cast(queries_smem[...], wgmma)  # bf16 [128, 8], word order
+    reference = plgpu.layout_cast(reference_smem[...], wgmma.reduce(0))
+    per_channel = functools.partial(
+      lax.broadcast_in_dim, shape=(128, ROWS), broadcast_dimensions=[0]
+    )
+    per_token = functools.partial(
+      lax.broadcast_in_dim, shape=(BLOCK, ROWS), broadcast_dimensions=[0]
+    )
+    per_column = functools.partial(
+      lax.broadcast_in_dim, shape=(BLOCK, ROWS), broadcast_dimensions=[1]
+    )
+    token = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 0, layout=wgmma)
+    token_in_block = plgpu.broadcasted_iota(jnp.int32, (BLOCK,), 0, layout=wgmma.reduce(1))
+    column_slot = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 1, layout=wgmma) // 4
+
+    def step(i, state):
+      acc, sums, min_low, min_high = state
+      slot = lax.rem(i, STAGES)
+      plgpu.barrier_wait(ring_barriers.at[slot])
+      for k in range(2):  # Q' of the block's two key groups, [k * 8 + j, position]
+        k_scale = load_channels_in_word_order(k_scale_smem.at[slot, k], 128, BITS, False)
+        stack_smem.at[pl.ds(ROWS * k, ROWS)].T[...] = code_queries * per_channel(k_scale)
+      plgpu.commit_smem()  # Q' visible to every warp
+      words = plgpu.layout_cast(k_words_smem[slot], wgmma)
+      keys = stage_words_in_word_order(words, BITS, operand_layout="mma_lhs")
+      queries_stacked = plgpu.load(stack_smem.T, layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
+      zeros = plgpu.layout_cast(
+        jnp.zeros((BLOCK, 2 * ROWS), jnp.float32), plgpu.Layout.MMA_ACC(jnp.bfloat16)
+      )
+      stacked = plgpu.mma(zeros, keys, queries_stacked)  # [64, 16]: both groups' scores
+      second_group = token // experiment.GROUP == 1
+      bias = [
+        per_column(plgpu.layout_cast(key_bias_smem[slot, k, :], wgmma.reduce(0))) for k in range(2)
+      ]
+      scores = jnp.where(second_group, stacked[:, ROWS:], stacked[:, :ROWS]) * SCORE_SCALE
+      scores = scores + jnp.where(second_group, bias[1], bias[0]) - per_column(reference)
+      valid = token + start + i * BLOCK < length
+      probs = jnp.where(valid, jnp.exp2(scores), 0.0)
+
+      valid_token = token_in_block + start + i * BLOCK < length
+
+      def statistic(ring, group):
+        # zeroed past the length (p is 0 there, the statistics may be NaN), per token: 2
+        # selects a thread, not 4 on the [64, 8] tile
+        vector = plgpu.layout_cast(ring[slot, group, :], wgmma.reduce(1)).astype(jnp.float32)
+        return per_token(jnp.where(valid_token, vector, 0.0))
+
+      # slot s of the columns holds value group 2 s + b: b = 0 for m-tiles 0-3, 1 for 4-7
+      pairs = []
+      for b in range(2):
+        scale = jnp.where(
+          column_slot == 1, statistic(v_scale_smem, 2 + b), statistic(v_scale_smem, b)
+        )
+        minimum = jnp.where(
+          column_slot == 1, statistic(v_min_smem, 2 + b), statistic(v_min_smem, b)
+        )
+        pairs.append(((probs * scale * PROBS_SCALE).astype(jnp.bfloat16), probs * minimum))
+      acc = value_product_per_warp(pairs[0][0], pairs[1][0], v_words_smem.at[slot], acc)
+      plgpu.commit_smem()  # every warp's reads of the slot done: it may be refilled
+      pl.when(i + STAGES < blocks)(functools.partial(fetch_by_first_warp, i + STAGES))
+      return acc, sums + probs, min_low + pairs[0][1], min_high + pairs[1][1]
+
+    zero = plgpu.layout_cast(jnp.zeros((BLOCK, ROWS), jnp.float32), wgmma)
+    init = (plgpu.layout_cast(jnp.zeros((512, ROWS), jnp.float32), wgmma), zero, zero, zero)
+    acc, sums, min_low, min_high = lax.fori_loop(0, blocks, step, init)
+    partial_smem[...] = acc
+    sums_smem[...] = sums
+    min_sums_smem[0] = min_low
+    min_sums_smem[1] = min_high
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(partial_smem, partial_gmem.at[row, split])
+    plgpu.copy_smem_to_gmem(sums_smem, sums_gmem.at[row, split])
+    plgpu.copy_smem_to_gmem(min_sums_smem, min_sums_gmem.at[row, split])
+    plgpu.wait_smem_to_gmem(0)
+
+  key_groups = tokens // experiment.GROUP
+  kernel = plgpu.kernel(
+    body,
+    out_type=(
+      jax.ShapeDtypeStruct((rows, splits, 512, ROWS), jnp.float32),
+      jax.ShapeDtypeStruct((rows, splits, BLOCK, ROWS), jnp.float32),
+      jax.ShapeDtypeStruct((rows, splits, 2, BLOCK, ROWS), jnp.float32),
+    ),
+    grid=(rows, splits),
+    grid_names=("row", "split"),
+    scratch_types=[
+      plgpu.SMEM((rows,), jnp.int32),
+      plgpu.SMEM((128, ROWS), jnp.bfloat16),
+      plgpu.SMEM((ROWS,), jnp.float32),
+      plgpu.SMEM((STAGES, BLOCK, 8), jnp.uint32),
+      plgpu.SMEM((STAGES, 2, 128), jnp.bfloat16),
+      plgpu.SMEM((STAGES, 2, ROWS), jnp.float32),
+      plgpu.SMEM((STAGES, BLOCK, 8), jnp.uint32),
+      plgpu.SMEM((STAGES, groups, BLOCK), jnp.bfloat16),
+      plgpu.SMEM((STAGES, groups, BLOCK), jnp.bfloat16),
+      plgpu.SMEM((2 * ROWS, 128), jnp.bfloat16),
+      plgpu.SMEM((512, ROWS), jnp.float32),
+      plgpu.SMEM((BLOCK, ROWS), jnp.float32),
+      plgpu.SMEM((2, BLOCK, ROWS), jnp.float32),
+      plgpu.Barrier(num_arrivals=3),
+      plgpu.Barrier(num_arrivals=6, num_barriers=STAGES),
+    ],
+    compiler_params=_compat.mosaic_gpu_compiler_params(unsafe_no_auto_barriers=True),
+  )
+  shapes = (
+    jax.ShapeDtypeStruct((rows,), jnp.int32),
+    jax.ShapeDtypeStruct((rows, 128, ROWS), jnp.bfloat16),
+    jax.ShapeDtypeStruct((rows, tokens, 8), jnp.uint32),
+    jax.ShapeDtypeStruct((rows, key_groups, 128), jnp.bfloat16),
+    jax.ShapeDtypeStruct((rows, key_groups, ROWS), jnp.float32),
+    jax.ShapeDtypeStruct((rows, tokens, 8), jnp.uint32),
+    jax.ShapeDtypeStruct((rows, groups, tokens), jnp.bfloat16),
+    jax.ShapeDtypeStruct((rows, groups, tokens), jnp.bfloat16),
+    jax.ShapeDtypeStruct((rows, splits, ROWS), jnp.float32),
+  )
+  return kernel, shapes
+
+
+def prepare(arrays: dict, splits: int) -> tuple:
+  """The kernel's inputs (numpy) from `warp_products_experiment`'s arrays: the queries in the
+  key operand's word order, times 2^(69 - bit), rounded to bf16 and transposed to [128, 8] with
+  the 4 rows repeated; the key bias and the references with their rows repeated."""
+  from pallas_kernels.subnormal_codes import code_exponent
+  from pallas_kernels.word_operand_order import word_order_channels
+
+  channels = word_order_channels(128, BITS)  # the channel at each operand position
+  scale = 2.0 ** (QUERY_EXPONENT - code_exponent(channels, 128, BITS))
+  queries = arrays["queries"][:, :, channels] * scale  # [R, 4, 128] by position
+  queries = experiment.bf16_bits(np.tile(queries, (1, 2, 1)).transpose(0, 2, 1).copy())
+  repeat = lambda values: np.ascontiguousarray(np.tile(values, 2), np.float32)  # rows j % 4
+  return (
+    np.asarray(arrays["lengths"], np.int32),
+    queries,  # bf16 bits [R, 128, 8]
+    arrays["key_words"],
+    arrays["k_scale"],
+    repeat(arrays["key_bias"]),
+    arrays["value_words"],
+    arrays["v_scale"],
+    arrays["v_min"],
+    repeat(arrays["reference"]),
+  )
+
+
+def finish(partial: np.ndarray, sums: np.ndarray, min_sums: np.ndarray):
+  """The kernel's raw outputs -> (out [R, S, 4, 128], sums [R, S, 4, 5]) as
+  `warp_products_experiment.model_outputs` gives them: the four warps' partial outputs added,
+  each accumulator row taking its value group's slot of columns (row 64 p + 16 w + r holds
+  half-word r's field p: channel 8 (8 (r % 2) + p) + r / 2, value group 2 (r % 2) + p / 4, slot
+  r % 2), and the per-token sums added."""
+  rows, splits = partial.shape[:2]
+  tiles = partial.reshape(rows, splits, 8, 4, 16, ROWS).sum(axis=3)  # [R, S, p, r, columns]
+  out = np.zeros((rows, splits, 4, 128), np.float64)
+  for p in range(8):
+    for r in range(16):
+      channel = 8 * (8 * (r % 2) + p) + r // 2
+      out[:, :, :, channel] = tiles[:, :, p, r, 4 * (r % 2) : 4 * (r % 2) + 4]
+  total = np.zeros((rows, splits, 4, 1 + experiment.VALUE_GROUPS), np.float64)
+  total[..., 0] = sums.sum(axis=2)[..., :4]
+  for b in range(2):
+    per_column = min_sums[:, :, b].sum(axis=2)  # [R, S, 8]: column 4 slot + j
+    for slot in range(2):
+      total[..., 1 + 2 * slot + b] = per_column[..., 4 * slot : 4 * slot + 4]
+  return out, total
+
+
+def run_on_gpu(iters: int = 100, repeats: int = 7) -> dict:
+  """On a GPU: the kernel against the model (random inputs, a short row) and its time at the
+  32k shape (constant inputs), as `warp_products_experiment.run_on_gpu` does for the CUDA one."""
+  import jax
+  import jax.numpy as jnp
+
+  def device_inputs(prepared):
+    bf16 = {1, 3, 6, 7}  # the bf16 bit arrays among `prepare`'s
+    return [
+      jax.device_put(jnp.asarray(a).view(jnp.bfloat16) if i in bf16 else jnp.asarray(a))
+      for i, a in enumerate(prepared)
+    ]
+
+  rows, tokens, splits = 4, 2048, 2
+  arrays = experiment.random_arrays(rows, tokens, splits)
+  kernel, _ = experiment_kernel(rows, tokens, splits)
+  raw = [np.asarray(x) for x in jax.jit(kernel)(*device_inputs(prepare(arrays, splits)))]
+  out, sums = finish(*raw)
+  model_out, model_sums = experiment.model_outputs(arrays, splits, 1)
+  result = {
+    "device": jax.devices()[0].device_kind,
+    "out_error": float(np.abs(out - model_out).max() / np.abs(model_out).max()),
+    "sums_error": float(np.abs(sums - model_sums).max() / np.abs(model_sums).max()),
+  }
+  result["check_passed"] = bool(
+    result["out_error"] <= experiment.CHECK_TOLERANCE["out"]
+    and result["sums_error"] <= experiment.CHECK_TOLERANCE["sums"]
+  )
+  rows, tokens = experiment.BENCHMARK_ROWS, experiment.BENCHMARK_TOKENS
+  splits = tokens // experiment.SPLIT_TOKENS
+  shapes = experiment.array_shapes(rows, tokens, splits)
+  constant = {
+    name: np.full(shape, {"lengths": tokens}.get(name, 0), dtype)
+    for name, (dtype, shape) in shapes.items()
+  }
+  kernel, _ = experiment_kernel(rows, tokens, splits)
+  inputs = device_inputs(prepare(constant, splits))
+  # jitted calls dispatched back to back, blocked once per loop (as gear_terms_parts times its
+  # parts): the kernel alone, no XLA pass around it
+  from gear_terms_parts import time_call
+
+  result["us"] = 1e6 * time_call(kernel, inputs, iters=iters, repeats=repeats)
+  result["bytes"] = experiment.bytes_read(rows, tokens, splits)
+  result["gbps"] = result["bytes"] / result["us"] / 1e3
+  return result
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--count", action="store_true", help="lower and count for sm_90a (no GPU)")
+  parser.add_argument("--run", action="store_true", help="check and time on a GPU")
+  parser.add_argument("--out", help="write the result as JSON here")
+  args = parser.parse_args()
+  if args.count:
+    import tempfile
+
+    import mosaic_static_cost
+    import triton_static_cost
+
+    device = mosaic_static_cost.compile_only_device()
+    kernel, shapes = experiment_kernel(64, 32768, 32)
+    ptx, _ = mosaic_static_cost.ptx_of(kernel, shapes, device)
+    with tempfile.TemporaryDirectory() as workdir:
+      sass, usage, (live, _) = mosaic_static_cost.sass_of(ptx, workdir, "warp_products")
+    cost = triton_static_cost.loop_cost(
+      "warp products (Mosaic GPU)", sass, usage, "", tokens_per_iteration=BLOCK, warps=4
+    )
+    result = {**vars(cost), "live_registers": live}
+  elif args.run:
+    result = run_on_gpu()
+  else:
+    parser.error("give --count or --run")
+  print(json.dumps(result, default=str, indent=1))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(result, f, default=str, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,81 @@
+"""benchmarks/warp_products_mosaic_experiment.py without a GPU: the kernel lowers for sm_90, and
+its inputs and the adding-up of its raw outputs agree with the CUDA experiment's model."""
+
+import jax
+import numpy as np
+import pytest
+
+from tests.benchmarks.benchmark_modules import load_benchmark
+
+mosaic = load_benchmark("warp_products_mosaic_experiment")
+experiment = load_benchmark("warp_products_experiment")
+emulation = load_benchmark("warp_products_emulation")
+
+
+def test_the_kernel_lowers_for_sm90():
+  """The whole loop (TMA ring, plgpu.mma key product on MMA_LHS codes, the softmax as array
+  code, the per-warp value product's inline movmatrix / ldmatrix / mma.sync) through Mosaic
+  GPU's layout inference and lowering."""
+  kernel, shapes = mosaic.experiment_kernel(4, 256, 2)
+  text = jax.jit(kernel).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+def _raw_outputs(arrays, splits):
+  """The kernel's raw outputs as its registers would hold them, from the lane-by-lane states of
+  the same design at 16 tokens a warp: accumulator row 64 p + 16 w + g + 8 h, column 2 t + c is
+  lane (g, t) of warp w's m-tile p; each lane's sums go to one token row of its columns (only
+  their sum over rows is read). The columns of the other slot get noise: `finish` must drop
+  them."""
+  rows = arrays["key_words"].shape[0]
+  rng = np.random.default_rng(9)
+  partial = rng.normal(size=(rows, splits, 512, 8)).astype(np.float32)
+  sums = np.zeros((rows, splits, 64, 8), np.float32)
+  min_sums = np.zeros((rows, splits, 2, 64, 8), np.float32)
+  g, t = emulation.GROUP_ID, emulation.THREAD_IN_GROUP
+  for r in range(rows):
+    for s in range(splits):
+      for w, state in enumerate(emulation.warp_states(arrays, r, s, splits, 1)):
+        for p in range(8):
+          for i in range(4):
+            row = 64 * p + 16 * w + g + 8 * (i // 2)
+            mine = (g % 2) == (t // 2)  # the accumulator row's slot is its half-word's parity
+            partial[r, s, row[mine], 2 * t[mine] + i % 2] = state["output"][p][mine, i]
+        for c in range(2):
+          sums[r, s, 16 * w + g, 2 * t + c] += state["sums"][:, c]
+          for b in range(2):
+            min_sums[r, s, b, 16 * w + g, 2 * t + c] += state["min_sums"][:, b, c]
+  return partial, sums, min_sums
+
+
+def test_finish_adds_the_raw_outputs_up_to_the_model():
+  arrays = experiment.random_arrays(2, 512, 2, seed=11)
+  out, sums = mosaic.finish(*_raw_outputs(arrays, 2))
+  model_out, model_sums = experiment.model_outputs(arrays, 2, 1)
+  np.testing.assert_allclose(out, model_out, rtol=0, atol=1e-6 * np.abs(model_out).max())
+  np.testing.assert_allclose(sums, model_sums, rtol=0, atol=1e-6 * np.abs(model_sums).max())
+
+
+def test_prepare_puts_the_queries_in_the_key_operands_word_order():
+  from pallas_kernels.subnormal_codes import code_exponent
+  from pallas_kernels.word_operand_order import word_order_channels
+
+  arrays = experiment.random_arrays(2, 256, 2, seed=12)
+  lengths, queries, *_, key_bias, _, _, _, reference = mosaic.prepare(arrays, 2)
+  assert queries.shape == (2, 128, 8) and queries.dtype == np.uint16
+  channels = word_order_channels(128, 2)
+  for position in (0, 5, 77, 127):
+    channel = channels[position]
+    expected = arrays["queries"][:, :, channel] * 2.0 ** (69 - code_exponent(channel, 128, 2))
+    np.testing.assert_array_equal(
+      experiment.bf16_values(queries[:, position]),
+      experiment.bf16_values(experiment.bf16_bits(np.tile(expected, (1, 2)))),
+    )
+  np.testing.assert_array_equal(key_bias[..., 4:], arrays["key_bias"])  # rows 4-7 repeat 0-3
+  np.testing.assert_array_equal(reference[..., :4], arrays["reference"])
+  np.testing.assert_array_equal(lengths, arrays["lengths"])
+
+
+def test_finish_refuses_a_partial_output_of_the_wrong_rows():
+  with pytest.raises(ValueError):
+    mosaic.finish(np.zeros((1, 1, 500, 8)), np.zeros((1, 1, 64, 8)), np.zeros((1, 1, 2, 64, 8)))
