@@ -140,8 +140,148 @@ def value_product_per_warp(probs_low, probs_high, words_ref, acc):
   return product(probs_low, probs_high, words_ref, acc)
 
 
-def experiment_kernel(rows: int, tokens: int, splits: int):
-  """(kernel, its argument shapes) of the experiment for `rows` cache rows (batch x KV heads)."""
+def key_product_per_warp(keys, queries, k_scale_ref):
+  """f32 [64, 8] scores (wgmma layout): each warp's 16 tokens against Q' of its own key group
+  (warp // 2 at 64-token blocks and groups of 32), by 8 `mma.sync` (two accumulators over
+  alternate k-tiles). `keys` bf16 [64, 128] key codes in the MMA_LHS layout (word order),
+  `queries` bf16 [128, 8] in MMA_RHS (position-major, times 2^(69 - bit)), `k_scale_ref` the
+  block's key scales [2, 128] bf16 in shared memory, channel order (`inline_mgpu`, native only).
+
+  B register (k-tile kt, half kh) of lane (g, q) holds positions 16 kt + 8 kh + 2 q + {0, 1},
+  i.e. channels c and c + 64 with c = 8 kt + 2 q + kh (`word_operand_order`'s C(L)): their
+  scales are the low (kh = 0) or high (kh = 1) halves of the scale words at channels 8 kt + 2 q
+  and 8 kt + 64 + 2 q, paired by one byte permute, times the lane's query pair (HMUL2)."""
+  import jax.numpy as jnp
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from pallas_kernels.warpgroup_thread import thread_coordinates
+
+  @plgpu.inline_mgpu(
+    arg_types=(
+      plgpu.Layout.MMA_LHS(jnp.bfloat16),
+      plgpu.Layout.MMA_RHS(jnp.bfloat16),
+      plgpu.RefType(),
+    ),
+    return_type=plgpu.ShapeDtypeStruct((BLOCK, ROWS), jnp.float32, layout=plgpu.Layout.WGMMA),
+  )
+  def product(_, a, b, ref):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm
+
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    f32 = ir.F32Type.get()
+    pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
+    const, lane, warp, quad = thread_coordinates()
+    group = arith.divui(warp, const(2))
+    # byte offset of channel 2 q of the warp's group's 128 scales
+    base = arith.muli(
+      arith.addi(arith.muli(group, const(128)), arith.muli(quad, const(2))), const(2)
+    )
+    scales = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [base], i8)
+
+    def scale_word(channel: int):
+      address = mgpu_utils.getelementptr(scales, [2 * channel], i8)
+      return llvm.load(i32, address)
+
+    zero = arith.constant(f32, 0.0)
+    accumulators = [[zero] * 4 for _ in range(2)]
+    for kt in range(8):
+      low, high = scale_word(8 * kt), scale_word(8 * kt + 64)
+      b_registers = []
+      for kh in range(2):
+        pair = mgpu_utils.inline_ptx(
+          "prmt.b32 $0, $1, $2, " + ("0x7632" if kh else "0x5410") + ";",
+          low,
+          high,
+          result_types=i32,
+        )
+        query = b.registers[(kt, 0, kh, 0, 0, 0, 0, 0)]
+        product_pair = arith.mulf(query, mgpu_utils.bitcast(pair, pair_type))
+        b_registers.append(mgpu_utils.bitcast(product_pair, i32))
+      a_registers = [
+        mgpu_utils.bitcast(a.registers[(0, kt, 0, s, h, 0, 0, 0, 0)], i32)
+        for s, h in ((0, 0), (0, 1), (1, 0), (1, 1))
+      ]
+      accumulators[kt % 2] = mgpu_utils.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        *a_registers,
+        *b_registers,
+        *accumulators[kt % 2],
+        result_types=[f32] * 4,
+      )
+    scores = [arith.addf(x, y) for x, y in zip(*accumulators)]
+    registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((BLOCK, ROWS)), dtype=object)
+    undefined = llvm.mlir_undef(ir.VectorType.get((2,), f32))
+    for h in range(2):
+      pair = llvm.insertelement(undefined, scores[2 * h], position=const(0))
+      registers[(0, 0, 0, 0, h, 0, 0, 0, 0)] = llvm.insertelement(
+        pair, scores[2 * h + 1], position=const(1)
+      )
+    return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return product(keys, queries, k_scale_ref)
+
+
+def statistics_by_slot(ring_ref, b: int):
+  """f32 [64, 8] (wgmma layout): each element the statistic of its token in the value group of
+  its column's slot, 2 (column // 4) + b, from the block's [4, 64] bf16 statistics in shared
+  memory. A lane's two columns share a slot, so it loads its two tokens' values of one group (2
+  16-bit loads), where array code selects between two broadcast tiles on every element. Past a
+  row's length the values are not zeroed: the experiment's inputs are finite there (a kernel of
+  the library would mask them in the last block; `inline_mgpu`, native only)."""
+  import jax.numpy as jnp
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from pallas_kernels.warpgroup_thread import thread_coordinates
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(),),
+    return_type=plgpu.ShapeDtypeStruct((BLOCK, ROWS), jnp.float32, layout=plgpu.Layout.WGMMA),
+  )
+  def load(_, ref):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, memref, vector
+
+    f32 = ir.F32Type.get()
+    index = ir.IndexType.get()
+    const, lane, warp, quad = thread_coordinates()
+    group = arith.addi(arith.muli(arith.divui(quad, const(2)), const(2)), const(b))
+    token = arith.addi(arith.muli(warp, const(16)), arith.divui(lane, const(4)))
+    registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((BLOCK, ROWS)), dtype=object)
+    for h in range(2):
+      value = memref.load(
+        ref,
+        [arith.index_cast(index, group), arith.index_cast(index, arith.addi(token, const(8 * h)))],
+      )
+      registers[(0, 0, 0, 0, h, 0, 0, 0, 0)] = vector.broadcast(
+        ir.VectorType.get((2,), f32), arith.extf(f32, value)
+      )
+    return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return load(ring_ref)
+
+
+KEY_PRODUCTS = ("per_warp", "stacked")
+STATISTICS = ("by_lane", "selects")
+
+
+def experiment_kernel(
+  rows: int, tokens: int, splits: int, key_product: str = "per_warp", statistics: str = "by_lane"
+):
+  """(kernel, its argument shapes) of the experiment for `rows` cache rows (batch x KV heads).
+  key_product "per_warp": `key_product_per_warp` (each warp its own group's Q', built in
+  registers: no staging, no barrier); "stacked": `plgpu.mma` against both groups' Q' staged in
+  shared memory (a barrier), each token taking its group's columns. statistics "by_lane":
+  `statistics_by_slot`; "selects": both groups' tiles broadcast and selected per column."""
+  if key_product not in KEY_PRODUCTS:
+    raise ValueError(f"key_product={key_product!r} is not supported; allowed: {KEY_PRODUCTS}")
+  if statistics not in STATISTICS:
+    raise ValueError(f"statistics={statistics!r} is not supported; allowed: {STATISTICS}")
   import jax
   import jax.numpy as jnp
   from jax import lax
@@ -193,6 +333,8 @@ def experiment_kernel(rows: int, tokens: int, splits: int):
     for i in range(STAGES):
       pl.when(i < blocks)(functools.partial(fetch_by_first_warp, i))
     code_queries = plgpu.layout_cast(queries_smem[...], wgmma)  # bf16 [128, 8], word order
+    # the same, as each lane's B-fragment pairs (loaded once: the per-warp key product's)
+    lane_queries = plgpu.load(queries_smem, layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
     reference = plgpu.layout_cast(reference_smem[...], wgmma.reduce(0))
     per_channel = functools.partial(
       lax.broadcast_in_dim, shape=(128, ROWS), broadcast_dimensions=[0]
@@ -204,50 +346,55 @@ def experiment_kernel(rows: int, tokens: int, splits: int):
       lax.broadcast_in_dim, shape=(BLOCK, ROWS), broadcast_dimensions=[1]
     )
     token = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 0, layout=wgmma)
-    token_in_block = plgpu.broadcasted_iota(jnp.int32, (BLOCK,), 0, layout=wgmma.reduce(1))
-    column_slot = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 1, layout=wgmma) // 4
+    if statistics == "selects":  # (made only where used: an unused value leaves layout
+      # inference without a solution)
+      token_in_block = plgpu.broadcasted_iota(jnp.int32, (BLOCK,), 0, layout=wgmma.reduce(1))
+      column_slot = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 1, layout=wgmma) // 4
 
     def step(i, state):
       acc, sums, min_low, min_high = state
       slot = lax.rem(i, STAGES)
       plgpu.barrier_wait(ring_barriers.at[slot])
-      for k in range(2):  # Q' of the block's two key groups, [k * 8 + j, position]
-        k_scale = load_channels_in_word_order(k_scale_smem.at[slot, k], 128, BITS, False)
-        stack_smem.at[pl.ds(ROWS * k, ROWS)].T[...] = code_queries * per_channel(k_scale)
-      plgpu.commit_smem()  # Q' visible to every warp
       words = plgpu.layout_cast(k_words_smem[slot], wgmma)
       keys = stage_words_in_word_order(words, BITS, operand_layout="mma_lhs")
-      queries_stacked = plgpu.load(stack_smem.T, layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
-      zeros = plgpu.layout_cast(
-        jnp.zeros((BLOCK, 2 * ROWS), jnp.float32), plgpu.Layout.MMA_ACC(jnp.bfloat16)
-      )
-      stacked = plgpu.mma(zeros, keys, queries_stacked)  # [64, 16]: both groups' scores
       second_group = token // experiment.GROUP == 1
       bias = [
         per_column(plgpu.layout_cast(key_bias_smem[slot, k, :], wgmma.reduce(0))) for k in range(2)
       ]
-      scores = jnp.where(second_group, stacked[:, ROWS:], stacked[:, :ROWS]) * SCORE_SCALE
-      scores = scores + jnp.where(second_group, bias[1], bias[0]) - per_column(reference)
+      if key_product == "per_warp":
+        scores = key_product_per_warp(keys, lane_queries, k_scale_smem.at[slot])
+      else:
+        for k in range(2):  # Q' of the block's two key groups, [k * 8 + j, position]
+          k_scale = load_channels_in_word_order(k_scale_smem.at[slot, k], 128, BITS, False)
+          stack_smem.at[pl.ds(ROWS * k, ROWS)].T[...] = code_queries * per_channel(k_scale)
+        plgpu.commit_smem()  # Q' visible to every warp
+        queries_stacked = plgpu.load(stack_smem.T, layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
+        zeros = plgpu.layout_cast(
+          jnp.zeros((BLOCK, 2 * ROWS), jnp.float32), plgpu.Layout.MMA_ACC(jnp.bfloat16)
+        )
+        stacked = plgpu.mma(zeros, keys, queries_stacked)  # [64, 16]: both groups' scores
+        scores = jnp.where(second_group, stacked[:, ROWS:], stacked[:, :ROWS])
+      scores = scores * SCORE_SCALE + jnp.where(second_group, bias[1], bias[0])
+      scores = scores - per_column(reference)
       valid = token + start + i * BLOCK < length
       probs = jnp.where(valid, jnp.exp2(scores), 0.0)
-
-      valid_token = token_in_block + start + i * BLOCK < length
 
       def statistic(ring, group):
         # zeroed past the length (p is 0 there, the statistics may be NaN), per token: 2
         # selects a thread, not 4 on the [64, 8] tile
+        valid_token = token_in_block + start + i * BLOCK < length
         vector = plgpu.layout_cast(ring[slot, group, :], wgmma.reduce(1)).astype(jnp.float32)
         return per_token(jnp.where(valid_token, vector, 0.0))
+
+      def slot_tile(ring, b):
+        if statistics == "by_lane":  # (past the length: see `statistics_by_slot`)
+          return statistics_by_slot(ring.at[slot], b)
+        return jnp.where(column_slot == 1, statistic(ring, 2 + b), statistic(ring, b))
 
       # slot s of the columns holds value group 2 s + b: b = 0 for m-tiles 0-3, 1 for 4-7
       pairs = []
       for b in range(2):
-        scale = jnp.where(
-          column_slot == 1, statistic(v_scale_smem, 2 + b), statistic(v_scale_smem, b)
-        )
-        minimum = jnp.where(
-          column_slot == 1, statistic(v_min_smem, 2 + b), statistic(v_min_smem, b)
-        )
+        scale, minimum = slot_tile(v_scale_smem, b), slot_tile(v_min_smem, b)
         pairs.append(((probs * scale * PROBS_SCALE).astype(jnp.bfloat16), probs * minimum))
       acc = value_product_per_warp(pairs[0][0], pairs[1][0], v_words_smem.at[slot], acc)
       plgpu.commit_smem()  # every warp's reads of the slot done: it may be refilled
@@ -357,11 +504,13 @@ def finish(partial: np.ndarray, sums: np.ndarray, min_sums: np.ndarray):
   return out, total
 
 
-def run_on_gpu(iters: int = 100, repeats: int = 7) -> dict:
-  """On a GPU: the kernel against the model (random inputs, a short row) and its time at the
-  32k shape (constant inputs), as `warp_products_experiment.run_on_gpu` does for the CUDA one."""
+def run_on_gpu(iters: int = 100, repeats: int = 7) -> list:
+  """On a GPU, for each key product (with the statistics by lane): the kernel against the model
+  (random inputs, a short row) and its time at the 32k shape (constant inputs, jitted calls back
+  to back: the kernel alone), as `warp_products_experiment.run_on_gpu` does for the CUDA one."""
   import jax
   import jax.numpy as jnp
+  from gear_terms_parts import time_call
 
   def device_inputs(prepared):
     bf16 = {1, 3, 6, 7}  # the bf16 bit arrays among `prepare`'s
@@ -370,38 +519,39 @@ def run_on_gpu(iters: int = 100, repeats: int = 7) -> dict:
       for i, a in enumerate(prepared)
     ]
 
-  rows, tokens, splits = 4, 2048, 2
-  arrays = experiment.random_arrays(rows, tokens, splits)
-  kernel, _ = experiment_kernel(rows, tokens, splits)
-  raw = [np.asarray(x) for x in jax.jit(kernel)(*device_inputs(prepare(arrays, splits)))]
-  out, sums = finish(*raw)
-  model_out, model_sums = experiment.model_outputs(arrays, splits, 1)
-  result = {
-    "device": jax.devices()[0].device_kind,
-    "out_error": float(np.abs(out - model_out).max() / np.abs(model_out).max()),
-    "sums_error": float(np.abs(sums - model_sums).max() / np.abs(model_sums).max()),
-  }
-  result["check_passed"] = bool(
-    result["out_error"] <= experiment.CHECK_TOLERANCE["out"]
-    and result["sums_error"] <= experiment.CHECK_TOLERANCE["sums"]
-  )
-  rows, tokens = experiment.BENCHMARK_ROWS, experiment.BENCHMARK_TOKENS
-  splits = tokens // experiment.SPLIT_TOKENS
-  shapes = experiment.array_shapes(rows, tokens, splits)
-  constant = {
-    name: np.full(shape, {"lengths": tokens}.get(name, 0), dtype)
-    for name, (dtype, shape) in shapes.items()
-  }
-  kernel, _ = experiment_kernel(rows, tokens, splits)
-  inputs = device_inputs(prepare(constant, splits))
-  # jitted calls dispatched back to back, blocked once per loop (as gear_terms_parts times its
-  # parts): the kernel alone, no XLA pass around it
-  from gear_terms_parts import time_call
-
-  result["us"] = 1e6 * time_call(kernel, inputs, iters=iters, repeats=repeats)
-  result["bytes"] = experiment.bytes_read(rows, tokens, splits)
-  result["gbps"] = result["bytes"] / result["us"] / 1e3
-  return result
+  results = []
+  for key_product in KEY_PRODUCTS:
+    rows, tokens, splits = 4, 2048, 2
+    arrays = experiment.random_arrays(rows, tokens, splits)
+    kernel, _ = experiment_kernel(rows, tokens, splits, key_product)
+    raw = [np.asarray(x) for x in jax.jit(kernel)(*device_inputs(prepare(arrays, splits)))]
+    out, sums = finish(*raw)
+    model_out, model_sums = experiment.model_outputs(arrays, splits, 1)
+    result = {
+      "key_product": key_product,
+      "device": jax.devices()[0].device_kind,
+      "out_error": float(np.abs(out - model_out).max() / np.abs(model_out).max()),
+      "sums_error": float(np.abs(sums - model_sums).max() / np.abs(model_sums).max()),
+    }
+    result["check_passed"] = bool(
+      result["out_error"] <= experiment.CHECK_TOLERANCE["out"]
+      and result["sums_error"] <= experiment.CHECK_TOLERANCE["sums"]
+    )
+    rows, tokens = experiment.BENCHMARK_ROWS, experiment.BENCHMARK_TOKENS
+    splits = tokens // experiment.SPLIT_TOKENS
+    shapes = experiment.array_shapes(rows, tokens, splits)
+    constant = {
+      name: np.full(shape, {"lengths": tokens}.get(name, 0), dtype)
+      for name, (dtype, shape) in shapes.items()
+    }
+    kernel, _ = experiment_kernel(rows, tokens, splits, key_product)
+    inputs = device_inputs(prepare(constant, splits))
+    result["us"] = 1e6 * time_call(kernel, inputs, iters=iters, repeats=repeats)
+    result["bytes"] = experiment.bytes_read(rows, tokens, splits)
+    result["gbps"] = result["bytes"] / result["us"] / 1e3
+    print(json.dumps(result), flush=True)
+    results.append(result)
+  return results
 
 
 def main():
@@ -410,21 +560,29 @@ def main():
   parser.add_argument("--run", action="store_true", help="check and time on a GPU")
   parser.add_argument("--out", help="write the result as JSON here")
   args = parser.parse_args()
-  if args.count:
+  if args.count:  # every combination of the settings
     import tempfile
 
     import mosaic_static_cost
     import triton_static_cost
 
     device = mosaic_static_cost.compile_only_device()
-    kernel, shapes = experiment_kernel(64, 32768, 32)
-    ptx, _ = mosaic_static_cost.ptx_of(kernel, shapes, device)
-    with tempfile.TemporaryDirectory() as workdir:
-      sass, usage, (live, _) = mosaic_static_cost.sass_of(ptx, workdir, "warp_products")
-    cost = triton_static_cost.loop_cost(
-      "warp products (Mosaic GPU)", sass, usage, "", tokens_per_iteration=BLOCK, warps=4
-    )
-    result = {**vars(cost), "live_registers": live}
+    result = []
+    for key_product in KEY_PRODUCTS:
+      for statistics in STATISTICS:
+        kernel, shapes = experiment_kernel(64, 32768, 32, key_product, statistics)
+        ptx, _ = mosaic_static_cost.ptx_of(kernel, shapes, device)
+        with tempfile.TemporaryDirectory() as workdir:
+          sass, usage, (live, _) = mosaic_static_cost.sass_of(ptx, workdir, "warp_products")
+        cost = triton_static_cost.loop_cost(
+          f"warp products (Mosaic GPU), key_product={key_product}, statistics={statistics}",
+          sass,
+          usage,
+          "",
+          tokens_per_iteration=BLOCK,
+          warps=4,
+        )
+        result.append({**vars(cost), "live_registers": live})
   elif args.run:
     result = run_on_gpu()
   else:

@@ -12,13 +12,28 @@ experiment = load_benchmark("warp_products_experiment")
 emulation = load_benchmark("warp_products_emulation")
 
 
-def test_the_kernel_lowers_for_sm90():
-  """The whole loop (TMA ring, plgpu.mma key product on MMA_LHS codes, the softmax as array
-  code, the per-warp value product's inline movmatrix / ldmatrix / mma.sync) through Mosaic
-  GPU's layout inference and lowering."""
-  kernel, shapes = mosaic.experiment_kernel(4, 256, 2)
+@pytest.mark.parametrize("key_product", ["per_warp", "stacked"])
+@pytest.mark.parametrize("statistics", ["by_lane", "selects"])
+def test_the_kernel_lowers_for_sm90(key_product, statistics):
+  """The whole loop (TMA ring; the key product per warp by inline mma.sync, or by plgpu.mma on
+  MMA_LHS codes against both groups' staged Q'; the softmax as array code; the statistics by lane
+  or by selects; the per-warp value product's inline movmatrix / ldmatrix / mma.sync) through
+  Mosaic GPU's layout inference and lowering."""
+  kernel, shapes = mosaic.experiment_kernel(4, 256, 2, key_product, statistics)
   text = jax.jit(kernel).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize(
+  "settings,message",
+  [
+    (dict(key_product="wgmma"), "key_product='wgmma' is not supported; allowed:"),
+    (dict(statistics="pairs"), "statistics='pairs' is not supported; allowed:"),
+  ],
+)
+def test_the_kernel_refuses_unknown_settings(settings, message):
+  with pytest.raises(ValueError, match=message):
+    mosaic.experiment_kernel(4, 256, 2, **settings)
 
 
 def _raw_outputs(arrays, splits):
