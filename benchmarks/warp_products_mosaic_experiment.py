@@ -130,6 +130,7 @@ def value_product_per_warp(probs_low, probs_high, words_ref, acc):
         *b,
         *c,
         result_types=[f32] * 4,
+        convergent=True,  # warp-wide (.sync.aligned): out of divergent code
       )
       for h in range(2):
         pair = llvm.insertelement(undefined, d[2 * h], position=const(0))
@@ -212,6 +213,7 @@ def key_product_per_warp(keys, queries, k_scale_ref):
         *b_registers,
         *accumulators[kt % 2],
         result_types=[f32] * 4,
+        convergent=True,  # warp-wide (.sync.aligned): out of divergent code
       )
     scores = [arith.addf(x, y) for x, y in zip(*accumulators)]
     registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((BLOCK, ROWS)), dtype=object)

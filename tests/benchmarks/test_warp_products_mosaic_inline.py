@@ -1,0 +1,277 @@
+"""The Mosaic GPU experiment's inline code (benchmarks/warp_products_mosaic_experiment.py) run on
+numpy arrays over the warpgroup's 128 threads (`inline_code_emulation`), its PTX instructions by
+the lane-by-lane models of `warp_products_emulation` and its registers placed by Mosaic GPU's own
+tilings of the layouts it declares: each function's result against plain matrix products."""
+
+import numpy as np
+import pytest
+
+from tests.benchmarks.benchmark_modules import load_benchmark
+from tests.pallas_kernels.inline_code_emulation import as_uint, emulate_inline_code
+
+mosaic = load_benchmark("warp_products_mosaic_experiment")
+experiment = load_benchmark("warp_products_experiment")
+emulation = load_benchmark("warp_products_emulation")
+
+
+def _placements(layout, shape):
+  """{register index: [(thread, position in the register, element)]} of a [shape] array in a
+  Mosaic GPU TiledLayout, by the layout's tiling (replicated warps: every warp)."""
+  tiled_shape = layout.tiling.tile_shape(shape)
+  warp_dims = [d for d in layout.warp_dims if isinstance(d, int)]
+  lane_dims = [d for d in layout.lane_dims if isinstance(d, int)]
+
+  def number(tiled, dims):
+    return sum(
+      tiled[d] * int(np.prod([tiled_shape[e] for e in dims[i + 1 :]])) for i, d in enumerate(dims)
+    )
+
+  placements = {}
+  for element in np.ndindex(*shape):
+    tiled = list(layout.tiling.tile_indices(element))
+    lane, position = number(tiled, lane_dims), tiled[layout.vector_dim]
+    warps = [number(tiled, warp_dims)] if warp_dims else range(4)
+    register = list(tiled)
+    for d in (*warp_dims, *lane_dims, layout.vector_dim):
+      register[d] = 0
+    for warp in warps:
+      placements.setdefault(tuple(register), []).append((32 * warp + lane, position, element))
+  return placements
+
+
+class _Array:
+  """A FragmentedArray's stand-in with numpy registers: 16-bit pairs as uint32 over 128 threads,
+  f32 pairs as float32 [128, 2]."""
+
+  def __init__(self, registers):
+    self.registers = registers
+
+
+def _registers(layout, matrix: np.ndarray) -> _Array:
+  """`matrix` (uint16 bf16 bits, or float32) as `layout`'s registers."""
+  placements = _placements(layout, matrix.shape)
+  registers = np.empty(layout.registers_shape(matrix.shape), dtype=object)
+  for index, places in placements.items():
+    if matrix.dtype == np.uint16:
+      register = np.zeros(128, np.uint32)
+      for thread, position, element in places:
+        register[thread] |= np.uint32(matrix[element]) << np.uint32(16 * position)
+    else:
+      register = np.zeros((128, 2), np.float32)
+      for thread, position, element in places:
+        register[thread, position] = matrix[element]
+    registers[index] = register
+  return _Array(registers)
+
+
+def _matrix(layout, shape, registers) -> np.ndarray:
+  """float32 [shape] from f32-pair registers ([128, 2] each) in `layout`."""
+  matrix = np.full(shape, np.nan, np.float32)
+  for index, places in _placements(layout, shape).items():
+    for thread, position, element in places:
+      matrix[element] = registers[index][thread, position]
+  return matrix
+
+
+def _per_warp(function, *registers, results):
+  """A warp-wide instruction over 128 threads: `function` on each warp's [32, ...] slices."""
+  outputs = [np.zeros((128,) + np.shape(r)[1:], dtype) for r, dtype in results]
+  for warp in range(4):
+    lanes = slice(32 * warp, 32 * warp + 32)
+    values = function(*[np.asarray(r)[lanes] for r in registers])
+    values = values if isinstance(values, tuple) else (values,)
+    for output, value in zip(outputs, values):
+      output[lanes] = value
+  return outputs
+
+
+def _emulated_ptx(shared: np.ndarray):
+  """`mgpu_utils.inline_ptx` for the instructions the experiment emits, over 128 threads;
+  `shared` the bytes addressed from 0."""
+
+  def inline_ptx(ptx, *args, result_types=None, has_side_effects=False, convergent=False):
+    if ptx.startswith("prmt.b32"):
+      selector = int(ptx.split(",")[-1].strip(" ;"), 16)
+      return emulation.byte_perm(
+        as_uint(args[0]).astype(np.uint32), as_uint(args[1]).astype(np.uint32), selector
+      )
+    assert convergent, f"a warp-wide instruction must be convergent: {ptx}"
+    if ptx.startswith("movmatrix"):
+      (moved,) = _per_warp(
+        emulation.movmatrix_trans, as_uint(args[0]).astype(np.uint32), results=[((128,), np.uint32)]
+      )
+      return moved
+    if ptx.startswith("ldmatrix.sync.aligned.m8n8.x4.trans"):
+      assert has_side_effects
+      address = np.asarray(args[0], np.int64)
+      registers = np.zeros((128, 4), np.uint32)
+      for warp in range(4):
+        lanes = address[32 * warp : 32 * warp + 32]
+        assert np.all(lanes % 16 == 0), "a matrix row starts on 16 bytes"
+        rows = np.stack([shared[a : a + 16].view(np.uint16) for a in lanes])
+        registers[32 * warp : 32 * warp + 32] = emulation.ldmatrix_x4_trans(
+          rows, np.arange(32), np.zeros(32, int)
+        )
+      return [registers[:, m] for m in range(4)]
+    if ptx.startswith("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"):
+      a = np.stack([as_uint(x).astype(np.uint32) for x in args[:4]], axis=1)
+      b = np.stack([as_uint(x).astype(np.uint32) for x in args[4:6]], axis=1)
+      c = np.stack([np.broadcast_to(np.asarray(x, np.float32), (128,)) for x in args[6:10]], axis=1)
+      d = np.zeros((128, 4), np.float32)
+      for warp in range(4):
+        lanes = slice(32 * warp, 32 * warp + 32)
+        d[lanes] = emulation.mma_m16n8k16(a[lanes], b[lanes], c[lanes])
+      return [d[:, i] for i in range(4)]
+    raise AssertionError(f"unexpected PTX: {ptx}")
+
+  return inline_ptx
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+  """The inline code's ops on numpy arrays; returns a function that installs the shared bytes."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jaxlib.mlir.dialects import arith, llvm, vector
+
+  emulate_inline_code(monkeypatch, first_thread=0, load=None)
+  monkeypatch.setattr(arith, "shrui", lambda a, b: as_uint(a) >> as_uint(b))
+  monkeypatch.setattr(arith, "constant", lambda _, value: np.full(128, value, np.float32))
+  monkeypatch.setattr(
+    arith, "addf", lambda a, b: np.asarray(a, np.float32) + np.asarray(b, np.float32)
+  )
+  monkeypatch.setattr(
+    arith,
+    "mulf",
+    lambda a, b: emulation.hmul2_bf16(as_uint(a).astype(np.uint32), as_uint(b).astype(np.uint32)),
+  )
+  monkeypatch.setattr(
+    vector,
+    "extract",
+    lambda register, dynamic_position, static_position: register[:, static_position[0]],
+  )
+  monkeypatch.setattr(llvm, "mlir_undef", lambda _: np.zeros((128, 2), np.float32))
+
+  def insertelement(register, value, position):
+    register = np.array(register, np.float32)
+    register[:, int(np.asarray(position).ravel()[0])] = value
+    return register
+
+  monkeypatch.setattr(llvm, "insertelement", insertelement)
+  monkeypatch.setattr(mgpu_utils, "memref_ptr", lambda ref: as_uint(np.zeros(128)))
+
+  def byte_offset(pointer, offsets, element_type):
+    assert str(element_type) == "i8", "offsets are in bytes"
+    return as_uint(pointer) + as_uint(offsets[0])
+
+  monkeypatch.setattr(mgpu_utils, "getelementptr", byte_offset)
+
+  def install(shared: np.ndarray):
+    monkeypatch.setattr(mgpu_utils, "inline_ptx", _emulated_ptx(shared))
+    monkeypatch.setattr(
+      llvm, "load", lambda _, address: shared.view(np.uint32)[np.asarray(address, np.int64) // 4]
+    )
+
+  # every argument passed through (the harness's own takes one)
+  monkeypatch.setattr(
+    plgpu, "inline_mgpu", lambda **_: lambda body: lambda *args: body(None, *args)
+  )
+  return install
+
+
+def _bf16(rng, shape, low, high):
+  return experiment.bf16_bits(rng.uniform(low, high, shape).astype(np.float32))
+
+
+def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_queries(emulated):
+  """Scores [64, 8]: tokens 16 w .. 16 w + 15 against Q' = bf16(query pairs x key scales of group
+  w / 2), by position: channel C(L) of `word_operand_order` pairs c with c + 64."""
+  import jax.numpy as jnp
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jaxlib.mlir import ir
+
+  from pallas_kernels.word_operand_order import word_order_channels
+
+  rng = np.random.default_rng(21)
+  # any bf16 values: the code's indexing, not the codes' subnormal scaling, is under test
+  keys = _bf16(rng, (64, 128), -1.0, 1.0)
+  queries = _bf16(rng, (128, 8), -2.0, 2.0)  # [position, column]
+  scales = _bf16(rng, (2, 128), 0.01, 0.1)  # [group, channel]
+  emulated(scales.view(np.uint8).ravel().copy())
+  from jax.experimental.mosaic import gpu as mgpu
+
+  layouts = mgpu.MMALayouts(jnp.bfloat16, m_warps=4)
+  with ir.Context(), ir.Location.unknown():
+    result = mosaic.key_product_per_warp(
+      _registers(layouts.lhs, keys), _registers(layouts.rhs, queries), None
+    )
+  scores = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
+  channels = word_order_channels(128, 2)
+  for warp in range(4):
+    scaled = experiment.bf16_values(
+      experiment.bf16_bits(
+        experiment.bf16_values(queries) * experiment.bf16_values(scales[warp // 2])[channels, None]
+      )
+    )
+    tokens = slice(16 * warp, 16 * warp + 16)
+    expected = experiment.bf16_values(keys[tokens]).astype(np.float64) @ scaled.astype(np.float64)
+    np.testing.assert_allclose(scores[tokens], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated):
+  """acc [512, 8] + per warp w and m-tile p: rows r = half-word r's field p of the warp's 16
+  tokens (after the shift for p >= 4), against P' of pairing p / 4, rows 16 w .. 16 w + 15."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jaxlib.mlir import ir
+
+  rng = np.random.default_rng(22)
+  words = rng.integers(0, 2**32, (64, 8), dtype=np.uint64).astype(np.uint32)
+  # P' carries 2^64 (`subnormal_codes.PROBS_SCALE`): the codes' patterns are subnormal bf16
+  # numbers (~2^-133), and without it the products would vanish in f32 (and the test with them)
+  probs = [_bf16(rng, (64, 8), 0.0, 2.0**64) for _ in range(2)]
+  acc = (rng.normal(size=(512, 8)) * 2.0**-66).astype(np.float32)
+  emulated(words.view(np.uint8).ravel().copy())
+  with ir.Context(), ir.Location.unknown():
+    result = mosaic.value_product_per_warp(
+      _registers(fa.WGMMA_LAYOUT, probs[0]),
+      _registers(fa.WGMMA_LAYOUT, probs[1]),
+      None,
+      _registers(fa.WGMMA_LAYOUT, acc),
+    )
+  out = _matrix(fa.WGMMA_LAYOUT, (512, 8), result.registers)
+  half_words = words.view(np.uint16).reshape(64, 16).astype(np.uint32)
+  expected = acc.astype(np.float64)
+  for warp in range(4):
+    tokens = slice(16 * warp, 16 * warp + 16)
+    for p in range(8):
+      patterns = ((half_words[tokens] >> (8 * (p // 4))) & (3 << (2 * (p % 4)))).astype(np.uint16)
+      a = experiment.bf16_values(patterns.T).astype(np.float64)  # [half-word r, token]
+      b = experiment.bf16_values(probs[p // 4][tokens]).astype(np.float64)  # [token, column]
+      rows = slice(64 * p + 16 * warp, 64 * p + 16 * warp + 16)
+      expected[rows] += a @ b
+  increment = np.abs(expected - acc)
+  assert increment.min() > 0 and increment.max() > np.abs(acc).max() / 4  # not vacuous
+  np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * increment.max())
+
+
+def test_statistics_by_slot_give_each_column_its_slots_group(emulated, monkeypatch):
+  """[64, 8]: token t, column c holds the statistic of group 2 (c // 4) + b at t."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, memref, vector
+
+  rng = np.random.default_rng(23)
+  statistics = _bf16(rng, (4, 64), -1.0, 1.0)
+  monkeypatch.setattr(
+    memref, "load", lambda _, index: statistics[index[0].astype(int), index[1].astype(int)]
+  )
+  monkeypatch.setattr(arith, "extf", lambda _, value: experiment.bf16_values(value))
+  monkeypatch.setattr(vector, "broadcast", lambda _, value: np.stack([value, value], axis=1))
+  monkeypatch.setattr(arith, "index_cast", lambda _, value: np.asarray(value, np.int64))
+  values = experiment.bf16_values(statistics)
+  for b in range(2):
+    with ir.Context(), ir.Location.unknown():
+      result = mosaic.statistics_by_slot(None, b)
+    tile = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
+    for column in range(8):
+      np.testing.assert_array_equal(tile[:, column], values[2 * (column // 4) + b])
