@@ -47,11 +47,12 @@ SCORE_SCALE = 2.0**64
 PROBS_SCALE = 2.0**64
 
 
-def value_product_per_warp(probs_low, probs_high, words_ref, acc):
+def value_product_per_warp(probs_low, probs_high, words_ref, acc, tile: int = 0, tiles: int = 1):
   """acc f32 [512, 8] (wgmma layout: row 64 p + 16 w + r is warp w's m-tile p) plus each warp's
   V^T [128, 16 own tokens] . P'^T [16, 8], for m-tiles p < 4 with P' `probs_low`, p >= 4 with
-  `probs_high` (bf16 [64, 8], wgmma layout: warp w holds its tokens 16 w ..); `words_ref` the
-  block's value words [64, 8] uint32 in shared memory (`inline_mgpu`, native only)."""
+  `probs_high` (bf16 [64, 8], wgmma layout: warp w's rows are its tokens 16 tiles w + 16 tile
+  ..); `words_ref` the block's value words [64 tiles, 8] uint32 in shared memory (`inline_mgpu`,
+  native only)."""
   import jax.numpy as jnp
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -88,11 +89,12 @@ def value_product_per_warp(probs_low, probs_high, words_ref, acc):
     for probs in (low, high):
       registers = probs.registers.reshape(-1)  # h = 0, 1
       operands.append([transposed(registers[0]), transposed(registers[1])])
-    # Lanes 8 m .. 8 m + 7 address the rows of matrix m: token 16 w + 8 (m / 2) + l % 8, bytes
-    # 16 (m % 2) of its 32.
+    # Lanes 8 m .. 8 m + 7 address the rows of matrix m: token 16 tiles w + 16 tile + 8 (m / 2)
+    # + l % 8, bytes 16 (m % 2) of its 32.
     matrix = arith.divui(lane, const(8))
+    first = arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile))
     token = arith.addi(
-      arith.addi(arith.muli(warp, const(16)), arith.muli(arith.divui(matrix, const(2)), const(8))),
+      arith.addi(first, arith.muli(arith.divui(matrix, const(2)), const(8))),
       arith.remui(lane, const(8)),
     )
     offset = arith.addi(
@@ -141,12 +143,16 @@ def value_product_per_warp(probs_low, probs_high, words_ref, acc):
   return product(probs_low, probs_high, words_ref, acc)
 
 
-def key_product_per_warp(keys, queries, k_scale_ref):
-  """f32 [64, 8] scores (wgmma layout): each warp's 16 tokens against Q' of its own key group
-  (warp // 2 at 64-token blocks and groups of 32), by 8 `mma.sync` (two accumulators over
-  alternate k-tiles). `keys` bf16 [64, 128] key codes in the MMA_LHS layout (word order),
-  `queries` bf16 [128, 8] in MMA_RHS (position-major, times 2^(69 - bit)), `k_scale_ref` the
-  block's key scales [2, 128] bf16 in shared memory, channel order (`inline_mgpu`, native only).
+def key_product_per_warp(keys, queries, k_scale_ref, key_bias_ref, tiles: int = 1):
+  """f32 [64, 8] scores (wgmma layout) per 16-token tile of `keys`: each warp's tokens against Q'
+  of its own key group (warp w's 16 tiles tokens are group w tiles / 2 of the block, groups of
+  32), by 8 `mma.sync` a tile (two accumulators over alternate k-tiles), Q' built once for all
+  of the warp's tiles. `keys` a list of `tiles` bf16 [64, 128] key-code arrays in the MMA_LHS
+  layout (word order; row 16 w + r: token 16 tiles w + 16 tile + r), `queries` bf16 [128, 8] in
+  MMA_RHS (position-major, times 2^(69 - bit)), `k_scale_ref` the block's key scales
+  [groups, 128] bf16 (channel order) and `key_bias_ref` its q . k_min [groups, 8] f32, both in
+  shared memory. The scores are those before the 2^64 of `subnormal_codes.SCORE_SCALE`, so the
+  bias enters the accumulators as bias / 2^64 (exact; `inline_mgpu`, native only).
 
   B register (k-tile kt, half kh) of lane (g, q) holds positions 16 kt + 8 kh + 2 q + {0, 1},
   i.e. channels c and c + 64 with c = 8 kt + 2 q + kh (`word_operand_order`'s C(L)): their
@@ -157,15 +163,19 @@ def key_product_per_warp(keys, queries, k_scale_ref):
 
   from pallas_kernels.warpgroup_thread import thread_coordinates
 
+  lhs = plgpu.Layout.MMA_LHS(jnp.bfloat16)
+  score_type = plgpu.ShapeDtypeStruct((BLOCK, ROWS), jnp.float32, layout=plgpu.Layout.WGMMA)
+
   @plgpu.inline_mgpu(
     arg_types=(
-      plgpu.Layout.MMA_LHS(jnp.bfloat16),
+      [lhs] * tiles,
       plgpu.Layout.MMA_RHS(jnp.bfloat16),
       plgpu.RefType(),
+      plgpu.RefType(),
     ),
-    return_type=plgpu.ShapeDtypeStruct((BLOCK, ROWS), jnp.float32, layout=plgpu.Layout.WGMMA),
+    return_type=[score_type] * tiles,
   )
-  def product(_, a, b, ref):
+  def product(_, key_tiles, b, scale_ref, bias_ref):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
@@ -176,22 +186,20 @@ def key_product_per_warp(keys, queries, k_scale_ref):
     f32 = ir.F32Type.get()
     pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
     const, lane, warp, quad = thread_coordinates()
-    group = arith.divui(warp, const(2))
+    group = arith.divui(arith.muli(warp, const(tiles)), const(2))
     # byte offset of channel 2 q of the warp's group's 128 scales
     base = arith.muli(
       arith.addi(arith.muli(group, const(128)), arith.muli(quad, const(2))), const(2)
     )
-    scales = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [base], i8)
+    scales = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(scale_ref), [base], i8)
 
     def scale_word(channel: int):
       address = mgpu_utils.getelementptr(scales, [2 * channel], i8)
       return llvm.load(i32, address)
 
-    zero = arith.constant(f32, 0.0)
-    accumulators = [[zero] * 4 for _ in range(2)]
+    b_registers = []  # Q' of the warp's group, built once for its tiles
     for kt in range(8):
       low, high = scale_word(8 * kt), scale_word(8 * kt + 64)
-      b_registers = []
       for kh in range(2):
         pair = mgpu_utils.inline_ptx(
           "prmt.b32 $0, $1, $2, " + ("0x7632" if kh else "0x5410") + ";",
@@ -202,39 +210,96 @@ def key_product_per_warp(keys, queries, k_scale_ref):
         query = b.registers[(kt, 0, kh, 0, 0, 0, 0, 0)]
         product_pair = arith.mulf(query, mgpu_utils.bitcast(pair, pair_type))
         b_registers.append(mgpu_utils.bitcast(product_pair, i32))
-      a_registers = [
-        mgpu_utils.bitcast(a.registers[(0, kt, 0, s, h, 0, 0, 0, 0)], i32)
-        for s, h in ((0, 0), (0, 1), (1, 0), (1, 1))
-      ]
-      accumulators[kt % 2] = mgpu_utils.inline_ptx(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
-        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        *a_registers,
-        *b_registers,
-        *accumulators[kt % 2],
-        result_types=[f32] * 4,
-        convergent=True,  # warp-wide (.sync.aligned): out of divergent code
-      )
-    scores = [arith.addf(x, y) for x, y in zip(*accumulators)]
-    registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((BLOCK, ROWS)), dtype=object)
+    # the group's bias of the lane's columns 2 q, 2 q + 1, over 2^64: the accumulators' start
+    bias_offset = arith.muli(
+      arith.addi(arith.muli(group, const(ROWS)), arith.muli(quad, const(2))), const(4)
+    )
+    bias_address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(bias_ref), [bias_offset], i8)
+    unscale = arith.constant(f32, 2.0**-64)
+    bias = [
+      arith.mulf(llvm.load(f32, mgpu_utils.getelementptr(bias_address, [4 * c], i8)), unscale)
+      for c in range(2)
+    ]
+    zero = arith.constant(f32, 0.0)
+    results = []
     undefined = llvm.mlir_undef(ir.VectorType.get((2,), f32))
-    for h in range(2):
-      pair = llvm.insertelement(undefined, scores[2 * h], position=const(0))
-      registers[(0, 0, 0, 0, h, 0, 0, 0, 0)] = llvm.insertelement(
-        pair, scores[2 * h + 1], position=const(1)
+    for a in key_tiles:
+      accumulators = [[bias[0], bias[1], bias[0], bias[1]], [zero] * 4]
+      for kt in range(8):
+        a_registers = [
+          mgpu_utils.bitcast(a.registers[(0, kt, 0, s, h, 0, 0, 0, 0)], i32)
+          for s, h in ((0, 0), (0, 1), (1, 0), (1, 1))
+        ]
+        accumulators[kt % 2] = mgpu_utils.inline_ptx(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+          "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+          *a_registers,
+          *b_registers[2 * kt : 2 * kt + 2],
+          *accumulators[kt % 2],
+          result_types=[f32] * 4,
+          convergent=True,  # warp-wide (.sync.aligned): out of divergent code
+        )
+      scores = [arith.addf(x, y) for x, y in zip(*accumulators)]
+      registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((BLOCK, ROWS)), dtype=object)
+      for h in range(2):
+        pair = llvm.insertelement(undefined, scores[2 * h], position=const(0))
+        registers[(0, 0, 0, 0, h, 0, 0, 0, 0)] = llvm.insertelement(
+          pair, scores[2 * h + 1], position=const(1)
+        )
+      results.append(
+        fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
       )
-    return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+    return results
 
-  return product(keys, queries, k_scale_ref)
+  return product(keys, queries, k_scale_ref, key_bias_ref)
 
 
-def statistics_by_slot(ring_ref, b: int):
-  """f32 [64, 8] (wgmma layout): each element the statistic of its token in the value group of
-  its column's slot, 2 (column // 4) + b, from the block's [4, 64] bf16 statistics in shared
-  memory. A lane's two columns share a slot, so it loads its two tokens' values of one group (2
-  16-bit loads), where array code selects between two broadcast tiles on every element. Past a
-  row's length the values are not zeroed: the experiment's inputs are finite there (a kernel of
-  the library would mask them in the last block; `inline_mgpu`, native only)."""
+def own_token_words(words_ref, tile: int, tiles: int):
+  """uint32 [64, 8] (wgmma layout) of the block's key words [64 tiles, 8] in shared memory: row
+  16 w + r holds token 16 tiles w + 16 tile + r, so that each warp's tokens are its own 16 tiles
+  consecutive ones (one key group at 32 a warp). A thread loads words 2 q, 2 q + 1 of its two
+  rows, one 64-bit load each (`inline_mgpu`, native only)."""
+  import jax.numpy as jnp
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from pallas_kernels.warpgroup_thread import thread_coordinates
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(),),
+    return_type=plgpu.ShapeDtypeStruct((BLOCK, 8), jnp.uint32, layout=plgpu.Layout.WGMMA),
+  )
+  def load(_, ref):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm
+
+    i8 = ir.IntegerType.get_signless(8)
+    pair_type = ir.VectorType.get((2,), ir.IntegerType.get_signless(32))
+    const, lane, warp, quad = thread_coordinates()
+    token = arith.addi(
+      arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile)),
+      arith.divui(lane, const(4)),
+    )
+    offset = arith.addi(arith.muli(token, const(32)), arith.muli(quad, const(8)))
+    address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
+    registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((BLOCK, 8)), dtype=object)
+    for h in range(2):
+      row = mgpu_utils.getelementptr(address, [8 * 32 * h], i8)
+      registers[(0, 0, 0, 0, h, 0, 0, 0, 0)] = llvm.load(pair_type, row)
+    return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=False)
+
+  return load(words_ref)
+
+
+def statistics_by_slot(ring_ref, b: int, tile: int = 0, tiles: int = 1):
+  """f32 [64, 8] (wgmma layout): each element the statistic of its token (row 16 w + r: token
+  16 tiles w + 16 tile + r) in the value group of its column's slot, 2 (column // 4) + b, from
+  the block's [4, 64 tiles] bf16 statistics in shared memory. A lane's two columns share a
+  slot, so it loads its two tokens' values of one group (2 16-bit loads), where array code
+  selects between two broadcast tiles on every element. Past a row's length the values are not
+  zeroed: the experiment's inputs are finite there (a kernel of the library would mask them in
+  the last block; `inline_mgpu`, native only)."""
   import jax.numpy as jnp
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -253,7 +318,10 @@ def statistics_by_slot(ring_ref, b: int):
     index = ir.IndexType.get()
     const, lane, warp, quad = thread_coordinates()
     group = arith.addi(arith.muli(arith.divui(quad, const(2)), const(2)), const(b))
-    token = arith.addi(arith.muli(warp, const(16)), arith.divui(lane, const(4)))
+    token = arith.addi(
+      arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile)),
+      arith.divui(lane, const(4)),
+    )
     registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((BLOCK, ROWS)), dtype=object)
     for h in range(2):
       value = memref.load(
@@ -272,14 +340,31 @@ KEY_PRODUCTS = ("per_warp", "stacked")
 STATISTICS = ("by_lane", "selects")
 
 
+TILES = (1, 2)
+
+
 def experiment_kernel(
-  rows: int, tokens: int, splits: int, key_product: str = "per_warp", statistics: str = "by_lane"
+  rows: int,
+  tokens: int,
+  splits: int,
+  key_product: str = "per_warp",
+  statistics: str = "by_lane",
+  tiles: int = 1,
 ):
   """(kernel, its argument shapes) of the experiment for `rows` cache rows (batch x KV heads).
   key_product "per_warp": `key_product_per_warp` (each warp its own group's Q', built in
   registers: no staging, no barrier); "stacked": `plgpu.mma` against both groups' Q' staged in
   shared memory (a barrier), each token taking its group's columns. statistics "by_lane":
-  `statistics_by_slot`; "selects": both groups' tiles broadcast and selected per column."""
+  `statistics_by_slot`; "selects": both groups' tiles broadcast and selected per column. tiles:
+  16-token tiles a warp takes per block (blocks of 64 tiles tokens; 2: each warp one key group,
+  its Q' built once for both; with "per_warp" and "by_lane" only)."""
+  if tiles not in TILES:
+    raise ValueError(f"tiles={tiles!r} is not supported; allowed: {TILES}")
+  if tiles > 1 and (key_product, statistics) != ("per_warp", "by_lane"):
+    raise ValueError(
+      f"tiles={tiles} needs key_product='per_warp' and statistics='by_lane' (got "
+      f"{key_product!r}, {statistics!r})"
+    )
   if key_product not in KEY_PRODUCTS:
     raise ValueError(f"key_product={key_product!r} is not supported; allowed: {KEY_PRODUCTS}")
   if statistics not in STATISTICS:
@@ -296,8 +381,9 @@ def experiment_kernel(
     stage_words_in_word_order,
   )
 
-  split_tokens = experiment.split_tokens(tokens, splits, 1)
+  split_tokens = experiment.split_tokens(tokens, splits, tiles)
   groups = experiment.VALUE_GROUPS
+  span = BLOCK * tiles  # tokens of a block
   wgmma = plgpu.Layout.WGMMA
 
   def body(
@@ -314,13 +400,13 @@ def experiment_kernel(
     plgpu.barrier_wait(setup_barrier)
     start = split * split_tokens
     length = lengths_smem[row]
-    blocks = (jnp.clip(length - start, 0, split_tokens) + BLOCK - 1) // BLOCK
+    blocks = (jnp.clip(length - start, 0, split_tokens) + span - 1) // span
 
     def fetch(i):
-      slot, first = lax.rem(i, STAGES), start + i * BLOCK
+      slot, first = lax.rem(i, STAGES), start + i * span
       barrier = ring_barriers.at[slot]
-      tokens_of = pl.ds(first, BLOCK)
-      groups_of = pl.ds(first // experiment.GROUP, BLOCK // experiment.GROUP)
+      tokens_of = pl.ds(first, span)
+      groups_of = pl.ds(first // experiment.GROUP, span // experiment.GROUP)
       plgpu.copy_gmem_to_smem(k_words_gmem.at[row, tokens_of], k_words_smem.at[slot], barrier)
       plgpu.copy_gmem_to_smem(k_scale_gmem.at[row, groups_of], k_scale_smem.at[slot], barrier)
       plgpu.copy_gmem_to_smem(key_bias_gmem.at[row, groups_of], key_bias_smem.at[slot], barrier)
@@ -350,22 +436,34 @@ def experiment_kernel(
     token = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 0, layout=wgmma)
     if statistics == "selects":  # (made only where used: an unused value leaves layout
       # inference without a solution)
-      token_in_block = plgpu.broadcasted_iota(jnp.int32, (BLOCK,), 0, layout=wgmma.reduce(1))
+      token_of_vector = plgpu.broadcasted_iota(jnp.int32, (BLOCK,), 0, layout=wgmma.reduce(1))
       column_slot = plgpu.broadcasted_iota(jnp.int32, (BLOCK, ROWS), 1, layout=wgmma) // 4
 
     def step(i, state):
       acc, sums, min_low, min_high = state
       slot = lax.rem(i, STAGES)
       plgpu.barrier_wait(ring_barriers.at[slot])
-      words = plgpu.layout_cast(k_words_smem[slot], wgmma)
-      keys = stage_words_in_word_order(words, BITS, operand_layout="mma_lhs")
-      second_group = token // experiment.GROUP == 1
-      bias = [
-        per_column(plgpu.layout_cast(key_bias_smem[slot, k, :], wgmma.reduce(0))) for k in range(2)
-      ]
+      first_token = start + i * span
       if key_product == "per_warp":
-        scores = key_product_per_warp(keys, lane_queries, k_scale_smem.at[slot])
+        keys = [
+          stage_words_in_word_order(
+            own_token_words(k_words_smem.at[slot], t, tiles), BITS, operand_layout="mma_lhs"
+          )
+          for t in range(tiles)
+        ]
+        # the bias is in the scores (the accumulators start at it)
+        tile_scores = key_product_per_warp(
+          keys, lane_queries, k_scale_smem.at[slot], key_bias_smem.at[slot], tiles
+        )
+        tile_logits = [scores * SCORE_SCALE - per_column(reference) for scores in tile_scores]
       else:
+        words = plgpu.layout_cast(k_words_smem[slot], wgmma)
+        keys = stage_words_in_word_order(words, BITS, operand_layout="mma_lhs")
+        second_group = token // experiment.GROUP == 1
+        bias = [
+          per_column(plgpu.layout_cast(key_bias_smem[slot, k, :], wgmma.reduce(0)))
+          for k in range(2)
+        ]
         for k in range(2):  # Q' of the block's two key groups, [k * 8 + j, position]
           k_scale = load_channels_in_word_order(k_scale_smem.at[slot, k], 128, BITS, False)
           stack_smem.at[pl.ds(ROWS * k, ROWS)].T[...] = code_queries * per_channel(k_scale)
@@ -376,32 +474,37 @@ def experiment_kernel(
         )
         stacked = plgpu.mma(zeros, keys, queries_stacked)  # [64, 16]: both groups' scores
         scores = jnp.where(second_group, stacked[:, ROWS:], stacked[:, :ROWS])
-      scores = scores * SCORE_SCALE + jnp.where(second_group, bias[1], bias[0])
-      scores = scores - per_column(reference)
-      valid = token + start + i * BLOCK < length
-      probs = jnp.where(valid, jnp.exp2(scores), 0.0)
+        scores = scores * SCORE_SCALE + jnp.where(second_group, bias[1], bias[0])
+        tile_logits = [scores - per_column(reference)]
 
-      def statistic(ring, group):
-        # zeroed past the length (p is 0 there, the statistics may be NaN), per token: 2
-        # selects a thread, not 4 on the [64, 8] tile
-        valid_token = token_in_block + start + i * BLOCK < length
-        vector = plgpu.layout_cast(ring[slot, group, :], wgmma.reduce(1)).astype(jnp.float32)
-        return per_token(jnp.where(valid_token, vector, 0.0))
+      for t, logits in enumerate(tile_logits):
+        # row 16 w + r of a tile is token 16 tiles w + 16 t + r of the block
+        token_in_block = (token // 16) * (16 * tiles) + 16 * t + token % 16
+        valid = token_in_block + first_token < length
+        probs = jnp.where(valid, jnp.exp2(logits), 0.0)
 
-      def slot_tile(ring, b):
-        if statistics == "by_lane":  # (past the length: see `statistics_by_slot`)
-          return statistics_by_slot(ring.at[slot], b)
-        return jnp.where(column_slot == 1, statistic(ring, 2 + b), statistic(ring, b))
+        def statistic(ring, group):
+          # zeroed past the length (p is 0 there, the statistics may be NaN), per token: 2
+          # selects a thread, not 4 on the [64, 8] tile
+          valid_token = token_of_vector + first_token < length
+          vector = plgpu.layout_cast(ring[slot, group, :], wgmma.reduce(1)).astype(jnp.float32)
+          return per_token(jnp.where(valid_token, vector, 0.0))
 
-      # slot s of the columns holds value group 2 s + b: b = 0 for m-tiles 0-3, 1 for 4-7
-      pairs = []
-      for b in range(2):
-        scale, minimum = slot_tile(v_scale_smem, b), slot_tile(v_min_smem, b)
-        pairs.append(((probs * scale * PROBS_SCALE).astype(jnp.bfloat16), probs * minimum))
-      acc = value_product_per_warp(pairs[0][0], pairs[1][0], v_words_smem.at[slot], acc)
+        def slot_tile(ring, b, t=t):
+          if statistics == "by_lane":  # (past the length: see `statistics_by_slot`)
+            return statistics_by_slot(ring.at[slot], b, t, tiles)
+          return jnp.where(column_slot == 1, statistic(ring, 2 + b), statistic(ring, b))
+
+        # slot s of the columns holds value group 2 s + b: b = 0 for m-tiles 0-3, 1 for 4-7
+        pairs = []
+        for b in range(2):
+          scale, minimum = slot_tile(v_scale_smem, b), slot_tile(v_min_smem, b)
+          pairs.append(((probs * scale * PROBS_SCALE).astype(jnp.bfloat16), probs * minimum))
+        acc = value_product_per_warp(pairs[0][0], pairs[1][0], v_words_smem.at[slot], acc, t, tiles)
+        sums, min_low, min_high = sums + probs, min_low + pairs[0][1], min_high + pairs[1][1]
       plgpu.commit_smem()  # every warp's reads of the slot done: it may be refilled
       pl.when(i + STAGES < blocks)(functools.partial(fetch_by_first_warp, i + STAGES))
-      return acc, sums + probs, min_low + pairs[0][1], min_high + pairs[1][1]
+      return acc, sums, min_low, min_high
 
     zero = plgpu.layout_cast(jnp.zeros((BLOCK, ROWS), jnp.float32), wgmma)
     init = (plgpu.layout_cast(jnp.zeros((512, ROWS), jnp.float32), wgmma), zero, zero, zero)
@@ -430,12 +533,12 @@ def experiment_kernel(
       plgpu.SMEM((rows,), jnp.int32),
       plgpu.SMEM((128, ROWS), jnp.bfloat16),
       plgpu.SMEM((ROWS,), jnp.float32),
-      plgpu.SMEM((STAGES, BLOCK, 8), jnp.uint32),
-      plgpu.SMEM((STAGES, 2, 128), jnp.bfloat16),
-      plgpu.SMEM((STAGES, 2, ROWS), jnp.float32),
-      plgpu.SMEM((STAGES, BLOCK, 8), jnp.uint32),
-      plgpu.SMEM((STAGES, groups, BLOCK), jnp.bfloat16),
-      plgpu.SMEM((STAGES, groups, BLOCK), jnp.bfloat16),
+      plgpu.SMEM((STAGES, span, 8), jnp.uint32),
+      plgpu.SMEM((STAGES, span // experiment.GROUP, 128), jnp.bfloat16),
+      plgpu.SMEM((STAGES, span // experiment.GROUP, ROWS), jnp.float32),
+      plgpu.SMEM((STAGES, span, 8), jnp.uint32),
+      plgpu.SMEM((STAGES, groups, span), jnp.bfloat16),
+      plgpu.SMEM((STAGES, groups, span), jnp.bfloat16),
       plgpu.SMEM((2 * ROWS, 128), jnp.bfloat16),
       plgpu.SMEM((512, ROWS), jnp.float32),
       plgpu.SMEM((BLOCK, ROWS), jnp.float32),
@@ -507,7 +610,8 @@ def finish(partial: np.ndarray, sums: np.ndarray, min_sums: np.ndarray):
 
 
 def run_on_gpu(iters: int = 100, repeats: int = 7) -> list:
-  """On a GPU, for each key product (with the statistics by lane): the kernel against the model
+  """On a GPU, for each key product at 16 tokens a warp and the per-warp one at 32 (with the
+  statistics by lane): the kernel against the model
   (random inputs, a short row) and its time at the 32k shape (constant inputs, jitted calls back
   to back: the kernel alone), as `warp_products_experiment.run_on_gpu` does for the CUDA one."""
   import jax
@@ -522,15 +626,16 @@ def run_on_gpu(iters: int = 100, repeats: int = 7) -> list:
     ]
 
   results = []
-  for key_product in KEY_PRODUCTS:
+  for key_product, tiles in (("per_warp", 1), ("stacked", 1), ("per_warp", 2)):
     rows, tokens, splits = 4, 2048, 2
     arrays = experiment.random_arrays(rows, tokens, splits)
-    kernel, _ = experiment_kernel(rows, tokens, splits, key_product)
+    kernel, _ = experiment_kernel(rows, tokens, splits, key_product, tiles=tiles)
     raw = [np.asarray(x) for x in jax.jit(kernel)(*device_inputs(prepare(arrays, splits)))]
     out, sums = finish(*raw)
-    model_out, model_sums = experiment.model_outputs(arrays, splits, 1)
+    model_out, model_sums = experiment.model_outputs(arrays, splits, tiles)
     result = {
       "key_product": key_product,
+      "tiles": tiles,
       "device": jax.devices()[0].device_kind,
       "out_error": float(np.abs(out - model_out).max() / np.abs(model_out).max()),
       "sums_error": float(np.abs(sums - model_sums).max() / np.abs(model_sums).max()),
@@ -546,7 +651,7 @@ def run_on_gpu(iters: int = 100, repeats: int = 7) -> list:
       name: np.full(shape, {"lengths": tokens}.get(name, 0), dtype)
       for name, (dtype, shape) in shapes.items()
     }
-    kernel, _ = experiment_kernel(rows, tokens, splits, key_product)
+    kernel, _ = experiment_kernel(rows, tokens, splits, key_product, tiles=tiles)
     inputs = device_inputs(prepare(constant, splits))
     result["us"] = 1e6 * time_call(kernel, inputs, iters=iters, repeats=repeats)
     result["bytes"] = experiment.bytes_read(rows, tokens, splits)
@@ -570,21 +675,22 @@ def main():
 
     device = mosaic_static_cost.compile_only_device()
     result = []
-    for key_product in KEY_PRODUCTS:
-      for statistics in STATISTICS:
-        kernel, shapes = experiment_kernel(64, 32768, 32, key_product, statistics)
-        ptx, _ = mosaic_static_cost.ptx_of(kernel, shapes, device)
-        with tempfile.TemporaryDirectory() as workdir:
-          sass, usage, (live, _) = mosaic_static_cost.sass_of(ptx, workdir, "warp_products")
-        cost = triton_static_cost.loop_cost(
-          f"warp products (Mosaic GPU), key_product={key_product}, statistics={statistics}",
-          sass,
-          usage,
-          "",
-          tokens_per_iteration=BLOCK,
-          warps=4,
-        )
-        result.append({**vars(cost), "live_registers": live})
+    settings = [(k, s, 1) for k in KEY_PRODUCTS for s in STATISTICS] + [("per_warp", "by_lane", 2)]
+    for key_product, statistics, tiles in settings:
+      kernel, shapes = experiment_kernel(64, 32768, 32, key_product, statistics, tiles)
+      ptx, _ = mosaic_static_cost.ptx_of(kernel, shapes, device)
+      with tempfile.TemporaryDirectory() as workdir:
+        sass, usage, (live, _) = mosaic_static_cost.sass_of(ptx, workdir, "warp_products")
+      cost = triton_static_cost.loop_cost(
+        f"warp products (Mosaic GPU), key_product={key_product}, statistics={statistics}, "
+        f"tiles={tiles}",
+        sass,
+        usage,
+        "",
+        tokens_per_iteration=BLOCK * tiles,
+        warps=4,
+      )
+      result.append({**vars(cost), "live_registers": live})
   elif args.run:
     result = run_on_gpu()
   else:

@@ -12,14 +12,22 @@ experiment = load_benchmark("warp_products_experiment")
 emulation = load_benchmark("warp_products_emulation")
 
 
-@pytest.mark.parametrize("key_product", ["per_warp", "stacked"])
-@pytest.mark.parametrize("statistics", ["by_lane", "selects"])
-def test_the_kernel_lowers_for_sm90(key_product, statistics):
+@pytest.mark.parametrize(
+  "key_product,statistics,tiles",
+  [
+    ("per_warp", "by_lane", 1),
+    ("per_warp", "selects", 1),
+    ("stacked", "by_lane", 1),
+    ("stacked", "selects", 1),
+    ("per_warp", "by_lane", 2),
+  ],
+)
+def test_the_kernel_lowers_for_sm90(key_product, statistics, tiles):
   """The whole loop (TMA ring; the key product per warp by inline mma.sync, or by plgpu.mma on
   MMA_LHS codes against both groups' staged Q'; the softmax as array code; the statistics by lane
   or by selects; the per-warp value product's inline movmatrix / ldmatrix / mma.sync) through
   Mosaic GPU's layout inference and lowering."""
-  kernel, shapes = mosaic.experiment_kernel(4, 256, 2, key_product, statistics)
+  kernel, shapes = mosaic.experiment_kernel(4, 256, 2, key_product, statistics, tiles)
   text = jax.jit(kernel).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
@@ -29,6 +37,8 @@ def test_the_kernel_lowers_for_sm90(key_product, statistics):
   [
     (dict(key_product="wgmma"), "key_product='wgmma' is not supported; allowed:"),
     (dict(statistics="pairs"), "statistics='pairs' is not supported; allowed:"),
+    (dict(tiles=4), r"tiles=4 is not supported; allowed: \(1, 2\)"),
+    (dict(tiles=2, key_product="stacked"), "tiles=2 needs key_product='per_warp'"),
   ],
 )
 def test_the_kernel_refuses_unknown_settings(settings, message):
@@ -36,7 +46,7 @@ def test_the_kernel_refuses_unknown_settings(settings, message):
     mosaic.experiment_kernel(4, 256, 2, **settings)
 
 
-def _raw_outputs(arrays, splits):
+def _raw_outputs(arrays, splits, tiles):
   """The kernel's raw outputs as its registers would hold them, from the lane-by-lane states of
   the same design at 16 tokens a warp: accumulator row 64 p + 16 w + g + 8 h, column 2 t + c is
   lane (g, t) of warp w's m-tile p; each lane's sums go to one token row of its columns (only
@@ -50,7 +60,7 @@ def _raw_outputs(arrays, splits):
   g, t = emulation.GROUP_ID, emulation.THREAD_IN_GROUP
   for r in range(rows):
     for s in range(splits):
-      for w, state in enumerate(emulation.warp_states(arrays, r, s, splits, 1)):
+      for w, state in enumerate(emulation.warp_states(arrays, r, s, splits, tiles)):
         for p in range(8):
           for i in range(4):
             row = 64 * p + 16 * w + g + 8 * (i // 2)
@@ -63,10 +73,11 @@ def _raw_outputs(arrays, splits):
   return partial, sums, min_sums
 
 
-def test_finish_adds_the_raw_outputs_up_to_the_model():
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_finish_adds_the_raw_outputs_up_to_the_model(tiles):
   arrays = experiment.random_arrays(2, 512, 2, seed=11)
-  out, sums = mosaic.finish(*_raw_outputs(arrays, 2))
-  model_out, model_sums = experiment.model_outputs(arrays, 2, 1)
+  out, sums = mosaic.finish(*_raw_outputs(arrays, 2, tiles))
+  model_out, model_sums = experiment.model_outputs(arrays, 2, tiles)
   np.testing.assert_allclose(out, model_out, rtol=0, atol=1e-6 * np.abs(model_out).max())
   np.testing.assert_allclose(sums, model_sums, rtol=0, atol=1e-6 * np.abs(model_sums).max())
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from tests.benchmarks.benchmark_modules import load_benchmark
-from tests.pallas_kernels.inline_code_emulation import as_uint, emulate_inline_code
+from tests.pallas_kernels.inline_code_emulation import CapturedArray, as_uint, emulate_inline_code
 
 mosaic = load_benchmark("warp_products_mosaic_experiment")
 experiment = load_benchmark("warp_products_experiment")
@@ -43,8 +43,8 @@ class _Array:
   """A FragmentedArray's stand-in with numpy registers: 16-bit pairs as uint32 over 128 threads,
   f32 pairs as float32 [128, 2]."""
 
-  def __init__(self, registers):
-    self.registers = registers
+  def __init__(self, registers, shape=None):
+    self.registers, self.shape = registers, shape
 
 
 def _registers(layout, matrix: np.ndarray) -> _Array:
@@ -140,11 +140,14 @@ def emulated(monkeypatch):
   monkeypatch.setattr(
     arith, "addf", lambda a, b: np.asarray(a, np.float32) + np.asarray(b, np.float32)
   )
-  monkeypatch.setattr(
-    arith,
-    "mulf",
-    lambda a, b: emulation.hmul2_bf16(as_uint(a).astype(np.uint32), as_uint(b).astype(np.uint32)),
-  )
+
+  def mulf(a, b):
+    if np.asarray(a).dtype.kind == "f":  # f32 values
+      return np.asarray(a, np.float32) * np.asarray(b, np.float32)
+    # bf16 pairs in uint32 registers: HMUL2
+    return emulation.hmul2_bf16(as_uint(a).astype(np.uint32), as_uint(b).astype(np.uint32))
+
+  monkeypatch.setattr(arith, "mulf", mulf)
   monkeypatch.setattr(
     vector,
     "extract",
@@ -158,7 +161,6 @@ def emulated(monkeypatch):
     return register
 
   monkeypatch.setattr(llvm, "insertelement", insertelement)
-  monkeypatch.setattr(mgpu_utils, "memref_ptr", lambda ref: as_uint(np.zeros(128)))
 
   def byte_offset(pointer, offsets, element_type):
     assert str(element_type) == "i8", "offsets are in bytes"
@@ -166,11 +168,24 @@ def emulated(monkeypatch):
 
   monkeypatch.setattr(mgpu_utils, "getelementptr", byte_offset)
 
-  def install(shared: np.ndarray):
+  def install(shared: np.ndarray, bases: dict):
+    """`shared` the bytes every address reads; a ref passed to the inline code is a key of
+    `bases`, its byte offset in `shared`."""
+    monkeypatch.setattr(mgpu_utils, "memref_ptr", lambda ref: as_uint(np.full(128, bases[ref])))
     monkeypatch.setattr(mgpu_utils, "inline_ptx", _emulated_ptx(shared))
-    monkeypatch.setattr(
-      llvm, "load", lambda _, address: shared.view(np.uint32)[np.asarray(address, np.int64) // 4]
-    )
+
+    def load(element_type, address):
+      address = np.asarray(address, np.int64)
+      kind = str(element_type)
+      if kind == "f32":
+        return shared.view(np.float32)[address // 4]
+      if kind == "i32":
+        return shared.view(np.uint32)[address // 4]
+      assert kind == "vector<2xi32>", kind
+      words = shared.view(np.uint32)
+      return np.stack([words[address // 4], words[address // 4 + 1]], axis=1)
+
+    monkeypatch.setattr(llvm, "load", load)
 
   # every argument passed through (the harness's own takes one)
   monkeypatch.setattr(
@@ -183,70 +198,100 @@ def _bf16(rng, shape, low, high):
   return experiment.bf16_bits(rng.uniform(low, high, shape).astype(np.float32))
 
 
-def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_queries(emulated):
-  """Scores [64, 8]: tokens 16 w .. 16 w + 15 against Q' = bf16(query pairs x key scales of group
-  w / 2), by position: channel C(L) of `word_operand_order` pairs c with c + 64."""
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_queries(
+  emulated, tiles
+):
+  """`own_token_words` -> `stage_words_in_word_order` (MMA_LHS) -> `key_product_per_warp`:
+  scores [64, 8] per tile, row 16 w + r being token 16 tiles w + 16 tile + r, equal to its codes
+  (in the word order, each a pattern code x 2^(bit - 133)) against Q' = bf16(query pairs x the
+  key scales of its own group, warp w tiles / 2), plus that group's bias over 2^64."""
   import jax.numpy as jnp
+  from jax.experimental.mosaic import gpu as mgpu
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jaxlib.mlir import ir
 
-  from pallas_kernels.word_operand_order import word_order_channels
+  from pallas_kernels.bit_packing import pack_codes
+  from pallas_kernels.subnormal_codes import code_exponent
+  from pallas_kernels.word_operand_order import stage_words_in_word_order, word_order_channels
 
-  rng = np.random.default_rng(21)
-  # any bf16 values: the code's indexing, not the codes' subnormal scaling, is under test
-  keys = _bf16(rng, (64, 128), -1.0, 1.0)
-  queries = _bf16(rng, (128, 8), -2.0, 2.0)  # [position, column]
-  scales = _bf16(rng, (2, 128), 0.01, 0.1)  # [group, channel]
-  emulated(scales.view(np.uint8).ravel().copy())
-  from jax.experimental.mosaic import gpu as mgpu
-
+  rng = np.random.default_rng(21 + tiles)
+  span, groups = 64 * tiles, 2 * tiles
+  codes = rng.integers(0, 4, (span, 128))
+  words = np.asarray(pack_codes(jnp.asarray(codes), 2))
+  channels = word_order_channels(128, 2)
+  exponent = code_exponent(channels, 128, 2)
+  # queries by position, times 2^(69 - bit) as `prepare` scales them (products stay normal)
+  queries = experiment.bf16_bits(
+    (rng.uniform(-2.0, 2.0, (128, 8)) * 2.0 ** (69 - exponent)[:, None]).astype(np.float32)
+  )
+  scales = _bf16(rng, (groups, 128), 0.01, 0.1)  # [group, channel]
+  bias = rng.uniform(-1.0, 1.0, (groups, 8)).astype(np.float32)
+  shared = np.concatenate(
+    [words.view(np.uint8).ravel(), scales.view(np.uint8).ravel(), bias.view(np.uint8).ravel()]
+  )
+  bases = {"words": 0, "scales": words.nbytes, "bias": words.nbytes + scales.nbytes}
+  emulated(shared, bases)
   layouts = mgpu.MMALayouts(jnp.bfloat16, m_warps=4)
   with ir.Context(), ir.Location.unknown():
-    result = mosaic.key_product_per_warp(
-      _registers(layouts.lhs, keys), _registers(layouts.rhs, queries), None
+    keys = []
+    for tile in range(tiles):
+      mosaic.own_token_words("words", tile, tiles)
+      words_array = _Array(CapturedArray.last.registers, shape=(64, 8))
+      keys.append(stage_words_in_word_order(words_array, 2, operand_layout="mma_lhs"))
+    results = mosaic.key_product_per_warp(
+      keys, _registers(layouts.rhs, queries), "scales", "bias", tiles
     )
-  scores = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
-  channels = word_order_channels(128, 2)
-  for warp in range(4):
-    scaled = experiment.bf16_values(
-      experiment.bf16_bits(
-        experiment.bf16_values(queries) * experiment.bf16_values(scales[warp // 2])[channels, None]
-      )
-    )
-    tokens = slice(16 * warp, 16 * warp + 16)
-    expected = experiment.bf16_values(keys[tokens]).astype(np.float64) @ scaled.astype(np.float64)
-    np.testing.assert_allclose(scores[tokens], expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+  patterns = codes[:, channels] * 2.0 ** (exponent - 133.0)  # [token, position]
+  for tile, result in enumerate(results):
+    scores = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
+    for warp in range(4):
+      group = warp * tiles // 2
+      scaled = experiment.bf16_values(
+        experiment.bf16_bits(
+          experiment.bf16_values(queries) * experiment.bf16_values(scales[group])[channels, None]
+        )
+      ).astype(np.float64)
+      first = 16 * tiles * warp + 16 * tile
+      expected = patterns[first : first + 16] @ scaled + bias[group] * 2.0**-64
+      rows = slice(16 * warp, 16 * warp + 16)
+      np.testing.assert_allclose(scores[rows], expected, rtol=0, atol=1e-4 * np.abs(expected).max())
 
 
-def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated):
-  """acc [512, 8] + per warp w and m-tile p: rows r = half-word r's field p of the warp's 16
-  tokens (after the shift for p >= 4), against P' of pairing p / 4, rows 16 w .. 16 w + 15."""
+@pytest.mark.parametrize("tiles,tile", [(1, 0), (2, 0), (2, 1)])
+def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated, tiles, tile):
+  """acc [512, 8] + per warp w and m-tile p: rows r = half-word r's field p (after the shift for
+  p >= 4) of the warp's tokens 16 tiles w + 16 tile .., against P' of pairing p / 4, rows
+  16 w .. 16 w + 15."""
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jaxlib.mlir import ir
 
-  rng = np.random.default_rng(22)
-  words = rng.integers(0, 2**32, (64, 8), dtype=np.uint64).astype(np.uint32)
+  rng = np.random.default_rng(22 + tiles + tile)
+  words = rng.integers(0, 2**32, (64 * tiles, 8), dtype=np.uint64).astype(np.uint32)
   # P' carries 2^64 (`subnormal_codes.PROBS_SCALE`): the codes' patterns are subnormal bf16
   # numbers (~2^-133), and without it the products would vanish in f32 (and the test with them)
   probs = [_bf16(rng, (64, 8), 0.0, 2.0**64) for _ in range(2)]
   acc = (rng.normal(size=(512, 8)) * 2.0**-66).astype(np.float32)
-  emulated(words.view(np.uint8).ravel().copy())
+  emulated(words.view(np.uint8).ravel().copy(), {"words": 0})
   with ir.Context(), ir.Location.unknown():
     result = mosaic.value_product_per_warp(
       _registers(fa.WGMMA_LAYOUT, probs[0]),
       _registers(fa.WGMMA_LAYOUT, probs[1]),
-      None,
+      "words",
       _registers(fa.WGMMA_LAYOUT, acc),
+      tile,
+      tiles,
     )
   out = _matrix(fa.WGMMA_LAYOUT, (512, 8), result.registers)
-  half_words = words.view(np.uint16).reshape(64, 16).astype(np.uint32)
+  half_words = words.view(np.uint16).reshape(64 * tiles, 16).astype(np.uint32)
   expected = acc.astype(np.float64)
   for warp in range(4):
-    tokens = slice(16 * warp, 16 * warp + 16)
+    first = 16 * tiles * warp + 16 * tile
+    own = half_words[first : first + 16]
     for p in range(8):
-      patterns = ((half_words[tokens] >> (8 * (p // 4))) & (3 << (2 * (p % 4)))).astype(np.uint16)
+      patterns = ((own >> (8 * (p // 4))) & (3 << (2 * (p % 4)))).astype(np.uint16)
       a = experiment.bf16_values(patterns.T).astype(np.float64)  # [half-word r, token]
-      b = experiment.bf16_values(probs[p // 4][tokens]).astype(np.float64)  # [token, column]
+      b = experiment.bf16_values(probs[p // 4][16 * warp : 16 * warp + 16]).astype(np.float64)
       rows = slice(64 * p + 16 * warp, 64 * p + 16 * warp + 16)
       expected[rows] += a @ b
   increment = np.abs(expected - acc)
@@ -254,14 +299,16 @@ def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated):
   np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * increment.max())
 
 
-def test_statistics_by_slot_give_each_column_its_slots_group(emulated, monkeypatch):
-  """[64, 8]: token t, column c holds the statistic of group 2 (c // 4) + b at t."""
+@pytest.mark.parametrize("tiles,tile", [(1, 0), (2, 1)])
+def test_statistics_by_slot_give_each_column_its_slots_group(emulated, monkeypatch, tiles, tile):
+  """[64, 8]: row 16 w + r (token 16 tiles w + 16 tile + r), column c holds the statistic of
+  group 2 (c // 4) + b at that token."""
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import arith, memref, vector
 
   rng = np.random.default_rng(23)
-  statistics = _bf16(rng, (4, 64), -1.0, 1.0)
+  statistics = _bf16(rng, (4, 64 * tiles), -1.0, 1.0)
   monkeypatch.setattr(
     memref, "load", lambda _, index: statistics[index[0].astype(int), index[1].astype(int)]
   )
@@ -269,9 +316,11 @@ def test_statistics_by_slot_give_each_column_its_slots_group(emulated, monkeypat
   monkeypatch.setattr(vector, "broadcast", lambda _, value: np.stack([value, value], axis=1))
   monkeypatch.setattr(arith, "index_cast", lambda _, value: np.asarray(value, np.int64))
   values = experiment.bf16_values(statistics)
+  row = np.arange(64)
+  token = 16 * tiles * (row // 16) + 16 * tile + row % 16
   for b in range(2):
     with ir.Context(), ir.Location.unknown():
-      result = mosaic.statistics_by_slot(None, b)
-    tile = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
+      result = mosaic.statistics_by_slot(None, b, tile, tiles)
+    table = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
     for column in range(8):
-      np.testing.assert_array_equal(tile[:, column], values[2 * (column // 4) + b])
+      np.testing.assert_array_equal(table[:, column], values[2 * (column // 4) + b, token])
