@@ -146,8 +146,8 @@ def value_product_per_warp(probs_low, probs_high, words_ref, acc, tile: int = 0,
 def key_product_per_warp(keys, queries, k_scale_ref, key_bias_ref, tiles: int = 1):
   """f32 [64, 8] scores (wgmma layout) per 16-token tile of `keys`: each warp's tokens against Q'
   of its own key group (warp w's 16 tiles tokens are group w tiles / 2 of the block, groups of
-  32), by 8 `mma.sync` a tile (two accumulators over alternate k-tiles), Q' built once for all
-  of the warp's tiles. `keys` a list of `tiles` bf16 [64, 128] key-code arrays in the MMA_LHS
+  32), by 8 `mma.sync` a tile (one accumulator chain), Q' built once for all of the warp's
+  tiles. `keys` a list of `tiles` bf16 [64, 128] key-code arrays in the MMA_LHS
   layout (word order; row 16 w + r: token 16 tiles w + 16 tile + r), `queries` bf16 [128, 8] in
   MMA_RHS (position-major, times 2^(69 - bit)), `k_scale_ref` the block's key scales
   [groups, 128] bf16 (channel order) and `key_bias_ref` its q . k_min [groups, 8] f32, both in
@@ -220,26 +220,27 @@ def key_product_per_warp(keys, queries, k_scale_ref, key_bias_ref, tiles: int = 
       arith.mulf(llvm.load(f32, mgpu_utils.getelementptr(bias_address, [4 * c], i8)), unscale)
       for c in range(2)
     ]
-    zero = arith.constant(f32, 0.0)
     results = []
     undefined = llvm.mlir_undef(ir.VectorType.get((2,), f32))
     for a in key_tiles:
-      accumulators = [[bias[0], bias[1], bias[0], bias[1]], [zero] * 4]
+      # one dependent chain of 8: two chains (alternate k-tiles, added at the end) took 129
+      # registers at 32 tokens a warp, one over four programs per SM, this 123 (sm_90a)
+      accumulator = [bias[0], bias[1], bias[0], bias[1]]
       for kt in range(8):
         a_registers = [
           mgpu_utils.bitcast(a.registers[(0, kt, 0, s, h, 0, 0, 0, 0)], i32)
           for s, h in ((0, 0), (0, 1), (1, 0), (1, 1))
         ]
-        accumulators[kt % 2] = mgpu_utils.inline_ptx(
+        accumulator = mgpu_utils.inline_ptx(
           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
           "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
           *a_registers,
           *b_registers[2 * kt : 2 * kt + 2],
-          *accumulators[kt % 2],
+          *accumulator,
           result_types=[f32] * 4,
           convergent=True,  # warp-wide (.sync.aligned): out of divergent code
         )
-      scores = [arith.addf(x, y) for x, y in zip(*accumulators)]
+      scores = accumulator
       registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((BLOCK, ROWS)), dtype=object)
       for h in range(2):
         pair = llvm.insertelement(undefined, scores[2 * h], position=const(0))
