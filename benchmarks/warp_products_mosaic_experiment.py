@@ -337,6 +337,53 @@ def statistics_by_slot(ring_ref, b: int, tile: int = 0, tiles: int = 1):
   return load(ring_ref)
 
 
+def add_warp_partials(partial_ref):
+  """f32 [128, 4] (strided layout: thread c holds channel c's 4 rows): the four warps' partial
+  outputs in `partial_ref` ([512, 8] f32 in shared memory, row 64 p + 16 w + r warp w's m-tile
+  p) added, each channel from its accumulator row's slot of columns: channel c is field
+  f = c // 8 of word c % 8, i.e. half-word r = 2 (c % 8) + f // 8's field p = f % 8, in slot
+  r % 2 (16 loads a thread, once per split; `inline_mgpu`, native only)."""
+  import jax.numpy as jnp
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  from pallas_kernels.warpgroup_thread import thread_coordinates
+
+  layout = plgpu.Layout.WG_STRIDED((128, 4), vec_size=4)
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(),),
+    return_type=plgpu.ShapeDtypeStruct((128, 4), jnp.float32, layout=layout),
+  )
+  def add(_, ref):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, memref
+
+    f32 = ir.F32Type.get()
+    index = ir.IndexType.get()
+    const, lane, warp, _ = thread_coordinates()
+    channel = arith.addi(arith.muli(warp, const(32)), lane)
+    field = arith.divui(channel, const(8))
+    slot = arith.divui(field, const(8))
+    half_word = arith.addi(arith.muli(arith.remui(channel, const(8)), const(2)), slot)
+    first_row = arith.addi(arith.muli(arith.remui(field, const(8)), const(64)), half_word)
+    vector_type = ir.VectorType.get((4,), f32)
+    register = llvm.mlir_undef(vector_type)
+    for j in range(4):
+      column = arith.index_cast(index, arith.addi(arith.muli(slot, const(4)), const(j)))
+      total = None
+      for other in range(4):
+        row = arith.index_cast(index, arith.addi(first_row, const(16 * other)))
+        value = memref.load(ref, [row, column])
+        total = value if total is None else arith.addf(total, value)
+      register = llvm.insertelement(register, total, position=const(j))
+    registers = np.empty((1,), dtype=object)
+    registers[0] = register
+    return fa.FragmentedArray(_registers=registers, _layout=layout.to_mgpu(), _is_signed=None)
+
+  return add(partial_ref)
+
+
 KEY_PRODUCTS = ("per_warp", "stacked")
 STATISTICS = ("by_lane", "selects")
 
@@ -389,9 +436,9 @@ def experiment_kernel(
 
   def body(
     lengths_gmem, queries_gmem, k_words_gmem, k_scale_gmem, key_bias_gmem, v_words_gmem,
-    v_scale_gmem, v_min_gmem, reference_gmem, partial_gmem, sums_gmem, min_sums_gmem,
+    v_scale_gmem, v_min_gmem, reference_gmem, out_gmem, totals_gmem,
     lengths_smem, queries_smem, reference_smem, k_words_smem, k_scale_smem, key_bias_smem,
-    v_words_smem, v_scale_smem, v_min_smem, stack_smem, partial_smem, sums_smem, min_sums_smem,
+    v_words_smem, v_scale_smem, v_min_smem, stack_smem, partial_smem, out_smem, totals_smem,
     setup_barrier, ring_barriers,
   ):  # fmt: skip
     row, split = lax.axis_index("row"), lax.axis_index("split")
@@ -510,23 +557,25 @@ def experiment_kernel(
     zero = plgpu.layout_cast(jnp.zeros((BLOCK, ROWS), jnp.float32), wgmma)
     init = (plgpu.layout_cast(jnp.zeros((512, ROWS), jnp.float32), wgmma), zero, zero, zero)
     acc, sums, min_low, min_high = lax.fori_loop(0, blocks, step, init)
+    # Once per split: the sums over tokens, and the four warps' partial outputs added (through
+    # shared memory), each channel from its slot's columns.
+    for k, partial in enumerate((sums, min_low, min_high)):
+      totals_smem[k, :] = partial.sum(axis=0)
     partial_smem[...] = acc
-    sums_smem[...] = sums
-    min_sums_smem[0] = min_low
-    min_sums_smem[1] = min_high
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(partial_smem, partial_gmem.at[row, split])
-    plgpu.copy_smem_to_gmem(sums_smem, sums_gmem.at[row, split])
-    plgpu.copy_smem_to_gmem(min_sums_smem, min_sums_gmem.at[row, split])
+    out_smem[...] = add_warp_partials(partial_smem)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[row, split])
+    plgpu.copy_smem_to_gmem(totals_smem, totals_gmem.at[row, split])
     plgpu.wait_smem_to_gmem(0)
 
   key_groups = tokens // experiment.GROUP
   kernel = plgpu.kernel(
     body,
     out_type=(
-      jax.ShapeDtypeStruct((rows, splits, 512, ROWS), jnp.float32),
-      jax.ShapeDtypeStruct((rows, splits, BLOCK, ROWS), jnp.float32),
-      jax.ShapeDtypeStruct((rows, splits, 2, BLOCK, ROWS), jnp.float32),
+      jax.ShapeDtypeStruct((rows, splits, 128, 4), jnp.float32),  # [channel, query row]
+      # per column: the sum of p, of p v_min for pairing 0, for pairing 1
+      jax.ShapeDtypeStruct((rows, splits, 3, ROWS), jnp.float32),
     ),
     grid=(rows, splits),
     grid_names=("row", "split"),
@@ -542,12 +591,14 @@ def experiment_kernel(
       plgpu.SMEM((STAGES, groups, span), jnp.bfloat16),
       plgpu.SMEM((2 * ROWS, 128), jnp.bfloat16),
       plgpu.SMEM((512, ROWS), jnp.float32),
-      plgpu.SMEM((BLOCK, ROWS), jnp.float32),
-      plgpu.SMEM((2, BLOCK, ROWS), jnp.float32),
+      plgpu.SMEM((128, 4), jnp.float32),
+      plgpu.SMEM((3, ROWS), jnp.float32),
       plgpu.Barrier(num_arrivals=3),
       plgpu.Barrier(num_arrivals=6, num_barriers=STAGES),
     ],
-    compiler_params=_compat.mosaic_gpu_compiler_params(unsafe_no_auto_barriers=True),
+    compiler_params=_compat.mosaic_gpu_compiler_params(
+      unsafe_no_auto_barriers=True, reduction_scratch_bytes=1024
+    ),
   )
   shapes = (
     jax.ShapeDtypeStruct((rows,), jnp.int32),
@@ -588,26 +639,17 @@ def prepare(arrays: dict, splits: int) -> tuple:
   )
 
 
-def finish(partial: np.ndarray, sums: np.ndarray, min_sums: np.ndarray):
-  """The kernel's raw outputs -> (out [R, S, 4, 128], sums [R, S, 4, 5]) as
-  `warp_products_experiment.model_outputs` gives them: the four warps' partial outputs added,
-  each accumulator row taking its value group's slot of columns (row 64 p + 16 w + r holds
-  half-word r's field p: channel 8 (8 (r % 2) + p) + r / 2, value group 2 (r % 2) + p / 4, slot
-  r % 2), and the per-token sums added."""
-  rows, splits = partial.shape[:2]
-  tiles = partial.reshape(rows, splits, 8, 4, 16, ROWS).sum(axis=3)  # [R, S, p, r, columns]
-  out = np.zeros((rows, splits, 4, 128), np.float64)
-  for p in range(8):
-    for r in range(16):
-      channel = 8 * (8 * (r % 2) + p) + r // 2
-      out[:, :, :, channel] = tiles[:, :, p, r, 4 * (r % 2) : 4 * (r % 2) + 4]
-  total = np.zeros((rows, splits, 4, 1 + experiment.VALUE_GROUPS), np.float64)
-  total[..., 0] = sums.sum(axis=2)[..., :4]
+def finish(out: np.ndarray, totals: np.ndarray):
+  """The kernel's outputs (out [R, S, 128, 4] channel-major; totals [R, S, 3, 8]: per column the
+  sum of p and of p v_min for each pairing of value groups) -> (out [R, S, 4, 128], sums
+  [R, S, 4, 5]) as `warp_products_experiment.model_outputs` gives them: column 4 s + j is query
+  row j in slot s, whose value group is 2 s + b for pairing b."""
+  sums = np.zeros((*totals.shape[:2], 4, 1 + experiment.VALUE_GROUPS), np.float64)
+  sums[..., 0] = totals[:, :, 0, :4]
   for b in range(2):
-    per_column = min_sums[:, :, b].sum(axis=2)  # [R, S, 8]: column 4 slot + j
     for slot in range(2):
-      total[..., 1 + 2 * slot + b] = per_column[..., 4 * slot : 4 * slot + 4]
-  return out, total
+      sums[..., 1 + 2 * slot + b] = totals[:, :, 1 + b, 4 * slot : 4 * slot + 4]
+  return np.swapaxes(out, 2, 3).astype(np.float64), sums
 
 
 def run_on_gpu(iters: int = 100, repeats: int = 7) -> list:

@@ -46,17 +46,15 @@ def test_the_kernel_refuses_unknown_settings(settings, message):
     mosaic.experiment_kernel(4, 256, 2, **settings)
 
 
-def _raw_outputs(arrays, splits, tiles):
-  """The kernel's raw outputs as its registers would hold them, from the lane-by-lane states of
-  the same design at 16 tokens a warp: accumulator row 64 p + 16 w + g + 8 h, column 2 t + c is
-  lane (g, t) of warp w's m-tile p; each lane's sums go to one token row of its columns (only
-  their sum over rows is read). The columns of the other slot get noise: `finish` must drop
-  them."""
+def lane_partials(arrays, splits, tiles):
+  """(partial [R, S, 512, 8], totals [R, S, 3, 8]) as the kernel holds them before its epilogue,
+  from the lane-by-lane states of the same design: accumulator row 64 p + 16 w + g + 8 h, column
+  2 t + c is lane (g, t) of warp w's m-tile p (the other slot's columns get noise: the epilogue
+  must drop them); a column's sums are those of the lanes that hold it."""
   rows = arrays["key_words"].shape[0]
   rng = np.random.default_rng(9)
   partial = rng.normal(size=(rows, splits, 512, 8)).astype(np.float32)
-  sums = np.zeros((rows, splits, 64, 8), np.float32)
-  min_sums = np.zeros((rows, splits, 2, 64, 8), np.float32)
+  totals = np.zeros((rows, splits, 3, 8), np.float32)
   g, t = emulation.GROUP_ID, emulation.THREAD_IN_GROUP
   for r in range(rows):
     for s in range(splits):
@@ -67,18 +65,23 @@ def _raw_outputs(arrays, splits, tiles):
             mine = (g % 2) == (t // 2)  # the accumulator row's slot is its half-word's parity
             partial[r, s, row[mine], 2 * t[mine] + i % 2] = state["output"][p][mine, i]
         for c in range(2):
-          sums[r, s, 16 * w + g, 2 * t + c] += state["sums"][:, c]
+          np.add.at(totals[r, s, 0], 2 * t + c, state["sums"][:, c])
           for b in range(2):
-            min_sums[r, s, b, 16 * w + g, 2 * t + c] += state["min_sums"][:, b, c]
-  return partial, sums, min_sums
+            np.add.at(totals[r, s, 1 + b], 2 * t + c, state["min_sums"][:, b, c])
+  return partial, totals
 
 
 @pytest.mark.parametrize("tiles", [1, 2])
-def test_finish_adds_the_raw_outputs_up_to_the_model(tiles):
+def test_finish_takes_the_kernels_outputs_to_the_models(tiles):
+  """The out the epilogue writes (channel-major; its sum over warps is
+  `test_warp_products_mosaic_inline`'s) and the per-column totals as the lanes hold them."""
   arrays = experiment.random_arrays(2, 512, 2, seed=11)
-  out, sums = mosaic.finish(*_raw_outputs(arrays, 2, tiles))
   model_out, model_sums = experiment.model_outputs(arrays, 2, tiles)
-  np.testing.assert_allclose(out, model_out, rtol=0, atol=1e-6 * np.abs(model_out).max())
+  _, totals = lane_partials(arrays, 2, tiles)
+  out, sums = mosaic.finish(np.swapaxes(model_out, 2, 3).astype(np.float32), totals)
+  np.testing.assert_array_equal(
+    out, np.swapaxes(np.swapaxes(model_out, 2, 3).astype(np.float32), 2, 3)
+  )
   np.testing.assert_allclose(sums, model_sums, rtol=0, atol=1e-6 * np.abs(model_sums).max())
 
 
@@ -100,8 +103,3 @@ def test_prepare_puts_the_queries_in_the_key_operands_word_order():
   np.testing.assert_array_equal(key_bias[..., 4:], arrays["key_bias"])  # rows 4-7 repeat 0-3
   np.testing.assert_array_equal(reference[..., :4], arrays["reference"])
   np.testing.assert_array_equal(lengths, arrays["lengths"])
-
-
-def test_finish_refuses_a_partial_output_of_the_wrong_rows():
-  with pytest.raises(ValueError):
-    mosaic.finish(np.zeros((1, 1, 500, 8)), np.zeros((1, 1, 64, 8)), np.zeros((1, 1, 2, 64, 8)))

@@ -324,3 +324,37 @@ def test_statistics_by_slot_give_each_column_its_slots_group(emulated, monkeypat
     table = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
     for column in range(8):
       np.testing.assert_array_equal(table[:, column], values[2 * (column // 4) + b, token])
+
+
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_add_warp_partials_gives_the_models_output(emulated, monkeypatch, tiles):
+  """The epilogue's sum over warps, from partial outputs laid out as the kernel's registers
+  hold them (the lane-by-lane states of the same design, noise in the columns of the other
+  slot): thread c's 4 values are channel c's rows of the model's output."""
+  import re
+
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, llvm, memref
+
+  from tests.benchmarks.test_warp_products_mosaic_experiment import lane_partials
+
+  arrays = experiment.random_arrays(2, 512, 2, seed=13)
+  model_out, _ = experiment.model_outputs(arrays, 2, tiles)
+  partial, _ = lane_partials(arrays, 2, tiles)
+
+  def undefined(vector_type):  # vector<NxT>: N values a thread
+    return np.zeros((128, int(re.match(r"vector<(\d+)x", str(vector_type)).group(1))), np.float32)
+
+  monkeypatch.setattr(llvm, "mlir_undef", undefined)
+  monkeypatch.setattr(arith, "index_cast", lambda _, value: np.asarray(value, np.int64))
+  for r in range(2):
+    for s in range(2):
+      monkeypatch.setattr(
+        memref, "load", lambda _, index, r=r, s=s: partial[r, s, index[0], index[1]]
+      )
+      with ir.Context(), ir.Location.unknown():
+        result = mosaic.add_warp_partials(None)
+      (register,) = result.registers
+      np.testing.assert_allclose(
+        register, model_out[r, s].T, rtol=0, atol=1e-5 * np.abs(model_out[r, s]).max()
+      )
