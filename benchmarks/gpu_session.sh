@@ -57,6 +57,9 @@
 #                                           # matrix loads (value_operand="matrix_loads", v43)
 #                                           # with C + merge, two blocks per slot, v40's
 #                                           # settings and five warpgroups a program
+#   bash benchmarks/gpu_session.sh warp_products  # not yet run (~2-3 min; first, then v43 on
+#                                           # the warm machine): v44's per-warp products loop
+#                                           # as CUDA and as Mosaic GPU, checked and timed
 #   bash benchmarks/gpu_session.sh v40_profile ['<config JSON>']  # right after v40, v42 or v43 (~4 min):
 #                                           # the 32k table, each kernel of a call and ncu of
 #                                           # the fastest (or of the config given)
@@ -160,7 +163,7 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
     --run benchmarks/warp_products_cubins --out "$out/warp_products_h200.json" >> "$1" 2>&1 \
     || status=1
   echo "== warp products, Mosaic GPU (KERNEL_NOTES v44)" >> "$1"
-  timeout --signal=INT 90 "$python" benchmarks/warp_products_mosaic_experiment.py \
+  timeout --signal=INT 150 "$python" benchmarks/warp_products_mosaic_experiment.py \
     --run --out "$out/warp_products_mosaic_h200.json" >> "$1" 2>&1 || status=1
   return "$status"
 }
@@ -730,14 +733,14 @@ ${winner}, ${both}, ${own_tiles}, ${five}, \"num_splits\": 20}, \
 ${winner}, ${both}, ${matrix}, ${five}, \"num_splits\": 20}, ${winner}, ${both}, ${matrix}, ${five}}]" \
       270 || status=1
     keep_fastest "$log" > /dev/null || status=1
-    # v44: the per-warp products experiment (~20 s), last so that it cannot cut the sweep
-    warp_products_run "$log" || status=1
     exit "$status"
     ;;
   warp_products)
-    # v44 alone (~30 s on a warm machine): the per-warp products loop (mma.sync per warp, no
-    # barrier in the loop) checked against its numpy model and timed at the 32k shape, with the
-    # copy rate of the same run; the folded Mosaic kernel's numbers come from a sweep
+    # v44 (~2-3 min; run it first, then v43 on the warm machine: together ~12 of the 15 minutes):
+    # the per-warp products loop (mma.sync per warp, one or no barrier in the loop) as CUDA
+    # (committed cubins) and as a Mosaic GPU kernel, each checked against the numpy model and
+    # timed at 32k (the CUDA one also at 8k and 128k, with the copy rate of the same run); the
+    # folded Mosaic kernel's numbers come from v43's sweep
     log="$out/warp_products.log"
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$log"
     warp_products_run "$log"
