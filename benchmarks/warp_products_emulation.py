@@ -13,6 +13,8 @@ index bookkeeping is right, by the PTX layouts as written here; a GPU run of the
 import numpy as np
 import warp_products_experiment as experiment
 
+from pallas_kernels.value_operand_matrix_loads import transposed_matrix_registers
+
 LANES = np.arange(32)
 GROUP_ID, THREAD_IN_GROUP = LANES // 4, LANES % 4  # PTX's groupID, threadID_in_group
 
@@ -88,15 +90,9 @@ def ldmatrix_x4_trans(
   """`ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16`: lane l addresses row l % 8 of matrix l / 8
   (its 8 16-bit elements from (row_of_lane[l], column_of_lane[l]) of `half_words`); register m of
   lane l then holds column l / 4 of matrix m's rows 2 (l % 4) and 2 (l % 4) + 1."""
-  registers = np.zeros((32, 4), np.uint32)
-  for m in range(4):
-    rows = row_of_lane[8 * m : 8 * m + 8]
-    columns = column_of_lane[8 * m : 8 * m + 8]
-    matrix = np.stack([half_words[r, c : c + 8] for r, c in zip(rows, columns)]).astype(np.uint32)
-    registers[:, m] = matrix[2 * THREAD_IN_GROUP, GROUP_ID] | (
-      matrix[2 * THREAD_IN_GROUP + 1, GROUP_ID] << 16
-    )
-  return registers
+  # the 32 addressed rows, then v43's model of the instruction over them
+  rows = np.stack([half_words[r, c : c + 8] for r, c in zip(row_of_lane, column_of_lane)])
+  return transposed_matrix_registers(rows, 0)
 
 
 def field(word: np.ndarray, p: int) -> np.ndarray:

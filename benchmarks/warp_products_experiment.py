@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -193,13 +194,12 @@ def array_shapes(rows: int, tokens: int, splits: int) -> dict:
 
 def bf16_bits(values: np.ndarray) -> np.ndarray:
   """float32 -> bf16 bit patterns (uint16), rounded to nearest even, as the GPU converts."""
-  bits = np.ascontiguousarray(values, np.float32).view(np.uint32).astype(np.uint64)
-  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-  return bits.astype(np.uint16)
+  return np.asarray(values, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
 
 
 def bf16_values(bits: np.ndarray) -> np.ndarray:
-  return (bits.astype(np.uint32) << 16).view(np.float32)
+  """bf16 bit patterns (uint16) -> the float32 numbers they are (subnormals included)."""
+  return np.asarray(bits, np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def planar_codes(words: np.ndarray) -> np.ndarray:

@@ -662,10 +662,10 @@ def run_on_gpu(iters: int = 100, repeats: int = 7) -> list:
   from gear_terms_parts import time_call
 
   def device_inputs(prepared):
-    bf16 = {1, 3, 6, 7}  # the bf16 bit arrays among `prepare`'s
+    # `prepare` gives the bf16 arrays as their uint16 bit patterns
     return [
-      jax.device_put(jnp.asarray(a).view(jnp.bfloat16) if i in bf16 else jnp.asarray(a))
-      for i, a in enumerate(prepared)
+      jax.device_put(jnp.asarray(a).view(jnp.bfloat16) if a.dtype == np.uint16 else jnp.asarray(a))
+      for a in prepared
     ]
 
   results = []

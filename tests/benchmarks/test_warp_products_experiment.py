@@ -297,17 +297,26 @@ def test_lane_by_lane_emulation_gives_the_model(tiles):
   np.testing.assert_allclose(emulated_sums, sums, rtol=0, atol=1e-6 * np.abs(sums).max())
 
 
-def test_ldmatrix_model_agrees_with_the_matrix_load_modules():
+def test_ldmatrix_model_reads_the_rows_each_lane_addresses():
+  """The emulation's `ldmatrix_x4_trans` is v43's model of the instruction over the rows the
+  lanes address: any row and any 8-element column start per lane."""
   import numpy as np
 
   from pallas_kernels.value_operand_matrix_loads import transposed_matrix_registers
 
-  half_words = np.random.default_rng(2).integers(0, 2**16, (32, 16)).astype(np.uint16)
-  lanes = np.arange(32)
+  rng = np.random.default_rng(2)
+  half_words = rng.integers(0, 2**16, (40, 16)).astype(np.uint16)
+  rows, columns = rng.permutation(40)[:32], rng.integers(0, 9, 32)
+  addressed = np.stack([half_words[r, c : c + 8] for r, c in zip(rows, columns)])
+  np.testing.assert_array_equal(
+    emulation.ldmatrix_x4_trans(half_words, rows, columns),
+    transposed_matrix_registers(addressed, 0),
+  )
+  # lanes addressing a [32, 16] block's rows in order at one column: v43's first_column
   for first_column in (0, 8):
     np.testing.assert_array_equal(
-      emulation.ldmatrix_x4_trans(half_words, lanes, np.full(32, first_column)),
-      transposed_matrix_registers(half_words, first_column),
+      emulation.ldmatrix_x4_trans(half_words[:32], np.arange(32), np.full(32, first_column)),
+      transposed_matrix_registers(half_words[:32], first_column),
     )
 
 

@@ -7,36 +7,17 @@ import numpy as np
 import pytest
 
 from tests.benchmarks.benchmark_modules import load_benchmark
-from tests.pallas_kernels.inline_code_emulation import CapturedArray, as_uint, emulate_inline_code
+from tests.pallas_kernels.inline_code_emulation import (
+  CapturedArray,
+  as_uint,
+  emulate_inline_code,
+  register_placements,
+  transposed_matrix_loads,
+)
 
 mosaic = load_benchmark("warp_products_mosaic_experiment")
 experiment = load_benchmark("warp_products_experiment")
 emulation = load_benchmark("warp_products_emulation")
-
-
-def _placements(layout, shape):
-  """{register index: [(thread, position in the register, element)]} of a [shape] array in a
-  Mosaic GPU TiledLayout, by the layout's tiling (replicated warps: every warp)."""
-  tiled_shape = layout.tiling.tile_shape(shape)
-  warp_dims = [d for d in layout.warp_dims if isinstance(d, int)]
-  lane_dims = [d for d in layout.lane_dims if isinstance(d, int)]
-
-  def number(tiled, dims):
-    return sum(
-      tiled[d] * int(np.prod([tiled_shape[e] for e in dims[i + 1 :]])) for i, d in enumerate(dims)
-    )
-
-  placements = {}
-  for element in np.ndindex(*shape):
-    tiled = list(layout.tiling.tile_indices(element))
-    lane, position = number(tiled, lane_dims), tiled[layout.vector_dim]
-    warps = [number(tiled, warp_dims)] if warp_dims else range(4)
-    register = list(tiled)
-    for d in (*warp_dims, *lane_dims, layout.vector_dim):
-      register[d] = 0
-    for warp in warps:
-      placements.setdefault(tuple(register), []).append((32 * warp + lane, position, element))
-  return placements
 
 
 class _Array:
@@ -49,7 +30,7 @@ class _Array:
 
 def _registers(layout, matrix: np.ndarray) -> _Array:
   """`matrix` (uint16 bf16 bits, or float32) as `layout`'s registers."""
-  placements = _placements(layout, matrix.shape)
+  placements = register_placements(layout, matrix.shape)
   registers = np.empty(layout.registers_shape(matrix.shape), dtype=object)
   for index, places in placements.items():
     if matrix.dtype == np.uint16:
@@ -67,7 +48,7 @@ def _registers(layout, matrix: np.ndarray) -> _Array:
 def _matrix(layout, shape, registers) -> np.ndarray:
   """float32 [shape] from f32-pair registers ([128, 2] each) in `layout`."""
   matrix = np.full(shape, np.nan, np.float32)
-  for index, places in _placements(layout, shape).items():
+  for index, places in register_placements(layout, shape).items():
     for thread, position, element in places:
       matrix[element] = registers[index][thread, position]
   return matrix
@@ -103,16 +84,7 @@ def _emulated_ptx(shared: np.ndarray):
       return moved
     if ptx.startswith("ldmatrix.sync.aligned.m8n8.x4.trans"):
       assert has_side_effects
-      address = np.asarray(args[0], np.int64)
-      registers = np.zeros((128, 4), np.uint32)
-      for warp in range(4):
-        lanes = address[32 * warp : 32 * warp + 32]
-        assert np.all(lanes % 16 == 0), "a matrix row starts on 16 bytes"
-        rows = np.stack([shared[a : a + 16].view(np.uint16) for a in lanes])
-        registers[32 * warp : 32 * warp + 32] = emulation.ldmatrix_x4_trans(
-          rows, np.arange(32), np.zeros(32, int)
-        )
-      return [registers[:, m] for m in range(4)]
+      return transposed_matrix_loads(shared, args[0])
     if ptx.startswith("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"):
       a = np.stack([as_uint(x).astype(np.uint32) for x in args[:4]], axis=1)
       b = np.stack([as_uint(x).astype(np.uint32) for x in args[4:6]], axis=1)

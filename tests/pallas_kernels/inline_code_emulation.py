@@ -86,3 +86,44 @@ def captured_wgmma_operand(rows: int, columns: int) -> np.ndarray:
     operand[row, column] = register & 0xFFFF
     operand[row, column + 1] = register >> 16
   return operand
+
+
+def register_placements(layout, shape) -> dict:
+  """{register index: [(thread, position in the register, element)]} of a [shape] array in a
+  Mosaic GPU TiledLayout, by the layout's own tiling (a replicated warp dimension: every warp)."""
+  tiled_shape = layout.tiling.tile_shape(shape)
+  warp_dims = [d for d in layout.warp_dims if isinstance(d, int)]
+  lane_dims = [d for d in layout.lane_dims if isinstance(d, int)]
+
+  def number(tiled, dims):
+    return sum(
+      tiled[d] * int(np.prod([tiled_shape[e] for e in dims[i + 1 :]])) for i, d in enumerate(dims)
+    )
+
+  placements = {}
+  for element in np.ndindex(*shape):
+    tiled = list(layout.tiling.tile_indices(element))
+    lane, position = number(tiled, lane_dims), tiled[layout.vector_dim]
+    warps = [number(tiled, warp_dims)] if warp_dims else range(4)
+    register = list(tiled)
+    for d in (*warp_dims, *lane_dims, layout.vector_dim):
+      register[d] = 0
+    for warp in warps:
+      placements.setdefault(tuple(register), []).append((32 * warp + lane, position, element))
+  return placements
+
+
+def transposed_matrix_loads(shared_bytes: np.ndarray, address) -> list:
+  """`ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16` over 128 threads' byte addresses into
+  `shared_bytes` (lanes 8 m .. 8 m + 7 of each warp address the rows of matrix m, each 16 bytes
+  on a 16-byte boundary) -> its four registers, uint arrays over the threads."""
+  from pallas_kernels.value_operand_matrix_loads import transposed_matrix_registers
+
+  address = np.asarray(address, np.int64)
+  registers = np.zeros((128, 4), np.uint32)
+  for warp in range(4):
+    lanes = address[32 * warp : 32 * warp + 32]
+    assert np.all(lanes % 16 == 0), "a matrix row must start on 16 bytes"
+    rows = np.stack([shared_bytes[a : a + 16].view(np.uint16) for a in lanes])  # [32, 8]
+    registers[32 * warp : 32 * warp + 32] = transposed_matrix_registers(rows, 0)
+  return [as_uint(registers[:, m]) for m in range(4)]

@@ -18,6 +18,7 @@ from tests.pallas_kernels.inline_code_emulation import (
   as_uint,
   captured_wgmma_operand,
   emulate_inline_code,
+  transposed_matrix_loads,
 )
 from tests.pallas_kernels.test_value_operand_registers import _masked_in_place
 
@@ -105,14 +106,7 @@ def _emulated_ldmatrix(slot_bytes: np.ndarray):
     assert ptx.startswith("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16")
     # kept after the slot's barrier wait and out of divergent code; four registers
     assert has_side_effects and convergent and len(result_types) == 4
-    address = np.asarray(address, np.int64)
-    registers = np.zeros((128, 4), np.uint32)
-    for warp in range(4):
-      lanes = address[32 * warp : 32 * warp + 32]
-      assert np.all(lanes % 16 == 0), "a matrix row must start on 16 bytes"
-      rows = np.stack([slot_bytes[a : a + 16].view(np.uint16) for a in lanes])  # [32, 8]
-      registers[32 * warp : 32 * warp + 32] = matrix_loads.transposed_matrix_registers(rows, 0)
-    return [as_uint(registers[:, m]) for m in range(4)]
+    return transposed_matrix_loads(slot_bytes, address)
 
   return ldmatrix
 

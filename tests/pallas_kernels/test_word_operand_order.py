@@ -6,6 +6,7 @@ import pytest
 
 from pallas_kernels import word_operand_order as order
 from pallas_kernels.subnormal_codes import code_exponent
+from tests.pallas_kernels.inline_code_emulation import register_placements
 
 
 def _simulated_channels(head_dim: int, bits: int) -> np.ndarray:
@@ -88,28 +89,6 @@ def test_stage_words_refuses_an_unknown_operand_layout():
     )
 
 
-def _placement(layout, shape, element):
-  """(register index, warp, lane, position in the register) of `element` of a [shape] array in a
-  Mosaic GPU TiledLayout, by the layout's own tiling."""
-  tiled = list(layout.tiling.tile_indices(element))
-  tiled_shape = layout.tiling.tile_shape(shape)
-  warp_dims = [d for d in layout.warp_dims if isinstance(d, int)]
-  warp = sum(
-    tiled[d] * int(np.prod([tiled_shape[e] for e in warp_dims[i + 1 :]]))
-    for i, d in enumerate(warp_dims)
-  )
-  lane_dims = [d for d in layout.lane_dims if isinstance(d, int)]
-  lane = sum(
-    tiled[d] * int(np.prod([tiled_shape[e] for e in lane_dims[i + 1 :]]))
-    for i, d in enumerate(lane_dims)
-  )
-  position = tiled[layout.vector_dim]
-  register = list(tiled)
-  for d in (*warp_dims, *lane_dims, layout.vector_dim):
-    register[d] = 0
-  return tuple(register), warp, lane, position
-
-
 def test_mma_lhs_registers_hold_the_elements_wgmma_registers_hold():
   """`stage_words_in_word_order(..., operand_layout="mma_lhs")` moves each wgmma register to
   the MMA_LHS index `operand_register_layout` gives: by Mosaic GPU's own tilings of the two
@@ -117,15 +96,27 @@ def test_mma_lhs_registers_hold_the_elements_wgmma_registers_hold():
   position of a register, as in the wgmma layout."""
   from jax.experimental.mosaic.gpu import fragmented_array as fa
 
-  _, to_mma_lhs = order.operand_register_layout("mma_lhs")
-  mma_lhs = order.operand_register_layout("mma_lhs")[0].to_mgpu()
+  mma_lhs_layout, to_mma_lhs = order.operand_register_layout("mma_lhs")
   shape = (64, 128)
-  for row in range(64):
-    for column in range(128):
-      wgmma_register, *where = _placement(fa.WGMMA_LAYOUT, shape, (row, column))
-      # the wgmma layout as the module doc states it: warp 16-row block, lane (row % 8, pair)
-      assert where == [(row % 64) // 16, 4 * (row % 8) + (column % 8) // 2, column % 2]
-      lhs_register, *lhs_where = _placement(mma_lhs, shape, (row, column))
-      assert lhs_where == where
-      row_tile, group, *rest = wgmma_register
-      assert to_mma_lhs(row_tile, group, rest) == lhs_register
+
+  def by_element(layout):
+    """{element: (register index, thread, position)}"""
+    return {
+      element: (register, thread, position)
+      for register, places in register_placements(layout, shape).items()
+      for thread, position, element in places
+    }
+
+  wgmma, mma_lhs = by_element(fa.WGMMA_LAYOUT), by_element(mma_lhs_layout.to_mgpu())
+  for (row, column), (wgmma_register, thread, position) in wgmma.items():
+    # the wgmma layout as the module doc states it: warp 16-row block, lane (row % 8, pair)
+    assert (thread // 32, thread % 32, position) == (
+      (row % 64) // 16,
+      4 * (row % 8) + (column % 8) // 2,
+      column % 2,
+    )
+    lhs_register, lhs_thread, lhs_position = mma_lhs[row, column]
+    assert (lhs_thread, lhs_position) == (thread, position)
+    row_tile, group, *rest = wgmma_register
+    assert to_mma_lhs(row_tile, group, rest) == lhs_register
+  assert len(wgmma) == 64 * 128
