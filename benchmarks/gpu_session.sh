@@ -165,6 +165,14 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
   echo "== warp products, Mosaic GPU (KERNEL_NOTES v44)" >> "$1"
   timeout --signal=INT 150 "$python" benchmarks/warp_products_mosaic_experiment.py \
     --run --out "$out/warp_products_mosaic_h200.json" >> "$1" 2>&1 || status=1
+  # v45: the library's "warp" variant, natively against the reference (its test file), then
+  # timed at 32k beside v34 and C + merge
+  echo "== warp variant, native tests (KERNEL_NOTES v45)" >> "$1"
+  timeout --signal=INT 90 env KVJAX_NATIVE_KERNELS=1 "$python" -m pytest -q -n 4 \
+    -p no:cacheprovider tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py \
+    2>&1 | tail -15 >> "$1" || status=1
+  sweep_at_32k "$1" "[{\"lowering\": \"mosaic_gpu\", \"variant\": \"warp\"}, ${v34}}, \
+${c_merge}}]" 90 || status=1
   return "$status"
 }
 keep_fastest() {  # keep_fastest LOG: the 32k sweep's fastest config, as JSON to stdout, named in
@@ -736,7 +744,8 @@ ${winner}, ${both}, ${matrix}, ${five}, \"num_splits\": 20}, ${winner}, ${both},
     exit "$status"
     ;;
   warp_products)
-    # v44 (~2-3 min; run it first, then v43 on the warm machine: together ~12 of the 15 minutes):
+    # v44 (~4 min with v45's part; run it first, then v43 on the warm machine: ~13 of the 15
+    # minutes together):
     # the per-warp products loop (mma.sync per warp, one or no barrier in the loop) as CUDA
     # (committed cubins) and as a Mosaic GPU kernel, each checked against the numpy model and
     # timed at 32k (the CUDA one also at 8k and 128k, with the copy rate of the same run); the

@@ -225,7 +225,10 @@ def sass_of(ptx: str, workdir: str, name: str) -> tuple[str, str, tuple[int, str
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument(
-    "--variants", nargs="+", default=["dequantize", "folded"], choices=["dequantize", "folded"]
+    "--variants",
+    nargs="+",
+    default=["dequantize", "folded"],
+    choices=["dequantize", "folded", "warp"],
   )
   parser.add_argument("--bits", nargs="+", type=int, default=[2], choices=[2, 4])
   parser.add_argument(
@@ -261,13 +264,17 @@ def main():
   for variant in args.variants:
     for bits in args.bits:
       for settings in json.loads(args.configs):
-        settings = {"block_tokens": 128, "num_stages": 2, **settings}
+        # the warp variant: 128-token blocks only, its own default of 4 stages
+        stages = 4 if variant == "warp" else 2
+        settings = {"block_tokens": 128, "num_stages": stages, **settings}
         label = f"kivi{bits} {variant} " + ",".join(
           f"{key}={value}" for key, value in sorted(settings.items())
         )
         call = kernel_call(variant, bits, settings)
         # row_max="bound": each block takes the fixed reference's arm or the exchange's
         arms = (0, 1) if settings.get("row_max") == "bound" else (None,)
+        if variant == "warp":  # a loop per softmax path: the fixed one has no FMNMX
+          arms = ("fixed loop", "exact loop")
         # a loop iteration computes one ring slot: blocks_per_copy blocks (the folded kernel's)
         tokens = settings["block_tokens"] * settings.get("blocks_per_copy", 1)
         warpgroups = settings.get("warpgroups_per_program", 1)
@@ -281,11 +288,12 @@ def main():
         label += f" [.minnctapersm {args.min_programs_per_sm}]"
       sass, usage, (live_registers, live_peak_at) = sass_of(ptx, workdir, file_name)
       paths = [None]
-      if arms != (None,):  # the arm with the row max's FMNMX is the exchange's
+      if arms == (0, 1):  # the arm with the row max's FMNMX is the exchange's
         paths = triton_static_cost.branch_paths(
           triton_static_cost.main_loop(triton_static_cost.parse_sass(sass))
         )
       for arm in arms:
+        loop_without = "FMNMX" if arm == "fixed loop" else None
         cost = triton_static_cost.loop_cost(
           label,
           sass,
@@ -293,14 +301,19 @@ def main():
           "",
           tokens_per_iteration=tokens_per_iteration,
           warps=THREADS_PER_WARPGROUP // 32,  # each warpgroup's own code (`_warpgroup_program`)
-          branch_arm=arm,
+          branch_arm=arm if arms == (0, 1) else None,
+          loop_without=loop_without,
         )
-        if arm is not None:
+        if isinstance(arm, str):
+          cost.name += f" [{arm}]"
+          paths = [triton_static_cost.main_loop(triton_static_cost.parse_sass(sass), loop_without)]
+        elif arm is not None:
           row_max = any(opcode.startswith("FMNMX") for _, opcode, _ in paths[arm])
           cost.name += " [exchange arm]" if row_max else " [fixed arm]"
         try:
+          path = paths[0] if isinstance(arm, str) else paths[arm or 0]
           cost.warp_instructions = triton_static_cost.warp_path_lengths(
-            sass, paths[arm or 0], warps=cost.warps
+            sass, path, warps=cost.warps
           )
         except ValueError as unknown:  # the mean then counts every warp's branches (an upper bound)
           print(f"{cost.name}: no per-warp count ({unknown})", file=sys.stderr)

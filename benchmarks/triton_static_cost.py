@@ -204,8 +204,11 @@ def warp_path_lengths(sass: str, path=None, warps: int = 4) -> list[int]:
   return lengths
 
 
-def main_loop(instructions) -> list[tuple[int, str, str]]:
-  """(address, opcode, operands) of `main_loop_instructions`'s region."""
+def main_loop(instructions, without: str | None = None) -> list[tuple[int, str, str]]:
+  """(address, opcode, operands) of `main_loop_instructions`'s region; with `without` (an opcode
+  prefix), of the longest loop whose body has no such instruction (a kernel of two loops, one per
+  softmax path, as the warp Mosaic GPU kernel: the fixed reference's loop is the one without
+  FMNMX)."""
   exit_address = min(
     (address for address, opcode, _ in instructions if opcode.startswith("EXIT")), default=None
   )
@@ -218,8 +221,16 @@ def main_loop(instructions) -> list[tuple[int, str, str]]:
       loops.append((target, address))
   if not loops:
     raise ValueError("no backward branch in the SASS: the kernel has no loop")
-  low, high = max(loops, key=lambda loop: loop[1] - loop[0])
-  return [instruction for instruction in instructions if low <= instruction[0] <= high]
+  region = lambda bounds: [i for i in instructions if bounds[0] <= i[0] <= bounds[1]]
+  if without is not None:
+    loops = [
+      bounds
+      for bounds in loops
+      if not any(opcode.startswith(without) for _, opcode, _ in region(bounds))
+    ]
+    if not loops:
+      raise ValueError(f"every loop of the SASS has a {without} instruction")
+  return region(max(loops, key=lambda loop: loop[1] - loop[0]))
 
 
 def branch_paths(loop) -> list[list[tuple[int, str, str]]]:
@@ -304,11 +315,20 @@ class LoopCost:
 
 
 def loop_cost(
-  name, sass: str, resources: str, ttgir: str, *, tokens_per_iteration, warps, branch_arm=None
+  name,
+  sass: str,
+  resources: str,
+  ttgir: str,
+  *,
+  tokens_per_iteration,
+  warps,
+  branch_arm=None,
+  loop_without=None,
 ):
   """`branch_arm` 0 or 1: count the path through that arm of the body's branch
-  (`branch_paths`) instead of the whole body."""
-  loop = main_loop(parse_sass(sass))
+  (`branch_paths`) instead of the whole body; `loop_without`: the longest loop without that
+  opcode (`main_loop`)."""
+  loop = main_loop(parse_sass(sass), without=loop_without)
   if branch_arm is not None:
     loop = branch_paths(loop)[branch_arm]
   body_instructions = [(opcode, operands) for _, opcode, operands in loop]

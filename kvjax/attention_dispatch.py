@@ -206,7 +206,9 @@ def quantized_decode_attention(
   2- and 4-bit codes) | "offset", "channel_parts": 1 (default) | 2 | 4, "gear_terms": "xla"
   (default) | "kernel", "stack_copies": False (default) | True} (see
   `pallas_kernels.quantized_decode_attention_triton`); or
-  {"lowering": "mosaic_gpu"} (also "variant": "dequantize" (default) | "folded", block_tokens,
+  {"lowering": "mosaic_gpu"} (also "variant": "dequantize" (default) | "folded" | "warp" (both
+  products per warp by mma.sync: KIVI 2-bit, head_dim 128, group size 32, up to 4 query heads
+  per KV head; block_tokens 128, num_splits, num_stages, key_products), block_tokens,
   num_splits, num_stages, and for "folded" "key_operand": "shared_memory" (default) |
   "registers", "operand_order": "channel" (default) | "word", "approx_math": False (default) |
   True, "copy_issuer": "warpgroup" (default) | "first_warp" | "spread", "value_accumulator":

@@ -1,10 +1,13 @@
 """The one GPU entry point for decode attention over a quantized (KIVI / GEAR) segment: picks the
 Pallas lowering. "triton" (its variants and settings are `quantized_decode_attention_triton`'s)
-or "mosaic_gpu" (TMA ring and warpgroup MMA; KIVI segments only), in one of two variants:
-"dequantize" (the default: K and V dequantized element by element and staged in bf16; measured
-on an H100 and an H200, slower than either folded kernel) or "folded" (scales folded into stacked
-queries and probabilities, codes staged by masking alone as subnormal bf16 operands;
-`quantized_decode_attention_folded_mosaic_gpu`).
+or "mosaic_gpu" (TMA ring; KIVI segments only), in one of three variants:
+"dequantize" (the default: K and V dequantized element by element and staged in bf16, warpgroup
+MMA; measured on an H100 and an H200, slower than either folded kernel), "folded" (scales folded
+into stacked queries and probabilities, codes staged by masking alone as subnormal bf16
+operands; `quantized_decode_attention_folded_mosaic_gpu`) or "warp" (the folded operands, both
+products per warp by `mma.sync` with operands in registers, 2-bit codes at head_dim 128 and up
+to 4 query heads per KV head; `quantized_decode_attention_warp_mosaic_gpu`; not yet timed on a
+GPU).
 
 An empty kernel_config runs what was measured fastest (`measured_default_config`): on a Hopper
 GPU (and in interpret mode, which checks what such a GPU runs) the folded Mosaic GPU kernel with
@@ -22,6 +25,7 @@ from pallas_kernels import (
   quantized_decode_attention_folded_mosaic_gpu,
   quantized_decode_attention_mosaic_gpu,
   quantized_decode_attention_triton,
+  quantized_decode_attention_warp_mosaic_gpu,
 )
 from pallas_kernels.launch_settings import check_launch_settings
 
@@ -31,6 +35,7 @@ LOWERINGS = ("triton", "mosaic_gpu")
 MOSAIC_GPU_KERNELS = {
   "dequantize": (quantized_decode_attention_mosaic_gpu, "quantized_decode_attention_mosaic_gpu"),
   "folded": (quantized_decode_attention_folded_mosaic_gpu, "folded_decode_attention_mosaic_gpu"),
+  "warp": (quantized_decode_attention_warp_mosaic_gpu, "warp_decode_attention_mosaic_gpu"),
 }
 MOSAIC_GPU_VARIANTS = tuple(MOSAIC_GPU_KERNELS)
 # kernel_config keys each lowering takes (besides "lowering").
@@ -57,6 +62,8 @@ CONFIG_KEYS = {
   ),
 }
 FOLDED_ONLY_KEYS = quantized_decode_attention_folded_mosaic_gpu.FOLDED_SETTINGS
+# kernel_config keys the "warp" variant takes (besides "lowering" and "variant").
+WARP_KEYS = ("block_tokens", "num_splits", "num_stages", "key_products")
 
 
 def check_config(config: dict) -> str:
@@ -74,6 +81,9 @@ def check_config(config: dict) -> str:
   if lowering == "mosaic_gpu":
     _mosaic_gpu_kernel(config)
     settings = mosaic_gpu_settings(config)
+    if config.get("variant") == "warp":
+      _check_warp_settings(settings)
+      return lowering
     folded_only = {key: settings.pop(key) for key in FOLDED_ONLY_KEYS if key in settings}
     if folded_only and config.get("variant") != "folded":
       raise ValueError(
@@ -83,6 +93,24 @@ def check_config(config: dict) -> str:
     quantized_decode_attention_folded_mosaic_gpu.check_folded_settings(**folded_only)
     quantized_decode_attention_mosaic_gpu.check_settings(**settings)
   return lowering
+
+
+def _check_warp_settings(settings: dict) -> None:
+  """ValueError naming a kernel_config key or value the "warp" variant does not take."""
+  unknown = sorted(set(settings) - set(WARP_KEYS))
+  if unknown:
+    raise ValueError(
+      f'kernel_config keys {unknown} are not taken by the "warp" Mosaic GPU kernel; allowed: '
+      f"{', '.join(('lowering', 'variant', *WARP_KEYS))}"
+    )
+  key_products = settings.get("key_products")
+  if key_products is not None:
+    quantized_decode_attention_folded_mosaic_gpu.check_key_product(key_products)
+  quantized_decode_attention_warp_mosaic_gpu.check_settings(
+    **{
+      key: settings[key] for key in ("block_tokens", "num_splits", "num_stages") if key in settings
+    }
+  )
 
 
 def _mosaic_gpu_kernel(config: dict):

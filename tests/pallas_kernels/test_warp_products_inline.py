@@ -1,11 +1,14 @@
-"""The Mosaic GPU experiment's inline code (benchmarks/warp_products_mosaic_experiment.py) run on
-numpy arrays over the warpgroup's 128 threads (`inline_code_emulation`), its PTX instructions by
-the lane-by-lane models of `warp_products_emulation` and its registers placed by Mosaic GPU's own
-tilings of the layouts it declares: each function's result against plain matrix products."""
+"""The per-warp products' inline code (`pallas_kernels.warp_key_product`, `warp_value_product`:
+the "warp" Mosaic GPU kernel's, first written for benchmarks/warp_products_mosaic_experiment.py)
+run on numpy arrays over the warpgroup's 128 threads (`inline_code_emulation`), its PTX
+instructions by the lane-by-lane models of `warp_products_emulation` and its registers placed by
+Mosaic GPU's own tilings of the layouts it declares: each function's result against plain matrix
+products, and so is the jnp counterpart interpret mode runs instead (`*_emulated`)."""
 
 import numpy as np
 import pytest
 
+from pallas_kernels import warp_key_product, warp_value_product
 from tests.benchmarks.benchmark_modules import load_benchmark
 from tests.pallas_kernels.inline_code_emulation import (
   CapturedArray,
@@ -15,7 +18,6 @@ from tests.pallas_kernels.inline_code_emulation import (
   transposed_matrix_loads,
 )
 
-mosaic = load_benchmark("warp_products_mosaic_experiment")
 experiment = load_benchmark("warp_products_experiment")
 emulation = load_benchmark("warp_products_emulation")
 
@@ -208,15 +210,23 @@ def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_que
   with ir.Context(), ir.Location.unknown():
     keys = []
     for tile in range(tiles):
-      mosaic.own_token_words("words", tile, tiles)
+      warp_key_product.own_token_words("words", tile, tiles)
       words_array = _Array(CapturedArray.last.registers, shape=(64, 8))
       keys.append(stage_words_in_word_order(words_array, 2, operand_layout="mma_lhs"))
-    results = mosaic.key_product_per_warp(
+    results = warp_key_product.key_product_per_warp(
       keys, _registers(layouts.rhs, queries), "scales", "bias", tiles
     )
   patterns = codes[:, channels] * 2.0 ** (exponent - 133.0)  # [token, position]
+  emulated_results = warp_key_product.key_scores_per_warp_emulated(
+    jnp.asarray(words),
+    jnp.asarray(queries).view(jnp.bfloat16),
+    jnp.asarray(scales).view(jnp.bfloat16),
+    jnp.asarray(bias),
+    tiles,
+  )
   for tile, result in enumerate(results):
     scores = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
+    emulated_scores = np.asarray(emulated_results[tile])
     for warp in range(4):
       group = warp * tiles // 2
       scaled = experiment.bf16_values(
@@ -227,7 +237,9 @@ def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_que
       first = 16 * tiles * warp + 16 * tile
       expected = patterns[first : first + 16] @ scaled + bias[group] * 2.0**-64
       rows = slice(16 * warp, 16 * warp + 16)
-      np.testing.assert_allclose(scores[rows], expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+      tolerance = 1e-4 * np.abs(expected).max()
+      np.testing.assert_allclose(scores[rows], expected, rtol=0, atol=tolerance)
+      np.testing.assert_allclose(emulated_scores[rows], expected, rtol=0, atol=tolerance)
 
 
 @pytest.mark.parametrize("tiles,tile", [(1, 0), (2, 0), (2, 1)])
@@ -235,6 +247,7 @@ def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated, til
   """acc [512, 8] + per warp w and m-tile p: rows r = half-word r's field p (after the shift for
   p >= 4) of the warp's tokens 16 tiles w + 16 tile .., against P' of pairing p / 4, rows
   16 w .. 16 w + 15."""
+  import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jaxlib.mlir import ir
 
@@ -246,7 +259,7 @@ def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated, til
   acc = (rng.normal(size=(512, 8)) * 2.0**-66).astype(np.float32)
   emulated(words.view(np.uint8).ravel().copy(), {"words": 0})
   with ir.Context(), ir.Location.unknown():
-    result = mosaic.value_product_per_warp(
+    result = warp_value_product.value_product_per_warp(
       _registers(fa.WGMMA_LAYOUT, probs[0]),
       _registers(fa.WGMMA_LAYOUT, probs[1]),
       "words",
@@ -269,12 +282,17 @@ def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated, til
   increment = np.abs(expected - acc)
   assert increment.min() > 0 and increment.max() > np.abs(acc).max() / 4  # not vacuous
   np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * increment.max())
+  emulated_out = warp_value_product.value_product_per_warp_emulated(
+    *[jnp.asarray(p).view(jnp.bfloat16) for p in probs], jnp.asarray(words), acc, tile, tiles
+  )
+  np.testing.assert_allclose(emulated_out, expected, rtol=0, atol=1e-5 * increment.max())
 
 
 @pytest.mark.parametrize("tiles,tile", [(1, 0), (2, 1)])
 def test_statistics_by_slot_give_each_column_its_slots_group(emulated, monkeypatch, tiles, tile):
   """[64, 8]: row 16 w + r (token 16 tiles w + 16 tile + r), column c holds the statistic of
   group 2 (c // 4) + b at that token."""
+  import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import arith, memref, vector
@@ -292,10 +310,16 @@ def test_statistics_by_slot_give_each_column_its_slots_group(emulated, monkeypat
   token = 16 * tiles * (row // 16) + 16 * tile + row % 16
   for b in range(2):
     with ir.Context(), ir.Location.unknown():
-      result = mosaic.statistics_by_slot(None, b, tile, tiles)
+      result = warp_value_product.statistics_by_slot(None, b, tile, tiles)
     table = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
+    emulated_table = np.asarray(
+      warp_value_product.statistics_by_slot_emulated(
+        jnp.asarray(statistics).view(jnp.bfloat16), b, tile, tiles
+      )
+    )
     for column in range(8):
       np.testing.assert_array_equal(table[:, column], values[2 * (column // 4) + b, token])
+      np.testing.assert_array_equal(emulated_table[:, column], values[2 * (column // 4) + b, token])
 
 
 @pytest.mark.parametrize("tiles", [1, 2])
@@ -325,8 +349,9 @@ def test_add_warp_partials_gives_the_models_output(emulated, monkeypatch, tiles)
         memref, "load", lambda _, index, r=r, s=s: partial[r, s, index[0], index[1]]
       )
       with ir.Context(), ir.Location.unknown():
-        result = mosaic.add_warp_partials(None)
+        result = warp_value_product.add_warp_partials(None)
       (register,) = result.registers
-      np.testing.assert_allclose(
-        register, model_out[r, s].T, rtol=0, atol=1e-5 * np.abs(model_out[r, s]).max()
-      )
+      tolerance = 1e-5 * np.abs(model_out[r, s]).max()
+      np.testing.assert_allclose(register, model_out[r, s].T, rtol=0, atol=tolerance)
+      emulated_sum = warp_value_product.add_warp_partials_emulated(partial[r, s])
+      np.testing.assert_allclose(emulated_sum, model_out[r, s].T, rtol=0, atol=tolerance)

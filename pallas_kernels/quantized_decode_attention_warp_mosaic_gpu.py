@@ -1,0 +1,502 @@
+"""GPU decode attention over a quantized (KIVI) K/V segment: Mosaic GPU, both products per warp by
+`mma.sync` (`kernel_config={"lowering": "mosaic_gpu", "variant": "warp"}`; KERNEL_NOTES v44, v45).
+
+The folded kernel (`quantized_decode_attention_folded_mosaic_gpu`) multiplies with warpgroup MMAs:
+their B operands (Q', P') are staged in shared memory by all four warps and published by a fence
+and a barrier every block, and each product's A tile spans the four warps, so every product is a
+wait for all of them (v34's profile: 30-40% of the loop's stalls). Here each warp takes its own
+32 consecutive tokens of a 128-token block (one key group), both products by `mma.sync.m16n8k16`
+with operands in registers (`warp_key_product`, `warp_value_product`):
+
+  keys:   scores [32 tokens, 8 columns] = codes . Q'^T of the warp's key group, Q' built in
+          registers from the group's scales and the lane's queries, the accumulators starting
+          at the group's bias q . k_min (XLA's, `key_bias`);
+  softmax: against the split's fixed reference (`softmax_reference_bounds`, XLA's): no
+          reduction over tokens, so no warp waits for another;
+  values: each warp's partial output [128 channels, 8 columns] += V^T codes of its tokens . P'^T,
+          P' = p v_scale 2^64 of two value groups per 8 columns (`warp_value_product`);
+  after the loop: the sums over tokens, and the four warps' partial outputs added, once a split.
+
+The ring (TMA copies of a block's key words, key scales, key bias, value words and group-major
+value statistics, issued by the first warp) is the only thing the warps share in the loop: one
+barrier per block before a slot is refilled. A split the bounds cannot serve (reference
+`EXCHANGE`) runs an exact online softmax instead, in a loop of its own, its row max reduced
+across the warps at every block.
+
+Outputs per split: each channel's raw sum over its own value slot (f32 [128, 4]: the codes'
+powers of two and P's 2^64 still in it) and per column the sum of p, the two pairings' sums of
+p v_min and the reference (or running max) the p are relative to; `merge_warp_partials` (XLA)
+finishes and merges the splits.
+
+Interpret mode runs the same kernel with the inline pieces replaced by their jnp counterparts
+(`*_emulated`: same inputs, same arrays out), so everything around them (ring, masks, softmax
+arms, statistics, epilogue, merge) is what a GPU runs; the inline code itself is checked lane by
+lane on numpy (`tests/pallas_kernels/test_warp_products_inline.py`), and natively only on a GPU.
+
+Supported (`unsupported_reason`): KIVI 2-bit codes, head_dim 128, group size 32 (key groups of
+32 tokens, value groups of 32 channels), 1 to 4 query heads per KV head (padded to 4 rows, which
+the 8 columns repeat), bf16 statistics, no GEAR terms; value scales below 2^31 (P' carries
+p v_scale 2^64 in bf16 with p <= 2^32). Slots past a row's length may hold anything, NaN
+included: scores, probabilities and statistics are selected away there.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
+from pallas_kernels import quantized_decode_attention_folded_mosaic_gpu as folded
+from pallas_kernels.base_two_softmax import base_two_queries, natural_log_sum_exp
+from pallas_kernels.decode_attention_mosaic_gpu import padded_lengths
+from pallas_kernels.key_bias import key_bias
+from pallas_kernels.softmax_reference_bounds import (
+  EXCHANGE,
+  key_score_bounds,
+  split_softmax_references,
+)
+from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group
+from pallas_kernels.subnormal_codes import QUERY_EXPONENT, code_exponent, power_of_two
+from pallas_kernels.warp_key_product import (
+  BITS,
+  COLUMNS,
+  HEAD_DIM,
+  KEY_GROUP,
+  TILE_ROWS,
+  WORDS,
+  key_product_per_warp,
+  key_scores_per_warp_emulated,
+  own_token_words,
+)
+from pallas_kernels.warp_value_product import (
+  PARTIAL_ROWS,
+  REAL_ROWS,
+  VALUE_GROUPS,
+  add_warp_partials,
+  add_warp_partials_emulated,
+  statistics_by_slot,
+  statistics_by_slot_emulated,
+  value_product_per_warp,
+  value_product_per_warp_emulated,
+)
+from pallas_kernels.word_operand_order import channels_in_word_order, stage_words_in_word_order
+
+TILES = 2  # 16-token tiles a warp takes per block: 32 tokens, one key group
+BLOCK_TOKENS = 4 * 16 * TILES
+DEFAULT_NUM_STAGES = 4
+NUM_STAGES = (2, 3, 4)
+SCORE_SCALE = 2.0**64  # the key product's scores are the true ones over this
+PROBS_SCALE = 2.0**64  # P' = p v_scale 2^64 (`subnormal_codes`)
+# The output's power of two: raw = sum p v_scale code 2^(e - 69), e the code's bit in its byte.
+OUTPUT_EXPONENT = 133 - 64
+REDUCTION_SCRATCH_BYTES = 1024
+# Per column of a split's statistics output: the sum of p, of p v_min for value groups 2 s (slot
+# s's columns) and 2 s + 1, and the reference (or running max) p are relative to.
+STATISTICS = ("sum", "min_low", "min_high", "max")
+
+
+def unsupported_reason(
+  queries, k_codes, k_scale, v_scale, *, bits, group_size, block_tokens=None, **segment
+) -> str | None:
+  """Why this kernel cannot take this segment with these settings (None if it can)."""
+  segment = {key: segment[key] for key in ("lowrank", "outliers", "block") if key in segment}
+  reason = folded.unsupported_reason(
+    queries,
+    k_codes,
+    k_scale,
+    v_scale,
+    bits=bits,
+    group_size=group_size,
+    block_tokens=BLOCK_TOKENS,
+    **segment,
+  )
+  if reason is not None:
+    return reason
+  if bits != BITS:
+    return f"bits={bits} (the warp variant takes {BITS})"
+  if queries.shape[3] != HEAD_DIM:
+    return f"head_dim={queries.shape[3]} (the warp variant takes {HEAD_DIM})"
+  if group_size != KEY_GROUP:
+    return f"group_size={group_size} (the warp variant takes {KEY_GROUP})"
+  if queries.shape[2] > REAL_ROWS:
+    return f"query group {queries.shape[2]} (the warp variant takes 1 to {REAL_ROWS})"
+  if k_codes.shape[2] % 8:
+    return f"{k_codes.shape[2]} cached tokens (the warp variant takes a multiple of 8)"
+  return None
+
+
+def check_settings(block_tokens=None, num_splits=None, num_stages=None) -> None:
+  """ValueError naming a setting the warp variant does not take, and its allowed values."""
+  if block_tokens not in (None, BLOCK_TOKENS):
+    raise ValueError(
+      f"block_tokens={block_tokens!r} is not supported by the warp variant; allowed: "
+      f"None or {BLOCK_TOKENS} (four warps of {16 * TILES} tokens)"
+    )
+  if num_stages not in (None, *NUM_STAGES):
+    raise ValueError(
+      f"num_stages={num_stages!r} is not supported by the warp variant; allowed: {NUM_STAGES}"
+    )
+  folded.dequantizing.check_settings(
+    block_tokens=BLOCK_TOKENS, num_splits=num_splits, num_stages=num_stages or DEFAULT_NUM_STAGES
+  )
+
+
+def _warp_kernel(
+  lengths_gmem,  # int32 [>= B]
+  queries_gmem,  # bf16 [B, H, 128, 8]: word order, times 2^(69 - bit), rows repeated
+  k_words_gmem,  # uint32 [B, H, T, 8]
+  k_scale_gmem,  # bf16 [B, H, T / 32, 128]
+  key_bias_gmem,  # f32 [B, H, T / 32, 8]
+  v_words_gmem,  # uint32 [B, H, T, 8]
+  v_scale_gmem,  # bf16 [B, H, 4, T]: group-major
+  v_min_gmem,  # bf16 [B, H, 4, T]
+  reference_gmem,  # f32 [B, H, S, 8]
+  out_gmem,  # f32 [B, H, S, 128, 4]: each channel's raw sum, from its own slot
+  statistics_gmem,  # f32 [B, H, S, 4, 8]: `STATISTICS` per column
+  lengths_smem,
+  queries_smem,
+  reference_smem,
+  k_words_smem,  # [stages, 128, 8]
+  k_scale_smem,  # [stages, 4, 128]
+  key_bias_smem,  # [stages, 4, 8]
+  v_words_and_partial_smem,  # [stages, 128, 8] uint32, after the loop f32 [512, 8]
+  v_scale_smem,  # [stages, 4, 128]
+  v_min_smem,
+  out_smem,  # f32 [128, 4]
+  statistics_smem,  # f32 [4, 8]
+  setup_barrier,
+  ring_barriers,
+  *,
+  plan: SplitPlan,
+  tokens: int,
+  num_stages: int,
+  emulate: bool,
+):
+  row, head, split = (lax.axis_index(name) for name in ("row", "head", "split"))
+  v_words_smem, partial_smem = v_words_and_partial_smem
+  plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, setup_barrier)
+  plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, setup_barrier)
+  plgpu.copy_gmem_to_smem(reference_gmem.at[row, head, split], reference_smem, setup_barrier)
+  plgpu.barrier_wait(setup_barrier)
+  start = split * plan.split_tokens
+  end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_smem[row]), tokens)
+  blocks = (jnp.maximum(end - start, 0) + BLOCK_TOKENS - 1) // BLOCK_TOKENS
+  wgmma = plgpu.Layout.WGMMA
+
+  def fetch(i):
+    slot, first = lax.rem(i, num_stages), start + i * BLOCK_TOKENS
+    barrier = ring_barriers.at[slot]
+    tokens_of = pl.ds(first, BLOCK_TOKENS)
+    groups_of = pl.ds(first // KEY_GROUP, BLOCK_TOKENS // KEY_GROUP)
+    source = lambda ref: ref.at[row, head]
+    plgpu.copy_gmem_to_smem(source(k_words_gmem).at[tokens_of], k_words_smem.at[slot], barrier)
+    plgpu.copy_gmem_to_smem(source(k_scale_gmem).at[groups_of], k_scale_smem.at[slot], barrier)
+    plgpu.copy_gmem_to_smem(source(key_bias_gmem).at[groups_of], key_bias_smem.at[slot], barrier)
+    plgpu.copy_gmem_to_smem(source(v_words_gmem).at[tokens_of], v_words_smem.at[slot], barrier)
+    plgpu.copy_gmem_to_smem(source(v_scale_gmem).at[:, tokens_of], v_scale_smem.at[slot], barrier)
+    plgpu.copy_gmem_to_smem(source(v_min_gmem).at[:, tokens_of], v_min_smem.at[slot], barrier)
+
+  def fetch_by_first_warp(i):
+    # one warp issues a block's six copies; every warp waits once per block
+    plgpu.warp_map(lambda warp: pl.when(warp == 0)(functools.partial(fetch, i)))
+
+  for i in range(num_stages):
+    pl.when(i < blocks)(functools.partial(fetch_by_first_warp, i))
+  if emulate:
+    queries = queries_smem[...]
+  else:  # each lane's B-fragment pairs, loaded once
+    queries = plgpu.load(queries_smem, layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
+  reference = plgpu.layout_cast(reference_smem[...], wgmma.reduce(0))
+  exchange = reference_smem[0] == EXCHANGE  # XLA's references: EXCHANGE in every row or none
+  per_column = functools.partial(
+    lax.broadcast_in_dim, shape=(TILE_ROWS, COLUMNS), broadcast_dimensions=[1]
+  )
+  row_index = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, COLUMNS), 0, layout=wgmma)
+  warp_first_token = (row_index // 16) * (16 * TILES) + row_index % 16
+
+  def tile_scores(slot):
+    if emulate:
+      return key_scores_per_warp_emulated(
+        k_words_smem[slot], queries, k_scale_smem[slot], key_bias_smem[slot], TILES
+      )
+    keys = [
+      stage_words_in_word_order(
+        own_token_words(k_words_smem.at[slot], t, TILES), BITS, operand_layout="mma_lhs"
+      )
+      for t in range(TILES)
+    ]
+    return key_product_per_warp(keys, queries, k_scale_smem.at[slot], key_bias_smem.at[slot], TILES)
+
+  def slot_statistic(ring, slot, b, t):
+    if emulate:
+      return statistics_by_slot_emulated(ring[slot], b, t, TILES)
+    return statistics_by_slot(ring.at[slot], b, t, TILES)
+
+  def value_product(probs_low, probs_high, slot, acc, t):
+    if emulate:
+      return value_product_per_warp_emulated(
+        probs_low, probs_high, v_words_smem[slot], acc, t, TILES
+      )
+    return value_product_per_warp(probs_low, probs_high, v_words_smem.at[slot], acc, t, TILES)
+
+  def step(i, state, *, exact: bool):
+    acc, row_max, sums, min_low, min_high = state
+    slot = lax.rem(i, num_stages)
+    plgpu.barrier_wait(ring_barriers.at[slot])
+    first_token = start + i * BLOCK_TOKENS
+    logits = [scores * SCORE_SCALE for scores in tile_scores(slot)]
+    valid = [warp_first_token + (first_token + 16 * t) < end for t in range(TILES)]
+    if exact:  # the running max, across the warps
+      block_max = None
+      for t in range(TILES):
+        tile_max = jnp.where(valid[t], logits[t], -jnp.inf).max(axis=0)
+        block_max = tile_max if block_max is None else jnp.maximum(block_max, tile_max)
+      new_max = jnp.maximum(row_max, block_max)  # a split's first block holds a valid token
+      correction = jnp.exp2(row_max - new_max)
+      acc = acc * lax.broadcast_in_dim(correction, (PARTIAL_ROWS, COLUMNS), [1])
+      sums, min_low, min_high = (x * per_column(correction) for x in (sums, min_low, min_high))
+      row_max = new_max
+    for t in range(TILES):
+      probs = jnp.where(valid[t], jnp.exp2(logits[t] - per_column(row_max)), 0.0)
+      pairs = []
+      for b in range(2):  # slot s of the columns holds value group 2 s + b
+        # past the length the statistics may be NaN: p is 0 there, so are they
+        scale = jnp.where(valid[t], slot_statistic(v_scale_smem, slot, b, t), 0.0)
+        minimum = jnp.where(valid[t], slot_statistic(v_min_smem, slot, b, t), 0.0)
+        pairs.append(((probs * scale * PROBS_SCALE).astype(jnp.bfloat16), probs * minimum))
+      acc = value_product(pairs[0][0], pairs[1][0], slot, acc, t)
+      sums, min_low, min_high = sums + probs, min_low + pairs[0][1], min_high + pairs[1][1]
+    plgpu.commit_smem()  # every warp's reads of the slot done: it may be refilled
+    pl.when(i + num_stages < blocks)(functools.partial(fetch_by_first_warp, i + num_stages))
+    return acc, row_max, sums, min_low, min_high
+
+  minus_inf = plgpu.layout_cast(jnp.full((COLUMNS,), -jnp.inf, jnp.float32), wgmma.reduce(0))
+  zero = plgpu.layout_cast(jnp.zeros((TILE_ROWS, COLUMNS), jnp.float32), wgmma)
+  init = (
+    plgpu.layout_cast(jnp.zeros((PARTIAL_ROWS, COLUMNS), jnp.float32), wgmma),
+    lax.cond(exchange, lambda: minus_inf, lambda: reference),
+    zero,
+    zero,
+    zero,
+  )
+  # A loop per path, chosen once per program (every thread reads the same reference, so all
+  # take the same one): one loop with a branch per block took 178 registers (two programs per
+  # SM), the two loops 127 (four), sm_90a static count (KERNEL_NOTES v45; the folded kernel's
+  # count went the other way, v33).
+  loop = lambda exact: (
+    lambda state: lax.fori_loop(0, blocks, functools.partial(step, exact=exact), state)
+  )
+  acc, row_max, sums, min_low, min_high = lax.cond(exchange, loop(True), loop(False), init)
+  # Once per split: the sums over tokens, and the four warps' partial outputs added (through
+  # shared memory, in the value ring's bytes: every copy into it has been waited for and read).
+  for k, total in enumerate((sums.sum(axis=0), min_low.sum(axis=0), min_high.sum(axis=0))):
+    statistics_smem[k, :] = total
+  statistics_smem[3, :] = row_max
+  partial_smem[...] = acc
+  plgpu.commit_smem()
+  if emulate:
+    out_smem[...] = add_warp_partials_emulated(partial_smem[...])
+  else:
+    out_smem[...] = add_warp_partials(partial_smem)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[row, head, split])
+  plgpu.copy_smem_to_gmem(statistics_smem, statistics_gmem.at[row, head, split])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def kernel_inputs(
+  queries, k_scale, k_min, v_scale, v_min, lengths, *, sm_scale, plan, key_products
+):
+  """The kernel's inputs besides the codes, by XLA: (lengths, code queries, key bias, v_scale
+  and v_min group-major, references). The queries, scaled to base 2 and padded to 4 rows, are
+  repeated to the 8 columns (row j is row j % 4), moved to the word order and scaled by each
+  position's 2^(69 - bit) (`subnormal_codes`); the bias and the bounds come from the same 8."""
+  scaled = pad_query_group(base_two_queries(queries, sm_scale), REAL_ROWS, jnp.float32)
+  scaled = jnp.tile(scaled, (1, 1, COLUMNS // REAL_ROWS, 1))  # [B, H, 8, D]
+  channel_scale = power_of_two(
+    QUERY_EXPONENT - code_exponent(jnp.arange(HEAD_DIM, dtype=jnp.int32), HEAD_DIM, BITS)
+  )
+  code_queries = jnp.swapaxes(scaled, 2, 3) * channel_scale[:, None]  # [B, H, D, 8]
+  code_queries = channels_in_word_order(code_queries, 2, BITS).astype(jnp.bfloat16)
+  bias = key_bias(scaled, k_min, key_products=key_products)  # [B, H, T / 32, 8]
+  references = split_softmax_references(
+    *key_score_bounds(scaled, k_scale, bias, bits=BITS, key_products=key_products),
+    lengths,
+    group_size=KEY_GROUP,
+    split_tokens=plan.split_tokens,
+    num_splits=plan.num_splits,
+  )
+  return (
+    padded_lengths(lengths),
+    code_queries,
+    bias,
+    jnp.swapaxes(v_scale, 2, 3),
+    jnp.swapaxes(v_min, 2, 3),
+    references,
+  )
+
+
+@functools.partial(
+  jax.jit, static_argnames=("sm_scale", "plan", "num_stages", "key_products", "interpret")
+)
+def _jitted_kernel_outputs(
+  queries,
+  k_codes,
+  k_scale,
+  k_min,
+  v_codes,
+  v_scale,
+  v_min,
+  lengths,
+  *,
+  sm_scale,
+  plan: SplitPlan,
+  num_stages: int,
+  key_products: str,
+  interpret: bool,
+):
+  batch, kv_heads = queries.shape[:2]
+  tokens = k_codes.shape[2]
+  lengths_padded, code_queries, bias, v_scale_t, v_min_t, references = kernel_inputs(
+    queries, k_scale, k_min, v_scale, v_min, lengths,
+    sm_scale=sm_scale, plan=plan, key_products=key_products,
+  )  # fmt: skip
+  groups = BLOCK_TOKENS // KEY_GROUP
+  ring = lambda shape, dtype: plgpu.SMEM((num_stages, *shape), dtype)
+  kernel = plgpu.kernel(
+    functools.partial(
+      _warp_kernel, plan=plan, tokens=tokens, num_stages=num_stages, emulate=interpret
+    ),
+    out_type=(
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, HEAD_DIM, REAL_ROWS), jnp.float32),
+      jax.ShapeDtypeStruct(
+        (batch, kv_heads, plan.num_splits, len(STATISTICS), COLUMNS), jnp.float32
+      ),
+    ),
+    grid=(batch, kv_heads, plan.num_splits),
+    grid_names=("row", "head", "split"),
+    scratch_types=[
+      plgpu.SMEM(lengths_padded.shape, jnp.int32),
+      plgpu.SMEM((HEAD_DIM, COLUMNS), jnp.bfloat16),
+      plgpu.SMEM((COLUMNS,), jnp.float32),
+      ring((BLOCK_TOKENS, WORDS), jnp.uint32),
+      ring((groups, HEAD_DIM), jnp.bfloat16),
+      ring((groups, COLUMNS), jnp.float32),
+      plgpu.RefUnion(
+        ring((BLOCK_TOKENS, WORDS), jnp.uint32), plgpu.SMEM((PARTIAL_ROWS, COLUMNS), jnp.float32)
+      ),
+      ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
+      ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
+      plgpu.SMEM((HEAD_DIM, REAL_ROWS), jnp.float32),
+      plgpu.SMEM((len(STATISTICS), COLUMNS), jnp.float32),
+      plgpu.Barrier(num_arrivals=3),
+      plgpu.Barrier(num_arrivals=6, num_barriers=num_stages),
+    ],
+    # Every thread's stores into shared memory (the epilogue's) are published by `commit_smem`
+    # before anyone reads them; the loop stores none. TMA refills a slot only after the
+    # `commit_smem` that ends the block reading it.
+    compiler_params=_compat.mosaic_gpu_compiler_params(
+      unsafe_no_auto_barriers=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES
+    ),
+    interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
+  )
+  return kernel(
+    lengths_padded, code_queries, k_codes, k_scale, bias, v_codes, v_scale_t, v_min_t, references
+  )
+
+
+def warp_kernel_outputs(
+  queries: jax.Array,  # [B, H, G, D]
+  k_codes: jax.Array,  # uint32 [B, H, T, 8]
+  k_scale: jax.Array,  # bf16 [B, H, T / 32, D]
+  k_min: jax.Array,
+  v_codes: jax.Array,  # uint32 [B, H, T, 8]
+  v_scale: jax.Array,  # bf16 [B, H, T, D / 32]
+  v_min: jax.Array,
+  lengths: jax.Array,  # int32 [B]
+  *,
+  bits: int,
+  group_size: int,
+  sm_scale: float,
+  block_tokens: int | None = None,
+  num_splits: int | None = None,
+  num_stages: int | None = None,
+  key_products: str = folded.DEFAULT_KEY_PRODUCT,
+  interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+  """The kernel's own outputs: out f32 [B, H, S, 128, 4] (each channel's raw sum over its own
+  value slot) and statistics f32 [B, H, S, 4, 8] (`STATISTICS`). Settings and shapes are checked
+  (ValueError) before anything is traced."""
+  check_settings(block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages)
+  folded.check_key_product(key_products)
+  reason = unsupported_reason(queries, k_codes, k_scale, v_scale, bits=bits, group_size=group_size)
+  if reason is not None:
+    raise ValueError(
+      f"the warp Mosaic GPU quantized decode-attention kernel does not support {reason}"
+    )
+  plan = folded.folded_split_plan(
+    queries, k_codes, BLOCK_TOKENS, num_splits, group_size=group_size, key_bias_source="xla"
+  )
+  outputs = _jitted_kernel_outputs(
+    queries,
+    k_codes,
+    k_scale,
+    k_min,
+    v_codes,
+    v_scale,
+    v_min,
+    lengths,
+    sm_scale=sm_scale,
+    plan=plan,
+    num_stages=num_stages or DEFAULT_NUM_STAGES,
+    key_products=key_products,
+    interpret=interpret,
+  )
+  return _compat.finished_if_interpreted(outputs, interpret)
+
+
+def normalised_warp_partials(out: jax.Array, statistics: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(out f32 [B, H, S, 4, D] normalised, lse f32 [B, H, S, 4] natural) from the kernel's raw
+  outputs: each channel's sum times its power of two 2^(69 - bit), plus its value group's
+  sum of p v_min (group 2 s + b of slot s = c // 64, b = (c // 32) % 2), over the sum of p. A
+  split without a valid token gives out 0 and lse -inf (it drops out of the merge); a NaN sum
+  is not empty, its NaN reaches out and lse."""
+  channel = np.arange(HEAD_DIM)
+  exponent = OUTPUT_EXPONENT - code_exponent(channel, HEAD_DIM, BITS)
+  slot, pairing = channel // 64, (channel // 32) % 2
+  columns = REAL_ROWS * slot[:, None] + np.arange(REAL_ROWS)[None]  # [D, 4]
+  minimum_sums = statistics[..., 1 + pairing[:, None], columns]  # [B, H, S, D, 4]
+  numerator = out * jnp.asarray(2.0**exponent, jnp.float32)[:, None] + minimum_sums
+  sums, row_max = statistics[..., 0, :REAL_ROWS], statistics[..., 3, :REAL_ROWS]
+  nonempty = sums != 0
+  safe_sums = jnp.where(nonempty, sums, 1.0)
+  normalised = jnp.where(
+    nonempty[..., None], jnp.swapaxes(numerator, -1, -2) / safe_sums[..., None], 0.0
+  )
+  lse = jnp.where(nonempty, natural_log_sum_exp(row_max, safe_sums), -jnp.inf)
+  return normalised, lse
+
+
+def warp_partials_mosaic_gpu(*arrays, bits, group_size, **settings):
+  """Per-split partials (out f32 [B, H, S, G, D] normalised, lse f32 [B, H, S, G]);
+  `warp_kernel_outputs`' arguments."""
+  group = arrays[0].shape[2]
+  out, lse = normalised_warp_partials(
+    *warp_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
+  )
+  return out[:, :, :, :group], lse[..., :group]
+
+
+def warp_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
+  """(out f32 [B, H, G, D], lse f32 [B, H, G]); same contract as the jnp reference (KIVI
+  segments); `warp_kernel_outputs`' arguments. The splits are merged by XLA, which fuses the
+  normalisation into the merge."""
+  group = arrays[0].shape[2]
+  out, lse = normalised_warp_partials(
+    *warp_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
+  )
+  return merge_split_partials(out, lse, group, head_dim_last=True)

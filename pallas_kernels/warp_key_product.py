@@ -1,0 +1,231 @@
+"""The key product per warp (KERNEL_NOTES v44, v45): each warp's own tokens of a block against Q'
+of their own key group, by `mma.sync.m16n8k16` with both operands in registers.
+
+The warpgroup product (`wgmma`) of the folded kernel reads its B operand, Q', from shared memory:
+staged by all four warps and published by a fence and a barrier every block, and its A tile spans
+the four warps, so every product is one wait for all of them (v34's profile: 30-40% of the loop's
+stalls). Here a warp takes `16 tiles` consecutive tokens of a block (32 at `tiles=2`: one key
+group of 32 tokens), and builds its group's Q' in registers:
+
+- A: the warp's key codes masked in place (`subnormal_codes`), in MMA_LHS
+  (`word_operand_order.stage_words_in_word_order(..., operand_layout="mma_lhs")`) from the words
+  `own_token_words` loads (row 16 w + r of a tile: token 16 tiles w + 16 tile + r);
+- B: Q'^T [128 positions, 8 columns] of the warp's group. B register (k-tile kt, half kh) of lane
+  (g, q) holds positions 16 kt + 8 kh + 2 q + {0, 1}, i.e. channels c and c + 64 with
+  c = 8 kt + 2 q + kh (`word_operand_order`'s C(L) at 2 bits): their scales are the low (kh = 0)
+  or high (kh = 1) halves of the scale words at channels 8 kt + 2 q and 8 kt + 64 + 2 q, paired
+  by one byte permute and multiplied with the lane's query pair (HMUL2, a bf16 product as the
+  folded kernel's Q');
+- the accumulators start at the group's key bias (q . k_min) over 2^64, exactly, so the scores
+  leave the product with the bias in them; 8 MMAs a tile in one dependent chain (two chains took
+  one register over four programs per SM, v44).
+
+Columns are the 8 query rows of the operands (`COLUMNS`; 4 real rows, the padding rows repeating
+them), scores f32 [64, 8] in the wgmma layout (= MMA_ACC with four warps along M). Native only:
+`key_scores_per_warp_emulated` computes the same arrays by jnp for interpret mode, and
+`tests/pallas_kernels/test_warp_products_inline.py` runs the inline code on numpy lane by lane.
+
+Supported: 2-bit planar codes at head_dim 128 (8 words a token), key groups of 32 tokens.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.bit_packing import unpack_codes
+from pallas_kernels.subnormal_codes import code_exponent, power_of_two
+from pallas_kernels.warpgroup_thread import thread_coordinates
+from pallas_kernels.word_operand_order import channel_at_position, channels_in_word_order
+
+TILE_ROWS = 64  # rows of a per-warp tile array: 16 tokens of each of the four warps
+COLUMNS = 8  # the products' N: query rows (the padding rows repeat the real ones)
+HEAD_DIM = 128
+BITS = 2
+WORDS = HEAD_DIM * BITS // 32
+KEY_GROUP = 32  # tokens of a key group
+_CODE_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
+_SCORE_EXPONENT = 64
+# the key product's scores are the true ones over 2^64 (`subnormal_codes`)
+SCORE_UNSCALE = 2.0**-_SCORE_EXPONENT
+
+
+def warp_tokens(tile: int, tiles: int) -> np.ndarray:
+  """int [64]: the block token each row of a tile array holds (row 16 w + r: token 16 tiles w +
+  16 tile + r)."""
+  row = np.arange(TILE_ROWS)
+  return (row // 16) * (16 * tiles) + 16 * tile + row % 16
+
+
+def own_token_words(words_ref, tile: int, tiles: int):
+  """uint32 [64, 8] (wgmma layout) of the block's key words [64 tiles, 8] in shared memory: row
+  16 w + r holds token 16 tiles w + 16 tile + r (`warp_tokens`). A thread loads words 2 q,
+  2 q + 1 of its two rows, one 64-bit load each (`inline_mgpu`, native only)."""
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(),),
+    return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, WORDS), jnp.uint32, layout=plgpu.Layout.WGMMA),
+  )
+  def load(_, ref):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm
+
+    i8 = ir.IntegerType.get_signless(8)
+    pair_type = ir.VectorType.get((2,), ir.IntegerType.get_signless(32))
+    const, lane, warp, quad = thread_coordinates()
+    token = arith.addi(
+      arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile)),
+      arith.divui(lane, const(4)),
+    )
+    offset = arith.addi(arith.muli(token, const(4 * WORDS)), arith.muli(quad, const(8)))
+    address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
+    registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE_ROWS, WORDS)), dtype=object)
+    for h in range(2):
+      row = mgpu_utils.getelementptr(address, [8 * 4 * WORDS * h], i8)
+      registers[(0, 0, 0, 0, h, 0, 0, 0, 0)] = llvm.load(pair_type, row)
+    return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=False)
+
+  return load(words_ref)
+
+
+def key_product_per_warp(keys, queries, k_scale_ref, key_bias_ref, tiles: int = 1):
+  """f32 [64, 8] scores (wgmma layout) per 16-token tile of `keys`: each warp's tokens against Q'
+  of its own key group (warp w's tokens are group w tiles / 2 of the block), plus that group's
+  bias, all over 2^64. `keys` a list of `tiles` bf16 [64, 128] key-code arrays in the MMA_LHS
+  layout (word order; row 16 w + r: token 16 tiles w + 16 tile + r), `queries` bf16 [128, 8] in
+  MMA_RHS (position-major, times 2^(69 - bit)), `k_scale_ref` the block's key scales
+  [groups, 128] bf16 (channel order) and `key_bias_ref` its q . k_min [groups, 8] f32, both in
+  shared memory (`inline_mgpu`, native only)."""
+  lhs = plgpu.Layout.MMA_LHS(jnp.bfloat16)
+  score_type = plgpu.ShapeDtypeStruct((TILE_ROWS, COLUMNS), jnp.float32, layout=plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(
+    arg_types=(
+      [lhs] * tiles,
+      plgpu.Layout.MMA_RHS(jnp.bfloat16),
+      plgpu.RefType(),
+      plgpu.RefType(),
+    ),
+    return_type=[score_type] * tiles,
+  )
+  def product(_, key_tiles, b, scale_ref, bias_ref):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm
+
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    f32 = ir.F32Type.get()
+    pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
+    const, lane, warp, quad = thread_coordinates()
+    group = arith.divui(arith.muli(warp, const(tiles)), const(2))
+    # byte offset of channel 2 q of the warp's group's 128 scales
+    base = arith.muli(
+      arith.addi(arith.muli(group, const(HEAD_DIM)), arith.muli(quad, const(2))), const(2)
+    )
+    scales = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(scale_ref), [base], i8)
+
+    def scale_word(channel: int):
+      address = mgpu_utils.getelementptr(scales, [2 * channel], i8)
+      return llvm.load(i32, address)
+
+    b_registers = []  # Q' of the warp's group, built once for its tiles
+    for kt in range(8):
+      low, high = scale_word(8 * kt), scale_word(8 * kt + 64)
+      for kh in range(2):
+        pair = mgpu_utils.inline_ptx(
+          "prmt.b32 $0, $1, $2, " + ("0x7632" if kh else "0x5410") + ";",
+          low,
+          high,
+          result_types=i32,
+        )
+        query = b.registers[(kt, 0, kh, 0, 0, 0, 0, 0)]
+        product_pair = arith.mulf(query, mgpu_utils.bitcast(pair, pair_type))
+        b_registers.append(mgpu_utils.bitcast(product_pair, i32))
+    # the group's bias of the lane's columns 2 q, 2 q + 1, over 2^64: the accumulators' start
+    bias_offset = arith.muli(
+      arith.addi(arith.muli(group, const(COLUMNS)), arith.muli(quad, const(2))), const(4)
+    )
+    bias_address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(bias_ref), [bias_offset], i8)
+    unscale = arith.constant(f32, SCORE_UNSCALE)
+    bias = [
+      arith.mulf(llvm.load(f32, mgpu_utils.getelementptr(bias_address, [4 * c], i8)), unscale)
+      for c in range(2)
+    ]
+    results = []
+    undefined = llvm.mlir_undef(ir.VectorType.get((2,), f32))
+    for a in key_tiles:
+      accumulator = [bias[0], bias[1], bias[0], bias[1]]
+      for kt in range(8):
+        a_registers = [
+          mgpu_utils.bitcast(a.registers[(0, kt, 0, s, h, 0, 0, 0, 0)], i32)
+          for s, h in ((0, 0), (0, 1), (1, 0), (1, 1))
+        ]
+        accumulator = mgpu_utils.inline_ptx(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+          "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+          *a_registers,
+          *b_registers[2 * kt : 2 * kt + 2],
+          *accumulator,
+          result_types=[f32] * 4,
+          convergent=True,  # warp-wide (.sync.aligned): out of divergent code
+        )
+      registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE_ROWS, COLUMNS)), dtype=object)
+      for h in range(2):
+        pair = llvm.insertelement(undefined, accumulator[2 * h], position=const(0))
+        registers[(0, 0, 0, 0, h, 0, 0, 0, 0)] = llvm.insertelement(
+          pair, accumulator[2 * h + 1], position=const(1)
+        )
+      results.append(
+        fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+      )
+    return results
+
+  return product(keys, queries, k_scale_ref, key_bias_ref)
+
+
+def warp_rows(block: jax.Array, tile: int, tiles: int) -> jax.Array:
+  """The [64, ...] rows of a tile array from a block's [64 tiles, ...] per-token rows
+  (`warp_tokens`), by a reshape and a slice (a kernel may not capture an index array)."""
+  split = block.reshape(4, tiles, 16, *block.shape[1:])
+  return split[:, tile].reshape(TILE_ROWS, *block.shape[1:])
+
+
+def per_row_group(groups: jax.Array, tiles: int) -> jax.Array:
+  """A block's per-key-group rows [>= 2 tiles, ...] repeated to the [64, ...] rows of a tile
+  array: warp w's tokens are group w tiles / 2."""
+  count = 2 * tiles
+  return jnp.repeat(groups[:count], TILE_ROWS // count, axis=0)
+
+
+def key_scores_per_warp_emulated(
+  words: jax.Array,  # uint32 [64 tiles, 8]: the block's key words
+  queries: jax.Array,  # bf16 [128, 8]: positions in the word order, times 2^(69 - bit)
+  k_scale: jax.Array,  # bf16 [>= 2 tiles, 128]: the block's key scales, channel order
+  key_bias: jax.Array,  # f32 [>= 2 tiles, 8]: the block's q . k_min
+  tiles: int,
+) -> list:
+  """What `own_token_words`, `stage_words_in_word_order` and `key_product_per_warp` give, by jnp
+  (interpret mode): per tile, f32 [64, 8] with row 16 w + r the scores of token 16 tiles w +
+  16 tile + r against bf16(query x its key group's scale), plus the group's bias, over 2^64.
+  The code operands' powers of two go into Q' before the sum (a code pattern is subnormal, which
+  XLA on CPU flushes), so the terms are the native ones within f32 rounding."""
+  position = jax.lax.iota(jnp.int32, HEAD_DIM)
+  exponent = code_exponent(channel_at_position(position, HEAD_DIM, BITS), HEAD_DIM, BITS)
+  # The code operand at position L is code * 2^(e(L) - 133), the query there q 2^(69 - e(L)):
+  # the product is taken as code * (Q' 2^(e(L) - 69)) 2^-64, in the normal range throughout.
+  code_unit = power_of_two(exponent - (_CODE_UNIT_EXPONENT - _SCORE_EXPONENT))[None, :, None]
+  codes = channels_in_word_order(unpack_codes(words, BITS).astype(jnp.float32), 1, BITS)
+  scales = per_row_group(channels_in_word_order(k_scale.astype(jnp.float32), 1, BITS), tiles)
+  scaled = (queries.astype(jnp.float32)[None] * scales[:, :, None]).astype(jnp.bfloat16)
+  operand = scaled.astype(jnp.float32) * code_unit  # [64, positions, 8]
+  bias = per_row_group(key_bias.astype(jnp.float32), tiles) * SCORE_UNSCALE
+  return [
+    jnp.einsum("rp,rpc->rc", warp_rows(codes, t, tiles), operand, precision="highest")
+    * SCORE_UNSCALE
+    + bias
+    for t in range(tiles)
+  ]

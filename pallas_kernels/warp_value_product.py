@@ -1,0 +1,268 @@
+"""The value product per warp (KERNEL_NOTES v44, v45): each warp's own tokens' V^T . P'^T into
+its own partial output, by `mma.sync.m16n8k16`, the per-token value statistics each lane needs,
+and the four warps' partial outputs added once per split.
+
+KIVI's values have a scale and a minimum per token and 32-channel group, so P' depends on a
+channel's value group. An 8-column B operand holds two groups: with 4 query rows, columns
+4 s + j (slot s, row j). The value product's rows are channels in the order the codes leave the
+transposing matrix loads: m-tile p (16 rows), row r of warp w's partial output is field p of
+half-word r of a token's planar words, i.e. channel
+
+  c(p, r) = 64 (r % 2) + 8 p + r // 2    (field f = 8 (r % 2) + p of word r // 2)
+
+whose value group is 2 (r % 2) + p // 4: m-tiles 0-3 take groups (0, 2) with P' `probs_low`
+(slot s: group 2 s), m-tiles 4-7 groups (1, 3) with `probs_high` (slot s: group 2 s + 1), and each
+row reads its own slot s = r % 2 (`add_warp_partials`; the other slot's columns are dropped).
+
+- `statistics_by_slot`: the per-token statistic of each column's slot group, f32 [64, 8]: a lane's
+  two columns share a slot, so it loads its two tokens' values of one group.
+- `value_product_per_warp`: P' (bf16 [64, 8] per pairing, rows the warp's tokens as the key
+  product's scores hold them) moved to B operands by `movmatrix.trans`, the warp's own 16 tokens'
+  value codes by one `ldmatrix.x4.trans`, 8 MMAs into the partial output, a [512, 8] f32 array
+  in the wgmma layout whose row 64 p + 16 w + r is warp w's m-tile p.
+- `add_warp_partials`: f32 [128, 4], channel c's 4 rows summed over the warps from its slot.
+
+Native only; the `_emulated` functions compute the same arrays by jnp for interpret mode, and
+`tests/pallas_kernels/test_warp_products_inline.py` runs the inline code on numpy lane by lane.
+Supported: 2-bit planar codes at head_dim 128, value groups of 32 channels, 4 query rows.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.bit_packing import unpack_codes
+from pallas_kernels.warp_key_product import BITS, COLUMNS, HEAD_DIM, TILE_ROWS, warp_rows
+from pallas_kernels.warpgroup_thread import thread_coordinates
+
+VALUE_GROUP = 32  # channels of a value group
+VALUE_GROUPS = HEAD_DIM // VALUE_GROUP
+REAL_ROWS = 4  # query rows of a slot
+PARTIAL_ROWS = 8 * TILE_ROWS  # the per-warp partial outputs: 8 m-tiles of 16 rows per warp
+_CODE_UNIT_EXPONENT = 133
+_PROBS_EXPONENT = 64
+
+
+def partial_row_channels() -> np.ndarray:
+  """int [512]: the channel each row 64 p + 16 w + r of the partial outputs holds."""
+  row = np.arange(PARTIAL_ROWS)
+  p, r = row // TILE_ROWS, row % 16
+  return 64 * (r % 2) + 8 * p + r // 2
+
+
+def value_product_per_warp(probs_low, probs_high, words_ref, acc, tile: int = 0, tiles: int = 1):
+  """acc f32 [512, 8] (wgmma layout: row 64 p + 16 w + r is warp w's m-tile p) plus each warp's
+  V^T [128, 16 own tokens] . P'^T [16, 8], for m-tiles p < 4 with P' `probs_low`, p >= 4 with
+  `probs_high` (bf16 [64, 8], wgmma layout: warp w's rows are its tokens 16 tiles w + 16 tile
+  ..); `words_ref` the block's value words [64 tiles, 8] uint32 in shared memory (`inline_mgpu`,
+  native only)."""
+  wgmma = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(
+    arg_types=(wgmma, wgmma, plgpu.RefType(), wgmma),
+    return_type=plgpu.ShapeDtypeStruct((PARTIAL_ROWS, COLUMNS), jnp.float32, layout=wgmma),
+  )
+  def product(_, low, high, ref, accumulator):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, vector
+
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    f32 = ir.F32Type.get()
+    const, lane, warp, _ = thread_coordinates()
+
+    def transposed(register):
+      # P' [token, column] pairs of an 8 x 8 block -> [column, token] pairs: the B fragment
+      return mgpu_utils.inline_ptx(
+        "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;",
+        mgpu_utils.bitcast(register, i32),
+        result_types=i32,
+        convergent=True,
+      )
+
+    # P' [64, 8] bf16: each thread's registers are (token 16 w + g + 8 h, columns 2 t, 2 t + 1)
+    operands = []
+    for probs in (low, high):
+      registers = probs.registers.reshape(-1)  # h = 0, 1
+      operands.append([transposed(registers[0]), transposed(registers[1])])
+    # Lanes 8 m .. 8 m + 7 address the rows of matrix m: token 16 tiles w + 16 tile + 8 (m / 2)
+    # + l % 8, bytes 16 (m % 2) of its 32.
+    matrix = arith.divui(lane, const(8))
+    first = arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile))
+    token = arith.addi(
+      arith.addi(first, arith.muli(arith.divui(matrix, const(2)), const(8))),
+      arith.remui(lane, const(8)),
+    )
+    offset = arith.addi(
+      arith.muli(token, const(32)), arith.muli(arith.remui(matrix, const(2)), const(16))
+    )
+    address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
+    loaded = mgpu_utils.inline_ptx(
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+      address,
+      result_types=[i32] * 4,
+      has_side_effects=True,
+      convergent=True,
+    )
+    upper = [arith.shrui(register, const(8)) for register in loaded]
+    registers = np.empty(accumulator.registers.shape, dtype=object)
+    undefined = llvm.mlir_undef(ir.VectorType.get((2,), f32))
+    for p in range(8):
+      source = loaded if p < 4 else upper
+      mask = const((0x3 << (2 * (p % 4))) * 0x00010001)
+      a = [arith.andi(register, mask) for register in source]
+      b = operands[p // 4]
+      c = [
+        vector.extract(
+          accumulator.registers[(p, 0, 0, 0, h, 0, 0, 0, 0)],
+          dynamic_position=[],
+          static_position=ir.DenseI64ArrayAttr.get([i]),
+        )
+        for h in range(2)
+        for i in range(2)
+      ]
+      d = mgpu_utils.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+        *a,
+        *b,
+        *c,
+        result_types=[f32] * 4,
+        convergent=True,  # warp-wide (.sync.aligned): out of divergent code
+      )
+      for h in range(2):
+        pair = llvm.insertelement(undefined, d[2 * h], position=const(0))
+        pair = llvm.insertelement(pair, d[2 * h + 1], position=const(1))
+        registers[(p, 0, 0, 0, h, 0, 0, 0, 0)] = pair
+    return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return product(probs_low, probs_high, words_ref, acc)
+
+
+def value_product_per_warp_emulated(probs_low, probs_high, words, acc, tile: int, tiles: int):
+  """`value_product_per_warp` by jnp (interpret mode): `words` the block's value words
+  uint32 [64 tiles, 8] (an array, not a ref). Row 64 p + 16 w + r of the increment is channel
+  c(p, r) (`partial_row_channels`) summed over warp w's tokens of the tile, against P' of pairing
+  p // 4 in every column; the code patterns' powers of two go into P' before the sum (they are
+  subnormal, which XLA on CPU flushes)."""
+  codes = warp_rows(unpack_codes(words, BITS).astype(jnp.float32), tile, tiles)  # [64, 128]
+  m_tiles = []
+  for p in range(8):
+    # rows r = 2 i + s of m-tile p: channels 64 s + 8 p + i
+    halves = [codes[:, 64 * s + 8 * p : 64 * s + 8 * p + 8] for s in range(2)]
+    rows = jnp.stack(halves, axis=-1).reshape(TILE_ROWS, 16)  # [64 tokens, 16 rows]
+    # the field's bit in its byte e: code * 2^(e - 133) taken as code * (P' 2^(e - 69)) 2^-64,
+    # in the normal range throughout
+    unit = 2.0 ** (2 * (p % 4) - (_CODE_UNIT_EXPONENT - _PROBS_EXPONENT))
+    probs = (probs_low, probs_high)[p // 4].astype(jnp.float32) * unit
+    m_tiles += [
+      jnp.einsum(
+        "tr,tc->rc", rows[16 * w : 16 * w + 16], probs[16 * w : 16 * w + 16], precision="highest"
+      )
+      for w in range(4)
+    ]
+  return acc + jnp.concatenate(m_tiles, axis=0) * 2.0**-_PROBS_EXPONENT
+
+
+def statistics_by_slot(ring_ref, b: int, tile: int = 0, tiles: int = 1):
+  """f32 [64, 8] (wgmma layout): each element the statistic of its token (row 16 w + r: token
+  16 tiles w + 16 tile + r) in the value group of its column's slot, 2 (column // 4) + b, from
+  the block's [4, 64 tiles] bf16 statistics in shared memory. A lane's two columns share a
+  slot, so it loads its two tokens' values of one group (2 16-bit loads), where array code
+  selects between two broadcast tiles on every element. Values past a row's length are loaded
+  as they are (the kernel masks them; `inline_mgpu`, native only)."""
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(),),
+    return_type=plgpu.ShapeDtypeStruct(
+      (TILE_ROWS, COLUMNS), jnp.float32, layout=plgpu.Layout.WGMMA
+    ),
+  )
+  def load(_, ref):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, memref, vector
+
+    f32 = ir.F32Type.get()
+    index = ir.IndexType.get()
+    const, lane, warp, quad = thread_coordinates()
+    group = arith.addi(arith.muli(arith.divui(quad, const(2)), const(2)), const(b))
+    token = arith.addi(
+      arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile)),
+      arith.divui(lane, const(4)),
+    )
+    registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE_ROWS, COLUMNS)), dtype=object)
+    for h in range(2):
+      value = memref.load(
+        ref,
+        [arith.index_cast(index, group), arith.index_cast(index, arith.addi(token, const(8 * h)))],
+      )
+      registers[(0, 0, 0, 0, h, 0, 0, 0, 0)] = vector.broadcast(
+        ir.VectorType.get((2,), f32), arith.extf(f32, value)
+      )
+    return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+
+  return load(ring_ref)
+
+
+def statistics_by_slot_emulated(statistics, b: int, tile: int, tiles: int):
+  """`statistics_by_slot` by jnp: `statistics` the block's [4, 64 tiles] (an array)."""
+  per_token = warp_rows(statistics.T, tile, tiles).astype(jnp.float32)  # [64, groups]
+  slots = [
+    jnp.broadcast_to(per_token[:, 2 * s + b, None], (TILE_ROWS, REAL_ROWS)) for s in range(2)
+  ]
+  return jnp.concatenate(slots, axis=1)
+
+
+def add_warp_partials(partial_ref):
+  """f32 [128, 4] (strided layout: thread c holds channel c's 4 rows): the four warps' partial
+  outputs in `partial_ref` ([512, 8] f32 in shared memory, row 64 p + 16 w + r warp w's m-tile
+  p) added, each channel from its accumulator row's slot of columns: channel c is field
+  f = c // 8 of word c % 8, i.e. half-word r = 2 (c % 8) + f // 8's field p = f % 8, in slot
+  r % 2 (16 loads a thread, once per split; `inline_mgpu`, native only)."""
+  layout = plgpu.Layout.WG_STRIDED((HEAD_DIM, REAL_ROWS), vec_size=4)
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(),),
+    return_type=plgpu.ShapeDtypeStruct((HEAD_DIM, REAL_ROWS), jnp.float32, layout=layout),
+  )
+  def add(_, ref):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, memref
+
+    f32 = ir.F32Type.get()
+    index = ir.IndexType.get()
+    const, lane, warp, _ = thread_coordinates()
+    channel = arith.addi(arith.muli(warp, const(32)), lane)
+    field = arith.divui(channel, const(8))
+    slot = arith.divui(field, const(8))
+    half_word = arith.addi(arith.muli(arith.remui(channel, const(8)), const(2)), slot)
+    first_row = arith.addi(arith.muli(arith.remui(field, const(8)), const(64)), half_word)
+    vector_type = ir.VectorType.get((REAL_ROWS,), f32)
+    register = llvm.mlir_undef(vector_type)
+    for j in range(REAL_ROWS):
+      column = arith.index_cast(index, arith.addi(arith.muli(slot, const(4)), const(j)))
+      total = None
+      for other in range(4):
+        row = arith.index_cast(index, arith.addi(first_row, const(16 * other)))
+        value = memref.load(ref, [row, column])
+        total = value if total is None else arith.addf(total, value)
+      register = llvm.insertelement(register, total, position=const(j))
+    registers = np.empty((1,), dtype=object)
+    registers[0] = register
+    return fa.FragmentedArray(_registers=registers, _layout=layout.to_mgpu(), _is_signed=None)
+
+  return add(partial_ref)
+
+
+def add_warp_partials_emulated(partial: jax.Array) -> jax.Array:
+  """`add_warp_partials` by jnp, from the partial outputs f32 [512, 8] (an array): channel
+  64 s + 8 p + i is row r = 2 i + s of m-tile p, read from slot s's columns."""
+  split = partial.reshape(8, 4, 8, 2, 2, REAL_ROWS)  # p, w, i, s, column slot, j
+  summed = split.sum(axis=1)  # [p, i, s, column slot, j]
+  own = jnp.stack([summed[:, :, s, s] for s in range(2)])  # [s, p, i, j]
+  return own.reshape(HEAD_DIM, REAL_ROWS)

@@ -1,0 +1,241 @@
+"""The "warp" Mosaic GPU quantized (KIVI) decode kernel against the jnp reference, its settings
+and segments, and the GPU entry point that picks it.
+
+Interpret mode on CPU (natively with KVJAX_NATIVE_KERNELS=1 on a GPU machine) runs the kernel
+with its inline pieces replaced by their jnp counterparts (`warp_key_product`,
+`warp_value_product`; those are checked against the inline code, lane by lane, in
+`test_warp_products_inline.py`). Inputs are poisoned as in the other Mosaic GPU kernels' tests:
+NaN in every value statistic past a row's length and in every key group that starts past it, and
+every buffer the kernel allocates starts as NaN.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import quantized_decode_attention_gpu
+from pallas_kernels import quantized_decode_attention_warp_mosaic_gpu as warp
+from pallas_kernels.quantized_decode_attention_reference import (
+  quantized_decode_attention_reference,
+)
+from pallas_kernels.softmax_reference_bounds import EXCHANGE
+from pallas_kernels.splits import SplitPlan
+from tests.pallas_kernels.kernel_checks import (
+  assert_all_written,
+  assert_matches_reference,
+  triton_interpret,
+)
+from tests.pallas_kernels.test_quantized_decode_attention_mosaic_gpu import _inputs, _zeros_segment
+
+QUANTIZATION = dict(bits=2, group_size=32)
+WARP = {"lowering": "mosaic_gpu", "variant": "warp"}
+# bf16 Q' and P' (as the folded kernels' operands): the folded kernels' tolerance
+RTOL = 2e-2
+
+
+def _check(*, group, tokens, seed, num_splits=None, query_scale=1.0, batch=3, **settings):
+  rng = np.random.default_rng(seed)
+  arrays, clean = _inputs(
+    rng, head_dim=128, group=group, tokens=tokens, dtype=jnp.bfloat16, batch=batch, **QUANTIZATION
+  )
+  arrays = (arrays[0] * query_scale, *arrays[1:])
+  clean = (clean[0] * query_scale, *clean[1:])
+  sm_scale = 128**-0.5
+  common = dict(
+    **QUANTIZATION, sm_scale=sm_scale, interpret=triton_interpret(), num_splits=num_splits
+  )
+  out_p, lse_p = warp.warp_partials_mosaic_gpu(*arrays, **common, **settings)
+  assert_all_written(out_p, jnp.where(jnp.isneginf(lse_p), 0.0, lse_p))
+  out, lse = warp.warp_decode_attention_mosaic_gpu(*arrays, **common, **settings)
+  ref_out, ref_lse = quantized_decode_attention_reference(*clean, **QUANTIZATION, sm_scale=sm_scale)
+  assert_matches_reference(out, lse, ref_out, ref_lse, rtol=RTOL)
+  return arrays
+
+
+@pytest.mark.parametrize(
+  "group,tokens,num_splits",
+  [
+    (4, 256, 2),  # one block a split
+    (4, 512, 2),  # two blocks a split: the ring's second slot and the loop's carry
+    (1, 384, 3),
+    (2, 256, None),  # the planner's splits
+    (3, 640, 2),  # a split of three blocks
+  ],
+)
+def test_warp_kernel_matches_reference(group, tokens, num_splits):
+  """Rows of full, partial (ending mid-block) and zero length, and random ones; 1 to 4 query
+  heads per KV head (padded to 4 rows, repeated to the 8 columns)."""
+  _check(group=group, tokens=tokens, num_splits=num_splits, seed=group + tokens)
+
+
+def test_warp_kernel_with_more_stages_than_blocks_and_three_stages():
+  _check(group=4, tokens=768, num_splits=1, seed=5, num_stages=3)
+  _check(group=4, tokens=256, num_splits=1, seed=6, num_stages=4)
+
+
+def test_exact_softmax_arm(monkeypatch):
+  """Splits whose references are EXCHANGE run the running max, reduced across the warps, and
+  rescale what they carry: every other split here (the bounds would serve them all)."""
+  references = warp.split_softmax_references
+
+  def every_other_split_exchanges(*args, **kwargs):
+    fixed = references(*args, **kwargs)
+    split = jnp.arange(fixed.shape[2])[None, None, :, None]
+    return jnp.where(split % 2 == 1, EXCHANGE, fixed)
+
+  monkeypatch.setattr(warp, "split_softmax_references", every_other_split_exchanges)
+  _check(group=4, tokens=768, num_splits=2, seed=7)  # three blocks in each exact split
+  _check(group=2, tokens=512, num_splits=4, seed=8)
+
+
+def test_wide_score_ranges_take_the_exact_arm():
+  """Queries large enough that the key statistics' bounds cannot serve a split (U - L above
+  HEADROOM + UNDERFLOW_MARGIN): the exact arm, chosen by XLA's references. (4x: every split's
+  bounds are too wide, and the scores' bf16 rounding in Q', which grows with them, keeps lse
+  within the tolerance: 0.048 of 0.06 here, 0.35 at 30x.)"""
+  rng = np.random.default_rng(9)
+  arrays, _ = _inputs(rng, head_dim=128, group=4, tokens=256, dtype=jnp.bfloat16, **QUANTIZATION)
+  queries = arrays[0] * 4.0
+  plan = SplitPlan(warp.BLOCK_TOKENS, 2, 1)
+  *_, references = warp.kernel_inputs(
+    queries, *arrays[2:4], *arrays[5:8], sm_scale=128**-0.5, plan=plan, key_products="einsum"
+  )
+  nonempty_rows = np.asarray(arrays[7]) > 0
+  assert np.all(np.asarray(references)[nonempty_rows] == EXCHANGE)
+  _check(group=4, tokens=256, num_splits=2, seed=9, query_scale=4.0)
+
+
+def test_nan_in_a_valid_statistic_reaches_the_output():
+  """NaN is never hidden: a valid token's NaN value scale makes its row's output NaN."""
+  rng = np.random.default_rng(10)
+  arrays, _ = _inputs(rng, head_dim=128, group=4, tokens=256, dtype=jnp.bfloat16, **QUANTIZATION)
+  v_scale = arrays[5].at[0, 1, 3, 2].set(jnp.nan)
+  arrays = (*arrays[:5], v_scale, *arrays[6:])
+  out, _ = warp.warp_decode_attention_mosaic_gpu(
+    *arrays, **QUANTIZATION, sm_scale=128**-0.5, interpret=triton_interpret(), num_splits=2
+  )
+  out = np.asarray(out)
+  assert np.isnan(out[0, 1]).any()
+  assert not np.isnan(out[0, 0]).any() and not np.isnan(out[1]).any()
+
+
+def test_normalised_partials_put_each_channel_with_its_slot_and_power_of_two():
+  """The raw outputs' finishing on hand-made values: channel c takes 2^(69 - bit) of its raw
+  sum, the sum of p v_min of its value group's slot column, over the column's sum of p; lse is
+  ln 2 (max + log2 sum); an empty split gives (0, -inf)."""
+  rng = np.random.default_rng(11)
+  out = rng.normal(size=(1, 1, 2, 128, 4)).astype(np.float32)
+  statistics = rng.uniform(1.0, 2.0, size=(1, 1, 2, 4, 8)).astype(np.float32)
+  statistics[0, 0, 1] = [[0.0] * 8, [0.0] * 8, [0.0] * 8, [-np.inf] * 8]
+  normalised, lse = warp.normalised_warp_partials(jnp.asarray(out), jnp.asarray(statistics))
+  normalised, lse = np.asarray(normalised), np.asarray(lse)
+  for c in (0, 31, 32, 63, 64, 95, 96, 127):
+    bit = (2 * (c // 8)) % 8
+    slot, pairing = c // 64, (c // 32) % 2
+    for j in range(4):
+      minimum = statistics[0, 0, 0, 1 + pairing, 4 * slot + j]
+      expected = (out[0, 0, 0, c, j] * 2.0 ** (69 - bit) + minimum) / statistics[0, 0, 0, 0, j]
+      np.testing.assert_allclose(normalised[0, 0, 0, j, c], expected, rtol=1e-6)
+  expected_lse = np.log(2.0) * (statistics[0, 0, 0, 3, :4] + np.log2(statistics[0, 0, 0, 0, :4]))
+  np.testing.assert_allclose(lse[0, 0, 0], expected_lse, rtol=1e-6)
+  assert np.all(normalised[0, 0, 1] == 0.0) and np.all(np.isneginf(lse[0, 0, 1]))
+
+
+@pytest.mark.parametrize(
+  "settings,match",
+  [
+    (dict(block_tokens=64), r"block_tokens=64 is not supported by the warp variant; allowed"),
+    (
+      dict(num_stages=5),
+      r"num_stages=5 is not supported by the warp variant; allowed: \(2, 3, 4\)",
+    ),
+    (dict(num_splits=0), "num_splits=0"),
+    (dict(key_products="gemm"), "key_products='gemm' is not supported; allowed"),
+  ],
+)
+def test_bad_settings_name_the_setting(settings, match):
+  arrays, quantization = _zeros_segment()
+  with pytest.raises(ValueError, match=match):
+    warp.warp_decode_attention_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **settings)
+  with pytest.raises(ValueError, match=match):
+    quantized_decode_attention_gpu.check_config({**WARP, **settings})
+
+
+def test_folded_settings_are_refused_by_name():
+  with pytest.raises(ValueError, match=r"\['row_max'\] are not taken by the \"warp\""):
+    quantized_decode_attention_gpu.check_config({**WARP, "row_max": "bound"})
+
+
+@pytest.mark.parametrize(
+  "segment,match",
+  [
+    (dict(bits=4), "bits=4"),
+    (dict(head_dim=256), "head_dim=256"),
+    (dict(group=8), "query group 8"),
+    (dict(group_size=64, tokens=256), "group_size=64"),
+  ],
+)
+def test_unsupported_segments_are_refused(segment, match):
+  arrays, quantization = _zeros_segment(**segment)
+  reason = warp.unsupported_reason(arrays[0], arrays[1], arrays[2], arrays[5], **quantization)
+  assert reason is not None and match in reason
+  with pytest.raises(ValueError, match=match):
+    warp.warp_decode_attention_mosaic_gpu(*arrays, **quantization, sm_scale=1.0)
+  fallback = quantized_decode_attention_gpu.mosaic_gpu_fallback_reason(
+    arrays[0], arrays[1], arrays[2], arrays[5], config=WARP, **quantization
+  )
+  assert match in fallback
+
+
+def test_gpu_entry_point_runs_the_warp_kernel(monkeypatch):
+  """kernel_config {"lowering": "mosaic_gpu", "variant": "warp"} reaches this kernel (and a
+  segment it does not take, the Triton kernel)."""
+  calls = []
+  entry = warp.warp_decode_attention_mosaic_gpu
+
+  def counted(*args, **kwargs):
+    calls.append(kwargs)
+    return entry(*args, **kwargs)
+
+  monkeypatch.setattr(warp, "warp_decode_attention_mosaic_gpu", counted)
+  rng = np.random.default_rng(12)
+  arrays, clean = _inputs(
+    rng, head_dim=128, group=4, tokens=256, dtype=jnp.bfloat16, **QUANTIZATION
+  )
+  out, lse = quantized_decode_attention_gpu.quantized_decode_attention_gpu(
+    *arrays, **QUANTIZATION, sm_scale=128**-0.5, interpret=triton_interpret(), **WARP, num_splits=2
+  )
+  assert len(calls) == 1 and calls[0]["num_splits"] == 2
+  ref_out, ref_lse = quantized_decode_attention_reference(
+    *clean, **QUANTIZATION, sm_scale=128**-0.5
+  )
+  assert_matches_reference(out, lse, ref_out, ref_lse, rtol=RTOL)
+
+
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_the_kernel_lowers_for_sm90(num_stages):
+  """The native kernel (inline mma.sync, movmatrix, ldmatrix; the ring; both softmax arms)
+  through Mosaic GPU's layout inference and lowering for a CUDA target, on this jax."""
+  batch, heads, tokens = 2, 2, 1024
+  shape = jax.ShapeDtypeStruct
+  arrays = (
+    shape((batch, heads, 4, 128), jnp.float32),
+    shape((batch, heads, tokens, 8), jnp.uint32),
+    shape((batch, heads, tokens // 32, 128), jnp.bfloat16),
+    shape((batch, heads, tokens // 32, 128), jnp.bfloat16),
+    shape((batch, heads, tokens, 8), jnp.uint32),
+    shape((batch, heads, tokens, 4), jnp.bfloat16),
+    shape((batch, heads, tokens, 4), jnp.bfloat16),
+    shape((batch,), jnp.int32),
+  )
+  traced = warp._jitted_kernel_outputs.trace(
+    *arrays,
+    sm_scale=0.1,
+    plan=SplitPlan(warp.BLOCK_TOKENS, 4, 2),
+    num_stages=num_stages,
+    key_products="einsum",
+    interpret=False,
+  )
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
