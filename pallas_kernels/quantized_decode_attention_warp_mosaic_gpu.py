@@ -243,7 +243,7 @@ def _warp_kernel(
       )
     return value_product_per_warp(probs_low, probs_high, v_words_smem.at[slot], acc, t, TILES)
 
-  def step(i, state, *, exact: bool):
+  def step(i, state, *, exact: bool, masked: bool):
     acc, row_max, sums, min_low, min_high = state
     slot = lax.rem(i, num_stages)
     plgpu.barrier_wait(ring_barriers.at[slot])
@@ -253,7 +253,7 @@ def _warp_kernel(
     if exact:  # the running max, across the warps
       block_max = None
       for t in range(TILES):
-        tile_max = jnp.where(valid[t], logits[t], -jnp.inf).max(axis=0)
+        tile_max = (jnp.where(valid[t], logits[t], -jnp.inf) if masked else logits[t]).max(axis=0)
         block_max = tile_max if block_max is None else jnp.maximum(block_max, tile_max)
       new_max = jnp.maximum(row_max, block_max)  # a split's first block holds a valid token
       correction = jnp.exp2(row_max - new_max)
@@ -261,12 +261,16 @@ def _warp_kernel(
       sums, min_low, min_high = (x * per_column(correction) for x in (sums, min_low, min_high))
       row_max = new_max
     for t in range(TILES):
-      probs = jnp.where(valid[t], jnp.exp2(logits[t] - per_column(row_max)), 0.0)
+      # past the length the scores and statistics may be NaN: p is 0 there, so are they (only a
+      # split's last block reaches past it)
+      def select(x, t=t):
+        return jnp.where(valid[t], x, 0.0) if masked else x
+
+      probs = select(jnp.exp2(logits[t] - per_column(row_max)))
       pairs = []
       for b in range(2):  # slot s of the columns holds value group 2 s + b
-        # past the length the statistics may be NaN: p is 0 there, so are they
-        scale = jnp.where(valid[t], slot_statistic(v_scale_smem, slot, b, t), 0.0)
-        minimum = jnp.where(valid[t], slot_statistic(v_min_smem, slot, b, t), 0.0)
+        scale = select(slot_statistic(v_scale_smem, slot, b, t))
+        minimum = select(slot_statistic(v_min_smem, slot, b, t))
         pairs.append(((probs * scale * PROBS_SCALE).astype(jnp.bfloat16), probs * minimum))
       acc = value_product(pairs[0][0], pairs[1][0], slot, acc, t)
       sums, min_low, min_high = sums + probs, min_low + pairs[0][1], min_high + pairs[1][1]
@@ -283,13 +287,22 @@ def _warp_kernel(
     zero,
     zero,
   )
+
   # A loop per path, chosen once per program (every thread reads the same reference, so all
   # take the same one): one loop with a branch per block took 178 registers (two programs per
   # SM), the two loops 127 (four), sm_90a static count (KERNEL_NOTES v45; the folded kernel's
   # count went the other way, v33).
-  loop = lambda exact: (
-    lambda state: lax.fori_loop(0, blocks, functools.partial(step, exact=exact), state)
-  )
+  def loop(exact):
+    def run(state):
+      # every block but the last is whole (the split's blocks end at its end)
+      state = lax.fori_loop(
+        0, blocks - 1, functools.partial(step, exact=exact, masked=False), state
+      )
+      last = functools.partial(step, blocks - 1, exact=exact, masked=True)
+      return lax.cond(blocks > 0, last, lambda state: state, state)
+
+    return run
+
   acc, row_max, sums, min_low, min_high = lax.cond(exchange, loop(True), loop(False), init)
   # Once per split: the sums over tokens, and the four warps' partial outputs added (through
   # shared memory, in the value ring's bytes: every copy into it has been waited for and read).

@@ -295,3 +295,45 @@ def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group():
       decoder, params, shared, questions, max_new_tokens=3
     )
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
+
+
+@pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
+def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch):
+  """The "warp" Mosaic GPU variant (KERNEL_NOTES v45: KIVI-2, head_dim 128, group size 32 only)
+  through the decode loop, on a tiny model of head_dim 128: the reference path's tokens, and the
+  kernel really called (a fallback would be an error)."""
+  from pallas_kernels import quantized_decode_attention_warp_mosaic_gpu as warp
+
+  calls = []
+  kernel = warp.warp_decode_attention_mosaic_gpu
+
+  def counted(*args, **kwargs):
+    calls.append(args[7])  # the quantized segment's lengths
+    return kernel(*args, **kwargs)
+
+  monkeypatch.setattr(warp, "warp_decode_attention_mosaic_gpu", counted)
+  decoder, params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, head_dim=128))
+  # long enough for two 128-token blocks of quantized tokens in one row, part of one in the other
+  prompts = [
+    list(np.random.default_rng(5).integers(1, 64, 190)),
+    list(np.random.default_rng(6).integers(1, 64, 90)),
+  ]
+  settings = KernelSettings(quantized={"lowering": "mosaic_gpu", "variant": "warp"})
+  tokens = {
+    implementation: generate(
+      decoder,
+      params,
+      prompts,
+      max_new_tokens=3,
+      cache_dtype=jnp.bfloat16,
+      cache_method=parse_method_spec(
+        "kivi:bits=2,group_size=32,residual=32",
+        implementation=implementation,
+        kernel_settings=settings,
+      ),
+    ).tokens
+    for implementation in ("reference", "interpret")
+  }
+  np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
+  assert calls, "the warp kernel was not called"
+  # (under the layer loop's jit the lengths are traced: the prompts set them, 160 and 64)
