@@ -137,6 +137,17 @@ def queries_with_halves(
   return jnp.concatenate([query_halves(queries, bounds=bounds), transposed], axis=2)
 
 
+def copy_queries_with_halves(queries_gmem, halves_smem, queries_smem, barrier) -> None:
+  """Starts the two copies of one (row, KV head)'s `queries_with_halves` array (`queries_gmem`,
+  [2 or 4 * rows + rows, D]): the halves into `halves_smem` (whole 8-row tiles of their swizzled
+  layout, as Mosaic GPU requires of the copy) and the key product's queries into `queries_smem`,
+  both arriving on `barrier`."""
+  halves_rows = halves_smem.shape[0]
+  plgpu.copy_gmem_to_smem(queries_gmem.at[pl.ds(0, halves_rows)], halves_smem, barrier)
+  rows = queries_gmem.shape[0] - halves_rows
+  plgpu.copy_gmem_to_smem(queries_gmem.at[pl.ds(halves_rows, rows)], queries_smem, barrier)
+
+
 def copies_per_chunk(bounds: bool) -> int:
   """TMA copies (and barriers) per chunk: k_min, and with the bounds k_scale."""
   return 2 if bounds else 1

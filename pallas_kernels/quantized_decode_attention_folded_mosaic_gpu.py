@@ -1086,12 +1086,8 @@ def _folded_kernel(
     ((query_halves_smem, *k_min_tile),) = prologue_smem
     # The k_min tile: the code tile where there is one (free until the loop's first staging).
     (k_min_tile_smem,) = k_min_tile if k_min_tile else (codes_smem,)
-    halves_rows = query_halves_smem.shape[0]
-    plgpu.copy_gmem_to_smem(
-      queries_gmem.at[row, head, pl.ds(0, halves_rows)], query_halves_smem, queries_barrier
-    )
-    plgpu.copy_gmem_to_smem(
-      queries_gmem.at[row, head, pl.ds(halves_rows, rows)], queries_smem, queries_barrier
+    key_bias_in_kernel.copy_queries_with_halves(
+      queries_gmem.at[row, head], query_halves_smem, queries_smem, queries_barrier
     )
   else:
     plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, queries_barrier)

@@ -63,7 +63,7 @@ CONFIG_KEYS = {
 }
 FOLDED_ONLY_KEYS = quantized_decode_attention_folded_mosaic_gpu.FOLDED_SETTINGS
 # kernel_config keys the "warp" variant takes (besides "lowering" and "variant").
-WARP_KEYS = ("block_tokens", "num_splits", "num_stages", "key_products")
+WARP_KEYS = ("block_tokens", "num_splits", "num_stages", "key_products", "key_bias_source")
 
 
 def check_config(config: dict) -> str:
@@ -106,6 +106,9 @@ def _check_warp_settings(settings: dict) -> None:
   key_products = settings.get("key_products")
   if key_products is not None:
     quantized_decode_attention_folded_mosaic_gpu.check_key_product(key_products)
+  key_bias_source = settings.get("key_bias_source")
+  if key_bias_source is not None:
+    quantized_decode_attention_folded_mosaic_gpu.check_key_bias_source(key_bias_source)
   quantized_decode_attention_warp_mosaic_gpu.check_settings(
     **{
       key: settings[key] for key in ("block_tokens", "num_splits", "num_stages") if key in settings

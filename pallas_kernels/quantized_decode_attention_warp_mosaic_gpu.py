@@ -28,6 +28,10 @@ powers of two and P's 2^64 still in it) and per column the sum of p, the two pai
 p v_min and the reference (or running max) the p are relative to; `merge_warp_partials` (XLA)
 finishes and merges the splits.
 
+With `key_bias_source="kernel"` each program computes q . k_min and its split's softmax
+references itself before its loop (`key_bias_in_kernel.split_key_statistics`, the folded
+kernel's prologue), and XLA computes no product for the kernel.
+
 Interpret mode runs the same kernel with the inline pieces replaced by their jnp counterparts
 (`*_emulated`: same inputs, same arrays out), so everything around them (ring, masks, softmax
 arms, statistics, epilogue, merge) is what a GPU runs; the inline code itself is checked lane by
@@ -49,11 +53,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, key_bias_in_kernel
 from pallas_kernels import quantized_decode_attention_folded_mosaic_gpu as folded
 from pallas_kernels.base_two_softmax import base_two_queries, natural_log_sum_exp
-from pallas_kernels.decode_attention_mosaic_gpu import padded_lengths
+from pallas_kernels.decode_attention_mosaic_gpu import padded_lengths, swizzled_operand_transforms
 from pallas_kernels.key_bias import key_bias
+from pallas_kernels.key_bias_in_kernel import (
+  DEFAULT_KEY_BIAS_SOURCE,
+  any_row_exchanges,
+  bias_chunks,
+  check_key_bias_source,
+  chunk_copy_groups,
+  copies_per_chunk,
+  padded_key_groups,
+  queries_with_halves,
+  split_key_groups,
+  split_key_statistics,
+)
 from pallas_kernels.softmax_reference_bounds import (
   EXCHANGE,
   key_score_bounds,
@@ -94,6 +110,9 @@ PROBS_SCALE = 2.0**64  # P' = p v_scale 2^64 (`subnormal_codes`)
 # The output's power of two: raw = sum p v_scale code 2^(e - 69), e the code's bit in its byte.
 OUTPUT_EXPONENT = 133 - 64
 REDUCTION_SCRATCH_BYTES = 1024
+# Key groups per prologue chunk with key_bias_source="kernel": a 16 KB k_min / k_scale tile, the
+# M of one warpgroup product (a multiple of 64).
+PROLOGUE_CHUNK_GROUPS = 64
 # Per column of a split's statistics output: the sum of p, of p v_min for value groups 2 s (slot
 # s's columns) and 2 s + 1, and the reference (or running max) p are relative to.
 STATISTICS = ("sum", "min_low", "min_high", "max")
@@ -145,42 +164,76 @@ def check_settings(block_tokens=None, num_splits=None, num_stages=None) -> None:
   )
 
 
-def _warp_kernel(
-  lengths_gmem,  # int32 [>= B]
-  queries_gmem,  # bf16 [B, H, 128, 8]: word order, times 2^(69 - bit), rows repeated
-  k_words_gmem,  # uint32 [B, H, T, 8]
-  k_scale_gmem,  # bf16 [B, H, T / 32, 128]
-  key_bias_gmem,  # f32 [B, H, T / 32, 8]
-  v_words_gmem,  # uint32 [B, H, T, 8]
-  v_scale_gmem,  # bf16 [B, H, 4, T]: group-major
-  v_min_gmem,  # bf16 [B, H, 4, T]
-  reference_gmem,  # f32 [B, H, S, 8]
-  out_gmem,  # f32 [B, H, S, 128, 4]: each channel's raw sum, from its own slot
-  statistics_gmem,  # f32 [B, H, S, 4, 8]: `STATISTICS` per column
-  lengths_smem,
-  queries_smem,
-  reference_smem,
-  k_words_smem,  # [stages, 128, 8]
-  k_scale_smem,  # [stages, 4, 128]
-  key_bias_smem,  # [stages, 4, 8]
-  v_words_and_partial_smem,  # [stages, 128, 8] uint32, after the loop f32 [512, 8]
-  v_scale_smem,  # [stages, 4, 128]
-  v_min_smem,
-  out_smem,  # f32 [128, 4]
-  statistics_smem,  # f32 [4, 8]
-  setup_barrier,
-  ring_barriers,
-  *,
-  plan: SplitPlan,
-  tokens: int,
-  num_stages: int,
-  emulate: bool,
-):
+def _warp_kernel(*refs, plan: SplitPlan, tokens: int, num_stages: int, kernel_bias: bool, emulate):
+  """One program: a split of one (row, KV head). `refs`: the inputs (`_kernel_arrays`), the
+  outputs, the scratch (`_scratch_types`), in their order."""
+  if kernel_bias:
+    (
+      lengths_gmem,  # int32 [>= B]
+      queries_gmem,  # bf16 [B, H, 4 x 8 + 8, 128]: the query halves, then the code queries
+      k_words_gmem,  # uint32 [B, H, T, 8]
+      k_scale_gmem,  # bf16 [B, H, >= T / 32, 128]
+      k_min_gmem,  # bf16 [B, H, >= T / 32, 128]
+      v_words_gmem,  # uint32 [B, H, T, 8]
+      v_scale_gmem,  # bf16 [B, H, 4, T]: group-major
+      v_min_gmem,  # bf16 [B, H, 4, T]
+      out_gmem,  # f32 [B, H, S, 128, 4]: each channel's raw sum, from its own slot
+      statistics_gmem,  # f32 [B, H, S, 4, 8]: `STATISTICS` per column
+      lengths_smem,
+      queries_smem,  # bf16 [8, 128]: the code queries, columns x positions
+      reference_smem,  # f32 [8]
+      k_words_smem,  # [stages, 128, 8]
+      k_scale_smem,  # [stages, 4, 128]
+      v_words_and_partial_smem,  # [stages, 128, 8] uint32, after the loop f32 [512, 8]
+      v_scale_smem,  # [stages, 4, 128]
+      v_min_smem,
+      out_smem,  # f32 [128, 4]
+      statistics_smem,  # f32 [4, 8]
+      halves_smem,  # bf16 [32, 128]: `key_bias_in_kernel.query_halves` with the bounds'
+      tile_smem,  # bf16 [chunk groups, 128]: the prologue's k_min / k_scale chunk
+      split_bias_smem,  # f32 [chunks x chunk groups, 8]: the split's q . k_min
+      setup_barrier,
+      ring_barriers,
+      chunk_barriers,
+    ) = refs
+  else:
+    (
+      lengths_gmem,
+      queries_gmem,  # bf16 [B, H, 128, 8]: word order, times 2^(69 - bit), rows repeated
+      k_words_gmem,
+      k_scale_gmem,  # bf16 [B, H, T / 32, 128]
+      key_bias_gmem,  # f32 [B, H, T / 32, 8]: XLA's q . k_min
+      v_words_gmem,
+      v_scale_gmem,
+      v_min_gmem,
+      reference_gmem,  # f32 [B, H, S, 8]: XLA's softmax references
+      out_gmem,
+      statistics_gmem,
+      lengths_smem,
+      queries_smem,  # bf16 [128, 8]: positions x columns
+      reference_smem,
+      k_words_smem,
+      k_scale_smem,
+      key_bias_smem,  # [stages, 4, 8]
+      v_words_and_partial_smem,
+      v_scale_smem,
+      v_min_smem,
+      out_smem,
+      statistics_smem,
+      setup_barrier,
+      ring_barriers,
+    ) = refs
   row, head, split = (lax.axis_index(name) for name in ("row", "head", "split"))
   v_words_smem, partial_smem = v_words_and_partial_smem
   plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, setup_barrier)
-  plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, setup_barrier)
-  plgpu.copy_gmem_to_smem(reference_gmem.at[row, head, split], reference_smem, setup_barrier)
+  if kernel_bias:
+    # one array (`key_bias_in_kernel.queries_with_halves`), copied apart
+    key_bias_in_kernel.copy_queries_with_halves(
+      queries_gmem.at[row, head], halves_smem, queries_smem, setup_barrier
+    )
+  else:
+    plgpu.copy_gmem_to_smem(queries_gmem.at[row, head], queries_smem, setup_barrier)
+    plgpu.copy_gmem_to_smem(reference_gmem.at[row, head, split], reference_smem, setup_barrier)
   plgpu.barrier_wait(setup_barrier)
   start = split * plan.split_tokens
   end = jnp.minimum(jnp.minimum(start + plan.split_tokens, lengths_smem[row]), tokens)
@@ -195,7 +248,8 @@ def _warp_kernel(
     source = lambda ref: ref.at[row, head]
     plgpu.copy_gmem_to_smem(source(k_words_gmem).at[tokens_of], k_words_smem.at[slot], barrier)
     plgpu.copy_gmem_to_smem(source(k_scale_gmem).at[groups_of], k_scale_smem.at[slot], barrier)
-    plgpu.copy_gmem_to_smem(source(key_bias_gmem).at[groups_of], key_bias_smem.at[slot], barrier)
+    if not kernel_bias:
+      plgpu.copy_gmem_to_smem(source(key_bias_gmem).at[groups_of], key_bias_smem.at[slot], barrier)
     plgpu.copy_gmem_to_smem(source(v_words_gmem).at[tokens_of], v_words_smem.at[slot], barrier)
     plgpu.copy_gmem_to_smem(source(v_scale_gmem).at[:, tokens_of], v_scale_smem.at[slot], barrier)
     plgpu.copy_gmem_to_smem(source(v_min_gmem).at[:, tokens_of], v_min_smem.at[slot], barrier)
@@ -206,22 +260,54 @@ def _warp_kernel(
 
   for i in range(num_stages):
     pl.when(i < blocks)(functools.partial(fetch_by_first_warp, i))
+  if kernel_bias:
+    # After the ring's first copies are issued, so that they land while the split's bias and
+    # references are computed (one copy of k_min and one of k_scale, and a warpgroup product of
+    # each, per chunk of key groups).
+    split_key_statistics(
+      k_min_gmem,
+      k_scale_gmem,
+      halves_smem,
+      tile_smem,
+      split_bias_smem,
+      reference_smem,
+      chunk_barriers,
+      row=row,
+      head=head,
+      first_group=start // KEY_GROUP,
+      groups_used=(end - start + KEY_GROUP - 1) // KEY_GROUP,
+      split_groups=split_key_groups(plan.split_tokens, KEY_GROUP),
+      bits=BITS,
+    )
+    exchange = any_row_exchanges(reference_smem)  # per row: any row's EXCHANGE
+    query_view = queries_smem.T  # [positions, columns]
+  else:
+    exchange = reference_smem[0] == EXCHANGE  # XLA's: EXCHANGE in every row or none
+    query_view = queries_smem
   if emulate:
-    queries = queries_smem[...]
+    queries = query_view[...]
   else:  # each lane's B-fragment pairs, loaded once
-    queries = plgpu.load(queries_smem, layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
+    queries = plgpu.load(query_view, layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
   reference = plgpu.layout_cast(reference_smem[...], wgmma.reduce(0))
-  exchange = reference_smem[0] == EXCHANGE  # XLA's references: EXCHANGE in every row or none
+
+  def block_bias(i, slot):
+    """The block's q . k_min [4 groups, 8]: its ring slot's, or the split's buffer's rows."""
+    if kernel_bias:
+      groups = BLOCK_TOKENS // KEY_GROUP
+      return split_bias_smem.at[pl.ds(i * groups, groups)]
+    return key_bias_smem.at[slot]
+
   per_column = functools.partial(
     lax.broadcast_in_dim, shape=(TILE_ROWS, COLUMNS), broadcast_dimensions=[1]
   )
   row_index = plgpu.broadcasted_iota(jnp.int32, (TILE_ROWS, COLUMNS), 0, layout=wgmma)
   warp_first_token = (row_index // 16) * (16 * TILES) + row_index % 16
 
-  def tile_scores(slot):
+  def tile_scores(i, slot):
+    bias_ref = block_bias(i, slot)
     if emulate:
       return key_scores_per_warp_emulated(
-        k_words_smem[slot], queries, k_scale_smem[slot], key_bias_smem[slot], TILES
+        k_words_smem[slot], queries, k_scale_smem[slot], bias_ref[...], TILES
       )
     keys = [
       stage_words_in_word_order(
@@ -229,7 +315,7 @@ def _warp_kernel(
       )
       for t in range(TILES)
     ]
-    return key_product_per_warp(keys, queries, k_scale_smem.at[slot], key_bias_smem.at[slot], TILES)
+    return key_product_per_warp(keys, queries, k_scale_smem.at[slot], bias_ref, TILES)
 
   def slot_statistic(ring, slot, b, t):
     if emulate:
@@ -248,7 +334,7 @@ def _warp_kernel(
     slot = lax.rem(i, num_stages)
     plgpu.barrier_wait(ring_barriers.at[slot])
     first_token = start + i * BLOCK_TOKENS
-    logits = [scores * SCORE_SCALE for scores in tile_scores(slot)]
+    logits = [scores * SCORE_SCALE for scores in tile_scores(i, slot)]
     valid = [warp_first_token + (first_token + 16 * t) < end for t in range(TILES)]
     if exact:  # the running max, across the warps
       block_max = None
@@ -321,20 +407,26 @@ def _warp_kernel(
   plgpu.wait_smem_to_gmem(0)
 
 
-def kernel_inputs(
-  queries, k_scale, k_min, v_scale, v_min, lengths, *, sm_scale, plan, key_products
-):
-  """The kernel's inputs besides the codes, by XLA: (lengths, code queries, key bias, v_scale
-  and v_min group-major, references). The queries, scaled to base 2 and padded to 4 rows, are
-  repeated to the 8 columns (row j is row j % 4), moved to the word order and scaled by each
-  position's 2^(69 - bit) (`subnormal_codes`); the bias and the bounds come from the same 8."""
+def _code_queries(queries, sm_scale):
+  """(the queries scaled to base 2, padded to 4 rows and repeated to the 8 columns (row j is row
+  j % 4), f32 [B, H, 8, D]; the same moved to the word order and scaled by each position's
+  2^(69 - bit) (`subnormal_codes`), f32 [B, H, D, 8])."""
   scaled = pad_query_group(base_two_queries(queries, sm_scale), REAL_ROWS, jnp.float32)
-  scaled = jnp.tile(scaled, (1, 1, COLUMNS // REAL_ROWS, 1))  # [B, H, 8, D]
+  scaled = jnp.tile(scaled, (1, 1, COLUMNS // REAL_ROWS, 1))
   channel_scale = power_of_two(
     QUERY_EXPONENT - code_exponent(jnp.arange(HEAD_DIM, dtype=jnp.int32), HEAD_DIM, BITS)
   )
-  code_queries = jnp.swapaxes(scaled, 2, 3) * channel_scale[:, None]  # [B, H, D, 8]
-  code_queries = channels_in_word_order(code_queries, 2, BITS).astype(jnp.bfloat16)
+  code_queries = jnp.swapaxes(scaled, 2, 3) * channel_scale[:, None]
+  return scaled, channels_in_word_order(code_queries, 2, BITS)
+
+
+def kernel_inputs(
+  queries, k_scale, k_min, v_scale, v_min, lengths, *, sm_scale, plan, key_products
+):
+  """With XLA's bias, the kernel's inputs besides the codes: (lengths, code queries bf16
+  [B, H, D, 8], key bias, v_scale and v_min group-major, references), the bias and the bounds
+  from the same 8 query columns as the code queries."""
+  scaled, code_queries = _code_queries(queries, sm_scale)
   bias = key_bias(scaled, k_min, key_products=key_products)  # [B, H, T / 32, 8]
   references = split_softmax_references(
     *key_score_bounds(scaled, k_scale, bias, bits=BITS, key_products=key_products),
@@ -345,7 +437,7 @@ def kernel_inputs(
   )
   return (
     padded_lengths(lengths),
-    code_queries,
+    code_queries.astype(jnp.bfloat16),
     bias,
     jnp.swapaxes(v_scale, 2, 3),
     jnp.swapaxes(v_min, 2, 3),
@@ -353,36 +445,119 @@ def kernel_inputs(
   )
 
 
+def chunk_groups(plan: SplitPlan) -> int:
+  """Key groups per prologue chunk with the kernel's bias (a split shorter than a chunk copies
+  its own groups into the chunk's tile; the rest of the tile is never picked)."""
+  del plan
+  return PROLOGUE_CHUNK_GROUPS
+
+
+def kernel_statistics_padding(plan: SplitPlan, key_groups: int) -> int:
+  """Key groups of zeros appended to k_min and k_scale for the kernel's bias: the prologue's
+  first copy may reach past a short cache's end, and copies land in whole 8-row tiles."""
+  split_groups = split_key_groups(plan.split_tokens, KEY_GROUP)
+  first_copy = chunk_copy_groups(split_groups, chunk_groups(plan), 0)
+  return padded_key_groups(key_groups, first_copy) - key_groups
+
+
+def _kernel_arrays(
+  queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, *, sm_scale, plan,
+  key_products, key_bias_source,
+):  # fmt: skip
+  """The kernel's inputs, by XLA, in its order (`_warp_kernel`)."""
+  if key_bias_source == "kernel":
+    scaled, code_queries = _code_queries(queries, sm_scale)
+    padding = ((0, 0), (0, 0), (0, kernel_statistics_padding(plan, k_min.shape[2])), (0, 0))
+    return (
+      padded_lengths(lengths),
+      queries_with_halves(code_queries, scaled, bounds=True),
+      k_codes,
+      jnp.pad(k_scale, padding),
+      jnp.pad(k_min, padding),
+      v_codes,
+      jnp.swapaxes(v_scale, 2, 3),
+      jnp.swapaxes(v_min, 2, 3),
+    )
+  lengths, code_queries, bias, v_scale_t, v_min_t, references = kernel_inputs(
+    queries, k_scale, k_min, v_scale, v_min, lengths,
+    sm_scale=sm_scale, plan=plan, key_products=key_products,
+  )  # fmt: skip
+  return (lengths, code_queries, k_codes, k_scale, bias, v_codes, v_scale_t, v_min_t, references)
+
+
+def _scratch_types(lengths_words: int, plan: SplitPlan, num_stages: int, kernel_bias: bool):
+  """The kernel's scratch, in its order (`_warp_kernel`)."""
+  groups = BLOCK_TOKENS // KEY_GROUP
+  ring = lambda shape, dtype: plgpu.SMEM((num_stages, *shape), dtype)
+  operand = functools.partial(swizzled_operand_transforms, HEAD_DIM, dtype=jnp.bfloat16)
+  queries = (COLUMNS, HEAD_DIM) if kernel_bias else (HEAD_DIM, COLUMNS)
+  scratch = [
+    plgpu.SMEM((lengths_words,), jnp.int32),
+    plgpu.SMEM(queries, jnp.bfloat16),
+    plgpu.SMEM((COLUMNS,), jnp.float32),
+    ring((BLOCK_TOKENS, WORDS), jnp.uint32),
+    ring((groups, HEAD_DIM), jnp.bfloat16),
+    *([] if kernel_bias else [ring((groups, COLUMNS), jnp.float32)]),
+    plgpu.RefUnion(
+      ring((BLOCK_TOKENS, WORDS), jnp.uint32), plgpu.SMEM((PARTIAL_ROWS, COLUMNS), jnp.float32)
+    ),
+    ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
+    ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
+    plgpu.SMEM((HEAD_DIM, REAL_ROWS), jnp.float32),
+    plgpu.SMEM((len(STATISTICS), COLUMNS), jnp.float32),
+  ]
+  barriers = [
+    plgpu.Barrier(num_arrivals=3),
+    plgpu.Barrier(num_arrivals=5 if kernel_bias else 6, num_barriers=num_stages),
+  ]
+  if not kernel_bias:
+    return scratch + barriers
+  chunk = chunk_groups(plan)
+  chunks = bias_chunks(split_key_groups(plan.split_tokens, KEY_GROUP), chunk)
+  return scratch + [
+    plgpu.SMEM((4 * COLUMNS, HEAD_DIM), jnp.bfloat16, transforms=operand()),
+    plgpu.SMEM((chunk, HEAD_DIM), jnp.bfloat16, transforms=operand()),
+    plgpu.SMEM((chunks * chunk, COLUMNS), jnp.float32),
+    *barriers,
+    plgpu.Barrier(num_barriers=chunks * copies_per_chunk(True)),
+  ]
+
+
 @functools.partial(
-  jax.jit, static_argnames=("sm_scale", "plan", "num_stages", "key_products", "interpret")
+  jax.jit,
+  static_argnames=(
+    "sm_scale",
+    "plan",
+    "num_stages",
+    "key_products",
+    "key_bias_source",
+    "interpret",
+  ),
 )
 def _jitted_kernel_outputs(
-  queries,
-  k_codes,
-  k_scale,
-  k_min,
-  v_codes,
-  v_scale,
-  v_min,
-  lengths,
-  *,
+  *arrays,
   sm_scale,
   plan: SplitPlan,
   num_stages: int,
   key_products: str,
+  key_bias_source: str,
   interpret: bool,
 ):
+  queries, k_codes = arrays[:2]
   batch, kv_heads = queries.shape[:2]
-  tokens = k_codes.shape[2]
-  lengths_padded, code_queries, bias, v_scale_t, v_min_t, references = kernel_inputs(
-    queries, k_scale, k_min, v_scale, v_min, lengths,
-    sm_scale=sm_scale, plan=plan, key_products=key_products,
+  kernel_bias = key_bias_source == "kernel"
+  inputs = _kernel_arrays(
+    *arrays, sm_scale=sm_scale, plan=plan, key_products=key_products,
+    key_bias_source=key_bias_source,
   )  # fmt: skip
-  groups = BLOCK_TOKENS // KEY_GROUP
-  ring = lambda shape, dtype: plgpu.SMEM((num_stages, *shape), dtype)
   kernel = plgpu.kernel(
     functools.partial(
-      _warp_kernel, plan=plan, tokens=tokens, num_stages=num_stages, emulate=interpret
+      _warp_kernel,
+      plan=plan,
+      tokens=k_codes.shape[2],
+      num_stages=num_stages,
+      kernel_bias=kernel_bias,
+      emulate=interpret,
     ),
     out_type=(
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, HEAD_DIM, REAL_ROWS), jnp.float32),
@@ -392,34 +567,16 @@ def _jitted_kernel_outputs(
     ),
     grid=(batch, kv_heads, plan.num_splits),
     grid_names=("row", "head", "split"),
-    scratch_types=[
-      plgpu.SMEM(lengths_padded.shape, jnp.int32),
-      plgpu.SMEM((HEAD_DIM, COLUMNS), jnp.bfloat16),
-      plgpu.SMEM((COLUMNS,), jnp.float32),
-      ring((BLOCK_TOKENS, WORDS), jnp.uint32),
-      ring((groups, HEAD_DIM), jnp.bfloat16),
-      ring((groups, COLUMNS), jnp.float32),
-      plgpu.RefUnion(
-        ring((BLOCK_TOKENS, WORDS), jnp.uint32), plgpu.SMEM((PARTIAL_ROWS, COLUMNS), jnp.float32)
-      ),
-      ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
-      ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
-      plgpu.SMEM((HEAD_DIM, REAL_ROWS), jnp.float32),
-      plgpu.SMEM((len(STATISTICS), COLUMNS), jnp.float32),
-      plgpu.Barrier(num_arrivals=3),
-      plgpu.Barrier(num_arrivals=6, num_barriers=num_stages),
-    ],
-    # Every thread's stores into shared memory (the epilogue's) are published by `commit_smem`
-    # before anyone reads them; the loop stores none. TMA refills a slot only after the
-    # `commit_smem` that ends the block reading it.
+    scratch_types=_scratch_types(inputs[0].shape[0], plan, num_stages, kernel_bias),
+    # Every thread's stores into shared memory (the epilogue's, the prologue's) are published by
+    # `commit_smem` before anyone reads them; the loop stores none. TMA refills a slot only after
+    # the `commit_smem` that ends the block reading it.
     compiler_params=_compat.mosaic_gpu_compiler_params(
       unsafe_no_auto_barriers=True, reduction_scratch_bytes=REDUCTION_SCRATCH_BYTES
     ),
     interpret=_compat.mosaic_gpu_interpret_params() if interpret else None,
   )
-  return kernel(
-    lengths_padded, code_queries, k_codes, k_scale, bias, v_codes, v_scale_t, v_min_t, references
-  )
+  return kernel(*inputs)
 
 
 def warp_kernel_outputs(
@@ -439,6 +596,7 @@ def warp_kernel_outputs(
   num_splits: int | None = None,
   num_stages: int | None = None,
   key_products: str = folded.DEFAULT_KEY_PRODUCT,
+  key_bias_source: str = DEFAULT_KEY_BIAS_SOURCE,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B, H, S, 128, 4] (each channel's raw sum over its own
@@ -446,13 +604,24 @@ def warp_kernel_outputs(
   (ValueError) before anything is traced."""
   check_settings(block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages)
   folded.check_key_product(key_products)
+  check_key_bias_source(key_bias_source)
   reason = unsupported_reason(queries, k_codes, k_scale, v_scale, bits=bits, group_size=group_size)
+  if reason is None and key_bias_source == "kernel":
+    plan = folded.folded_split_plan(
+      queries, k_codes, BLOCK_TOKENS, num_splits, group_size=group_size, key_bias_source="kernel"
+    )
+    reason = key_bias_in_kernel.unsupported_reason(plan.split_tokens, KEY_GROUP)
   if reason is not None:
     raise ValueError(
       f"the warp Mosaic GPU quantized decode-attention kernel does not support {reason}"
     )
   plan = folded.folded_split_plan(
-    queries, k_codes, BLOCK_TOKENS, num_splits, group_size=group_size, key_bias_source="xla"
+    queries,
+    k_codes,
+    BLOCK_TOKENS,
+    num_splits,
+    group_size=group_size,
+    key_bias_source=key_bias_source,
   )
   outputs = _jitted_kernel_outputs(
     queries,
@@ -467,6 +636,7 @@ def warp_kernel_outputs(
     plan=plan,
     num_stages=num_stages or DEFAULT_NUM_STAGES,
     key_products=key_products,
+    key_bias_source=key_bias_source,
     interpret=interpret,
   )
   return _compat.finished_if_interpreted(outputs, interpret)

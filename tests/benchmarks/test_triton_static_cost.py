@@ -40,6 +40,34 @@ def test_main_loop_is_the_backward_branch_region():
   ]
 
 
+# Two loops, as the warp Mosaic GPU kernel has (one per softmax path): 0x20-0x50 without FMNMX,
+# 0x60-0xb0 (the longer) with it.
+TWO_LOOPS_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/                   S2R R0, SR_TID.X ;                     /* 0x0000000000007919 */
+        /*0020*/                   LDS.128 R4, [R2] ;                     /* 0x0000000002047984 */
+        /*0030*/                   HMMA.16816.F32.BF16 R12, R8, R4, R12 ; /* 0x000000040c0c723c */
+        /*0040*/                   ISETP.GE.AND P0, PT, R0, 0x4, PT ;     /* 0x000000040000780c */
+        /*0050*/               @!P0 BRA 0x20 ;                            /* 0xffffff9000008947 */
+        /*0060*/                   LDS.128 R4, [R2] ;                     /* 0x0000000002047984 */
+        /*0070*/                   FMNMX R5, R5, R4, !PT ;                /* 0x0000000405057209 */
+        /*0080*/                   HMMA.16816.F32.BF16 R12, R8, R4, R12 ; /* 0x000000040c0c723c */
+        /*0090*/                   FMUL R12, R12, R5 ;                    /* 0x0000000c0c0c7220 */
+        /*00a0*/                   ISETP.GE.AND P0, PT, R0, 0x4, PT ;     /* 0x000000040000780c */
+        /*00b0*/               @!P0 BRA 0x60 ;                            /* 0xffffff9000008947 */
+        /*00c0*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+
+def test_main_loop_without_an_opcode_is_the_longest_loop_lacking_it():
+  instructions = static_cost.parse_sass(TWO_LOOPS_SASS)
+  assert [a for a, _, _ in static_cost.main_loop(instructions)] == list(range(0x60, 0xC0, 0x10))
+  fixed = static_cost.main_loop(instructions, without="FMNMX")
+  assert [a for a, _, _ in fixed] == [0x20, 0x30, 0x40, 0x50]
+  with pytest.raises(ValueError, match="every loop of the SASS has a HMMA instruction"):
+    static_cost.main_loop(instructions, without="HMMA")
+
+
 def test_loop_cost_counts_wavefronts_barriers_and_mma():
   cost = static_cost.loop_cost(
     "toy",

@@ -69,6 +69,34 @@ def test_warp_kernel_matches_reference(group, tokens, num_splits):
   _check(group=group, tokens=tokens, num_splits=num_splits, seed=group + tokens)
 
 
+@pytest.mark.parametrize(
+  "group,tokens,num_splits,num_stages",
+  [
+    (4, 512, 2, 2),  # splits of 8 key groups in one 64-group prologue chunk
+    (2, 2304, 1, 2),  # 72 key groups: two chunks, the second short
+    (3, 768, None, 4),
+  ],
+)
+def test_warp_kernel_with_the_kernels_bias_and_references(group, tokens, num_splits, num_stages):
+  """key_bias_source="kernel": each program computes q . k_min and its split's softmax
+  references itself (`key_bias_in_kernel.split_key_statistics`, a warpgroup product per 64 key
+  groups), so XLA computes no product for the kernel."""
+  _check(
+    group=group,
+    tokens=tokens,
+    num_splits=num_splits,
+    seed=20 + group,
+    num_stages=num_stages,
+    key_bias_source="kernel",
+  )
+
+
+def test_the_kernels_references_choose_the_exact_arm():
+  """Queries 4x larger, as in `test_wide_score_ranges_take_the_exact_arm`: the kernel's own
+  bounds (the same criterion) send every split to the exact loop."""
+  _check(group=4, tokens=256, num_splits=2, seed=9, query_scale=4.0, key_bias_source="kernel")
+
+
 def test_warp_kernel_with_more_stages_than_blocks_and_three_stages():
   _check(group=4, tokens=768, num_splits=1, seed=5, num_stages=3)
   _check(group=4, tokens=256, num_splits=1, seed=6, num_stages=4)
@@ -152,6 +180,7 @@ def test_normalised_partials_put_each_channel_with_its_slot_and_power_of_two():
     ),
     (dict(num_splits=0), "num_splits=0"),
     (dict(key_products="gemm"), "key_products='gemm' is not supported; allowed"),
+    (dict(key_bias_source="cpu"), "key_bias_source='cpu' is not supported; allowed"),
   ],
 )
 def test_bad_settings_name_the_setting(settings, match):
@@ -160,6 +189,14 @@ def test_bad_settings_name_the_setting(settings, match):
     warp.warp_decode_attention_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **settings)
   with pytest.raises(ValueError, match=match):
     quantized_decode_attention_gpu.check_config({**WARP, **settings})
+
+
+def test_splits_too_long_for_the_kernels_bias_are_refused():
+  arrays, quantization = _zeros_segment(tokens=8448)
+  with pytest.raises(ValueError, match="264 key groups per split, more than the 256"):
+    warp.warp_decode_attention_mosaic_gpu(
+      *arrays, **quantization, sm_scale=1.0, num_splits=1, key_bias_source="kernel"
+    )
 
 
 def test_folded_settings_are_refused_by_name():
@@ -213,8 +250,8 @@ def test_gpu_entry_point_runs_the_warp_kernel(monkeypatch):
   assert_matches_reference(out, lse, ref_out, ref_lse, rtol=RTOL)
 
 
-@pytest.mark.parametrize("num_stages", [2, 4])
-def test_the_kernel_lowers_for_sm90(num_stages):
+@pytest.mark.parametrize("num_stages,key_bias_source", [(2, "xla"), (4, "xla"), (2, "kernel")])
+def test_the_kernel_lowers_for_sm90(num_stages, key_bias_source):
   """The native kernel (inline mma.sync, movmatrix, ldmatrix; the ring; both softmax arms)
   through Mosaic GPU's layout inference and lowering for a CUDA target, on this jax."""
   batch, heads, tokens = 2, 2, 1024
@@ -235,6 +272,7 @@ def test_the_kernel_lowers_for_sm90(num_stages):
     plan=SplitPlan(warp.BLOCK_TOKENS, 4, 2),
     num_stages=num_stages,
     key_products="einsum",
+    key_bias_source=key_bias_source,
     interpret=False,
   )
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
