@@ -167,7 +167,7 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
     --run --out "$out/warp_products_mosaic_h200.json" >> "$1" 2>&1 || status=1
   # v45: the library's "warp" variant, natively against the reference (its test file), then
   # timed at 32k (4 and 2 stages, the kernel's own bias and references, XLA's products as
-  # reductions) beside v34 and C + merge
+  # reductions, the Triton merge) beside v34 and C + merge
   echo "== warp variant, native tests (KERNEL_NOTES v45)" >> "$1"
   timeout --signal=INT 90 env KVJAX_NATIVE_KERNELS=1 "$python" -m pytest -q -n 4 \
     -p no:cacheprovider tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py \
@@ -175,7 +175,9 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
   local warp="{\"lowering\": \"mosaic_gpu\", \"variant\": \"warp\""
   sweep_at_32k "$1" "[${warp}}, ${warp}, \"num_stages\": 2}, \
 ${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2}, ${warp}, \"key_products\": \"reduction\"}, \
-${v34}}, ${c_merge}}]" 120 || status=1
+${warp}, \"split_merge\": \"triton\"}, \
+${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2, \"split_merge\": \"triton\"}, \
+${v34}}, ${c_merge}}]" 150 || status=1
   return "$status"
 }
 keep_fastest() {  # keep_fastest LOG: the 32k sweep's fastest config, as JSON to stdout, named in

@@ -63,7 +63,14 @@ CONFIG_KEYS = {
 }
 FOLDED_ONLY_KEYS = quantized_decode_attention_folded_mosaic_gpu.FOLDED_SETTINGS
 # kernel_config keys the "warp" variant takes (besides "lowering" and "variant").
-WARP_KEYS = ("block_tokens", "num_splits", "num_stages", "key_products", "key_bias_source")
+WARP_KEYS = (
+  "block_tokens",
+  "num_splits",
+  "num_stages",
+  "key_products",
+  "key_bias_source",
+  "split_merge",
+)
 
 
 def check_config(config: dict) -> str:
@@ -109,6 +116,9 @@ def _check_warp_settings(settings: dict) -> None:
   key_bias_source = settings.get("key_bias_source")
   if key_bias_source is not None:
     quantized_decode_attention_folded_mosaic_gpu.check_key_bias_source(key_bias_source)
+  split_merge = settings.get("split_merge")
+  if split_merge is not None:
+    quantized_decode_attention_folded_mosaic_gpu.check_split_merge(split_merge)
   quantized_decode_attention_warp_mosaic_gpu.check_settings(
     **{
       key: settings[key] for key in ("block_tokens", "num_splits", "num_stages") if key in settings

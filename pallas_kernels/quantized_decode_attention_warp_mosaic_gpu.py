@@ -23,10 +23,11 @@ barrier per block before a slot is refilled. A split the bounds cannot serve (re
 `EXCHANGE`) runs an exact online softmax instead, in a loop of its own, its row max reduced
 across the warps at every block.
 
-Outputs per split: each channel's raw sum over its own value slot (f32 [128, 4]: the codes'
-powers of two and P's 2^64 still in it) and per column the sum of p, the two pairings' sums of
-p v_min and the reference (or running max) the p are relative to; `merge_warp_partials` (XLA)
-finishes and merges the splits.
+Outputs per split, as the folded kernel's partial_slots="own" writes them: each channel's own
+value slot, normalised (f32 [4, 128], `warp_value_product.finished_own_slot_outputs`: the sum
+over the warps, the codes' powers of two and P's 2^64 taken out, the group's sum of p v_min
+added, over the sum of p), and the log-sum-exp per column (natural). The splits are merged by
+XLA (`merge_split_partials`) or by the folded kernels' Triton merge (`split_merge="triton"`).
 
 With `key_bias_source="kernel"` each program computes q . k_min and its split's softmax
 references itself before its loop (`key_bias_in_kernel.split_key_statistics`, the folded
@@ -48,7 +49,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -75,6 +75,11 @@ from pallas_kernels.softmax_reference_bounds import (
   key_score_bounds,
   split_softmax_references,
 )
+from pallas_kernels.split_merge_triton import (
+  DEFAULT_SPLIT_MERGE,
+  check_split_merge,
+  merge_value_slot_partials_triton,
+)
 from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group
 from pallas_kernels.subnormal_codes import QUERY_EXPONENT, code_exponent, power_of_two
 from pallas_kernels.warp_key_product import (
@@ -92,8 +97,8 @@ from pallas_kernels.warp_value_product import (
   PARTIAL_ROWS,
   REAL_ROWS,
   VALUE_GROUPS,
-  add_warp_partials,
-  add_warp_partials_emulated,
+  finished_own_slot_outputs,
+  finished_own_slot_outputs_emulated,
   statistics_by_slot,
   statistics_by_slot_emulated,
   value_product_per_warp,
@@ -107,15 +112,13 @@ DEFAULT_NUM_STAGES = 4
 NUM_STAGES = (2, 3, 4)
 SCORE_SCALE = 2.0**64  # the key product's scores are the true ones over this
 PROBS_SCALE = 2.0**64  # P' = p v_scale 2^64 (`subnormal_codes`)
-# The output's power of two: raw = sum p v_scale code 2^(e - 69), e the code's bit in its byte.
-OUTPUT_EXPONENT = 133 - 64
 REDUCTION_SCRATCH_BYTES = 1024
 # Key groups per prologue chunk with key_bias_source="kernel": a 16 KB k_min / k_scale tile, the
 # M of one warpgroup product (a multiple of 64).
 PROLOGUE_CHUNK_GROUPS = 64
 # Per column of a split's statistics output: the sum of p, of p v_min for value groups 2 s (slot
 # s's columns) and 2 s + 1, and the reference (or running max) p are relative to.
-STATISTICS = ("sum", "min_low", "min_high", "max")
+STATISTICS = ("sum", "min_low", "min_high")
 
 
 def unsupported_reason(
@@ -177,8 +180,8 @@ def _warp_kernel(*refs, plan: SplitPlan, tokens: int, num_stages: int, kernel_bi
       v_words_gmem,  # uint32 [B, H, T, 8]
       v_scale_gmem,  # bf16 [B, H, 4, T]: group-major
       v_min_gmem,  # bf16 [B, H, 4, T]
-      out_gmem,  # f32 [B, H, S, 128, 4]: each channel's raw sum, from its own slot
-      statistics_gmem,  # f32 [B, H, S, 4, 8]: `STATISTICS` per column
+      out_gmem,  # f32 [B, H, S, 4, 128]: each split's normalised output, each channel's own slot
+      lse_gmem,  # f32 [B, H, S, 8]: each split's log-sum-exp (natural), by column
       lengths_smem,
       queries_smem,  # bf16 [8, 128]: the code queries, columns x positions
       reference_smem,  # f32 [8]
@@ -187,8 +190,9 @@ def _warp_kernel(*refs, plan: SplitPlan, tokens: int, num_stages: int, kernel_bi
       v_words_and_partial_smem,  # [stages, 128, 8] uint32, after the loop f32 [512, 8]
       v_scale_smem,  # [stages, 4, 128]
       v_min_smem,
-      out_smem,  # f32 [128, 4]
-      statistics_smem,  # f32 [4, 8]
+      out_smem,  # f32 [4, 128]
+      statistics_smem,  # f32 [3, 8]: `STATISTICS` per column
+      lse_smem,  # f32 [8]
       halves_smem,  # bf16 [32, 128]: `key_bias_in_kernel.query_halves` with the bounds'
       tile_smem,  # bf16 [chunk groups, 128]: the prologue's k_min / k_scale chunk
       split_bias_smem,  # f32 [chunks x chunk groups, 8]: the split's q . k_min
@@ -208,7 +212,7 @@ def _warp_kernel(*refs, plan: SplitPlan, tokens: int, num_stages: int, kernel_bi
       v_min_gmem,
       reference_gmem,  # f32 [B, H, S, 8]: XLA's softmax references
       out_gmem,
-      statistics_gmem,
+      lse_gmem,
       lengths_smem,
       queries_smem,  # bf16 [128, 8]: positions x columns
       reference_smem,
@@ -220,6 +224,7 @@ def _warp_kernel(*refs, plan: SplitPlan, tokens: int, num_stages: int, kernel_bi
       v_min_smem,
       out_smem,
       statistics_smem,
+      lse_smem,
       setup_barrier,
       ring_barriers,
     ) = refs
@@ -390,20 +395,25 @@ def _warp_kernel(*refs, plan: SplitPlan, tokens: int, num_stages: int, kernel_bi
     return run
 
   acc, row_max, sums, min_low, min_high = lax.cond(exchange, loop(True), loop(False), init)
-  # Once per split: the sums over tokens, and the four warps' partial outputs added (through
-  # shared memory, in the value ring's bytes: every copy into it has been waited for and read).
-  for k, total in enumerate((sums.sum(axis=0), min_low.sum(axis=0), min_high.sum(axis=0))):
+  # Once per split: the sums over tokens, the four warps' partial outputs added (through shared
+  # memory, in the value ring's bytes: every copy into it has been waited for and read) and
+  # finished: each channel's own slot, normalised, and the split's log-sum-exp (natural), as
+  # the folded kernel's partial_slots="own" writes them.
+  totals = [x.sum(axis=0) for x in (sums, min_low, min_high)]
+  for k, total in enumerate(totals):
     statistics_smem[k, :] = total
-  statistics_smem[3, :] = row_max
+  nonempty = totals[0] != 0  # a NaN sum is not empty: its NaN reaches out and lse
+  safe_sums = jnp.where(nonempty, totals[0], 1.0)
+  lse_smem[...] = jnp.where(nonempty, natural_log_sum_exp(row_max, safe_sums), -jnp.inf)
   partial_smem[...] = acc
   plgpu.commit_smem()
   if emulate:
-    out_smem[...] = add_warp_partials_emulated(partial_smem[...])
+    out_smem[...] = finished_own_slot_outputs_emulated(partial_smem[...], statistics_smem[...])
   else:
-    out_smem[...] = add_warp_partials(partial_smem)
+    out_smem[...] = finished_own_slot_outputs(partial_smem, statistics_smem)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[row, head, split])
-  plgpu.copy_smem_to_gmem(statistics_smem, statistics_gmem.at[row, head, split])
+  plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, head, split])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -503,8 +513,9 @@ def _scratch_types(lengths_words: int, plan: SplitPlan, num_stages: int, kernel_
     ),
     ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
     ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
-    plgpu.SMEM((HEAD_DIM, REAL_ROWS), jnp.float32),
+    plgpu.SMEM((REAL_ROWS, HEAD_DIM), jnp.float32),
     plgpu.SMEM((len(STATISTICS), COLUMNS), jnp.float32),
+    plgpu.SMEM((COLUMNS,), jnp.float32),
   ]
   barriers = [
     plgpu.Barrier(num_arrivals=3),
@@ -560,10 +571,8 @@ def _jitted_kernel_outputs(
       emulate=interpret,
     ),
     out_type=(
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, HEAD_DIM, REAL_ROWS), jnp.float32),
-      jax.ShapeDtypeStruct(
-        (batch, kv_heads, plan.num_splits, len(STATISTICS), COLUMNS), jnp.float32
-      ),
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, REAL_ROWS, HEAD_DIM), jnp.float32),
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, COLUMNS), jnp.float32),
     ),
     grid=(batch, kv_heads, plan.num_splits),
     grid_names=("row", "head", "split"),
@@ -599,9 +608,9 @@ def warp_kernel_outputs(
   key_bias_source: str = DEFAULT_KEY_BIAS_SOURCE,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """The kernel's own outputs: out f32 [B, H, S, 128, 4] (each channel's raw sum over its own
-  value slot) and statistics f32 [B, H, S, 4, 8] (`STATISTICS`). Settings and shapes are checked
-  (ValueError) before anything is traced."""
+  """The kernel's own outputs: out f32 [B, H, S, 4, 128] (each split's normalised output, each
+  channel from its own value slot) and lse f32 [B, H, S, 8] (natural; column j is row j % 4).
+  Settings and shapes are checked (ValueError) before anything is traced."""
   check_settings(block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages)
   folded.check_key_product(key_products)
   check_key_bias_source(key_bias_source)
@@ -642,44 +651,39 @@ def warp_kernel_outputs(
   return _compat.finished_if_interpreted(outputs, interpret)
 
 
-def normalised_warp_partials(out: jax.Array, statistics: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(out f32 [B, H, S, 4, D] normalised, lse f32 [B, H, S, 4] natural) from the kernel's raw
-  outputs: each channel's sum times its power of two 2^(69 - bit), plus its value group's
-  sum of p v_min (group 2 s + b of slot s = c // 64, b = (c // 32) % 2), over the sum of p. A
-  split without a valid token gives out 0 and lse -inf (it drops out of the merge); a NaN sum
-  is not empty, its NaN reaches out and lse."""
-  channel = np.arange(HEAD_DIM)
-  exponent = OUTPUT_EXPONENT - code_exponent(channel, HEAD_DIM, BITS)
-  slot, pairing = channel // 64, (channel // 32) % 2
-  columns = REAL_ROWS * slot[:, None] + np.arange(REAL_ROWS)[None]  # [D, 4]
-  minimum_sums = statistics[..., 1 + pairing[:, None], columns]  # [B, H, S, D, 4]
-  numerator = out * jnp.asarray(2.0**exponent, jnp.float32)[:, None] + minimum_sums
-  sums, row_max = statistics[..., 0, :REAL_ROWS], statistics[..., 3, :REAL_ROWS]
-  nonempty = sums != 0
-  safe_sums = jnp.where(nonempty, sums, 1.0)
-  normalised = jnp.where(
-    nonempty[..., None], jnp.swapaxes(numerator, -1, -2) / safe_sums[..., None], 0.0
-  )
-  lse = jnp.where(nonempty, natural_log_sum_exp(row_max, safe_sums), -jnp.inf)
-  return normalised, lse
+def _split_merge_setting(settings: dict) -> str:
+  """Takes `split_merge` out of `settings` and checks it: ValueError naming it and its allowed
+  values."""
+  split_merge = settings.pop("split_merge", DEFAULT_SPLIT_MERGE)
+  check_split_merge(split_merge)
+  return split_merge
 
 
 def warp_partials_mosaic_gpu(*arrays, bits, group_size, **settings):
-  """Per-split partials (out f32 [B, H, S, G, D] normalised, lse f32 [B, H, S, G]);
-  `warp_kernel_outputs`' arguments."""
+  """Per-split partials (out f32 [B, H, S, G, D] normalised, lse f32 [B, H, S, G] natural);
+  `warp_kernel_outputs`' arguments (and `split_merge`, which unmerged partials do not use)."""
+  _split_merge_setting(settings)
   group = arrays[0].shape[2]
-  out, lse = normalised_warp_partials(
-    *warp_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
-  )
+  out, lse = warp_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
   return out[:, :, :, :group], lse[..., :group]
 
 
 def warp_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
   """(out f32 [B, H, G, D], lse f32 [B, H, G]); same contract as the jnp reference (KIVI
-  segments); `warp_kernel_outputs`' arguments. The splits are merged by XLA, which fuses the
-  normalisation into the merge."""
+  segments); `warp_kernel_outputs`' arguments, and `split_merge`: who merges the splits'
+  partials, XLA ("xla", `merge_split_partials`) or one Triton kernel ("triton",
+  `split_merge_triton`, which takes them as the folded kernel's own-slot partials)."""
+  split_merge = _split_merge_setting(settings)
   group = arrays[0].shape[2]
-  out, lse = normalised_warp_partials(
-    *warp_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
-  )
+  out, lse = warp_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
+  if split_merge == "triton":
+    return merge_value_slot_partials_triton(
+      out,
+      lse,
+      group=group,
+      group_size=KEY_GROUP,
+      real_rows=REAL_ROWS,
+      own_slot=True,
+      interpret=settings.get("interpret", False),
+    )
   return merge_split_partials(out, lse, group, head_dim_last=True)

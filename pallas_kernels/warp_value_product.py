@@ -27,12 +27,15 @@ Native only; the `_emulated` functions compute the same arrays by jnp for interp
 Supported: 2-bit planar codes at head_dim 128, value groups of 32 channels, 4 query rows.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.bit_packing import unpack_codes
+from pallas_kernels.subnormal_codes import power_of_two
 from pallas_kernels.warp_key_product import BITS, COLUMNS, HEAD_DIM, TILE_ROWS, warp_rows
 from pallas_kernels.warpgroup_thread import thread_coordinates
 
@@ -217,6 +220,34 @@ def statistics_by_slot_emulated(statistics, b: int, tile: int, tiles: int):
   return jnp.concatenate(slots, axis=1)
 
 
+def _own_slot_rows(const, lane, warp):
+  """(channel, field, slot, first row) of this thread in the partial outputs, MLIR i32 values:
+  thread c takes channel c, field f = c // 8 of word c % 8, i.e. half-word r = 2 (c % 8) + f // 8's
+  field p = f % 8, whose rows 64 p + 16 w + r (warp w) read slot r % 2 = c // 64."""
+  from jaxlib.mlir.dialects import arith
+
+  channel = arith.addi(arith.muli(warp, const(32)), lane)
+  field = arith.divui(channel, const(8))
+  slot = arith.divui(field, const(8))
+  half_word = arith.addi(arith.muli(arith.remui(channel, const(8)), const(2)), slot)
+  first_row = arith.addi(arith.muli(arith.remui(field, const(8)), const(64)), half_word)
+  return channel, field, slot, first_row
+
+
+def _sum_over_warps(ref, const, first_row, column):
+  """The four warps' partial outputs at (first row + 16 w, column), added (4 loads)."""
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, memref
+
+  as_index = functools.partial(arith.index_cast, ir.IndexType.get())
+  total = None
+  for other in range(4):
+    row = as_index(arith.addi(first_row, const(16 * other)))
+    value = memref.load(ref, [row, as_index(column)])
+    total = value if total is None else arith.addf(total, value)
+  return total
+
+
 def add_warp_partials(partial_ref):
   """f32 [128, 4] (strided layout: thread c holds channel c's 4 rows): the four warps' partial
   outputs in `partial_ref` ([512, 8] f32 in shared memory, row 64 p + 16 w + r warp w's m-tile
@@ -232,25 +263,16 @@ def add_warp_partials(partial_ref):
   def add(_, ref):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, memref
+    from jaxlib.mlir.dialects import arith, llvm
 
     f32 = ir.F32Type.get()
-    index = ir.IndexType.get()
     const, lane, warp, _ = thread_coordinates()
-    channel = arith.addi(arith.muli(warp, const(32)), lane)
-    field = arith.divui(channel, const(8))
-    slot = arith.divui(field, const(8))
-    half_word = arith.addi(arith.muli(arith.remui(channel, const(8)), const(2)), slot)
-    first_row = arith.addi(arith.muli(arith.remui(field, const(8)), const(64)), half_word)
+    _, _, slot, first_row = _own_slot_rows(const, lane, warp)
     vector_type = ir.VectorType.get((REAL_ROWS,), f32)
     register = llvm.mlir_undef(vector_type)
     for j in range(REAL_ROWS):
-      column = arith.index_cast(index, arith.addi(arith.muli(slot, const(4)), const(j)))
-      total = None
-      for other in range(4):
-        row = arith.index_cast(index, arith.addi(first_row, const(16 * other)))
-        value = memref.load(ref, [row, column])
-        total = value if total is None else arith.addf(total, value)
+      column = arith.addi(arith.muli(slot, const(4)), const(j))
+      total = _sum_over_warps(ref, const, first_row, column)
       register = llvm.insertelement(register, total, position=const(j))
     registers = np.empty((1,), dtype=object)
     registers[0] = register
@@ -266,3 +288,71 @@ def add_warp_partials_emulated(partial: jax.Array) -> jax.Array:
   summed = split.sum(axis=1)  # [p, i, s, column slot, j]
   own = jnp.stack([summed[:, :, s, s] for s in range(2)])  # [s, p, i, j]
   return own.reshape(HEAD_DIM, REAL_ROWS)
+
+
+def _output_scale_exponents() -> tuple[int, ...]:
+  """2^(69 - bit) per field's bit 2 k of its byte, k = 0..3: the power of two that takes a
+  channel's raw sum to sum p v_scale code (`subnormal_codes`: codes are patterns code 2^(bit -
+  133), P' carries 2^64)."""
+  return tuple(_CODE_UNIT_EXPONENT - _PROBS_EXPONENT - 2 * k for k in range(4))
+
+
+def finished_own_slot_outputs(partial_ref, statistics_ref):
+  """f32 [4, 128] (strided layout: thread c holds channel c's 4 rows): each split's normalised
+  output, `add_warp_partials`' sum times the channel's 2^(69 - bit), plus its value group's sum
+  of p v_min (group 2 s + b of slot s = c // 64, b = (c // 32) % 2: `statistics_ref` row 1 + b,
+  column 4 s + j), over the column's sum of p (row 0, column j); 0 where that sum is 0 (a split
+  with no valid token), NaN where it is NaN. `statistics_ref`: f32 [3, 8] in shared memory
+  (`inline_mgpu`, native only)."""
+  layout = plgpu.Layout.WG_STRIDED((REAL_ROWS, HEAD_DIM), vec_size=1)
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(), plgpu.RefType()),
+    return_type=plgpu.ShapeDtypeStruct((REAL_ROWS, HEAD_DIM), jnp.float32, layout=layout),
+  )
+  def finish(_, ref, statistics):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, memref, vector
+
+    f32 = ir.F32Type.get()
+    index = ir.IndexType.get()
+    const, lane, warp, _ = thread_coordinates()
+    channel, field, slot, first_row = _own_slot_rows(const, lane, warp)
+    pairing = arith.remui(arith.divui(channel, const(32)), const(2))
+    bit_pair = arith.remui(field, const(4))  # the code's bit in its byte, over 2
+    exponents = _output_scale_exponents()
+    scale = arith.constant(f32, 2.0 ** exponents[3])
+    for k in (2, 1, 0):
+      chosen = arith.cmpi(arith.CmpIPredicate.eq, bit_pair, const(k))
+      scale = arith.select(chosen, arith.constant(f32, 2.0 ** exponents[k]), scale)
+    as_index = functools.partial(arith.index_cast, index)
+    zero = arith.constant(f32, 0.0)
+    registers = np.empty((REAL_ROWS,), dtype=object)
+    for j in range(REAL_ROWS):
+      column = arith.addi(arith.muli(slot, const(4)), const(j))
+      total = _sum_over_warps(ref, const, first_row, column)
+      minimum = memref.load(statistics, [as_index(arith.addi(pairing, const(1))), as_index(column)])
+      sums = memref.load(statistics, [as_index(const(0)), as_index(const(j))])
+      numerator = arith.addf(arith.mulf(total, scale), minimum)
+      nonempty = arith.cmpf(arith.CmpFPredicate.UNE, sums, zero)  # NaN is not empty
+      finished = arith.select(nonempty, arith.divf(numerator, sums), zero)
+      registers[j] = vector.broadcast(ir.VectorType.get((1,), f32), finished)
+    return fa.FragmentedArray(_registers=registers, _layout=layout.to_mgpu(), _is_signed=None)
+
+  return finish(partial_ref, statistics_ref)
+
+
+def finished_own_slot_outputs_emulated(partial: jax.Array, statistics: jax.Array) -> jax.Array:
+  """`finished_own_slot_outputs` by jnp, from the partial outputs f32 [512, 8] and the
+  statistics f32 [3, 8] (arrays)."""
+  # index arrays from iotas, not numpy: a kernel may not capture an array constant
+  totals = add_warp_partials_emulated(partial)  # [128 channels, 4]
+  channel = jax.lax.iota(jnp.int32, HEAD_DIM)
+  scale = power_of_two(_output_scale_exponents()[0] - 2 * ((channel // 8) % 4))
+  pairing, slot = (channel // 32) % 2, channel // 64
+  columns = REAL_ROWS * slot[:, None] + jax.lax.iota(jnp.int32, REAL_ROWS)[None]  # [128, 4]
+  minimum = statistics[1 + pairing[:, None], columns]
+  sums = statistics[0, :REAL_ROWS]
+  finished = jnp.where(sums != 0, (totals * scale[:, None] + minimum) / sums, 0.0)
+  return finished.T

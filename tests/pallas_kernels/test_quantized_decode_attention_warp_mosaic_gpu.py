@@ -148,26 +148,11 @@ def test_nan_in_a_valid_statistic_reaches_the_output():
   assert not np.isnan(out[0, 0]).any() and not np.isnan(out[1]).any()
 
 
-def test_normalised_partials_put_each_channel_with_its_slot_and_power_of_two():
-  """The raw outputs' finishing on hand-made values: channel c takes 2^(69 - bit) of its raw
-  sum, the sum of p v_min of its value group's slot column, over the column's sum of p; lse is
-  ln 2 (max + log2 sum); an empty split gives (0, -inf)."""
-  rng = np.random.default_rng(11)
-  out = rng.normal(size=(1, 1, 2, 128, 4)).astype(np.float32)
-  statistics = rng.uniform(1.0, 2.0, size=(1, 1, 2, 4, 8)).astype(np.float32)
-  statistics[0, 0, 1] = [[0.0] * 8, [0.0] * 8, [0.0] * 8, [-np.inf] * 8]
-  normalised, lse = warp.normalised_warp_partials(jnp.asarray(out), jnp.asarray(statistics))
-  normalised, lse = np.asarray(normalised), np.asarray(lse)
-  for c in (0, 31, 32, 63, 64, 95, 96, 127):
-    bit = (2 * (c // 8)) % 8
-    slot, pairing = c // 64, (c // 32) % 2
-    for j in range(4):
-      minimum = statistics[0, 0, 0, 1 + pairing, 4 * slot + j]
-      expected = (out[0, 0, 0, c, j] * 2.0 ** (69 - bit) + minimum) / statistics[0, 0, 0, 0, j]
-      np.testing.assert_allclose(normalised[0, 0, 0, j, c], expected, rtol=1e-6)
-  expected_lse = np.log(2.0) * (statistics[0, 0, 0, 3, :4] + np.log2(statistics[0, 0, 0, 0, :4]))
-  np.testing.assert_allclose(lse[0, 0, 0], expected_lse, rtol=1e-6)
-  assert np.all(normalised[0, 0, 1] == 0.0) and np.all(np.isneginf(lse[0, 0, 1]))
+def test_the_triton_merge_takes_the_kernels_partials():
+  """split_merge="triton": the folded kernels' merge kernel, which takes this kernel's partials
+  as own-slot partials (each channel's own slot, normalised, head dim last)."""
+  _check(group=4, tokens=512, num_splits=2, seed=13, split_merge="triton")
+  _check(group=1, tokens=768, num_splits=3, seed=14, split_merge="triton", key_bias_source="kernel")
 
 
 @pytest.mark.parametrize(
@@ -181,6 +166,7 @@ def test_normalised_partials_put_each_channel_with_its_slot_and_power_of_two():
     (dict(num_splits=0), "num_splits=0"),
     (dict(key_products="gemm"), "key_products='gemm' is not supported; allowed"),
     (dict(key_bias_source="cpu"), "key_bias_source='cpu' is not supported; allowed"),
+    (dict(split_merge="numpy"), "split_merge='numpy' is not supported; allowed"),
   ],
 )
 def test_bad_settings_name_the_setting(settings, match):

@@ -355,3 +355,53 @@ def test_add_warp_partials_gives_the_models_output(emulated, monkeypatch, tiles)
       np.testing.assert_allclose(register, model_out[r, s].T, rtol=0, atol=tolerance)
       emulated_sum = warp_value_product.add_warp_partials_emulated(partial[r, s])
       np.testing.assert_allclose(emulated_sum, model_out[r, s].T, rtol=0, atol=tolerance)
+
+
+def test_finished_own_slot_outputs_normalise_each_channels_own_slot(emulated, monkeypatch):
+  """Thread c's 4 values: channel c's sum over the warps from its slot's columns, times
+  2^(69 - bit), plus its value group's sum of p v_min (row 1 + (c // 32) % 2, column
+  4 (c // 64) + j of the statistics), over column j's sum of p (row 0); 0 for a zero sum, NaN
+  for a NaN one. And the jnp counterpart gives the same."""
+  import jax.numpy as jnp
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith, memref
+
+  rng = np.random.default_rng(31)
+  partial = rng.normal(size=(512, 8)).astype(np.float32) * np.float32(2.0**-66)
+  statistics = rng.uniform(0.5, 2.0, size=(3, 8)).astype(np.float32)
+  statistics[0, 2] = 0.0  # an empty column (no valid token in the split)
+  statistics[0, 3] = np.nan
+  arrays = {"partial": partial, "statistics": statistics}
+  monkeypatch.setattr(
+    memref, "load", lambda ref, index: arrays[ref][index[0].astype(int), index[1].astype(int)]
+  )
+  monkeypatch.setattr(arith, "index_cast", lambda _, value: np.asarray(value, np.int64))
+
+  def divide(a, b):
+    with np.errstate(divide="ignore", invalid="ignore"):  # the empty column: selected away
+      return np.float32(a) / np.float32(b)
+
+  monkeypatch.setattr(arith, "divf", divide)
+  monkeypatch.setattr(
+    arith,
+    "cmpf",
+    lambda predicate, a, b: ~(np.asarray(a) == np.asarray(b)),  # UNE
+  )
+  with ir.Context(), ir.Location.unknown():
+    result = warp_value_product.finished_own_slot_outputs("partial", "statistics")
+  out = np.stack([np.asarray(register, np.float64) for register in result.registers])  # [4, 128]
+  expected = np.zeros((4, 128))
+  for c in range(128):
+    s, p, r = c // 64, (c // 8) % 8, 2 * (c % 8) + c // 64
+    for j in range(4):
+      total = sum(partial[64 * p + 16 * w + r, 4 * s + j].astype(np.float64) for w in range(4))
+      minimum = statistics[1 + (c // 32) % 2, 4 * s + j]
+      scale = 2.0 ** (69 - 2 * ((c // 8) % 4))
+      sums = statistics[0, j]
+      expected[j, c] = 0.0 if sums == 0 else (total * scale + minimum) / sums
+  assert np.all(out[2] == 0.0) and np.all(np.isnan(out[3]))
+  np.testing.assert_allclose(out, expected, rtol=1e-5)
+  emulated_out = warp_value_product.finished_own_slot_outputs_emulated(
+    jnp.asarray(partial), jnp.asarray(statistics)
+  )
+  np.testing.assert_allclose(emulated_out, expected, rtol=1e-5)
