@@ -10,18 +10,18 @@ with operands in registers (`warp_key_product`, `warp_value_product`):
 
   keys:   scores [32 tokens, 8 columns] = codes . Q'^T of the warp's key group, Q' built in
           registers from the group's scales and the lane's queries, the accumulators starting
-          at the group's bias q . k_min (XLA's, `key_bias`);
-  softmax: against the split's fixed reference (`softmax_reference_bounds`, XLA's): no
-          reduction over tokens, so no warp waits for another;
+          at the group's bias q . k_min (XLA's `key_bias`, or the kernel's own);
+  softmax: against the split's fixed reference (`softmax_reference_bounds`: XLA's, or the
+          kernel's own): no reduction over tokens, so no warp waits for another;
   values: each warp's partial output [128 channels, 8 columns] += V^T codes of its tokens . P'^T,
           P' = p v_scale 2^64 of two value groups per 8 columns (`warp_value_product`);
   after the loop: the sums over tokens, and the four warps' partial outputs added, once a split.
 
-The ring (TMA copies of a block's key words, key scales, key bias, value words and group-major
-value statistics, issued by the first warp) is the only thing the warps share in the loop: one
-barrier per block before a slot is refilled. A split the bounds cannot serve (reference
-`EXCHANGE`) runs an exact online softmax instead, in a loop of its own, its row max reduced
-across the warps at every block.
+The ring (TMA copies of a block's key words, key scales, XLA's key bias, value words and
+group-major value statistics, issued by the first warp) is the only thing the warps share in the
+loop: one barrier per block before a slot is refilled. A split the bounds cannot serve
+(reference `EXCHANGE`) runs an exact online softmax instead, in a loop of its own, its row max
+reduced across the warps at every block.
 
 Outputs per split, as the folded kernel's partial_slots="own" writes them: each channel's own
 value slot, normalised (f32 [4, 128], `warp_value_product.finished_own_slot_outputs`: the sum
@@ -116,13 +116,23 @@ REDUCTION_SCRATCH_BYTES = 1024
 # Key groups per prologue chunk with key_bias_source="kernel": a 16 KB k_min / k_scale tile, the
 # M of one warpgroup product (a multiple of 64).
 PROLOGUE_CHUNK_GROUPS = 64
-# Per column of a split's statistics output: the sum of p, of p v_min for value groups 2 s (slot
-# s's columns) and 2 s + 1, and the reference (or running max) p are relative to.
+# Per column, the split's sums the epilogue finishes the output with (`finished_own_slot_outputs`):
+# of p, and of p v_min for value groups 2 s (slot s's columns) and 2 s + 1.
 STATISTICS = ("sum", "min_low", "min_high")
 
 
 def unsupported_reason(
-  queries, k_codes, k_scale, v_scale, *, bits, group_size, block_tokens=None, **segment
+  queries,
+  k_codes,
+  k_scale,
+  v_scale,
+  *,
+  bits,
+  group_size,
+  block_tokens=None,
+  key_bias_source=None,
+  num_splits=None,
+  **segment,
 ) -> str | None:
   """Why this kernel cannot take this segment with these settings (None if it can)."""
   segment = {key: segment[key] for key in ("lowrank", "outliers", "block") if key in segment}
@@ -148,6 +158,11 @@ def unsupported_reason(
     return f"query group {queries.shape[2]} (the warp variant takes 1 to {REAL_ROWS})"
   if k_codes.shape[2] % 8:
     return f"{k_codes.shape[2]} cached tokens (the warp variant takes a multiple of 8)"
+  if key_bias_source == "kernel":
+    plan = folded.folded_split_plan(
+      queries, k_codes, BLOCK_TOKENS, num_splits, group_size=group_size, key_bias_source="kernel"
+    )
+    return key_bias_in_kernel.unsupported_reason(plan.split_tokens, KEY_GROUP)
   return None
 
 
@@ -455,18 +470,11 @@ def kernel_inputs(
   )
 
 
-def chunk_groups(plan: SplitPlan) -> int:
-  """Key groups per prologue chunk with the kernel's bias (a split shorter than a chunk copies
-  its own groups into the chunk's tile; the rest of the tile is never picked)."""
-  del plan
-  return PROLOGUE_CHUNK_GROUPS
-
-
 def kernel_statistics_padding(plan: SplitPlan, key_groups: int) -> int:
   """Key groups of zeros appended to k_min and k_scale for the kernel's bias: the prologue's
   first copy may reach past a short cache's end, and copies land in whole 8-row tiles."""
   split_groups = split_key_groups(plan.split_tokens, KEY_GROUP)
-  first_copy = chunk_copy_groups(split_groups, chunk_groups(plan), 0)
+  first_copy = chunk_copy_groups(split_groups, PROLOGUE_CHUNK_GROUPS, 0)
   return padded_key_groups(key_groups, first_copy) - key_groups
 
 
@@ -523,7 +531,8 @@ def _scratch_types(lengths_words: int, plan: SplitPlan, num_stages: int, kernel_
   ]
   if not kernel_bias:
     return scratch + barriers
-  chunk = chunk_groups(plan)
+  # a split shorter than a chunk copies its own groups into the tile: the rest is never picked
+  chunk = PROLOGUE_CHUNK_GROUPS
   chunks = bias_chunks(split_key_groups(plan.split_tokens, KEY_GROUP), chunk)
   return scratch + [
     plgpu.SMEM((4 * COLUMNS, HEAD_DIM), jnp.bfloat16, transforms=operand()),
@@ -614,12 +623,16 @@ def warp_kernel_outputs(
   check_settings(block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages)
   folded.check_key_product(key_products)
   check_key_bias_source(key_bias_source)
-  reason = unsupported_reason(queries, k_codes, k_scale, v_scale, bits=bits, group_size=group_size)
-  if reason is None and key_bias_source == "kernel":
-    plan = folded.folded_split_plan(
-      queries, k_codes, BLOCK_TOKENS, num_splits, group_size=group_size, key_bias_source="kernel"
-    )
-    reason = key_bias_in_kernel.unsupported_reason(plan.split_tokens, KEY_GROUP)
+  reason = unsupported_reason(
+    queries,
+    k_codes,
+    k_scale,
+    v_scale,
+    bits=bits,
+    group_size=group_size,
+    key_bias_source=key_bias_source,
+    num_splits=num_splits,
+  )
   if reason is not None:
     raise ValueError(
       f"the warp Mosaic GPU quantized decode-attention kernel does not support {reason}"

@@ -178,11 +178,18 @@ def test_bad_settings_name_the_setting(settings, match):
 
 
 def test_splits_too_long_for_the_kernels_bias_are_refused():
+  """At the kernel (ValueError) and at the dispatch, which runs folded Triton for them."""
   arrays, quantization = _zeros_segment(tokens=8448)
-  with pytest.raises(ValueError, match="264 key groups per split, more than the 256"):
+  match = "264 key groups per split, more than the 256"
+  with pytest.raises(ValueError, match=match):
     warp.warp_decode_attention_mosaic_gpu(
       *arrays, **quantization, sm_scale=1.0, num_splits=1, key_bias_source="kernel"
     )
+  config = {**WARP, "num_splits": 1, "key_bias_source": "kernel"}
+  fallback = quantized_decode_attention_gpu.mosaic_gpu_fallback_reason(
+    arrays[0], arrays[1], arrays[2], arrays[5], config=config, **quantization
+  )
+  assert match in fallback
 
 
 def test_folded_settings_are_refused_by_name():
