@@ -175,7 +175,9 @@ def split_key_statistics(
 
   With `references_smem`, also the split's softmax references, as `softmax_reference_bounds`
   computes them before the kernel for row_max="bound" (the same bounds, valid groups, headroom
-  and criterion; EXCHANGE for every row if the bounds cannot serve one): per chunk a second copy,
+  and criterion, but per row: EXCHANGE in each row the bounds cannot serve, where XLA's puts it
+  in every row of such a split; the kernels take the exact path if any row has it,
+  `any_row_exchanges`): per chunk a second copy,
   k_scale into the same tile, and one product against [hi, lo, hi+, lo+] (the halves of q and of
   max(q, 0)), so that sum_c max(q_c, 0) k_scale[g, c] is a product and sum_c min(q_c, 0) k_scale
   [g, c] the difference of two; each bound's max over the valid groups, a reduction across the
