@@ -32,6 +32,13 @@ machine without a GPU every jax import would try, and fail, to start CUDA):
     .venv-mosaic-analysis/bin/python -c 'import jax; print(jax.__version__)')" \
     "jax-cuda13-pjrt==$(.venv-mosaic-analysis/bin/python -c 'import jax; print(jax.__version__)')"
 
+and, to compile with the GPU image's jax 0.11.2 (its Mosaic GPU lowering differs from 0.12's):
+
+  python3 -m venv .venv-mosaic-analysis-0112
+  .venv-mosaic-analysis-0112/bin/pip install -e ".[dev,kernel-analysis]" jax==0.11.2 jaxlib==0.11.2
+  .venv-mosaic-analysis-0112/bin/pip install --no-deps jax-cuda13-plugin==0.11.2 \
+    jax-cuda13-pjrt==0.11.2
+
 plus a CUDA >= 13 `ptxas` on PATH or under $MOSAIC_GPU_CUDA_ROOT/bin, with libdevice under
 $MOSAIC_GPU_CUDA_ROOT/nvvm/libdevice (default root /usr/local/cuda). cuobjdump is taken from the
 `triton` package (the kernel-analysis extra). No GPU and no CUDA driver are needed. Example:
