@@ -178,6 +178,9 @@ ${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2}, ${warp}, \"key_pro
 ${warp}, \"split_merge\": \"triton\"}, \
 ${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2, \"split_merge\": \"triton\"}, \
 ${v34}}, ${c_merge}}]" 150 || status=1
+  # KIVI-4 at 32k (two stages by default there) beside v34
+  sweep_shapes_only "$1" "32768 4 4" -- "${warp}}" "${warp}, \"key_bias_source\": \"kernel\"}" \
+    "${v34}}" || status=1
   return "$status"
 }
 keep_fastest() {  # keep_fastest LOG: the 32k sweep's fastest config, as JSON to stdout, named in

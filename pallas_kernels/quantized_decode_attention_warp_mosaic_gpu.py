@@ -38,11 +38,11 @@ Interpret mode runs the same kernel with the inline pieces replaced by their jnp
 arms, statistics, epilogue, merge) is what a GPU runs; the inline code itself is checked lane by
 lane on numpy (`tests/pallas_kernels/test_warp_products_inline.py`), and natively only on a GPU.
 
-Supported (`unsupported_reason`): KIVI 2-bit codes, head_dim 128, group size 32 (key groups of
-32 tokens, value groups of 32 channels), 1 to 4 query heads per KV head (padded to 4 rows, which
-the 8 columns repeat), bf16 statistics, no GEAR terms; value scales below 2^31 (P' carries
-p v_scale 2^64 in bf16 with p <= 2^32). Slots past a row's length may hold anything, NaN
-included: scores, probabilities and statistics are selected away there.
+Supported (`unsupported_reason`): KIVI 2- and 4-bit codes, head_dim 128, group size 32 (key
+groups of 32 tokens, value groups of 32 channels), 1 to 4 query heads per KV head (padded to 4
+rows, which the 8 columns repeat), bf16 statistics, no GEAR terms; value scales below 2^31 (P'
+carries p v_scale 2^64 in bf16 with p <= 2^32). Slots past a row's length may hold anything,
+NaN included: scores, probabilities and statistics are selected away there.
 """
 
 import functools
@@ -83,15 +83,15 @@ from pallas_kernels.split_merge_triton import (
 from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group
 from pallas_kernels.subnormal_codes import QUERY_EXPONENT, code_exponent, power_of_two
 from pallas_kernels.warp_key_product import (
-  BITS,
   COLUMNS,
   HEAD_DIM,
   KEY_GROUP,
+  SUPPORTED_BITS,
   TILE_ROWS,
-  WORDS,
   key_product_per_warp,
   key_scores_per_warp_emulated,
   own_token_words,
+  words_per_token,
 )
 from pallas_kernels.warp_value_product import (
   PARTIAL_ROWS,
@@ -108,7 +108,9 @@ from pallas_kernels.word_operand_order import channels_in_word_order, stage_word
 
 TILES = 2  # 16-token tiles a warp takes per block: 32 tokens, one key group
 BLOCK_TOKENS = 4 * 16 * TILES
-DEFAULT_NUM_STAGES = 4
+# Ring stages by code width: 4 at 2 bits (53 KB, four programs per SM), 2 at 4 bits (48 KB, four;
+# 86 KB with 4 stages, two), sm_90a static count (KERNEL_NOTES v45).
+DEFAULT_NUM_STAGES = {2: 4, 4: 2}
 NUM_STAGES = (2, 3, 4)
 SCORE_SCALE = 2.0**64  # the key product's scores are the true ones over this
 PROBS_SCALE = 2.0**64  # P' = p v_scale 2^64 (`subnormal_codes`)
@@ -148,8 +150,8 @@ def unsupported_reason(
   )
   if reason is not None:
     return reason
-  if bits != BITS:
-    return f"bits={bits} (the warp variant takes {BITS})"
+  if bits not in SUPPORTED_BITS:
+    return f"bits={bits} (the warp variant takes {SUPPORTED_BITS})"
   if queries.shape[3] != HEAD_DIM:
     return f"head_dim={queries.shape[3]} (the warp variant takes {HEAD_DIM})"
   if group_size != KEY_GROUP:
@@ -178,11 +180,13 @@ def check_settings(block_tokens=None, num_splits=None, num_stages=None) -> None:
       f"num_stages={num_stages!r} is not supported by the warp variant; allowed: {NUM_STAGES}"
     )
   folded.dequantizing.check_settings(
-    block_tokens=BLOCK_TOKENS, num_splits=num_splits, num_stages=num_stages or DEFAULT_NUM_STAGES
+    block_tokens=BLOCK_TOKENS, num_splits=num_splits, num_stages=num_stages or NUM_STAGES[0]
   )
 
 
-def _warp_kernel(*refs, plan: SplitPlan, tokens: int, num_stages: int, kernel_bias: bool, emulate):
+def _warp_kernel(
+  *refs, plan: SplitPlan, tokens: int, num_stages: int, bits: int, kernel_bias: bool, emulate
+):
   """One program: a split of one (row, KV head). `refs`: the inputs (`_kernel_arrays`), the
   outputs, the scratch (`_scratch_types`), in their order."""
   if kernel_bias:
@@ -297,7 +301,7 @@ def _warp_kernel(*refs, plan: SplitPlan, tokens: int, num_stages: int, kernel_bi
       first_group=start // KEY_GROUP,
       groups_used=(end - start + KEY_GROUP - 1) // KEY_GROUP,
       split_groups=split_key_groups(plan.split_tokens, KEY_GROUP),
-      bits=BITS,
+      bits=bits,
     )
     exchange = any_row_exchanges(reference_smem)  # per row: any row's EXCHANGE
     query_view = queries_smem.T  # [positions, columns]
@@ -327,15 +331,15 @@ def _warp_kernel(*refs, plan: SplitPlan, tokens: int, num_stages: int, kernel_bi
     bias_ref = block_bias(i, slot)
     if emulate:
       return key_scores_per_warp_emulated(
-        k_words_smem[slot], queries, k_scale_smem[slot], bias_ref[...], TILES
+        k_words_smem[slot], queries, k_scale_smem[slot], bias_ref[...], TILES, bits
       )
     keys = [
       stage_words_in_word_order(
-        own_token_words(k_words_smem.at[slot], t, TILES), BITS, operand_layout="mma_lhs"
+        own_token_words(k_words_smem.at[slot], t, TILES, bits), bits, operand_layout="mma_lhs"
       )
       for t in range(TILES)
     ]
-    return key_product_per_warp(keys, queries, k_scale_smem.at[slot], bias_ref, TILES)
+    return key_product_per_warp(keys, queries, k_scale_smem.at[slot], bias_ref, TILES, bits)
 
   def slot_statistic(ring, slot, b, t):
     if emulate:
@@ -345,9 +349,10 @@ def _warp_kernel(*refs, plan: SplitPlan, tokens: int, num_stages: int, kernel_bi
   def value_product(probs_low, probs_high, slot, acc, t):
     if emulate:
       return value_product_per_warp_emulated(
-        probs_low, probs_high, v_words_smem[slot], acc, t, TILES
+        probs_low, probs_high, v_words_smem[slot], acc, t, TILES, bits
       )
-    return value_product_per_warp(probs_low, probs_high, v_words_smem.at[slot], acc, t, TILES)
+    words_ref = v_words_smem.at[slot]
+    return value_product_per_warp(probs_low, probs_high, words_ref, acc, t, TILES, bits)
 
   def step(i, state, *, exact: bool, masked: bool):
     acc, row_max, sums, min_low, min_high = state
@@ -423,38 +428,40 @@ def _warp_kernel(*refs, plan: SplitPlan, tokens: int, num_stages: int, kernel_bi
   partial_smem[...] = acc
   plgpu.commit_smem()
   if emulate:
-    out_smem[...] = finished_own_slot_outputs_emulated(partial_smem[...], statistics_smem[...])
+    out_smem[...] = finished_own_slot_outputs_emulated(
+      partial_smem[...], statistics_smem[...], bits
+    )
   else:
-    out_smem[...] = finished_own_slot_outputs(partial_smem, statistics_smem)
+    out_smem[...] = finished_own_slot_outputs(partial_smem, statistics_smem, bits)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[row, head, split])
   plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, head, split])
   plgpu.wait_smem_to_gmem(0)
 
 
-def _code_queries(queries, sm_scale):
+def _code_queries(queries, sm_scale, bits):
   """(the queries scaled to base 2, padded to 4 rows and repeated to the 8 columns (row j is row
   j % 4), f32 [B, H, 8, D]; the same moved to the word order and scaled by each position's
   2^(69 - bit) (`subnormal_codes`), f32 [B, H, D, 8])."""
   scaled = pad_query_group(base_two_queries(queries, sm_scale), REAL_ROWS, jnp.float32)
   scaled = jnp.tile(scaled, (1, 1, COLUMNS // REAL_ROWS, 1))
   channel_scale = power_of_two(
-    QUERY_EXPONENT - code_exponent(jnp.arange(HEAD_DIM, dtype=jnp.int32), HEAD_DIM, BITS)
+    QUERY_EXPONENT - code_exponent(jnp.arange(HEAD_DIM, dtype=jnp.int32), HEAD_DIM, bits)
   )
   code_queries = jnp.swapaxes(scaled, 2, 3) * channel_scale[:, None]
-  return scaled, channels_in_word_order(code_queries, 2, BITS)
+  return scaled, channels_in_word_order(code_queries, 2, bits)
 
 
 def kernel_inputs(
-  queries, k_scale, k_min, v_scale, v_min, lengths, *, sm_scale, plan, key_products
+  queries, k_scale, k_min, v_scale, v_min, lengths, *, sm_scale, plan, key_products, bits=2
 ):
   """With XLA's bias, the kernel's inputs besides the codes: (lengths, code queries bf16
   [B, H, D, 8], key bias, v_scale and v_min group-major, references), the bias and the bounds
   from the same 8 query columns as the code queries."""
-  scaled, code_queries = _code_queries(queries, sm_scale)
+  scaled, code_queries = _code_queries(queries, sm_scale, bits)
   bias = key_bias(scaled, k_min, key_products=key_products)  # [B, H, T / 32, 8]
   references = split_softmax_references(
-    *key_score_bounds(scaled, k_scale, bias, bits=BITS, key_products=key_products),
+    *key_score_bounds(scaled, k_scale, bias, bits=bits, key_products=key_products),
     lengths,
     group_size=KEY_GROUP,
     split_tokens=plan.split_tokens,
@@ -480,11 +487,11 @@ def kernel_statistics_padding(plan: SplitPlan, key_groups: int) -> int:
 
 def _kernel_arrays(
   queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, *, sm_scale, plan,
-  key_products, key_bias_source,
+  key_products, key_bias_source, bits,
 ):  # fmt: skip
   """The kernel's inputs, by XLA, in its order (`_warp_kernel`)."""
   if key_bias_source == "kernel":
-    scaled, code_queries = _code_queries(queries, sm_scale)
+    scaled, code_queries = _code_queries(queries, sm_scale, bits)
     padding = ((0, 0), (0, 0), (0, kernel_statistics_padding(plan, k_min.shape[2])), (0, 0))
     return (
       padded_lengths(lengths),
@@ -498,14 +505,17 @@ def _kernel_arrays(
     )
   lengths, code_queries, bias, v_scale_t, v_min_t, references = kernel_inputs(
     queries, k_scale, k_min, v_scale, v_min, lengths,
-    sm_scale=sm_scale, plan=plan, key_products=key_products,
+    sm_scale=sm_scale, plan=plan, key_products=key_products, bits=bits,
   )  # fmt: skip
   return (lengths, code_queries, k_codes, k_scale, bias, v_codes, v_scale_t, v_min_t, references)
 
 
-def _scratch_types(lengths_words: int, plan: SplitPlan, num_stages: int, kernel_bias: bool):
+def _scratch_types(
+  lengths_words: int, plan: SplitPlan, num_stages: int, bits: int, kernel_bias: bool
+):
   """The kernel's scratch, in its order (`_warp_kernel`)."""
   groups = BLOCK_TOKENS // KEY_GROUP
+  words = words_per_token(bits)
   ring = lambda shape, dtype: plgpu.SMEM((num_stages, *shape), dtype)
   operand = functools.partial(swizzled_operand_transforms, HEAD_DIM, dtype=jnp.bfloat16)
   queries = (COLUMNS, HEAD_DIM) if kernel_bias else (HEAD_DIM, COLUMNS)
@@ -513,11 +523,11 @@ def _scratch_types(lengths_words: int, plan: SplitPlan, num_stages: int, kernel_
     plgpu.SMEM((lengths_words,), jnp.int32),
     plgpu.SMEM(queries, jnp.bfloat16),
     plgpu.SMEM((COLUMNS,), jnp.float32),
-    ring((BLOCK_TOKENS, WORDS), jnp.uint32),
+    ring((BLOCK_TOKENS, words), jnp.uint32),
     ring((groups, HEAD_DIM), jnp.bfloat16),
     *([] if kernel_bias else [ring((groups, COLUMNS), jnp.float32)]),
     plgpu.RefUnion(
-      ring((BLOCK_TOKENS, WORDS), jnp.uint32), plgpu.SMEM((PARTIAL_ROWS, COLUMNS), jnp.float32)
+      ring((BLOCK_TOKENS, words), jnp.uint32), plgpu.SMEM((PARTIAL_ROWS, COLUMNS), jnp.float32)
     ),
     ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
     ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
@@ -549,6 +559,7 @@ def _scratch_types(lengths_words: int, plan: SplitPlan, num_stages: int, kernel_
     "sm_scale",
     "plan",
     "num_stages",
+    "bits",
     "key_products",
     "key_bias_source",
     "interpret",
@@ -559,6 +570,7 @@ def _jitted_kernel_outputs(
   sm_scale,
   plan: SplitPlan,
   num_stages: int,
+  bits: int,
   key_products: str,
   key_bias_source: str,
   interpret: bool,
@@ -568,7 +580,7 @@ def _jitted_kernel_outputs(
   kernel_bias = key_bias_source == "kernel"
   inputs = _kernel_arrays(
     *arrays, sm_scale=sm_scale, plan=plan, key_products=key_products,
-    key_bias_source=key_bias_source,
+    key_bias_source=key_bias_source, bits=bits,
   )  # fmt: skip
   kernel = plgpu.kernel(
     functools.partial(
@@ -576,6 +588,7 @@ def _jitted_kernel_outputs(
       plan=plan,
       tokens=k_codes.shape[2],
       num_stages=num_stages,
+      bits=bits,
       kernel_bias=kernel_bias,
       emulate=interpret,
     ),
@@ -585,7 +598,7 @@ def _jitted_kernel_outputs(
     ),
     grid=(batch, kv_heads, plan.num_splits),
     grid_names=("row", "head", "split"),
-    scratch_types=_scratch_types(inputs[0].shape[0], plan, num_stages, kernel_bias),
+    scratch_types=_scratch_types(inputs[0].shape[0], plan, num_stages, bits, kernel_bias),
     # Every thread's stores into shared memory (the epilogue's, the prologue's) are published by
     # `commit_smem` before anyone reads them; the loop stores none. TMA refills a slot only after
     # the `commit_smem` that ends the block reading it.
@@ -656,7 +669,8 @@ def warp_kernel_outputs(
     lengths,
     sm_scale=sm_scale,
     plan=plan,
-    num_stages=num_stages or DEFAULT_NUM_STAGES,
+    num_stages=num_stages or DEFAULT_NUM_STAGES[bits],
+    bits=bits,
     key_products=key_products,
     key_bias_source=key_bias_source,
     interpret=interpret,

@@ -12,10 +12,10 @@ group of 32 tokens), and builds its group's Q' in registers:
   `own_token_words` loads (row 16 w + r of a tile: token 16 tiles w + 16 tile + r);
 - B: Q'^T [128 positions, 8 columns] of the warp's group. B register (k-tile kt, half kh) of lane
   (g, q) holds positions 16 kt + 8 kh + 2 q + {0, 1}, i.e. channels c and c + 64 with
-  c = 8 kt + 2 q + kh (`word_operand_order`'s C(L) at 2 bits): their scales are the low (kh = 0)
-  or high (kh = 1) halves of the scale words at channels 8 kt + 2 q and 8 kt + 64 + 2 q, paired
-  by one byte permute and multiplied with the lane's query pair (HMUL2, a bf16 product as the
-  folded kernel's Q');
+  c = C(16 kt) + 2 q + kh (`word_operand_order`'s C(L): 8 kt at 2 bits, 16 (kt % 4) + 8 (kt // 4)
+  at 4): their scales are the low (kh = 0) or high (kh = 1) halves of the scale words at channels
+  C(16 kt) + 2 q and C(16 kt) + 64 + 2 q, paired by one byte permute and multiplied with the
+  lane's query pair (HMUL2, a bf16 product as the folded kernel's Q');
 - the accumulators start at the group's key bias (q . k_min) over 2^64, exactly, so the scores
   leave the product with the bias in them; 8 MMAs a tile in one dependent chain (two chains took
   one register over four programs per SM, v44).
@@ -25,7 +25,8 @@ them), scores f32 [64, 8] in the wgmma layout (= MMA_ACC with four warps along M
 `key_scores_per_warp_emulated` computes the same arrays by jnp for interpret mode, and
 `tests/pallas_kernels/test_warp_products_inline.py` runs the inline code on numpy lane by lane.
 
-Supported: 2-bit planar codes at head_dim 128 (8 words a token), key groups of 32 tokens.
+Supported: 2- and 4-bit planar codes at head_dim 128 (8 or 16 words a token), key groups of 32
+tokens.
 """
 
 import jax
@@ -41,8 +42,7 @@ from pallas_kernels.word_operand_order import channel_at_position, channels_in_w
 TILE_ROWS = 64  # rows of a per-warp tile array: 16 tokens of each of the four warps
 COLUMNS = 8  # the products' N: query rows (the padding rows repeat the real ones)
 HEAD_DIM = 128
-BITS = 2
-WORDS = HEAD_DIM * BITS // 32
+SUPPORTED_BITS = (2, 4)
 KEY_GROUP = 32  # tokens of a key group
 _CODE_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
 _SCORE_EXPONENT = 64
@@ -57,14 +57,21 @@ def warp_tokens(tile: int, tiles: int) -> np.ndarray:
   return (row // 16) * (16 * tiles) + 16 * tile + row % 16
 
 
-def own_token_words(words_ref, tile: int, tiles: int):
-  """uint32 [64, 8] (wgmma layout) of the block's key words [64 tiles, 8] in shared memory: row
-  16 w + r holds token 16 tiles w + 16 tile + r (`warp_tokens`). A thread loads words 2 q,
-  2 q + 1 of its two rows, one 64-bit load each (`inline_mgpu`, native only)."""
+def words_per_token(bits: int) -> int:
+  """uint32 words of a token's planar codes at head_dim 128."""
+  return HEAD_DIM * bits // 32
+
+
+def own_token_words(words_ref, tile: int, tiles: int, bits: int = 2):
+  """uint32 [64, W] (wgmma layout) of the block's key words [64 tiles, W] in shared memory (W
+  words a token: 8 at 2 bits, 16 at 4): row 16 w + r holds token 16 tiles w + 16 tile + r
+  (`warp_tokens`). A thread loads words 8 j + 2 q, 8 j + 2 q + 1 of its two rows, one 64-bit load
+  each per 8-word column group j (`inline_mgpu`, native only)."""
+  words = words_per_token(bits)
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(),),
-    return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, WORDS), jnp.uint32, layout=plgpu.Layout.WGMMA),
+    return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, words), jnp.uint32, layout=plgpu.Layout.WGMMA),
   )
   def load(_, ref):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -79,18 +86,19 @@ def own_token_words(words_ref, tile: int, tiles: int):
       arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile)),
       arith.divui(lane, const(4)),
     )
-    offset = arith.addi(arith.muli(token, const(4 * WORDS)), arith.muli(quad, const(8)))
+    offset = arith.addi(arith.muli(token, const(4 * words)), arith.muli(quad, const(8)))
     address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
-    registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE_ROWS, WORDS)), dtype=object)
-    for h in range(2):
-      row = mgpu_utils.getelementptr(address, [8 * 4 * WORDS * h], i8)
-      registers[(0, 0, 0, 0, h, 0, 0, 0, 0)] = llvm.load(pair_type, row)
+    registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE_ROWS, words)), dtype=object)
+    for j in range(words // 8):
+      for h in range(2):
+        row = mgpu_utils.getelementptr(address, [8 * 4 * words * h + 4 * 8 * j], i8)
+        registers[(0, j, 0, 0, h, 0, 0, 0, 0)] = llvm.load(pair_type, row)
     return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=False)
 
   return load(words_ref)
 
 
-def key_product_per_warp(keys, queries, k_scale_ref, key_bias_ref, tiles: int = 1):
+def key_product_per_warp(keys, queries, k_scale_ref, key_bias_ref, tiles: int = 1, bits: int = 2):
   """f32 [64, 8] scores (wgmma layout) per 16-token tile of `keys`: each warp's tokens against Q'
   of its own key group (warp w's tokens are group w tiles / 2 of the block), plus that group's
   bias, all over 2^64. `keys` a list of `tiles` bf16 [64, 128] key-code arrays in the MMA_LHS
@@ -134,7 +142,8 @@ def key_product_per_warp(keys, queries, k_scale_ref, key_bias_ref, tiles: int = 
 
     b_registers = []  # Q' of the warp's group, built once for its tiles
     for kt in range(8):
-      low, high = scale_word(8 * kt), scale_word(8 * kt + 64)
+      first = int(channel_at_position(16 * kt, HEAD_DIM, bits))  # C(16 kt)
+      low, high = scale_word(first), scale_word(first + 64)
       for kh in range(2):
         pair = mgpu_utils.inline_ptx(
           "prmt.b32 $0, $1, $2, " + ("0x7632" if kh else "0x5410") + ";",
@@ -202,11 +211,12 @@ def per_row_group(groups: jax.Array, tiles: int) -> jax.Array:
 
 
 def key_scores_per_warp_emulated(
-  words: jax.Array,  # uint32 [64 tiles, 8]: the block's key words
+  words: jax.Array,  # uint32 [64 tiles, W]: the block's key words
   queries: jax.Array,  # bf16 [128, 8]: positions in the word order, times 2^(69 - bit)
   k_scale: jax.Array,  # bf16 [>= 2 tiles, 128]: the block's key scales, channel order
   key_bias: jax.Array,  # f32 [>= 2 tiles, 8]: the block's q . k_min
   tiles: int,
+  bits: int = 2,
 ) -> list:
   """What `own_token_words`, `stage_words_in_word_order` and `key_product_per_warp` give, by jnp
   (interpret mode): per tile, f32 [64, 8] with row 16 w + r the scores of token 16 tiles w +
@@ -214,12 +224,12 @@ def key_scores_per_warp_emulated(
   The code operands' powers of two go into Q' before the sum (a code pattern is subnormal, which
   XLA on CPU flushes), so the terms are the native ones within f32 rounding."""
   position = jax.lax.iota(jnp.int32, HEAD_DIM)
-  exponent = code_exponent(channel_at_position(position, HEAD_DIM, BITS), HEAD_DIM, BITS)
+  exponent = code_exponent(channel_at_position(position, HEAD_DIM, bits), HEAD_DIM, bits)
   # The code operand at position L is code * 2^(e(L) - 133), the query there q 2^(69 - e(L)):
   # the product is taken as code * (Q' 2^(e(L) - 69)) 2^-64, in the normal range throughout.
   code_unit = power_of_two(exponent - (_CODE_UNIT_EXPONENT - _SCORE_EXPONENT))[None, :, None]
-  codes = channels_in_word_order(unpack_codes(words, BITS).astype(jnp.float32), 1, BITS)
-  scales = per_row_group(channels_in_word_order(k_scale.astype(jnp.float32), 1, BITS), tiles)
+  codes = channels_in_word_order(unpack_codes(words, bits).astype(jnp.float32), 1, bits)
+  scales = per_row_group(channels_in_word_order(k_scale.astype(jnp.float32), 1, bits), tiles)
   scaled = (queries.astype(jnp.float32)[None] * scales[:, :, None]).astype(jnp.bfloat16)
   operand = scaled.astype(jnp.float32) * code_unit  # [64, positions, 8]
   bias = per_row_group(key_bias.astype(jnp.float32), tiles) * SCORE_UNSCALE

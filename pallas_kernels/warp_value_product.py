@@ -5,14 +5,17 @@ and the four warps' partial outputs added once per split.
 KIVI's values have a scale and a minimum per token and 32-channel group, so P' depends on a
 channel's value group. An 8-column B operand holds two groups: with 4 query rows, columns
 4 s + j (slot s, row j). The value product's rows are channels in the order the codes leave the
-transposing matrix loads: m-tile p (16 rows), row r of warp w's partial output is field p of
-half-word r of a token's planar words, i.e. channel
+transposing matrix loads. A half-word holds F = 16 / bits fields (8 at 2 bits, 4 at 4) and a
+token bits / 2 blocks of 16 half-words (a matrix load each); m-tile m = F blk + p (16 rows) of
+warp w's partial output is field p of half-word 16 blk + r of a token's planar words (W = 4 bits
+words a token), i.e. channel
 
-  c(p, r) = 64 (r % 2) + 8 p + r // 2    (field f = 8 (r % 2) + p of word r // 2)
+  c(m, r) = (F (r % 2) + p) W + 8 blk + r // 2    (at 2 bits: 64 (r % 2) + 8 p + r // 2)
 
-whose value group is 2 (r % 2) + p // 4: m-tiles 0-3 take groups (0, 2) with P' `probs_low`
-(slot s: group 2 s), m-tiles 4-7 groups (1, 3) with `probs_high` (slot s: group 2 s + 1), and each
-row reads its own slot s = r % 2 (`add_warp_partials`; the other slot's columns are dropped).
+whose value group is 2 (r % 2) + p // (F / 2): the m-tiles with p < F / 2 take groups (0, 2)
+with P' `probs_low` (slot s: group 2 s), the others groups (1, 3) with `probs_high` (slot s:
+group 2 s + 1), and each row reads its own slot s = r % 2 (`add_warp_partials`; the other slot's
+columns are dropped).
 
 - `statistics_by_slot`: the per-token statistic of each column's slot group, f32 [64, 8]: a lane's
   two columns share a slot, so it loads its two tokens' values of one group.
@@ -24,7 +27,7 @@ row reads its own slot s = r % 2 (`add_warp_partials`; the other slot's columns 
 
 Native only; the `_emulated` functions compute the same arrays by jnp for interpret mode, and
 `tests/pallas_kernels/test_warp_products_inline.py` runs the inline code on numpy lane by lane.
-Supported: 2-bit planar codes at head_dim 128, value groups of 32 channels, 4 query rows.
+Supported: 2- and 4-bit planar codes at head_dim 128, value groups of 32 channels, 4 query rows.
 """
 
 import functools
@@ -36,7 +39,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.bit_packing import unpack_codes
 from pallas_kernels.subnormal_codes import power_of_two
-from pallas_kernels.warp_key_product import BITS, COLUMNS, HEAD_DIM, TILE_ROWS, warp_rows
+from pallas_kernels.warp_key_product import (
+  COLUMNS,
+  HEAD_DIM,
+  TILE_ROWS,
+  warp_rows,
+  words_per_token,
+)
 from pallas_kernels.warpgroup_thread import thread_coordinates
 
 VALUE_GROUP = 32  # channels of a value group
@@ -47,20 +56,40 @@ _CODE_UNIT_EXPONENT = 133
 _PROBS_EXPONENT = 64
 
 
-def partial_row_channels() -> np.ndarray:
-  """int [512]: the channel each row 64 p + 16 w + r of the partial outputs holds."""
+def m_tiles(bits: int) -> list[tuple[int, int, int]]:
+  """(m, blk, p) of the 8 m-tiles: m-tile m = F blk + p holds field p of half-words 16 blk ..
+  16 blk + 15 (F = 16 / bits fields a half-word)."""
+  fields = 16 // bits
+  return [(fields * blk + p, blk, p) for blk in range(bits // 2) for p in range(fields)]
+
+
+def field_shift_and_bit(bits: int, p: int) -> tuple[int, int]:
+  """(the right shift of a half-word register before the mask, the field's bit in its byte) of
+  field p: fields past the low byte come from the register shifted down by 8."""
+  per_byte = 8 // bits
+  return 8 * (p // per_byte), bits * (p % per_byte)
+
+
+def partial_row_channels(bits: int = 2) -> np.ndarray:
+  """int [512]: the channel each row 64 m + 16 w + r of the partial outputs holds."""
+  fields, words = 16 // bits, words_per_token(bits)
   row = np.arange(PARTIAL_ROWS)
-  p, r = row // TILE_ROWS, row % 16
-  return 64 * (r % 2) + 8 * p + r // 2
+  m, r = row // TILE_ROWS, row % 16
+  blk, p = m // fields, m % fields
+  return (fields * (r % 2) + p) * words + 8 * blk + r // 2
 
 
-def value_product_per_warp(probs_low, probs_high, words_ref, acc, tile: int = 0, tiles: int = 1):
-  """acc f32 [512, 8] (wgmma layout: row 64 p + 16 w + r is warp w's m-tile p) plus each warp's
-  V^T [128, 16 own tokens] . P'^T [16, 8], for m-tiles p < 4 with P' `probs_low`, p >= 4 with
-  `probs_high` (bf16 [64, 8], wgmma layout: warp w's rows are its tokens 16 tiles w + 16 tile
-  ..); `words_ref` the block's value words [64 tiles, 8] uint32 in shared memory (`inline_mgpu`,
-  native only)."""
+def value_product_per_warp(
+  probs_low, probs_high, words_ref, acc, tile: int = 0, tiles: int = 1, bits: int = 2
+):
+  """acc f32 [512, 8] (wgmma layout: row 64 m + 16 w + r is warp w's m-tile m) plus each warp's
+  V^T [128, 16 own tokens] . P'^T [16, 8], for m-tiles of fields p < F / 2 with P' `probs_low`,
+  the others with `probs_high` (bf16 [64, 8], wgmma layout: warp w's rows are its tokens
+  16 tiles w + 16 tile ..); `words_ref` the block's value words [64 tiles, 4 bits] uint32 in
+  shared memory (`inline_mgpu`, native only)."""
   wgmma = plgpu.Layout.WGMMA
+  row_bytes = 4 * words_per_token(bits)
+  fields = 16 // bits
 
   @plgpu.inline_mgpu(
     arg_types=(wgmma, wgmma, plgpu.RefType(), wgmma),
@@ -92,7 +121,7 @@ def value_product_per_warp(probs_low, probs_high, words_ref, acc, tile: int = 0,
       registers = probs.registers.reshape(-1)  # h = 0, 1
       operands.append([transposed(registers[0]), transposed(registers[1])])
     # Lanes 8 m .. 8 m + 7 address the rows of matrix m: token 16 tiles w + 16 tile + 8 (m / 2)
-    # + l % 8, bytes 16 (m % 2) of its 32.
+    # + l % 8, bytes 32 blk + 16 (m % 2) of its row (one load per block of 16 half-words).
     matrix = arith.divui(lane, const(8))
     first = arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile))
     token = arith.addi(
@@ -100,27 +129,32 @@ def value_product_per_warp(probs_low, probs_high, words_ref, acc, tile: int = 0,
       arith.remui(lane, const(8)),
     )
     offset = arith.addi(
-      arith.muli(token, const(32)), arith.muli(arith.remui(matrix, const(2)), const(16))
+      arith.muli(token, const(row_bytes)), arith.muli(arith.remui(matrix, const(2)), const(16))
     )
     address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
-    loaded = mgpu_utils.inline_ptx(
-      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
-      address,
-      result_types=[i32] * 4,
-      has_side_effects=True,
-      convergent=True,
-    )
-    upper = [arith.shrui(register, const(8)) for register in loaded]
+    loaded = [
+      mgpu_utils.inline_ptx(
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        mgpu_utils.getelementptr(address, [32 * blk], i8),
+        result_types=[i32] * 4,
+        has_side_effects=True,
+        convergent=True,
+      )
+      for blk in range(bits // 2)
+    ]
+    upper = [[arith.shrui(register, const(8)) for register in block] for block in loaded]
     registers = np.empty(accumulator.registers.shape, dtype=object)
     undefined = llvm.mlir_undef(ir.VectorType.get((2,), f32))
-    for p in range(8):
-      source = loaded if p < 4 else upper
-      mask = const((0x3 << (2 * (p % 4))) * 0x00010001)
+    field_mask = (1 << bits) - 1
+    for m, blk, p in m_tiles(bits):
+      shift, bit = field_shift_and_bit(bits, p)
+      source = upper[blk] if shift else loaded[blk]
+      mask = const((field_mask << bit) * 0x00010001)
       a = [arith.andi(register, mask) for register in source]
-      b = operands[p // 4]
+      b = operands[p // (fields // 2)]
       c = [
         vector.extract(
-          accumulator.registers[(p, 0, 0, 0, h, 0, 0, 0, 0)],
+          accumulator.registers[(m, 0, 0, 0, h, 0, 0, 0, 0)],
           dynamic_position=[],
           static_position=ir.DenseI64ArrayAttr.get([i]),
         )
@@ -139,35 +173,42 @@ def value_product_per_warp(probs_low, probs_high, words_ref, acc, tile: int = 0,
       for h in range(2):
         pair = llvm.insertelement(undefined, d[2 * h], position=const(0))
         pair = llvm.insertelement(pair, d[2 * h + 1], position=const(1))
-        registers[(p, 0, 0, 0, h, 0, 0, 0, 0)] = pair
+        registers[(m, 0, 0, 0, h, 0, 0, 0, 0)] = pair
     return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
   return product(probs_low, probs_high, words_ref, acc)
 
 
-def value_product_per_warp_emulated(probs_low, probs_high, words, acc, tile: int, tiles: int):
+def value_product_per_warp_emulated(
+  probs_low, probs_high, words, acc, tile: int, tiles: int, bits: int = 2
+):
   """`value_product_per_warp` by jnp (interpret mode): `words` the block's value words
-  uint32 [64 tiles, 8] (an array, not a ref). Row 64 p + 16 w + r of the increment is channel
-  c(p, r) (`partial_row_channels`) summed over warp w's tokens of the tile, against P' of pairing
-  p // 4 in every column; the code patterns' powers of two go into P' before the sum (they are
-  subnormal, which XLA on CPU flushes)."""
-  codes = warp_rows(unpack_codes(words, BITS).astype(jnp.float32), tile, tiles)  # [64, 128]
-  m_tiles = []
-  for p in range(8):
-    # rows r = 2 i + s of m-tile p: channels 64 s + 8 p + i
-    halves = [codes[:, 64 * s + 8 * p : 64 * s + 8 * p + 8] for s in range(2)]
+  uint32 [64 tiles, 4 bits] (an array, not a ref). Row 64 m + 16 w + r of the increment is
+  channel c(m, r) (`partial_row_channels`) summed over warp w's tokens of the tile, against P' of
+  the m-tile's pairing in every column; the code patterns' powers of two go into P' before the
+  sum (they are subnormal, which XLA on CPU flushes)."""
+  codes = warp_rows(unpack_codes(words, bits).astype(jnp.float32), tile, tiles)  # [64, 128]
+  fields, words_per = 16 // bits, words_per_token(bits)
+  blocks = []
+  for _, blk, p in m_tiles(bits):
+    # rows r = 2 i + s of the m-tile: channels (F s + p) W + 8 blk + i
+    halves = [
+      codes[:, (fields * s + p) * words_per + 8 * blk : (fields * s + p) * words_per + 8 * blk + 8]
+      for s in range(2)
+    ]
     rows = jnp.stack(halves, axis=-1).reshape(TILE_ROWS, 16)  # [64 tokens, 16 rows]
     # the field's bit in its byte e: code * 2^(e - 133) taken as code * (P' 2^(e - 69)) 2^-64,
     # in the normal range throughout
-    unit = 2.0 ** (2 * (p % 4) - (_CODE_UNIT_EXPONENT - _PROBS_EXPONENT))
-    probs = (probs_low, probs_high)[p // 4].astype(jnp.float32) * unit
-    m_tiles += [
+    _, bit = field_shift_and_bit(bits, p)
+    unit = 2.0 ** (bit - (_CODE_UNIT_EXPONENT - _PROBS_EXPONENT))
+    probs = (probs_low, probs_high)[p // (fields // 2)].astype(jnp.float32) * unit
+    blocks += [
       jnp.einsum(
         "tr,tc->rc", rows[16 * w : 16 * w + 16], probs[16 * w : 16 * w + 16], precision="highest"
       )
       for w in range(4)
     ]
-  return acc + jnp.concatenate(m_tiles, axis=0) * 2.0**-_PROBS_EXPONENT
+  return acc + jnp.concatenate(blocks, axis=0) * 2.0**-_PROBS_EXPONENT
 
 
 def statistics_by_slot(ring_ref, b: int, tile: int = 0, tiles: int = 1):
@@ -220,18 +261,23 @@ def statistics_by_slot_emulated(statistics, b: int, tile: int, tiles: int):
   return jnp.concatenate(slots, axis=1)
 
 
-def _own_slot_rows(const, lane, warp):
-  """(channel, field, slot, first row) of this thread in the partial outputs, MLIR i32 values:
-  thread c takes channel c, field f = c // 8 of word c % 8, i.e. half-word r = 2 (c % 8) + f // 8's
-  field p = f % 8, whose rows 64 p + 16 w + r (warp w) read slot r % 2 = c // 64."""
+def _own_slot_rows(const, lane, warp, bits: int):
+  """(channel, field in its half-word, slot, first row) of this thread in the partial outputs,
+  MLIR i32 values: thread c takes channel c, field f = c // W of word c % W = 8 blk + i (W = 4 bits
+  words a token), i.e. field p = f % F (F = 16 / bits) of half-word 16 blk + 2 i + s, s = f // F
+  = c // 64 its slot: rows 64 (F blk + p) + 16 w + 2 i + s (warp w)."""
   from jaxlib.mlir.dialects import arith
 
+  words, fields = words_per_token(bits), 16 // bits
   channel = arith.addi(arith.muli(warp, const(32)), lane)
-  field = arith.divui(channel, const(8))
-  slot = arith.divui(field, const(8))
-  half_word = arith.addi(arith.muli(arith.remui(channel, const(8)), const(2)), slot)
-  first_row = arith.addi(arith.muli(arith.remui(field, const(8)), const(64)), half_word)
-  return channel, field, slot, first_row
+  field = arith.divui(channel, const(words))
+  word = arith.remui(channel, const(words))
+  slot = arith.divui(field, const(fields))
+  p = arith.remui(field, const(fields))
+  m_tile = arith.addi(arith.muli(arith.divui(word, const(8)), const(fields)), p)
+  row = arith.addi(arith.muli(arith.remui(word, const(8)), const(2)), slot)
+  first_row = arith.addi(arith.muli(m_tile, const(TILE_ROWS)), row)
+  return channel, p, slot, first_row
 
 
 def _sum_over_warps(ref, const, first_row, column):
@@ -248,12 +294,12 @@ def _sum_over_warps(ref, const, first_row, column):
   return total
 
 
-def add_warp_partials(partial_ref):
+def add_warp_partials(partial_ref, bits: int = 2):
   """f32 [128, 4] (strided layout: thread c holds channel c's 4 rows): the four warps' partial
-  outputs in `partial_ref` ([512, 8] f32 in shared memory, row 64 p + 16 w + r warp w's m-tile
-  p) added, each channel from its accumulator row's slot of columns: channel c is field
-  f = c // 8 of word c % 8, i.e. half-word r = 2 (c % 8) + f // 8's field p = f % 8, in slot
-  r % 2 (16 loads a thread, once per split; `inline_mgpu`, native only)."""
+  outputs in `partial_ref` ([512, 8] f32 in shared memory, row 64 m + 16 w + r warp w's m-tile
+  m) added, each channel from its accumulator row's slot of columns (`_own_slot_rows`; at 2 bits
+  channel c is field f = c // 8 of word c % 8, i.e. half-word r = 2 (c % 8) + f // 8's field
+  p = f % 8, in slot r % 2; 16 loads a thread, once per split; `inline_mgpu`, native only)."""
   layout = plgpu.Layout.WG_STRIDED((HEAD_DIM, REAL_ROWS), vec_size=4)
 
   @plgpu.inline_mgpu(
@@ -267,7 +313,7 @@ def add_warp_partials(partial_ref):
 
     f32 = ir.F32Type.get()
     const, lane, warp, _ = thread_coordinates()
-    _, _, slot, first_row = _own_slot_rows(const, lane, warp)
+    _, _, slot, first_row = _own_slot_rows(const, lane, warp, bits)
     vector_type = ir.VectorType.get((REAL_ROWS,), f32)
     register = llvm.mlir_undef(vector_type)
     for j in range(REAL_ROWS):
@@ -281,23 +327,25 @@ def add_warp_partials(partial_ref):
   return add(partial_ref)
 
 
-def add_warp_partials_emulated(partial: jax.Array) -> jax.Array:
+def add_warp_partials_emulated(partial: jax.Array, bits: int = 2) -> jax.Array:
   """`add_warp_partials` by jnp, from the partial outputs f32 [512, 8] (an array): channel
-  64 s + 8 p + i is row r = 2 i + s of m-tile p, read from slot s's columns."""
-  split = partial.reshape(8, 4, 8, 2, 2, REAL_ROWS)  # p, w, i, s, column slot, j
-  summed = split.sum(axis=1)  # [p, i, s, column slot, j]
-  own = jnp.stack([summed[:, :, s, s] for s in range(2)])  # [s, p, i, j]
-  return own.reshape(HEAD_DIM, REAL_ROWS)
+  (F s + p) W + 8 blk + i is row r = 2 i + s of m-tile F blk + p, read from slot s's columns."""
+  fields = 16 // bits
+  split = partial.reshape(8, 4, 8, 2, 2, REAL_ROWS)  # m, w, i, s, column slot, j
+  summed = split.sum(axis=1)  # [m, i, s, column slot, j]
+  own = jnp.stack([summed[:, :, s, s] for s in range(2)])  # [s, m, i, j]
+  own = own.reshape(2, bits // 2, fields, 8, REAL_ROWS)  # [s, blk, p, i, j]
+  return jnp.swapaxes(own, 1, 2).reshape(HEAD_DIM, REAL_ROWS)  # channel order (s, p, blk, i)
 
 
-def _output_scale_exponents() -> tuple[int, ...]:
-  """2^(69 - bit) per field's bit 2 k of its byte, k = 0..3: the power of two that takes a
-  channel's raw sum to sum p v_scale code (`subnormal_codes`: codes are patterns code 2^(bit -
-  133), P' carries 2^64)."""
-  return tuple(_CODE_UNIT_EXPONENT - _PROBS_EXPONENT - 2 * k for k in range(4))
+def _output_scale_exponents(bits: int) -> tuple[int, ...]:
+  """69 - bit for a field's bit = bits k of its byte, k = 0 .. 8 / bits - 1: the power of two that
+  takes a channel's raw sum to sum p v_scale code (`subnormal_codes`: codes are patterns
+  code 2^(bit - 133), P' carries 2^64)."""
+  return tuple(_CODE_UNIT_EXPONENT - _PROBS_EXPONENT - bits * k for k in range(8 // bits))
 
 
-def finished_own_slot_outputs(partial_ref, statistics_ref):
+def finished_own_slot_outputs(partial_ref, statistics_ref, bits: int = 2):
   """f32 [4, 128] (strided layout: thread c holds channel c's 4 rows): each split's normalised
   output, `add_warp_partials`' sum times the channel's 2^(69 - bit), plus its value group's sum
   of p v_min (group 2 s + b of slot s = c // 64, b = (c // 32) % 2: `statistics_ref` row 1 + b,
@@ -318,13 +366,13 @@ def finished_own_slot_outputs(partial_ref, statistics_ref):
     f32 = ir.F32Type.get()
     index = ir.IndexType.get()
     const, lane, warp, _ = thread_coordinates()
-    channel, field, slot, first_row = _own_slot_rows(const, lane, warp)
+    channel, field, slot, first_row = _own_slot_rows(const, lane, warp, bits)
     pairing = arith.remui(arith.divui(channel, const(32)), const(2))
-    bit_pair = arith.remui(field, const(4))  # the code's bit in its byte, over 2
-    exponents = _output_scale_exponents()
-    scale = arith.constant(f32, 2.0 ** exponents[3])
-    for k in (2, 1, 0):
-      chosen = arith.cmpi(arith.CmpIPredicate.eq, bit_pair, const(k))
+    exponents = _output_scale_exponents(bits)
+    bit_step = arith.remui(field, const(len(exponents)))  # the code's bit in its byte, over bits
+    scale = arith.constant(f32, 2.0 ** exponents[-1])
+    for k in reversed(range(len(exponents) - 1)):
+      chosen = arith.cmpi(arith.CmpIPredicate.eq, bit_step, const(k))
       scale = arith.select(chosen, arith.constant(f32, 2.0 ** exponents[k]), scale)
     as_index = functools.partial(arith.index_cast, index)
     zero = arith.constant(f32, 0.0)
@@ -343,13 +391,16 @@ def finished_own_slot_outputs(partial_ref, statistics_ref):
   return finish(partial_ref, statistics_ref)
 
 
-def finished_own_slot_outputs_emulated(partial: jax.Array, statistics: jax.Array) -> jax.Array:
+def finished_own_slot_outputs_emulated(
+  partial: jax.Array, statistics: jax.Array, bits: int = 2
+) -> jax.Array:
   """`finished_own_slot_outputs` by jnp, from the partial outputs f32 [512, 8] and the
   statistics f32 [3, 8] (arrays)."""
   # index arrays from iotas, not numpy: a kernel may not capture an array constant
-  totals = add_warp_partials_emulated(partial)  # [128 channels, 4]
+  totals = add_warp_partials_emulated(partial, bits)  # [128 channels, 4]
   channel = jax.lax.iota(jnp.int32, HEAD_DIM)
-  scale = power_of_two(_output_scale_exponents()[0] - 2 * ((channel // 8) % 4))
+  field = (channel // words_per_token(bits)) % (16 // bits)  # in its half-word
+  scale = power_of_two(_output_scale_exponents(bits)[0] - bits * (field % (8 // bits)))
   pairing, slot = (channel // 32) % 2, channel // 64
   columns = REAL_ROWS * slot[:, None] + jax.lax.iota(jnp.int32, REAL_ROWS)[None]  # [128, 4]
   minimum = statistics[1 + pairing[:, None], columns]

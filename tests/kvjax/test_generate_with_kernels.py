@@ -297,11 +297,12 @@ def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group():
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
 
 
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
-def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch):
-  """The "warp" Mosaic GPU variant (KERNEL_NOTES v45: KIVI-2, head_dim 128, group size 32 only)
-  through the decode loop, on a tiny model of head_dim 128: the reference path's tokens, and the
-  kernel really called (a fallback would be an error)."""
+def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch, bits):
+  """The "warp" Mosaic GPU variant (KERNEL_NOTES v45: KIVI-2 and KIVI-4, head_dim 128, group
+  size 32 only) through the decode loop, on a tiny model of head_dim 128: the reference path's
+  tokens, and the kernel really called (a fallback would be an error)."""
   from pallas_kernels import quantized_decode_attention_warp_mosaic_gpu as warp
 
   calls = []
@@ -327,7 +328,7 @@ def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch):
       max_new_tokens=3,
       cache_dtype=jnp.bfloat16,
       cache_method=parse_method_spec(
-        "kivi:bits=2,group_size=32,residual=32",
+        f"kivi:bits={bits},group_size=32,residual=32",
         implementation=implementation,
         kernel_settings=settings,
       ),

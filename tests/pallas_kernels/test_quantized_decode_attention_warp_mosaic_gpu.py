@@ -34,47 +34,52 @@ WARP = {"lowering": "mosaic_gpu", "variant": "warp"}
 RTOL = 2e-2
 
 
-def _check(*, group, tokens, seed, num_splits=None, query_scale=1.0, batch=3, **settings):
+def _check(*, group, tokens, seed, num_splits=None, query_scale=1.0, batch=3, bits=2, **settings):
+  quantization = dict(QUANTIZATION, bits=bits)
   rng = np.random.default_rng(seed)
   arrays, clean = _inputs(
-    rng, head_dim=128, group=group, tokens=tokens, dtype=jnp.bfloat16, batch=batch, **QUANTIZATION
+    rng, head_dim=128, group=group, tokens=tokens, dtype=jnp.bfloat16, batch=batch, **quantization
   )
   arrays = (arrays[0] * query_scale, *arrays[1:])
   clean = (clean[0] * query_scale, *clean[1:])
   sm_scale = 128**-0.5
   common = dict(
-    **QUANTIZATION, sm_scale=sm_scale, interpret=triton_interpret(), num_splits=num_splits
+    **quantization, sm_scale=sm_scale, interpret=triton_interpret(), num_splits=num_splits
   )
   out_p, lse_p = warp.warp_partials_mosaic_gpu(*arrays, **common, **settings)
   assert_all_written(out_p, jnp.where(jnp.isneginf(lse_p), 0.0, lse_p))
   out, lse = warp.warp_decode_attention_mosaic_gpu(*arrays, **common, **settings)
-  ref_out, ref_lse = quantized_decode_attention_reference(*clean, **QUANTIZATION, sm_scale=sm_scale)
+  ref_out, ref_lse = quantized_decode_attention_reference(*clean, **quantization, sm_scale=sm_scale)
   assert_matches_reference(out, lse, ref_out, ref_lse, rtol=RTOL)
   return arrays
 
 
 @pytest.mark.parametrize(
-  "group,tokens,num_splits",
+  "group,tokens,num_splits,bits",
   [
-    (4, 256, 2),  # one block a split
-    (4, 512, 2),  # two blocks a split: the ring's second slot and the loop's carry
-    (1, 384, 3),
-    (2, 256, None),  # the planner's splits
-    (3, 640, 2),  # a split of three blocks
+    (4, 256, 2, 2),  # one block a split
+    (4, 512, 2, 2),  # two blocks a split: the ring's second slot and the loop's carry
+    pytest.param(1, 384, 3, 2, marks=pytest.mark.slow),  # (one block a split at one head)
+    (2, 256, None, 2),  # the planner's splits
+    (3, 640, 2, 2),  # a split of three blocks
+    (4, 512, 2, 4),  # 4-bit codes: 16 words a token, two matrix loads per 16 value tokens
+    pytest.param(2, 640, None, 4, marks=pytest.mark.slow),  # (the planner's splits at 4 bits)
   ],
 )
-def test_warp_kernel_matches_reference(group, tokens, num_splits):
+def test_warp_kernel_matches_reference(group, tokens, num_splits, bits):
   """Rows of full, partial (ending mid-block) and zero length, and random ones; 1 to 4 query
-  heads per KV head (padded to 4 rows, repeated to the 8 columns)."""
-  _check(group=group, tokens=tokens, num_splits=num_splits, seed=group + tokens)
+  heads per KV head (padded to 4 rows, repeated to the 8 columns); 2- and 4-bit codes."""
+  _check(group=group, tokens=tokens, num_splits=num_splits, seed=group + tokens, bits=bits)
 
 
 @pytest.mark.parametrize(
   "group,tokens,num_splits,num_stages",
   [
     (4, 512, 2, 2),  # splits of 8 key groups in one 64-group prologue chunk
-    (2, 2304, 1, 2),  # 72 key groups: two chunks, the second short
+    # 72 key groups: two chunks, the second short (slow: 10 s in interpret mode)
+    pytest.param(2, 2304, 1, 2, marks=pytest.mark.slow),
     (3, 768, None, 4),
+    (4, 512, None, None),  # 4 bits (below), the default stages
   ],
 )
 def test_warp_kernel_with_the_kernels_bias_and_references(group, tokens, num_splits, num_stages):
@@ -88,6 +93,7 @@ def test_warp_kernel_with_the_kernels_bias_and_references(group, tokens, num_spl
     seed=20 + group,
     num_stages=num_stages,
     key_bias_source="kernel",
+    bits=2 if num_stages else 4,
   )
 
 
@@ -97,6 +103,7 @@ def test_the_kernels_references_choose_the_exact_arm():
   _check(group=4, tokens=256, num_splits=2, seed=9, query_scale=4.0, key_bias_source="kernel")
 
 
+@pytest.mark.slow  # 12 s in interpret mode; the other tests run 2 and 4 stages
 def test_warp_kernel_with_more_stages_than_blocks_and_three_stages():
   _check(group=4, tokens=768, num_splits=1, seed=5, num_stages=3)
   _check(group=4, tokens=256, num_splits=1, seed=6, num_stages=4)
@@ -148,11 +155,21 @@ def test_nan_in_a_valid_statistic_reaches_the_output():
   assert not np.isnan(out[0, 0]).any() and not np.isnan(out[1]).any()
 
 
-def test_the_triton_merge_takes_the_kernels_partials():
+@pytest.mark.parametrize(
+  "case",
+  [
+    dict(group=4, tokens=512, num_splits=2, seed=13),
+    pytest.param(
+      dict(group=1, tokens=768, num_splits=3, seed=14, key_bias_source="kernel"),
+      marks=pytest.mark.slow,
+    ),
+    dict(group=3, tokens=512, num_splits=2, seed=15, bits=4),
+  ],
+)
+def test_the_triton_merge_takes_the_kernels_partials(case):
   """split_merge="triton": the folded kernels' merge kernel, which takes this kernel's partials
   as own-slot partials (each channel's own slot, normalised, head dim last)."""
-  _check(group=4, tokens=512, num_splits=2, seed=13, split_merge="triton")
-  _check(group=1, tokens=768, num_splits=3, seed=14, split_merge="triton", key_bias_source="kernel")
+  _check(split_merge="triton", **case)
 
 
 @pytest.mark.parametrize(
@@ -200,7 +217,7 @@ def test_folded_settings_are_refused_by_name():
 @pytest.mark.parametrize(
   "segment,match",
   [
-    (dict(bits=4), "bits=4"),
+    (dict(bits=8), "bits=8"),
     (dict(head_dim=256), "head_dim=256"),
     (dict(group=8), "query group 8"),
     (dict(group_size=64, tokens=256), "group_size=64"),
@@ -243,18 +260,21 @@ def test_gpu_entry_point_runs_the_warp_kernel(monkeypatch):
   assert_matches_reference(out, lse, ref_out, ref_lse, rtol=RTOL)
 
 
-@pytest.mark.parametrize("num_stages,key_bias_source", [(2, "xla"), (4, "xla"), (2, "kernel")])
-def test_the_kernel_lowers_for_sm90(num_stages, key_bias_source):
+@pytest.mark.parametrize(
+  "num_stages,key_bias_source,bits",
+  [(2, "xla", 2), (4, "xla", 2), (2, "kernel", 2), (2, "xla", 4), (2, "kernel", 4)],
+)
+def test_the_kernel_lowers_for_sm90(num_stages, key_bias_source, bits):
   """The native kernel (inline mma.sync, movmatrix, ldmatrix; the ring; both softmax arms)
   through Mosaic GPU's layout inference and lowering for a CUDA target, on this jax."""
   batch, heads, tokens = 2, 2, 1024
   shape = jax.ShapeDtypeStruct
   arrays = (
     shape((batch, heads, 4, 128), jnp.float32),
-    shape((batch, heads, tokens, 8), jnp.uint32),
+    shape((batch, heads, tokens, 4 * bits), jnp.uint32),
     shape((batch, heads, tokens // 32, 128), jnp.bfloat16),
     shape((batch, heads, tokens // 32, 128), jnp.bfloat16),
-    shape((batch, heads, tokens, 8), jnp.uint32),
+    shape((batch, heads, tokens, 4 * bits), jnp.uint32),
     shape((batch, heads, tokens, 4), jnp.bfloat16),
     shape((batch, heads, tokens, 4), jnp.bfloat16),
     shape((batch,), jnp.int32),
@@ -264,6 +284,7 @@ def test_the_kernel_lowers_for_sm90(num_stages, key_bias_source):
     sm_scale=0.1,
     plan=SplitPlan(warp.BLOCK_TOKENS, 4, 2),
     num_stages=num_stages,
+    bits=bits,
     key_products="einsum",
     key_bias_source=key_bias_source,
     interpret=False,

@@ -172,9 +172,9 @@ def _bf16(rng, shape, low, high):
   return experiment.bf16_bits(rng.uniform(low, high, shape).astype(np.float32))
 
 
-@pytest.mark.parametrize("tiles", [1, 2])
+@pytest.mark.parametrize("tiles,bits", [(1, 2), (2, 2), (2, 4)])
 def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_queries(
-  emulated, tiles
+  emulated, tiles, bits
 ):
   """`own_token_words` -> `stage_words_in_word_order` (MMA_LHS) -> `key_product_per_warp`:
   scores [64, 8] per tile, row 16 w + r being token 16 tiles w + 16 tile + r, equal to its codes
@@ -189,12 +189,12 @@ def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_que
   from pallas_kernels.subnormal_codes import code_exponent
   from pallas_kernels.word_operand_order import stage_words_in_word_order, word_order_channels
 
-  rng = np.random.default_rng(21 + tiles)
+  rng = np.random.default_rng(21 + tiles + bits)
   span, groups = 64 * tiles, 2 * tiles
-  codes = rng.integers(0, 4, (span, 128))
-  words = np.asarray(pack_codes(jnp.asarray(codes), 2))
-  channels = word_order_channels(128, 2)
-  exponent = code_exponent(channels, 128, 2)
+  codes = rng.integers(0, 2**bits, (span, 128))
+  words = np.asarray(pack_codes(jnp.asarray(codes), bits))
+  channels = word_order_channels(128, bits)
+  exponent = code_exponent(channels, 128, bits)
   # queries by position, times 2^(69 - bit) as `prepare` scales them (products stay normal)
   queries = experiment.bf16_bits(
     (rng.uniform(-2.0, 2.0, (128, 8)) * 2.0 ** (69 - exponent)[:, None]).astype(np.float32)
@@ -210,11 +210,11 @@ def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_que
   with ir.Context(), ir.Location.unknown():
     keys = []
     for tile in range(tiles):
-      warp_key_product.own_token_words("words", tile, tiles)
-      words_array = _Array(CapturedArray.last.registers, shape=(64, 8))
-      keys.append(stage_words_in_word_order(words_array, 2, operand_layout="mma_lhs"))
+      warp_key_product.own_token_words("words", tile, tiles, bits)
+      words_array = _Array(CapturedArray.last.registers, shape=(64, 4 * bits))
+      keys.append(stage_words_in_word_order(words_array, bits, operand_layout="mma_lhs"))
     results = warp_key_product.key_product_per_warp(
-      keys, _registers(layouts.rhs, queries), "scales", "bias", tiles
+      keys, _registers(layouts.rhs, queries), "scales", "bias", tiles, bits
     )
   patterns = codes[:, channels] * 2.0 ** (exponent - 133.0)  # [token, position]
   emulated_results = warp_key_product.key_scores_per_warp_emulated(
@@ -223,6 +223,7 @@ def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_que
     jnp.asarray(scales).view(jnp.bfloat16),
     jnp.asarray(bias),
     tiles,
+    bits,
   )
   for tile, result in enumerate(results):
     scores = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
@@ -242,17 +243,17 @@ def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_que
       np.testing.assert_allclose(emulated_scores[rows], expected, rtol=0, atol=tolerance)
 
 
-@pytest.mark.parametrize("tiles,tile", [(1, 0), (2, 0), (2, 1)])
-def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated, tiles, tile):
-  """acc [512, 8] + per warp w and m-tile p: rows r = half-word r's field p (after the shift for
-  p >= 4) of the warp's tokens 16 tiles w + 16 tile .., against P' of pairing p / 4, rows
-  16 w .. 16 w + 15."""
+@pytest.mark.parametrize("tiles,tile,bits", [(1, 0, 2), (2, 0, 2), (2, 1, 2), (2, 1, 4)])
+def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated, tiles, tile, bits):
+  """acc [512, 8] + per warp w and m-tile m = F blk + p: rows r = half-word 16 blk + r's field p
+  (after the shift for fields past the low byte) of the warp's tokens 16 tiles w + 16 tile ..,
+  against P' of pairing p // (F / 2), rows 16 w .. 16 w + 15."""
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jaxlib.mlir import ir
 
-  rng = np.random.default_rng(22 + tiles + tile)
-  words = rng.integers(0, 2**32, (64 * tiles, 8), dtype=np.uint64).astype(np.uint32)
+  rng = np.random.default_rng(22 + tiles + tile + bits)
+  words = rng.integers(0, 2**32, (64 * tiles, 4 * bits), dtype=np.uint64).astype(np.uint32)
   # P' carries 2^64 (`subnormal_codes.PROBS_SCALE`): the codes' patterns are subnormal bf16
   # numbers (~2^-133), and without it the products would vanish in f32 (and the test with them)
   probs = [_bf16(rng, (64, 8), 0.0, 2.0**64) for _ in range(2)]
@@ -266,24 +267,27 @@ def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated, til
       _registers(fa.WGMMA_LAYOUT, acc),
       tile,
       tiles,
+      bits,
     )
   out = _matrix(fa.WGMMA_LAYOUT, (512, 8), result.registers)
-  half_words = words.view(np.uint16).reshape(64 * tiles, 16).astype(np.uint32)
+  half_words = words.view(np.uint16).reshape(64 * tiles, 8 * bits).astype(np.uint32)
   expected = acc.astype(np.float64)
+  fields = 16 // bits
   for warp in range(4):
     first = 16 * tiles * warp + 16 * tile
-    own = half_words[first : first + 16]
-    for p in range(8):
-      patterns = ((own >> (8 * (p // 4))) & (3 << (2 * (p % 4)))).astype(np.uint16)
+    for m, blk, p in warp_value_product.m_tiles(bits):
+      own = half_words[first : first + 16, 16 * blk : 16 * blk + 16]
+      shift, bit = warp_value_product.field_shift_and_bit(bits, p)
+      patterns = ((own >> shift) & (((1 << bits) - 1) << bit)).astype(np.uint16)
       a = experiment.bf16_values(patterns.T).astype(np.float64)  # [half-word r, token]
-      b = experiment.bf16_values(probs[p // 4][16 * warp : 16 * warp + 16]).astype(np.float64)
-      rows = slice(64 * p + 16 * warp, 64 * p + 16 * warp + 16)
-      expected[rows] += a @ b
+      b = probs[p // (fields // 2)][16 * warp : 16 * warp + 16]
+      rows = slice(64 * m + 16 * warp, 64 * m + 16 * warp + 16)
+      expected[rows] += a @ experiment.bf16_values(b).astype(np.float64)
   increment = np.abs(expected - acc)
   assert increment.min() > 0 and increment.max() > np.abs(acc).max() / 4  # not vacuous
   np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * increment.max())
   emulated_out = warp_value_product.value_product_per_warp_emulated(
-    *[jnp.asarray(p).view(jnp.bfloat16) for p in probs], jnp.asarray(words), acc, tile, tiles
+    *[jnp.asarray(p).view(jnp.bfloat16) for p in probs], jnp.asarray(words), acc, tile, tiles, bits
   )
   np.testing.assert_allclose(emulated_out, expected, rtol=0, atol=1e-5 * increment.max())
 
@@ -357,11 +361,13 @@ def test_add_warp_partials_gives_the_models_output(emulated, monkeypatch, tiles)
       np.testing.assert_allclose(emulated_sum, model_out[r, s].T, rtol=0, atol=tolerance)
 
 
-def test_finished_own_slot_outputs_normalise_each_channels_own_slot(emulated, monkeypatch):
-  """Thread c's 4 values: channel c's sum over the warps from its slot's columns, times
-  2^(69 - bit), plus its value group's sum of p v_min (row 1 + (c // 32) % 2, column
-  4 (c // 64) + j of the statistics), over column j's sum of p (row 0); 0 for a zero sum, NaN
-  for a NaN one. And the jnp counterpart gives the same."""
+@pytest.mark.parametrize("bits", [2, 4])
+def test_finished_own_slot_outputs_normalise_each_channels_own_slot(emulated, monkeypatch, bits):
+  """Thread c's 4 values: channel c's sum over the warps from its slot's columns (channel
+  (F s + p) W + 8 blk + i is row 2 i + s of m-tile F blk + p), times 2^(69 - bit), plus its
+  value group's sum of p v_min (row 1 + (c // 32) % 2, column 4 (c // 64) + j of the statistics),
+  over column j's sum of p (row 0); 0 for a zero sum, NaN for a NaN one. And the jnp counterpart
+  gives the same."""
   import jax.numpy as jnp
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import arith, memref
@@ -388,20 +394,22 @@ def test_finished_own_slot_outputs_normalise_each_channels_own_slot(emulated, mo
     lambda predicate, a, b: ~(np.asarray(a) == np.asarray(b)),  # UNE
   )
   with ir.Context(), ir.Location.unknown():
-    result = warp_value_product.finished_own_slot_outputs("partial", "statistics")
+    result = warp_value_product.finished_own_slot_outputs("partial", "statistics", bits)
   out = np.stack([np.asarray(register, np.float64) for register in result.registers])  # [4, 128]
   expected = np.zeros((4, 128))
+  words, fields = 4 * bits, 16 // bits
   for c in range(128):
-    s, p, r = c // 64, (c // 8) % 8, 2 * (c % 8) + c // 64
+    s, p, word = c // 64, (c // words) % fields, c % words
+    m, r = fields * (word // 8) + p, 2 * (word % 8) + s
     for j in range(4):
-      total = sum(partial[64 * p + 16 * w + r, 4 * s + j].astype(np.float64) for w in range(4))
+      total = sum(partial[64 * m + 16 * w + r, 4 * s + j].astype(np.float64) for w in range(4))
       minimum = statistics[1 + (c // 32) % 2, 4 * s + j]
-      scale = 2.0 ** (69 - 2 * ((c // 8) % 4))
+      scale = 2.0 ** (69 - bits * (p % (8 // bits)))
       sums = statistics[0, j]
       expected[j, c] = 0.0 if sums == 0 else (total * scale + minimum) / sums
   assert np.all(out[2] == 0.0) and np.all(np.isnan(out[3]))
   np.testing.assert_allclose(out, expected, rtol=1e-5)
   emulated_out = warp_value_product.finished_own_slot_outputs_emulated(
-    jnp.asarray(partial), jnp.asarray(statistics)
+    jnp.asarray(partial), jnp.asarray(statistics), bits
   )
   np.testing.assert_allclose(emulated_out, expected, rtol=1e-5)
