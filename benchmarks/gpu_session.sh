@@ -170,7 +170,8 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
   # reductions, the Triton merge) beside v34 and C + merge
   echo "== warp variant, native tests (KERNEL_NOTES v45)" >> "$1"
   timeout --signal=INT 90 env KVJAX_NATIVE_KERNELS=1 "$python" -m pytest -q -n 4 \
-    -p no:cacheprovider tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py \
+    -p no:cacheprovider -m "slow or not slow" \
+    tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py \
     2>&1 | tail -15 >> "$1" || status=1
   local warp="{\"lowering\": \"mosaic_gpu\", \"variant\": \"warp\""
   sweep_at_32k "$1" "[${warp}}, ${warp}, \"num_stages\": 2}, \
