@@ -87,6 +87,17 @@ def padded_key_groups(key_groups: int, copy_groups: int) -> int:
   return cdiv(rows, _TILE_ROWS) * _TILE_ROWS
 
 
+def statistics_padding(
+  split_tokens: int, group_size: int, chunk_groups: int, key_groups: int
+) -> int:
+  """Key groups of zeros a kernel appends to k_min (and k_scale) of `key_groups` for its
+  prologue's copies of `chunk_groups` each: k_min must hold the largest TMA box, the first
+  chunk's (`chunk_copy_groups`, which may reach past a short cache's end), in whole tiles
+  (`padded_key_groups`)."""
+  first_copy = chunk_copy_groups(split_key_groups(split_tokens, group_size), chunk_groups, 0)
+  return padded_key_groups(key_groups, first_copy) - key_groups
+
+
 def unsupported_reason(split_tokens: int, group_size: int) -> str | None:
   """Why the kernel cannot compute the bias of splits this long (None if it can)."""
   groups = split_key_groups(split_tokens, group_size)

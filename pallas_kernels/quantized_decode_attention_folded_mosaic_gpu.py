@@ -241,6 +241,7 @@ from pallas_kernels.split_merge_triton import (
   merge_value_slot_partials_reference,
   merge_value_slot_partials_triton,
   pick_value_slots,
+  pop_split_merge,
 )
 from pallas_kernels.splits import (
   SplitPlan,
@@ -1871,7 +1872,9 @@ def _jitted_kernel_outputs(
     # more than a short cache holds (a split of 8 groups over a 7-group cache): such a cache's
     # statistics are padded (by less than a block's worth of groups), and every cache's to whole
     # tiles of the swizzled layout the copies land in (`key_bias_in_kernel.padded_key_groups`).
-    short = kernel_k_min_padding(plan, group_size, k_min.shape[2])
+    short = key_bias_in_kernel.statistics_padding(
+      plan.split_tokens, group_size, plan.block_tokens, k_min.shape[2]
+    )
     padding = ((0, 0), (0, 0), (0, short), (0, 0))
     bias = jnp.pad(k_min, padding)
     if short and row_max == "bound":
@@ -1900,20 +1903,6 @@ def _jitted_kernel_outputs(
     *value_statistics,
     *references,
   )
-
-
-def kernel_k_min_padding(plan, group_size: int, key_groups: int) -> int:
-  """Key groups of zeros appended to k_min (and k_scale) for key_bias_source="kernel"."""
-  rows = key_bias_in_kernel.padded_key_groups(key_groups, kernel_k_min_rows(plan, group_size))
-  return rows - key_groups
-
-
-def kernel_k_min_rows(plan, group_size: int) -> int:
-  """The fewest key groups k_min must have for key_bias_source="kernel": its largest TMA box,
-  the first chunk's (`key_bias_in_kernel.chunk_copy_groups`), which may reach past the cache's
-  end."""
-  split_groups = split_key_groups(plan.split_tokens, group_size)
-  return key_bias_in_kernel.chunk_copy_groups(split_groups, plan.block_tokens, 0)
 
 
 def group_major_value_stat_pairs(v_scale: jax.Array, v_min: jax.Array) -> jax.Array:
@@ -2084,19 +2073,11 @@ def folded_kernel_outputs(
   return _compat.finished_if_interpreted(outputs, interpret)
 
 
-def _split_merge_setting(settings: dict) -> str:
-  """Takes `split_merge` out of `settings` (the kernel's own outputs do not depend on it) and
-  checks it: ValueError naming it and its allowed values."""
-  split_merge = settings.pop("split_merge", DEFAULT_SPLIT_MERGE)
-  check_split_merge(split_merge)
-  return split_merge
-
-
 def folded_partials_mosaic_gpu(*arrays, bits, group_size, **settings):
   """Per-split partials (out^T f32 [B,H,S,D,R], lse f32 [B,H,S,R]; R: the query group padded to
   a power of two), channels in order; `folded_kernel_outputs`'s arguments (and `split_merge`,
   which unmerged partials do not use)."""
-  _split_merge_setting(settings)
+  pop_split_merge(settings)
   out, lse = folded_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
   queries = arrays[0]
   real_rows, _ = value_slots(queries.shape[2])
@@ -2113,7 +2094,7 @@ def folded_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
   (`merge_value_slot_partials_reference`: the splits merged before each channel's value slot and
   position are picked, so no gather runs over the partials) or one Triton kernel
   (`merge_value_slot_partials_triton`)."""
-  split_merge = _split_merge_setting(settings)
+  split_merge = pop_split_merge(settings)
   queries = arrays[0]
   group, head_dim = queries.shape[2:]
   out, lse = folded_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)

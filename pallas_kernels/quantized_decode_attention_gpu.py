@@ -110,20 +110,7 @@ def _check_warp_settings(settings: dict) -> None:
       f'kernel_config keys {unknown} are not taken by the "warp" Mosaic GPU kernel; allowed: '
       f"{', '.join(('lowering', 'variant', *WARP_KEYS))}"
     )
-  key_products = settings.get("key_products")
-  if key_products is not None:
-    quantized_decode_attention_folded_mosaic_gpu.check_key_product(key_products)
-  key_bias_source = settings.get("key_bias_source")
-  if key_bias_source is not None:
-    quantized_decode_attention_folded_mosaic_gpu.check_key_bias_source(key_bias_source)
-  split_merge = settings.get("split_merge")
-  if split_merge is not None:
-    quantized_decode_attention_folded_mosaic_gpu.check_split_merge(split_merge)
-  quantized_decode_attention_warp_mosaic_gpu.check_settings(
-    **{
-      key: settings[key] for key in ("block_tokens", "num_splits", "num_stages") if key in settings
-    }
-  )
+  quantized_decode_attention_warp_mosaic_gpu.check_settings(**settings)
 
 
 def _mosaic_gpu_kernel(config: dict):

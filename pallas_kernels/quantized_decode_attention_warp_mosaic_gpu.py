@@ -56,16 +56,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _compat, key_bias_in_kernel
 from pallas_kernels import quantized_decode_attention_folded_mosaic_gpu as folded
 from pallas_kernels.base_two_softmax import base_two_queries, natural_log_sum_exp
+from pallas_kernels.bit_packing import packed_width
 from pallas_kernels.decode_attention_mosaic_gpu import padded_lengths, swizzled_operand_transforms
-from pallas_kernels.key_bias import key_bias
+from pallas_kernels.key_bias import DEFAULT_KEY_PRODUCT, check_key_product, key_bias
 from pallas_kernels.key_bias_in_kernel import (
   DEFAULT_KEY_BIAS_SOURCE,
   any_row_exchanges,
   bias_chunks,
   check_key_bias_source,
-  chunk_copy_groups,
   copies_per_chunk,
-  padded_key_groups,
   queries_with_halves,
   split_key_groups,
   split_key_statistics,
@@ -76,9 +75,9 @@ from pallas_kernels.softmax_reference_bounds import (
   split_softmax_references,
 )
 from pallas_kernels.split_merge_triton import (
-  DEFAULT_SPLIT_MERGE,
   check_split_merge,
   merge_value_slot_partials_triton,
+  pop_split_merge,
 )
 from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group
 from pallas_kernels.subnormal_codes import QUERY_EXPONENT, code_exponent, power_of_two
@@ -91,7 +90,6 @@ from pallas_kernels.warp_key_product import (
   key_product_per_warp,
   key_scores_per_warp_emulated,
   own_token_words,
-  words_per_token,
 )
 from pallas_kernels.warp_value_product import (
   PARTIAL_ROWS,
@@ -168,8 +166,16 @@ def unsupported_reason(
   return None
 
 
-def check_settings(block_tokens=None, num_splits=None, num_stages=None) -> None:
-  """ValueError naming a setting the warp variant does not take, and its allowed values."""
+def check_settings(
+  block_tokens=None,
+  num_splits=None,
+  num_stages=None,
+  key_products=None,
+  key_bias_source=None,
+  split_merge=None,
+) -> None:
+  """ValueError naming a setting the warp variant does not take, and its allowed values (None:
+  the setting's default)."""
   if block_tokens not in (None, BLOCK_TOKENS):
     raise ValueError(
       f"block_tokens={block_tokens!r} is not supported by the warp variant; allowed: "
@@ -182,6 +188,12 @@ def check_settings(block_tokens=None, num_splits=None, num_stages=None) -> None:
   folded.dequantizing.check_settings(
     block_tokens=BLOCK_TOKENS, num_splits=num_splits, num_stages=num_stages or NUM_STAGES[0]
   )
+  if key_products is not None:
+    check_key_product(key_products)
+  if key_bias_source is not None:
+    check_key_bias_source(key_bias_source)
+  if split_merge is not None:
+    check_split_merge(split_merge)
 
 
 def _warp_kernel(
@@ -360,7 +372,10 @@ def _warp_kernel(
     plgpu.barrier_wait(ring_barriers.at[slot])
     first_token = start + i * BLOCK_TOKENS
     logits = [scores * SCORE_SCALE for scores in tile_scores(i, slot)]
-    valid = [warp_first_token + (first_token + 16 * t) < end for t in range(TILES)]
+    # which tokens are below the split's end: only the masked (last) block asks
+    valid = (
+      [warp_first_token + (first_token + 16 * t) < end for t in range(TILES)] if masked else []
+    )
     if exact:  # the running max, across the warps
       block_max = None
       for t in range(TILES):
@@ -477,14 +492,6 @@ def kernel_inputs(
   )
 
 
-def kernel_statistics_padding(plan: SplitPlan, key_groups: int) -> int:
-  """Key groups of zeros appended to k_min and k_scale for the kernel's bias: the prologue's
-  first copy may reach past a short cache's end, and copies land in whole 8-row tiles."""
-  split_groups = split_key_groups(plan.split_tokens, KEY_GROUP)
-  first_copy = chunk_copy_groups(split_groups, PROLOGUE_CHUNK_GROUPS, 0)
-  return padded_key_groups(key_groups, first_copy) - key_groups
-
-
 def _kernel_arrays(
   queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths, *, sm_scale, plan,
   key_products, key_bias_source, bits,
@@ -492,7 +499,10 @@ def _kernel_arrays(
   """The kernel's inputs, by XLA, in its order (`_warp_kernel`)."""
   if key_bias_source == "kernel":
     scaled, code_queries = _code_queries(queries, sm_scale, bits)
-    padding = ((0, 0), (0, 0), (0, kernel_statistics_padding(plan, k_min.shape[2])), (0, 0))
+    short = key_bias_in_kernel.statistics_padding(
+      plan.split_tokens, KEY_GROUP, PROLOGUE_CHUNK_GROUPS, k_min.shape[2]
+    )
+    padding = ((0, 0), (0, 0), (0, short), (0, 0))
     return (
       padded_lengths(lengths),
       queries_with_halves(code_queries, scaled, bounds=True),
@@ -515,7 +525,7 @@ def _scratch_types(
 ):
   """The kernel's scratch, in its order (`_warp_kernel`)."""
   groups = BLOCK_TOKENS // KEY_GROUP
-  words = words_per_token(bits)
+  words = packed_width(HEAD_DIM, bits)
   ring = lambda shape, dtype: plgpu.SMEM((num_stages, *shape), dtype)
   operand = functools.partial(swizzled_operand_transforms, HEAD_DIM, dtype=jnp.bfloat16)
   queries = (COLUMNS, HEAD_DIM) if kernel_bias else (HEAD_DIM, COLUMNS)
@@ -626,16 +636,20 @@ def warp_kernel_outputs(
   block_tokens: int | None = None,
   num_splits: int | None = None,
   num_stages: int | None = None,
-  key_products: str = folded.DEFAULT_KEY_PRODUCT,
+  key_products: str = DEFAULT_KEY_PRODUCT,
   key_bias_source: str = DEFAULT_KEY_BIAS_SOURCE,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B, H, S, 4, 128] (each split's normalised output, each
   channel from its own value slot) and lse f32 [B, H, S, 8] (natural; column j is row j % 4).
   Settings and shapes are checked (ValueError) before anything is traced."""
-  check_settings(block_tokens=block_tokens, num_splits=num_splits, num_stages=num_stages)
-  folded.check_key_product(key_products)
-  check_key_bias_source(key_bias_source)
+  check_settings(
+    block_tokens=block_tokens,
+    num_splits=num_splits,
+    num_stages=num_stages,
+    key_products=key_products,
+    key_bias_source=key_bias_source,
+  )
   reason = unsupported_reason(
     queries,
     k_codes,
@@ -678,18 +692,10 @@ def warp_kernel_outputs(
   return _compat.finished_if_interpreted(outputs, interpret)
 
 
-def _split_merge_setting(settings: dict) -> str:
-  """Takes `split_merge` out of `settings` and checks it: ValueError naming it and its allowed
-  values."""
-  split_merge = settings.pop("split_merge", DEFAULT_SPLIT_MERGE)
-  check_split_merge(split_merge)
-  return split_merge
-
-
 def warp_partials_mosaic_gpu(*arrays, bits, group_size, **settings):
   """Per-split partials (out f32 [B, H, S, G, D] normalised, lse f32 [B, H, S, G] natural);
   `warp_kernel_outputs`' arguments (and `split_merge`, which unmerged partials do not use)."""
-  _split_merge_setting(settings)
+  pop_split_merge(settings)
   group = arrays[0].shape[2]
   out, lse = warp_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
   return out[:, :, :, :group], lse[..., :group]
@@ -700,7 +706,7 @@ def warp_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
   segments); `warp_kernel_outputs`' arguments, and `split_merge`: who merges the splits'
   partials, XLA ("xla", `merge_split_partials`) or one Triton kernel ("triton",
   `split_merge_triton`, which takes them as the folded kernel's own-slot partials)."""
-  split_merge = _split_merge_setting(settings)
+  split_merge = pop_split_merge(settings)
   group = arrays[0].shape[2]
   out, lse = warp_kernel_outputs(*arrays, bits=bits, group_size=group_size, **settings)
   if split_merge == "triton":

@@ -47,6 +47,14 @@ def check_split_merge(split_merge) -> None:
     raise ValueError(f"split_merge={split_merge!r} is not supported; allowed: {SPLIT_MERGES}")
 
 
+def pop_split_merge(settings: dict) -> str:
+  """Takes `split_merge` out of a kernel's `settings` (the kernel's own outputs do not depend on
+  it) and checks it: ValueError naming it and its allowed values."""
+  split_merge = settings.pop("split_merge", DEFAULT_SPLIT_MERGE)
+  check_split_merge(split_merge)
+  return split_merge
+
+
 def pick_value_slots(
   out: jax.Array, group_size: int, real_rows: int, positions: np.ndarray | None = None
 ) -> jax.Array:

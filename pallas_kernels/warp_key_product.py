@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.bit_packing import unpack_codes
+from pallas_kernels.bit_packing import packed_width, unpack_codes
 from pallas_kernels.subnormal_codes import code_exponent, power_of_two
 from pallas_kernels.warpgroup_thread import thread_coordinates
 from pallas_kernels.word_operand_order import channel_at_position, channels_in_word_order
@@ -50,24 +50,12 @@ _SCORE_EXPONENT = 64
 SCORE_UNSCALE = 2.0**-_SCORE_EXPONENT
 
 
-def warp_tokens(tile: int, tiles: int) -> np.ndarray:
-  """int [64]: the block token each row of a tile array holds (row 16 w + r: token 16 tiles w +
-  16 tile + r)."""
-  row = np.arange(TILE_ROWS)
-  return (row // 16) * (16 * tiles) + 16 * tile + row % 16
-
-
-def words_per_token(bits: int) -> int:
-  """uint32 words of a token's planar codes at head_dim 128."""
-  return HEAD_DIM * bits // 32
-
-
 def own_token_words(words_ref, tile: int, tiles: int, bits: int = 2):
   """uint32 [64, W] (wgmma layout) of the block's key words [64 tiles, W] in shared memory (W
   words a token: 8 at 2 bits, 16 at 4): row 16 w + r holds token 16 tiles w + 16 tile + r
-  (`warp_tokens`). A thread loads words 8 j + 2 q, 8 j + 2 q + 1 of its two rows, one 64-bit load
+  (`warp_rows`). A thread loads words 8 j + 2 q, 8 j + 2 q + 1 of its two rows, one 64-bit load
   each per 8-word column group j (`inline_mgpu`, native only)."""
-  words = words_per_token(bits)
+  words = packed_width(HEAD_DIM, bits)
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(),),
@@ -197,8 +185,9 @@ def key_product_per_warp(keys, queries, k_scale_ref, key_bias_ref, tiles: int = 
 
 
 def warp_rows(block: jax.Array, tile: int, tiles: int) -> jax.Array:
-  """The [64, ...] rows of a tile array from a block's [64 tiles, ...] per-token rows
-  (`warp_tokens`), by a reshape and a slice (a kernel may not capture an index array)."""
+  """The [64, ...] rows of a tile array from a block's [64 tiles, ...] per-token rows (row
+  16 w + r: token 16 tiles w + 16 tile + r), by a reshape and a slice (a kernel may not capture
+  an index array)."""
   split = block.reshape(4, tiles, 16, *block.shape[1:])
   return split[:, tile].reshape(TILE_ROWS, *block.shape[1:])
 

@@ -37,14 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.bit_packing import unpack_codes
+from pallas_kernels.bit_packing import packed_width, unpack_codes
 from pallas_kernels.subnormal_codes import power_of_two
 from pallas_kernels.warp_key_product import (
   COLUMNS,
   HEAD_DIM,
   TILE_ROWS,
   warp_rows,
-  words_per_token,
 )
 from pallas_kernels.warpgroup_thread import thread_coordinates
 
@@ -70,15 +69,6 @@ def field_shift_and_bit(bits: int, p: int) -> tuple[int, int]:
   return 8 * (p // per_byte), bits * (p % per_byte)
 
 
-def partial_row_channels(bits: int = 2) -> np.ndarray:
-  """int [512]: the channel each row 64 m + 16 w + r of the partial outputs holds."""
-  fields, words = 16 // bits, words_per_token(bits)
-  row = np.arange(PARTIAL_ROWS)
-  m, r = row // TILE_ROWS, row % 16
-  blk, p = m // fields, m % fields
-  return (fields * (r % 2) + p) * words + 8 * blk + r // 2
-
-
 def value_product_per_warp(
   probs_low, probs_high, words_ref, acc, tile: int = 0, tiles: int = 1, bits: int = 2
 ):
@@ -88,7 +78,7 @@ def value_product_per_warp(
   16 tiles w + 16 tile ..); `words_ref` the block's value words [64 tiles, 4 bits] uint32 in
   shared memory (`inline_mgpu`, native only)."""
   wgmma = plgpu.Layout.WGMMA
-  row_bytes = 4 * words_per_token(bits)
+  row_bytes = 4 * packed_width(HEAD_DIM, bits)
   fields = 16 // bits
 
   @plgpu.inline_mgpu(
@@ -184,11 +174,11 @@ def value_product_per_warp_emulated(
 ):
   """`value_product_per_warp` by jnp (interpret mode): `words` the block's value words
   uint32 [64 tiles, 4 bits] (an array, not a ref). Row 64 m + 16 w + r of the increment is
-  channel c(m, r) (`partial_row_channels`) summed over warp w's tokens of the tile, against P' of
+  channel c(m, r) (the module text) summed over warp w's tokens of the tile, against P' of
   the m-tile's pairing in every column; the code patterns' powers of two go into P' before the
   sum (they are subnormal, which XLA on CPU flushes)."""
   codes = warp_rows(unpack_codes(words, bits).astype(jnp.float32), tile, tiles)  # [64, 128]
-  fields, words_per = 16 // bits, words_per_token(bits)
+  fields, words_per = 16 // bits, packed_width(HEAD_DIM, bits)
   blocks = []
   for _, blk, p in m_tiles(bits):
     # rows r = 2 i + s of the m-tile: channels (F s + p) W + 8 blk + i
@@ -268,7 +258,7 @@ def _own_slot_rows(const, lane, warp, bits: int):
   = c // 64 its slot: rows 64 (F blk + p) + 16 w + 2 i + s (warp w)."""
   from jaxlib.mlir.dialects import arith
 
-  words, fields = words_per_token(bits), 16 // bits
+  words, fields = packed_width(HEAD_DIM, bits), 16 // bits
   channel = arith.addi(arith.muli(warp, const(32)), lane)
   field = arith.divui(channel, const(words))
   word = arith.remui(channel, const(words))
@@ -399,7 +389,7 @@ def finished_own_slot_outputs_emulated(
   # index arrays from iotas, not numpy: a kernel may not capture an array constant
   totals = add_warp_partials_emulated(partial, bits)  # [128 channels, 4]
   channel = jax.lax.iota(jnp.int32, HEAD_DIM)
-  field = (channel // words_per_token(bits)) % (16 // bits)  # in its half-word
+  field = (channel // packed_width(HEAD_DIM, bits)) % (16 // bits)  # in its half-word
   scale = power_of_two(_output_scale_exponents(bits)[0] - bits * (field % (8 // bits)))
   pairing, slot = (channel // 32) % 2, channel // 64
   columns = REAL_ROWS * slot[:, None] + jax.lax.iota(jnp.int32, REAL_ROWS)[None]  # [128, 4]
