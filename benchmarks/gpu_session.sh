@@ -167,9 +167,10 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
     --run --out "$out/warp_products_mosaic_h200.json" >> "$1" 2>&1 || status=1
   # v45: the library's "warp" variant, natively against the reference (its test file), then
   # timed at 32k (4 and 2 stages, the kernel's own bias and references, XLA's products as
-  # reductions, the Triton merge) beside v34 and C + merge
+  # reductions, the Triton merge; v46: each slot's copies by its own warp, with and without the
+  # per-warp ring release) beside v34 and C + merge
   echo "== warp variant, native tests (KERNEL_NOTES v45)" >> "$1"
-  timeout --signal=INT 90 env KVJAX_NATIVE_KERNELS=1 "$python" -m pytest -q -n 4 \
+  timeout --signal=INT 120 env KVJAX_NATIVE_KERNELS=1 "$python" -m pytest -q -n 4 \
     -p no:cacheprovider -m "slow or not slow" \
     tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py \
     2>&1 | tail -15 >> "$1" || status=1
@@ -178,10 +179,14 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
 ${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2}, ${warp}, \"key_products\": \"reduction\"}, \
 ${warp}, \"split_merge\": \"triton\"}, \
 ${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2, \"split_merge\": \"triton\"}, \
-${v34}}, ${c_merge}}]" 150 || status=1
+${warp}, \"copy_issuer\": \"slot_owner\"}, \
+${warp}, \"copy_issuer\": \"slot_owner\", \"ring_release\": \"per_warp\"}, \
+${v34}}, ${c_merge}}]" 180 || status=1
   # KIVI-4 at 32k (two stages by default there) beside v34
   sweep_shapes_only "$1" "32768 4 4" -- "${warp}}" "${warp}, \"key_bias_source\": \"kernel\"}" \
     "${v34}}" || status=1
+  # v46: 8 query heads per KV head (8 rows, two value MMAs an m-tile) beside v34
+  sweep_shapes_only "$1" "32768 8 2" -- "${warp}}" "${v34}}" || status=1
   return "$status"
 }
 keep_fastest() {  # keep_fastest LOG: the 32k sweep's fastest config, as JSON to stdout, named in

@@ -131,11 +131,12 @@ def compile_only_device():
   return topology._make_compile_only_devices()[0]
 
 
-def kernel_call(variant: str, bits: int, settings: dict):
-  """(function, abstract arguments) of one quantized Mosaic GPU kernel at the benchmark shape."""
+def kernel_call(variant: str, bits: int, settings: dict, group: int = BENCHMARK_SHAPE["group"]):
+  """(function, abstract arguments) of one quantized Mosaic GPU kernel at the benchmark shape,
+  with `group` query heads per KV head."""
   from pallas_kernels import quantized_decode_attention_gpu
 
-  shape = BENCHMARK_SHAPE
+  shape = dict(BENCHMARK_SHAPE, group=group)
   module, entry_point = quantized_decode_attention_gpu.MOSAIC_GPU_KERNELS[variant]
   call = functools.partial(
     getattr(module, entry_point),
@@ -253,6 +254,12 @@ def main():
     type=int,
     help="compile each kernel's PTX with .minnctapersm set to this (see the module doc)",
   )
+  parser.add_argument(
+    "--query-group",
+    type=int,
+    default=BENCHMARK_SHAPE["group"],
+    help="query heads per KV head of the quantized kernels' calls (the benchmark's: 4)",
+  )
   parser.add_argument("--out", help="write the rows as JSON here")
   args = parser.parse_args()
 
@@ -277,7 +284,9 @@ def main():
         label = f"kivi{bits} {variant} " + ",".join(
           f"{key}={value}" for key, value in sorted(settings.items())
         )
-        call = kernel_call(variant, bits, settings)
+        if args.query_group != BENCHMARK_SHAPE["group"]:
+          label += f" [query group {args.query_group}]"
+        call = kernel_call(variant, bits, settings, args.query_group)
         # row_max="bound": each block takes the fixed reference's arm or the exchange's
         arms = (0, 1) if settings.get("row_max") == "bound" else (None,)
         if variant == "warp":  # a loop per softmax path: the fixed one has no FMNMX

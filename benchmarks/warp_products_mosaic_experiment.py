@@ -220,7 +220,9 @@ def experiment_kernel(
         for b in range(2):
           scale, minimum = slot_tile(v_scale_smem, b), slot_tile(v_min_smem, b)
           pairs.append(((probs * scale * PROBS_SCALE).astype(jnp.bfloat16), probs * minimum))
-        acc = value_product_per_warp(pairs[0][0], pairs[1][0], v_words_smem.at[slot], acc, t, tiles)
+        acc = value_product_per_warp(
+          (pairs[0][0], pairs[1][0]), v_words_smem.at[slot], acc, t, tiles
+        )
         sums, min_low, min_high = sums + probs, min_low + pairs[0][1], min_high + pairs[1][1]
       plgpu.commit_smem()  # every warp's reads of the slot done: it may be refilled
       pl.when(i + STAGES < blocks)(functools.partial(fetch_by_first_warp, i + STAGES))

@@ -207,9 +207,10 @@ def quantized_decode_attention(
   (default) | "kernel", "stack_copies": False (default) | True} (see
   `pallas_kernels.quantized_decode_attention_triton`); or
   {"lowering": "mosaic_gpu"} (also "variant": "dequantize" (default) | "folded" | "warp" (both
-  products per warp by mma.sync: KIVI 2/4-bit, head_dim 128, group size 32, up to 4 query heads
+  products per warp by mma.sync: KIVI 2/4-bit, head_dim 128, group size 32, up to 8 query heads
   per KV head; block_tokens 128, num_splits, num_stages, key_products, key_bias_source,
-  split_merge),
+  split_merge, "copy_issuer": "first_warp" (default) | "slot_owner", "ring_release": "barrier"
+  (default) | "per_warp"),
   block_tokens,
   num_splits, num_stages, and for "folded" "key_operand": "shared_memory" (default) |
   "registers", "operand_order": "channel" (default) | "word", "approx_math": False (default) |

@@ -6,7 +6,7 @@ MMA; measured on an H100 and an H200, slower than either folded kernel), "folded
 into stacked queries and probabilities, codes staged by masking alone as subnormal bf16
 operands; `quantized_decode_attention_folded_mosaic_gpu`) or "warp" (the folded operands, both
 products per warp by `mma.sync` with operands in registers, 2- and 4-bit codes at head_dim 128
-and up to 4 query heads per KV head; `quantized_decode_attention_warp_mosaic_gpu`; not yet timed
+and up to 8 query heads per KV head; `quantized_decode_attention_warp_mosaic_gpu`; not yet timed
 on a GPU).
 
 An empty kernel_config runs what was measured fastest (`measured_default_config`): on a Hopper
@@ -59,9 +59,11 @@ CONFIG_KEYS = {
     "num_splits",
     "num_stages",
     *quantized_decode_attention_folded_mosaic_gpu.FOLDED_SETTINGS,
+    *quantized_decode_attention_warp_mosaic_gpu.WARP_ONLY_SETTINGS,
   ),
 }
 FOLDED_ONLY_KEYS = quantized_decode_attention_folded_mosaic_gpu.FOLDED_SETTINGS
+WARP_ONLY_KEYS = quantized_decode_attention_warp_mosaic_gpu.WARP_ONLY_SETTINGS
 # kernel_config keys the "warp" variant takes (besides "lowering" and "variant").
 WARP_KEYS = (
   "block_tokens",
@@ -70,6 +72,8 @@ WARP_KEYS = (
   "key_products",
   "key_bias_source",
   "split_merge",
+  "copy_issuer",
+  "ring_release",
 )
 
 
@@ -91,6 +95,12 @@ def check_config(config: dict) -> str:
     if config.get("variant") == "warp":
       _check_warp_settings(settings)
       return lowering
+    warp_only = sorted(set(settings) & set(WARP_ONLY_KEYS))
+    if warp_only:
+      raise ValueError(
+        f'kernel_config keys {warp_only} are taken by the "warp" Mosaic GPU kernel only; add '
+        f'"variant": "warp" or remove them'
+      )
     folded_only = {key: settings.pop(key) for key in FOLDED_ONLY_KEYS if key in settings}
     if folded_only and config.get("variant") != "folded":
       raise ValueError(

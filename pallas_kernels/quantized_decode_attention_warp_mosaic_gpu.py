@@ -14,19 +14,23 @@ with operands in registers (`warp_key_product`, `warp_value_product`):
   softmax: against the split's fixed reference (`softmax_reference_bounds`: XLA's, or the
           kernel's own): no reduction over tokens, so no warp waits for another;
   values: each warp's partial output [128 channels, 8 columns] += V^T codes of its tokens . P'^T,
-          P' = p v_scale 2^64 of two value groups per 8 columns (`warp_value_product`);
+          P' = p v_scale 2^64 of two value groups per 8 columns at up to 4 query heads per KV
+          head, of one at 5 to 8 (twice the MMAs; `warp_value_product`);
   after the loop: the sums over tokens, and the four warps' partial outputs added, once a split.
 
 The ring (TMA copies of a block's key words, key scales, XLA's key bias, value words and
-group-major value statistics, issued by the first warp) is the only thing the warps share in the
-loop: one barrier per block before a slot is refilled. A split the bounds cannot serve
+group-major value statistics, issued by the first warp, or with copy_issuer="slot_owner" by warp
+s % 4 for slot s) is the only thing the warps share in the loop: one barrier per block before a
+slot is refilled, or with ring_release="per_warp" each warp's arrival on the slot's mbarrier,
+which only the issuing warp waits for. A split the bounds cannot serve
 (reference `EXCHANGE`) runs an exact online softmax instead, in a loop of its own, its row max
 reduced across the warps at every block.
 
 Outputs per split, as the folded kernel's partial_slots="own" writes them: each channel's own
-value slot, normalised (f32 [4, 128], `warp_value_product.finished_own_slot_outputs`: the sum
-over the warps, the codes' powers of two and P's 2^64 taken out, the group's sum of p v_min
-added, over the sum of p), and the log-sum-exp per column (natural). The splits are merged by
+value slot, normalised (f32 [rows, 128], rows 4 or 8,
+`warp_value_product.finished_own_slot_outputs`: the sum over the warps, the codes' powers of two
+and P's 2^64 taken out, the group's sum of p v_min added, over the sum of p), and the
+log-sum-exp per column (natural). The splits are merged by
 XLA (`merge_split_partials`) or by the folded kernels' Triton merge (`split_merge="triton"`).
 
 With `key_bias_source="kernel"` each program computes q . k_min and its split's softmax
@@ -39,10 +43,10 @@ arms, statistics, epilogue, merge) is what a GPU runs; the inline code itself is
 lane on numpy (`tests/pallas_kernels/test_warp_products_inline.py`), and natively only on a GPU.
 
 Supported (`unsupported_reason`): KIVI 2- and 4-bit codes, head_dim 128, group size 32 (key
-groups of 32 tokens, value groups of 32 channels), 1 to 4 query heads per KV head (padded to 4
-rows, which the 8 columns repeat), bf16 statistics, no GEAR terms; value scales below 2^31 (P'
-carries p v_scale 2^64 in bf16 with p <= 2^32). Slots past a row's length may hold anything,
-NaN included: scores, probabilities and statistics are selected away there.
+groups of 32 tokens, value groups of 32 channels), 1 to 8 query heads per KV head (padded to 4
+rows, which the 8 columns repeat, or to 8), bf16 statistics, no GEAR terms; value scales below
+2^31 (P' carries p v_scale 2^64 in bf16 with p <= 2^32). Slots past a row's length may hold
+anything, NaN included: scores, probabilities and statistics are selected away there.
 """
 
 import functools
@@ -93,12 +97,13 @@ from pallas_kernels.warp_key_product import (
 )
 from pallas_kernels.warp_value_product import (
   PARTIAL_ROWS,
-  REAL_ROWS,
   VALUE_GROUPS,
   finished_own_slot_outputs,
   finished_own_slot_outputs_emulated,
+  query_rows,
   statistics_by_slot,
   statistics_by_slot_emulated,
+  value_operands,
   value_product_per_warp,
   value_product_per_warp_emulated,
 )
@@ -117,8 +122,23 @@ REDUCTION_SCRATCH_BYTES = 1024
 # M of one warpgroup product (a multiple of 64).
 PROLOGUE_CHUNK_GROUPS = 64
 # Per column, the split's sums the epilogue finishes the output with (`finished_own_slot_outputs`):
-# of p, and of p v_min for value groups 2 s (slot s's columns) and 2 s + 1.
-STATISTICS = ("sum", "min_low", "min_high")
+# of p, then of p v_min per P' operand (`value_operands`): at 4 query rows for value groups 2 s
+# (slot s's columns) and 2 s + 1, at 8 rows for each value group.
+STATISTICS = {4: ("sum", "min_low", "min_high"), 8: ("sum", "min_0", "min_1", "min_2", "min_3")}
+MAX_QUERY_GROUP = COLUMNS
+# Which warp issues a ring slot's copies: the first, for every slot (v45), or warp slot % 4
+# ("slot_owner": with 4 stages each warp a quarter of the blocks, so no warp carries the copies'
+# ~63 instructions a block alone; KERNEL_NOTES v46).
+COPY_ISSUERS = ("first_warp", "slot_owner")
+DEFAULT_COPY_ISSUER = "first_warp"
+# How a ring slot is released for its refill: one warpgroup barrier a block ("barrier", v45), or
+# each warp's arrival on the slot's barrier, which the issuing warp alone waits for ("per_warp":
+# no warp waits for another in the loop, only for its data; KERNEL_NOTES v46).
+RING_RELEASES = ("barrier", "per_warp")
+DEFAULT_RING_RELEASE = "barrier"
+# Settings no other Mosaic GPU variant takes (`copy_issuer` is the folded kernel's too, with its
+# own values).
+WARP_ONLY_SETTINGS = ("ring_release",)
 
 
 def unsupported_reason(
@@ -154,8 +174,8 @@ def unsupported_reason(
     return f"head_dim={queries.shape[3]} (the warp variant takes {HEAD_DIM})"
   if group_size != KEY_GROUP:
     return f"group_size={group_size} (the warp variant takes {KEY_GROUP})"
-  if queries.shape[2] > REAL_ROWS:
-    return f"query group {queries.shape[2]} (the warp variant takes 1 to {REAL_ROWS})"
+  if queries.shape[2] > MAX_QUERY_GROUP:
+    return f"query group {queries.shape[2]} (the warp variant takes 1 to {MAX_QUERY_GROUP})"
   if k_codes.shape[2] % 8:
     return f"{k_codes.shape[2]} cached tokens (the warp variant takes a multiple of 8)"
   if key_bias_source == "kernel":
@@ -173,9 +193,20 @@ def check_settings(
   key_products=None,
   key_bias_source=None,
   split_merge=None,
+  copy_issuer=None,
+  ring_release=None,
 ) -> None:
   """ValueError naming a setting the warp variant does not take, and its allowed values (None:
   the setting's default)."""
+  if copy_issuer not in (None, *COPY_ISSUERS):
+    raise ValueError(
+      f"copy_issuer={copy_issuer!r} is not supported by the warp variant; allowed: {COPY_ISSUERS}"
+    )
+  if ring_release not in (None, *RING_RELEASES):
+    raise ValueError(
+      f"ring_release={ring_release!r} is not supported by the warp variant; allowed: "
+      f"{RING_RELEASES}"
+    )
   if block_tokens not in (None, BLOCK_TOKENS):
     raise ValueError(
       f"block_tokens={block_tokens!r} is not supported by the warp variant; allowed: "
@@ -197,10 +228,23 @@ def check_settings(
 
 
 def _warp_kernel(
-  *refs, plan: SplitPlan, tokens: int, num_stages: int, bits: int, kernel_bias: bool, emulate
+  *refs,
+  plan: SplitPlan,
+  tokens: int,
+  num_stages: int,
+  bits: int,
+  kernel_bias: bool,
+  rows: int,
+  copy_issuer: str,
+  ring_release: str,
+  emulate,
 ):
   """One program: a split of one (row, KV head). `refs`: the inputs (`_kernel_arrays`), the
-  outputs, the scratch (`_scratch_types`), in their order."""
+  outputs, the scratch (`_scratch_types`), in their order. `rows`: the query rows (4 or 8,
+  `warp_value_product.query_rows`); `copy_issuer`, `ring_release`: `COPY_ISSUERS`,
+  `RING_RELEASES`."""
+  if ring_release == "per_warp":
+    *refs, consumed_barriers = refs  # per ring slot: each warp's arrival once it has read it
   if kernel_bias:
     (
       lengths_gmem,  # int32 [>= B]
@@ -211,7 +255,7 @@ def _warp_kernel(
       v_words_gmem,  # uint32 [B, H, T, 8]
       v_scale_gmem,  # bf16 [B, H, 4, T]: group-major
       v_min_gmem,  # bf16 [B, H, 4, T]
-      out_gmem,  # f32 [B, H, S, 4, 128]: each split's normalised output, each channel's own slot
+      out_gmem,  # f32 [B, H, S, rows, 128]: each split's normalised output (own slot at 4 rows)
       lse_gmem,  # f32 [B, H, S, 8]: each split's log-sum-exp (natural), by column
       lengths_smem,
       queries_smem,  # bf16 [8, 128]: the code queries, columns x positions
@@ -221,8 +265,8 @@ def _warp_kernel(
       v_words_and_partial_smem,  # [stages, 128, 8] uint32, after the loop f32 [512, 8]
       v_scale_smem,  # [stages, 4, 128]
       v_min_smem,
-      out_smem,  # f32 [4, 128]
-      statistics_smem,  # f32 [3, 8]: `STATISTICS` per column
+      out_smem,  # f32 [rows, 128]
+      statistics_smem,  # f32 [len(STATISTICS[rows]), 8]: per column
       lse_smem,  # f32 [8]
       halves_smem,  # bf16 [32, 128]: `key_bias_in_kernel.query_halves` with the bounds'
       tile_smem,  # bf16 [chunk groups, 128]: the prologue's k_min / k_scale chunk
@@ -290,12 +334,39 @@ def _warp_kernel(
     plgpu.copy_gmem_to_smem(source(v_scale_gmem).at[:, tokens_of], v_scale_smem.at[slot], barrier)
     plgpu.copy_gmem_to_smem(source(v_min_gmem).at[:, tokens_of], v_min_smem.at[slot], barrier)
 
-  def fetch_by_first_warp(i):
+  def issues_copies(warp, slot):
+    """Whether `warp` issues ring slot `slot`'s copies: always the same warp for a slot, so
+    that with per-warp release one warp waits on each slot's arrivals, every phase in turn."""
+    return warp == (0 if copy_issuer == "first_warp" else lax.rem(slot, 4))
+
+  def fetch_by_issuing_warp(i):
     # one warp issues a block's six copies; every warp waits once per block
-    plgpu.warp_map(lambda warp: pl.when(warp == 0)(functools.partial(fetch, i)))
+    slot = lax.rem(i, num_stages)
+    plgpu.warp_map(lambda warp: pl.when(issues_copies(warp, slot))(functools.partial(fetch, i)))
+
+  def release_and_refill(i, slot):
+    """The end of block i's reads of ring slot `slot`: the slot refilled for block i + stages
+    once every warp is done with it."""
+    refill = i + num_stages < blocks
+    if ring_release == "barrier":  # every warp waits for every other, once a block
+      plgpu.commit_smem()
+      pl.when(refill)(functools.partial(fetch_by_issuing_warp, i + num_stages))
+      return
+
+    def warp_release(warp):
+      # No warp waits for the others here: only the issuing warp waits, for their arrivals on
+      # this slot, so a warp may run up to num_stages blocks ahead of the slowest.
+      plgpu.barrier_arrive(consumed_barriers.at[slot])
+
+      @pl.when(issues_copies(warp, slot) & refill)
+      def _():
+        plgpu.barrier_wait(consumed_barriers.at[slot])
+        fetch(i + num_stages)
+
+    plgpu.warp_map(warp_release)
 
   for i in range(num_stages):
-    pl.when(i < blocks)(functools.partial(fetch_by_first_warp, i))
+    pl.when(i < blocks)(functools.partial(fetch_by_issuing_warp, i))
   if kernel_bias:
     # After the ring's first copies are issued, so that they land while the split's bias and
     # references are computed (one copy of k_min and one of k_scale, and a warpgroup product of
@@ -355,19 +426,18 @@ def _warp_kernel(
 
   def slot_statistic(ring, slot, b, t):
     if emulate:
-      return statistics_by_slot_emulated(ring[slot], b, t, TILES)
-    return statistics_by_slot(ring.at[slot], b, t, TILES)
+      return statistics_by_slot_emulated(ring[slot], b, t, TILES, rows)
+    return statistics_by_slot(ring.at[slot], b, t, TILES, rows)
 
-  def value_product(probs_low, probs_high, slot, acc, t):
+  def value_product(probs, slot, acc, t):
     if emulate:
-      return value_product_per_warp_emulated(
-        probs_low, probs_high, v_words_smem[slot], acc, t, TILES, bits
-      )
-    words_ref = v_words_smem.at[slot]
-    return value_product_per_warp(probs_low, probs_high, words_ref, acc, t, TILES, bits)
+      return value_product_per_warp_emulated(probs, v_words_smem[slot], acc, t, TILES, bits)
+    return value_product_per_warp(probs, v_words_smem.at[slot], acc, t, TILES, bits)
+
+  operands = value_operands(rows)
 
   def step(i, state, *, exact: bool, masked: bool):
-    acc, row_max, sums, min_low, min_high = state
+    acc, row_max, sums, minimums = state
     slot = lax.rem(i, num_stages)
     plgpu.barrier_wait(ring_barriers.at[slot])
     first_token = start + i * BLOCK_TOKENS
@@ -384,7 +454,8 @@ def _warp_kernel(
       new_max = jnp.maximum(row_max, block_max)  # a split's first block holds a valid token
       correction = jnp.exp2(row_max - new_max)
       acc = acc * lax.broadcast_in_dim(correction, (PARTIAL_ROWS, COLUMNS), [1])
-      sums, min_low, min_high = (x * per_column(correction) for x in (sums, min_low, min_high))
+      sums = sums * per_column(correction)
+      minimums = tuple(x * per_column(correction) for x in minimums)
       row_max = new_max
     for t in range(TILES):
       # past the length the scores and statistics may be NaN: p is 0 there, so are they (only a
@@ -393,16 +464,17 @@ def _warp_kernel(
         return jnp.where(valid[t], x, 0.0) if masked else x
 
       probs = select(jnp.exp2(logits[t] - per_column(row_max)))
-      pairs = []
-      for b in range(2):  # slot s of the columns holds value group 2 s + b
+      scaled_probs, new_minimums = [], []
+      # 4 rows: slot s of the columns holds value group 2 s + b; 8 rows: every column group b
+      for b in range(operands):
         scale = select(slot_statistic(v_scale_smem, slot, b, t))
         minimum = select(slot_statistic(v_min_smem, slot, b, t))
-        pairs.append(((probs * scale * PROBS_SCALE).astype(jnp.bfloat16), probs * minimum))
-      acc = value_product(pairs[0][0], pairs[1][0], slot, acc, t)
-      sums, min_low, min_high = sums + probs, min_low + pairs[0][1], min_high + pairs[1][1]
-    plgpu.commit_smem()  # every warp's reads of the slot done: it may be refilled
-    pl.when(i + num_stages < blocks)(functools.partial(fetch_by_first_warp, i + num_stages))
-    return acc, row_max, sums, min_low, min_high
+        scaled_probs.append((probs * scale * PROBS_SCALE).astype(jnp.bfloat16))
+        new_minimums.append(minimums[b] + probs * minimum)
+      acc = value_product(scaled_probs, slot, acc, t)
+      sums, minimums = sums + probs, tuple(new_minimums)
+    release_and_refill(i, slot)
+    return acc, row_max, sums, minimums
 
   minus_inf = plgpu.layout_cast(jnp.full((COLUMNS,), -jnp.inf, jnp.float32), wgmma.reduce(0))
   zero = plgpu.layout_cast(jnp.zeros((TILE_ROWS, COLUMNS), jnp.float32), wgmma)
@@ -410,8 +482,7 @@ def _warp_kernel(
     plgpu.layout_cast(jnp.zeros((PARTIAL_ROWS, COLUMNS), jnp.float32), wgmma),
     lax.cond(exchange, lambda: minus_inf, lambda: reference),
     zero,
-    zero,
-    zero,
+    (zero,) * operands,
   )
 
   # A loop per path, chosen once per program (every thread reads the same reference, so all
@@ -429,25 +500,27 @@ def _warp_kernel(
 
     return run
 
-  acc, row_max, sums, min_low, min_high = lax.cond(exchange, loop(True), loop(False), init)
+  acc, row_max, sums, minimums = lax.cond(exchange, loop(True), loop(False), init)
   # Once per split: the sums over tokens, the four warps' partial outputs added (through shared
   # memory, in the value ring's bytes: every copy into it has been waited for and read) and
   # finished: each channel's own slot, normalised, and the split's log-sum-exp (natural), as
   # the folded kernel's partial_slots="own" writes them.
-  totals = [x.sum(axis=0) for x in (sums, min_low, min_high)]
+  totals = [x.sum(axis=0) for x in (sums, *minimums)]
   for k, total in enumerate(totals):
     statistics_smem[k, :] = total
   nonempty = totals[0] != 0  # a NaN sum is not empty: its NaN reaches out and lse
   safe_sums = jnp.where(nonempty, totals[0], 1.0)
   lse_smem[...] = jnp.where(nonempty, natural_log_sum_exp(row_max, safe_sums), -jnp.inf)
+  if ring_release == "per_warp":  # every warp done with the value ring the partials reuse
+    plgpu.commit_smem()
   partial_smem[...] = acc
   plgpu.commit_smem()
   if emulate:
     out_smem[...] = finished_own_slot_outputs_emulated(
-      partial_smem[...], statistics_smem[...], bits
+      partial_smem[...], statistics_smem[...], bits, rows
     )
   else:
-    out_smem[...] = finished_own_slot_outputs(partial_smem, statistics_smem, bits)
+    out_smem[...] = finished_own_slot_outputs(partial_smem, statistics_smem, bits, rows)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[row, head, split])
   plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, head, split])
@@ -455,11 +528,12 @@ def _warp_kernel(
 
 
 def _code_queries(queries, sm_scale, bits):
-  """(the queries scaled to base 2, padded to 4 rows and repeated to the 8 columns (row j is row
-  j % 4), f32 [B, H, 8, D]; the same moved to the word order and scaled by each position's
-  2^(69 - bit) (`subnormal_codes`), f32 [B, H, D, 8])."""
-  scaled = pad_query_group(base_two_queries(queries, sm_scale), REAL_ROWS, jnp.float32)
-  scaled = jnp.tile(scaled, (1, 1, COLUMNS // REAL_ROWS, 1))
+  """(the queries scaled to base 2, padded to `query_rows` rows and, at 4, repeated to the 8
+  columns (column j is row j % 4), f32 [B, H, 8, D]; the same moved to the word order and scaled
+  by each position's 2^(69 - bit) (`subnormal_codes`), f32 [B, H, D, 8])."""
+  rows = query_rows(queries.shape[2])
+  scaled = pad_query_group(base_two_queries(queries, sm_scale), rows, jnp.float32)
+  scaled = jnp.tile(scaled, (1, 1, COLUMNS // rows, 1))
   channel_scale = power_of_two(
     QUERY_EXPONENT - code_exponent(jnp.arange(HEAD_DIM, dtype=jnp.int32), HEAD_DIM, bits)
   )
@@ -521,9 +595,18 @@ def _kernel_arrays(
 
 
 def _scratch_types(
-  lengths_words: int, plan: SplitPlan, num_stages: int, bits: int, kernel_bias: bool
+  lengths_words: int,
+  plan: SplitPlan,
+  num_stages: int,
+  bits: int,
+  kernel_bias: bool,
+  rows: int,
+  ring_release: str,
 ):
   """The kernel's scratch, in its order (`_warp_kernel`)."""
+  consumed = (
+    [plgpu.Barrier(num_arrivals=4, num_barriers=num_stages)] if ring_release == "per_warp" else []
+  )
   groups = BLOCK_TOKENS // KEY_GROUP
   words = packed_width(HEAD_DIM, bits)
   ring = lambda shape, dtype: plgpu.SMEM((num_stages, *shape), dtype)
@@ -541,8 +624,8 @@ def _scratch_types(
     ),
     ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
     ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
-    plgpu.SMEM((REAL_ROWS, HEAD_DIM), jnp.float32),
-    plgpu.SMEM((len(STATISTICS), COLUMNS), jnp.float32),
+    plgpu.SMEM((rows, HEAD_DIM), jnp.float32),
+    plgpu.SMEM((len(STATISTICS[rows]), COLUMNS), jnp.float32),
     plgpu.SMEM((COLUMNS,), jnp.float32),
   ]
   barriers = [
@@ -550,7 +633,7 @@ def _scratch_types(
     plgpu.Barrier(num_arrivals=5 if kernel_bias else 6, num_barriers=num_stages),
   ]
   if not kernel_bias:
-    return scratch + barriers
+    return scratch + barriers + consumed
   # a split shorter than a chunk copies its own groups into the tile: the rest is never picked
   chunk = PROLOGUE_CHUNK_GROUPS
   chunks = bias_chunks(split_key_groups(plan.split_tokens, KEY_GROUP), chunk)
@@ -560,6 +643,7 @@ def _scratch_types(
     plgpu.SMEM((chunks * chunk, COLUMNS), jnp.float32),
     *barriers,
     plgpu.Barrier(num_barriers=chunks * copies_per_chunk(True)),
+    *consumed,
   ]
 
 
@@ -572,6 +656,8 @@ def _scratch_types(
     "bits",
     "key_products",
     "key_bias_source",
+    "copy_issuer",
+    "ring_release",
     "interpret",
   ),
 )
@@ -583,11 +669,14 @@ def _jitted_kernel_outputs(
   bits: int,
   key_products: str,
   key_bias_source: str,
+  copy_issuer: str = DEFAULT_COPY_ISSUER,
+  ring_release: str = DEFAULT_RING_RELEASE,
   interpret: bool,
 ):
   queries, k_codes = arrays[:2]
   batch, kv_heads = queries.shape[:2]
   kernel_bias = key_bias_source == "kernel"
+  rows = query_rows(queries.shape[2])
   inputs = _kernel_arrays(
     *arrays, sm_scale=sm_scale, plan=plan, key_products=key_products,
     key_bias_source=key_bias_source, bits=bits,
@@ -600,15 +689,20 @@ def _jitted_kernel_outputs(
       num_stages=num_stages,
       bits=bits,
       kernel_bias=kernel_bias,
+      rows=rows,
+      copy_issuer=copy_issuer,
+      ring_release=ring_release,
       emulate=interpret,
     ),
     out_type=(
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, REAL_ROWS, HEAD_DIM), jnp.float32),
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, HEAD_DIM), jnp.float32),
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, COLUMNS), jnp.float32),
     ),
     grid=(batch, kv_heads, plan.num_splits),
     grid_names=("row", "head", "split"),
-    scratch_types=_scratch_types(inputs[0].shape[0], plan, num_stages, bits, kernel_bias),
+    scratch_types=_scratch_types(
+      inputs[0].shape[0], plan, num_stages, bits, kernel_bias, rows, ring_release
+    ),
     # Every thread's stores into shared memory (the epilogue's, the prologue's) are published by
     # `commit_smem` before anyone reads them; the loop stores none. TMA refills a slot only after
     # the `commit_smem` that ends the block reading it.
@@ -638,10 +732,13 @@ def warp_kernel_outputs(
   num_stages: int | None = None,
   key_products: str = DEFAULT_KEY_PRODUCT,
   key_bias_source: str = DEFAULT_KEY_BIAS_SOURCE,
+  copy_issuer: str = DEFAULT_COPY_ISSUER,
+  ring_release: str = DEFAULT_RING_RELEASE,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """The kernel's own outputs: out f32 [B, H, S, 4, 128] (each split's normalised output, each
-  channel from its own value slot) and lse f32 [B, H, S, 8] (natural; column j is row j % 4).
+  """The kernel's own outputs: out f32 [B, H, S, rows, 128] (each split's normalised output, each
+  channel from its own value slot; rows = `query_rows(G)`, 4 or 8) and lse f32 [B, H, S, 8]
+  (natural; column j is row j % rows).
   Settings and shapes are checked (ValueError) before anything is traced."""
   check_settings(
     block_tokens=block_tokens,
@@ -649,6 +746,8 @@ def warp_kernel_outputs(
     num_stages=num_stages,
     key_products=key_products,
     key_bias_source=key_bias_source,
+    copy_issuer=copy_issuer,
+    ring_release=ring_release,
   )
   reason = unsupported_reason(
     queries,
@@ -687,6 +786,8 @@ def warp_kernel_outputs(
     bits=bits,
     key_products=key_products,
     key_bias_source=key_bias_source,
+    copy_issuer=copy_issuer,
+    ring_release=ring_release,
     interpret=interpret,
   )
   return _compat.finished_if_interpreted(outputs, interpret)
@@ -715,7 +816,7 @@ def warp_decode_attention_mosaic_gpu(*arrays, bits, group_size, **settings):
       lse,
       group=group,
       group_size=KEY_GROUP,
-      real_rows=REAL_ROWS,
+      real_rows=query_rows(group),
       own_slot=True,
       interpret=settings.get("interpret", False),
     )

@@ -3,8 +3,9 @@ its own partial output, by `mma.sync.m16n8k16`, the per-token value statistics e
 and the four warps' partial outputs added once per split.
 
 KIVI's values have a scale and a minimum per token and 32-channel group, so P' depends on a
-channel's value group. An 8-column B operand holds two groups: with 4 query rows, columns
-4 s + j (slot s, row j). The value product's rows are channels in the order the codes leave the
+channel's value group. With up to 4 query rows an 8-column B operand holds two groups: columns
+4 s + j (slot s, row j); with 5 to 8 rows (`query_rows`) it holds one, every column its own row.
+The value product's rows are channels in the order the codes leave the
 transposing matrix loads. A half-word holds F = 16 / bits fields (8 at 2 bits, 4 at 4) and a
 token bits / 2 blocks of 16 half-words (a matrix load each); m-tile m = F blk + p (16 rows) of
 warp w's partial output is field p of half-word 16 blk + r of a token's planar words (W = 4 bits
@@ -12,22 +13,28 @@ words a token), i.e. channel
 
   c(m, r) = (F (r % 2) + p) W + 8 blk + r // 2    (at 2 bits: 64 (r % 2) + 8 p + r // 2)
 
-whose value group is 2 (r % 2) + p // (F / 2): the m-tiles with p < F / 2 take groups (0, 2)
-with P' `probs_low` (slot s: group 2 s), the others groups (1, 3) with `probs_high` (slot s:
-group 2 s + 1), and each row reads its own slot s = r % 2 (`add_warp_partials`; the other slot's
-columns are dropped).
+whose value group is 2 (r % 2) + b, b = p // (F / 2). At 4 query rows the m-tiles with b = 0
+take groups (0, 2) with P' of pairing 0 (slot s: group 2 s), the others groups (1, 3) with P' of
+pairing 1 (slot s: group 2 s + 1), and each row reads its own slot s = r % 2
+(`add_warp_partials`; the other slot's columns are dropped). At 8 query rows an m-tile's even
+and odd rows need different P' (groups b and 2 + b): two MMAs an m-tile, each with the code
+operand of the other half's rows zeroed (a lane's A registers are rows of one parity), into one
+accumulator: twice the 4-row product's MMAs, the same accumulator registers.
 
 - `statistics_by_slot`: the per-token statistic of each column's slot group, f32 [64, 8]: a lane's
   two columns share a slot, so it loads its two tokens' values of one group.
-- `value_product_per_warp`: P' (bf16 [64, 8] per pairing, rows the warp's tokens as the key
-  product's scores hold them) moved to B operands by `movmatrix.trans`, the warp's own 16 tokens'
-  value codes by one `ldmatrix.x4.trans`, 8 MMAs into the partial output, a [512, 8] f32 array
-  in the wgmma layout whose row 64 p + 16 w + r is warp w's m-tile p.
+- `value_product_per_warp`: P' (bf16 [64, 8] per pairing, or per group at 8 rows; rows the
+  warp's tokens as the key product's scores hold them) moved to B operands by
+  `movmatrix.trans`, the warp's own 16 tokens' value codes by one `ldmatrix.x4.trans` per 16
+  half-words, 8 MMAs (16 at 8 rows) into the partial output, a [512, 8] f32 array in the wgmma
+  layout whose row 64 m + 16 w + r is warp w's m-tile m.
 - `add_warp_partials`: f32 [128, 4], channel c's 4 rows summed over the warps from its slot.
+- `finished_own_slot_outputs`: each split's normalised output, f32 [rows, 128].
 
 Native only; the `_emulated` functions compute the same arrays by jnp for interpret mode, and
 `tests/pallas_kernels/test_warp_products_inline.py` runs the inline code on numpy lane by lane.
-Supported: 2- and 4-bit planar codes at head_dim 128, value groups of 32 channels, 4 query rows.
+Supported: 2- and 4-bit planar codes at head_dim 128, value groups of 32 channels, 4 or 8 query
+rows (`ROW_COUNTS`).
 """
 
 import functools
@@ -49,10 +56,37 @@ from pallas_kernels.warpgroup_thread import thread_coordinates
 
 VALUE_GROUP = 32  # channels of a value group
 VALUE_GROUPS = HEAD_DIM // VALUE_GROUP
-REAL_ROWS = 4  # query rows of a slot
+REAL_ROWS = 4  # query rows of a slot when two slots share the 8 columns
+ROW_COUNTS = (REAL_ROWS, COLUMNS)  # query rows the products take: two slots of 4, or one of 8
 PARTIAL_ROWS = 8 * TILE_ROWS  # the per-warp partial outputs: 8 m-tiles of 16 rows per warp
 _CODE_UNIT_EXPONENT = 133
 _PROBS_EXPONENT = 64
+
+
+def query_rows(group: int) -> int:
+  """The query rows (`ROW_COUNTS`) a query group of `group` heads per KV head is padded to."""
+  if not 1 <= group <= COLUMNS:
+    raise ValueError(f"query group {group} is not supported; allowed: 1 to {COLUMNS}")
+  return REAL_ROWS if group <= REAL_ROWS else COLUMNS
+
+
+def check_rows(rows: int) -> None:
+  """ValueError naming `rows` and its allowed values."""
+  if rows not in ROW_COUNTS:
+    raise ValueError(f"rows={rows!r} is not supported; allowed: {ROW_COUNTS}")
+
+
+def value_operands(rows: int) -> int:
+  """P' operands (and sums of p v_min) per tile: one per pairing b (two groups each, in two slots
+  of 4 columns) at 4 rows, one per value group at 8."""
+  check_rows(rows)
+  return 2 if rows == REAL_ROWS else VALUE_GROUPS
+
+
+def operand_of_half(operands: int, s: int, b: int) -> int:
+  """Which of the `operands` P' an m-tile's rows of half s (r % 2 = s) take at pairing b:
+  pairing b's (4 rows: its slot s columns hold group 2 s + b), or group 2 s + b's (8 rows)."""
+  return b if operands == 2 else 2 * s + b
 
 
 def m_tiles(bits: int) -> list[tuple[int, int, int]]:
@@ -69,23 +103,25 @@ def field_shift_and_bit(bits: int, p: int) -> tuple[int, int]:
   return 8 * (p // per_byte), bits * (p % per_byte)
 
 
-def value_product_per_warp(
-  probs_low, probs_high, words_ref, acc, tile: int = 0, tiles: int = 1, bits: int = 2
-):
+def value_product_per_warp(probs, words_ref, acc, tile: int = 0, tiles: int = 1, bits: int = 2):
   """acc f32 [512, 8] (wgmma layout: row 64 m + 16 w + r is warp w's m-tile m) plus each warp's
-  V^T [128, 16 own tokens] . P'^T [16, 8], for m-tiles of fields p < F / 2 with P' `probs_low`,
-  the others with `probs_high` (bf16 [64, 8], wgmma layout: warp w's rows are its tokens
-  16 tiles w + 16 tile ..); `words_ref` the block's value words [64 tiles, 4 bits] uint32 in
-  shared memory (`inline_mgpu`, native only)."""
+  V^T [128, 16 own tokens] . P'^T [16, 8]. `probs`: P' bf16 [64, 8] (wgmma layout: warp w's rows
+  are its tokens 16 tiles w + 16 tile ..), two (4 query rows: m-tiles of fields p < F / 2 take
+  the first, the others the second) or four (8 rows: group 2 (r % 2) + p // (F / 2)'s for row
+  r, `operand_of_half`); `words_ref` the block's value words [64 tiles, 4 bits] uint32 in shared
+  memory (`inline_mgpu`, native only)."""
   wgmma = plgpu.Layout.WGMMA
   row_bytes = 4 * packed_width(HEAD_DIM, bits)
   fields = 16 // bits
+  operands = len(probs)
+  if operands not in (2, VALUE_GROUPS):
+    raise ValueError(f"{operands} P' operands; allowed: 2 (4 query rows) or 4 (8 rows)")
 
   @plgpu.inline_mgpu(
-    arg_types=(wgmma, wgmma, plgpu.RefType(), wgmma),
+    arg_types=([wgmma] * operands, plgpu.RefType(), wgmma),
     return_type=plgpu.ShapeDtypeStruct((PARTIAL_ROWS, COLUMNS), jnp.float32, layout=wgmma),
   )
-  def product(_, low, high, ref, accumulator):
+  def product(_, probs_arrays, ref, accumulator):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
@@ -106,10 +142,10 @@ def value_product_per_warp(
       )
 
     # P' [64, 8] bf16: each thread's registers are (token 16 w + g + 8 h, columns 2 t, 2 t + 1)
-    operands = []
-    for probs in (low, high):
-      registers = probs.registers.reshape(-1)  # h = 0, 1
-      operands.append([transposed(registers[0]), transposed(registers[1])])
+    b_operands = []
+    for probs_array in probs_arrays:
+      registers = probs_array.registers.reshape(-1)  # h = 0, 1
+      b_operands.append([transposed(registers[0]), transposed(registers[1])])
     # Lanes 8 m .. 8 m + 7 address the rows of matrix m: token 16 tiles w + 16 tile + 8 (m / 2)
     # + l % 8, bytes 32 blk + 16 (m % 2) of its row (one load per block of 16 half-words).
     matrix = arith.divui(lane, const(8))
@@ -133,6 +169,13 @@ def value_product_per_warp(
       for blk in range(bits // 2)
     ]
     upper = [[arith.shrui(register, const(8)) for register in block] for block in loaded]
+    if operands == 2:
+      half_masks = [None]  # one MMA an m-tile: both halves' rows against one P'
+    else:
+      # A lane's A registers hold rows g and g + 8 (g = lane / 4), one parity: all ones in the
+      # lanes of half s's rows, zero in the others'.
+      parity = arith.andi(arith.divui(lane, const(4)), const(1))
+      half_masks = [arith.subi(parity, const(1)), arith.subi(const(0), parity)]
     registers = np.empty(accumulator.registers.shape, dtype=object)
     undefined = llvm.mlir_undef(ir.VectorType.get((2,), f32))
     field_mask = (1 << bits) - 1
@@ -140,9 +183,8 @@ def value_product_per_warp(
       shift, bit = field_shift_and_bit(bits, p)
       source = upper[blk] if shift else loaded[blk]
       mask = const((field_mask << bit) * 0x00010001)
-      a = [arith.andi(register, mask) for register in source]
-      b = operands[p // (fields // 2)]
-      c = [
+      fields_of = [arith.andi(register, mask) for register in source]
+      d = [
         vector.extract(
           accumulator.registers[(m, 0, 0, 0, h, 0, 0, 0, 0)],
           dynamic_position=[],
@@ -151,63 +193,68 @@ def value_product_per_warp(
         for h in range(2)
         for i in range(2)
       ]
-      d = mgpu_utils.inline_ptx(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
-        "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
-        *a,
-        *b,
-        *c,
-        result_types=[f32] * 4,
-        convergent=True,  # warp-wide (.sync.aligned): out of divergent code
-      )
+      for s, half_mask in enumerate(half_masks):
+        a = fields_of if half_mask is None else [arith.andi(x, half_mask) for x in fields_of]
+        b = b_operands[operand_of_half(operands, s, p // (fields // 2))]
+        d = mgpu_utils.inline_ptx(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
+          "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+          *a,
+          *b,
+          *d,
+          result_types=[f32] * 4,
+          convergent=True,  # warp-wide (.sync.aligned): out of divergent code
+        )
       for h in range(2):
         pair = llvm.insertelement(undefined, d[2 * h], position=const(0))
         pair = llvm.insertelement(pair, d[2 * h + 1], position=const(1))
         registers[(m, 0, 0, 0, h, 0, 0, 0, 0)] = pair
     return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
-  return product(probs_low, probs_high, words_ref, acc)
+  return product(list(probs), words_ref, acc)
 
 
-def value_product_per_warp_emulated(
-  probs_low, probs_high, words, acc, tile: int, tiles: int, bits: int = 2
-):
+def value_product_per_warp_emulated(probs, words, acc, tile: int, tiles: int, bits: int = 2):
   """`value_product_per_warp` by jnp (interpret mode): `words` the block's value words
   uint32 [64 tiles, 4 bits] (an array, not a ref). Row 64 m + 16 w + r of the increment is
-  channel c(m, r) (the module text) summed over warp w's tokens of the tile, against P' of
-  the m-tile's pairing in every column; the code patterns' powers of two go into P' before the
-  sum (they are subnormal, which XLA on CPU flushes)."""
+  channel c(m, r) (the module text) summed over warp w's tokens of the tile, against the P' its
+  half r % 2 takes (`operand_of_half`) in every column; the code patterns' powers of two go into
+  P' before the sum (they are subnormal, which XLA on CPU flushes)."""
   codes = warp_rows(unpack_codes(words, bits).astype(jnp.float32), tile, tiles)  # [64, 128]
   fields, words_per = 16 // bits, packed_width(HEAD_DIM, bits)
   blocks = []
   for _, blk, p in m_tiles(bits):
-    # rows r = 2 i + s of the m-tile: channels (F s + p) W + 8 blk + i
-    halves = [
-      codes[:, (fields * s + p) * words_per + 8 * blk : (fields * s + p) * words_per + 8 * blk + 8]
-      for s in range(2)
-    ]
-    rows = jnp.stack(halves, axis=-1).reshape(TILE_ROWS, 16)  # [64 tokens, 16 rows]
     # the field's bit in its byte e: code * 2^(e - 133) taken as code * (P' 2^(e - 69)) 2^-64,
     # in the normal range throughout
     _, bit = field_shift_and_bit(bits, p)
     unit = 2.0 ** (bit - (_CODE_UNIT_EXPONENT - _PROBS_EXPONENT))
-    probs = (probs_low, probs_high)[p // (fields // 2)].astype(jnp.float32) * unit
-    blocks += [
-      jnp.einsum(
-        "tr,tc->rc", rows[16 * w : 16 * w + 16], probs[16 * w : 16 * w + 16], precision="highest"
-      )
-      for w in range(4)
-    ]
+    for w in range(4):
+      tokens = slice(16 * w, 16 * w + 16)
+      halves = []
+      for s in range(2):  # rows r = 2 i + s of the m-tile: channels (F s + p) W + 8 blk + i
+        first = (fields * s + p) * words_per + 8 * blk
+        operand = probs[operand_of_half(len(probs), s, p // (fields // 2))]
+        halves.append(
+          jnp.einsum(
+            "ti,tc->ic",
+            codes[tokens, first : first + 8],
+            operand[tokens].astype(jnp.float32) * unit,
+            precision="highest",
+          )
+        )
+      blocks.append(jnp.stack(halves, axis=1).reshape(16, COLUMNS))  # row 2 i + s
   return acc + jnp.concatenate(blocks, axis=0) * 2.0**-_PROBS_EXPONENT
 
 
-def statistics_by_slot(ring_ref, b: int, tile: int = 0, tiles: int = 1):
+def statistics_by_slot(ring_ref, b: int, tile: int = 0, tiles: int = 1, rows: int = REAL_ROWS):
   """f32 [64, 8] (wgmma layout): each element the statistic of its token (row 16 w + r: token
-  16 tiles w + 16 tile + r) in the value group of its column's slot, 2 (column // 4) + b, from
-  the block's [4, 64 tiles] bf16 statistics in shared memory. A lane's two columns share a
-  slot, so it loads its two tokens' values of one group (2 16-bit loads), where array code
-  selects between two broadcast tiles on every element. Values past a row's length are loaded
-  as they are (the kernel masks them; `inline_mgpu`, native only)."""
+  16 tiles w + 16 tile + r) in the value group of its column's slot, from the block's
+  [4, 64 tiles] bf16 statistics in shared memory: at 4 query rows group 2 (column // 4) + b (two
+  slots of 4 columns), at 8 rows group b in every column. A lane's two columns share a slot, so
+  it loads its two tokens' values of one group (2 16-bit loads), where array code selects
+  between two broadcast tiles on every element. Values past a row's length are loaded as they
+  are (the kernel masks them; `inline_mgpu`, native only)."""
+  check_rows(rows)
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(),),
@@ -223,7 +270,10 @@ def statistics_by_slot(ring_ref, b: int, tile: int = 0, tiles: int = 1):
     f32 = ir.F32Type.get()
     index = ir.IndexType.get()
     const, lane, warp, quad = thread_coordinates()
-    group = arith.addi(arith.muli(arith.divui(quad, const(2)), const(2)), const(b))
+    if rows == REAL_ROWS:  # columns 2 quad, 2 quad + 1 are slot quad // 2's
+      group = arith.addi(arith.muli(arith.divui(quad, const(2)), const(2)), const(b))
+    else:
+      group = const(b)
     token = arith.addi(
       arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile)),
       arith.divui(lane, const(4)),
@@ -242,9 +292,12 @@ def statistics_by_slot(ring_ref, b: int, tile: int = 0, tiles: int = 1):
   return load(ring_ref)
 
 
-def statistics_by_slot_emulated(statistics, b: int, tile: int, tiles: int):
+def statistics_by_slot_emulated(statistics, b: int, tile: int, tiles: int, rows: int = REAL_ROWS):
   """`statistics_by_slot` by jnp: `statistics` the block's [4, 64 tiles] (an array)."""
+  check_rows(rows)
   per_token = warp_rows(statistics.T, tile, tiles).astype(jnp.float32)  # [64, groups]
+  if rows == COLUMNS:
+    return jnp.broadcast_to(per_token[:, b, None], (TILE_ROWS, COLUMNS))
   slots = [
     jnp.broadcast_to(per_token[:, 2 * s + b, None], (TILE_ROWS, REAL_ROWS)) for s in range(2)
   ]
@@ -317,15 +370,19 @@ def add_warp_partials(partial_ref, bits: int = 2):
   return add(partial_ref)
 
 
-def add_warp_partials_emulated(partial: jax.Array, bits: int = 2) -> jax.Array:
-  """`add_warp_partials` by jnp, from the partial outputs f32 [512, 8] (an array): channel
-  (F s + p) W + 8 blk + i is row r = 2 i + s of m-tile F blk + p, read from slot s's columns."""
-  fields = 16 // bits
-  split = partial.reshape(8, 4, 8, 2, 2, REAL_ROWS)  # m, w, i, s, column slot, j
+def add_warp_partials_emulated(
+  partial: jax.Array, bits: int = 2, rows: int = REAL_ROWS
+) -> jax.Array:
+  """`add_warp_partials` by jnp, from the partial outputs f32 [512, 8] (an array): f32
+  [128, rows], channel (F s + p) W + 8 blk + i is row r = 2 i + s of m-tile F blk + p, read from
+  slot s's columns at 4 query rows (from every column at 8)."""
+  check_rows(rows)
+  fields, slots = 16 // bits, COLUMNS // rows
+  split = partial.reshape(8, 4, 8, 2, slots, rows)  # m, w, i, s, column slot, j
   summed = split.sum(axis=1)  # [m, i, s, column slot, j]
-  own = jnp.stack([summed[:, :, s, s] for s in range(2)])  # [s, m, i, j]
-  own = own.reshape(2, bits // 2, fields, 8, REAL_ROWS)  # [s, blk, p, i, j]
-  return jnp.swapaxes(own, 1, 2).reshape(HEAD_DIM, REAL_ROWS)  # channel order (s, p, blk, i)
+  own = jnp.stack([summed[:, :, s, s % slots] for s in range(2)])  # [s, m, i, j]
+  own = own.reshape(2, bits // 2, fields, 8, rows)  # [s, blk, p, i, j]
+  return jnp.swapaxes(own, 1, 2).reshape(HEAD_DIM, rows)  # channel order (s, p, blk, i)
 
 
 def _output_scale_exponents(bits: int) -> tuple[int, ...]:
@@ -335,18 +392,21 @@ def _output_scale_exponents(bits: int) -> tuple[int, ...]:
   return tuple(_CODE_UNIT_EXPONENT - _PROBS_EXPONENT - bits * k for k in range(8 // bits))
 
 
-def finished_own_slot_outputs(partial_ref, statistics_ref, bits: int = 2):
-  """f32 [4, 128] (strided layout: thread c holds channel c's 4 rows): each split's normalised
-  output, `add_warp_partials`' sum times the channel's 2^(69 - bit), plus its value group's sum
-  of p v_min (group 2 s + b of slot s = c // 64, b = (c // 32) % 2: `statistics_ref` row 1 + b,
-  column 4 s + j), over the column's sum of p (row 0, column j); 0 where that sum is 0 (a split
-  with no valid token), NaN where it is NaN. `statistics_ref`: f32 [3, 8] in shared memory
+def finished_own_slot_outputs(partial_ref, statistics_ref, bits: int = 2, rows: int = REAL_ROWS):
+  """f32 [rows, 128] (strided layout: thread c holds channel c's rows): each split's normalised
+  output, the four warps' sums (`add_warp_partials`) times the channel's 2^(69 - bit), plus its
+  value group's sum of p v_min, over the column's sum of p (`statistics_ref` row 0, column j);
+  0 where that sum is 0 (a split with no valid token), NaN where it is NaN. `statistics_ref`:
+  f32 [1 + value_operands(rows), 8] in shared memory: at 4 query rows channel c's row j is
+  read from its slot s = c // 64's columns 4 s + j and its group's sums of p v_min are row
+  1 + b, b = (c // 32) % 2, column 4 s + j; at 8 rows from column j, row 1 + c // 32
   (`inline_mgpu`, native only)."""
-  layout = plgpu.Layout.WG_STRIDED((REAL_ROWS, HEAD_DIM), vec_size=1)
+  check_rows(rows)
+  layout = plgpu.Layout.WG_STRIDED((rows, HEAD_DIM), vec_size=1)
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(), plgpu.RefType()),
-    return_type=plgpu.ShapeDtypeStruct((REAL_ROWS, HEAD_DIM), jnp.float32, layout=layout),
+    return_type=plgpu.ShapeDtypeStruct((rows, HEAD_DIM), jnp.float32, layout=layout),
   )
   def finish(_, ref, statistics):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -357,7 +417,12 @@ def finished_own_slot_outputs(partial_ref, statistics_ref, bits: int = 2):
     index = ir.IndexType.get()
     const, lane, warp, _ = thread_coordinates()
     channel, field, slot, first_row = _own_slot_rows(const, lane, warp, bits)
-    pairing = arith.remui(arith.divui(channel, const(32)), const(2))
+    if rows == REAL_ROWS:
+      minimum_row = arith.addi(arith.remui(arith.divui(channel, const(32)), const(2)), const(1))
+      first_column = arith.muli(slot, const(REAL_ROWS))
+    else:
+      minimum_row = arith.addi(arith.divui(channel, const(32)), const(1))
+      first_column = const(0)
     exponents = _output_scale_exponents(bits)
     bit_step = arith.remui(field, const(len(exponents)))  # the code's bit in its byte, over bits
     scale = arith.constant(f32, 2.0 ** exponents[-1])
@@ -366,11 +431,11 @@ def finished_own_slot_outputs(partial_ref, statistics_ref, bits: int = 2):
       scale = arith.select(chosen, arith.constant(f32, 2.0 ** exponents[k]), scale)
     as_index = functools.partial(arith.index_cast, index)
     zero = arith.constant(f32, 0.0)
-    registers = np.empty((REAL_ROWS,), dtype=object)
-    for j in range(REAL_ROWS):
-      column = arith.addi(arith.muli(slot, const(4)), const(j))
+    registers = np.empty((rows,), dtype=object)
+    for j in range(rows):
+      column = arith.addi(first_column, const(j))
       total = _sum_over_warps(ref, const, first_row, column)
-      minimum = memref.load(statistics, [as_index(arith.addi(pairing, const(1))), as_index(column)])
+      minimum = memref.load(statistics, [as_index(minimum_row), as_index(column)])
       sums = memref.load(statistics, [as_index(const(0)), as_index(const(j))])
       numerator = arith.addf(arith.mulf(total, scale), minimum)
       nonempty = arith.cmpf(arith.CmpFPredicate.UNE, sums, zero)  # NaN is not empty
@@ -382,18 +447,21 @@ def finished_own_slot_outputs(partial_ref, statistics_ref, bits: int = 2):
 
 
 def finished_own_slot_outputs_emulated(
-  partial: jax.Array, statistics: jax.Array, bits: int = 2
+  partial: jax.Array, statistics: jax.Array, bits: int = 2, rows: int = REAL_ROWS
 ) -> jax.Array:
   """`finished_own_slot_outputs` by jnp, from the partial outputs f32 [512, 8] and the
-  statistics f32 [3, 8] (arrays)."""
+  statistics f32 [1 + value_operands(rows), 8] (arrays)."""
   # index arrays from iotas, not numpy: a kernel may not capture an array constant
-  totals = add_warp_partials_emulated(partial, bits)  # [128 channels, 4]
+  totals = add_warp_partials_emulated(partial, bits, rows)  # [128 channels, rows]
   channel = jax.lax.iota(jnp.int32, HEAD_DIM)
   field = (channel // packed_width(HEAD_DIM, bits)) % (16 // bits)  # in its half-word
   scale = power_of_two(_output_scale_exponents(bits)[0] - bits * (field % (8 // bits)))
-  pairing, slot = (channel // 32) % 2, channel // 64
-  columns = REAL_ROWS * slot[:, None] + jax.lax.iota(jnp.int32, REAL_ROWS)[None]  # [128, 4]
-  minimum = statistics[1 + pairing[:, None], columns]
-  sums = statistics[0, :REAL_ROWS]
+  row = jax.lax.iota(jnp.int32, rows)[None]
+  if rows == REAL_ROWS:
+    minimum_row, columns = 1 + (channel // 32) % 2, REAL_ROWS * (channel // 64)[:, None] + row
+  else:
+    minimum_row, columns = 1 + channel // 32, jnp.broadcast_to(row, (HEAD_DIM, rows))
+  minimum = statistics[minimum_row[:, None], columns]
+  sums = statistics[0, :rows]
   finished = jnp.where(sums != 0, (totals * scale[:, None] + minimum) / sums, 0.0)
   return finished.T

@@ -297,23 +297,25 @@ def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group():
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits,num_heads", [(2, 4), (4, 4), (2, 14)])
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
-def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch, bits):
-  """The "warp" Mosaic GPU variant (KERNEL_NOTES v45: KIVI-2 and KIVI-4, head_dim 128, group
-  size 32 only) through the decode loop, on a tiny model of head_dim 128: the reference path's
-  tokens, and the kernel really called (a fallback would be an error)."""
+def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch, bits, num_heads):
+  """The "warp" Mosaic GPU variant (KERNEL_NOTES v45, v46: KIVI-2 and KIVI-4, head_dim 128,
+  group size 32 only) through the decode loop, on a tiny model of head_dim 128 with 2 and 7
+  query heads per KV head (4 and 8 query rows): the reference path's tokens, and the kernel
+  really called (a fallback would be an error)."""
   from pallas_kernels import quantized_decode_attention_warp_mosaic_gpu as warp
 
   calls = []
   kernel = warp.warp_decode_attention_mosaic_gpu
 
   def counted(*args, **kwargs):
-    calls.append(args[7])  # the quantized segment's lengths
+    calls.append(args[0].shape[2])  # the query group
     return kernel(*args, **kwargs)
 
   monkeypatch.setattr(warp, "warp_decode_attention_mosaic_gpu", counted)
-  decoder, params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, head_dim=128))
+  config = dataclasses.replace(TINY_CONFIG, head_dim=128, num_heads=num_heads)
+  decoder, params = tiny_decoder(config=config)
   # long enough for two 128-token blocks of quantized tokens in one row, part of one in the other
   prompts = [
     list(np.random.default_rng(5).integers(1, 64, 190)),
@@ -337,4 +339,5 @@ def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch, bits):
   }
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
   assert calls, "the warp kernel was not called"
+  assert set(calls) == {num_heads // config.num_kv_heads}
   # (under the layer loop's jit the lengths are traced: the prompts set them, 160 and 64)

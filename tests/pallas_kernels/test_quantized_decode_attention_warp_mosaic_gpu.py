@@ -64,11 +64,15 @@ def _check(*, group, tokens, seed, num_splits=None, query_scale=1.0, batch=3, bi
     (3, 640, 2, 2),  # a split of three blocks
     (4, 512, 2, 4),  # 4-bit codes: 16 words a token, two matrix loads per 16 value tokens
     pytest.param(2, 640, None, 4, marks=pytest.mark.slow),  # (the planner's splits at 4 bits)
+    (8, 512, 2, 2),  # 8 query rows: one value group per P', two MMAs an m-tile
+    (5, 640, 2, 4),  # 5 heads padded to 8 rows, 4-bit codes
+    pytest.param(6, 384, None, 2, marks=pytest.mark.slow),  # (8 rows, the planner's splits)
   ],
 )
 def test_warp_kernel_matches_reference(group, tokens, num_splits, bits):
   """Rows of full, partial (ending mid-block) and zero length, and random ones; 1 to 4 query
-  heads per KV head (padded to 4 rows, repeated to the 8 columns); 2- and 4-bit codes."""
+  heads per KV head (padded to 4 rows, repeated to the 8 columns) and 5 to 8 (padded to 8);
+  2- and 4-bit codes."""
   _check(group=group, tokens=tokens, num_splits=num_splits, seed=group + tokens, bits=bits)
 
 
@@ -80,6 +84,7 @@ def test_warp_kernel_matches_reference(group, tokens, num_splits, bits):
     pytest.param(2, 2304, 1, 2, marks=pytest.mark.slow),
     (3, 768, None, 4),
     (4, 512, None, None),  # 4 bits (below), the default stages
+    pytest.param(7, 512, 2, 2, marks=pytest.mark.slow),  # 8 query rows
   ],
 )
 def test_warp_kernel_with_the_kernels_bias_and_references(group, tokens, num_splits, num_stages):
@@ -97,10 +102,63 @@ def test_warp_kernel_with_the_kernels_bias_and_references(group, tokens, num_spl
   )
 
 
-def test_the_kernels_references_choose_the_exact_arm():
-  """Queries 4x larger, as in `test_wide_score_ranges_take_the_exact_arm`: the kernel's own
-  bounds (the same criterion) send every split to the exact loop."""
-  _check(group=4, tokens=256, num_splits=2, seed=9, query_scale=4.0, key_bias_source="kernel")
+def _assert_every_split_exchanges(group, query_scale, seed=9):
+  """XLA's references for `_check(group, 256 tokens, 2 splits, seed)`'s inputs: EXCHANGE in
+  every split of every nonempty row (the kernel's own references use the same criterion)."""
+  rng = np.random.default_rng(seed)
+  arrays, _ = _inputs(
+    rng, head_dim=128, group=group, tokens=256, dtype=jnp.bfloat16, batch=3, **QUANTIZATION
+  )
+  plan = SplitPlan(warp.BLOCK_TOKENS, 2, 1)
+  *_, references = warp.kernel_inputs(
+    arrays[0] * query_scale, *arrays[2:4], *arrays[5:8], sm_scale=128**-0.5, plan=plan,
+    key_products="einsum",
+  )  # fmt: skip
+  nonempty_rows = np.asarray(arrays[7]) > 0
+  assert np.all(np.asarray(references)[nonempty_rows] == EXCHANGE)
+
+
+# Queries this many times larger send every split to the exact arm (asserted by
+# `_assert_every_split_exchanges`); the scores' bf16 rounding in Q' grows with them, and over 8
+# rows 4x reached an lse error of 0.084 (tolerance 0.06), so 8 rows take 2.5x.
+EXCHANGING_QUERY_SCALE = {4: 4.0, 8: 2.5}
+
+
+@pytest.mark.parametrize("group", [4, 8])
+def test_the_kernels_references_choose_the_exact_arm(group):
+  """Queries large enough that no split's bounds serve it (as in
+  `test_wide_score_ranges_take_the_exact_arm`): the kernel's own bounds (the same criterion)
+  send every split to the exact loop; at 4 and 8 query rows."""
+  scale = EXCHANGING_QUERY_SCALE[group]
+  _assert_every_split_exchanges(group, scale)
+  _check(group=group, tokens=256, num_splits=2, seed=9, query_scale=scale, key_bias_source="kernel")
+
+
+@pytest.mark.parametrize(
+  "copy_issuer,ring_release,num_stages,group,key_bias_source",
+  [
+    ("slot_owner", "barrier", 4, 4, "xla"),  # each warp refills its own slot
+    ("first_warp", "per_warp", 2, 3, "xla"),  # the first warp waits for the others' arrivals
+    ("slot_owner", "per_warp", 3, 8, "kernel"),  # warps 0-2 wait for their slots' arrivals
+  ],
+)
+def test_copy_issuers_and_ring_releases(
+  copy_issuer, ring_release, num_stages, group, key_bias_source
+):
+  """Eight blocks in one split, so every slot is refilled more than once: with
+  ring_release="per_warp" each slot's barrier completes once all four warps have arrived (a
+  wrong arrival count never completes, and interpret mode then hangs), and the issuing warp waits
+  for each phase in turn."""
+  _check(
+    group=group,
+    tokens=1024,
+    num_splits=1,
+    seed=30 + num_stages,
+    num_stages=num_stages,
+    copy_issuer=copy_issuer,
+    ring_release=ring_release,
+    key_bias_source=key_bias_source,
+  )
 
 
 @pytest.mark.slow  # 12 s in interpret mode; the other tests run 2 and 4 stages
@@ -122,6 +180,7 @@ def test_exact_softmax_arm(monkeypatch):
   monkeypatch.setattr(warp, "split_softmax_references", every_other_split_exchanges)
   _check(group=4, tokens=768, num_splits=2, seed=7)  # three blocks in each exact split
   _check(group=2, tokens=512, num_splits=4, seed=8)
+  _check(group=8, tokens=512, num_splits=2, seed=18)  # four sums of p v_min rescaled
 
 
 def test_wide_score_ranges_take_the_exact_arm():
@@ -129,16 +188,8 @@ def test_wide_score_ranges_take_the_exact_arm():
   HEADROOM + UNDERFLOW_MARGIN): the exact arm, chosen by XLA's references. (4x: every split's
   bounds are too wide, and the scores' bf16 rounding in Q', which grows with them, keeps lse
   within the tolerance: 0.048 of 0.06 here, 0.35 at 30x.)"""
-  rng = np.random.default_rng(9)
-  arrays, _ = _inputs(rng, head_dim=128, group=4, tokens=256, dtype=jnp.bfloat16, **QUANTIZATION)
-  queries = arrays[0] * 4.0
-  plan = SplitPlan(warp.BLOCK_TOKENS, 2, 1)
-  *_, references = warp.kernel_inputs(
-    queries, *arrays[2:4], *arrays[5:8], sm_scale=128**-0.5, plan=plan, key_products="einsum"
-  )
-  nonempty_rows = np.asarray(arrays[7]) > 0
-  assert np.all(np.asarray(references)[nonempty_rows] == EXCHANGE)
-  _check(group=4, tokens=256, num_splits=2, seed=9, query_scale=4.0)
+  _assert_every_split_exchanges(4, EXCHANGING_QUERY_SCALE[4])
+  _check(group=4, tokens=256, num_splits=2, seed=9, query_scale=EXCHANGING_QUERY_SCALE[4])
 
 
 def test_nan_in_a_valid_statistic_reaches_the_output():
@@ -164,6 +215,7 @@ def test_nan_in_a_valid_statistic_reaches_the_output():
       marks=pytest.mark.slow,
     ),
     dict(group=3, tokens=512, num_splits=2, seed=15, bits=4),
+    dict(group=7, tokens=512, num_splits=2, seed=16),  # 8 rows a split, 7 merged
   ],
 )
 def test_the_triton_merge_takes_the_kernels_partials(case):
@@ -184,6 +236,14 @@ def test_the_triton_merge_takes_the_kernels_partials(case):
     (dict(key_products="gemm"), "key_products='gemm' is not supported; allowed"),
     (dict(key_bias_source="cpu"), "key_bias_source='cpu' is not supported; allowed"),
     (dict(split_merge="numpy"), "split_merge='numpy' is not supported; allowed"),
+    (
+      dict(copy_issuer="spread"),
+      r"copy_issuer='spread' is not supported by the warp variant; allowed: \('first_warp'",
+    ),
+    (
+      dict(ring_release="fence"),
+      r"ring_release='fence' is not supported by the warp variant; allowed: \('barrier'",
+    ),
   ],
 )
 def test_bad_settings_name_the_setting(settings, match):
@@ -214,12 +274,19 @@ def test_folded_settings_are_refused_by_name():
     quantized_decode_attention_gpu.check_config({**WARP, "row_max": "bound"})
 
 
+@pytest.mark.parametrize("variant", ["folded", "dequantize"])
+def test_warp_settings_are_refused_for_other_variants(variant):
+  config = {"lowering": "mosaic_gpu", "variant": variant, "ring_release": "per_warp"}
+  with pytest.raises(ValueError, match=r"\['ring_release'\] are taken by the \"warp\""):
+    quantized_decode_attention_gpu.check_config(config)
+
+
 @pytest.mark.parametrize(
   "segment,match",
   [
     (dict(bits=8), "bits=8"),
     (dict(head_dim=256), "head_dim=256"),
-    (dict(group=8), "query group 8"),
+    (dict(group=9), "query group 9"),
     (dict(group_size=64, tokens=256), "group_size=64"),
   ],
 )
@@ -261,16 +328,30 @@ def test_gpu_entry_point_runs_the_warp_kernel(monkeypatch):
 
 
 @pytest.mark.parametrize(
-  "num_stages,key_bias_source,bits",
-  [(2, "xla", 2), (4, "xla", 2), (2, "kernel", 2), (2, "xla", 4), (2, "kernel", 4)],
+  "num_stages,key_bias_source,bits,group",
+  [
+    (2, "xla", 2, 4),
+    (4, "xla", 2, 4),
+    (2, "kernel", 2, 4),
+    (2, "xla", 4, 4),
+    (2, "kernel", 4, 4),
+    (4, "xla", 2, 8),
+    (2, "kernel", 4, 6),
+  ],
 )
-def test_the_kernel_lowers_for_sm90(num_stages, key_bias_source, bits):
-  """The native kernel (inline mma.sync, movmatrix, ldmatrix; the ring; both softmax arms)
-  through Mosaic GPU's layout inference and lowering for a CUDA target, on this jax."""
+@pytest.mark.parametrize(
+  "copy_issuer,ring_release", [("first_warp", "barrier"), ("slot_owner", "per_warp")]
+)
+def test_the_kernel_lowers_for_sm90(
+  num_stages, key_bias_source, bits, group, copy_issuer, ring_release
+):
+  """The native kernel (inline mma.sync, movmatrix, ldmatrix; the ring; both softmax arms; 4 and
+  8 query rows) through Mosaic GPU's layout inference and lowering for a CUDA target, on this
+  jax."""
   batch, heads, tokens = 2, 2, 1024
   shape = jax.ShapeDtypeStruct
   arrays = (
-    shape((batch, heads, 4, 128), jnp.float32),
+    shape((batch, heads, group, 128), jnp.float32),
     shape((batch, heads, tokens, 4 * bits), jnp.uint32),
     shape((batch, heads, tokens // 32, 128), jnp.bfloat16),
     shape((batch, heads, tokens // 32, 128), jnp.bfloat16),
@@ -287,6 +368,8 @@ def test_the_kernel_lowers_for_sm90(num_stages, key_bias_source, bits):
     bits=bits,
     key_products="einsum",
     key_bias_source=key_bias_source,
+    copy_issuer=copy_issuer,
+    ring_release=ring_release,
     interpret=False,
   )
   text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -243,26 +243,31 @@ def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_que
       np.testing.assert_allclose(emulated_scores[rows], expected, rtol=0, atol=tolerance)
 
 
-@pytest.mark.parametrize("tiles,tile,bits", [(1, 0, 2), (2, 0, 2), (2, 1, 2), (2, 1, 4)])
-def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated, tiles, tile, bits):
+@pytest.mark.parametrize(
+  "tiles,tile,bits,operands",
+  [(1, 0, 2, 2), (2, 0, 2, 2), (2, 1, 2, 2), (2, 1, 4, 2), (1, 0, 2, 4), (2, 1, 4, 4)],
+)
+def test_value_product_per_warp_adds_each_warps_own_tokens_product(
+  emulated, tiles, tile, bits, operands
+):
   """acc [512, 8] + per warp w and m-tile m = F blk + p: rows r = half-word 16 blk + r's field p
   (after the shift for fields past the low byte) of the warp's tokens 16 tiles w + 16 tile ..,
-  against P' of pairing p // (F / 2), rows 16 w .. 16 w + 15."""
+  against P' rows 16 w .. 16 w + 15 of pairing b = p // (F / 2) (two operands: 4 query rows),
+  or of group 2 (r % 2) + b (four operands: 8 query rows, each row its own group's P')."""
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jaxlib.mlir import ir
 
-  rng = np.random.default_rng(22 + tiles + tile + bits)
+  rng = np.random.default_rng(22 + tiles + tile + bits + operands)
   words = rng.integers(0, 2**32, (64 * tiles, 4 * bits), dtype=np.uint64).astype(np.uint32)
   # P' carries 2^64 (`subnormal_codes.PROBS_SCALE`): the codes' patterns are subnormal bf16
   # numbers (~2^-133), and without it the products would vanish in f32 (and the test with them)
-  probs = [_bf16(rng, (64, 8), 0.0, 2.0**64) for _ in range(2)]
+  probs = [_bf16(rng, (64, 8), 0.0, 2.0**64) for _ in range(operands)]
   acc = (rng.normal(size=(512, 8)) * 2.0**-66).astype(np.float32)
   emulated(words.view(np.uint8).ravel().copy(), {"words": 0})
   with ir.Context(), ir.Location.unknown():
     result = warp_value_product.value_product_per_warp(
-      _registers(fa.WGMMA_LAYOUT, probs[0]),
-      _registers(fa.WGMMA_LAYOUT, probs[1]),
+      [_registers(fa.WGMMA_LAYOUT, p) for p in probs],
       "words",
       _registers(fa.WGMMA_LAYOUT, acc),
       tile,
@@ -280,22 +285,26 @@ def test_value_product_per_warp_adds_each_warps_own_tokens_product(emulated, til
       shift, bit = warp_value_product.field_shift_and_bit(bits, p)
       patterns = ((own >> shift) & (((1 << bits) - 1) << bit)).astype(np.uint16)
       a = experiment.bf16_values(patterns.T).astype(np.float64)  # [half-word r, token]
-      b = probs[p // (fields // 2)][16 * warp : 16 * warp + 16]
-      rows = slice(64 * m + 16 * warp, 64 * m + 16 * warp + 16)
-      expected[rows] += a @ experiment.bf16_values(b).astype(np.float64)
+      for r in range(16):
+        pairing = p // (fields // 2)
+        operand = probs[pairing if operands == 2 else 2 * (r % 2) + pairing]
+        b = experiment.bf16_values(operand[16 * warp : 16 * warp + 16]).astype(np.float64)
+        expected[64 * m + 16 * warp + r] += a[r] @ b
   increment = np.abs(expected - acc)
   assert increment.min() > 0 and increment.max() > np.abs(acc).max() / 4  # not vacuous
   np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * increment.max())
   emulated_out = warp_value_product.value_product_per_warp_emulated(
-    *[jnp.asarray(p).view(jnp.bfloat16) for p in probs], jnp.asarray(words), acc, tile, tiles, bits
+    [jnp.asarray(p).view(jnp.bfloat16) for p in probs], jnp.asarray(words), acc, tile, tiles, bits
   )
   np.testing.assert_allclose(emulated_out, expected, rtol=0, atol=1e-5 * increment.max())
 
 
-@pytest.mark.parametrize("tiles,tile", [(1, 0), (2, 1)])
-def test_statistics_by_slot_give_each_column_its_slots_group(emulated, monkeypatch, tiles, tile):
+@pytest.mark.parametrize("tiles,tile,rows", [(1, 0, 4), (2, 1, 4), (2, 1, 8)])
+def test_statistics_by_slot_give_each_column_its_slots_group(
+  emulated, monkeypatch, tiles, tile, rows
+):
   """[64, 8]: row 16 w + r (token 16 tiles w + 16 tile + r), column c holds the statistic of
-  group 2 (c // 4) + b at that token."""
+  group 2 (c // 4) + b at that token (4 query rows), or of group b (8 rows)."""
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jaxlib.mlir import ir
@@ -312,18 +321,19 @@ def test_statistics_by_slot_give_each_column_its_slots_group(emulated, monkeypat
   values = experiment.bf16_values(statistics)
   row = np.arange(64)
   token = 16 * tiles * (row // 16) + 16 * tile + row % 16
-  for b in range(2):
+  for b in range(warp_value_product.value_operands(rows)):
     with ir.Context(), ir.Location.unknown():
-      result = warp_value_product.statistics_by_slot(None, b, tile, tiles)
+      result = warp_value_product.statistics_by_slot(None, b, tile, tiles, rows)
     table = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
     emulated_table = np.asarray(
       warp_value_product.statistics_by_slot_emulated(
-        jnp.asarray(statistics).view(jnp.bfloat16), b, tile, tiles
+        jnp.asarray(statistics).view(jnp.bfloat16), b, tile, tiles, rows
       )
     )
     for column in range(8):
-      np.testing.assert_array_equal(table[:, column], values[2 * (column // 4) + b, token])
-      np.testing.assert_array_equal(emulated_table[:, column], values[2 * (column // 4) + b, token])
+      group = 2 * (column // 4) + b if rows == 4 else b
+      np.testing.assert_array_equal(table[:, column], values[group, token])
+      np.testing.assert_array_equal(emulated_table[:, column], values[group, token])
 
 
 @pytest.mark.parametrize("tiles", [1, 2])
@@ -361,20 +371,24 @@ def test_add_warp_partials_gives_the_models_output(emulated, monkeypatch, tiles)
       np.testing.assert_allclose(emulated_sum, model_out[r, s].T, rtol=0, atol=tolerance)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_finished_own_slot_outputs_normalise_each_channels_own_slot(emulated, monkeypatch, bits):
-  """Thread c's 4 values: channel c's sum over the warps from its slot's columns (channel
-  (F s + p) W + 8 blk + i is row 2 i + s of m-tile F blk + p), times 2^(69 - bit), plus its
-  value group's sum of p v_min (row 1 + (c // 32) % 2, column 4 (c // 64) + j of the statistics),
-  over column j's sum of p (row 0); 0 for a zero sum, NaN for a NaN one. And the jnp counterpart
-  gives the same."""
+@pytest.mark.parametrize("bits,rows", [(2, 4), (4, 4), (2, 8), (4, 8)])
+def test_finished_own_slot_outputs_normalise_each_channels_own_slot(
+  emulated, monkeypatch, bits, rows
+):
+  """Thread c's values: channel c's sum over the warps from its slot's columns (channel
+  (F s + p) W + 8 blk + i is row 2 i + s of m-tile F blk + p; at 4 query rows columns 4 s + j,
+  at 8 column j), times 2^(69 - bit), plus its value group's sum of p v_min (4 rows: row
+  1 + (c // 32) % 2, column 4 (c // 64) + j of the statistics; 8 rows: row 1 + c // 32, column
+  j), over column j's sum of p (row 0); 0 for a zero sum, NaN for a NaN one. And the jnp
+  counterpart gives the same."""
   import jax.numpy as jnp
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import arith, memref
 
   rng = np.random.default_rng(31)
   partial = rng.normal(size=(512, 8)).astype(np.float32) * np.float32(2.0**-66)
-  statistics = rng.uniform(0.5, 2.0, size=(3, 8)).astype(np.float32)
+  statistics = rng.uniform(0.5, 2.0, size=(1 + warp_value_product.value_operands(rows), 8))
+  statistics = statistics.astype(np.float32)
   statistics[0, 2] = 0.0  # an empty column (no valid token in the split)
   statistics[0, 3] = np.nan
   arrays = {"partial": partial, "statistics": statistics}
@@ -394,22 +408,26 @@ def test_finished_own_slot_outputs_normalise_each_channels_own_slot(emulated, mo
     lambda predicate, a, b: ~(np.asarray(a) == np.asarray(b)),  # UNE
   )
   with ir.Context(), ir.Location.unknown():
-    result = warp_value_product.finished_own_slot_outputs("partial", "statistics", bits)
-  out = np.stack([np.asarray(register, np.float64) for register in result.registers])  # [4, 128]
-  expected = np.zeros((4, 128))
+    result = warp_value_product.finished_own_slot_outputs("partial", "statistics", bits, rows)
+  out = np.stack([np.asarray(register, np.float64) for register in result.registers])
+  assert out.shape == (rows, 128)
+  expected = np.zeros((rows, 128))
   words, fields = 4 * bits, 16 // bits
   for c in range(128):
     s, p, word = c // 64, (c // words) % fields, c % words
     m, r = fields * (word // 8) + p, 2 * (word % 8) + s
-    for j in range(4):
-      total = sum(partial[64 * m + 16 * w + r, 4 * s + j].astype(np.float64) for w in range(4))
-      minimum = statistics[1 + (c // 32) % 2, 4 * s + j]
+    for j in range(rows):
+      column = 4 * s + j if rows == 4 else j
+      total = sum(partial[64 * m + 16 * w + r, column].astype(np.float64) for w in range(4))
+      minimum = statistics[1 + (c // 32) % 2 if rows == 4 else 1 + c // 32, column]
       scale = 2.0 ** (69 - bits * (p % (8 // bits)))
       sums = statistics[0, j]
       expected[j, c] = 0.0 if sums == 0 else (total * scale + minimum) / sums
   assert np.all(out[2] == 0.0) and np.all(np.isnan(out[3]))
-  np.testing.assert_allclose(out, expected, rtol=1e-5)
+  # f32 sums of four partials and a minimum: relative to the largest term, not to a cancellation
+  atol = 1e-6 * np.nanmax(np.abs(expected))
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=atol)
   emulated_out = warp_value_product.finished_own_slot_outputs_emulated(
-    jnp.asarray(partial), jnp.asarray(statistics), bits
+    jnp.asarray(partial), jnp.asarray(statistics), bits, rows
   )
-  np.testing.assert_allclose(emulated_out, expected, rtol=1e-5)
+  np.testing.assert_allclose(emulated_out, expected, rtol=1e-5, atol=atol)
