@@ -168,7 +168,8 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
   # v45: the library's "warp" variant, natively against the reference (its test file), then
   # timed at 32k (4 and 2 stages, the kernel's own bias and references, XLA's products as
   # reductions, the Triton merge; v46: each slot's copies by its own warp, with and without the
-  # per-warp ring release) beside v34 and C + merge
+  # per-warp ring release, and v45's queries loaded once, 13 more registers) beside v34 and
+  # C + merge
   echo "== warp variant, native tests (KERNEL_NOTES v45)" >> "$1"
   timeout --signal=INT 120 env KVJAX_NATIVE_KERNELS=1 "$python" -m pytest -q -n 4 \
     -p no:cacheprovider -m "slow or not slow" \
@@ -181,7 +182,8 @@ ${warp}, \"split_merge\": \"triton\"}, \
 ${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2, \"split_merge\": \"triton\"}, \
 ${warp}, \"copy_issuer\": \"slot_owner\"}, \
 ${warp}, \"copy_issuer\": \"slot_owner\", \"ring_release\": \"per_warp\"}, \
-${v34}}, ${c_merge}}]" 180 || status=1
+${warp}, \"query_loads\": \"once\"}, \
+${v34}}, ${c_merge}}]" 190 || status=1
   # KIVI-4 at 32k (two stages by default there) beside v34
   sweep_shapes_only "$1" "32768 4 4" -- "${warp}}" "${warp}, \"key_bias_source\": \"kernel\"}" \
     "${v34}}" || status=1

@@ -74,6 +74,7 @@ WARP_KEYS = (
   "split_merge",
   "copy_issuer",
   "ring_release",
+  "query_loads",
 )
 
 

@@ -136,9 +136,16 @@ DEFAULT_COPY_ISSUER = "first_warp"
 # no warp waits for another in the loop, only for its data; KERNEL_NOTES v46).
 RING_RELEASES = ("barrier", "per_warp")
 DEFAULT_RING_RELEASE = "barrier"
+# When each warp loads its queries' B fragments (16 registers a thread at 8 columns) from shared
+# memory: every block, before its key product ("per_block": 8 64-bit loads a block, and ptxas
+# no longer holds them through the loop: 127 -> 114 registers at the defaults, 142 -> 126 at 8
+# query rows, 130 -> 119 with ring_release="per_warp", +1 instruction a block; KERNEL_NOTES
+# v46), or once before the loop ("once", v45).
+QUERY_LOADS = ("per_block", "once")
+DEFAULT_QUERY_LOADS = "per_block"
 # Settings no other Mosaic GPU variant takes (`copy_issuer` is the folded kernel's too, with its
 # own values).
-WARP_ONLY_SETTINGS = ("ring_release",)
+WARP_ONLY_SETTINGS = ("ring_release", "query_loads")
 
 
 def unsupported_reason(
@@ -195,6 +202,7 @@ def check_settings(
   split_merge=None,
   copy_issuer=None,
   ring_release=None,
+  query_loads=None,
 ) -> None:
   """ValueError naming a setting the warp variant does not take, and its allowed values (None:
   the setting's default)."""
@@ -206,6 +214,10 @@ def check_settings(
     raise ValueError(
       f"ring_release={ring_release!r} is not supported by the warp variant; allowed: "
       f"{RING_RELEASES}"
+    )
+  if query_loads not in (None, *QUERY_LOADS):
+    raise ValueError(
+      f"query_loads={query_loads!r} is not supported by the warp variant; allowed: {QUERY_LOADS}"
     )
   if block_tokens not in (None, BLOCK_TOKENS):
     raise ValueError(
@@ -237,12 +249,13 @@ def _warp_kernel(
   rows: int,
   copy_issuer: str,
   ring_release: str,
+  query_loads: str,
   emulate,
 ):
   """One program: a split of one (row, KV head). `refs`: the inputs (`_kernel_arrays`), the
   outputs, the scratch (`_scratch_types`), in their order. `rows`: the query rows (4 or 8,
-  `warp_value_product.query_rows`); `copy_issuer`, `ring_release`: `COPY_ISSUERS`,
-  `RING_RELEASES`."""
+  `warp_value_product.query_rows`); `copy_issuer`, `ring_release`, `query_loads`:
+  `COPY_ISSUERS`, `RING_RELEASES`, `QUERY_LOADS`."""
   if ring_release == "per_warp":
     *refs, consumed_barriers = refs  # per ring slot: each warp's arrival once it has read it
   if kernel_bias:
@@ -391,10 +404,13 @@ def _warp_kernel(
   else:
     exchange = reference_smem[0] == EXCHANGE  # XLA's: EXCHANGE in every row or none
     query_view = queries_smem
-  if emulate:
-    queries = query_view[...]
-  else:  # each lane's B-fragment pairs, loaded once
-    queries = plgpu.load(query_view, layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))
+
+  def load_queries():
+    if emulate:
+      return query_view[...]
+    return plgpu.load(query_view, layout=plgpu.Layout.MMA_RHS(jnp.bfloat16))  # B-fragment pairs
+
+  program_queries = load_queries() if query_loads == "once" else None
   reference = plgpu.layout_cast(reference_smem[...], wgmma.reduce(0))
 
   def block_bias(i, slot):
@@ -412,6 +428,7 @@ def _warp_kernel(
 
   def tile_scores(i, slot):
     bias_ref = block_bias(i, slot)
+    queries = program_queries if query_loads == "once" else load_queries()
     if emulate:
       return key_scores_per_warp_emulated(
         k_words_smem[slot], queries, k_scale_smem[slot], bias_ref[...], TILES, bits
@@ -658,6 +675,7 @@ def _scratch_types(
     "key_bias_source",
     "copy_issuer",
     "ring_release",
+    "query_loads",
     "interpret",
   ),
 )
@@ -671,6 +689,7 @@ def _jitted_kernel_outputs(
   key_bias_source: str,
   copy_issuer: str = DEFAULT_COPY_ISSUER,
   ring_release: str = DEFAULT_RING_RELEASE,
+  query_loads: str = DEFAULT_QUERY_LOADS,
   interpret: bool,
 ):
   queries, k_codes = arrays[:2]
@@ -692,6 +711,7 @@ def _jitted_kernel_outputs(
       rows=rows,
       copy_issuer=copy_issuer,
       ring_release=ring_release,
+      query_loads=query_loads,
       emulate=interpret,
     ),
     out_type=(
@@ -734,6 +754,7 @@ def warp_kernel_outputs(
   key_bias_source: str = DEFAULT_KEY_BIAS_SOURCE,
   copy_issuer: str = DEFAULT_COPY_ISSUER,
   ring_release: str = DEFAULT_RING_RELEASE,
+  query_loads: str = DEFAULT_QUERY_LOADS,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B, H, S, rows, 128] (each split's normalised output, each
@@ -748,6 +769,7 @@ def warp_kernel_outputs(
     key_bias_source=key_bias_source,
     copy_issuer=copy_issuer,
     ring_release=ring_release,
+    query_loads=query_loads,
   )
   reason = unsupported_reason(
     queries,
@@ -788,6 +810,7 @@ def warp_kernel_outputs(
     key_bias_source=key_bias_source,
     copy_issuer=copy_issuer,
     ring_release=ring_release,
+    query_loads=query_loads,
     interpret=interpret,
   )
   return _compat.finished_if_interpreted(outputs, interpret)

@@ -135,15 +135,17 @@ def test_the_kernels_references_choose_the_exact_arm(group):
 
 
 @pytest.mark.parametrize(
-  "copy_issuer,ring_release,num_stages,group,key_bias_source",
+  "copy_issuer,ring_release,num_stages,group,key_bias_source,query_loads",
   [
-    ("slot_owner", "barrier", 4, 4, "xla"),  # each warp refills its own slot
-    ("first_warp", "per_warp", 2, 3, "xla"),  # the first warp waits for the others' arrivals
-    ("slot_owner", "per_warp", 3, 8, "kernel"),  # warps 0-2 wait for their slots' arrivals
+    ("slot_owner", "barrier", 4, 4, "xla", "per_block"),  # each warp refills its own slot
+    # the first warp waits for the others' arrivals; v45's queries loaded once
+    ("first_warp", "per_warp", 2, 3, "xla", "once"),
+    # warps 0-2 wait for their slots' arrivals
+    ("slot_owner", "per_warp", 3, 8, "kernel", "per_block"),
   ],
 )
-def test_copy_issuers_and_ring_releases(
-  copy_issuer, ring_release, num_stages, group, key_bias_source
+def test_copy_issuers_ring_releases_and_query_loads(
+  copy_issuer, ring_release, num_stages, group, key_bias_source, query_loads
 ):
   """Eight blocks in one split, so every slot is refilled more than once: with
   ring_release="per_warp" each slot's barrier completes once all four warps have arrived (a
@@ -158,6 +160,7 @@ def test_copy_issuers_and_ring_releases(
     copy_issuer=copy_issuer,
     ring_release=ring_release,
     key_bias_source=key_bias_source,
+    query_loads=query_loads,
   )
 
 
@@ -244,6 +247,10 @@ def test_the_triton_merge_takes_the_kernels_partials(case):
       dict(ring_release="fence"),
       r"ring_release='fence' is not supported by the warp variant; allowed: \('barrier'",
     ),
+    (
+      dict(query_loads="twice"),
+      r"query_loads='twice' is not supported by the warp variant; allowed: \('per_block'",
+    ),
   ],
 )
 def test_bad_settings_name_the_setting(settings, match):
@@ -275,9 +282,10 @@ def test_folded_settings_are_refused_by_name():
 
 
 @pytest.mark.parametrize("variant", ["folded", "dequantize"])
-def test_warp_settings_are_refused_for_other_variants(variant):
-  config = {"lowering": "mosaic_gpu", "variant": variant, "ring_release": "per_warp"}
-  with pytest.raises(ValueError, match=r"\['ring_release'\] are taken by the \"warp\""):
+@pytest.mark.parametrize("setting", [dict(ring_release="per_warp"), dict(query_loads="once")])
+def test_warp_settings_are_refused_for_other_variants(variant, setting):
+  config = {"lowering": "mosaic_gpu", "variant": variant, **setting}
+  with pytest.raises(ValueError, match=rf"\['{next(iter(setting))}'\] are taken by the \"warp\""):
     quantized_decode_attention_gpu.check_config(config)
 
 
@@ -340,10 +348,11 @@ def test_gpu_entry_point_runs_the_warp_kernel(monkeypatch):
   ],
 )
 @pytest.mark.parametrize(
-  "copy_issuer,ring_release", [("first_warp", "barrier"), ("slot_owner", "per_warp")]
+  "copy_issuer,ring_release,query_loads",
+  [("first_warp", "barrier", "per_block"), ("slot_owner", "per_warp", "once")],
 )
 def test_the_kernel_lowers_for_sm90(
-  num_stages, key_bias_source, bits, group, copy_issuer, ring_release
+  num_stages, key_bias_source, bits, group, copy_issuer, ring_release, query_loads
 ):
   """The native kernel (inline mma.sync, movmatrix, ldmatrix; the ring; both softmax arms; 4 and
   8 query rows) through Mosaic GPU's layout inference and lowering for a CUDA target, on this
@@ -370,6 +379,7 @@ def test_the_kernel_lowers_for_sm90(
     key_bias_source=key_bias_source,
     copy_issuer=copy_issuer,
     ring_release=ring_release,
+    query_loads=query_loads,
     interpret=False,
   )
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
