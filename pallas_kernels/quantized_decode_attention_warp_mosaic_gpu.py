@@ -139,7 +139,7 @@ DEFAULT_RING_RELEASE = "barrier"
 # When each warp loads its queries' B fragments (16 registers a thread at 8 columns) from shared
 # memory: every block, before its key product ("per_block": 8 64-bit loads a block, and ptxas
 # no longer holds them through the loop: 127 -> 114 registers at the defaults, 142 -> 126 at 8
-# query rows, 130 -> 119 with ring_release="per_warp", +1 instruction a block; KERNEL_NOTES
+# query rows, 127 -> 115 with ring_release="per_warp", +1 instruction a block; KERNEL_NOTES
 # v46), or once before the loop ("once", v45).
 QUERY_LOADS = ("per_block", "once")
 DEFAULT_QUERY_LOADS = "per_block"
@@ -371,10 +371,12 @@ def _warp_kernel(
       # this slot, so a warp may run up to num_stages blocks ahead of the slowest.
       plgpu.barrier_arrive(consumed_barriers.at[slot])
 
-      @pl.when(issues_copies(warp, slot) & refill)
+      # Every phase waited for, the last blocks' too (no refill after them): a barrier left
+      # with a completed phase nobody observed fails jax 0.11.2's interpret mode.
+      @pl.when(issues_copies(warp, slot))
       def _():
         plgpu.barrier_wait(consumed_barriers.at[slot])
-        fetch(i + num_stages)
+        pl.when(refill)(functools.partial(fetch, i + num_stages))
 
     plgpu.warp_map(warp_release)
 
