@@ -267,13 +267,21 @@ def main():
   shape = BENCHMARK_SHAPE
   programs_tokens = shape["batch"] * shape["kv_heads"] * shape["tokens"]
   # (label, file name, (function, arguments), tokens per iteration, branch arms, warpgroups per
-  # program): with arms (0, 1), a row per path through the loop body's branch
+  # program, settings): with arms (0, 1), a row per path through the loop body's branch
   # (`triton_static_cost.branch_paths`).
   cases = []
   if args.bf16:
     settings = {"block_tokens": 64, "num_stages": 2}  # the kernel's defaults
     cases.append(
-      ("bf16", "bf16", full_precision_call(settings), settings["block_tokens"], (None,), 1)
+      (
+        "bf16",
+        "bf16",
+        full_precision_call(settings),
+        settings["block_tokens"],
+        (None,),
+        1,
+        settings,
+      )
     )
   for variant in args.variants:
     for bits in args.bits:
@@ -294,10 +302,10 @@ def main():
         # a loop iteration computes one ring slot: blocks_per_copy blocks (the folded kernel's)
         tokens = settings["block_tokens"] * settings.get("blocks_per_copy", 1)
         warpgroups = settings.get("warpgroups_per_program", 1)
-        cases.append((label, f"{variant}{bits}", call, tokens, arms, warpgroups))
+        cases.append((label, f"{variant}{bits}", call, tokens, arms, warpgroups, settings))
   rows = []
   with tempfile.TemporaryDirectory() as workdir:
-    for label, file_name, call, tokens_per_iteration, arms, warpgroups in cases:
+    for label, file_name, call, tokens_per_iteration, arms, warpgroups, settings in cases:
       ptx, resources = ptx_of(*call, device)
       if args.min_programs_per_sm:
         ptx = with_min_programs_per_sm(ptx, args.min_programs_per_sm)
@@ -328,9 +336,14 @@ def main():
           cost.name += " [exchange arm]" if row_max else " [fixed arm]"
         try:
           path = paths[0] if isinstance(arm, str) else paths[arm or 0]
-          cost.warp_instructions = triton_static_cost.warp_path_lengths(
-            sass, path, warps=cost.warps
-          )
+          if settings.get("copy_issuer") == "slot_owner":  # the warp variant's
+            cost.warp_instructions = triton_static_cost.slot_owner_warp_lengths(
+              sass, path, warps=cost.warps, stages=settings["num_stages"]
+            )
+          else:
+            cost.warp_instructions = triton_static_cost.warp_path_lengths(
+              sass, path, warps=cost.warps
+            )
         except ValueError as unknown:  # the mean then counts every warp's branches (an upper bound)
           print(f"{cost.name}: no per-warp count ({unknown})", file=sys.stderr)
         shared = re.search(r"smem_scratch_bytes=(\d+)", resources)

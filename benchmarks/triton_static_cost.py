@@ -131,6 +131,9 @@ GUARDED_SASS_LINE = re.compile(
 _WARP_SHUFFLE = re.compile(r"^\s*PT, (R\d+), R\d+, RZ, 0x1f")
 _WARP_MASK = re.compile(r"^\s*(R\d+|P\d+), (?:RZ, )?(R\d+), 0x3, RZ, 0xc0")
 _WARP_COMPARE = re.compile(r"^\s*(P\d+), PT, (R\d+)(?:\.reuse)?, 0x([0-9a-f]+), PT")
+# The warp index compared with a uniform register: a warp chosen per iteration (the warp Mosaic
+# GPU kernel's copy_issuer="slot_owner": warp == slot % 4).
+_WARP_COMPARE_UNIFORM = re.compile(r"^\s*(P\d+), PT, (R\d+)(?:\.reuse)?, (UR\d+), PT")
 _PREDICATE_WRITE = re.compile(r"^\s*(P\d+),")
 
 
@@ -147,12 +150,16 @@ def parse_guarded_sass(text: str) -> dict[int, tuple[tuple[bool, str] | None, st
   return instructions
 
 
-def warp_path_lengths(sass: str, path=None, warps: int = 4) -> list[int]:
+def warp_path_lengths(
+  sass: str, path=None, warps: int = 4, chosen: bool | None = None
+) -> list[int]:
   """Instructions each warp of a warpgroup issues per loop iteration: the loop body (or `path`,
   one arm of it as `branch_paths` gives) walked once per warp index, with branches on the warp
   index (`plgpu.warp_map`'s tests) resolved for that warp and every other conditional branch
   on its steady-state side: not taken (the next block's fetch runs, barrier waits succeed at
-  once), unless only its target is on `path`. ValueError if a path meets an indirect branch
+  once), unless only its target is on `path`. `chosen`: how a comparison of the warp index with
+  a uniform register (a warp chosen per iteration) comes out, equal (True) or not (False); None
+  leaves it unresolved like any other branch. ValueError if a path meets an indirect branch
   (BRX: ptxas may turn a switch on the warp index into a jump table, whose targets the
   listing does not give)."""
   guarded = parse_guarded_sass(sass)
@@ -189,6 +196,14 @@ def warp_path_lengths(sass: str, path=None, warps: int = 4) -> list[int]:
         if source in registers and (".NE." in opcode or ".EQ." in opcode):
           equal = registers[source] == int(constant, 16)
           predicates[destination] = equal if ".EQ." in opcode else not equal
+      elif (
+        chosen is not None
+        and opcode.startswith("ISETP")
+        and (compare := _WARP_COMPARE_UNIFORM.match(operands))
+      ):
+        destination, source, _ = compare.groups()
+        if source in registers and (".NE." in opcode or ".EQ." in opcode):
+          predicates[destination] = chosen if ".EQ." in opcode else not chosen
       target = branch_target(opcode, operands)
       if target is None:
         address = following.get(address)
@@ -201,6 +216,20 @@ def warp_path_lengths(sass: str, path=None, warps: int = 4) -> list[int]:
         taken = target in on_path and following.get(address) not in on_path
       address = target if taken and target in on_path else following.get(address)
     lengths.append(count)
+  return lengths
+
+
+def slot_owner_warp_lengths(sass: str, path=None, warps: int = 4, stages: int = 4) -> list[float]:
+  """Instructions each warp issues per loop iteration, averaged over the iterations, when ring
+  slot s's work is warp s % warps's (a comparison of the warp index with a uniform register,
+  `warp_path_lengths(chosen=...)`): warp w owns the slots s < stages with s % warps == w, so it
+  takes the chosen path on that fraction of the iterations."""
+  owning = warp_path_lengths(sass, path, warps, chosen=True)
+  other = warp_path_lengths(sass, path, warps, chosen=False)
+  lengths = []
+  for warp in range(warps):
+    share = sum(1 for slot in range(stages) if slot % warps == warp) / stages
+    lengths.append(share * owning[warp] + (1 - share) * other[warp])
   return lengths
 
 

@@ -241,6 +241,37 @@ def test_each_warp_path_takes_the_warp_index_branches_as_that_warp_does():
   assert static_cost.warp_path_lengths(WARP_MAP_SASS) == [9, 8, 8, 8]
 
 
+# A loop (0x0020-0x00b0) whose copies (0x0060-0x0080) the warp chosen per iteration runs: the
+# warp index shuffled into R5 and compared with a uniform register (warp == slot % 4).
+CHOSEN_WARP_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;                 /* 0x00000a0000017a02 */
+        /*0010*/                   S2R R0, SR_TID.X ;                     /* 0x0000000000007919 */
+        /*0020*/                   SHFL.IDX PT, R5, R3, RZ, 0x1f ;        /* 0x00001fff03057589 */
+        /*0030*/                   FADD R7, R7, R8 ;                      /* 0x0000000807077221 */
+        /*0040*/                   ISETP.NE.U32.AND P2, PT, R5, UR11, PT ; /* 0x0000000b0500720c */
+        /*0050*/                @P2 BRA 0x90 ;                            /* 0x0000000000082947 */
+        /*0060*/                   UTMALDG.4D [UR8], [UR10] ;             /* 0x00000008ff0075b4 */
+        /*0070*/                   UTMALDG.4D [UR12], [UR14] ;            /* 0x0000000cff0075b4 */
+        /*0080*/                   NOP ;                                  /* 0x0000000000007918 */
+        /*0090*/                   FADD R9, R9, R8 ;                      /* 0x0000000809097221 */
+        /*00a0*/                   ISETP.GE.AND P3, PT, R0, 0x4, PT ;     /* 0x000000040000780c */
+        /*00b0*/               @!P3 BRA 0x20 ;                            /* 0xffffff9000008947 */
+        /*00c0*/                   EXIT ;                                 /* 0x000000000000794d */
+"""
+
+
+def test_a_warp_chosen_per_iteration_runs_its_branch_on_its_share_of_the_slots():
+  """Unresolved, the comparison with a uniform register counts the copies for every warp; the
+  chosen (True) and other (False) paths differ by them, and over 4 stages each warp runs them a
+  quarter of the iterations (over 2, warps 0 and 1 half of them, 2 and 3 never)."""
+  assert static_cost.warp_path_lengths(CHOSEN_WARP_SASS) == [10] * 4
+  assert static_cost.warp_path_lengths(CHOSEN_WARP_SASS, chosen=True) == [10] * 4
+  assert static_cost.warp_path_lengths(CHOSEN_WARP_SASS, chosen=False) == [7] * 4
+  assert static_cost.slot_owner_warp_lengths(CHOSEN_WARP_SASS, stages=4) == [7.75] * 4
+  assert static_cost.slot_owner_warp_lengths(CHOSEN_WARP_SASS, stages=2) == [8.5, 8.5, 7, 7]
+  assert static_cost.slot_owner_warp_lengths(CHOSEN_WARP_SASS, stages=3) == [8, 8, 8, 7]
+
+
 def test_warp_paths_follow_one_arm_of_an_if_else():
   """Given an arm's path, the if's branch goes where that arm is; other predicated branches
   (here the then arm's inner one) are not taken."""
