@@ -297,20 +297,28 @@ def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group():
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
 
 
-@pytest.mark.parametrize("bits,num_heads", [(2, 4), (4, 4), (2, 14)])
+@pytest.mark.parametrize(
+  "bits,num_heads,settings",
+  [
+    (2, 4, {}),
+    (4, 4, {}),
+    (2, 14, {"copy_issuer": "slot_owner", "ring_release": "per_warp", "num_stages": 2}),
+  ],
+)
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
-def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch, bits, num_heads):
+def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch, bits, num_heads, settings):
   """The "warp" Mosaic GPU variant (KERNEL_NOTES v45, v46: KIVI-2 and KIVI-4, head_dim 128,
   group size 32 only) through the decode loop, on a tiny model of head_dim 128 with 2 and 7
-  query heads per KV head (4 and 8 query rows): the reference path's tokens, and the kernel
-  really called (a fallback would be an error)."""
+  query heads per KV head (4 and 8 query rows; the latter with v46's ring settings, given in
+  the kernel_config): the reference path's tokens, and the kernel really called (a fallback
+  would be an error)."""
   from pallas_kernels import quantized_decode_attention_warp_mosaic_gpu as warp
 
   calls = []
   kernel = warp.warp_decode_attention_mosaic_gpu
 
   def counted(*args, **kwargs):
-    calls.append(args[0].shape[2])  # the query group
+    calls.append((args[0].shape[2], kwargs))  # the query group, the settings
     return kernel(*args, **kwargs)
 
   monkeypatch.setattr(warp, "warp_decode_attention_mosaic_gpu", counted)
@@ -321,7 +329,7 @@ def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch, bits, num_h
     list(np.random.default_rng(5).integers(1, 64, 190)),
     list(np.random.default_rng(6).integers(1, 64, 90)),
   ]
-  settings = KernelSettings(quantized={"lowering": "mosaic_gpu", "variant": "warp"})
+  kernels = KernelSettings(quantized={"lowering": "mosaic_gpu", "variant": "warp", **settings})
   tokens = {
     implementation: generate(
       decoder,
@@ -332,12 +340,13 @@ def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch, bits, num_h
       cache_method=parse_method_spec(
         f"kivi:bits={bits},group_size=32,residual=32",
         implementation=implementation,
-        kernel_settings=settings,
+        kernel_settings=kernels,
       ),
     ).tokens
     for implementation in ("reference", "interpret")
   }
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
   assert calls, "the warp kernel was not called"
-  assert set(calls) == {num_heads // config.num_kv_heads}
+  assert {group for group, _ in calls} == {num_heads // config.num_kv_heads}
+  assert all(kwargs.items() >= settings.items() for _, kwargs in calls)
   # (under the layer loop's jit the lengths are traced: the prompts set them, 160 and 64)
