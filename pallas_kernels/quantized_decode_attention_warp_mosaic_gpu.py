@@ -121,10 +121,6 @@ REDUCTION_SCRATCH_BYTES = 1024
 # Key groups per prologue chunk with key_bias_source="kernel": a 16 KB k_min / k_scale tile, the
 # M of one warpgroup product (a multiple of 64).
 PROLOGUE_CHUNK_GROUPS = 64
-# Per column, the split's sums the epilogue finishes the output with (`finished_own_slot_outputs`):
-# of p, then of p v_min per P' operand (`value_operands`): at 4 query rows for value groups 2 s
-# (slot s's columns) and 2 s + 1, at 8 rows for each value group.
-STATISTICS = {4: ("sum", "min_low", "min_high"), 8: ("sum", "min_0", "min_1", "min_2", "min_3")}
 MAX_QUERY_GROUP = COLUMNS
 # Which warp issues a ring slot's copies: the first, for every slot (v45), or warp slot % 4
 # ("slot_owner": with 4 stages each warp a quarter of the blocks, so no warp carries the copies'
@@ -146,6 +142,14 @@ DEFAULT_QUERY_LOADS = "per_block"
 # Settings no other Mosaic GPU variant takes (`copy_issuer` is the folded kernel's too, with its
 # own values).
 WARP_ONLY_SETTINGS = ("ring_release", "query_loads")
+
+
+def statistics_rows(rows: int) -> int:
+  """Per column, the split's sums the epilogue finishes the output with
+  (`finished_own_slot_outputs`): of p, then of p v_min per P' operand (`value_operands`: at 4
+  query rows for value groups 2 s (slot s's columns) and 2 s + 1, at 8 rows for each value
+  group)."""
+  return 1 + value_operands(rows)
 
 
 def unsupported_reason(
@@ -279,7 +283,7 @@ def _warp_kernel(
       v_scale_smem,  # [stages, 4, 128]
       v_min_smem,
       out_smem,  # f32 [rows, 128]
-      statistics_smem,  # f32 [len(STATISTICS[rows]), 8]: per column
+      statistics_smem,  # f32 [1 + value_operands(rows), 8]: `statistics_rows`
       lse_smem,  # f32 [8]
       halves_smem,  # bf16 [32, 128]: `key_bias_in_kernel.query_halves` with the bounds'
       tile_smem,  # bf16 [chunk groups, 128]: the prologue's k_min / k_scale chunk
@@ -644,7 +648,7 @@ def _scratch_types(
     ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
     ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
     plgpu.SMEM((rows, HEAD_DIM), jnp.float32),
-    plgpu.SMEM((len(STATISTICS[rows]), COLUMNS), jnp.float32),
+    plgpu.SMEM((statistics_rows(rows), COLUMNS), jnp.float32),
     plgpu.SMEM((COLUMNS,), jnp.float32),
   ]
   barriers = [
@@ -689,9 +693,9 @@ def _jitted_kernel_outputs(
   bits: int,
   key_products: str,
   key_bias_source: str,
-  copy_issuer: str = DEFAULT_COPY_ISSUER,
-  ring_release: str = DEFAULT_RING_RELEASE,
-  query_loads: str = DEFAULT_QUERY_LOADS,
+  copy_issuer: str,
+  ring_release: str,
+  query_loads: str,
   interpret: bool,
 ):
   queries, k_codes = arrays[:2]
