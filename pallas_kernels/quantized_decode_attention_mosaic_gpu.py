@@ -96,10 +96,22 @@ def wgmma_row_vector(vector):
 
 
 def unsupported_reason(
-  queries, k_codes, k_scale, v_scale, *, bits, group_size, lowrank=None, outliers=None, **_
+  queries,
+  k_codes,
+  k_scale,
+  v_scale,
+  *,
+  bits,
+  group_size,
+  lowrank=None,
+  outliers=None,
+  words_multiple=WORDS_MULTIPLE,
+  **_,
 ) -> str | None:
   """Why this kernel cannot take this segment (None if it can). Block-size constraints are
-  checked per configuration by `check_config`."""
+  checked per configuration by `check_config`. `words_multiple`: what the code words of a token
+  must be a multiple of (this kernel's whole 8-word wgmma column groups; the per-warp products
+  of the "warp" variant also take 4, one word a lane)."""
   del v_scale
   check_bits(bits)
   group, head_dim = queries.shape[2], queries.shape[3]
@@ -117,8 +129,10 @@ def unsupported_reason(
       f"group_size={group_size} with {words}-channel bit fields (a value group must hold whole "
       "fields)"
     )
-  if words % WORDS_MULTIPLE:
-    return f"{words} code words per token (head_dim * bits / 32 must be a multiple of 8)"
+  if words % words_multiple:
+    return (
+      f"{words} code words per token (head_dim * bits / 32 must be a multiple of {words_multiple})"
+    )
   if jnp.dtype(k_scale.dtype) not in (jnp.bfloat16, jnp.float16, jnp.float32):
     return f"statistics dtype {k_scale.dtype} (supported: bfloat16, float16, float32)"
   return None

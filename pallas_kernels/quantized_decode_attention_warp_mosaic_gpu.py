@@ -27,7 +27,7 @@ which only the issuing warp waits for. A split the bounds cannot serve
 reduced across the warps at every block.
 
 Outputs per split, as the folded kernel's partial_slots="own" writes them: each channel's own
-value slot, normalised (f32 [rows, 128], rows 4 or 8,
+value slot, normalised (f32 [rows, D], rows 4 or 8,
 `warp_value_product.finished_own_slot_outputs`: the sum over the warps, the codes' powers of two
 and P's 2^64 taken out, the group's sum of p v_min added, over the sum of p), and the
 log-sum-exp per column (natural). The splits are merged by
@@ -42,7 +42,9 @@ Interpret mode runs the same kernel with the inline pieces replaced by their jnp
 arms, statistics, epilogue, merge) is what a GPU runs; the inline code itself is checked lane by
 lane on numpy (`tests/pallas_kernels/test_warp_products_inline.py`), and natively only on a GPU.
 
-Supported (`unsupported_reason`): KIVI 2- and 4-bit codes, head_dim 128, group size 32 (key
+Supported (`unsupported_reason`): KIVI 2- and 4-bit codes, head_dim 64 and 128 (at 64 with 2-bit
+codes a token is 4 words: the key operand one word a lane, the value codes one 8-half-word
+matrix load per 16 tokens; `warp_key_product`, `warp_value_product`), group size 32 (key
 groups of 32 tokens, value groups of 32 channels), 1 to 8 query heads per KV head (padded to 4
 rows, which the 8 columns repeat, or to 8), bf16 statistics, no GEAR terms; value scales below
 2^31 (P' carries p v_scale 2^64 in bf16 with p <= 2^32). Slots past a row's length may hold
@@ -87,27 +89,32 @@ from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_gro
 from pallas_kernels.subnormal_codes import QUERY_EXPONENT, code_exponent, power_of_two
 from pallas_kernels.warp_key_product import (
   COLUMNS,
-  HEAD_DIM,
+  HEAD_DIMS,
   KEY_GROUP,
   SUPPORTED_BITS,
   TILE_ROWS,
   key_product_per_warp,
   key_scores_per_warp_emulated,
+  own_token_codes_one_word_per_lane,
   own_token_words,
 )
 from pallas_kernels.warp_value_product import (
-  PARTIAL_ROWS,
-  VALUE_GROUPS,
   finished_own_slot_outputs,
   finished_own_slot_outputs_emulated,
+  partial_rows,
   query_rows,
   statistics_by_slot,
   statistics_by_slot_emulated,
+  value_groups,
   value_operands,
   value_product_per_warp,
   value_product_per_warp_emulated,
 )
-from pallas_kernels.word_operand_order import channels_in_word_order, stage_words_in_word_order
+from pallas_kernels.word_operand_order import (
+  channels_in_word_order,
+  stage_words_in_word_order,
+  words_per_lane,
+)
 
 TILES = 2  # 16-token tiles a warp takes per block: 32 tokens, one key group
 BLOCK_TOKENS = 4 * 16 * TILES
@@ -122,6 +129,9 @@ REDUCTION_SCRATCH_BYTES = 1024
 # M of one warpgroup product (a multiple of 64).
 PROLOGUE_CHUNK_GROUPS = 64
 MAX_QUERY_GROUP = COLUMNS
+# Code words a token must be a multiple of: 4 (head_dim 64 at 2 bits, one word a lane of a quad;
+# `word_operand_order.words_per_lane`), where the other Mosaic GPU kernels need 8.
+WORDS_MULTIPLE = 4
 # Which warp issues a ring slot's copies: the first, for every slot (v45), or warp slot % 4
 # ("slot_owner": with 4 stages each warp a quarter of the blocks, so no warp carries the copies'
 # ~63 instructions a block alone; KERNEL_NOTES v46).
@@ -144,12 +154,12 @@ DEFAULT_QUERY_LOADS = "per_block"
 WARP_ONLY_SETTINGS = ("ring_release", "query_loads")
 
 
-def statistics_rows(rows: int) -> int:
+def statistics_rows(rows: int, head_dim: int = 128) -> int:
   """Per column, the split's sums the epilogue finishes the output with
   (`finished_own_slot_outputs`): of p, then of p v_min per P' operand (`value_operands`: at 4
-  query rows for value groups 2 s (slot s's columns) and 2 s + 1, at 8 rows for each value
-  group)."""
-  return 1 + value_operands(rows)
+  query rows for value groups 2 s (slot s's columns) and 2 s + 1 at head_dim 128, group s at 64;
+  at 8 rows for each value group)."""
+  return 1 + value_operands(rows, head_dim)
 
 
 def unsupported_reason(
@@ -175,14 +185,15 @@ def unsupported_reason(
     bits=bits,
     group_size=group_size,
     block_tokens=BLOCK_TOKENS,
+    words_multiple=WORDS_MULTIPLE,
     **segment,
   )
   if reason is not None:
     return reason
   if bits not in SUPPORTED_BITS:
     return f"bits={bits} (the warp variant takes {SUPPORTED_BITS})"
-  if queries.shape[3] != HEAD_DIM:
-    return f"head_dim={queries.shape[3]} (the warp variant takes {HEAD_DIM})"
+  if queries.shape[3] not in HEAD_DIMS:
+    return f"head_dim={queries.shape[3]} (the warp variant takes {HEAD_DIMS})"
   if group_size != KEY_GROUP:
     return f"group_size={group_size} (the warp variant takes {KEY_GROUP})"
   if queries.shape[2] > MAX_QUERY_GROUP:
@@ -249,6 +260,7 @@ def _warp_kernel(
   tokens: int,
   num_stages: int,
   bits: int,
+  head_dim: int,
   kernel_bias: bool,
   rows: int,
   copy_issuer: str,
@@ -259,7 +271,8 @@ def _warp_kernel(
   """One program: a split of one (row, KV head). `refs`: the inputs (`_kernel_arrays`), the
   outputs, the scratch (`_scratch_types`), in their order. `rows`: the query rows (4 or 8,
   `warp_value_product.query_rows`); `copy_issuer`, `ring_release`, `query_loads`:
-  `COPY_ISSUERS`, `RING_RELEASES`, `QUERY_LOADS`."""
+  `COPY_ISSUERS`, `RING_RELEASES`, `QUERY_LOADS`. Shapes below at head_dim D = 128 (W = 8 words
+  a token at 2 bits); at 64 every 128 channels is 64 and W is 4 (2 bits) or 8 (4 bits)."""
   if ring_release == "per_warp":
     *refs, consumed_barriers = refs  # per ring slot: each warp's arrival once it has read it
   if kernel_bias:
@@ -439,25 +452,38 @@ def _warp_kernel(
       return key_scores_per_warp_emulated(
         k_words_smem[slot], queries, k_scale_smem[slot], bias_ref[...], TILES, bits
       )
-    keys = [
-      stage_words_in_word_order(
-        own_token_words(k_words_smem.at[slot], t, TILES, bits), bits, operand_layout="mma_lhs"
-      )
-      for t in range(TILES)
-    ]
-    return key_product_per_warp(keys, queries, k_scale_smem.at[slot], bias_ref, TILES, bits)
+    if words_per_lane(head_dim, bits) == 1:  # 4 words a token: one a lane, masked in place
+      keys = [
+        own_token_codes_one_word_per_lane(k_words_smem.at[slot], t, TILES, bits)
+        for t in range(TILES)
+      ]
+    else:
+      keys = [
+        stage_words_in_word_order(
+          own_token_words(k_words_smem.at[slot], t, TILES, bits, head_dim),
+          bits,
+          operand_layout="mma_lhs",
+        )
+        for t in range(TILES)
+      ]
+    return key_product_per_warp(
+      keys, queries, k_scale_smem.at[slot], bias_ref, TILES, bits, head_dim
+    )
 
   def slot_statistic(ring, slot, b, t):
     if emulate:
       return statistics_by_slot_emulated(ring[slot], b, t, TILES, rows)
-    return statistics_by_slot(ring.at[slot], b, t, TILES, rows)
+    return statistics_by_slot(ring.at[slot], b, t, TILES, rows, head_dim)
 
   def value_product(probs, slot, acc, t):
     if emulate:
-      return value_product_per_warp_emulated(probs, v_words_smem[slot], acc, t, TILES, bits)
-    return value_product_per_warp(probs, v_words_smem.at[slot], acc, t, TILES, bits)
+      return value_product_per_warp_emulated(
+        probs, v_words_smem[slot], acc, t, TILES, bits, head_dim
+      )
+    return value_product_per_warp(probs, v_words_smem.at[slot], acc, t, TILES, bits, head_dim)
 
-  operands = value_operands(rows)
+  operands = value_operands(rows, head_dim)
+  accumulator_rows = partial_rows(head_dim)
 
   def step(i, state, *, exact: bool, masked: bool):
     acc, row_max, sums, minimums = state
@@ -476,7 +502,7 @@ def _warp_kernel(
         block_max = tile_max if block_max is None else jnp.maximum(block_max, tile_max)
       new_max = jnp.maximum(row_max, block_max)  # a split's first block holds a valid token
       correction = jnp.exp2(row_max - new_max)
-      acc = acc * lax.broadcast_in_dim(correction, (PARTIAL_ROWS, COLUMNS), [1])
+      acc = acc * lax.broadcast_in_dim(correction, (accumulator_rows, COLUMNS), [1])
       sums = sums * per_column(correction)
       minimums = tuple(x * per_column(correction) for x in minimums)
       row_max = new_max
@@ -502,7 +528,7 @@ def _warp_kernel(
   minus_inf = plgpu.layout_cast(jnp.full((COLUMNS,), -jnp.inf, jnp.float32), wgmma.reduce(0))
   zero = plgpu.layout_cast(jnp.zeros((TILE_ROWS, COLUMNS), jnp.float32), wgmma)
   init = (
-    plgpu.layout_cast(jnp.zeros((PARTIAL_ROWS, COLUMNS), jnp.float32), wgmma),
+    plgpu.layout_cast(jnp.zeros((accumulator_rows, COLUMNS), jnp.float32), wgmma),
     lax.cond(exchange, lambda: minus_inf, lambda: reference),
     zero,
     (zero,) * operands,
@@ -540,10 +566,10 @@ def _warp_kernel(
   plgpu.commit_smem()
   if emulate:
     out_smem[...] = finished_own_slot_outputs_emulated(
-      partial_smem[...], statistics_smem[...], bits, rows
+      partial_smem[...], statistics_smem[...], bits, rows, head_dim
     )
   else:
-    out_smem[...] = finished_own_slot_outputs(partial_smem, statistics_smem, bits, rows)
+    out_smem[...] = finished_own_slot_outputs(partial_smem, statistics_smem, bits, rows, head_dim)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[row, head, split])
   plgpu.copy_smem_to_gmem(lse_smem, lse_gmem.at[row, head, split])
@@ -554,11 +580,11 @@ def _code_queries(queries, sm_scale, bits):
   """(the queries scaled to base 2, padded to `query_rows` rows and, at 4, repeated to the 8
   columns (column j is row j % 4), f32 [B, H, 8, D]; the same moved to the word order and scaled
   by each position's 2^(69 - bit) (`subnormal_codes`), f32 [B, H, D, 8])."""
-  rows = query_rows(queries.shape[2])
+  rows, head_dim = query_rows(queries.shape[2]), queries.shape[3]
   scaled = pad_query_group(base_two_queries(queries, sm_scale), rows, jnp.float32)
   scaled = jnp.tile(scaled, (1, 1, COLUMNS // rows, 1))
   channel_scale = power_of_two(
-    QUERY_EXPONENT - code_exponent(jnp.arange(HEAD_DIM, dtype=jnp.int32), HEAD_DIM, bits)
+    QUERY_EXPONENT - code_exponent(jnp.arange(head_dim, dtype=jnp.int32), head_dim, bits)
   )
   code_queries = jnp.swapaxes(scaled, 2, 3) * channel_scale[:, None]
   return scaled, channels_in_word_order(code_queries, 2, bits)
@@ -622,6 +648,7 @@ def _scratch_types(
   plan: SplitPlan,
   num_stages: int,
   bits: int,
+  head_dim: int,
   kernel_bias: bool,
   rows: int,
   ring_release: str,
@@ -631,24 +658,25 @@ def _scratch_types(
     [plgpu.Barrier(num_arrivals=4, num_barriers=num_stages)] if ring_release == "per_warp" else []
   )
   groups = BLOCK_TOKENS // KEY_GROUP
-  words = packed_width(HEAD_DIM, bits)
+  words = packed_width(head_dim, bits)
   ring = lambda shape, dtype: plgpu.SMEM((num_stages, *shape), dtype)
-  operand = functools.partial(swizzled_operand_transforms, HEAD_DIM, dtype=jnp.bfloat16)
-  queries = (COLUMNS, HEAD_DIM) if kernel_bias else (HEAD_DIM, COLUMNS)
+  operand = functools.partial(swizzled_operand_transforms, head_dim, dtype=jnp.bfloat16)
+  queries = (COLUMNS, head_dim) if kernel_bias else (head_dim, COLUMNS)
   scratch = [
     plgpu.SMEM((lengths_words,), jnp.int32),
     plgpu.SMEM(queries, jnp.bfloat16),
     plgpu.SMEM((COLUMNS,), jnp.float32),
     ring((BLOCK_TOKENS, words), jnp.uint32),
-    ring((groups, HEAD_DIM), jnp.bfloat16),
+    ring((groups, head_dim), jnp.bfloat16),
     *([] if kernel_bias else [ring((groups, COLUMNS), jnp.float32)]),
     plgpu.RefUnion(
-      ring((BLOCK_TOKENS, words), jnp.uint32), plgpu.SMEM((PARTIAL_ROWS, COLUMNS), jnp.float32)
+      ring((BLOCK_TOKENS, words), jnp.uint32),
+      plgpu.SMEM((partial_rows(head_dim), COLUMNS), jnp.float32),
     ),
-    ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
-    ring((VALUE_GROUPS, BLOCK_TOKENS), jnp.bfloat16),
-    plgpu.SMEM((rows, HEAD_DIM), jnp.float32),
-    plgpu.SMEM((statistics_rows(rows), COLUMNS), jnp.float32),
+    ring((value_groups(head_dim), BLOCK_TOKENS), jnp.bfloat16),
+    ring((value_groups(head_dim), BLOCK_TOKENS), jnp.bfloat16),
+    plgpu.SMEM((rows, head_dim), jnp.float32),
+    plgpu.SMEM((statistics_rows(rows, head_dim), COLUMNS), jnp.float32),
     plgpu.SMEM((COLUMNS,), jnp.float32),
   ]
   barriers = [
@@ -661,8 +689,8 @@ def _scratch_types(
   chunk = PROLOGUE_CHUNK_GROUPS
   chunks = bias_chunks(split_key_groups(plan.split_tokens, KEY_GROUP), chunk)
   return scratch + [
-    plgpu.SMEM((4 * COLUMNS, HEAD_DIM), jnp.bfloat16, transforms=operand()),
-    plgpu.SMEM((chunk, HEAD_DIM), jnp.bfloat16, transforms=operand()),
+    plgpu.SMEM((4 * COLUMNS, head_dim), jnp.bfloat16, transforms=operand()),
+    plgpu.SMEM((chunk, head_dim), jnp.bfloat16, transforms=operand()),
     plgpu.SMEM((chunks * chunk, COLUMNS), jnp.float32),
     *barriers,
     plgpu.Barrier(num_barriers=chunks * copies_per_chunk(True)),
@@ -699,7 +727,7 @@ def _jitted_kernel_outputs(
   interpret: bool,
 ):
   queries, k_codes = arrays[:2]
-  batch, kv_heads = queries.shape[:2]
+  batch, kv_heads, _, head_dim = queries.shape
   kernel_bias = key_bias_source == "kernel"
   rows = query_rows(queries.shape[2])
   inputs = _kernel_arrays(
@@ -713,6 +741,7 @@ def _jitted_kernel_outputs(
       tokens=k_codes.shape[2],
       num_stages=num_stages,
       bits=bits,
+      head_dim=head_dim,
       kernel_bias=kernel_bias,
       rows=rows,
       copy_issuer=copy_issuer,
@@ -721,13 +750,13 @@ def _jitted_kernel_outputs(
       emulate=interpret,
     ),
     out_type=(
-      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, HEAD_DIM), jnp.float32),
+      jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
       jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, COLUMNS), jnp.float32),
     ),
     grid=(batch, kv_heads, plan.num_splits),
     grid_names=("row", "head", "split"),
     scratch_types=_scratch_types(
-      inputs[0].shape[0], plan, num_stages, bits, kernel_bias, rows, ring_release
+      inputs[0].shape[0], plan, num_stages, bits, head_dim, kernel_bias, rows, ring_release
     ),
     # Every thread's stores into shared memory (the epilogue's, the prologue's) are published by
     # `commit_smem` before anyone reads them; the loop stores none. TMA refills a slot only after
@@ -763,7 +792,7 @@ def warp_kernel_outputs(
   query_loads: str = DEFAULT_QUERY_LOADS,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """The kernel's own outputs: out f32 [B, H, S, rows, 128] (each split's normalised output, each
+  """The kernel's own outputs: out f32 [B, H, S, rows, D] (each split's normalised output, each
   channel from its own value slot; rows = `query_rows(G)`, 4 or 8) and lse f32 [B, H, S, 8]
   (natural; column j is row j % rows).
   Settings and shapes are checked (ValueError) before anything is traced."""

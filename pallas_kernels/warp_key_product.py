@@ -25,8 +25,16 @@ them), scores f32 [64, 8] in the wgmma layout (= MMA_ACC with four warps along M
 `key_scores_per_warp_emulated` computes the same arrays by jnp for interpret mode, and
 `tests/pallas_kernels/test_warp_products_inline.py` runs the inline code on numpy lane by lane.
 
-Supported: 2- and 4-bit planar codes at head_dim 128 (8 or 16 words a token), key groups of 32
-tokens.
+At head_dim 64 the product has 4 k-tiles. With 4-bit codes a token is 8 words, and everything
+above holds with D / 2 = 32 for 64. With 2-bit codes a token is 4 words, not a whole 8-word
+group of the wgmma layout: each lane of a quad takes one word (`word_operand_order`'s one word
+per lane order, C(L) = (p + 8 h) 4 + q), loaded by `own_token_codes_one_word_per_lane` (one
+32-bit load a row) and masked straight into the MMA_LHS registers; B register (kt, kh) then pairs
+channels c = 4 (2 kt + kh) + q and c + 32, not adjacent in the scales, so its scale pair is two
+16-bit loads instead of a word load and a byte permute.
+
+Supported: 2- and 4-bit planar codes at head_dim 64 and 128 (4, 8 or 16 words a token), key
+groups of 32 tokens.
 """
 
 import jax
@@ -37,11 +45,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.bit_packing import packed_width, unpack_codes
 from pallas_kernels.subnormal_codes import code_exponent, power_of_two
 from pallas_kernels.warpgroup_thread import thread_coordinates
-from pallas_kernels.word_operand_order import channel_at_position, channels_in_word_order
+from pallas_kernels.word_operand_order import (
+  channel_at_position,
+  channels_in_word_order,
+  masked_pair_registers,
+  words_per_lane,
+)
 
 TILE_ROWS = 64  # rows of a per-warp tile array: 16 tokens of each of the four warps
 COLUMNS = 8  # the products' N: query rows (the padding rows repeat the real ones)
-HEAD_DIM = 128
+HEAD_DIMS = (64, 128)
 SUPPORTED_BITS = (2, 4)
 KEY_GROUP = 32  # tokens of a key group
 _CODE_UNIT_EXPONENT = 133  # bf16 pattern m < 0x100 is m * 2^-133
@@ -50,12 +63,24 @@ _SCORE_EXPONENT = 64
 SCORE_UNSCALE = 2.0**-_SCORE_EXPONENT
 
 
-def own_token_words(words_ref, tile: int, tiles: int, bits: int = 2):
+def _token_of_row(const, lane, warp, tile: int, tiles: int):
+  """Token (in the block) of this thread's first row of a tile array: 16 tiles w + 16 tile +
+  lane / 4 (`warp_rows`); its second row is 8 tokens on."""
+  from jaxlib.mlir.dialects import arith
+
+  return arith.addi(
+    arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile)),
+    arith.divui(lane, const(4)),
+  )
+
+
+def own_token_words(words_ref, tile: int, tiles: int, bits: int = 2, head_dim: int = 128):
   """uint32 [64, W] (wgmma layout) of the block's key words [64 tiles, W] in shared memory (W
-  words a token: 8 at 2 bits, 16 at 4): row 16 w + r holds token 16 tiles w + 16 tile + r
-  (`warp_rows`). A thread loads words 8 j + 2 q, 8 j + 2 q + 1 of its two rows, one 64-bit load
-  each per 8-word column group j (`inline_mgpu`, native only)."""
-  words = packed_width(HEAD_DIM, bits)
+  words a token, a multiple of 8: 8 at 2 bits, 16 at 4 at head_dim 128, 8 at 4 bits at 64): row
+  16 w + r holds token 16 tiles w + 16 tile + r (`warp_rows`). A thread loads words 8 j + 2 q,
+  8 j + 2 q + 1 of its two rows, one 64-bit load each per 8-word column group j (`inline_mgpu`,
+  native only)."""
+  words = packed_width(head_dim, bits)
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(),),
@@ -70,10 +95,7 @@ def own_token_words(words_ref, tile: int, tiles: int, bits: int = 2):
     i8 = ir.IntegerType.get_signless(8)
     pair_type = ir.VectorType.get((2,), ir.IntegerType.get_signless(32))
     const, lane, warp, quad = thread_coordinates()
-    token = arith.addi(
-      arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile)),
-      arith.divui(lane, const(4)),
-    )
+    token = _token_of_row(const, lane, warp, tile, tiles)
     offset = arith.addi(arith.muli(token, const(4 * words)), arith.muli(quad, const(8)))
     address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
     registers = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE_ROWS, words)), dtype=object)
@@ -86,14 +108,56 @@ def own_token_words(words_ref, tile: int, tiles: int, bits: int = 2):
   return load(words_ref)
 
 
-def key_product_per_warp(keys, queries, k_scale_ref, key_bias_ref, tiles: int = 1, bits: int = 2):
+def own_token_codes_one_word_per_lane(words_ref, tile: int, tiles: int, bits: int = 2):
+  """bf16 [64, 64] key-code operand (MMA_LHS, the one word per lane order) of the block's key
+  words [64 tiles, 4] in shared memory (head_dim 64 at 2 bits): row 16 w + r holds token
+  16 tiles w + 16 tile + r. Lane (g, q) loads word q of its two rows (one 32-bit load each) and
+  masks its 8 pairs into registers G = p (columns 8 p + 2 q, + 1; `inline_mgpu`, native only)."""
+  head_dim = 64
+  words = packed_width(head_dim, bits)
+  if words != 4 or words_per_lane(head_dim, bits) != 1:
+    raise ValueError(f"bits={bits}: one word per lane takes 2-bit codes at head_dim 64")
+  layout = plgpu.Layout.MMA_LHS(jnp.bfloat16)
+
+  @plgpu.inline_mgpu(
+    arg_types=(plgpu.RefType(),),
+    return_type=plgpu.ShapeDtypeStruct((TILE_ROWS, head_dim), jnp.bfloat16, layout=layout),
+  )
+  def load(_, ref):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm
+
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    const, lane, warp, quad = thread_coordinates()
+    token = _token_of_row(const, lane, warp, tile, tiles)
+    offset = arith.addi(arith.muli(token, const(4 * words)), arith.muli(quad, const(4)))
+    address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
+    mosaic_layout = layout.to_mgpu()
+    registers = np.empty(mosaic_layout.registers_shape((TILE_ROWS, head_dim)), dtype=object)
+    for h in range(2):  # rows g and g + 8
+      row = mgpu_utils.getelementptr(address, [8 * 4 * words * h], i8)
+      for p, masked in enumerate(masked_pair_registers(llvm.load(i32, row), bits)):
+        # MMA_LHS tiles columns by 16: column group p is half p % 2 of k-tile p // 2
+        registers[(0, p // 2, 0, p % 2, h, 0, 0, 0, 0)] = masked
+    return fa.FragmentedArray(_registers=registers, _layout=mosaic_layout, _is_signed=None)
+
+  return load(words_ref)
+
+
+def key_product_per_warp(
+  keys, queries, k_scale_ref, key_bias_ref, tiles: int = 1, bits: int = 2, head_dim: int = 128
+):
   """f32 [64, 8] scores (wgmma layout) per 16-token tile of `keys`: each warp's tokens against Q'
   of its own key group (warp w's tokens are group w tiles / 2 of the block), plus that group's
-  bias, all over 2^64. `keys` a list of `tiles` bf16 [64, 128] key-code arrays in the MMA_LHS
-  layout (word order; row 16 w + r: token 16 tiles w + 16 tile + r), `queries` bf16 [128, 8] in
+  bias, all over 2^64. `keys` a list of `tiles` bf16 [64, D] key-code arrays in the MMA_LHS
+  layout (word order; row 16 w + r: token 16 tiles w + 16 tile + r), `queries` bf16 [D, 8] in
   MMA_RHS (position-major, times 2^(69 - bit)), `k_scale_ref` the block's key scales
-  [groups, 128] bf16 (channel order) and `key_bias_ref` its q . k_min [groups, 8] f32, both in
+  [groups, D] bf16 (channel order) and `key_bias_ref` its q . k_min [groups, 8] f32, both in
   shared memory (`inline_mgpu`, native only)."""
+  lane_words = words_per_lane(head_dim, bits)
   lhs = plgpu.Layout.MMA_LHS(jnp.bfloat16)
   score_type = plgpu.ShapeDtypeStruct((TILE_ROWS, COLUMNS), jnp.float32, layout=plgpu.Layout.WGMMA)
 
@@ -116,29 +180,46 @@ def key_product_per_warp(keys, queries, k_scale_ref, key_bias_ref, tiles: int = 
     i8 = ir.IntegerType.get_signless(8)
     f32 = ir.F32Type.get()
     pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
+    i16 = ir.IntegerType.get_signless(16)
     const, lane, warp, quad = thread_coordinates()
     group = arith.divui(arith.muli(warp, const(tiles)), const(2))
-    # byte offset of channel 2 q of the warp's group's 128 scales
+    # byte offset of channel T q (T words a lane: 2, or 1 at one word per lane) of the warp's
+    # group's D scales
     base = arith.muli(
-      arith.addi(arith.muli(group, const(HEAD_DIM)), arith.muli(quad, const(2))), const(2)
+      arith.addi(arith.muli(group, const(head_dim)), arith.muli(quad, const(lane_words))),
+      const(2),
     )
     scales = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(scale_ref), [base], i8)
 
-    def scale_word(channel: int):
-      address = mgpu_utils.getelementptr(scales, [2 * channel], i8)
-      return llvm.load(i32, address)
+    def load_scale(channel: int, element_type):
+      return llvm.load(element_type, mgpu_utils.getelementptr(scales, [2 * channel], i8))
 
-    b_registers = []  # Q' of the warp's group, built once for its tiles
-    for kt in range(8):
-      first = int(channel_at_position(16 * kt, HEAD_DIM, bits))  # C(16 kt)
-      low, high = scale_word(first), scale_word(first + 64)
-      for kh in range(2):
-        pair = mgpu_utils.inline_ptx(
+    def scale_pairs(kt: int) -> list:
+      """The kh = 0, 1 scale pairs (channels c, c + D / 2) of k-tile kt's B registers."""
+      if lane_words == 1:  # c = C(16 kt + 8 kh) + q: two 16-bit loads a pair
+        pairs = []
+        for kh in range(2):
+          first = int(channel_at_position(16 * kt + 8 * kh, head_dim, bits))
+          low, high = (arith.extui(i32, load_scale(c, i16)) for c in (first, first + head_dim // 2))
+          pairs.append(arith.ori(low, arith.shli(high, const(16))))
+        return pairs
+      # c = C(16 kt) + 2 q + kh: the low or high halves of the words at C(16 kt) + 2 q and
+      # D / 2 on, paired by one byte permute
+      first = int(channel_at_position(16 * kt, head_dim, bits))
+      low, high = load_scale(first, i32), load_scale(first + head_dim // 2, i32)
+      return [
+        mgpu_utils.inline_ptx(
           "prmt.b32 $0, $1, $2, " + ("0x7632" if kh else "0x5410") + ";",
           low,
           high,
           result_types=i32,
         )
+        for kh in range(2)
+      ]
+
+    b_registers = []  # Q' of the warp's group, built once for its tiles
+    for kt in range(head_dim // 16):
+      for kh, pair in enumerate(scale_pairs(kt)):
         query = b.registers[(kt, 0, kh, 0, 0, 0, 0, 0)]
         product_pair = arith.mulf(query, mgpu_utils.bitcast(pair, pair_type))
         b_registers.append(mgpu_utils.bitcast(product_pair, i32))
@@ -156,7 +237,7 @@ def key_product_per_warp(keys, queries, k_scale_ref, key_bias_ref, tiles: int = 
     undefined = llvm.mlir_undef(ir.VectorType.get((2,), f32))
     for a in key_tiles:
       accumulator = [bias[0], bias[1], bias[0], bias[1]]
-      for kt in range(8):
+      for kt in range(head_dim // 16):
         a_registers = [
           mgpu_utils.bitcast(a.registers[(0, kt, 0, s, h, 0, 0, 0, 0)], i32)
           for s, h in ((0, 0), (0, 1), (1, 0), (1, 1))
@@ -201,19 +282,21 @@ def per_row_group(groups: jax.Array, tiles: int) -> jax.Array:
 
 def key_scores_per_warp_emulated(
   words: jax.Array,  # uint32 [64 tiles, W]: the block's key words
-  queries: jax.Array,  # bf16 [128, 8]: positions in the word order, times 2^(69 - bit)
-  k_scale: jax.Array,  # bf16 [>= 2 tiles, 128]: the block's key scales, channel order
+  queries: jax.Array,  # bf16 [D, 8]: positions in the word order, times 2^(69 - bit)
+  k_scale: jax.Array,  # bf16 [>= 2 tiles, D]: the block's key scales, channel order
   key_bias: jax.Array,  # f32 [>= 2 tiles, 8]: the block's q . k_min
   tiles: int,
   bits: int = 2,
 ) -> list:
-  """What `own_token_words`, `stage_words_in_word_order` and `key_product_per_warp` give, by jnp
-  (interpret mode): per tile, f32 [64, 8] with row 16 w + r the scores of token 16 tiles w +
-  16 tile + r against bf16(query x its key group's scale), plus the group's bias, over 2^64.
-  The code operands' powers of two go into Q' before the sum (a code pattern is subnormal, which
-  XLA on CPU flushes), so the terms are the native ones within f32 rounding."""
-  position = jax.lax.iota(jnp.int32, HEAD_DIM)
-  exponent = code_exponent(channel_at_position(position, HEAD_DIM, bits), HEAD_DIM, bits)
+  """What `own_token_words`, `stage_words_in_word_order` (or
+  `own_token_codes_one_word_per_lane`) and `key_product_per_warp` give, by jnp (interpret mode):
+  per tile, f32 [64, 8] with row 16 w + r the scores of token 16 tiles w + 16 tile + r against
+  bf16(query x its key group's scale), plus the group's bias, over 2^64. The code operands'
+  powers of two go into Q' before the sum (a code pattern is subnormal, which XLA on CPU
+  flushes), so the terms are the native ones within f32 rounding."""
+  head_dim = queries.shape[0]
+  position = jax.lax.iota(jnp.int32, head_dim)
+  exponent = code_exponent(channel_at_position(position, head_dim, bits), head_dim, bits)
   # The code operand at position L is code * 2^(e(L) - 133), the query there q 2^(69 - e(L)):
   # the product is taken as code * (Q' 2^(e(L) - 69)) 2^-64, in the normal range throughout.
   code_unit = power_of_two(exponent - (_CODE_UNIT_EXPONENT - _SCORE_EXPONENT))[None, :, None]

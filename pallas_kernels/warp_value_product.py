@@ -13,13 +13,19 @@ words a token), i.e. channel
 
   c(m, r) = (F (r % 2) + p) W + 8 blk + r // 2    (at 2 bits: 64 (r % 2) + 8 p + r // 2)
 
-whose value group is 2 (r % 2) + b, b = p // (F / 2). At 4 query rows the m-tiles with b = 0
+whose value group is 2 (r % 2) + b, b = p // (F / 2) (at head_dim 128). At head_dim 64 with
+2-bit codes a token is 8 half-words, one `ldmatrix.x2.trans` per 16 tokens, and each loaded
+register serves two fields (rows 0-7 field m, rows 8-15 field m + 4, the same bit of the other
+byte, so the register and its copy shifted by 8 take one mask): c(m, r) = (8 s + m + 4 (r // 8)) 4
++ (r % 8) // 2 with s = r % 2 (`value_row_channel`). At head_dim 64 half s of the rows is value
+group s (both widths). At 4 query rows (head_dim 128) the m-tiles with b = 0
 take groups (0, 2) with P' of pairing 0 (slot s: group 2 s), the others groups (1, 3) with P' of
 pairing 1 (slot s: group 2 s + 1), and each row reads its own slot s = r % 2
 (`add_warp_partials`; the other slot's columns are dropped). At 8 query rows an m-tile's even
 and odd rows need different P' (groups b and 2 + b): two MMAs an m-tile, each with the code
 operand of the other half's rows zeroed (a lane's A registers are rows of one parity), into one
-accumulator: twice the 4-row product's MMAs, the same accumulator registers.
+accumulator: twice the 4-row product's MMAs, the same accumulator registers. At head_dim 64,
+4 query rows take one P' (slot s: group s) and 8 rows two (one a group).
 
 - `statistics_by_slot`: the per-token statistic of each column's slot group, f32 [64, 8]: a lane's
   two columns share a slot, so it loads its two tokens' values of one group.
@@ -33,8 +39,8 @@ accumulator: twice the 4-row product's MMAs, the same accumulator registers.
 
 Native only; the `_emulated` functions compute the same arrays by jnp for interpret mode, and
 `tests/pallas_kernels/test_warp_products_inline.py` runs the inline code on numpy lane by lane.
-Supported: 2- and 4-bit planar codes at head_dim 128, value groups of 32 channels, 4 or 8 query
-rows (`ROW_COUNTS`).
+Supported: 2- and 4-bit planar codes at head_dim 64 and 128, value groups of 32 channels, 4 or
+8 query rows (`ROW_COUNTS`).
 """
 
 import functools
@@ -45,22 +51,56 @@ import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.bit_packing import packed_width, unpack_codes
-from pallas_kernels.subnormal_codes import power_of_two
-from pallas_kernels.warp_key_product import (
-  COLUMNS,
-  HEAD_DIM,
-  TILE_ROWS,
-  warp_rows,
-)
+from pallas_kernels.subnormal_codes import code_exponent, power_of_two
+from pallas_kernels.warp_key_product import COLUMNS, TILE_ROWS, warp_rows
 from pallas_kernels.warpgroup_thread import thread_coordinates
+from pallas_kernels.word_operand_order import MlirInt
 
 VALUE_GROUP = 32  # channels of a value group
-VALUE_GROUPS = HEAD_DIM // VALUE_GROUP
 REAL_ROWS = 4  # query rows of a slot when two slots share the 8 columns
 ROW_COUNTS = (REAL_ROWS, COLUMNS)  # query rows the products take: two slots of 4, or one of 8
-PARTIAL_ROWS = 8 * TILE_ROWS  # the per-warp partial outputs: 8 m-tiles of 16 rows per warp
 _CODE_UNIT_EXPONENT = 133
 _PROBS_EXPONENT = 64
+_ONE_WORD_PER_LANE = 4  # words a token (head_dim 64, 2 bits): one matrix load of 8 half-words
+
+
+def value_groups(head_dim: int) -> int:
+  """Value groups of a token: 4 at head_dim 128, 2 at 64."""
+  return head_dim // VALUE_GROUP
+
+
+def partial_rows(head_dim: int) -> int:
+  """Rows of the per-warp partial outputs: head_dim / 16 m-tiles of 16 rows per warp (512 at
+  head_dim 128, 256 at 64)."""
+  return 4 * head_dim
+
+
+def _groups_per_half(head_dim: int) -> int:
+  """Value groups in each half of the channels (a row's parity): 2 at head_dim 128, 1 at 64."""
+  return head_dim // 64
+
+
+def value_row_channel(m: int, r: int, head_dim: int, bits: int) -> int:
+  """c(m, r): the channel that row r of m-tile m of a warp's partial output holds (the module
+  text; Python ints)."""
+  words, fields = packed_width(head_dim, bits), 16 // bits
+  if words == _ONE_WORD_PER_LANE:
+    half_word, field = r % 8, m + 4 * (r // 8)
+    return (fields * (half_word % 2) + field) * words + half_word // 2
+  blk, p = divmod(m, fields)
+  return (fields * (r % 2) + p) * words + 8 * blk + r // 2
+
+
+def value_row_of_channel(channel, head_dim: int, bits: int):
+  """(m-tile, row, slot = half, field in its half-word) of `channel` in the partial outputs, the
+  inverse of `value_row_channel` (ints, jnp arrays or `MlirInt`s: a kernel computes it on its
+  thread index or an iota)."""
+  words, fields = packed_width(head_dim, bits), 16 // bits
+  field, word = channel // words, channel % words  # field k of word `word`
+  half, p = field // fields, field % fields
+  if words == _ONE_WORD_PER_LANE:  # half-word 2 word + half; rows 8 (p // 4) + that
+    return p % 4, (p // 4) * 8 + word * 2 + half, half, p
+  return (word // 8) * fields + p, (word % 8) * 2 + half, half, p
 
 
 def query_rows(group: int) -> int:
@@ -76,24 +116,34 @@ def check_rows(rows: int) -> None:
     raise ValueError(f"rows={rows!r} is not supported; allowed: {ROW_COUNTS}")
 
 
-def value_operands(rows: int) -> int:
-  """P' operands (and sums of p v_min) per tile: one per pairing b (two groups each, in two slots
-  of 4 columns) at 4 rows, one per value group at 8."""
+def value_operands(rows: int, head_dim: int = 128) -> int:
+  """P' operands (and sums of p v_min) per tile: at 4 rows one per pairing b (slot s of the
+  columns holding group 2 s + b at head_dim 128, group s at 64), at 8 rows one per value
+  group."""
   check_rows(rows)
-  return 2 if rows == REAL_ROWS else VALUE_GROUPS
+  return _groups_per_half(head_dim) if rows == REAL_ROWS else value_groups(head_dim)
 
 
-def operand_of_half(operands: int, s: int, b: int) -> int:
-  """Which of the `operands` P' an m-tile's rows of half s (r % 2 = s) take at pairing b:
-  pairing b's (4 rows: its slot s columns hold group 2 s + b), or group 2 s + b's (8 rows)."""
-  return b if operands == 2 else 2 * s + b
+def operand_of_half(rows: int, head_dim: int, s: int, b: int) -> int:
+  """Which P' an m-tile's rows of half s (r % 2 = s) take, b their group within the half: pairing
+  b's at 4 rows (its slot s columns hold that group), the group's own at 8 rows."""
+  return b if rows == REAL_ROWS else _groups_per_half(head_dim) * s + b
 
 
-def m_tiles(bits: int) -> list[tuple[int, int, int]]:
-  """(m, blk, p) of the 8 m-tiles: m-tile m = F blk + p holds field p of half-words 16 blk ..
-  16 blk + 15 (F = 16 / bits fields a half-word)."""
+def group_in_half(m: int, head_dim: int, bits: int) -> int:
+  """b: the value group within its half of m-tile m's rows (the same for both halves)."""
+  return (value_row_channel(m, 0, head_dim, bits) % (head_dim // 2)) // VALUE_GROUP
+
+
+def m_tiles(bits: int, head_dim: int = 128) -> list[tuple[int, int, int]]:
+  """(m, blk, p) of the head_dim / 16 m-tiles: m-tile m = F blk + p holds field p of half-words
+  16 blk .. 16 blk + 15 (F = 16 / bits fields a half-word); with one word per lane (4 words a
+  token) blk = 0 and p = m (rows 8-15: field m + 4)."""
+  if packed_width(head_dim, bits) == _ONE_WORD_PER_LANE:
+    return [(m, 0, m) for m in range(head_dim // 16)]
   fields = 16 // bits
-  return [(fields * blk + p, blk, p) for blk in range(bits // 2) for p in range(fields)]
+  blocks = packed_width(head_dim, bits) // 8  # of 16 half-words
+  return [(fields * blk + p, blk, p) for blk in range(blocks) for p in range(fields)]
 
 
 def field_shift_and_bit(bits: int, p: int) -> tuple[int, int]:
@@ -103,23 +153,37 @@ def field_shift_and_bit(bits: int, p: int) -> tuple[int, int]:
   return 8 * (p // per_byte), bits * (p % per_byte)
 
 
-def value_product_per_warp(probs, words_ref, acc, tile: int = 0, tiles: int = 1, bits: int = 2):
-  """acc f32 [512, 8] (wgmma layout: row 64 m + 16 w + r is warp w's m-tile m) plus each warp's
-  V^T [128, 16 own tokens] . P'^T [16, 8]. `probs`: P' bf16 [64, 8] (wgmma layout: warp w's rows
-  are its tokens 16 tiles w + 16 tile ..), two (4 query rows: m-tiles of fields p < F / 2 take
-  the first, the others the second) or four (8 rows: group 2 (r % 2) + p // (F / 2)'s for row
-  r, `operand_of_half`); `words_ref` the block's value words [64 tiles, 4 bits] uint32 in shared
-  memory (`inline_mgpu`, native only)."""
+def _rows_of_operands(operands: int, head_dim: int) -> int:
+  """The query rows that `operands` P' (one a `value_operands`) serve; ValueError otherwise."""
+  for rows in ROW_COUNTS:
+    if operands == value_operands(rows, head_dim):
+      return rows
+  allowed = [value_operands(rows, head_dim) for rows in ROW_COUNTS]
+  raise ValueError(
+    f"{operands} P' operands at head_dim {head_dim}; allowed: {allowed} (4 or 8 query rows)"
+  )
+
+
+def value_product_per_warp(
+  probs, words_ref, acc, tile: int = 0, tiles: int = 1, bits: int = 2, head_dim: int = 128
+):
+  """acc f32 [4 D, 8] (wgmma layout: row 64 m + 16 w + r is warp w's m-tile m) plus each warp's
+  V^T [D, 16 own tokens] . P'^T [16, 8]. `probs`: P' bf16 [64, 8] (wgmma layout: warp w's rows
+  are its tokens 16 tiles w + 16 tile ..), `value_operands(rows, D)` of them: the one row r of
+  m-tile m takes is `operand_of_half(rows, D, r % 2, group_in_half(m))`; `words_ref` the block's
+  value words [64 tiles, W] uint32 in shared memory (`inline_mgpu`, native only)."""
   wgmma = plgpu.Layout.WGMMA
-  row_bytes = 4 * packed_width(HEAD_DIM, bits)
-  fields = 16 // bits
+  words = packed_width(head_dim, bits)
+  row_bytes = 4 * words
   operands = len(probs)
-  if operands not in (2, VALUE_GROUPS):
-    raise ValueError(f"{operands} P' operands; allowed: 2 (4 query rows) or 4 (8 rows)")
+  rows = _rows_of_operands(operands, head_dim)
+  one_word = words == _ONE_WORD_PER_LANE
 
   @plgpu.inline_mgpu(
     arg_types=([wgmma] * operands, plgpu.RefType(), wgmma),
-    return_type=plgpu.ShapeDtypeStruct((PARTIAL_ROWS, COLUMNS), jnp.float32, layout=wgmma),
+    return_type=plgpu.ShapeDtypeStruct(
+      (partial_rows(head_dim), COLUMNS), jnp.float32, layout=wgmma
+    ),
   )
   def product(_, probs_arrays, ref, accumulator):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -146,30 +210,43 @@ def value_product_per_warp(probs, words_ref, acc, tile: int = 0, tiles: int = 1,
     for probs_array in probs_arrays:
       registers = probs_array.registers.reshape(-1)  # h = 0, 1
       b_operands.append([transposed(registers[0]), transposed(registers[1])])
-    # Lanes 8 m .. 8 m + 7 address the rows of matrix m: token 16 tiles w + 16 tile + 8 (m / 2)
-    # + l % 8, bytes 32 blk + 16 (m % 2) of its row (one load per block of 16 half-words).
     matrix = arith.divui(lane, const(8))
     first = arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile))
-    token = arith.addi(
-      arith.addi(first, arith.muli(arith.divui(matrix, const(2)), const(8))),
-      arith.remui(lane, const(8)),
-    )
-    offset = arith.addi(
-      arith.muli(token, const(row_bytes)), arith.muli(arith.remui(matrix, const(2)), const(16))
-    )
+    if one_word:
+      # .x2: lanes 8 m .. 8 m + 7 (m = 0, 1; lanes 16-31 repeat them, unread) address the rows
+      # of matrix m: token 16 tiles w + 16 tile + 8 m + l % 8, its whole 16-byte row
+      token = arith.addi(
+        arith.addi(first, arith.muli(arith.remui(matrix, const(2)), const(8))),
+        arith.remui(lane, const(8)),
+      )
+      offset = arith.muli(token, const(row_bytes))
+      instruction = "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {$0, $1}, [$2];"
+      blocks, loads = 1, 2
+    else:
+      # .x4: lanes 8 m .. 8 m + 7 address the rows of matrix m: token 16 tiles w + 16 tile +
+      # 8 (m / 2) + l % 8, bytes 32 blk + 16 (m % 2) of its row (one load per 16 half-words)
+      token = arith.addi(
+        arith.addi(first, arith.muli(arith.divui(matrix, const(2)), const(8))),
+        arith.remui(lane, const(8)),
+      )
+      offset = arith.addi(
+        arith.muli(token, const(row_bytes)), arith.muli(arith.remui(matrix, const(2)), const(16))
+      )
+      instruction = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];"
+      blocks, loads = words // 8, 4
     address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
     loaded = [
       mgpu_utils.inline_ptx(
-        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];",
+        instruction,
         mgpu_utils.getelementptr(address, [32 * blk], i8),
-        result_types=[i32] * 4,
+        result_types=[i32] * loads,
         has_side_effects=True,
         convergent=True,
       )
-      for blk in range(bits // 2)
+      for blk in range(blocks)
     ]
     upper = [[arith.shrui(register, const(8)) for register in block] for block in loaded]
-    if operands == 2:
+    if rows == REAL_ROWS:
       half_masks = [None]  # one MMA an m-tile: both halves' rows against one P'
     else:
       # A lane's A registers hold rows g and g + 8 (g = lane / 4), one parity: all ones in the
@@ -179,11 +256,17 @@ def value_product_per_warp(probs, words_ref, acc, tile: int = 0, tiles: int = 1,
     registers = np.empty(accumulator.registers.shape, dtype=object)
     undefined = llvm.mlir_undef(ir.VectorType.get((2,), f32))
     field_mask = (1 << bits) - 1
-    for m, blk, p in m_tiles(bits):
-      shift, bit = field_shift_and_bit(bits, p)
-      source = upper[blk] if shift else loaded[blk]
-      mask = const((field_mask << bit) * 0x00010001)
-      fields_of = [arith.andi(register, mask) for register in source]
+    for m, blk, p in m_tiles(bits, head_dim):
+      if one_word:
+        # rows g: field m of the half-words (low byte); rows g + 8: field m + 4, the same bit of
+        # the high byte: (a0, a1, a2, a3) = tokens 0-7 and 8-15, each low and shifted
+        mask = const((field_mask << (bits * m)) * 0x00010001)
+        sources = [loaded[0][0], upper[0][0], loaded[0][1], upper[0][1]]
+      else:
+        shift, bit = field_shift_and_bit(bits, p)
+        mask = const((field_mask << bit) * 0x00010001)
+        sources = upper[blk] if shift else loaded[blk]
+      fields_of = [arith.andi(register, mask) for register in sources]
       d = [
         vector.extract(
           accumulator.registers[(m, 0, 0, 0, h, 0, 0, 0, 0)],
@@ -193,9 +276,10 @@ def value_product_per_warp(probs, words_ref, acc, tile: int = 0, tiles: int = 1,
         for h in range(2)
         for i in range(2)
       ]
+      b_group = group_in_half(m, head_dim, bits)
       for s, half_mask in enumerate(half_masks):
         a = fields_of if half_mask is None else [arith.andi(x, half_mask) for x in fields_of]
-        b = b_operands[operand_of_half(operands, s, p // (fields // 2))]
+        b = b_operands[operand_of_half(rows, head_dim, s, b_group)]
         d = mgpu_utils.inline_ptx(
           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0, $1, $2, $3}, "
           "{$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
@@ -214,31 +298,50 @@ def value_product_per_warp(probs, words_ref, acc, tile: int = 0, tiles: int = 1,
   return product(list(probs), words_ref, acc)
 
 
-def value_product_per_warp_emulated(probs, words, acc, tile: int, tiles: int, bits: int = 2):
+def _contiguous_runs(channels: list[int]) -> list[tuple[int, int]]:
+  """(first, count) runs of consecutive channels, in order."""
+  runs = []
+  for channel in channels:
+    if runs and runs[-1][0] + runs[-1][1] == channel:
+      runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+    else:
+      runs.append((channel, 1))
+  return runs
+
+
+def value_product_per_warp_emulated(
+  probs, words, acc, tile: int, tiles: int, bits: int = 2, head_dim: int = 128
+):
   """`value_product_per_warp` by jnp (interpret mode): `words` the block's value words
-  uint32 [64 tiles, 4 bits] (an array, not a ref). Row 64 m + 16 w + r of the increment is
-  channel c(m, r) (the module text) summed over warp w's tokens of the tile, against the P' its
-  half r % 2 takes (`operand_of_half`) in every column; the code patterns' powers of two go into
-  P' before the sum (they are subnormal, which XLA on CPU flushes)."""
-  codes = warp_rows(unpack_codes(words, bits).astype(jnp.float32), tile, tiles)  # [64, 128]
-  fields, words_per = 16 // bits, packed_width(HEAD_DIM, bits)
+  uint32 [64 tiles, W] (an array, not a ref). Row 64 m + 16 w + r of the increment is
+  channel c(m, r) (`value_row_channel`) summed over warp w's tokens of the tile, against the P'
+  its half r % 2 takes (`operand_of_half`) in every column; the code patterns' powers of two go
+  into P' before the sum (they are subnormal, which XLA on CPU flushes)."""
+  rows = _rows_of_operands(len(probs), head_dim)
+  codes = warp_rows(unpack_codes(words, bits).astype(jnp.float32), tile, tiles)  # [64, D]
   blocks = []
-  for _, blk, p in m_tiles(bits):
-    # the field's bit in its byte e: code * 2^(e - 133) taken as code * (P' 2^(e - 69)) 2^-64,
-    # in the normal range throughout
-    _, bit = field_shift_and_bit(bits, p)
+  for m, _, _ in m_tiles(bits, head_dim):
+    # the field's bit in its byte e (the same in every row of the m-tile): code * 2^(e - 133)
+    # taken as code * (P' 2^(e - 69)) 2^-64, in the normal range throughout
+    bit = int(code_exponent(value_row_channel(m, 0, head_dim, bits), head_dim, bits))
     unit = 2.0 ** (bit - (_CODE_UNIT_EXPONENT - _PROBS_EXPONENT))
+    operand_of = [
+      probs[operand_of_half(rows, head_dim, s, group_in_half(m, head_dim, bits))] for s in range(2)
+    ]
     for w in range(4):
       tokens = slice(16 * w, 16 * w + 16)
       halves = []
-      for s in range(2):  # rows r = 2 i + s of the m-tile: channels (F s + p) W + 8 blk + i
-        first = (fields * s + p) * words_per + 8 * blk
-        operand = probs[operand_of_half(len(probs), s, p // (fields // 2))]
+      for s in range(2):  # rows r = 2 i + s, i = 0 .. 7, in static runs of channels
+        channels = [value_row_channel(m, r, head_dim, bits) for r in range(s, 16, 2)]
+        own = jnp.concatenate(
+          [codes[tokens, first : first + count] for first, count in _contiguous_runs(channels)],
+          axis=1,
+        )
         halves.append(
           jnp.einsum(
             "ti,tc->ic",
-            codes[tokens, first : first + 8],
-            operand[tokens].astype(jnp.float32) * unit,
+            own,
+            operand_of[s][tokens].astype(jnp.float32) * unit,
             precision="highest",
           )
         )
@@ -246,15 +349,18 @@ def value_product_per_warp_emulated(probs, words, acc, tile: int, tiles: int, bi
   return acc + jnp.concatenate(blocks, axis=0) * 2.0**-_PROBS_EXPONENT
 
 
-def statistics_by_slot(ring_ref, b: int, tile: int = 0, tiles: int = 1, rows: int = REAL_ROWS):
+def statistics_by_slot(
+  ring_ref, b: int, tile: int = 0, tiles: int = 1, rows: int = REAL_ROWS, head_dim: int = 128
+):
   """f32 [64, 8] (wgmma layout): each element the statistic of its token (row 16 w + r: token
   16 tiles w + 16 tile + r) in the value group of its column's slot, from the block's
-  [4, 64 tiles] bf16 statistics in shared memory: at 4 query rows group 2 (column // 4) + b (two
-  slots of 4 columns), at 8 rows group b in every column. A lane's two columns share a slot, so
-  it loads its two tokens' values of one group (2 16-bit loads), where array code selects
-  between two broadcast tiles on every element. Values past a row's length are loaded as they
-  are (the kernel masks them; `inline_mgpu`, native only)."""
+  [D / 32, 64 tiles] bf16 statistics in shared memory: at 4 query rows group 2 (column // 4) + b
+  (two slots of 4 columns; group column // 4 at head_dim 64), at 8 rows group b in every column.
+  A lane's two columns share a slot, so it loads its two tokens' values of one group (2 16-bit
+  loads), where array code selects between two broadcast tiles on every element. Values past a
+  row's length are loaded as they are (the kernel masks them; `inline_mgpu`, native only)."""
   check_rows(rows)
+  per_half = _groups_per_half(head_dim)
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(),),
@@ -271,7 +377,7 @@ def statistics_by_slot(ring_ref, b: int, tile: int = 0, tiles: int = 1, rows: in
     index = ir.IndexType.get()
     const, lane, warp, quad = thread_coordinates()
     if rows == REAL_ROWS:  # columns 2 quad, 2 quad + 1 are slot quad // 2's
-      group = arith.addi(arith.muli(arith.divui(quad, const(2)), const(2)), const(b))
+      group = arith.addi(arith.muli(arith.divui(quad, const(2)), const(per_half)), const(b))
     else:
       group = const(b)
     token = arith.addi(
@@ -293,34 +399,34 @@ def statistics_by_slot(ring_ref, b: int, tile: int = 0, tiles: int = 1, rows: in
 
 
 def statistics_by_slot_emulated(statistics, b: int, tile: int, tiles: int, rows: int = REAL_ROWS):
-  """`statistics_by_slot` by jnp: `statistics` the block's [4, 64 tiles] (an array)."""
+  """`statistics_by_slot` by jnp: `statistics` the block's [D / 32, 64 tiles] (an array)."""
   check_rows(rows)
+  per_half = _groups_per_half(VALUE_GROUP * statistics.shape[0])
   per_token = warp_rows(statistics.T, tile, tiles).astype(jnp.float32)  # [64, groups]
   if rows == COLUMNS:
     return jnp.broadcast_to(per_token[:, b, None], (TILE_ROWS, COLUMNS))
   slots = [
-    jnp.broadcast_to(per_token[:, 2 * s + b, None], (TILE_ROWS, REAL_ROWS)) for s in range(2)
+    jnp.broadcast_to(per_token[:, per_half * s + b, None], (TILE_ROWS, REAL_ROWS)) for s in range(2)
   ]
   return jnp.concatenate(slots, axis=1)
 
 
-def _own_slot_rows(const, lane, warp, bits: int):
-  """(channel, field in its half-word, slot, first row) of this thread in the partial outputs,
-  MLIR i32 values: thread c takes channel c, field f = c // W of word c % W = 8 blk + i (W = 4 bits
-  words a token), i.e. field p = f % F (F = 16 / bits) of half-word 16 blk + 2 i + s, s = f // F
-  = c // 64 its slot: rows 64 (F blk + p) + 16 w + 2 i + s (warp w)."""
+def _own_slot_rows(const, lane, warp, bits: int, head_dim: int = 128):
+  """(channel, field in its half-word, slot, first row, first query row) of this thread in the
+  partial outputs, MLIR i32 values: thread t = 32 w + lane takes channel t % D
+  (`value_row_of_channel`: at 2 bits and head_dim 128 field f = c // 8 of word c % 8, i.e. field
+  f % 8 of half-word 2 (c % 8) + f // 8, slot f // 8; rows 64 m + 16 w' + r for warps w') and the
+  query rows t // D + 128 k / D (all of them at head_dim 128; every other at 64)."""
+  from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import arith
 
-  words, fields = packed_width(HEAD_DIM, bits), 16 // bits
-  channel = arith.addi(arith.muli(warp, const(32)), lane)
-  field = arith.divui(channel, const(words))
-  word = arith.remui(channel, const(words))
-  slot = arith.divui(field, const(fields))
-  p = arith.remui(field, const(fields))
-  m_tile = arith.addi(arith.muli(arith.divui(word, const(8)), const(fields)), p)
-  row = arith.addi(arith.muli(arith.remui(word, const(8)), const(2)), slot)
-  first_row = arith.addi(arith.muli(m_tile, const(TILE_ROWS)), row)
-  return channel, p, slot, first_row
+  thread = arith.addi(arith.muli(warp, const(32)), lane)
+  channel = arith.remui(thread, const(head_dim))
+  m_tile, row, slot, field = value_row_of_channel(
+    MlirInt(channel, ir.IntegerType.get_signless(32)), head_dim, bits
+  )
+  first_row = arith.addi(arith.muli(m_tile.value, const(TILE_ROWS)), row.value)
+  return channel, field.value, slot.value, first_row, arith.divui(thread, const(head_dim))
 
 
 def _sum_over_warps(ref, const, first_row, column):
@@ -342,12 +448,14 @@ def add_warp_partials(partial_ref, bits: int = 2):
   outputs in `partial_ref` ([512, 8] f32 in shared memory, row 64 m + 16 w + r warp w's m-tile
   m) added, each channel from its accumulator row's slot of columns (`_own_slot_rows`; at 2 bits
   channel c is field f = c // 8 of word c % 8, i.e. half-word r = 2 (c % 8) + f // 8's field
-  p = f % 8, in slot r % 2; 16 loads a thread, once per split; `inline_mgpu`, native only)."""
-  layout = plgpu.Layout.WG_STRIDED((HEAD_DIM, REAL_ROWS), vec_size=4)
+  p = f % 8, in slot r % 2; 16 loads a thread, once per split; `inline_mgpu`, native only). At
+  head_dim 128 (the experiments'; the kernel finishes with `finished_own_slot_outputs`)."""
+  head_dim = 128
+  layout = plgpu.Layout.WG_STRIDED((head_dim, REAL_ROWS), vec_size=4)
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(),),
-    return_type=plgpu.ShapeDtypeStruct((HEAD_DIM, REAL_ROWS), jnp.float32, layout=layout),
+    return_type=plgpu.ShapeDtypeStruct((head_dim, REAL_ROWS), jnp.float32, layout=layout),
   )
   def add(_, ref):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -356,7 +464,7 @@ def add_warp_partials(partial_ref, bits: int = 2):
 
     f32 = ir.F32Type.get()
     const, lane, warp, _ = thread_coordinates()
-    _, _, slot, first_row = _own_slot_rows(const, lane, warp, bits)
+    _, _, slot, first_row, _ = _own_slot_rows(const, lane, warp, bits)
     vector_type = ir.VectorType.get((REAL_ROWS,), f32)
     register = llvm.mlir_undef(vector_type)
     for j in range(REAL_ROWS):
@@ -371,18 +479,18 @@ def add_warp_partials(partial_ref, bits: int = 2):
 
 
 def add_warp_partials_emulated(
-  partial: jax.Array, bits: int = 2, rows: int = REAL_ROWS
+  partial: jax.Array, bits: int = 2, rows: int = REAL_ROWS, head_dim: int = 128
 ) -> jax.Array:
-  """`add_warp_partials` by jnp, from the partial outputs f32 [512, 8] (an array): f32
-  [128, rows], channel (F s + p) W + 8 blk + i is row r = 2 i + s of m-tile F blk + p, read from
-  slot s's columns at 4 query rows (from every column at 8)."""
+  """`add_warp_partials` by jnp, from the partial outputs f32 [4 D, 8] (an array): f32
+  [D, rows], channel c summed over the warps from row 64 m + 16 w + r (`value_row_of_channel`),
+  read from its slot s's columns at 4 query rows (from every column at 8)."""
   check_rows(rows)
-  fields, slots = 16 // bits, COLUMNS // rows
-  split = partial.reshape(8, 4, 8, 2, slots, rows)  # m, w, i, s, column slot, j
-  summed = split.sum(axis=1)  # [m, i, s, column slot, j]
-  own = jnp.stack([summed[:, :, s, s % slots] for s in range(2)])  # [s, m, i, j]
-  own = own.reshape(2, bits // 2, fields, 8, rows)  # [s, blk, p, i, j]
-  return jnp.swapaxes(own, 1, 2).reshape(HEAD_DIM, rows)  # channel order (s, p, blk, i)
+  # index arrays from iotas, not numpy: a kernel may not capture an array constant
+  channel = jax.lax.iota(jnp.int32, head_dim)
+  m_tile, row, slot, _ = value_row_of_channel(channel, head_dim, bits)
+  first_row = (TILE_ROWS * m_tile + row)[:, None]
+  columns = jax.lax.iota(jnp.int32, rows)[None] + (REAL_ROWS * slot[:, None] if rows == 4 else 0)
+  return sum(partial[first_row + 16 * w, columns] for w in range(4))
 
 
 def _output_scale_exponents(bits: int) -> tuple[int, ...]:
@@ -392,21 +500,32 @@ def _output_scale_exponents(bits: int) -> tuple[int, ...]:
   return tuple(_CODE_UNIT_EXPONENT - _PROBS_EXPONENT - bits * k for k in range(8 // bits))
 
 
-def finished_own_slot_outputs(partial_ref, statistics_ref, bits: int = 2, rows: int = REAL_ROWS):
-  """f32 [rows, 128] (strided layout: thread c holds channel c's rows): each split's normalised
-  output, the four warps' sums (`add_warp_partials`) times the channel's 2^(69 - bit), plus its
-  value group's sum of p v_min, over the column's sum of p (`statistics_ref` row 0, column j);
-  0 where that sum is 0 (a split with no valid token), NaN where it is NaN. `statistics_ref`:
-  f32 [1 + value_operands(rows), 8] in shared memory: at 4 query rows channel c's row j is
-  read from its slot s = c // 64's columns 4 s + j and its group's sums of p v_min are row
-  1 + b, b = (c // 32) % 2, column 4 s + j; at 8 rows from column j, row 1 + c // 32
-  (`inline_mgpu`, native only)."""
+def _minimum_row(channel, rows: int, head_dim: int):
+  """The statistics row of `channel`'s sums of p v_min (ints, jnp arrays or MlirInts): 1 + its
+  group within its half (4 query rows: the slot's pairing), or 1 + its group (8 rows)."""
+  if rows == REAL_ROWS:
+    return (channel % (head_dim // 2)) // VALUE_GROUP + 1
+  return channel // VALUE_GROUP + 1
+
+
+def finished_own_slot_outputs(
+  partial_ref, statistics_ref, bits: int = 2, rows: int = REAL_ROWS, head_dim: int = 128
+):
+  """f32 [rows, D] (strided layout: thread t holds channel t % D's rows t // D + 128 k / D):
+  each split's normalised output, the four warps' sums (`value_row_of_channel`) times the
+  channel's 2^(69 - bit), plus its value group's sum of p v_min, over the column's sum of p
+  (`statistics_ref` row 0, column j); 0 where that sum is 0 (a split with no valid token), NaN
+  where it is NaN. `statistics_ref`: f32 [1 + value_operands(rows, D), 8] in shared memory: at 4
+  query rows channel c's row j is read from its slot s = c // (D / 2)'s columns 4 s + j and its
+  group's sums of p v_min are row 1 + b, b = (c % (D / 2)) // 32, column 4 s + j; at 8 rows from
+  column j, row 1 + c // 32 (`inline_mgpu`, native only)."""
   check_rows(rows)
-  layout = plgpu.Layout.WG_STRIDED((rows, HEAD_DIM), vec_size=1)
+  layout = plgpu.Layout.WG_STRIDED((rows, head_dim), vec_size=1)
+  rows_apart = 128 // head_dim  # between a thread's query rows
 
   @plgpu.inline_mgpu(
     arg_types=(plgpu.RefType(), plgpu.RefType()),
-    return_type=plgpu.ShapeDtypeStruct((rows, HEAD_DIM), jnp.float32, layout=layout),
+    return_type=plgpu.ShapeDtypeStruct((rows, head_dim), jnp.float32, layout=layout),
   )
   def finish(_, ref, statistics):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
@@ -414,15 +533,14 @@ def finished_own_slot_outputs(partial_ref, statistics_ref, bits: int = 2, rows: 
     from jaxlib.mlir.dialects import arith, memref, vector
 
     f32 = ir.F32Type.get()
+    i32 = ir.IntegerType.get_signless(32)
     index = ir.IndexType.get()
     const, lane, warp, _ = thread_coordinates()
-    channel, field, slot, first_row = _own_slot_rows(const, lane, warp, bits)
-    if rows == REAL_ROWS:
-      minimum_row = arith.addi(arith.remui(arith.divui(channel, const(32)), const(2)), const(1))
-      first_column = arith.muli(slot, const(REAL_ROWS))
-    else:
-      minimum_row = arith.addi(arith.divui(channel, const(32)), const(1))
-      first_column = const(0)
+    channel, field, slot, first_row, first_query_row = _own_slot_rows(
+      const, lane, warp, bits, head_dim
+    )
+    minimum_row = _minimum_row(MlirInt(channel, i32), rows, head_dim).value
+    first_column = arith.muli(slot, const(REAL_ROWS)) if rows == REAL_ROWS else const(0)
     exponents = _output_scale_exponents(bits)
     bit_step = arith.remui(field, const(len(exponents)))  # the code's bit in its byte, over bits
     scale = arith.constant(f32, 2.0 ** exponents[-1])
@@ -431,37 +549,39 @@ def finished_own_slot_outputs(partial_ref, statistics_ref, bits: int = 2, rows: 
       scale = arith.select(chosen, arith.constant(f32, 2.0 ** exponents[k]), scale)
     as_index = functools.partial(arith.index_cast, index)
     zero = arith.constant(f32, 0.0)
-    registers = np.empty((rows,), dtype=object)
-    for j in range(rows):
-      column = arith.addi(first_column, const(j))
+    registers = np.empty((rows // rows_apart,), dtype=object)
+    for k in range(len(registers)):
+      j = arith.addi(first_query_row, const(rows_apart * k))
+      column = arith.addi(first_column, j)
       total = _sum_over_warps(ref, const, first_row, column)
       minimum = memref.load(statistics, [as_index(minimum_row), as_index(column)])
-      sums = memref.load(statistics, [as_index(const(0)), as_index(const(j))])
+      sums = memref.load(statistics, [as_index(const(0)), as_index(j)])
       numerator = arith.addf(arith.mulf(total, scale), minimum)
       nonempty = arith.cmpf(arith.CmpFPredicate.UNE, sums, zero)  # NaN is not empty
       finished = arith.select(nonempty, arith.divf(numerator, sums), zero)
-      registers[j] = vector.broadcast(ir.VectorType.get((1,), f32), finished)
+      registers[k] = vector.broadcast(ir.VectorType.get((1,), f32), finished)
     return fa.FragmentedArray(_registers=registers, _layout=layout.to_mgpu(), _is_signed=None)
 
   return finish(partial_ref, statistics_ref)
 
 
 def finished_own_slot_outputs_emulated(
-  partial: jax.Array, statistics: jax.Array, bits: int = 2, rows: int = REAL_ROWS
+  partial: jax.Array,
+  statistics: jax.Array,
+  bits: int = 2,
+  rows: int = REAL_ROWS,
+  head_dim: int = 128,
 ) -> jax.Array:
-  """`finished_own_slot_outputs` by jnp, from the partial outputs f32 [512, 8] and the
-  statistics f32 [1 + value_operands(rows), 8] (arrays)."""
+  """`finished_own_slot_outputs` by jnp, from the partial outputs f32 [4 D, 8] and the
+  statistics f32 [1 + value_operands(rows, D), 8] (arrays)."""
   # index arrays from iotas, not numpy: a kernel may not capture an array constant
-  totals = add_warp_partials_emulated(partial, bits, rows)  # [128 channels, rows]
-  channel = jax.lax.iota(jnp.int32, HEAD_DIM)
-  field = (channel // packed_width(HEAD_DIM, bits)) % (16 // bits)  # in its half-word
+  totals = add_warp_partials_emulated(partial, bits, rows, head_dim)  # [D channels, rows]
+  channel = jax.lax.iota(jnp.int32, head_dim)
+  _, _, slot, field = value_row_of_channel(channel, head_dim, bits)
   scale = power_of_two(_output_scale_exponents(bits)[0] - bits * (field % (8 // bits)))
   row = jax.lax.iota(jnp.int32, rows)[None]
-  if rows == REAL_ROWS:
-    minimum_row, columns = 1 + (channel // 32) % 2, REAL_ROWS * (channel // 64)[:, None] + row
-  else:
-    minimum_row, columns = 1 + channel // 32, jnp.broadcast_to(row, (HEAD_DIM, rows))
-  minimum = statistics[minimum_row[:, None], columns]
+  columns = row + (REAL_ROWS * slot[:, None] if rows == REAL_ROWS else 0)
+  minimum = statistics[_minimum_row(channel, rows, head_dim)[:, None], columns]
   sums = statistics[0, :rows]
   finished = jnp.where(sums != 0, (totals * scale[:, None] + minimum) / sums, 0.0)
   return finished.T

@@ -15,6 +15,11 @@ bits, in the low and high halves) becomes register G = 2P j + 2p + t, so operand
 L = 8G + 2q + h holds field p + hP of word 8j + 2q + t, which is channel
 
     C(L) = (p + h P) W + 8j + 2q + t          (planar packing: field k of word w is kW + w).
+
+With 4 words a token (head_dim 64 at 2 bits) a quad's lanes take one word each (the per-warp
+products' "one word per lane" order, `warp_key_product`): lane q holds word q, its pair p is
+register G = p, and C(L) = (p + h P) W + q. Both are T words a lane per group of 4 T words
+(T = 2, or 1 at W = 4): G = T P j + T p + t, C(L) = (p + h P) W + 4 T j + T q + t.
 """
 
 import jax
@@ -31,14 +36,29 @@ OPERAND_ORDERS = ("channel", "word")
 OPERAND_LAYOUTS = ("wgmma", "mma_lhs")
 
 
-def _split_position(position, bits: int):
+def words_per_lane(head_dim: int, bits: int) -> int:
+  """T: the words of a token each lane of a quad takes per group of 4 T words: 2 (whole 8-word
+  groups, W % 8 == 0), or 1 at W = 4 (one word per lane). ValueError for other widths."""
+  words = head_dim * bits // 32
+  if words % 8 == 0:
+    return 2
+  if words == 4:
+    return 1
+  raise ValueError(
+    f"head_dim={head_dim} with bits={bits}: {words} code words a token; the word order takes 4 or "
+    f"a multiple of 8"
+  )
+
+
+def _split_position(position, head_dim: int, bits: int):
   """Operand position L -> (j, p, t, q, h): works on Python ints, numpy and jnp integers."""
   pairs = 16 // bits  # P: pairs per word
+  lane_words = words_per_lane(head_dim, bits)  # T
   group = position // 8
   return (
-    group // (2 * pairs),
-    (group % (2 * pairs)) // 2,
-    group % 2,
+    group // (lane_words * pairs),
+    (group % (lane_words * pairs)) // lane_words,
+    group % lane_words,
     (position % 8) // 2,
     position % 2,
   )
@@ -47,20 +67,22 @@ def _split_position(position, bits: int):
 def channel_at_position(position, head_dim: int, bits: int):
   """C(L): the channel that operand position L holds in the "word" order (ints or arrays)."""
   words = head_dim * bits // 32
-  j, p, t, q, h = _split_position(position, bits)
-  return (p + h * (16 // bits)) * words + 8 * j + 2 * q + t
+  lane_words = words_per_lane(head_dim, bits)
+  j, p, t, q, h = _split_position(position, head_dim, bits)
+  return (p + h * (16 // bits)) * words + 4 * lane_words * j + lane_words * q + t
 
 
 def position_of_channel(channel, head_dim: int, bits: int):
   """L(C): the operand position holding `channel` in the "word" order, the inverse of
-  `channel_at_position` where that order is supported (`word_order_unsupported_reason`; ints or
-  arrays, so that a kernel can compute it on an iota)."""
+  `channel_at_position` (ints or arrays, so that a kernel can compute it on an iota)."""
   words = head_dim * bits // 32
   pairs = 16 // bits
+  lane_words = words_per_lane(head_dim, bits)
   field, within = channel // words, channel % words
   h, p = field // pairs, field % pairs
-  j, q, t = within // 8, (within % 8) // 2, within % 2
-  return ((j * 2 * pairs + 2 * p + t) * 8) + 2 * q + h
+  span = 4 * lane_words  # words of a group j
+  j, q, t = within // span, (within % span) // lane_words, within % lane_words
+  return ((j * lane_words * pairs + lane_words * p + t) * 8) + 2 * q + h
 
 
 def word_order_channels(head_dim: int, bits: int) -> np.ndarray:
@@ -75,7 +97,8 @@ def channels_in_word_order(values: jax.Array, axis: int, bits: int) -> jax.Array
   axis = axis % values.ndim
   head_dim = values.shape[axis]
   words = head_dim * bits // 32
-  digits = (2, 16 // bits, words // 8, 4, 2)  # h, p, j, q, t
+  lane_words = words_per_lane(head_dim, bits)
+  digits = (2, 16 // bits, words // (4 * lane_words), 4, lane_words)  # h, p, j, q, t
   split = values.reshape(*values.shape[:axis], *digits, *values.shape[axis + 1 :])
   order = [axis + i for i in (2, 1, 4, 3, 0)]  # j, p, t, q, h
   moved = list(range(axis)) + order + list(range(axis + 5, split.ndim))
@@ -140,14 +163,10 @@ def stage_words_in_word_order(
   def unpack(_, words_array):
     # Imported here: the CUDA-only lowering modules stay out of CPU runs.
     from jax.experimental.mosaic.gpu import fragmented_array as fa
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, vector
+    from jaxlib.mlir.dialects import vector
 
-    i32 = ir.IntegerType.get_signless(32)
-    pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
     pairs = 16 // bits
-    field_mask = (1 << bits) - 1
     mosaic_layout = layout.to_mgpu() if operand_layout != "wgmma" else fa.WGMMA_LAYOUT
     registers = np.empty(mosaic_layout.registers_shape((rows, head_dim)), dtype=object)
     for index, register in np.ndenumerate(words_array.registers):
@@ -156,19 +175,33 @@ def stage_words_in_word_order(
         word = vector.extract(
           register, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([t])
         )
-        upper = arith.shrui(word, mgpu_utils.c(8, i32))
-        for p in range(pairs):
-          position = bits * p
-          source = word if position + bits <= 8 else upper
-          mask = (field_mask << (position % 8)) * 0x00010001
-          masked = arith.andi(source, mgpu_utils.c(mask, i32))
+        for p, masked in enumerate(masked_pair_registers(word, bits)):
           column_group = 2 * pairs * index[1] + 2 * p + t
-          registers[register_index(index[0], column_group, index[2:])] = mgpu_utils.bitcast(
-            masked, pair_type
-          )
+          registers[register_index(index[0], column_group, index[2:])] = masked
     return fa.FragmentedArray(_registers=registers, _layout=mosaic_layout, _is_signed=None)
 
   return unpack(words)
+
+
+def masked_pair_registers(word, bits: int) -> list:
+  """One planar code word (an MLIR i32 value, inside `inline_mgpu` code) -> its P = 16 / bits
+  operand registers (bf16 pairs): pair p holds fields p and p + P masked in place in the low and
+  high halves (`subnormal_codes`), fields past a half's low byte taken from `word >> 8`."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import arith
+
+  i32 = ir.IntegerType.get_signless(32)
+  pair_type = ir.VectorType.get((2,), ir.BF16Type.get())
+  field_mask = (1 << bits) - 1
+  upper = arith.shrui(word, mgpu_utils.c(8, i32))
+  registers = []
+  for p in range(16 // bits):
+    position = bits * p
+    source = word if position + bits <= 8 else upper
+    mask = (field_mask << (position % 8)) * 0x00010001
+    registers.append(mgpu_utils.bitcast(arith.andi(source, mgpu_utils.c(mask, i32)), pair_type))
+  return registers
 
 
 def load_channels_in_word_order(vector_ref, head_dim: int, bits: int, emulate: bool) -> jax.Array:
@@ -201,7 +234,7 @@ def load_channels_in_word_order(vector_ref, head_dim: int, bits: int, emulate: b
     for index in np.ndindex(registers.shape):
       # index: (row tile m, ..., row half, ...): row 64 m + 16 warp + 8 half + lane / 4
       row = arith.addi(first_row, const(64 * index[0] + 8 * index[2]))
-      channel = channel_at_position(_MlirInt(row, i32), head_dim, bits).value
+      channel = channel_at_position(MlirInt(row, i32), head_dim, bits).value
       value = memref.load(ref, [arith.index_cast(index_type, channel)])
       registers[index] = vector.broadcast(ir.VectorType.get((1,), element_type), value)
     return fa.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None)
@@ -209,7 +242,7 @@ def load_channels_in_word_order(vector_ref, head_dim: int, bits: int, emulate: b
   return load(vector_ref)
 
 
-class _MlirInt:
+class MlirInt:
   """An MLIR i32 value with the integer operators `channel_at_position` uses (the divisors and
   multipliers are powers of two or small constants), so one formula serves numpy and the kernel."""
 
@@ -219,8 +252,8 @@ class _MlirInt:
   def _binary(self, other, op):
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-    other = other.value if isinstance(other, _MlirInt) else mgpu_utils.c(other, self.type)
-    return _MlirInt(op(self.value, other), self.type)
+    other = other.value if isinstance(other, MlirInt) else mgpu_utils.c(other, self.type)
+    return MlirInt(op(self.value, other), self.type)
 
   def __floordiv__(self, other):
     from jaxlib.mlir.dialects import arith

@@ -298,20 +298,24 @@ def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group():
 
 
 @pytest.mark.parametrize(
-  "bits,num_heads,settings",
+  "bits,num_heads,head_dim,settings",
   [
-    (2, 4, {}),
-    (4, 4, {}),
-    (2, 14, {"copy_issuer": "slot_owner", "ring_release": "per_warp", "num_stages": 2}),
+    (2, 4, 128, {}),
+    (4, 4, 128, {}),
+    (2, 14, 128, {"copy_issuer": "slot_owner", "ring_release": "per_warp", "num_stages": 2}),
+    (2, 6, 64, {}),  # 4 words a token: one word a lane, one 8-half-word matrix load
+    (4, 12, 64, {}),
   ],
 )
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
-def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch, bits, num_heads, settings):
-  """The "warp" Mosaic GPU variant (KERNEL_NOTES v45, v46: KIVI-2 and KIVI-4, head_dim 128,
-  group size 32 only) through the decode loop, on a tiny model of head_dim 128 with 2 and 7
-  query heads per KV head (4 and 8 query rows; the latter with v46's ring settings, given in
-  the kernel_config): the reference path's tokens, and the kernel really called (a fallback
-  would be an error)."""
+def test_the_warp_kernel_generates_the_reference_tokens(
+  monkeypatch, bits, num_heads, head_dim, settings
+):
+  """The "warp" Mosaic GPU variant (KERNEL_NOTES v45-v47: KIVI-2 and KIVI-4, head_dim 64 and
+  128, group size 32 only) through the decode loop, on tiny models of head_dim 128 with 2 and
+  7 query heads per KV head (4 and 8 query rows; the latter with v46's ring settings, given in
+  the kernel_config) and of head_dim 64 with 3 and 6: the reference path's tokens, and the
+  kernel really called (a fallback would be an error)."""
   from pallas_kernels import quantized_decode_attention_warp_mosaic_gpu as warp
 
   calls = []
@@ -322,7 +326,7 @@ def test_the_warp_kernel_generates_the_reference_tokens(monkeypatch, bits, num_h
     return kernel(*args, **kwargs)
 
   monkeypatch.setattr(warp, "warp_decode_attention_mosaic_gpu", counted)
-  config = dataclasses.replace(TINY_CONFIG, head_dim=128, num_heads=num_heads)
+  config = dataclasses.replace(TINY_CONFIG, head_dim=head_dim, num_heads=num_heads)
   decoder, params = tiny_decoder(config=config)
   # long enough for two 128-token blocks of quantized tokens in one row, part of one in the other
   prompts = [

@@ -34,15 +34,19 @@ WARP = {"lowering": "mosaic_gpu", "variant": "warp"}
 RTOL = 2e-2
 
 
-def _check(*, group, tokens, seed, num_splits=None, query_scale=1.0, batch=3, bits=2, **settings):
+def _check(
+  *, group, tokens, seed, num_splits=None, query_scale=1.0, batch=3, bits=2, head_dim=128,
+  **settings,
+):  # fmt: skip
   quantization = dict(QUANTIZATION, bits=bits)
   rng = np.random.default_rng(seed)
   arrays, clean = _inputs(
-    rng, head_dim=128, group=group, tokens=tokens, dtype=jnp.bfloat16, batch=batch, **quantization
-  )
+    rng, head_dim=head_dim, group=group, tokens=tokens, dtype=jnp.bfloat16, batch=batch,
+    **quantization,
+  )  # fmt: skip
   arrays = (arrays[0] * query_scale, *arrays[1:])
   clean = (clean[0] * query_scale, *clean[1:])
-  sm_scale = 128**-0.5
+  sm_scale = head_dim**-0.5
   common = dict(
     **quantization, sm_scale=sm_scale, interpret=triton_interpret(), num_splits=num_splits
   )
@@ -74,6 +78,30 @@ def test_warp_kernel_matches_reference(group, tokens, num_splits, bits):
   heads per KV head (padded to 4 rows, repeated to the 8 columns) and 5 to 8 (padded to 8);
   2- and 4-bit codes."""
   _check(group=group, tokens=tokens, num_splits=num_splits, seed=group + tokens, bits=bits)
+
+
+@pytest.mark.parametrize(
+  "group,tokens,num_splits,bits,settings",
+  [
+    (4, 256, 2, 2, {}),  # 4 words a token: the key codes one word a lane, one x2 matrix load
+    (8, 512, 2, 2, {}),  # 8 rows: one P' per value group (two), two MMAs an m-tile
+    # 8 words a token: the word order of head_dim 128's 2-bit codes (slow: 13 s in interpret
+    # mode; 4 bits at 64 run below too)
+    pytest.param(3, 640, None, 4, {}, marks=pytest.mark.slow),
+    (6, 384, 2, 4, {}),
+    (4, 512, 2, 2, dict(key_bias_source="kernel")),
+    (5, 1024, 1, 2, dict(copy_issuer="slot_owner", ring_release="per_warp", num_stages=3)),
+    (2, 512, 2, 4, dict(split_merge="triton")),
+  ],
+)
+def test_warp_kernel_at_head_dim_64(group, tokens, num_splits, bits, settings):
+  """head_dim 64: 4 m-tiles a warp, value group s in half s of the rows (one P' at 4 query rows,
+  two at 8), partials [256, 8], each thread finishing channel t % 64 of every other query row;
+  with the kernel's bias, the per-warp ring release and the Triton merge too."""
+  _check(
+    group=group, tokens=tokens, num_splits=num_splits, seed=40 + group, bits=bits, head_dim=64,
+    **settings,
+  )  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -184,6 +212,7 @@ def test_exact_softmax_arm(monkeypatch):
   _check(group=4, tokens=768, num_splits=2, seed=7)  # three blocks in each exact split
   _check(group=2, tokens=512, num_splits=4, seed=8)
   _check(group=8, tokens=512, num_splits=2, seed=18)  # four sums of p v_min rescaled
+  _check(group=7, tokens=512, num_splits=2, seed=19, head_dim=64)  # two, and 256 partial rows
 
 
 def test_wide_score_ranges_take_the_exact_arm():
@@ -294,6 +323,7 @@ def test_warp_settings_are_refused_for_other_variants(variant, setting):
   [
     (dict(bits=8), "bits=8"),
     (dict(head_dim=256), "head_dim=256"),
+    (dict(head_dim=96, tokens=256), "head_dim=96"),
     (dict(group=9), "query group 9"),
     (dict(group_size=64, tokens=256), "group_size=64"),
   ],
@@ -310,9 +340,11 @@ def test_unsupported_segments_are_refused(segment, match):
   assert match in fallback
 
 
-def test_gpu_entry_point_runs_the_warp_kernel(monkeypatch):
+@pytest.mark.parametrize("head_dim", [128, 64])
+def test_gpu_entry_point_runs_the_warp_kernel(monkeypatch, head_dim):
   """kernel_config {"lowering": "mosaic_gpu", "variant": "warp"} reaches this kernel (and a
-  segment it does not take, the Triton kernel)."""
+  segment it does not take, the Triton kernel), at head_dim 64 with 2-bit codes too (4 words a
+  token, which the other Mosaic GPU kernels refuse)."""
   calls = []
   entry = warp.warp_decode_attention_mosaic_gpu
 
@@ -323,28 +355,30 @@ def test_gpu_entry_point_runs_the_warp_kernel(monkeypatch):
   monkeypatch.setattr(warp, "warp_decode_attention_mosaic_gpu", counted)
   rng = np.random.default_rng(12)
   arrays, clean = _inputs(
-    rng, head_dim=128, group=4, tokens=256, dtype=jnp.bfloat16, **QUANTIZATION
+    rng, head_dim=head_dim, group=4, tokens=256, dtype=jnp.bfloat16, **QUANTIZATION
   )
+  sm_scale = head_dim**-0.5
   out, lse = quantized_decode_attention_gpu.quantized_decode_attention_gpu(
-    *arrays, **QUANTIZATION, sm_scale=128**-0.5, interpret=triton_interpret(), **WARP, num_splits=2
+    *arrays, **QUANTIZATION, sm_scale=sm_scale, interpret=triton_interpret(), **WARP, num_splits=2
   )
   assert len(calls) == 1 and calls[0]["num_splits"] == 2
-  ref_out, ref_lse = quantized_decode_attention_reference(
-    *clean, **QUANTIZATION, sm_scale=128**-0.5
-  )
+  ref_out, ref_lse = quantized_decode_attention_reference(*clean, **QUANTIZATION, sm_scale=sm_scale)
   assert_matches_reference(out, lse, ref_out, ref_lse, rtol=RTOL)
 
 
 @pytest.mark.parametrize(
-  "num_stages,key_bias_source,bits,group",
+  "num_stages,key_bias_source,bits,group,head_dim",
   [
-    (2, "xla", 2, 4),
-    (4, "xla", 2, 4),
-    (2, "kernel", 2, 4),
-    (2, "xla", 4, 4),
-    (2, "kernel", 4, 4),
-    (4, "xla", 2, 8),
-    (2, "kernel", 4, 6),
+    (2, "xla", 2, 4, 128),
+    (4, "xla", 2, 4, 128),
+    (2, "kernel", 2, 4, 128),
+    (2, "xla", 4, 4, 128),
+    (2, "kernel", 4, 4, 128),
+    (4, "xla", 2, 8, 128),
+    (2, "kernel", 4, 6, 128),
+    (4, "xla", 2, 4, 64),
+    (2, "kernel", 2, 8, 64),
+    (2, "xla", 4, 3, 64),
   ],
 )
 @pytest.mark.parametrize(
@@ -352,21 +386,22 @@ def test_gpu_entry_point_runs_the_warp_kernel(monkeypatch):
   [("first_warp", "barrier", "per_block"), ("slot_owner", "per_warp", "once")],
 )
 def test_the_kernel_lowers_for_sm90(
-  num_stages, key_bias_source, bits, group, copy_issuer, ring_release, query_loads
+  num_stages, key_bias_source, bits, group, head_dim, copy_issuer, ring_release, query_loads
 ):
   """The native kernel (inline mma.sync, movmatrix, ldmatrix; the ring; both softmax arms; 4 and
-  8 query rows) through Mosaic GPU's layout inference and lowering for a CUDA target, on this
-  jax."""
+  8 query rows; head_dim 64 and 128) through Mosaic GPU's layout inference and lowering for a
+  CUDA target, on this jax."""
   batch, heads, tokens = 2, 2, 1024
   shape = jax.ShapeDtypeStruct
+  words, groups = head_dim * bits // 32, head_dim // 32
   arrays = (
-    shape((batch, heads, group, 128), jnp.float32),
-    shape((batch, heads, tokens, 4 * bits), jnp.uint32),
-    shape((batch, heads, tokens // 32, 128), jnp.bfloat16),
-    shape((batch, heads, tokens // 32, 128), jnp.bfloat16),
-    shape((batch, heads, tokens, 4 * bits), jnp.uint32),
-    shape((batch, heads, tokens, 4), jnp.bfloat16),
-    shape((batch, heads, tokens, 4), jnp.bfloat16),
+    shape((batch, heads, group, head_dim), jnp.float32),
+    shape((batch, heads, tokens, words), jnp.uint32),
+    shape((batch, heads, tokens // 32, head_dim), jnp.bfloat16),
+    shape((batch, heads, tokens // 32, head_dim), jnp.bfloat16),
+    shape((batch, heads, tokens, words), jnp.uint32),
+    shape((batch, heads, tokens, groups), jnp.bfloat16),
+    shape((batch, heads, tokens, groups), jnp.bfloat16),
     shape((batch,), jnp.int32),
   )
   traced = warp._jitted_kernel_outputs.trace(

@@ -87,6 +87,13 @@ def _emulated_ptx(shared: np.ndarray):
     if ptx.startswith("ldmatrix.sync.aligned.m8n8.x4.trans"):
       assert has_side_effects
       return transposed_matrix_loads(shared, args[0])
+    if ptx.startswith("ldmatrix.sync.aligned.m8n8.x2.trans"):
+      # lanes 0-15 of each warp address the two matrices' rows; the others' addresses are not
+      # read: the x4 model with lanes 16-31 given lanes 0-15's, its first two registers
+      assert has_side_effects
+      address = as_uint(args[0]).reshape(4, 32).copy()
+      address[:, 16:] = address[:, :16]
+      return transposed_matrix_loads(shared, address.reshape(128))[:2]
     if ptx.startswith("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"):
       a = np.stack([as_uint(x).astype(np.uint32) for x in args[:4]], axis=1)
       b = np.stack([as_uint(x).astype(np.uint32) for x in args[4:6]], axis=1)
@@ -110,6 +117,8 @@ def emulated(monkeypatch):
 
   emulate_inline_code(monkeypatch, first_thread=0, load=None)
   monkeypatch.setattr(arith, "shrui", lambda a, b: as_uint(a) >> as_uint(b))
+  monkeypatch.setattr(arith, "ori", lambda a, b: as_uint(a) | as_uint(b))
+  monkeypatch.setattr(arith, "extui", lambda _, value: as_uint(value))
   monkeypatch.setattr(arith, "constant", lambda _, value: np.full(128, value, np.float32))
   monkeypatch.setattr(
     arith, "addf", lambda a, b: np.asarray(a, np.float32) + np.asarray(b, np.float32)
@@ -154,7 +163,11 @@ def emulated(monkeypatch):
       if kind == "f32":
         return shared.view(np.float32)[address // 4]
       if kind == "i32":
+        assert np.all(address % 4 == 0), "a 32-bit load must be aligned"
         return shared.view(np.uint32)[address // 4]
+      if kind == "i16":
+        assert np.all(address % 2 == 0), "a 16-bit load must be aligned"
+        return as_uint(shared.view(np.uint16)[address // 2])
       assert kind == "vector<2xi32>", kind
       words = shared.view(np.uint32)
       return np.stack([words[address // 4], words[address // 4 + 1]], axis=1)
@@ -172,11 +185,14 @@ def _bf16(rng, shape, low, high):
   return experiment.bf16_bits(rng.uniform(low, high, shape).astype(np.float32))
 
 
-@pytest.mark.parametrize("tiles,bits", [(1, 2), (2, 2), (2, 4)])
+@pytest.mark.parametrize(
+  "tiles,bits,head_dim", [(1, 2, 128), (2, 2, 128), (2, 4, 128), (2, 4, 64), (2, 2, 64), (1, 2, 64)]
+)
 def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_queries(
-  emulated, tiles, bits
+  emulated, tiles, bits, head_dim
 ):
-  """`own_token_words` -> `stage_words_in_word_order` (MMA_LHS) -> `key_product_per_warp`:
+  """`own_token_words` -> `stage_words_in_word_order` (MMA_LHS) -> `key_product_per_warp` (at
+  head_dim 64 with 2-bit codes `own_token_codes_one_word_per_lane` instead of the first two):
   scores [64, 8] per tile, row 16 w + r being token 16 tiles w + 16 tile + r, equal to its codes
   (in the word order, each a pattern code x 2^(bit - 133)) against Q' = bf16(query pairs x the
   key scales of its own group, warp w tiles / 2), plus that group's bias over 2^64."""
@@ -189,17 +205,17 @@ def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_que
   from pallas_kernels.subnormal_codes import code_exponent
   from pallas_kernels.word_operand_order import stage_words_in_word_order, word_order_channels
 
-  rng = np.random.default_rng(21 + tiles + bits)
+  rng = np.random.default_rng(21 + tiles + bits + head_dim)
   span, groups = 64 * tiles, 2 * tiles
-  codes = rng.integers(0, 2**bits, (span, 128))
+  codes = rng.integers(0, 2**bits, (span, head_dim))
   words = np.asarray(pack_codes(jnp.asarray(codes), bits))
-  channels = word_order_channels(128, bits)
-  exponent = code_exponent(channels, 128, bits)
+  channels = word_order_channels(head_dim, bits)
+  exponent = code_exponent(channels, head_dim, bits)
   # queries by position, times 2^(69 - bit) as `prepare` scales them (products stay normal)
   queries = experiment.bf16_bits(
-    (rng.uniform(-2.0, 2.0, (128, 8)) * 2.0 ** (69 - exponent)[:, None]).astype(np.float32)
+    (rng.uniform(-2.0, 2.0, (head_dim, 8)) * 2.0 ** (69 - exponent)[:, None]).astype(np.float32)
   )
-  scales = _bf16(rng, (groups, 128), 0.01, 0.1)  # [group, channel]
+  scales = _bf16(rng, (groups, head_dim), 0.01, 0.1)  # [group, channel]
   bias = rng.uniform(-1.0, 1.0, (groups, 8)).astype(np.float32)
   shared = np.concatenate(
     [words.view(np.uint8).ravel(), scales.view(np.uint8).ravel(), bias.view(np.uint8).ravel()]
@@ -210,11 +226,14 @@ def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_que
   with ir.Context(), ir.Location.unknown():
     keys = []
     for tile in range(tiles):
-      warp_key_product.own_token_words("words", tile, tiles, bits)
-      words_array = _Array(CapturedArray.last.registers, shape=(64, 4 * bits))
+      if words.shape[1] == 4:
+        keys.append(warp_key_product.own_token_codes_one_word_per_lane("words", tile, tiles, bits))
+        continue
+      warp_key_product.own_token_words("words", tile, tiles, bits, head_dim)
+      words_array = _Array(CapturedArray.last.registers, shape=(64, words.shape[1]))
       keys.append(stage_words_in_word_order(words_array, bits, operand_layout="mma_lhs"))
     results = warp_key_product.key_product_per_warp(
-      keys, _registers(layouts.rhs, queries), "scales", "bias", tiles, bits
+      keys, _registers(layouts.rhs, queries), "scales", "bias", tiles, bits, head_dim
     )
   patterns = codes[:, channels] * 2.0 ** (exponent - 133.0)  # [token, position]
   emulated_results = warp_key_product.key_scores_per_warp_emulated(
@@ -244,26 +263,43 @@ def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_que
 
 
 @pytest.mark.parametrize(
-  "tiles,tile,bits,operands",
-  [(1, 0, 2, 2), (2, 0, 2, 2), (2, 1, 2, 2), (2, 1, 4, 2), (1, 0, 2, 4), (2, 1, 4, 4)],
+  "tiles,tile,bits,rows,head_dim",
+  [
+    (1, 0, 2, 4, 128),
+    (2, 0, 2, 4, 128),
+    (2, 1, 2, 4, 128),
+    (2, 1, 4, 4, 128),
+    (1, 0, 2, 8, 128),
+    (2, 1, 4, 8, 128),
+    (2, 1, 2, 4, 64),  # 4 words a token: one 8-half-word matrix load, each register twice
+    (1, 0, 2, 8, 64),
+    (2, 1, 4, 4, 64),  # 8 words: one x4 load of 16 half-words, 4 m-tiles
+    (2, 0, 4, 8, 64),
+  ],
 )
 def test_value_product_per_warp_adds_each_warps_own_tokens_product(
-  emulated, tiles, tile, bits, operands
+  emulated, tiles, tile, bits, rows, head_dim
 ):
-  """acc [512, 8] + per warp w and m-tile m = F blk + p: rows r = half-word 16 blk + r's field p
-  (after the shift for fields past the low byte) of the warp's tokens 16 tiles w + 16 tile ..,
-  against P' rows 16 w .. 16 w + 15 of pairing b = p // (F / 2) (two operands: 4 query rows),
-  or of group 2 (r % 2) + b (four operands: 8 query rows, each row its own group's P')."""
+  """acc [4 D, 8] + per warp w, m-tile m and row r: channel c = `value_row_channel(m, r)` of the
+  warp's tokens 16 tiles w + 16 tile .., each code a pattern code x 2^(its bit in its byte),
+  against P' rows 16 w .. 16 w + 15 of the operand for c's group: at 4 query rows its pairing
+  (its group within its half, the half being r % 2), at 8 rows the group's own."""
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jaxlib.mlir import ir
 
-  rng = np.random.default_rng(22 + tiles + tile + bits + operands)
-  words = rng.integers(0, 2**32, (64 * tiles, 4 * bits), dtype=np.uint64).astype(np.uint32)
+  from pallas_kernels.bit_packing import packed_width, unpack_codes
+  from pallas_kernels.subnormal_codes import code_exponent
+
+  rng = np.random.default_rng(22 + tiles + tile + bits + rows + head_dim)
+  width = packed_width(head_dim, bits)
+  words = rng.integers(0, 2**32, (64 * tiles, width), dtype=np.uint64).astype(np.uint32)
   # P' carries 2^64 (`subnormal_codes.PROBS_SCALE`): the codes' patterns are subnormal bf16
   # numbers (~2^-133), and without it the products would vanish in f32 (and the test with them)
+  operands = warp_value_product.value_operands(rows, head_dim)
   probs = [_bf16(rng, (64, 8), 0.0, 2.0**64) for _ in range(operands)]
-  acc = (rng.normal(size=(512, 8)) * 2.0**-66).astype(np.float32)
+  accumulator_rows = warp_value_product.partial_rows(head_dim)
+  acc = (rng.normal(size=(accumulator_rows, 8)) * 2.0**-66).astype(np.float32)
   emulated(words.view(np.uint8).ravel().copy(), {"words": 0})
   with ir.Context(), ir.Location.unknown():
     result = warp_value_product.value_product_per_warp(
@@ -273,45 +309,59 @@ def test_value_product_per_warp_adds_each_warps_own_tokens_product(
       tile,
       tiles,
       bits,
+      head_dim,
     )
-  out = _matrix(fa.WGMMA_LAYOUT, (512, 8), result.registers)
-  half_words = words.view(np.uint16).reshape(64 * tiles, 8 * bits).astype(np.uint32)
+  out = _matrix(fa.WGMMA_LAYOUT, (accumulator_rows, 8), result.registers)
+  codes = np.asarray(unpack_codes(jnp.asarray(words), bits)).astype(np.uint32)  # channel order
   expected = acc.astype(np.float64)
-  fields = 16 // bits
+  seen = set()
   for warp in range(4):
-    first = 16 * tiles * warp + 16 * tile
-    for m, blk, p in warp_value_product.m_tiles(bits):
-      own = half_words[first : first + 16, 16 * blk : 16 * blk + 16]
-      shift, bit = warp_value_product.field_shift_and_bit(bits, p)
-      patterns = ((own >> shift) & (((1 << bits) - 1) << bit)).astype(np.uint16)
-      a = experiment.bf16_values(patterns.T).astype(np.float64)  # [half-word r, token]
+    tokens = slice(16 * tiles * warp + 16 * tile, 16 * tiles * warp + 16 * tile + 16)
+    b = experiment.bf16_values(np.stack(probs)[:, 16 * warp : 16 * warp + 16])
+    for m in range(head_dim // 16):
       for r in range(16):
-        pairing = p // (fields // 2)
-        operand = probs[pairing if operands == 2 else 2 * (r % 2) + pairing]
-        b = experiment.bf16_values(operand[16 * warp : 16 * warp + 16]).astype(np.float64)
-        expected[64 * m + 16 * warp + r] += a[r] @ b
+        c = warp_value_product.value_row_channel(m, r, head_dim, bits)
+        seen.add(c)
+        half, group_in_half = c // (head_dim // 2), (c % (head_dim // 2)) // 32
+        assert half == r % 2  # a row's parity is its half of the channels
+        operand = group_in_half if rows == 4 else c // 32
+        bit = int(code_exponent(c, head_dim, bits))
+        pattern = (codes[tokens, c] << bit).astype(np.uint16)
+        a = experiment.bf16_values(pattern).astype(np.float64)
+        expected[64 * m + 16 * warp + r] += a @ b[operand].astype(np.float64)
+  assert seen == set(range(head_dim))  # every channel in one row of each warp's m-tiles
   increment = np.abs(expected - acc)
   assert increment.min() > 0 and increment.max() > np.abs(acc).max() / 4  # not vacuous
   np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * increment.max())
   emulated_out = warp_value_product.value_product_per_warp_emulated(
-    [jnp.asarray(p).view(jnp.bfloat16) for p in probs], jnp.asarray(words), acc, tile, tiles, bits
+    [jnp.asarray(p).view(jnp.bfloat16) for p in probs],
+    jnp.asarray(words),
+    acc,
+    tile,
+    tiles,
+    bits,
+    head_dim,
   )
   np.testing.assert_allclose(emulated_out, expected, rtol=0, atol=1e-5 * increment.max())
 
 
-@pytest.mark.parametrize("tiles,tile,rows", [(1, 0, 4), (2, 1, 4), (2, 1, 8)])
+@pytest.mark.parametrize(
+  "tiles,tile,rows,head_dim",
+  [(1, 0, 4, 128), (2, 1, 4, 128), (2, 1, 8, 128), (2, 1, 4, 64), (2, 0, 8, 64)],
+)
 def test_statistics_by_slot_give_each_column_its_slots_group(
-  emulated, monkeypatch, tiles, tile, rows
+  emulated, monkeypatch, tiles, tile, rows, head_dim
 ):
   """[64, 8]: row 16 w + r (token 16 tiles w + 16 tile + r), column c holds the statistic of
-  group 2 (c // 4) + b at that token (4 query rows), or of group b (8 rows)."""
+  group 2 (c // 4) + b at that token (4 query rows; group c // 4 at head_dim 64), or of group b
+  (8 rows)."""
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import fragmented_array as fa
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import arith, memref, vector
 
   rng = np.random.default_rng(23)
-  statistics = _bf16(rng, (4, 64 * tiles), -1.0, 1.0)
+  statistics = _bf16(rng, (head_dim // 32, 64 * tiles), -1.0, 1.0)
   monkeypatch.setattr(
     memref, "load", lambda _, index: statistics[index[0].astype(int), index[1].astype(int)]
   )
@@ -321,9 +371,9 @@ def test_statistics_by_slot_give_each_column_its_slots_group(
   values = experiment.bf16_values(statistics)
   row = np.arange(64)
   token = 16 * tiles * (row // 16) + 16 * tile + row % 16
-  for b in range(warp_value_product.value_operands(rows)):
+  for b in range(warp_value_product.value_operands(rows, head_dim)):
     with ir.Context(), ir.Location.unknown():
-      result = warp_value_product.statistics_by_slot(None, b, tile, tiles, rows)
+      result = warp_value_product.statistics_by_slot(None, b, tile, tiles, rows, head_dim)
     table = _matrix(fa.WGMMA_LAYOUT, (64, 8), result.registers)
     emulated_table = np.asarray(
       warp_value_product.statistics_by_slot_emulated(
@@ -331,7 +381,7 @@ def test_statistics_by_slot_give_each_column_its_slots_group(
       )
     )
     for column in range(8):
-      group = 2 * (column // 4) + b if rows == 4 else b
+      group = (head_dim // 64) * (column // 4) + b if rows == 4 else b
       np.testing.assert_array_equal(table[:, column], values[group, token])
       np.testing.assert_array_equal(emulated_table[:, column], values[group, token])
 
@@ -371,23 +421,40 @@ def test_add_warp_partials_gives_the_models_output(emulated, monkeypatch, tiles)
       np.testing.assert_allclose(emulated_sum, model_out[r, s].T, rtol=0, atol=tolerance)
 
 
-@pytest.mark.parametrize("bits,rows", [(2, 4), (4, 4), (2, 8), (4, 8)])
+@pytest.mark.parametrize(
+  "bits,rows,head_dim",
+  [
+    (2, 4, 128),
+    (4, 4, 128),
+    (2, 8, 128),
+    (4, 8, 128),
+    (2, 4, 64),
+    (2, 8, 64),
+    (4, 4, 64),
+    (4, 8, 64),
+  ],
+)
 def test_finished_own_slot_outputs_normalise_each_channels_own_slot(
-  emulated, monkeypatch, bits, rows
+  emulated, monkeypatch, bits, rows, head_dim
 ):
-  """Thread c's values: channel c's sum over the warps from its slot's columns (channel
-  (F s + p) W + 8 blk + i is row 2 i + s of m-tile F blk + p; at 4 query rows columns 4 s + j,
-  at 8 column j), times 2^(69 - bit), plus its value group's sum of p v_min (4 rows: row
-  1 + (c // 32) % 2, column 4 (c // 64) + j of the statistics; 8 rows: row 1 + c // 32, column
-  j), over column j's sum of p (row 0); 0 for a zero sum, NaN for a NaN one. And the jnp
-  counterpart gives the same."""
+  """Thread t's values: channel c = t % D's rows t // D, t // D + 128 / D, ...: its sum over the
+  warps from its slot's columns (row r of m-tile m with c = `value_row_channel(m, r)`; at 4 query
+  rows columns 4 s + j, s = c // (D / 2), at 8 column j), times 2^(69 - bit), plus its value
+  group's sum of p v_min (4 rows: row 1 + (c % (D / 2)) // 32, column 4 s + j of the statistics;
+  8 rows: row 1 + c // 32, column j), over column j's sum of p (row 0); 0 for a zero sum, NaN
+  for a NaN one. And the jnp counterpart gives the same."""
   import jax.numpy as jnp
   from jaxlib.mlir import ir
   from jaxlib.mlir.dialects import arith, memref
 
+  from pallas_kernels.subnormal_codes import code_exponent
+
   rng = np.random.default_rng(31)
-  partial = rng.normal(size=(512, 8)).astype(np.float32) * np.float32(2.0**-66)
-  statistics = rng.uniform(0.5, 2.0, size=(1 + warp_value_product.value_operands(rows), 8))
+  partial_rows = warp_value_product.partial_rows(head_dim)
+  partial = rng.normal(size=(partial_rows, 8)).astype(np.float32) * np.float32(2.0**-66)
+  statistics = rng.uniform(
+    0.5, 2.0, size=(1 + warp_value_product.value_operands(rows, head_dim), 8)
+  )
   statistics = statistics.astype(np.float32)
   statistics[0, 2] = 0.0  # an empty column (no valid token in the split)
   statistics[0, 3] = np.nan
@@ -408,26 +475,31 @@ def test_finished_own_slot_outputs_normalise_each_channels_own_slot(
     lambda predicate, a, b: ~(np.asarray(a) == np.asarray(b)),  # UNE
   )
   with ir.Context(), ir.Location.unknown():
-    result = warp_value_product.finished_own_slot_outputs("partial", "statistics", bits, rows)
-  out = np.stack([np.asarray(register, np.float64) for register in result.registers])
-  assert out.shape == (rows, 128)
-  expected = np.zeros((rows, 128))
-  words, fields = 4 * bits, 16 // bits
-  for c in range(128):
-    s, p, word = c // 64, (c // words) % fields, c % words
-    m, r = fields * (word // 8) + p, 2 * (word % 8) + s
-    for j in range(rows):
-      column = 4 * s + j if rows == 4 else j
-      total = sum(partial[64 * m + 16 * w + r, column].astype(np.float64) for w in range(4))
-      minimum = statistics[1 + (c // 32) % 2 if rows == 4 else 1 + c // 32, column]
-      scale = 2.0 ** (69 - bits * (p % (8 // bits)))
-      sums = statistics[0, j]
-      expected[j, c] = 0.0 if sums == 0 else (total * scale + minimum) / sums
+    result = warp_value_product.finished_own_slot_outputs(
+      "partial", "statistics", bits, rows, head_dim
+    )
+  # register k of thread t: flat element 128 k + t of [rows, D] (WG_STRIDED, one a register)
+  registers = np.stack([np.asarray(register, np.float64) for register in result.registers])
+  assert registers.shape == (rows * head_dim // 128, 128)
+  out = registers.reshape(rows, head_dim)
+  expected = np.zeros((rows, head_dim))
+  half = head_dim // 2
+  for m in range(head_dim // 16):
+    for r in range(16):
+      c = warp_value_product.value_row_channel(m, r, head_dim, bits)
+      s = c // half
+      for j in range(rows):
+        column = 4 * s + j if rows == 4 else j
+        total = sum(partial[64 * m + 16 * w + r, column].astype(np.float64) for w in range(4))
+        minimum = statistics[1 + (c % half) // 32 if rows == 4 else 1 + c // 32, column]
+        scale = 2.0 ** (69 - int(code_exponent(c, head_dim, bits)))
+        sums = statistics[0, j]
+        expected[j, c] = 0.0 if sums == 0 else (total * scale + minimum) / sums
   assert np.all(out[2] == 0.0) and np.all(np.isnan(out[3]))
   # f32 sums of four partials and a minimum: relative to the largest term, not to a cancellation
   atol = 1e-6 * np.nanmax(np.abs(expected))
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=atol)
   emulated_out = warp_value_product.finished_own_slot_outputs_emulated(
-    jnp.asarray(partial), jnp.asarray(statistics), bits, rows
+    jnp.asarray(partial), jnp.asarray(statistics), bits, rows, head_dim
   )
   np.testing.assert_allclose(emulated_out, expected, rtol=1e-5, atol=atol)

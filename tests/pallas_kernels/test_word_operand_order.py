@@ -12,10 +12,17 @@ from tests.pallas_kernels.inline_code_emulation import register_placements
 def _simulated_channels(head_dim: int, bits: int) -> np.ndarray:
   """Operand column -> channel, built from the registers: in the wgmma layout a thread of quad q
   holds words 8j + 2q + t of a row; pair p of word w holds fields p and p + P (low and high
-  halves) and is operand register G = 2P j + 2p + t, i.e. columns 8G + 2q + (0, 1)."""
+  halves) and is operand register G = 2P j + 2p + t, i.e. columns 8G + 2q + (0, 1). With 4
+  words a token (one word per lane) lane q holds word q, and pair p is register p."""
   words = head_dim * bits // 32
   pairs = 16 // bits
   channels = np.full(head_dim, -1)
+  if words == 4:
+    for q in range(4):
+      for p in range(pairs):
+        for half in range(2):
+          channels[8 * p + 2 * q + half] = (p + half * pairs) * words + q
+    return channels
   for j in range(words // 8):
     for q in range(4):
       for t in range(2):
@@ -28,14 +35,14 @@ def _simulated_channels(head_dim: int, bits: int) -> np.ndarray:
   return channels
 
 
-@pytest.mark.parametrize("head_dim,bits", [(128, 2), (128, 4), (64, 4), (256, 2)])
+@pytest.mark.parametrize("head_dim,bits", [(128, 2), (128, 4), (64, 4), (64, 2), (256, 2)])
 def test_word_order_is_what_the_registers_hold(head_dim, bits):
   channels = order.word_order_channels(head_dim, bits)
   np.testing.assert_array_equal(channels, _simulated_channels(head_dim, bits))
   assert sorted(channels.tolist()) == list(range(head_dim))
 
 
-@pytest.mark.parametrize("head_dim,bits", [(128, 2), (128, 4), (64, 4)])
+@pytest.mark.parametrize("head_dim,bits", [(128, 2), (128, 4), (64, 4), (64, 2)])
 def test_a_register_pairs_channels_of_one_word_at_one_bit(head_dim, bits):
   """Columns 2i and 2i + 1 are the two halves of one masked word: channels D/2 apart, each at
   the same bit of its half (so one AND masks both)."""
@@ -50,12 +57,17 @@ def test_a_register_pairs_channels_of_one_word_at_one_bit(head_dim, bits):
 
 
 def test_too_few_words_per_row_are_refused():
+  """The wgmma staging needs whole 8-word groups; the order itself also takes 4 words (one a
+  lane, for the per-warp products) and refuses other widths by name."""
   reason = order.word_order_unsupported_reason(64, 2)
   assert reason is not None and "head_dim=64 with bits=2: 4 code words" in reason
   assert order.word_order_unsupported_reason(64, 4) is None  # 8 words: one whole group
+  assert order.words_per_lane(64, 2) == 1 and order.words_per_lane(128, 2) == 2
+  with pytest.raises(ValueError, match="head_dim=32 with bits=2: 2 code words"):
+    order.channel_at_position(0, 32, 2)
 
 
-@pytest.mark.parametrize("head_dim,bits", [(64, 4), (128, 2), (128, 4), (256, 2)])
+@pytest.mark.parametrize("head_dim,bits", [(64, 4), (64, 2), (128, 2), (128, 4), (256, 2)])
 @pytest.mark.parametrize("axis", [0, 2, -1])
 def test_the_word_order_as_a_transpose_is_the_gather(head_dim, bits, axis):
   """`channels_in_word_order` (a reshape and a transpose, which XLA fuses) moves each channel to
@@ -69,7 +81,7 @@ def test_the_word_order_as_a_transpose_is_the_gather(head_dim, bits, axis):
   )
 
 
-@pytest.mark.parametrize("head_dim,bits", [(64, 4), (128, 2), (128, 4), (256, 2)])
+@pytest.mark.parametrize("head_dim,bits", [(64, 4), (64, 2), (128, 2), (128, 4), (256, 2)])
 def test_position_of_channel_inverts_channel_at_position(head_dim, bits):
   """L(C) on every channel is the argsort of C(L), on numpy and jnp integers alike."""
   channels = np.arange(head_dim)
