@@ -809,6 +809,13 @@ def main():
     type=int,
     help="query heads per KV head (default 4); the sweep's and the tables' queries",
   )
+  parser.add_argument(
+    "--head-dim",
+    dest="head_dim_choice",
+    type=int,
+    choices=(64, 128),
+    help="channels per head (default 128, --small 64); the sweep's and the tables' segments",
+  )
   args = parser.parse_args()
   if args.sweep_only and not args.sweep:
     parser.error("--sweep-only needs --sweep")
@@ -828,6 +835,8 @@ def main():
     args.copy_bytes = 1 << 30
   if args.query_group is not None:
     args.group = args.query_group
+  if args.head_dim_choice is not None:
+    args.head_dim = args.head_dim_choice
   results = run(args)
   if args.out:
     with open(args.out, "w") as f:

@@ -171,7 +171,7 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
   # per-warp ring release, and v45's queries loaded once, 13 more registers) beside v34 and
   # C + merge
   echo "== warp variant, native tests (KERNEL_NOTES v45)" >> "$1"
-  timeout --signal=INT 120 env KVJAX_NATIVE_KERNELS=1 "$python" -m pytest -q -n 4 \
+  timeout --signal=INT 150 env KVJAX_NATIVE_KERNELS=1 "$python" -m pytest -q -n 4 \
     -p no:cacheprovider -m "slow or not slow" \
     tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py \
     2>&1 | tail -15 >> "$1" || status=1
@@ -189,6 +189,10 @@ ${v34}}, ${c_merge}}]" 190 || status=1
     "${v34}}" || status=1
   # v46: 8 query heads per KV head (8 rows, two value MMAs an m-tile) beside v34
   sweep_shapes_only "$1" "32768 8 2" -- "${warp}}" "${v34}}" || status=1
+  # v47: head_dim 64 (Llama 3.2 1B's shape: 4 query heads per KV head), where no other Mosaic
+  # GPU kernel takes 2-bit codes (4 words a token): beside the Triton kernels that run there now
+  sweep_shapes_only "$1" "32768 4 2 64" "32768 4 4 64" -- "${warp}}" "${warp}, \"num_stages\": 2}" \
+    "{\"lowering\": \"triton\", \"variant\": \"folded\"}" "{\"lowering\": \"triton\"}" || status=1
   return "$status"
 }
 keep_fastest() {  # keep_fastest LOG: the 32k sweep's fastest config, as JSON to stdout, named in
@@ -204,7 +208,7 @@ sweep_shapes() {  # sweep_shapes LOG CONFIG...: the configs at 8k / 128k, 1 and 
   shift
   sweep_shapes_only "$log" "8192 4 2" "131072 4 2" "32768 1 2" "32768 8 2" "32768 4 4" -- "$@"
 }
-sweep_shapes_only() {  # sweep_shapes_only LOG "CONTEXT HEADS BITS"... -- CONFIG...
+sweep_shapes_only() {  # sweep_shapes_only LOG "CONTEXT HEADS BITS [HEAD_DIM]"... -- CONFIG...
   local log="$1" shape status=0 shapes=()
   shift
   while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do shapes+=("$1"); shift; done
@@ -218,8 +222,10 @@ sweep_shapes_only() {  # sweep_shapes_only LOG "CONTEXT HEADS BITS"... -- CONFIG
     # 10 s to start, ~12 s per config (v34's calls)
     timeout --signal=INT $((10 + 12 * n_configs)) "$python" benchmarks/decode_attention.py \
       --sweep --sweep-only \
-      --sweep-context "$1" --query-group "$2" --sweep-bits "$3" --sweep-configs "$these" \
-      2>&1 | grep "sweep kivi" | sed "s/^/[$1 q$2 kivi$3] /" | tee -a "$log" || status=1
+      --sweep-context "$1" --query-group "$2" --sweep-bits "$3" --head-dim "${4:-128}" \
+      --sweep-configs "$these" \
+      2>&1 | grep "sweep kivi" | sed "s/^/[$1 q$2 kivi$3 d${4:-128}] /" | tee -a "$log" \
+      || status=1
   done
   return "$status"
 }

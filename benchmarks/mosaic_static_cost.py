@@ -131,12 +131,18 @@ def compile_only_device():
   return topology._make_compile_only_devices()[0]
 
 
-def kernel_call(variant: str, bits: int, settings: dict, group: int = BENCHMARK_SHAPE["group"]):
+def kernel_call(
+  variant: str,
+  bits: int,
+  settings: dict,
+  group: int = BENCHMARK_SHAPE["group"],
+  head_dim: int = BENCHMARK_SHAPE["head_dim"],
+):
   """(function, abstract arguments) of one quantized Mosaic GPU kernel at the benchmark shape,
-  with `group` query heads per KV head."""
+  with `group` query heads per KV head and `head_dim` channels."""
   from pallas_kernels import quantized_decode_attention_gpu
 
-  shape = dict(BENCHMARK_SHAPE, group=group)
+  shape = dict(BENCHMARK_SHAPE, group=group, head_dim=head_dim)
   module, entry_point = quantized_decode_attention_gpu.MOSAIC_GPU_KERNELS[variant]
   call = functools.partial(
     getattr(module, entry_point),
@@ -260,11 +266,18 @@ def main():
     default=BENCHMARK_SHAPE["group"],
     help="query heads per KV head of the quantized kernels' calls (the benchmark's: 4)",
   )
+  parser.add_argument(
+    "--head-dim",
+    type=int,
+    default=BENCHMARK_SHAPE["head_dim"],
+    choices=[64, 128],
+    help="channels per head of the quantized kernels' calls (the benchmark's: 128)",
+  )
   parser.add_argument("--out", help="write the rows as JSON here")
   args = parser.parse_args()
 
   device = compile_only_device()
-  shape = BENCHMARK_SHAPE
+  shape = dict(BENCHMARK_SHAPE, head_dim=args.head_dim)
   programs_tokens = shape["batch"] * shape["kv_heads"] * shape["tokens"]
   # (label, file name, (function, arguments), tokens per iteration, branch arms, warpgroups per
   # program, settings): with arms (0, 1), a row per path through the loop body's branch
@@ -294,7 +307,9 @@ def main():
         )
         if args.query_group != BENCHMARK_SHAPE["group"]:
           label += f" [query group {args.query_group}]"
-        call = kernel_call(variant, bits, settings, args.query_group)
+        if args.head_dim != BENCHMARK_SHAPE["head_dim"]:
+          label += f" [head_dim {args.head_dim}]"
+        call = kernel_call(variant, bits, settings, args.query_group, args.head_dim)
         # row_max="bound": each block takes the fixed reference's arm or the exchange's
         arms = (0, 1) if settings.get("row_max") == "bound" else (None,)
         if variant == "warp":  # a loop per softmax path: the fixed one has no FMNMX
