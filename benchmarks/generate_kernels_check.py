@@ -33,6 +33,9 @@ CONFIG = DecoderConfig(
 )
 
 
+WARP_MOSAIC_GPU = {"lowering": "mosaic_gpu", "variant": "warp"}
+
+
 def prompts_of_record() -> list[list[int]]:
   """Two rows of random ids, 700 and 333 tokens: several quantized groups, different lengths."""
   rng = np.random.default_rng(0)
@@ -72,6 +75,10 @@ def runs_to_check(kivi_settings: dict | None = None) -> list[tuple]:
       KernelSettings(quantized={"variant": "folded"}),
       jnp.bfloat16,
     ),
+    # The "warp" Mosaic GPU variant (KERNEL_NOTES v45-v47; bf16 statistics, as the folded
+    # kernel), the one Mosaic GPU kernel that takes 2-bit codes at this head_dim of 64.
+    ("kivi:bits=2,residual=32", KernelSettings(quantized=WARP_MOSAIC_GPU), jnp.bfloat16),
+    ("kivi:bits=4,residual=32", KernelSettings(quantized=WARP_MOSAIC_GPU), jnp.bfloat16),
   ]
 
 

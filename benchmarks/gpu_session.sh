@@ -175,6 +175,10 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
     -p no:cacheprovider -m "slow or not slow" \
     tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py \
     2>&1 | tail -15 >> "$1" || status=1
+  # v47: generate through the variant on the check's tiny model (head_dim 64: KIVI-2 and KIVI-4)
+  echo "== warp variant, generate check (KERNEL_NOTES v47)" >> "$1"
+  timeout --signal=INT 90 "$python" benchmarks/generate_kernels_check.py --only warp \
+    2>&1 | tail -4 >> "$1" || status=1
   local warp="{\"lowering\": \"mosaic_gpu\", \"variant\": \"warp\""
   sweep_at_32k "$1" "[${warp}}, ${warp}, \"num_stages\": 2}, \
 ${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2}, ${warp}, \"key_products\": \"reduction\"}, \

@@ -23,3 +23,17 @@ def test_kivi_settings_replace_the_default_of_the_kivi_runs_only():
       assert after == before
   assert replaced == 3  # the bf16 default run first, then KIVI-4 and KIVI-2 on f32 caches
   assert candidate_runs[0][2] == jnp.bfloat16
+
+
+def test_the_warp_variant_runs_kivi_2_and_4_on_a_bf16_cache():
+  """The warp variant's runs (2-bit codes at head_dim 64 included, which only it takes among the
+  Mosaic GPU kernels), on bf16 caches: its statistics must be bf16."""
+  warp_runs = [
+    (spec, dtype)
+    for spec, settings, *dtype in runs_to_check()
+    if dict(settings.quantized or ()).get("variant") == "warp"
+  ]
+  assert warp_runs == [
+    ("kivi:bits=2,residual=32", [jnp.bfloat16]),
+    ("kivi:bits=4,residual=32", [jnp.bfloat16]),
+  ]
