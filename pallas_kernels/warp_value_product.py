@@ -5,37 +5,40 @@ and the four warps' partial outputs added once per split.
 KIVI's values have a scale and a minimum per token and 32-channel group, so P' depends on a
 channel's value group. With up to 4 query rows an 8-column B operand holds two groups: columns
 4 s + j (slot s, row j); with 5 to 8 rows (`query_rows`) it holds one, every column its own row.
-The value product's rows are channels in the order the codes leave the
-transposing matrix loads. A half-word holds F = 16 / bits fields (8 at 2 bits, 4 at 4) and a
-token bits / 2 blocks of 16 half-words (a matrix load each); m-tile m = F blk + p (16 rows) of
-warp w's partial output is field p of half-word 16 blk + r of a token's planar words (W = 4 bits
-words a token), i.e. channel
+The value product's rows are channels in the order the codes leave the transposing matrix loads.
+A half-word holds F = 16 / bits fields (8 at 2 bits, 4 at 4) and a token W = D bits / 32 words,
+2 W half-words. With whole blocks of 16 half-words (W a multiple of 8: head_dim 128, and 64 at 4
+bits) each block is one `ldmatrix.x4.trans` per 16 tokens, and m-tile m = F blk + p (16 rows) of
+warp w's partial output is field p of half-word 16 blk + r, i.e. channel
 
-  c(m, r) = (F (r % 2) + p) W + 8 blk + r // 2    (at 2 bits: 64 (r % 2) + 8 p + r // 2)
+  c(m, r) = (F (r % 2) + p) W + 8 blk + r // 2    (at D = 128, 2 bits: 64 (r % 2) + 8 p + r // 2)
 
-whose value group is 2 (r % 2) + b, b = p // (F / 2) (at head_dim 128). At head_dim 64 with
-2-bit codes a token is 8 half-words, one `ldmatrix.x2.trans` per 16 tokens, and each loaded
-register serves two fields (rows 0-7 field m, rows 8-15 field m + 4, the same bit of the other
-byte, so the register and its copy shifted by 8 take one mask): c(m, r) = (8 s + m + 4 (r // 8)) 4
-+ (r % 8) // 2 with s = r % 2 (`value_row_channel`). At head_dim 64 half s of the rows is value
-group s (both widths). At 4 query rows (head_dim 128) the m-tiles with b = 0
-take groups (0, 2) with P' of pairing 0 (slot s: group 2 s), the others groups (1, 3) with P' of
-pairing 1 (slot s: group 2 s + 1), and each row reads its own slot s = r % 2
-(`add_warp_partials`; the other slot's columns are dropped). At 8 query rows an m-tile's even
-and odd rows need different P' (groups b and 2 + b): two MMAs an m-tile, each with the code
-operand of the other half's rows zeroed (a lane's A registers are rows of one parity), into one
-accumulator: twice the 4-row product's MMAs, the same accumulator registers. At head_dim 64,
-4 query rows take one P' (slot s: group s) and 8 rows two (one a group).
+At head_dim 64 with 2-bit codes a token is 8 half-words: one `ldmatrix.x2.trans` per 16 tokens,
+and each loaded register serves two m-tile rows (rows 0-7 field m, rows 8-15 field m + 4, the
+same bit of the other byte, so the register and its copy shifted by 8 take one mask):
+
+  c(m, r) = (8 (r % 2) + m + 4 (r // 8)) 4 + (r % 8) // 2
+
+(`value_row_channel`, inverted by `value_row_of_channel`). Either way a row's parity r % 2 is its
+half of the channels, and its value group is (D / 64) (r % 2) + b, b = `group_in_half(m)` (at
+D = 128 b = p // (F / 2); at 64 b = 0). At 4 query rows the m-tiles of pairing b take P' of that
+pairing (slot s of its columns: group (D / 64) s + b), and each row reads its own slot s = r % 2
+(the other slot's columns are dropped when the warps' outputs are added): two operands at D =
+128, one at 64 (`value_operands`). At 8 query rows an m-tile's even and odd rows need different
+P' (one per group): two MMAs an m-tile, each with the code operand of the other half's rows
+zeroed (a lane's A registers are rows of one parity), into one accumulator: twice the 4-row
+product's MMAs, the same accumulator registers.
 
 - `statistics_by_slot`: the per-token statistic of each column's slot group, f32 [64, 8]: a lane's
   two columns share a slot, so it loads its two tokens' values of one group.
-- `value_product_per_warp`: P' (bf16 [64, 8] per pairing, or per group at 8 rows; rows the
-  warp's tokens as the key product's scores hold them) moved to B operands by
-  `movmatrix.trans`, the warp's own 16 tokens' value codes by one `ldmatrix.x4.trans` per 16
-  half-words, 8 MMAs (16 at 8 rows) into the partial output, a [512, 8] f32 array in the wgmma
-  layout whose row 64 m + 16 w + r is warp w's m-tile m.
-- `add_warp_partials`: f32 [128, 4], channel c's 4 rows summed over the warps from its slot.
-- `finished_own_slot_outputs`: each split's normalised output, f32 [rows, 128].
+- `value_product_per_warp`: P' (bf16 [64, 8] per operand; rows the warp's tokens as the key
+  product's scores hold them) moved to B operands by `movmatrix.trans`, the warp's own 16
+  tokens' value codes by the matrix loads above, D / 16 MMAs (twice that at 8 rows) into the
+  partial output, a [4 D, 8] f32 array in the wgmma layout whose row 64 m + 16 w + r is warp w's
+  m-tile m.
+- `add_warp_partials` (head_dim 128, the experiments'): f32 [128, 4], channel c's 4 rows summed
+  over the warps from its slot.
+- `finished_own_slot_outputs`: each split's normalised output, f32 [rows, D].
 
 Native only; the `_emulated` functions compute the same arrays by jnp for interpret mode, and
 `tests/pallas_kernels/test_warp_products_inline.py` runs the inline code on numpy lane by lane.
