@@ -525,7 +525,7 @@ def kernel_cases(args):
   from pallas_kernels import quantized_decode_attention_triton as quantized_kernel
 
   shape = jax.ShapeDtypeStruct
-  batch, heads, group, head_dim, tokens = 8, 8, args.query_group, 128, args.tokens
+  batch, heads, group, head_dim, tokens = 8, 8, args.query_group, args.head_dim, args.tokens
   cases = []
   if args.bf16:
     cache = shape((batch, heads, tokens, head_dim), jnp.bfloat16)
@@ -666,6 +666,9 @@ def main():
     "--query-group", type=int, default=4, help="query heads per KV head (the shape of record: 4)"
   )
   parser.add_argument(
+    "--head-dim", type=int, default=128, choices=[64, 128], help="channels per head (128)"
+  )
+  parser.add_argument(
     "--group-size",
     type=int,
     help="quantization group of the codes (default 32 for KIVI, the `gear` method's for GEAR)",
@@ -705,7 +708,7 @@ def main():
     return
 
   records = []
-  head_dim, programs_tokens = 128, 8 * 8 * args.tokens
+  head_dim, programs_tokens = args.head_dim, 8 * 8 * args.tokens
   print(
     "| kernel | regs | instr/iter/warp | tokens/iter | thread instr/elem | smem wavefronts/iter"
     " | barriers/iter | layout conv. | issue floor us | smem floor us |"
