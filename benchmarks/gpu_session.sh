@@ -175,10 +175,6 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
     -p no:cacheprovider -m "slow or not slow" \
     tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py \
     2>&1 | tail -15 >> "$1" || status=1
-  # v47: generate through the variant on the check's tiny model (head_dim 64: KIVI-2 and KIVI-4)
-  echo "== warp variant, generate check (KERNEL_NOTES v47)" >> "$1"
-  timeout --signal=INT 90 "$python" benchmarks/generate_kernels_check.py --only warp \
-    2>&1 | tail -4 >> "$1" || status=1
   local warp="{\"lowering\": \"mosaic_gpu\", \"variant\": \"warp\""
   sweep_at_32k "$1" "[${warp}}, ${warp}, \"num_stages\": 2}, \
 ${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2}, ${warp}, \"key_products\": \"reduction\"}, \
@@ -193,8 +189,18 @@ ${v34}}, ${c_merge}}]" 190 || status=1
     "${v34}}" || status=1
   # v46: 8 query heads per KV head (8 rows, two value MMAs an m-tile) beside v34
   sweep_shapes_only "$1" "32768 8 2" -- "${warp}}" "${v34}}" || status=1
-  # v47: head_dim 64 (Llama 3.2 1B's shape: 4 query heads per KV head), where no other Mosaic
-  # GPU kernel takes 2-bit codes (4 words a token): beside the Triton kernels that run there now
+  return "$status"
+}
+warp_head_dim64_run() {  # warp_head_dim64_run LOG (v47, ~3 min): the warp variant at head_dim 64
+  # (its native tests run in warp_products_run): generate through it on the check's tiny model
+  # (KIVI-2 and KIVI-4), then the 32k sweep at head_dim 64 (Llama 3.2 1B's shape: 4 query heads
+  # per KV head), where no other Mosaic GPU kernel takes 2-bit codes (4 words a token), beside
+  # the Triton kernels that run there now
+  local status=0
+  echo "== warp variant, generate check (KERNEL_NOTES v47)" >> "$1"
+  timeout --signal=INT 90 "$python" benchmarks/generate_kernels_check.py --only warp \
+    2>&1 | tail -4 >> "$1" || status=1
+  local warp="{\"lowering\": \"mosaic_gpu\", \"variant\": \"warp\""
   sweep_shapes_only "$1" "32768 4 2 64" "32768 4 4 64" -- "${warp}}" "${warp}, \"num_stages\": 2}" \
     "{\"lowering\": \"triton\", \"variant\": \"folded\"}" "{\"lowering\": \"triton\"}" || status=1
   return "$status"
@@ -780,8 +786,14 @@ ${winner}, ${both}, ${matrix}, ${five}, \"num_splits\": 20}, ${winner}, ${both},
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$log"
     warp_products_run "$log"
     ;;
+  warp_head_dim64)
+    # v47 (~3 min; after warp_products on the warm machine if `status` leaves 4 minutes)
+    log="$out/warp_head_dim64.log"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$log"
+    warp_head_dim64_run "$log"
+    ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | v42 | v43 | warp_products | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | v42 | v43 | warp_products | warp_head_dim64 | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac
