@@ -114,9 +114,9 @@ def own_token_codes_one_word_per_lane(words_ref, tile: int, tiles: int, bits: in
   16 tiles w + 16 tile + r. Lane (g, q) loads word q of its two rows (one 32-bit load each) and
   masks its 8 pairs into registers G = p (columns 8 p + 2 q, + 1; `inline_mgpu`, native only)."""
   head_dim = 64
+  if words_per_lane(head_dim, bits) != 1:
+    raise ValueError(f"bits={bits} is not supported by the one word per lane operand; allowed: 2")
   words = packed_width(head_dim, bits)
-  if words != 4 or words_per_lane(head_dim, bits) != 1:
-    raise ValueError(f"bits={bits}: one word per lane takes 2-bit codes at head_dim 64")
   layout = plgpu.Layout.MMA_LHS(jnp.bfloat16)
 
   @plgpu.inline_mgpu(

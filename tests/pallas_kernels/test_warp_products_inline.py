@@ -503,3 +503,9 @@ def test_finished_own_slot_outputs_normalise_each_channels_own_slot(
     jnp.asarray(partial), jnp.asarray(statistics), bits, rows, head_dim
   )
   np.testing.assert_allclose(emulated_out, expected, rtol=1e-5, atol=atol)
+
+
+def test_the_one_word_per_lane_operand_refuses_other_widths_by_name():
+  """4 words a token only: 4-bit codes at head_dim 64 are 8 words, the wgmma word order's."""
+  with pytest.raises(ValueError, match="bits=4 is not supported by the one word per lane"):
+    warp_key_product.own_token_codes_one_word_per_lane(None, 0, 2, bits=4)
