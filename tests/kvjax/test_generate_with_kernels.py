@@ -304,7 +304,8 @@ def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group():
     (4, 4, 128, {}),
     (2, 14, 128, {"copy_issuer": "slot_owner", "ring_release": "per_warp", "num_stages": 2}),
     (2, 6, 64, {}),  # 4 words a token: one word a lane, one 8-half-word matrix load
-    (4, 12, 64, {}),
+    # (KIVI-4 at head_dim 64: 8 words a token, the word order head_dim 128 uses; slow: 13 s)
+    pytest.param(4, 12, 64, {}, marks=pytest.mark.slow),
   ],
 )
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
