@@ -5,9 +5,9 @@ or "mosaic_gpu" (TMA ring; KIVI segments only), in one of three variants:
 MMA; measured on an H100 and an H200, slower than either folded kernel), "folded" (scales folded
 into stacked queries and probabilities, codes staged by masking alone as subnormal bf16
 operands; `quantized_decode_attention_folded_mosaic_gpu`) or "warp" (the folded operands, both
-products per warp by `mma.sync` with operands in registers, 2- and 4-bit codes at head_dim 128
-and up to 8 query heads per KV head; `quantized_decode_attention_warp_mosaic_gpu`; not yet timed
-on a GPU).
+products per warp by `mma.sync` with operands in registers, 2- and 4-bit codes at head_dim 64
+and 128 and up to 8 query heads per KV head; `quantized_decode_attention_warp_mosaic_gpu`; not
+yet timed on a GPU).
 
 An empty kernel_config runs what was measured fastest (`measured_default_config`): on a Hopper
 GPU (and in interpret mode, which checks what such a GPU runs) the folded Mosaic GPU kernel with

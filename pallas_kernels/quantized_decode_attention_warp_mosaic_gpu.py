@@ -95,8 +95,7 @@ from pallas_kernels.warp_key_product import (
   TILE_ROWS,
   key_product_per_warp,
   key_scores_per_warp_emulated,
-  own_token_codes_one_word_per_lane,
-  own_token_words,
+  own_token_key_operand,
 )
 from pallas_kernels.warp_value_product import (
   finished_own_slot_outputs,
@@ -110,11 +109,7 @@ from pallas_kernels.warp_value_product import (
   value_product_per_warp,
   value_product_per_warp_emulated,
 )
-from pallas_kernels.word_operand_order import (
-  channels_in_word_order,
-  stage_words_in_word_order,
-  words_per_lane,
-)
+from pallas_kernels.word_operand_order import channels_in_word_order
 
 TILES = 2  # 16-token tiles a warp takes per block: 32 tokens, one key group
 BLOCK_TOKENS = 4 * 16 * TILES
@@ -452,20 +447,9 @@ def _warp_kernel(
       return key_scores_per_warp_emulated(
         k_words_smem[slot], queries, k_scale_smem[slot], bias_ref[...], TILES, bits
       )
-    if words_per_lane(head_dim, bits) == 1:  # 4 words a token: one a lane, masked in place
-      keys = [
-        own_token_codes_one_word_per_lane(k_words_smem.at[slot], t, TILES, bits)
-        for t in range(TILES)
-      ]
-    else:
-      keys = [
-        stage_words_in_word_order(
-          own_token_words(k_words_smem.at[slot], t, TILES, bits, head_dim),
-          bits,
-          operand_layout="mma_lhs",
-        )
-        for t in range(TILES)
-      ]
+    keys = [
+      own_token_key_operand(k_words_smem.at[slot], t, TILES, bits, head_dim) for t in range(TILES)
+    ]
     return key_product_per_warp(
       keys, queries, k_scale_smem.at[slot], bias_ref, TILES, bits, head_dim
     )

@@ -49,6 +49,7 @@ from pallas_kernels.word_operand_order import (
   channel_at_position,
   channels_in_word_order,
   masked_pair_registers,
+  stage_words_in_word_order,
   words_per_lane,
 )
 
@@ -145,6 +146,16 @@ def own_token_codes_one_word_per_lane(words_ref, tile: int, tiles: int, bits: in
     return fa.FragmentedArray(_registers=registers, _layout=mosaic_layout, _is_signed=None)
 
   return load(words_ref)
+
+
+def own_token_key_operand(words_ref, tile: int, tiles: int, bits: int, head_dim: int):
+  """bf16 [64, D] key-code operand (MMA_LHS, word order) of tile `tile` of each warp's tokens:
+  one word a lane at 4 words a token (`own_token_codes_one_word_per_lane`), else the wgmma
+  word array staged (`own_token_words`, `stage_words_in_word_order`; native only)."""
+  if words_per_lane(head_dim, bits) == 1:
+    return own_token_codes_one_word_per_lane(words_ref, tile, tiles, bits)
+  words = own_token_words(words_ref, tile, tiles, bits, head_dim)
+  return stage_words_in_word_order(words, bits, operand_layout="mma_lhs")
 
 
 def key_product_per_warp(

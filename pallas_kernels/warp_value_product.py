@@ -57,14 +57,13 @@ from pallas_kernels.bit_packing import packed_width, unpack_codes
 from pallas_kernels.subnormal_codes import code_exponent, power_of_two
 from pallas_kernels.warp_key_product import COLUMNS, TILE_ROWS, warp_rows
 from pallas_kernels.warpgroup_thread import thread_coordinates
-from pallas_kernels.word_operand_order import MlirInt
+from pallas_kernels.word_operand_order import MlirInt, words_per_lane
 
 VALUE_GROUP = 32  # channels of a value group
 REAL_ROWS = 4  # query rows of a slot when two slots share the 8 columns
 ROW_COUNTS = (REAL_ROWS, COLUMNS)  # query rows the products take: two slots of 4, or one of 8
 _CODE_UNIT_EXPONENT = 133
 _PROBS_EXPONENT = 64
-_ONE_WORD_PER_LANE = 4  # words a token (head_dim 64, 2 bits): one matrix load of 8 half-words
 
 
 def value_groups(head_dim: int) -> int:
@@ -87,7 +86,7 @@ def value_row_channel(m: int, r: int, head_dim: int, bits: int) -> int:
   """c(m, r): the channel that row r of m-tile m of a warp's partial output holds (the module
   text; Python ints)."""
   words, fields = packed_width(head_dim, bits), 16 // bits
-  if words == _ONE_WORD_PER_LANE:
+  if words_per_lane(head_dim, bits) == 1:  # 4 words a token: 8 half-words, one x2 load
     half_word, field = r % 8, m + 4 * (r // 8)
     return (fields * (half_word % 2) + field) * words + half_word // 2
   blk, p = divmod(m, fields)
@@ -101,7 +100,7 @@ def value_row_of_channel(channel, head_dim: int, bits: int):
   words, fields = packed_width(head_dim, bits), 16 // bits
   field, word = channel // words, channel % words  # field k of word `word`
   half, p = field // fields, field % fields
-  if words == _ONE_WORD_PER_LANE:  # half-word 2 word + half; rows 8 (p // 4) + that
+  if words_per_lane(head_dim, bits) == 1:  # half-word 2 word + half; rows 8 (p // 4) + that
     return p % 4, (p // 4) * 8 + word * 2 + half, half, p
   return (word // 8) * fields + p, (word % 8) * 2 + half, half, p
 
@@ -142,7 +141,7 @@ def m_tiles(bits: int, head_dim: int = 128) -> list[tuple[int, int, int]]:
   """(m, blk, p) of the head_dim / 16 m-tiles: m-tile m = F blk + p holds field p of half-words
   16 blk .. 16 blk + 15 (F = 16 / bits fields a half-word); with one word per lane (4 words a
   token) blk = 0 and p = m (rows 8-15: field m + 4)."""
-  if packed_width(head_dim, bits) == _ONE_WORD_PER_LANE:
+  if words_per_lane(head_dim, bits) == 1:
     return [(m, 0, m) for m in range(head_dim // 16)]
   fields = 16 // bits
   blocks = packed_width(head_dim, bits) // 8  # of 16 half-words
@@ -180,7 +179,7 @@ def value_product_per_warp(
   row_bytes = 4 * words
   operands = len(probs)
   rows = _rows_of_operands(operands, head_dim)
-  one_word = words == _ONE_WORD_PER_LANE
+  one_word = words_per_lane(head_dim, bits) == 1
 
   @plgpu.inline_mgpu(
     arg_types=([wgmma] * operands, plgpu.RefType(), wgmma),
@@ -260,14 +259,13 @@ def value_product_per_warp(
     undefined = llvm.mlir_undef(ir.VectorType.get((2,), f32))
     field_mask = (1 << bits) - 1
     for m, blk, p in m_tiles(bits, head_dim):
+      shift, bit = field_shift_and_bit(bits, p)
+      mask = const((field_mask << bit) * 0x00010001)
       if one_word:
         # rows g: field m of the half-words (low byte); rows g + 8: field m + 4, the same bit of
         # the high byte: (a0, a1, a2, a3) = tokens 0-7 and 8-15, each low and shifted
-        mask = const((field_mask << (bits * m)) * 0x00010001)
         sources = [loaded[0][0], upper[0][0], loaded[0][1], upper[0][1]]
       else:
-        shift, bit = field_shift_and_bit(bits, p)
-        mask = const((field_mask << bit) * 0x00010001)
         sources = upper[blk] if shift else loaded[blk]
       fields_of = [arith.andi(register, mask) for register in sources]
       d = [
