@@ -170,7 +170,8 @@ def test_generate_in_chunks_gives_the_full_caches_tokens():
   ids=["kivi2", "kivi4-no-flush", "gear4"],
 )
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("chunk", [5, 32, 77])
+# chunks shorter than a key group (16) and as long as the longest row; two groups under `-m slow`
+@pytest.mark.parametrize("chunk", [5, pytest.param(32, marks=pytest.mark.slow), 77])
 def test_quantized_cache_fed_in_chunks_holds_the_one_piece_codes(method, dtype, chunk):
   queries, keys, values = random_qkv(1)
   cache = allocate(method, dtype=dtype)
@@ -294,7 +295,8 @@ def test_snapkv_in_chunks_keeps_what_the_numpy_chunked_rule_keeps(
   ],
   ids=["snapkv", "pyramidkv", "h2o_decode", "pyramidkv+kivi"],
 )
-@pytest.mark.parametrize("chunk", [70, 128])
+# a chunk of the prompt's length; one longer than the prompt under `-m slow`
+@pytest.mark.parametrize("chunk", [70, pytest.param(128, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_a_prompt_in_one_chunk_is_the_one_piece_prefill(method, chunk, dtype):
   """In bfloat16 too: the chunk's keys are scored unrounded, as a one-piece prefill scores them

@@ -86,6 +86,8 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
   np.testing.assert_allclose(logprobs["interpret"], logprobs["reference"], atol=1e-4)
 
 
+# Slow cases: settings whose kernels' own tests run by default, here only carried through the
+# decode loop again (8-16 s each in interpret mode).
 @pytest.mark.parametrize(
   "spec, settings, cache_dtype",
   [
@@ -121,7 +123,7 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       jnp.float32,
       marks=pytest.mark.slow,
     ),
-    (
+    pytest.param(
       # The folded Mosaic GPU kernel with a fixed softmax reference per split from the key
       # statistics' bounds (KERNEL_NOTES v33), XLA's products for them and for q . k_min as
       # reductions and the value codes as the register operand (v34), through the decode loop.
@@ -136,6 +138,7 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
         }
       ),
       jnp.bfloat16,
+      marks=pytest.mark.slow,
     ),
     (
       # The folded Mosaic GPU kernel computing q . k_min itself before its loop (KERNEL_NOTES
@@ -153,7 +156,7 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
       ),
       jnp.bfloat16,
     ),
-    (
+    pytest.param(
       # The folded Mosaic GPU kernel with ring slots of two 64-token blocks and the value
       # product's tokens in the spread order (KERNEL_NOTES v37) and v36's candidate settings,
       # through the decode loop.
@@ -167,8 +170,9 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
         }
       ),
       jnp.bfloat16,
+      marks=pytest.mark.slow,
     ),
-    (
+    pytest.param(
       # v36's candidate with the next block's Q' staged before each block's one barrier and
       # each ring slot refilled in the value product's shadow (KERNEL_NOTES v40), and each
       # row tile's value product against its own P' tiles (v41: at this head_dim of 64 the one
@@ -187,6 +191,7 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
         }
       ),
       jnp.bfloat16,
+      marks=pytest.mark.slow,
     ),
     (
       # v36's candidate with the value codes by transposing matrix loads (KERNEL_NOTES v43: the
@@ -301,8 +306,16 @@ def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group():
   "bits,num_heads,head_dim,settings",
   [
     (2, 4, 128, {}),
-    (4, 4, 128, {}),
-    (2, 14, 128, {"copy_issuer": "slot_owner", "ring_release": "per_warp", "num_stages": 2}),
+    # (KIVI-4, and 8 query rows with v46's ring settings: slow, 14-19 s each in interpret mode;
+    # the kernel's own tests run both by default)
+    pytest.param(4, 4, 128, {}, marks=pytest.mark.slow),
+    pytest.param(
+      2,
+      14,
+      128,
+      {"copy_issuer": "slot_owner", "ring_release": "per_warp", "num_stages": 2},
+      marks=pytest.mark.slow,
+    ),
     (2, 6, 64, {}),  # 4 words a token: one word a lane, one 8-half-word matrix load
     # (KIVI-4 at head_dim 64: 8 words a token, the word order head_dim 128 uses; slow: 13 s)
     pytest.param(4, 12, 64, {}, marks=pytest.mark.slow),

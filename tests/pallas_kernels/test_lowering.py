@@ -235,40 +235,53 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
     # product into the running accumulator (an accumulator initialised from registers).
     ("folded", 2, 128, 4, 32, V31_CANDIDATE),
     # v32: the value statistics as two group-major bf16 arrays, six copies on one barrier.
-    ("folded", 2, 128, 4, 32, dict(V31_CANDIDATE, value_stats="separate")),
+    pytest.param(
+      "folded", 2, 128, 4, 32, dict(V31_CANDIDATE, value_stats="separate"), marks=pytest.mark.slow
+    ),
     # v33: a fixed softmax reference per split (two TMA copies on the queries' barrier, a scalar
     # read from shared memory and a branch per block between two loop bodies).
-    ("folded", 2, 128, 4, 32, dict(V31_CANDIDATE, value_stats="separate", row_max="bound")),
+    pytest.param(
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(V31_CANDIDATE, value_stats="separate", row_max="bound"),
+      marks=pytest.mark.slow,
+    ),
     # v34: the value codes as wgmma's register operand, built by inline Mosaic GPU code (loads,
     # byte permutes, masks), with and without the fixed reference; 4-bit at head_dim 64
-    (
+    pytest.param(
       "folded",
       2,
       128,
       4,
       32,
       dict(V31_CANDIDATE, value_stats="separate", value_operand="registers"),
+      marks=pytest.mark.slow,
     ),
-    (
+    pytest.param(
       "folded",
       2,
       128,
       4,
       32,
       dict(V31_CANDIDATE, value_stats="separate", row_max="bound", value_operand="registers"),
+      marks=pytest.mark.slow,
     ),
     ("folded", 4, 64, 4, 32, dict(block_tokens=128, num_stages=2, value_operand="registers")),
     # v35: q . k_min computed by the kernel before its loop (a TMA copy into the code tile, one
     # wgmma against the query halves, a store; the loop reads the split's bias at a dynamic
     # row), with and without a code tile (both code operands from registers), group size 8
     ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel")),
-    (
+    pytest.param(
       "folded",
       2,
       128,
       4,
       32,
       dict(V34_SETTINGS, value_operand="registers", key_bias_source="kernel"),
+      marks=pytest.mark.slow,
     ),
     ("folded", 4, 64, 4, 8, dict(block_tokens=64, num_splits=1, key_bias_source="kernel")),
     # two chunks of 64 key groups
@@ -290,18 +303,27 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
       32,
       dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel", row_max="bound"),
     ),
-    (
+    pytest.param(
       "folded",
       2,
       128,
       4,
       8,
       dict(V34_SETTINGS, key_bias_source="kernel", row_max="bound", tokens=1024),
+      marks=pytest.mark.slow,
     ),
     # v36: each warp issuing its share of the copies (a branch per stream in warp semantics),
     # six streams and five
     ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, copy_issuer="spread")),
-    ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, copy_issuer="spread", key_bias_source="kernel")),
+    pytest.param(
+      "folded",
+      2,
+      128,
+      4,
+      32,
+      dict(V34_SETTINGS, copy_issuer="spread", key_bias_source="kernel"),
+      marks=pytest.mark.slow,
+    ),
     # v36: each lane loading only its own value slot's statistics (inline Mosaic GPU code: row
     # vectors whose quads hold different groups), with the Hopper default's settings and with
     # the fixed reference, the kernel's bias and register value codes
@@ -326,13 +348,14 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
     # Hopper default's settings and with every untimed setting of v34-v36 (the fixed reference
     # in both branches of the loop's body)
     ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, num_stages=2, blocks_per_copy=2)),
-    (
+    pytest.param(
       "folded",
       2,
       128,
       4,
       32,
       dict(V36_CANDIDATE, num_stages=2, blocks_per_copy=2),
+      marks=pytest.mark.slow,
     ),
     # v37: the value product's tokens in the spread order (the register value loads' token
     # pairs swapped in each quad's upper half, P' rows by a butterfly shuffle), with register
@@ -376,29 +399,32 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
     # v40: each slot refilled in its last block's value product's shadow (the copies in warp
     # semantics between the wgmma and its wait), with one barrier per block and with the
     # Hopper default's settings at two blocks per slot
-    (
+    pytest.param(
       "folded",
       2,
       128,
       4,
       32,
       dict(V36_CANDIDATE, key_stack_timing="block_ahead", copy_issue_point="value_product"),
+      marks=pytest.mark.slow,
     ),
-    (
+    pytest.param(
       "folded",
       2,
       128,
       4,
       32,
       dict(V34_SETTINGS, num_stages=2, blocks_per_copy=2, copy_issue_point="value_product"),
+      marks=pytest.mark.slow,
     ),
-    (
+    pytest.param(
       "folded",
       4,
       64,
       4,
       16,
       dict(V36_CANDIDATE, num_stages=2, blocks_per_copy=2, key_stack_timing="block_ahead"),
+      marks=pytest.mark.slow,
     ),
     # v41: each 64-channel row tile's value product against its own P' tiles only (wgmma into
     # row slices of the accumulator, column slices of P'): register value codes in the carried
@@ -431,26 +457,22 @@ def test_mosaic_gpu_kernel_lowers_for_sm90(head_dim, group, config):
     # own would fail here: v41's nearest to five programs per SM (the kernel's bias and bounds,
     # the exchange arm's row max), and v34's default (the running max every block, XLA's bias;
     # 3 splits, the last program's second warpgroup spare)
-    (
-      "folded",
-      2,
-      128,
-      4,
-      32,
-      dict(V41_NEAREST, warpgroups_per_program=2),
+    pytest.param(
+      "folded", 2, 128, 4, 32, dict(V41_NEAREST, warpgroups_per_program=2), marks=pytest.mark.slow
     ),
     ("folded", 2, 128, 4, 32, dict(V34_SETTINGS, num_splits=3, warpgroups_per_program=2)),
     # v43: the value codes by transposing matrix loads (ldmatrix.trans of the ring slot, each
     # thread's shift and masks): v36's candidate, at two blocks per slot, with v40's settings in
     # two warpgroups a program, and at 4 bits, head_dim 128 and 64
     ("folded", 2, 128, 4, 32, dict(V36_CANDIDATE, value_operand="matrix_loads")),
-    (
+    pytest.param(
       "folded",
       2,
       128,
       4,
       32,
       dict(V36_CANDIDATE, value_operand="matrix_loads", num_stages=2, blocks_per_copy=2),
+      marks=pytest.mark.slow,
     ),
     (
       "folded",
@@ -491,7 +513,9 @@ def test_mosaic_gpu_quantized_kernels_lower_for_sm90(
     (2, 128, 4, 32, dict(block_tokens=64, num_stages=2)),  # staged codes, XLA's bias, exchange
     (2, 128, 4, 32, dict(V34_SETTINGS, copy_issuer="spread")),
     (2, 128, 4, 32, dict(V36_CANDIDATE, partial_slots="own")),
-    (2, 128, 4, 32, dict(V36_CANDIDATE, num_stages=2, blocks_per_copy=2)),
+    pytest.param(
+      2, 128, 4, 32, dict(V36_CANDIDATE, num_stages=2, blocks_per_copy=2), marks=pytest.mark.slow
+    ),
     (2, 128, 4, 32, dict(V36_CANDIDATE, token_order="spread")),
     (4, 64, 8, 16, dict(block_tokens=64, key_operand="registers", operand_order="word")),
     (4, 128, 2, 32, dict(V36_CANDIDATE, value_stat_loads="all_groups", value_stats="pairs")),

@@ -105,13 +105,17 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
   assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, interpret))
 
 
+# Every setting runs in the default suite at least once; a case under `-m slow` runs a setting
+# again at another shape or beside other settings (the interpreter takes 3-6 s a case on 2 cores).
 @pytest.mark.parametrize(
   "bits,head_dim,group,group_size,tokens,config",
   [
     (2, 128, 4, 32, 224, dict(block_tokens=128, num_stages=2, num_splits=1)),
     (4, 128, 8, 32, 192, dict(block_tokens=64, num_stages=4, num_splits=2)),
     (4, 64, 3, 64, 192, dict(block_tokens=128, num_stages=3)),
-    (2, 128, 2, 16, 256, dict(block_tokens=64, num_stages=2, num_splits=2)),
+    pytest.param(
+      2, 128, 2, 16, 256, dict(block_tokens=64, num_stages=2, num_splits=2), marks=pytest.mark.slow
+    ),
     (2, 128, 1, 128, 256, dict(block_tokens=128, num_splits=3)),
     # generate_kernels_check.py's shape (its tiny model, KIVI-4), default settings
     (4, 64, 4, 32, 224, dict()),
@@ -130,13 +134,14 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     (4, 64, 8, 16, 192, dict(block_tokens=64, num_stages=3, key_operand="registers")),
     # each masked word one operand register, queries / key scales / output permuted (v30)
     (2, 128, 4, 32, 224, dict(block_tokens=64, num_stages=4, operand_order="word")),
-    (
+    pytest.param(
       4,
       128,
       3,
       16,
       192,
       dict(block_tokens=128, num_splits=2, key_operand="registers", operand_order="word"),
+      marks=pytest.mark.slow,
     ),
     (4, 64, 8, 64, 192, dict(block_tokens=64, key_operand="registers", operand_order="word")),
     # v31's candidates: the first warp alone issues the copies, one barrier per ring slot, and
@@ -145,58 +150,74 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     # running accumulator carried in the channel order. One split each, so that the running
     # state crosses blocks (the planner gives these tokens one block per split)
     (2, 128, 4, 32, 224, dict(V31_CANDIDATE, num_splits=1)),
-    (
+    pytest.param(
       4,
       64,
       2,
       16,
       256,
       dict(block_tokens=64, num_stages=2, num_splits=1, copy_issuer="first_warp"),
+      marks=pytest.mark.slow,
     ),
     (4, 128, 3, 32, 224, dict(block_tokens=64, num_splits=1, value_accumulator="carried")),
     # the value statistics as two group-major bf16 arrays (v32): with v31's candidate (six
     # copies on one barrier per slot) over one split, and with a copy barrier per stream, two
     # value groups per head (two 256-byte slots per block) and two splits
     (2, 128, 4, 32, 224, dict(V31_CANDIDATE, num_splits=1, value_stats="separate")),
-    (4, 64, 4, 32, 192, dict(block_tokens=64, num_splits=2, value_stats="separate")),
+    pytest.param(
+      4,
+      64,
+      4,
+      32,
+      192,
+      dict(block_tokens=64, num_splits=2, value_stats="separate"),
+      marks=pytest.mark.slow,
+    ),
     # a fixed softmax reference per split from the key statistics' bounds (v33): with the v30
     # default's settings over one split of four blocks; in the channel order at block 128; with
     # v31's candidate, "separate" and two splits at head_dim 64
-    (2, 128, 4, 32, 224, dict(V30_SETTINGS, num_splits=1, row_max="bound")),
-    (2, 128, 2, 32, 256, dict(num_splits=1, row_max="bound")),
-    (
+    pytest.param(
+      2, 128, 4, 32, 224, dict(V30_SETTINGS, num_splits=1, row_max="bound"), marks=pytest.mark.slow
+    ),
+    pytest.param(2, 128, 2, 32, 256, dict(num_splits=1, row_max="bound"), marks=pytest.mark.slow),
+    pytest.param(
       4,
       64,
       3,
       16,
       192,
       dict(V31_CANDIDATE, num_splits=2, value_stats="separate", row_max="bound"),
+      marks=pytest.mark.slow,
     ),
     # XLA's products before the kernel as reductions (v34): q . k_min alone with the Hopper
     # default's settings, and with the bounds' product too
     (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=1, key_products="reduction")),
-    (
+    pytest.param(
       4,
       128,
       2,
       32,
       192,
       dict(V34_SETTINGS, num_splits=2, row_max="bound", key_products="reduction"),
+      marks=pytest.mark.slow,
     ),
     # the value codes as wgmma's register operand (v34): rows in channel order under the Hopper
     # default's word order; with shared-memory key codes, 4-bit, head_dim 64, block 128
     (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=1, value_operand="registers")),
-    (4, 64, 3, 16, 256, dict(num_splits=2, value_operand="registers")),
+    pytest.param(
+      4, 64, 3, 16, 256, dict(num_splits=2, value_operand="registers"), marks=pytest.mark.slow
+    ),
     # each warp issuing a share of the copies (v36): six streams over the four warps (the first
     # two issue two each) across the ring's slots in one split; five with the kernel's bias
     (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=1, copy_issuer="spread")),
-    (
+    pytest.param(
       4,
       64,
       3,
       16,
       192,
       dict(block_tokens=64, num_splits=2, key_bias_source="kernel", copy_issuer="spread"),
+      marks=pytest.mark.slow,
     ),
     # each lane loading only its own value slot's statistics (v36): natively only, so here the
     # select path runs with the setting's plumbing (the inline code: test_value_stats_own_slot)
@@ -228,13 +249,14 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     ),
     # and the fixed softmax references from the bounds, by the kernel too (v35): one split;
     # two chunks; at head_dim 64 with 4-bit codes and the channel order
-    (
+    pytest.param(
       2,
       128,
       4,
       32,
       224,
       dict(V34_SETTINGS, num_splits=1, key_bias_source="kernel", row_max="bound"),
+      marks=pytest.mark.slow,
     ),
     pytest.param(
       2,
@@ -286,13 +308,14 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     # blocks per slot with the dequantizing defaults' paths (staged keys, channel order, paired
     # statistics, every warp copying), a split ending one block into a slot
     (2, 128, 4, 32, 160, dict(V34_SETTINGS, num_stages=2, num_splits=1, blocks_per_copy=2)),
-    (
+    pytest.param(
       2,
       128,
       4,
       32,
       224,
       dict(V36_CANDIDATE, num_stages=2, num_splits=1, blocks_per_copy=2),
+      marks=pytest.mark.slow,
     ),
     (4, 64, 3, 16, 448, dict(block_tokens=64, num_stages=2, num_splits=2, blocks_per_copy=4)),
     # the value product's tokens in the spread order (v37: the register value codes and P' rows
@@ -306,31 +329,49 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       224,
       dict(V34_SETTINGS, num_splits=1, value_operand="registers", token_order="spread"),
     ),
-    (
+    pytest.param(
       4,
       64,
       3,
       16,
       256,
       dict(V36_CANDIDATE, num_stages=2, num_splits=2, blocks_per_copy=2, token_order="spread"),
+      marks=pytest.mark.slow,
     ),
     # each channel's own value slot picked by the kernel (v38): two slots of 4 rows under the
     # Hopper default's word order; eight slots of 1 row; v36's candidate at 3 heads per KV head
     (2, 128, 4, 32, 224, dict(V34_SETTINGS, num_splits=2, partial_slots="own")),
-    (2, 128, 1, 32, 160, dict(block_tokens=64, num_splits=2, partial_slots="own")),
-    (
+    pytest.param(
+      2,
+      128,
+      1,
+      32,
+      160,
+      dict(block_tokens=64, num_splits=2, partial_slots="own"),
+      marks=pytest.mark.slow,
+    ),
+    pytest.param(
       4,
       64,
       3,
       16,
       256,
       dict(V36_CANDIDATE, num_stages=2, num_splits=2, blocks_per_copy=2, partial_slots="own"),
+      marks=pytest.mark.slow,
     ),
     # the next block's Q' staged before each block's one barrier (v40): v36's candidate over a
     # split of four blocks through the four slots; two blocks per slot (the next Q' from the
     # same slot, then from the next); KIVI-4 at head_dim 64 with two splits, each channel's own
     # slot
-    (2, 128, 4, 32, 224, dict(V36_CANDIDATE, num_splits=1, key_stack_timing="block_ahead")),
+    pytest.param(
+      2,
+      128,
+      4,
+      32,
+      224,
+      dict(V36_CANDIDATE, num_splits=1, key_stack_timing="block_ahead"),
+      marks=pytest.mark.slow,
+    ),
     (
       2,
       128,
@@ -345,7 +386,7 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         key_stack_timing="block_ahead",
       ),
     ),
-    (
+    pytest.param(
       4,
       64,
       3,
@@ -359,6 +400,7 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         partial_slots="own",
         key_stack_timing="block_ahead",
       ),
+      marks=pytest.mark.slow,
     ),
     # each slot refilled in its last block's value product's shadow (v40), every slot copied
     # before the loop: two stages over six blocks (four refills), with one barrier per block
@@ -376,15 +418,16 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         **V40_BOTH,
       ),
     ),
-    (
+    pytest.param(
       2,
       128,
       4,
       32,
       352,
       dict(V34_SETTINGS, num_stages=2, num_splits=1, copy_issue_point="value_product"),
+      marks=pytest.mark.slow,
     ),
-    (
+    pytest.param(
       4,
       64,
       3,
@@ -397,10 +440,11 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         blocks_per_copy=2,
         copy_issue_point="value_product",
       ),
+      marks=pytest.mark.slow,
     ),
     # both at one query head per KV head (MHA: every lane's statistics, own-slot ones are
     # refused there), the form gpu_session.sh v40 times at that shape
-    (
+    pytest.param(
       2,
       128,
       1,
@@ -413,19 +457,13 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         num_splits=1,
         **V40_BOTH,
       ),
+      marks=pytest.mark.slow,
     ),
     # each 64-channel row tile's value product against its own P' tiles only (v41): one tile
     # each at 4 heads (with v40's settings, six blocks), two each at 8, the one tile both share
     # at 2; one row tile at head_dim 64 (all tiles, as before); staged channel-order codes in a
     # fresh accumulator
-    (
-      2,
-      128,
-      4,
-      32,
-      352,
-      dict(V41_NEAREST, num_splits=1),
-    ),
+    pytest.param(2, 128, 4, 32, 352, dict(V41_NEAREST, num_splits=1), marks=pytest.mark.slow),
     (
       2,
       128,
@@ -439,7 +477,7 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         value_product_columns="own_tiles",
       ),
     ),
-    (
+    pytest.param(
       4,
       128,
       2,
@@ -451,8 +489,17 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         num_splits=2,
         value_product_columns="own_tiles",
       ),
+      marks=pytest.mark.slow,
     ),
-    (4, 64, 4, 32, 224, dict(block_tokens=64, num_splits=2, value_product_columns="own_tiles")),
+    pytest.param(
+      4,
+      64,
+      4,
+      32,
+      224,
+      dict(block_tokens=64, num_splits=2, value_product_columns="own_tiles"),
+      marks=pytest.mark.slow,
+    ),
     # staged codes into a fresh accumulator: the interpreter runs the row tiles' wgmmas into
     # their slices of the accumulator (register codes and the carried accumulator run as dots)
     (2, 128, 8, 16, 224, dict(block_tokens=64, num_splits=2, value_product_columns="own_tiles")),
@@ -461,15 +508,16 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
     # slot at 4 bits and 8 heads, and head_dim 64 at 4 bits (the kernel takes no 2-bit codes at
     # head_dim 64: 4 words per token)
     (2, 128, 4, 32, 352, dict(V36_CANDIDATE, value_operand="matrix_loads", num_splits=2)),
-    (
+    pytest.param(
       2,
       128,
       4,
       32,
       352,
       dict(V36_CANDIDATE, value_operand="matrix_loads", num_stages=2, num_splits=1, **V40_BOTH),
+      marks=pytest.mark.slow,
     ),
-    (
+    pytest.param(
       4,
       128,
       8,
@@ -483,6 +531,7 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
         num_stages=2,
         num_splits=1,
       ),
+      marks=pytest.mark.slow,
     ),
     (
       4,
@@ -499,15 +548,7 @@ def _check(*, head_dim, group, bits, group_size, seed, tokens=224, batch=3, **co
       ),
     ),
     # approximate exp2 / reciprocal: timed no faster (v30), not a default
-    pytest.param(
-      2,
-      128,
-      4,
-      32,
-      224,
-      dict(block_tokens=64, operand_order="word", approx_math=True),
-      marks=pytest.mark.slow,
-    ),
+    (2, 128, 4, 32, 224, dict(block_tokens=64, operand_order="word", approx_math=True)),
     pytest.param(4, 128, 16, 32, 160, dict(num_splits=2), marks=pytest.mark.slow),
   ],
 )
@@ -558,13 +599,17 @@ def test_folded_mosaic_gpu_kernel_matches_reference(
     (4, dict(num_splits=3, split_merge="triton")),
     # each channel's own slot, picked by the kernel (v38), merged by XLA and by Triton, in the
     # word order (positions) and in channel order
-    (4, dict(V34_SETTINGS, num_splits=3, partial_slots="own")),
+    pytest.param(4, dict(V34_SETTINGS, num_splits=3, partial_slots="own"), marks=pytest.mark.slow),
     (2, dict(V34_SETTINGS, num_splits=2, partial_slots="own", split_merge="triton")),
     (3, dict(block_tokens=64, num_splits=2, partial_slots="own", split_merge="triton")),
     # the matrix loads' row order (v43), merged by Triton and by XLA, own slots by Triton
-    (4, dict(V36_CANDIDATE, value_operand="matrix_loads", num_splits=3, split_merge="triton")),
+    pytest.param(
+      4,
+      dict(V36_CANDIDATE, value_operand="matrix_loads", num_splits=3, split_merge="triton"),
+      marks=pytest.mark.slow,
+    ),
     (3, dict(V36_CANDIDATE, value_operand="matrix_loads", value_stat_loads="all_groups")),
-    (
+    pytest.param(
       4,
       dict(
         V36_CANDIDATE,
@@ -573,6 +618,7 @@ def test_folded_mosaic_gpu_kernel_matches_reference(
         partial_slots="own",
         split_merge="triton",
       ),
+      marks=pytest.mark.slow,
     ),
   ],
 )
@@ -595,7 +641,9 @@ def test_decode_entry_merges_before_picking_value_slots(group, config):
   [
     (4, dict(V34_SETTINGS, num_splits=2)),  # two slots, word order
     (1, dict(block_tokens=64, num_splits=2)),  # eight slots, channel order
-    (8, dict(block_tokens=64, num_splits=2)),  # one slot: the same columns
+    pytest.param(
+      8, dict(block_tokens=64, num_splits=2), marks=pytest.mark.slow
+    ),  # one slot: the same columns
     (4, dict(V36_CANDIDATE, value_operand="matrix_loads", num_splits=2)),  # matrix-load rows
   ],
 )
@@ -633,10 +681,12 @@ def test_own_slot_partials_are_the_every_slot_partials_picked_exactly(group, con
   "group,config",
   [
     (4, dict(V36_CANDIDATE, num_splits=2)),  # one tile per row tile, register value codes
-    (8, dict(V36_CANDIDATE, value_stat_loads="all_groups", num_splits=2)),  # two per row tile
+    pytest.param(
+      8, dict(V36_CANDIDATE, value_stat_loads="all_groups", num_splits=2), marks=pytest.mark.slow
+    ),  # two per row tile
     # staged channel-order codes into a fresh accumulator: the interpreter runs the wgmmas
     (4, dict(block_tokens=64, num_splits=2)),
-    (8, dict(block_tokens=64, num_splits=2)),
+    pytest.param(8, dict(block_tokens=64, num_splits=2), marks=pytest.mark.slow),
   ],
 )
 def test_own_value_tiles_give_the_all_tiles_outputs(group, config):
@@ -666,7 +716,7 @@ def test_own_value_tiles_give_the_all_tiles_outputs(group, config):
     # with the kernel's bias, whose splits are whole multiples of 8 key groups): 3 splits over
     # programs of 2 (a spare warpgroup in the last) and of 3 (one program; each warpgroup's
     # copy of the code compiles natively, so not the 5 of the static count)
-    (dict(V41_NEAREST, num_splits=3), 2, 704),
+    pytest.param(dict(V41_NEAREST, num_splits=3), 2, 704, marks=pytest.mark.slow),
     (dict(V41_NEAREST, num_splits=3), 3, 704),
     # v34's default (the online softmax's running max, its cross-warp max every block)
     (dict(V34_SETTINGS, num_splits=4), 2, 224),
@@ -750,7 +800,11 @@ def _kivi2_inputs(seed, group=4, tokens=224):
     ("xla", {}),
     ("kernel", {}),
     # one barrier per block (v40) in both arms: the exact arm's Q' staged a block ahead too
-    ("kernel", dict(value_operand="registers", key_stack_timing="block_ahead")),
+    pytest.param(
+      "kernel",
+      dict(value_operand="registers", key_stack_timing="block_ahead"),
+      marks=pytest.mark.slow,
+    ),
     # the exact arm rescales a narrower accumulator (v41)
     ("kernel", dict(value_operand="registers", value_product_columns="own_tiles")),
   ],

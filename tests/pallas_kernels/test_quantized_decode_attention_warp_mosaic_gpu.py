@@ -64,12 +64,12 @@ def _check(
     (4, 256, 2, 2),  # one block a split
     (4, 512, 2, 2),  # two blocks a split: the ring's second slot and the loop's carry
     pytest.param(1, 384, 3, 2, marks=pytest.mark.slow),  # (one block a split at one head)
-    (2, 256, None, 2),  # the planner's splits
-    (3, 640, 2, 2),  # a split of three blocks
+    pytest.param(2, 256, None, 2, marks=pytest.mark.slow),  # the planner's splits
+    pytest.param(3, 640, 2, 2, marks=pytest.mark.slow),  # a split of three blocks
     (4, 512, 2, 4),  # 4-bit codes: 16 words a token, two matrix loads per 16 value tokens
     pytest.param(2, 640, None, 4, marks=pytest.mark.slow),  # (the planner's splits at 4 bits)
     (8, 512, 2, 2),  # 8 query rows: one value group per P', two MMAs an m-tile
-    (5, 640, 2, 4),  # 5 heads padded to 8 rows, 4-bit codes
+    pytest.param(5, 640, 2, 4, marks=pytest.mark.slow),  # 5 heads padded to 8 rows, 4-bit codes
     pytest.param(6, 384, None, 2, marks=pytest.mark.slow),  # (8 rows, the planner's splits)
   ],
 )
@@ -88,9 +88,16 @@ def test_warp_kernel_matches_reference(group, tokens, num_splits, bits):
     # 8 words a token: the word order of head_dim 128's 2-bit codes (slow: 13 s in interpret
     # mode; 4 bits at 64 run below too)
     pytest.param(3, 640, None, 4, {}, marks=pytest.mark.slow),
-    (6, 384, 2, 4, {}),
+    pytest.param(6, 384, 2, 4, {}, marks=pytest.mark.slow),
     (4, 512, 2, 2, dict(key_bias_source="kernel")),
-    (5, 1024, 1, 2, dict(copy_issuer="slot_owner", ring_release="per_warp", num_stages=3)),
+    pytest.param(
+      5,
+      1024,
+      1,
+      2,
+      dict(copy_issuer="slot_owner", ring_release="per_warp", num_stages=3),
+      marks=pytest.mark.slow,
+    ),
     (2, 512, 2, 4, dict(split_merge="triton")),
   ],
 )
@@ -110,7 +117,7 @@ def test_warp_kernel_at_head_dim_64(group, tokens, num_splits, bits, settings):
     (4, 512, 2, 2),  # splits of 8 key groups in one 64-group prologue chunk
     # 72 key groups: two chunks, the second short (slow: 10 s in interpret mode)
     pytest.param(2, 2304, 1, 2, marks=pytest.mark.slow),
-    (3, 768, None, 4),
+    pytest.param(3, 768, None, 4, marks=pytest.mark.slow),
     (4, 512, None, None),  # 4 bits (below), the default stages
     pytest.param(7, 512, 2, 2, marks=pytest.mark.slow),  # 8 query rows
   ],
@@ -152,7 +159,7 @@ def _assert_every_split_exchanges(group, query_scale, seed=9):
 EXCHANGING_QUERY_SCALE = {4: 4.0, 8: 2.5}
 
 
-@pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.parametrize("group", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_the_kernels_references_choose_the_exact_arm(group):
   """Queries large enough that no split's bounds serve it (as in
   `test_wide_score_ranges_take_the_exact_arm`): the kernel's own bounds (the same criterion)
@@ -165,7 +172,9 @@ def test_the_kernels_references_choose_the_exact_arm(group):
 @pytest.mark.parametrize(
   "copy_issuer,ring_release,num_stages,group,key_bias_source,query_loads",
   [
-    ("slot_owner", "barrier", 4, 4, "xla", "per_block"),  # each warp refills its own slot
+    pytest.param(
+      "slot_owner", "barrier", 4, 4, "xla", "per_block", marks=pytest.mark.slow
+    ),  # each warp refills its own slot
     # the first warp waits for the others' arrivals; v45's queries loaded once
     ("first_warp", "per_warp", 2, 3, "xla", "once"),
     # warps 0-2 wait for their slots' arrivals
@@ -198,7 +207,17 @@ def test_warp_kernel_with_more_stages_than_blocks_and_three_stages():
   _check(group=4, tokens=256, num_splits=1, seed=6, num_stages=4)
 
 
-def test_exact_softmax_arm(monkeypatch):
+@pytest.mark.parametrize(
+  "case",
+  [
+    dict(group=8, tokens=512, num_splits=2, seed=18),  # four sums of p v_min rescaled
+    dict(group=7, tokens=512, num_splits=2, seed=19, head_dim=64),  # two, and 256 partial rows
+    # three blocks in each exact split; four splits
+    pytest.param(dict(group=4, tokens=768, num_splits=2, seed=7), marks=pytest.mark.slow),
+    pytest.param(dict(group=2, tokens=512, num_splits=4, seed=8), marks=pytest.mark.slow),
+  ],
+)
+def test_exact_softmax_arm(monkeypatch, case):
   """Splits whose references are EXCHANGE run the running max, reduced across the warps, and
   rescale what they carry: every other split here (the bounds would serve them all)."""
   references = warp.split_softmax_references
@@ -209,10 +228,7 @@ def test_exact_softmax_arm(monkeypatch):
     return jnp.where(split % 2 == 1, EXCHANGE, fixed)
 
   monkeypatch.setattr(warp, "split_softmax_references", every_other_split_exchanges)
-  _check(group=4, tokens=768, num_splits=2, seed=7)  # three blocks in each exact split
-  _check(group=2, tokens=512, num_splits=4, seed=8)
-  _check(group=8, tokens=512, num_splits=2, seed=18)  # four sums of p v_min rescaled
-  _check(group=7, tokens=512, num_splits=2, seed=19, head_dim=64)  # two, and 256 partial rows
+  _check(**case)
 
 
 def test_wide_score_ranges_take_the_exact_arm():
@@ -246,7 +262,7 @@ def test_nan_in_a_valid_statistic_reaches_the_output():
       dict(group=1, tokens=768, num_splits=3, seed=14, key_bias_source="kernel"),
       marks=pytest.mark.slow,
     ),
-    dict(group=3, tokens=512, num_splits=2, seed=15, bits=4),
+    pytest.param(dict(group=3, tokens=512, num_splits=2, seed=15, bits=4), marks=pytest.mark.slow),
     dict(group=7, tokens=512, num_splits=2, seed=16),  # 8 rows a split, 7 merged
   ],
 )

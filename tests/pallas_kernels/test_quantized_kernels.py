@@ -237,16 +237,22 @@ def test_triton_joined_kernel_matches_reference(bits, head_dim, group, gear, dty
     (4, 64, 2, True, jnp.float32, None, True, None, None, "kernel"),
     # Each token's words in column slices (`channel_parts`)
     (2, 128, 4, False, jnp.bfloat16, 64, True, "subnormal", 2, None),
-    (2, 128, 4, False, jnp.bfloat16, 64, False, "offset", 4, None),
+    pytest.param(
+      2, 128, 4, False, jnp.bfloat16, 64, False, "offset", 4, None, marks=pytest.mark.slow
+    ),
     (4, 64, 2, False, jnp.bfloat16, 64, True, None, 2, None),
-    (8, 128, 1, False, jnp.float32, 64, False, None, 2, None),
+    pytest.param(8, 128, 1, False, jnp.float32, 64, False, None, 2, None, marks=pytest.mark.slow),
     (2, 128, 4, True, jnp.bfloat16, None, True, None, 2, None),  # GEAR's value terms per part
     (2, 64, 8, False, jnp.bfloat16, 64, False, None, 4, None),  # one word per part
     # GEAR's terms by XLA around the kernel (`gear_terms_xla`): block_tokens as for KIVI
     (2, 128, 4, True, jnp.bfloat16, 128, True, None, None, "xla"),
     (4, 64, 3, True, jnp.float32, 64, False, None, None, "xla"),
-    (2, 64, 1, True, jnp.bfloat16, None, True, "offset", 2, "xla"),
-    (8, 128, 8, True, jnp.bfloat16, 32, True, None, None, "xla"),
+    pytest.param(
+      2, 64, 1, True, jnp.bfloat16, None, True, "offset", 2, "xla", marks=pytest.mark.slow
+    ),
+    pytest.param(
+      8, 128, 8, True, jnp.bfloat16, 32, True, None, None, "xla", marks=pytest.mark.slow
+    ),
     (2, 128, 4, False, jnp.bfloat16, 128, True, None, None, "xla"),  # KIVI: nothing to do
   ],
 )
