@@ -1,0 +1,117 @@
+"""`benchmarks/gpu_session.sh`'s next steps, run here with a stand-in for the device's python3:
+every kernel config a step hands a script passes the GPU entry point's own check
+(`check_config`), and every script is called with flags it has. A config string broken by a
+refactor would otherwise cost a GPU session's minutes before anything ran."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).parents[2]
+# Checks what a script would be given and runs nothing: configs through `check_config`, flags
+# through the script's own parser (its --help); pytest and the experiments are only named.
+STAND_IN = """
+import json, re, subprocess, sys
+sys.path.insert(0, {root!r})
+from pallas_kernels.quantized_decode_attention_gpu import check_config
+args = sys.argv[1:]
+if args[:1] == ["-m"]:
+  print("stand-in: pytest not run")
+  sys.exit(0)
+script = args[0]
+usage = subprocess.run(
+  [{python!r}, script, "--help"], capture_output=True, text=True, check=True,
+  env={{"PYTHONPATH": {root!r}}}, cwd={root!r},
+).stdout
+for flag in (a.split("=")[0] for a in args[1:] if a.startswith("--")):
+  if not re.search(re.escape(flag) + r"\\b", usage):
+    sys.exit(f"{{script}} has no flag {{flag}}")
+for flag in ("--sweep-configs", "--kernel-config", "--kivi-settings"):
+  if flag in args:
+    configs = json.loads(args[args.index(flag) + 1])
+    configs = configs if isinstance(configs, list) else [configs]
+    for config in configs:
+      check_config({{k: v for k, v in config.items() if k != "stack_copies"}})
+    print(f"sweep kivi checked {{script}} {{len(configs)}}")
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path):
+  """(environment, python): gpu_session.sh's environment with the stand-in as its python and a
+  stand-in nvidia-smi on PATH."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  script = tmp_path / "stand_in.py"
+  script.write_text(STAND_IN.format(root=str(ROOT), python=sys.executable))
+  python = bin_dir / "python3"
+  python.write_text(f'#!/usr/bin/env bash\nexec "{sys.executable}" "{script}" "$@"\n')
+  smi = bin_dir / "nvidia-smi"
+  smi.write_text("#!/usr/bin/env bash\necho 'stand-in GPU'\n")
+  for path in (python, smi):
+    path.chmod(0o755)
+  environment = dict(
+    os.environ,
+    PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    PYTHON=str(python),
+    OUT=str(tmp_path / "out"),
+  )
+  return environment, python
+
+
+def _checked_configs(log: str) -> list[tuple[str, int]]:
+  return [
+    (script, int(count)) for script, count in re.findall(r"sweep kivi checked (\S+) (\d+)", log)
+  ]
+
+
+@pytest.mark.parametrize(
+  "step,log_name,expected",
+  [
+    # 32k sweep (11 configs), KIVI-4 (3), 8 query heads per KV head (2)
+    (
+      "warp_products",
+      "warp_products.log",
+      [("benchmarks/decode_attention.py", n) for n in (11, 3, 2)],
+    ),
+    # head_dim 64, KIVI-2 and KIVI-4 (4 configs each)
+    ("warp_head_dim64", "warp_head_dim64.log", [("benchmarks/decode_attention.py", 4)] * 2),
+  ],
+)
+def test_the_next_steps_hand_their_scripts_valid_configs_and_flags(
+  stand_in, step, log_name, expected
+):
+  environment, _ = stand_in
+  run = subprocess.run(
+    ["bash", "benchmarks/gpu_session.sh", step],
+    cwd=ROOT,
+    env=environment,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  log = (pathlib.Path(environment["OUT"]) / log_name).read_text()
+  assert run.returncode == 0, run.stdout + run.stderr + log
+  assert _checked_configs(log) == expected, log
+
+
+def test_the_stand_in_refuses_a_bad_config_and_an_unknown_flag(stand_in):
+  _, python = stand_in
+  bad_config = json.dumps([{"lowering": "mosaic_gpu", "variant": "warp", "num_stages": 9}])
+  for arguments in (
+    ["--sweep", "--sweep-configs", bad_config],
+    ["--sweep", "--no-such-flag"],
+  ):
+    run = subprocess.run(
+      [str(python), "benchmarks/decode_attention.py", *arguments],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
+    assert run.returncode != 0, arguments
