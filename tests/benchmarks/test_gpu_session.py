@@ -14,7 +14,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).parents[2]
 # Checks what a script would be given and runs nothing: configs through `check_config`, flags
-# through the script's own parser (its --help); pytest and the experiments are only named.
+# through the script's own parser (its --help); pytest is only named; a sweep's --out gets rows of
+# made-up seconds, the first config fastest, for the steps' pick of the fastest.
 STAND_IN = """
 import json, re, subprocess, sys
 sys.path.insert(0, {root!r})
@@ -23,6 +24,8 @@ args = sys.argv[1:]
 if args[:1] == ["-m"]:
   print("stand-in: pytest not run")
   sys.exit(0)
+if args[:1] == ["-c"]:  # the steps' own one-liners (keep_fastest's pick) run as they are
+  sys.exit(subprocess.run([{python!r}, *args]).returncode)
 script = args[0]
 usage = subprocess.run(
   [{python!r}, script, "--help"], capture_output=True, text=True, check=True,
@@ -38,6 +41,10 @@ for flag in ("--sweep-configs", "--kernel-config", "--kivi-settings"):
     for config in configs:
       check_config({{k: v for k, v in config.items() if k != "stack_copies"}})
     print(f"sweep kivi checked {{script}} {{len(configs)}}")
+    if "--out" in args and flag == "--sweep-configs":  # what keep_fastest reads
+      rows = [dict(config=c, seconds=1.0 + i) for i, c in enumerate(configs)]
+      with open(args[args.index("--out") + 1], "w") as out:
+        json.dump(dict(sweep_kivi2=rows), out)
 """
 
 
@@ -64,28 +71,29 @@ def stand_in(tmp_path):
   return environment, python
 
 
-def _checked_configs(log: str) -> list[tuple[str, int]]:
-  return [
-    (script, int(count)) for script, count in re.findall(r"sweep kivi checked (\S+) (\d+)", log)
-  ]
+def _checked_configs(out: pathlib.Path) -> list[tuple[str, int]]:
+  """(script, number of configs) of every check in the step's logs, sorted."""
+  logs = "".join(path.read_text() for path in sorted(out.glob("*.log")))
+  return sorted(
+    (script, int(count)) for script, count in re.findall(r"sweep kivi checked (\S+) (\d+)", logs)
+  )
+
+
+SWEEP = "benchmarks/decode_attention.py"
 
 
 @pytest.mark.parametrize(
-  "step,log_name,expected",
+  "step,expected",
   [
     # 32k sweep (11 configs), KIVI-4 (3), 8 query heads per KV head (2)
-    (
-      "warp_products",
-      "warp_products.log",
-      [("benchmarks/decode_attention.py", n) for n in (11, 3, 2)],
-    ),
+    ("warp_products", [(SWEEP, 2), (SWEEP, 3), (SWEEP, 11)]),
     # head_dim 64, KIVI-2 and KIVI-4 (4 configs each)
-    ("warp_head_dim64", "warp_head_dim64.log", [("benchmarks/decode_attention.py", 4)] * 2),
+    ("warp_head_dim64", [(SWEEP, 4), (SWEEP, 4)]),
+    # the generate check with C + merge + matrix loads, the 32k sweep (9), its fastest picked
+    ("v43", [("benchmarks/generate_kernels_check.py", 1), (SWEEP, 9)]),
   ],
 )
-def test_the_next_steps_hand_their_scripts_valid_configs_and_flags(
-  stand_in, step, log_name, expected
-):
+def test_the_next_steps_hand_their_scripts_valid_configs_and_flags(stand_in, step, expected):
   environment, _ = stand_in
   run = subprocess.run(
     ["bash", "benchmarks/gpu_session.sh", step],
@@ -95,9 +103,9 @@ def test_the_next_steps_hand_their_scripts_valid_configs_and_flags(
     text=True,
     timeout=300,
   )
-  log = (pathlib.Path(environment["OUT"]) / log_name).read_text()
-  assert run.returncode == 0, run.stdout + run.stderr + log
-  assert _checked_configs(log) == expected, log
+  out = pathlib.Path(environment["OUT"])
+  assert run.returncode == 0, run.stdout + run.stderr
+  assert _checked_configs(out) == sorted(expected), run.stdout
 
 
 def test_the_stand_in_refuses_a_bad_config_and_an_unknown_flag(stand_in):
