@@ -32,14 +32,15 @@ usage = subprocess.run(
   env={{"PYTHONPATH": {root!r}}}, cwd={root!r},
 ).stdout
 for flag in (a.split("=")[0] for a in args[1:] if a.startswith("--")):
-  if not re.search(re.escape(flag) + r"\\b", usage):
+  # the whole flag: "--sweep" is not found in "--sweep-configs"
+  if not re.search(re.escape(flag) + r"(?![\\w-])", usage):
     sys.exit(f"{{script}} has no flag {{flag}}")
 for flag in ("--sweep-configs", "--kernel-config", "--kivi-settings"):
   if flag in args:
     configs = json.loads(args[args.index(flag) + 1])
     configs = configs if isinstance(configs, list) else [configs]
     for config in configs:
-      check_config({{k: v for k, v in config.items() if k != "stack_copies"}})
+      check_config(config)
     print(f"sweep kivi checked {{script}} {{len(configs)}}")
     if "--out" in args and flag == "--sweep-configs":  # what keep_fastest reads
       rows = [dict(config=c, seconds=1.0 + i) for i, c in enumerate(configs)]
@@ -114,6 +115,7 @@ def test_the_stand_in_refuses_a_bad_config_and_an_unknown_flag(stand_in):
   for arguments in (
     ["--sweep", "--sweep-configs", bad_config],
     ["--sweep", "--no-such-flag"],
+    ["--sweep", "--sweep-config", "[]"],  # a prefix of --sweep-configs is not that flag
   ):
     run = subprocess.run(
       [str(python), "benchmarks/decode_attention.py", *arguments],
