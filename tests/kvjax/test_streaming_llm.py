@@ -1,5 +1,6 @@
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -35,19 +36,20 @@ def run_stream(method, lengths, prompt_len, steps, seed=0, shape=SHAPE, inv_freq
   """Ingest prompts of `lengths` (unrotated `raw` keys, rotated at their positions), then append."""
   rng = np.random.default_rng(seed)
   total = prompt_len + steps
-  raw_keys = rng.normal(size=(B, H, total, D))
-  values = rng.normal(size=(B, H, total, D))
+  batch = len(lengths)
+  raw_keys = rng.normal(size=(batch, H, total, D))
+  values = rng.normal(size=(batch, H, total, D))
   # Token t of row b: prompt tokens at [0, length), decode step i at position length + i.
   rotated = numpy_rope(raw_keys, np.arange(total), inv_freq=inv_freq)
   cache = method.allocate(
-    shape, 0, batch=B, prompt_len=prompt_len, max_new_tokens=steps, dtype=jnp.float32
+    shape, 0, batch=batch, prompt_len=prompt_len, max_new_tokens=steps, dtype=jnp.float32
   )
   f32 = lambda x: jnp.asarray(x, jnp.float32)
   prompt = np.s_[:, :, :prompt_len]
   cache = cache.ingest(f32(rotated[prompt]), f32(values[prompt]), None, jnp.asarray(lengths))
   for step in range(steps):
     positions = np.asarray(lengths) + step
-    rows = np.arange(B)
+    rows = np.arange(batch)
     cache = cache.append(f32(rotated[rows, :, positions]), f32(values[rows, :, positions]))
   return cache, raw_keys, rotated, values
 
@@ -132,6 +134,28 @@ def test_in_cache_positions_equal_rotating_raw_keys_at_their_cache_index(scaling
   np.testing.assert_allclose(
     early.attend(q, sm_scale=0.5), early_original.attend(q, sm_scale=0.5), atol=1e-6
   )
+
+
+def test_in_cache_positions_attend_the_same_jitted_at_batch_one():
+  """The sinks' re-rotation written into the keys by `.at[].set` and then attended was
+  miscompiled by XLA's CPU backend at batch 1 (jax 0.12.0.1): the jitted call's output was off
+  by up to 0.3 from the same call run eagerly, and generate's tokens with it. A batch of one
+  row that has evicted tokens, attended jitted, against numpy."""
+  method = StreamingLLM(budget=8, sinks=2, positions="in_cache", rope_theta=THETA)
+  shape = dataclasses.replace(SHAPE, rope_theta=THETA)
+  lengths = np.array([30], np.int32)
+  cache, raw_keys, _, values = run_stream(method, lengths, 30, 0, shape=shape)
+  raw_q = np.random.default_rng(3).normal(size=(1, H, G, D))
+  kept = numpy_streaming_kept(30, 2, 6)
+  q_at_original = numpy_rope(raw_q[0][:, :, None], [29])[:, :, 0]  # what the model hands in
+  attend = jax.jit(lambda cache, q: cache.attend(q, sm_scale=0.5))
+  out = np.asarray(attend(cache, jnp.asarray(q_at_original[None], jnp.float32)))
+  # The authors' scheme: keys at 0..n-1, the query at n-1.
+  q = numpy_rope(raw_q[0][:, :, None], [len(kept) - 1])[:, :, 0]
+  k = numpy_rope(raw_keys[0][:, kept], np.arange(len(kept)))
+  for h in range(H):
+    reference = softmax(q[h] @ k[h].T * 0.5) @ values[0, h, kept]
+    np.testing.assert_allclose(out[0, h], reference, atol=1e-5)
 
 
 def test_slots_are_the_budget_or_less_when_everything_fits():
