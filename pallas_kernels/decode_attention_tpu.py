@@ -6,6 +6,14 @@ VMEM scratch. Lengths are scalar-prefetched into SMEM; the K/V index maps clamp 
 to the row's last valid block, so steps past the length repeat the previous block index and
 Pallas issues no DMA for them, and their compute is skipped with `pl.when`. The last step of a
 split writes its normalised output and log-sum-exp; `merge_split_partials` combines splits.
+
+A TPU tiles the last two dimensions of an array into (8, 128) tiles. At head_dim 128 the cache
+[B, H, T, D] fills them as it is. At head_dim 64 XLA lays a [B, H, T, 64] argument out with T
+last (no padding), and a kernel taking [block, 64] tiles made it copy K and V into a row-major
+layout padded to 128 lanes at every call (compiled for a TPU v5e without one, KERNEL_NOTES
+v49). Below 128 channels the kernel therefore takes K and V as [D, T] (`jnp.swapaxes`: the
+layout XLA chose, nothing moves), scores = q . K^T as they come and the value product
+contracting the token lanes (`tokens_on_lanes`).
 """
 
 import functools
@@ -18,6 +26,7 @@ from pallas_kernels import _compat
 from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
 
 SUBLANES = 8  # query rows are padded to the f32 sublane tile
+LANES = 128
 
 
 def unsupported_reason(queries, keys) -> str | None:
@@ -41,9 +50,30 @@ def clamped_block_index(row, split, step, lengths_ref, *, plan: SplitPlan):
   return jnp.minimum(block, last_valid)
 
 
-def online_softmax_update(scores, values, valid_tokens, max_ref, sum_ref, acc_ref):
-  """One block's update of the (max, sum, acc) scratch; scores [rows, T], values [T, D]."""
-  scores = jnp.where(valid_tokens[None, :], scores, -jnp.inf)
+def valid_token_masks(first, length, block: int) -> tuple[jax.Array, jax.Array]:
+  """bool ([1, block], [block, 1]): which of tokens first .. first + block - 1 lie before
+  `length`, as a row (for scores [rows, block]) and as a column (for values [block, D]).
+
+  Built as two 2-D iotas: Mosaic cannot lay out a 1-D mask's reshape to [1, block] or
+  [block, 1] ("infer-vector-layout: unsupported shape cast", compiled for a TPU v5e)."""
+  row = first + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1) < length
+  column = first + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < length
+  return row, column
+
+
+def tokens_on_lanes(head_dim: int) -> bool:
+  """Whether the kernel takes K and V as [D, T] (head_dim below a lane tile) or [T, D]."""
+  return head_dim < LANES
+
+
+def online_softmax_update(
+  scores, values, valid_tokens, max_ref, sum_ref, acc_ref, *, values_transposed=False
+):
+  """One block's update of the (max, sum, acc) scratch; scores [rows, T], values [T, D] (or
+  [D, T] with values_transposed); valid_tokens: `valid_token_masks`' (row [1, T], column
+  [T, 1])."""
+  valid_row, valid_column = valid_tokens
+  scores = jnp.where(valid_row, scores, -jnp.inf)
   previous_max = max_ref[...]  # [rows, 1]
   new_max = jnp.maximum(previous_max, scores.max(axis=1, keepdims=True))
   correction = jnp.exp(previous_max - new_max)  # 0 on the first block (max was -inf)
@@ -51,9 +81,15 @@ def online_softmax_update(scores, values, valid_tokens, max_ref, sum_ref, acc_re
   sum_ref[...] = sum_ref[...] * correction + probs.sum(axis=1, keepdims=True)
   max_ref[...] = new_max
   # Slots past the length may hold anything (NaN included): zero them so 0 * NaN cannot leak.
-  values = jnp.where(valid_tokens[:, None], values, jnp.zeros_like(values))
+  values = jnp.where(valid_row if values_transposed else valid_column, values, 0).astype(
+    values.dtype
+  )
+  token_axis = 1 if values_transposed else 0
   acc_ref[...] = acc_ref[...] * correction + jax.lax.dot_general(
-    probs.astype(values.dtype), values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+    probs.astype(values.dtype),
+    values,
+    (((1,), (token_axis,)), ((), ())),
+    preferred_element_type=jnp.float32,
   )
   return probs, correction
 
@@ -66,7 +102,9 @@ def finalize(max_ref, sum_ref, acc, out_ref, lse_ref):
   lse_ref[...] = jnp.where(nonempty, max_ref[...] + jnp.log(safe_total), -jnp.inf)
 
 
-def _decode_kernel(lengths_ref, queries_ref, keys_ref, values_ref, *rest, plan: SplitPlan):
+def _decode_kernel(
+  lengths_ref, queries_ref, keys_ref, values_ref, *rest, plan: SplitPlan, transposed: bool
+):
   out_ref, lse_ref, max_ref, sum_ref, acc_ref = rest[-5:]
   row, split, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   block = plan.block_tokens
@@ -82,11 +120,17 @@ def _decode_kernel(lengths_ref, queries_ref, keys_ref, values_ref, *rest, plan: 
 
   @pl.when(first < length)
   def _attend():
-    valid = first + jax.lax.broadcasted_iota(jnp.int32, (block,), 0) < length
+    valid = valid_token_masks(first, length, block)
+    key_channel_axis = 0 if transposed else 1  # keys [D, block] or [block, D]
     scores = jax.lax.dot_general(
-      queries_ref[...], keys_ref[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+      queries_ref[...],
+      keys_ref[...],
+      (((1,), (key_channel_axis,)), ((), ())),
+      preferred_element_type=jnp.float32,
     )  # [rows, block]
-    online_softmax_update(scores, values_ref[...], valid, max_ref, sum_ref, acc_ref)
+    online_softmax_update(
+      scores, values_ref[...], valid, max_ref, sum_ref, acc_ref, values_transposed=transposed
+    )
 
   @pl.when(step == plan.blocks_per_split - 1)
   def _write():
@@ -112,19 +156,35 @@ def decode_attention_partials_tpu(
   batch, kv_heads, group, head_dim = queries.shape
   tokens = keys.shape[2]
   rows = tile_rows(group)
-  block_tokens = min(block_tokens, -(-tokens // SUBLANES) * SUBLANES)
+  transposed = tokens_on_lanes(head_dim)
+  # A token block is a multiple of a lane tile when tokens are lanes, of a sublane tile when
+  # they are rows; or the whole segment.
+  unit = LANES if transposed else SUBLANES
+  block_tokens = -(-block_tokens // unit) * unit
+  block_tokens = tokens if tokens <= block_tokens else block_tokens
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, target_programs=1)
   scaled_queries = pad_query_group(queries.astype(jnp.float32) * sm_scale, rows, keys.dtype)
-  kv_index = lambda b, h, s, i, lengths_ref: (
-    b,
-    h,
-    clamped_block_index(b, s, i, lengths_ref, plan=plan),
-    0,
-  )
+  if transposed:
+    keys, values = jnp.swapaxes(keys, 2, 3), jnp.swapaxes(values, 2, 3)
+    kv_block = (None, None, head_dim, block_tokens)
+    kv_index = lambda b, h, s, i, lengths_ref: (
+      b,
+      h,
+      0,
+      clamped_block_index(b, s, i, lengths_ref, plan=plan),
+    )
+  else:
+    kv_block = (None, None, block_tokens, head_dim)
+    kv_index = lambda b, h, s, i, lengths_ref: (
+      b,
+      h,
+      clamped_block_index(b, s, i, lengths_ref, plan=plan),
+      0,
+    )
   in_specs = [
     pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s, i, lengths_ref: (b, h, 0, 0)),
-    pl.BlockSpec((None, None, block_tokens, head_dim), kv_index),
-    pl.BlockSpec((None, None, block_tokens, head_dim), kv_index),
+    pl.BlockSpec(kv_block, kv_index),
+    pl.BlockSpec(kv_block, kv_index),
   ]
   out_specs = [
     pl.BlockSpec(
@@ -155,7 +215,7 @@ def decode_attention_partials_tpu(
     ],
   )
   out, lse = pl.pallas_call(
-    functools.partial(_decode_kernel, plan=plan),
+    functools.partial(_decode_kernel, plan=plan, transposed=transposed),
     grid_spec=grid_spec,
     out_shape=out_shape,
     input_output_aliases=aliases,

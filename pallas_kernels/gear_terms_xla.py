@@ -137,12 +137,14 @@ def gear_value_terms_from_scores(
   *,
   block: int,
   head_dim: int,
+  outlier_slots: int | None = None,
 ) -> jax.Array:
   """float32 [B, H, G, D]: GEAR's addition to the segment's normalised output.
 
   scores float32 [B, H, >= G, T] as the kernel's softmax saw them, base-2 logits (s log2(e);
   entries at or past a row's length are never read: the kernel does not write them); lse
-  float32 [B, H, G], the segment's log-sum-exp in natural units; lengths int32 [B]."""
+  float32 [B, H, G], the segment's log-sum-exp in natural units; lengths int32 [B];
+  outlier_slots: `value_outlier_terms`' slots."""
   batch, kv_heads, group = lse.shape
   blocks = scores.shape[-1] // block
   probs = normalised_probabilities(scores, lse, lengths)
@@ -158,5 +160,7 @@ def gear_value_terms_from_scores(
       p_a[:, :, :, :, None, :] * v_b.astype(jnp.float32)[:, :, None], axis=(3, 5)
     )  # [B, H, G, D]
   if outliers is not None:
-    terms = terms + value_outlier_terms(outliers, probs, block=block, head_dim=head_dim)
+    terms = terms + value_outlier_terms(
+      outliers, probs, block=block, head_dim=head_dim, slots=outlier_slots
+    )
   return terms

@@ -4,16 +4,40 @@ Same grid as `decode_attention_tpu`: (batch, kv_heads, splits, blocks), lengths
 scalar-prefetched, index maps clamped to the row's last valid block (no DMA past the length),
 compute skipped there with `pl.when`, online softmax in VMEM scratch.
 
-Dequantization works on the planar bit fields directly (no lane concatenation, which
-Mosaic handles poorly): field k of the packed words holds channels [k*W, (k+1)*W), so
+**Tokens on lanes.** A TPU tiles the last two dimensions of every array into (8, 128) tiles, in
+HBM as in VMEM, so an array whose last dimension is small is either padded to 128 lanes or laid
+out with another dimension last. The cache stores per token a few packed words (uint32
+[B, H, T, W], W = D bits / 32: 8 at 2 bits and head_dim 128) and a few value statistics
+([B, H, T, D / group]: 4). XLA gives such arguments the layout with T last, no padding; a
+kernel that took them as stored ([block, W] tiles) made XLA copy each into a row-major layout
+padded to 128 lanes at every call: 16x the codes' bytes and 32x the statistics' (4.5 GB moved
+for the 201 MB of a KIVI-2 call at 32k, compiled for a TPU v5e without one: KERNEL_NOTES v49),
+and ran its vector work on 8 of 128 lanes. So this kernel takes the codes as [W, T] and the
+value statistics as [D / group, T] (`jnp.swapaxes` in the wrapper: the layout XLA already
+chose, nothing moves), and works on [channels, tokens] tiles:
 
-  scores   = sum_k q[:, kW:(k+1)W] . (field_k * k_scale_k + k_min_k)^T
-  out_k    = p . (field_k * v_scale[:, group(k)] + v_min[:, group(k)])  (acc scratch [n, rows, W])
+  keys^T   [D, block] = codes^T * k_scale^T + k_min^T: the bit fields of the [W, block] words
+           stacked along sublanes are the channels in order (`bit_packing`'s planar layout:
+           field f of word w is channel f W + w); each key group's scale and minimum row
+           [block / group, D] is spread over its tokens by one product with a 0/1 matrix on the
+           MXU (exact), after the groups past the row's length are zeroed (they may hold NaN);
+  scores   [rows, block] = q [rows, D] . keys^T;
+  values^T [D, block] = codes^T * v_scale^T + v_min^T, each value group's statistics row
+           repeated over its channels (a sublane broadcast);
+  out      [rows, D] += p [rows, block] . values (contracting the token lanes).
 
-with the query pre-split as [n, rows, W] and the key statistics viewed (free reshape) as
-[T/G, n, W]. Output slices are re-joined to [rows, D] outside the kernel (a tiny array).
-GEAR terms are fused per GEAR block (`block_tokens == block`): low rank with small dots, outliers
-with one-hot dots (token one-hot [block, s], channel one-hot per field [W, s]).
+The key statistics stay [B, H, T / group, D] at head_dim 128 (head_dim on lanes); below 128
+channels XLA lays them out with the groups last too, and the kernel takes them as
+[B, H, D, T / group] (`tokens_on_lanes`). Blocks are a multiple of 128 tokens holding whole
+tiles of key-group rows (8 of 32-bit values, 16 of 16-bit ones) or, with the groups on lanes,
+128 key groups (`block_tokens_for`); or the whole segment when it is shorter. A last block past
+the segment's end reads padding, which the masks above keep out.
+
+GEAR's low-rank and outlier terms are XLA's, around the kernel, as the GPU kernels' default
+(`gear_terms_xla`): the kernel adds a dense score bias and writes its scores, and the caller
+adds the value terms after the splits are merged (`quantized_decode_attention_tpu`). The
+previous version of this kernel fused them with one-hot products in its [block, W] layout;
+it compiled for a TPU only after a mask fix (v49) and was never run on one.
 """
 
 import functools
@@ -24,84 +48,119 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels.base_two_softmax import LOG2_E
 from pallas_kernels.bit_packing import check_bits
-from pallas_kernels.decode_attention_tpu import clamped_block_index, tile_rows
+from pallas_kernels.decode_attention_tpu import (
+  LANES,
+  clamped_block_index,
+  finalize,
+  tile_rows,
+  tokens_on_lanes,
+  valid_token_masks,
+)
+from pallas_kernels.gear_terms_xla import gear_score_bias, gear_value_terms_from_scores
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
-from pallas_kernels.splits import SplitPlan, merge_split_partials, plan_splits
+from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
+
+DEFAULT_BLOCK_TOKENS = 512
+# The value outliers' scatter into one accumulator, not the GPU's 32 (`gear_terms_xla`
+# OUTLIER_SLOTS, against atomic contention): compiled for a TPU v6e (libtpu 0.0.50, without a
+# TPU), the 32-slot scatter crashed XLA's SparseCore backend ("Unsupported SIMD type on this
+# architecture (sparsecore-tec-gl)", then a segmentation fault); one slot compiles.
+TPU_OUTLIER_SLOTS = 1
 
 
 def unsupported_reason(
   queries, k_codes, k_scale, v_scale, *, bits, group_size, lowrank, outliers, block
 ) -> str | None:
+  del k_codes, v_scale, bits, lowrank, outliers, block
   head_dim = queries.shape[3]
   if head_dim % 64 != 0:
     return f"head_dim={head_dim} (must be a multiple of 64)"
-  words = head_dim * bits // 32
-  if group_size % words != 0 and words % group_size != 0:
-    return f"group_size={group_size} with {words}-channel bit fields"
-  if (lowrank is not None or outliers is not None) and block % 8 != 0:
-    return f"GEAR block={block} (must be a multiple of 8)"
-  if head_dim & (head_dim - 1):
-    return f"head_dim={head_dim} (outlier indices need a power of two)"
+  if group_size % 8 != 0:
+    return f"group_size={group_size} (must be a multiple of 8: value groups are sublane rows)"
   if k_scale.dtype not in (jnp.float32, jnp.bfloat16):
     return f"scale dtype {k_scale.dtype}"
   return None
 
 
-def _repeat_rows(stats, repeat):  # [n, C] -> [n * repeat, C]
-  if repeat == 1:
-    return stats
-  n, width = stats.shape
-  return jnp.broadcast_to(stats[:, None, :], (n, repeat, width)).reshape(n * repeat, width)
+def block_tokens_for(
+  tokens: int, group_size: int, stats_dtype, requested: int | None, head_dim: int = 128
+) -> int:
+  """Tokens per kernel block: `requested` (default DEFAULT_BLOCK_TOKENS) rounded up to a
+  multiple of 128 (the codes' lanes) whose key groups fill whole tiles of the key statistics
+  (8 rows of 32-bit values or 16 of 16-bit ones; 128 lanes where `tokens_on_lanes`), or the
+  whole segment when that is no longer."""
+  if tokens_on_lanes(head_dim):
+    unit = LANES * group_size
+  else:
+    unit = math.lcm(LANES, group_size * 8 * 4 // jnp.dtype(stats_dtype).itemsize)
+  requested = DEFAULT_BLOCK_TOKENS if requested is None else requested
+  block_tokens = -(-max(requested, 1) // unit) * unit
+  return tokens if tokens <= block_tokens else block_tokens
 
 
-def _field_value_stats(stats, field, width, value_group):
-  """Per-token value statistics [T, D/G] -> the [T, W] columns of bit field `field`."""
-  first_channel = field * width
-  if value_group % width == 0:  # the field lies inside one channel group
-    column = first_channel // value_group
-    return stats[:, column : column + 1]
-  groups = width // value_group  # the field spans several whole channel groups
-  first = first_channel // value_group
-  columns = stats[:, first : first + groups]
-  tokens = columns.shape[0]
-  return jnp.broadcast_to(columns[:, :, None], (tokens, groups, value_group)).reshape(tokens, width)
+def _stacked_fields(words: jax.Array, bits: int) -> jax.Array:
+  """uint32 [W, block] packed words -> float32 [W * 32 / bits, block] codes, channels in order."""
+  mask = jnp.uint32(2**bits - 1)
+  fields = [(words >> jnp.uint32(bits * field)) & mask for field in range(32 // bits)]
+  return jnp.concatenate(fields, axis=0).astype(jnp.int32).astype(jnp.float32)
 
 
-def _dot(a, b, contract_a, contract_b):
+def _spread_over_tokens(stats: jax.Array, group_size: int, block: int, groups_axis: int):
+  """Per-key-group statistics, [block / group, D] (groups_axis 0) or [D, block / group] (1) ->
+  float32 [D, block]: column t holds group t // group's. A product with a 0/1 matrix (exact:
+  one nonzero term per output)."""
+  groups = stats.shape[groups_axis]
+  token_group = jax.lax.broadcasted_iota(jnp.int32, (groups, block), 1) // group_size
+  spread = (token_group == jax.lax.broadcasted_iota(jnp.int32, (groups, block), 0)).astype(
+    stats.dtype
+  )
   return jax.lax.dot_general(
-    a, b, (((contract_a,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32
+    stats,
+    spread,
+    (((groups_axis,), (0,)), ((), ())),
+    preferred_element_type=jnp.float32,
+    # A 16-bit row times 1 is exact in one pass; 32-bit rows need the f32 passes (Mosaic
+    # refuses that precision for bf16 operands).
+    precision=jax.lax.Precision.HIGHEST if stats.dtype == jnp.float32 else None,
+  )
+
+
+def _repeat_over_channels(stats: jax.Array, group_size: int) -> jax.Array:
+  """[D / group, block] per-value-group rows -> float32 [D, block]: row c holds row c // group."""
+  groups, block = stats.shape
+  stats = stats.astype(jnp.float32)
+  return jnp.broadcast_to(stats[:, None, :], (groups, group_size, block)).reshape(
+    groups * group_size, block
   )
 
 
 def _quantized_kernel(
   lengths_ref,
-  queries_ref,
-  k_codes_ref,
-  k_scale_ref,
+  queries_ref,  # [rows, D], compute dtype, pre-scaled
+  k_codes_ref,  # uint32 [W, block]
+  k_scale_ref,  # [block / group, D], or [D, block / group] with groups_axis 1
   k_min_ref,
-  v_codes_ref,
-  v_scale_ref,
+  v_codes_ref,  # uint32 [W, block]
+  v_scale_ref,  # [D / group, block]
   v_min_ref,
   *rest,
   plan: SplitPlan,
   bits: int,
   group_size: int,
-  has_lowrank: bool,
-  has_outliers: bool,
-  head_dim: int,
+  score_io: bool,
+  groups_axis: int,
 ):
-  out_ref, lse_ref, max_ref, sum_ref, acc_ref = rest[-5:]
-  extra = list(rest[:-5])
-  if has_lowrank:
-    k_a_ref, k_b_ref, v_a_ref, v_b_ref = extra[:4]
-    extra = extra[4:]
-  if has_outliers:
-    k_index_ref, k_value_ref, v_index_ref, v_value_ref = extra[:4]
+  # rest: [bias], [the aliased initial outputs], out, lse, [scores], then three scratch buffers
+  bias_ref = rest[0] if score_io else None
+  outputs = rest[-6:-3] if score_io else rest[-5:-3]
+  out_ref, lse_ref = outputs[:2]
+  scores_ref = outputs[2] if score_io else None
+  max_ref, sum_ref, acc_ref = rest[-3:]
   row, split, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   block = plan.block_tokens
-  fields, rows, width = queries_ref.shape  # [n, rows, W]
-  mask = jnp.uint32(2**bits - 1)
+  compute_dtype = queries_ref.dtype
 
   @pl.when(step == 0)
   def _init():
@@ -114,88 +173,51 @@ def _quantized_kernel(
 
   @pl.when(first < length)
   def _attend():
-    valid = first + jax.lax.broadcasted_iota(jnp.int32, (block,), 0) < length
-    compute_dtype = queries_ref.dtype
-    k_words = k_codes_ref[...]  # uint32 [block, W]
-    k_scale = k_scale_ref[...].astype(jnp.float32)  # [block/G, n, W]
-    k_min = k_min_ref[...].astype(jnp.float32)
-    scores = jnp.zeros((rows, block), jnp.float32)
-    for field in range(fields):
-      code = ((k_words >> jnp.uint32(bits * field)) & mask).astype(jnp.float32)
-      keys = code * _repeat_rows(k_scale[:, field, :], group_size) + _repeat_rows(
-        k_min[:, field, :], group_size
-      )
-      scores += _dot(queries_ref[field], keys.astype(compute_dtype), 1, 1)
-
-    if has_lowrank:
-      q_b = sum(
-        _dot(queries_ref[field].astype(jnp.float32), k_b_ref[field].astype(jnp.float32), 1, 0)
-        for field in range(fields)
-      )  # [rows, r]
-      scores += _dot(q_b, k_a_ref[...].astype(jnp.float32), 1, 1)
-    if has_outliers:
-      log2_head_dim = int(math.log2(head_dim))
-      token_ids = jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)
-      k_index = k_index_ref[...]  # [1, s]
-      k_token_hot = (token_ids == (k_index >> log2_head_dim)).astype(jnp.float32)  # [block, s]
-      k_channel = k_index & (head_dim - 1)
-      q_at_outlier = sum(
-        _dot(
-          queries_ref[field].astype(jnp.float32),
-          (jax.lax.broadcasted_iota(jnp.int32, (width, 1), 0) + field * width == k_channel).astype(
-            jnp.float32
-          ),
-          1,
-          0,
-        )
-        for field in range(fields)
-      )  # [rows, s]
-      scores += _dot(q_at_outlier * k_value_ref[...].astype(jnp.float32), k_token_hot, 1, 1)
-
-    scores = jnp.where(valid[None, :], scores, -jnp.inf)
+    valid_tokens, _ = valid_token_masks(first, length, block)  # [1, block]
+    groups = k_scale_ref.shape[groups_axis]
+    group_shape = (groups, 1) if groups_axis == 0 else (1, groups)
+    group_starts = first + jax.lax.broadcasted_iota(jnp.int32, group_shape, groups_axis) * (
+      group_size
+    )
+    # Groups past the length may hold anything (NaN): zero them before the 0/1 product, where
+    # 0 * NaN would reach every token.
+    live_groups = group_starts < length
+    k_scale = jnp.where(live_groups, k_scale_ref[...], 0)
+    k_min = jnp.where(live_groups, k_min_ref[...], 0)
+    keys = _stacked_fields(k_codes_ref[...], bits) * _spread_over_tokens(
+      k_scale, group_size, block, groups_axis
+    ) + _spread_over_tokens(k_min, group_size, block, groups_axis)  # [D, block]
+    scores = jax.lax.dot_general(
+      queries_ref[...],
+      keys.astype(compute_dtype),
+      (((1,), (0,)), ((), ())),
+      preferred_element_type=jnp.float32,
+    )  # [rows, block]
+    if score_io:
+      scores = scores + bias_ref[...]
+      scores_ref[...] = scores * LOG2_E  # base 2, as `gear_value_terms_from_scores` takes them
+    scores = jnp.where(valid_tokens, scores, -jnp.inf)
     previous_max = max_ref[...]
     new_max = jnp.maximum(previous_max, scores.max(axis=1, keepdims=True))
-    correction = jnp.exp(previous_max - new_max)
-    probs = jnp.exp(scores - new_max)  # [rows, block]; 0 past the length
+    correction = jnp.exp(previous_max - new_max)  # 0 on the first block (max was -inf)
+    probs = jnp.exp(scores - new_max)  # 0 past the length
     sum_ref[...] = sum_ref[...] * correction + probs.sum(axis=1, keepdims=True)
     max_ref[...] = new_max
-    probs_c = probs.astype(compute_dtype)
-
-    v_words = v_codes_ref[...]
-    v_scale = v_scale_ref[...].astype(jnp.float32)  # [block, D/G]
-    v_min = v_min_ref[...].astype(jnp.float32)
-    if has_lowrank:
-      p_a = _dot(probs, v_a_ref[...].astype(jnp.float32), 1, 0)  # [rows, r]
-    if has_outliers:
-      v_index = v_index_ref[...]
-      v_token_hot = (token_ids == (v_index >> log2_head_dim)).astype(jnp.float32)
-      weighted = _dot(probs, v_token_hot, 1, 0) * v_value_ref[...].astype(jnp.float32)  # [rows, s]
-      v_channel = v_index & (head_dim - 1)
-    for field in range(fields):
-      code = ((v_words >> jnp.uint32(bits * field)) & mask).astype(jnp.float32)
-      values = code * _field_value_stats(v_scale, field, width, group_size) + _field_value_stats(
-        v_min, field, width, group_size
-      )
-      # Slots past the length may hold anything: zero them so 0 * NaN cannot leak.
-      values = jnp.where(valid[:, None], values, 0.0)
-      update = _dot(probs_c, values.astype(compute_dtype), 1, 0)  # [rows, W]
-      if has_lowrank:
-        update += _dot(p_a, v_b_ref[field].astype(jnp.float32), 1, 1)
-      if has_outliers:
-        channel_hot = (
-          jax.lax.broadcasted_iota(jnp.int32, (width, 1), 0) + field * width == v_channel
-        ).astype(jnp.float32)  # [W, s]
-        update += _dot(weighted, channel_hot, 1, 1)
-      acc_ref[field] = acc_ref[field] * correction + update
+    values = _stacked_fields(v_codes_ref[...], bits) * _repeat_over_channels(
+      v_scale_ref[...], group_size
+    ) + _repeat_over_channels(v_min_ref[...], group_size)  # [D, block]
+    # Slots past the length may hold anything: zero them so 0 * NaN cannot leak.
+    values = jnp.where(valid_tokens, values, 0.0)
+    acc_ref[...] = acc_ref[...] * correction + jax.lax.dot_general(
+      probs.astype(compute_dtype),
+      values.astype(compute_dtype),
+      (((1,), (1,)), ((), ())),
+      preferred_element_type=jnp.float32,
+    )
 
   @pl.when(step == plan.blocks_per_split - 1)
   def _write():
-    total = sum_ref[...]
-    nonempty = total != 0  # a NaN sum is not empty: the NaN reaches out and lse
-    safe_total = jnp.where(nonempty, total, 1.0)
-    for field in range(fields):
-      out_ref[field] = jnp.where(nonempty, acc_ref[field] / safe_total, 0.0)
-    lse_ref[...] = jnp.where(nonempty, max_ref[...] + jnp.log(safe_total), -jnp.inf)
+    finalize(max_ref, sum_ref, acc_ref[...], out_ref, lse_ref)
 
 
 @_compat.waits_when_interpreted  # the jax 0.11.2 interpreter hang: `finished_if_interpreted`
@@ -232,8 +254,12 @@ def quantized_decode_attention_partials_tpu(
   num_splits: int | None = 2,
   interpret: bool = False,
 ):
-  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]). Interpreted, the outputs
-  are waited for before this returns (`_compat.finished_if_interpreted`)."""
+  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]) and, for a GEAR segment,
+  the scores the kernel saw (f32 [B,H,rows,T], base-2 logits with GEAR's score terms; entries
+  at or past a row's length hold anything: they are never read), from which
+  `gear_value_terms_from_scores` adds GEAR's value terms after the merge. `initial_partials`:
+  buffers for those outputs (aliased; tests poison them). Interpreted, the outputs are waited
+  for before this returns."""
   check_bits(bits)
   sizes = check_quantized_inputs(
     queries,
@@ -251,99 +277,97 @@ def quantized_decode_attention_partials_tpu(
     block=block,
   )
   batch, kv_heads, group, head_dim, tokens, width = sizes[:6]
-  fields = 32 // bits
-  gear = lowrank is not None or outliers is not None
-  if gear:
-    block_tokens = block
-  elif block_tokens is None:
-    block_tokens = max(512, group_size)
-  block_tokens = -(-max(block_tokens, group_size) // group_size) * group_size
-  block_tokens = min(block_tokens, tokens)
+  score_io = lowrank is not None or outliers is not None
+  block_tokens = block_tokens_for(tokens, group_size, k_scale.dtype, block_tokens, head_dim)
+  groups_axis = 1 if tokens_on_lanes(head_dim) else 0
   rows = tile_rows(group)
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, target_programs=1)
   compute_dtype = k_scale.dtype if k_scale.dtype == jnp.bfloat16 else jnp.float32
-  scaled = queries.astype(jnp.float32) * sm_scale
-  scaled = jnp.pad(scaled, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-  # [B, H, rows, D] -> [B, H, n, rows, W]: field k's channels as its own tile (tiny array).
-  split_queries = jnp.moveaxis(scaled.reshape(batch, kv_heads, rows, fields, width), 3, 2)
-  split_queries = split_queries.astype(compute_dtype)
+  natural_queries = queries.astype(jnp.float32) * sm_scale
   key_groups = block_tokens // group_size
+  value_groups = head_dim // group_size
 
-  def block_index(b, h, s, i, lengths_ref):
-    return clamped_block_index(b, s, i, lengths_ref, plan=plan)
+  def block_index(b, s, i, lens):
+    return clamped_block_index(b, s, i, lens, plan=plan)
 
-  def token_spec(trailing):  # blocks of block_tokens along the token axis
+  def lanes_spec(leading):  # [leading, block] tiles of a [B, H, leading, T] array
     return pl.BlockSpec(
-      (None, None, block_tokens) + trailing,
-      lambda b, h, s, i, lens: (b, h, block_index(b, h, s, i, lens)) + (0,) * len(trailing),
+      (None, None, leading, block_tokens),
+      lambda b, h, s, i, lens: (b, h, 0, block_index(b, s, i, lens)),
     )
 
-  def per_block_spec(trailing):  # one entry per GEAR block (block_tokens == block)
-    return pl.BlockSpec(
-      (None, None, None) + trailing,
-      lambda b, h, s, i, lens: (b, h, block_index(b, h, s, i, lens)) + (0,) * len(trailing),
+  if groups_axis == 1:  # [B, H, D, T / group]: the layout XLA gives them below 128 channels
+    k_scale, k_min = jnp.swapaxes(k_scale, 2, 3), jnp.swapaxes(k_min, 2, 3)
+    key_stat_spec = pl.BlockSpec(
+      (None, None, head_dim, key_groups),
+      lambda b, h, s, i, lens: (b, h, 0, block_index(b, s, i, lens)),
     )
-
-  key_stat_shape = (batch, kv_heads, tokens // group_size, fields, width)
+  else:
+    key_stat_spec = pl.BlockSpec(
+      (None, None, key_groups, head_dim),
+      lambda b, h, s, i, lens: (b, h, block_index(b, s, i, lens), 0),
+    )
   args = [
-    split_queries,
-    k_codes,
-    k_scale.reshape(key_stat_shape),
-    k_min.reshape(key_stat_shape),
-    v_codes,
-    v_scale,
-    v_min,
+    pad_query_group(natural_queries, rows, compute_dtype),
+    jnp.swapaxes(k_codes, 2, 3),
+    k_scale,
+    k_min,
+    jnp.swapaxes(v_codes, 2, 3),
+    jnp.swapaxes(v_scale, 2, 3),
+    jnp.swapaxes(v_min, 2, 3),
   ]
-  key_stat_spec = pl.BlockSpec(
-    (None, None, key_groups, fields, width),
-    lambda b, h, s, i, lens: (b, h, block_index(b, h, s, i, lens), 0, 0),
-  )
   in_specs = [
-    pl.BlockSpec((None, None, fields, rows, width), lambda b, h, s, i, lens: (b, h, 0, 0, 0)),
-    token_spec((width,)),
+    pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s, i, lens: (b, h, 0, 0)),
+    lanes_spec(width),
     key_stat_spec,
     key_stat_spec,
-    token_spec((width,)),
-    token_spec((head_dim // group_size,)),
-    token_spec((head_dim // group_size,)),
+    lanes_spec(width),
+    lanes_spec(value_groups),
+    lanes_spec(value_groups),
   ]
-  if lowrank is not None:
-    k_a, k_b, v_a, v_b = lowrank
-    rank = sizes.rank
-    factor_shape = (batch, kv_heads, tokens // block, fields, width, rank)
-    args += [k_a, k_b.reshape(factor_shape), v_a, v_b.reshape(factor_shape)]
-    in_specs += [token_spec((rank,)), per_block_spec((fields, width, rank))] * 2
-  if outliers is not None:
-    count = sizes.outliers_per_block
-    as_rows = lambda x: x.reshape(batch, kv_heads, tokens // block, 1, count)
-    k_index, k_value, v_index, v_value = outliers
-    # The caches store the indices as uint16; they are widened here, by XLA, because 16-bit
-    # integer vectors in a Mosaic TPU kernel have not been compiled on a TPU for this project.
-    # That costs a pass over the indices (2 bytes read, 4 written per outlier) per call.
-    args += [
-      as_rows(k_index.astype(jnp.int32)),
-      as_rows(k_value),
-      as_rows(v_index.astype(jnp.int32)),
-      as_rows(v_value),
-    ]
-    in_specs += [per_block_spec((1, count))] * 4
+  if score_io:
+    padded = pad_query_group(natural_queries, rows, jnp.float32)
+    args.append(gear_score_bias(lowrank, outliers, padded, tokens=tokens, block=block))
+    in_specs.append(lanes_spec(rows))
   out_specs = [
-    pl.BlockSpec(
-      (None, None, None, fields, rows, width), lambda b, h, s, i, lens: (b, h, s, 0, 0, 0)
-    ),
+    pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s, i, lens: (b, h, s, 0, 0)),
     pl.BlockSpec((None, None, None, rows, 1), lambda b, h, s, i, lens: (b, h, s, 0, 0)),
   ]
   out_shape = [
-    jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, fields, rows, width), jnp.float32),
+    jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
     jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, 1), jnp.float32),
   ]
+  if score_io:
+    # Not clamped to the length: a split whose blocks all lie past it computes nothing, and
+    # a clamped index would have it write its unwritten buffer over another split's block.
+    # Only to the last block, which then repeats within the last split's own steps.
+    last_block = -(-tokens // block_tokens) - 1
+    out_specs.append(
+      pl.BlockSpec(
+        (None, None, rows, block_tokens),
+        lambda b, h, s, i, lens: (b, h, 0, jnp.minimum(s * plan.blocks_per_split + i, last_block)),
+      )
+    )
+    # Whole blocks: Pallas' interpreter pads an aliased output to its blocks and then cannot
+    # return it at the unpadded shape; the caller gets the first `tokens` columns.
+    padded_tokens = (last_block + 1) * block_tokens
+    out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, rows, padded_tokens), jnp.float32))
   aliases = {}
   if initial_partials is not None:
+    if len(initial_partials) != len(out_shape):
+      raise ValueError(
+        f"initial_partials must hold {len(out_shape)} arrays (the outputs), got "
+        f"{len(initial_partials)}"
+      )
     in_specs += out_specs
-    aliases = {1 + len(args): 0, 2 + len(args): 1}
-    out_init, lse_init = initial_partials  # [B,H,S,rows,D], [B,H,S,rows]
-    out_init = jnp.moveaxis(out_init.reshape(*out_init.shape[:4], fields, width), 4, 3)
-    args += [out_init, lse_init[..., None]]
+    # Operand numbering counts the scalar-prefetch operand first.
+    aliases = {1 + len(args) + index: index for index in range(len(out_shape))}
+    initial = list(initial_partials)
+    initial[1] = initial[1][..., None]
+    if score_io:  # NaN-padded, so that a poisoned buffer stays poisoned past `tokens`
+      padding = ((0, 0), (0, 0), (0, 0), (0, padded_tokens - tokens))
+      initial[2] = jnp.pad(initial[2], padding, constant_values=jnp.nan)
+    args += initial
   grid_spec = _compat.prefetch_scalar_grid_spec(
     num_scalar_prefetch=1,
     grid=(batch, kv_heads, plan.num_splits, plan.blocks_per_split),
@@ -352,7 +376,7 @@ def quantized_decode_attention_partials_tpu(
     scratch_shapes=[
       _compat.tpu_vmem_scratch((rows, 1), jnp.float32),
       _compat.tpu_vmem_scratch((rows, 1), jnp.float32),
-      _compat.tpu_vmem_scratch((fields, rows, width), jnp.float32),
+      _compat.tpu_vmem_scratch((rows, head_dim), jnp.float32),
     ],
   )
   kernel = functools.partial(
@@ -360,11 +384,10 @@ def quantized_decode_attention_partials_tpu(
     plan=plan,
     bits=bits,
     group_size=group_size,
-    has_lowrank=lowrank is not None,
-    has_outliers=outliers is not None,
-    head_dim=head_dim,
+    score_io=score_io,
+    groups_axis=groups_axis,
   )
-  out, lse = pl.pallas_call(
+  outputs = pl.pallas_call(
     kernel,
     grid_spec=grid_spec,
     out_shape=out_shape,
@@ -373,9 +396,9 @@ def quantized_decode_attention_partials_tpu(
     interpret=_compat.tpu_interpret_params() if interpret else False,
     name=f"quantized_decode_attention_{bits}bit_tpu",
   )(lengths.astype(jnp.int32), *args)
-  # [B, H, S, n, rows, W] -> [B, H, S, rows, D]
-  out = jnp.moveaxis(out, 3, 4).reshape(batch, kv_heads, plan.num_splits, rows, head_dim)
-  return out, lse[..., 0]
+  if score_io:
+    return outputs[0], outputs[1][..., 0], outputs[2][..., :tokens]
+  return outputs[0], outputs[1][..., 0]
 
 
 def quantized_decode_attention_tpu(
@@ -397,7 +420,7 @@ def quantized_decode_attention_tpu(
   **config,
 ):
   """(out f32 [B,H,G,D], lse f32 [B,H,G]); same contract as the reference."""
-  out, lse = quantized_decode_attention_partials_tpu(
+  partials = quantized_decode_attention_partials_tpu(
     queries,
     k_codes,
     k_scale,
@@ -414,4 +437,16 @@ def quantized_decode_attention_tpu(
     block=block,
     **config,
   )
-  return merge_split_partials(out, lse, queries.shape[2])
+  out, lse = merge_split_partials(partials[0], partials[1], queries.shape[2])
+  if len(partials) == 3:  # GEAR: its value terms from the kernel's scores (gear_terms_xla)
+    out = out + gear_value_terms_from_scores(
+      lowrank,
+      outliers,
+      partials[2],
+      lse,
+      lengths,
+      block=block,
+      head_dim=queries.shape[3],
+      outlier_slots=TPU_OUTLIER_SLOTS,
+    )
+  return out, lse

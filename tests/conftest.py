@@ -34,6 +34,15 @@ os.environ["XLA_FLAGS"] = " ".join(
   ]
 ).strip()
 
+# The dev extra installs libtpu (to compile the TPU kernels without a TPU). With it, a process
+# that starts jax on a machine without a TPU first tries to open one and logs why it could not;
+# the tests run on the CPU (or, with KVJAX_NATIVE_KERNELS=1, on the machine's accelerator).
+# libtpu also takes a lock file per process unless told several processes may load it, and
+# the xdist workers each build a compile-only TPU topology.
+if os.environ.get("KVJAX_NATIVE_KERNELS", "0") != "1":
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

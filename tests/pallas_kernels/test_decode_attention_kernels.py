@@ -25,6 +25,9 @@ from tests.pallas_kernels.kernel_checks import (
 )
 
 TOKENS = 200  # capacity: not a multiple of any block size
+# Below 128 channels the TPU kernel's token blocks are lane tiles (multiples of 128 tokens):
+# 600 tokens make five, the last one partly past the capacity, so 2 and 3 splits exist.
+TPU_LANE_TOKENS = 600
 
 
 def _inputs(rng, head_dim, group, dtype, batch=3, tokens=TOKENS):
@@ -40,7 +43,10 @@ def _inputs(rng, head_dim, group, dtype, batch=3, tokens=TOKENS):
 def _check_kernel(kernel, head_dim, group, dtype, seed, num_splits=2, block_tokens=64):
   """`kernel`: the module (decode_attention_triton or decode_attention_tpu) under test."""
   rng = np.random.default_rng(seed)
-  queries, keys, values, lengths = _inputs(rng, head_dim, group, dtype)
+  tokens = TOKENS
+  if kernel is decode_attention_tpu and decode_attention_tpu.tokens_on_lanes(head_dim):
+    tokens, block_tokens = TPU_LANE_TOKENS, max(block_tokens, decode_attention_tpu.LANES)
+  queries, keys, values, lengths = _inputs(rng, head_dim, group, dtype, tokens=tokens)
   rows = kernel.tile_rows(group)
   poison = (
     jnp.full((3, 2, num_splits, rows, head_dim), jnp.nan, jnp.float32),

@@ -15,6 +15,7 @@ import pytest
 from pallas_kernels import decode_attention_tpu, gear_terms_triton
 from pallas_kernels import quantized_decode_attention_tpu as tpu_kernel
 from pallas_kernels import quantized_decode_attention_triton as triton_kernel
+from pallas_kernels.decode_attention_tpu import tokens_on_lanes
 from pallas_kernels.gear_terms_xla import gear_value_terms_from_scores
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
 from pallas_kernels.random_inputs import random_quantized_segment, random_queries
@@ -76,6 +77,21 @@ def _poison(rows, head_dim):
   )
 
 
+def _with_gear_value_terms(out, lse, scores, segment, lengths, *, unwritten_past: bool):
+  """`out` plus GEAR's value terms from the scores a kernel wrote (`gear_terms_xla`), after
+  checking that every score inside a row's length was written (and, with `unwritten_past`,
+  that none past it was: the NaN poison stays)."""
+  group, head_dim = lse.shape[-1], out.shape[-1]
+  written = np.asarray(scores)[:, :, :group]
+  inside = np.arange(written.shape[-1])[None, :] < np.asarray(lengths)[:, None]  # [B, T]
+  assert not np.isnan(written[np.broadcast_to(inside[:, None, None], written.shape)]).any()
+  if unwritten_past:
+    assert np.isnan(written[np.broadcast_to(~inside[:, None, None], written.shape)]).all()
+  return out + gear_value_terms_from_scores(
+    segment.lowrank, segment.outliers, scores, lse, lengths, block=GEAR_BLOCK, head_dim=head_dim
+  )
+
+
 def _check_triton(
   bits,
   head_dim,
@@ -133,38 +149,45 @@ def _check_triton(
   )
   out = out[..., np.argsort(order)]
   if xla_terms:
-    scores = np.asarray(partials[2])[:, :, :group]
-    inside = np.arange(tokens)[None, :] < np.asarray(lengths)[:, None]  # [B, T]
     # Every score inside a row's length is written, none past it (the NaN poison stays).
-    assert not np.isnan(scores[np.broadcast_to(inside[:, None, None], scores.shape)]).any()
-    assert np.isnan(scores[np.broadcast_to(~inside[:, None, None], scores.shape)]).all()
-    out = out + gear_value_terms_from_scores(
-      segment.lowrank,
-      segment.outliers,
-      partials[2],
-      lse,
-      lengths,
-      block=GEAR_BLOCK,
-      head_dim=head_dim,
-    )
+    out = _with_gear_value_terms(out, lse, partials[2], segment, lengths, unwritten_past=True)
   assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(dtype, interpret))
 
 
-def _check_tpu(bits, head_dim, group, gear, dtype, seed):
-  queries, segment, lengths, kwargs, reference = _case(seed, bits, head_dim, group, gear, dtype)
+# The TPU kernel's blocks are multiples of 128 tokens (its codes' lanes) holding whole tiles of
+# key groups (512 tokens for 16-bit statistics at group 32): 1280 tokens make three blocks, the
+# last one half past the segment's end (padding the masks must keep out), two splits. Below
+# 128 channels the key groups are lanes too, 128 of them a block (4096 tokens at group 32):
+# 5376 tokens make two blocks, the second mostly padding.
+TPU_TOKENS = 1280
+TPU_LANE_GROUP_TOKENS = 4096 + 1280
+
+
+def _check_tpu(bits, head_dim, group, gear, dtype, seed, block_tokens=512):
+  tokens = TPU_LANE_GROUP_TOKENS if tokens_on_lanes(head_dim) else TPU_TOKENS
+  queries, segment, lengths, kwargs, reference = _case(
+    seed, bits, head_dim, group, gear, dtype, tokens=tokens
+  )
   interpret = tpu_interpret()
-  out_p, lse_p = tpu_kernel.quantized_decode_attention_partials_tpu(
+  rows = decode_attention_tpu.tile_rows(group)
+  poison = _poison(rows, head_dim)
+  if gear:  # the kernel's scores too, for GEAR's value terms (gear_terms_xla)
+    poison += (jnp.full((BATCH, KV_HEADS, rows, tokens), jnp.nan, jnp.float32),)
+  partials = tpu_kernel.quantized_decode_attention_partials_tpu(
     queries,
     *segment[:6],
     lengths,
-    _poison(decode_attention_tpu.tile_rows(group), head_dim),
+    poison,
     num_splits=SPLITS,
-    block_tokens=64,
+    block_tokens=block_tokens,
     interpret=interpret,
     **kwargs,
   )
+  out_p, lse_p = partials[:2]
   assert_all_written(out_p, lse_p)
   out, lse = merge_split_partials(out_p, lse_p, group)
+  if gear:  # past a row's length the TPU kernel's score blocks hold anything
+    out = _with_gear_value_terms(out, lse, partials[2], segment, lengths, unwritten_past=False)
   assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(dtype, interpret))
 
 

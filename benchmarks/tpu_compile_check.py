@@ -1,0 +1,223 @@
+"""The TPU kernels compiled for a TPU without one: whether Mosaic compiles them, and what XLA
+moves around each.
+
+libtpu compiles for a TPU that is not attached: `jax.experimental.topologies` builds a PJRT
+topology of a named TPU generation ("v5e:2x2", "v6e:2x2", "v4:2x2x1"), and a function jitted
+on arguments placed on its device compiles as for that chip, Mosaic's own compiler included
+(`compile_for_tpu`). Interpret mode never runs that compiler, and this is how the project
+found (KERNEL_NOTES v49) that both TPU kernels failed there ("infer-vector-layout: unsupported
+shape cast" on a 1-D token mask), and that the quantized kernel's [block, words] operands
+made XLA copy every packed-code and value-statistics array into a layout padded to 128 lanes
+at every call.
+
+`large_copies` lists the instructions of the optimised program that copy or transpose an
+array of at least `min_bytes` as laid out (the tiles of the layout XLA chose, padding
+included): for a decode call at the benchmark shape, any such instruction is a relayout of
+the cache, which the kernels are laid out to avoid.
+
+Setup: `pip install -e ".[dev]"` (the dev extra brings libtpu, on Linux x86-64). No TPU is
+needed. Example (the shapes of record, a TPU v5e):
+
+  PYTHONPATH=. .venv/bin/python benchmarks/tpu_compile_check.py [--topology v6e:2x2]
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+
+# Nothing here runs on a device; with libtpu installed and no TPU attached, jax would otherwise
+# try to start one (and log why it could not) before falling back to the CPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu's one-process lock would refuse a second compile-only process (a test worker beside).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v4:2x2x1")
+ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
+COPY_OPCODES = ("copy", "transpose", "copy-start")
+# An optimised-HLO result: dtype[dims]{minor_to_major:T(tile)...}, e.g.
+# u32[8,8,32768,8]{3,2,1,0:T(8,128)} or bf16[8,8,1024,64]{2,3,1,0:T(8,128)(2,1)S(1)}.
+_SHAPE = re.compile(r"(\w+)\[([\d,]*)\](?:\{([\d,]*)(?::T\((\d+),(\d+)\))?)?")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (\S+) ([\w\-]+)\(")
+
+
+def libtpu_available() -> bool:
+  """Whether a TPU topology can be built here (libtpu installed)."""
+  try:
+    tpu_device("v5e:2x2")
+  except Exception:  # noqa: BLE001 - any failure to load libtpu means "not available"
+    return False
+  return True
+
+
+@functools.cache
+def tpu_device(topology: str):
+  """The first device of a compile-only TPU topology."""
+  from jax.experimental import topologies
+
+  return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
+
+
+def shape_on(device, shape, dtype) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+
+
+def compile_for_tpu(function, shapes, topology: str = "v5e:2x2"):
+  """`jax.jit(function)` compiled for `topology` on arguments of `shapes` ((shape, dtype)
+  pairs, or pytrees of them as a tuple). The TPU kernels read the chip's generation from the
+  default device while they lower, so it is set to the topology's for the compile."""
+  device = tpu_device(topology)
+  placed = jax.tree.map(
+    lambda pair: shape_on(device, *pair),
+    shapes,
+    is_leaf=_is_shape_pair,
+  )
+  # A compile-only executable cannot be loaded back from the persistent compilation cache (the
+  # tests' conftest turns it on): leave it out of the cache.
+  cache_was_on = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    with jax.default_device(device):
+      return jax.jit(function).lower(*placed).compile()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache_was_on)
+
+
+def _is_shape_pair(node) -> bool:
+  return (
+    isinstance(node, tuple)
+    and len(node) == 2
+    and isinstance(node[0], tuple)
+    and all(isinstance(size, int) for size in node[0])
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  opcode: str
+  shape: str  # as the optimised HLO prints it, layout included
+  bytes: int  # laid out: the two most minor dimensions padded to the layout's tile
+
+
+def laid_out_bytes(shape: str) -> int:
+  """Bytes of an array shape string with its layout's tiling (0 for a tuple or token)."""
+  match = _SHAPE.match(shape)
+  if match is None:
+    return 0
+  dtype, dims, minor_to_major, tile_rows, tile_lanes = match.groups()
+  dims = [int(d) for d in dims.split(",") if d]
+  if not dims:
+    return ELEMENT_BYTES.get(dtype, 4)
+  order = [int(d) for d in (minor_to_major or "").split(",") if d] or list(range(len(dims)))[::-1]
+  physical = [dims[axis] for axis in reversed(order)]  # major to minor
+  if tile_rows is not None:
+    physical[-1] = -(-physical[-1] // int(tile_lanes)) * int(tile_lanes)
+    if len(physical) > 1:
+      physical[-2] = -(-physical[-2] // int(tile_rows)) * int(tile_rows)
+  return math.prod(physical) * ELEMENT_BYTES.get(dtype, 4)
+
+
+def entry_instructions(compiled) -> list[Instruction]:
+  """The optimised entry computation's instructions (parameters and tuple plumbing left out)."""
+  text = compiled.as_text()
+  entry = text[text.index("\nENTRY") :]
+  body = entry[entry.index("{\n") + 2 :]
+  found = []
+  for line in body.splitlines():
+    match = _INSTRUCTION.match(line)
+    if match is None:
+      continue
+    shape, opcode = match.groups()
+    if opcode in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
+      continue
+    found.append(Instruction(opcode, shape, laid_out_bytes(shape)))
+  return found
+
+
+def large_copies(compiled, min_bytes: int) -> list[Instruction]:
+  """Copies and transposes in the entry computation whose result holds >= min_bytes."""
+  return [
+    instruction
+    for instruction in entry_instructions(compiled)
+    if instruction.opcode in COPY_OPCODES and instruction.bytes >= min_bytes
+  ]
+
+
+def record_shapes(head_dim: int, tokens: int, bits: int | None, stats_dtype=jnp.bfloat16):
+  """(shape, dtype) arguments of a decode call at the benchmark shape: batch 8, 8 KV heads, 4
+  query heads each, group 32; bits None for the bf16 cache."""
+  batch, kv_heads, group = 8, 8, 4
+  queries = ((batch, kv_heads, group, head_dim), jnp.bfloat16)
+  lengths = ((batch,), jnp.int32)
+  if bits is None:
+    cache = ((batch, kv_heads, tokens, head_dim), jnp.bfloat16)
+    return (queries, cache, cache, lengths)
+  codes = ((batch, kv_heads, tokens, head_dim * bits // 32), jnp.uint32)
+  key_stats = ((batch, kv_heads, tokens // 32, head_dim), stats_dtype)
+  value_stats = ((batch, kv_heads, tokens, head_dim // 32), stats_dtype)
+  return (queries, codes, key_stats, key_stats, codes, value_stats, value_stats, lengths)
+
+
+def full_precision_call(sm_scale: float = 0.088, **config):
+  from pallas_kernels import decode_attention_tpu
+
+  return functools.partial(decode_attention_tpu.decode_attention_tpu, sm_scale=sm_scale, **config)
+
+
+def quantized_call(bits: int, group_size: int = 32, sm_scale: float = 0.088, **config):
+  from pallas_kernels import quantized_decode_attention_tpu
+
+  return functools.partial(
+    quantized_decode_attention_tpu.quantized_decode_attention_tpu,
+    bits=bits,
+    group_size=group_size,
+    sm_scale=sm_scale,
+    **config,
+  )
+
+
+def check_record_shapes(topology: str, tokens: int) -> list[dict]:
+  """Every TPU kernel at the benchmark shape: compiled, and its copies of >= 1 MB."""
+  rows = []
+  for head_dim in (64, 128):
+    for bits in (None, 2, 4):
+      call = full_precision_call() if bits is None else quantized_call(bits)
+      name = "bf16" if bits is None else f"kivi{bits}"
+      row = dict(kernel=name, head_dim=head_dim, tokens=tokens, topology=topology)
+      try:
+        compiled = compile_for_tpu(call, record_shapes(head_dim, tokens, bits), topology)
+      except Exception as error:  # noqa: BLE001 - reported, not raised: the table lists them all
+        row["error"] = str(error).split("\n")[0][:300]
+      else:
+        copies = large_copies(compiled, 1 << 20)
+        row["copies"] = [dataclasses.asdict(copy) for copy in copies]
+        row["copied_mb"] = round(sum(copy.bytes for copy in copies) / 1e6, 1)
+      rows.append(row)
+  return rows
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--topology", default="v5e:2x2", choices=TOPOLOGIES)
+  parser.add_argument("--tokens", type=int, default=32768)
+  parser.add_argument("--out", help="write the rows as JSON here")
+  args = parser.parse_args(argv)
+  rows = check_record_shapes(args.topology, args.tokens)
+  for row in rows:
+    status = row.get("error") or f"compiles; copies of >= 1 MB: {row['copied_mb']} MB"
+    print(f"{row['topology']} {row['kernel']:5} head_dim {row['head_dim']:3}: {status}")
+    for copy in row.get("copies", []):
+      print(f"    {copy['opcode']} {copy['shape']} ({copy['bytes'] / 1e6:.1f} MB laid out)")
+  if args.out:
+    with open(args.out, "w") as handle:
+      json.dump(rows, handle, indent=1)
+
+
+if __name__ == "__main__":
+  main()

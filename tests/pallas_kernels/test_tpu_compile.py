@@ -1,0 +1,201 @@
+"""The TPU kernels compiled by Mosaic for a TPU that is not there (libtpu's compile-only
+topologies, `benchmarks/tpu_compile_check.py`), which interpret mode never does.
+
+Both kernels used to fail there (a 1-D token mask Mosaic cannot lay out), and the quantized one,
+taking [block, words] tiles, made XLA copy the cache into 128-lane padded layouts at every call
+(KERNEL_NOTES v49). These tests compile every kernel over the interpret-mode tests' shapes and
+check that a decode call at the benchmark shape moves no cache-sized array besides the kernel.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental import pallas as pl
+
+from tests.benchmarks.benchmark_modules import load_benchmark
+
+tpu_compile_check = load_benchmark("tpu_compile_check")
+
+pytestmark = pytest.mark.skipif(
+  not tpu_compile_check.libtpu_available(),
+  reason="libtpu is not installed (the dev extra brings it on Linux x86-64)",
+)
+
+BATCH, KV_HEADS = 2, 2
+# 1280 tokens: three 512-token blocks at head_dim 128, the last half past the end; below 128
+# channels the quantized kernel's blocks hold 128 key groups (4096 tokens at group 32), so
+# 5376 make two there.
+TOKENS = 1280
+LANE_GROUP_TOKENS = 4096 + 1280
+
+
+def _full_precision_shapes(head_dim, group, dtype, tokens=TOKENS):
+  cache = ((BATCH, KV_HEADS, tokens, head_dim), dtype)
+  return (
+    ((BATCH, KV_HEADS, group, head_dim), jnp.float32),
+    cache,
+    cache,
+    ((BATCH,), jnp.int32),
+  )
+
+
+def _quantized_shapes(bits, head_dim, group, dtype, group_size, gear, tokens):
+  codes = ((BATCH, KV_HEADS, tokens, head_dim * bits // 32), jnp.uint32)
+  key_stats = ((BATCH, KV_HEADS, tokens // group_size, head_dim), dtype)
+  value_stats = ((BATCH, KV_HEADS, tokens, head_dim // group_size), dtype)
+  shapes = (
+    ((BATCH, KV_HEADS, group, head_dim), jnp.float32),
+    codes,
+    key_stats,
+    key_stats,
+    codes,
+    value_stats,
+    value_stats,
+    ((BATCH,), jnp.int32),
+  )
+  if not gear:
+    return shapes
+  blocks, rank, outliers = tokens // 64, 2, 20
+  factors = (
+    ((BATCH, KV_HEADS, tokens, rank), dtype),
+    ((BATCH, KV_HEADS, blocks, head_dim, rank), dtype),
+  ) * 2
+  sparse = (
+    ((BATCH, KV_HEADS, blocks, outliers), jnp.uint16),
+    ((BATCH, KV_HEADS, blocks, outliers), dtype),
+  ) * 2
+  return shapes + factors + sparse
+
+
+def _quantized_function(bits, group_size, gear):
+  call = tpu_compile_check.quantized_call(bits, group_size)
+  if not gear:
+    return call
+  return lambda *args: call(*args[:8], lowrank=args[8:12], outliers=args[12:16], block=64)
+
+
+def _compile_quantized(bits, head_dim, group, dtype, group_size, gear, topology="v5e:2x2"):
+  tokens = LANE_GROUP_TOKENS if head_dim < 128 else TOKENS
+  shapes = _quantized_shapes(bits, head_dim, group, dtype, group_size, gear, tokens)
+  return tpu_compile_check.compile_for_tpu(
+    _quantized_function(bits, group_size, gear), shapes, topology
+  )
+
+
+@pytest.mark.parametrize(
+  "head_dim,group,dtype",
+  [(64, 1, jnp.bfloat16), (64, 8, jnp.float32), (128, 4, jnp.bfloat16), (128, 3, jnp.float32)],
+)
+def test_full_precision_kernel_compiles_for_a_tpu(head_dim, group, dtype):
+  tpu_compile_check.compile_for_tpu(
+    tpu_compile_check.full_precision_call(block_tokens=512),
+    _full_precision_shapes(head_dim, group, dtype),
+  )
+
+
+@pytest.mark.parametrize(
+  "bits,head_dim,group,dtype,group_size,gear",
+  [
+    (2, 128, 4, jnp.bfloat16, 32, False),
+    (4, 128, 8, jnp.float32, 32, False),
+    (8, 128, 1, jnp.bfloat16, 64, False),
+    (2, 64, 4, jnp.bfloat16, 32, False),
+    (4, 64, 3, jnp.float32, 64, False),
+    (2, 128, 4, jnp.bfloat16, 64, True),
+    (4, 64, 2, jnp.float32, 64, True),
+  ],
+)
+def test_quantized_kernel_compiles_for_a_tpu(bits, head_dim, group, dtype, group_size, gear):
+  _compile_quantized(bits, head_dim, group, dtype, group_size, gear)
+
+
+def test_gear_compiles_for_a_tpu_v6e():
+  """v6e's compiler crashed (a segmentation fault in its SparseCore backend) on the value
+  outliers' 32-slot scatter the GPU path uses; the TPU path scatters into one slot."""
+  _compile_quantized(2, 64, 1, jnp.bfloat16, 64, True, topology="v6e:2x2")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("bits", [None, 2, 4], ids=["bf16", "kivi2", "kivi4"])
+def test_a_decode_call_moves_no_cache_sized_copy(bits, head_dim):
+  """At the benchmark shape (batch 8, 8 KV heads, 32k tokens) XLA keeps every cache array in
+  the layout it chose for the argument: no copy or transpose of 1 MB or more around the
+  kernel (the [block, words] kernel copied 4.5 GB at 2 bits and head_dim 128)."""
+  call = (
+    tpu_compile_check.full_precision_call()
+    if bits is None
+    else tpu_compile_check.quantized_call(bits)
+  )
+  compiled = tpu_compile_check.compile_for_tpu(
+    call, tpu_compile_check.record_shapes(head_dim, 32768, bits)
+  )
+  assert tpu_compile_check.large_copies(compiled, 1 << 20) == []
+
+
+def _reads_token_rows(x):
+  """A Pallas TPU kernel reading [512, 64] token-row tiles of [B, H, T, 64], as the TPU kernels
+  did before v49."""
+
+  def double(x_ref, o_ref):
+    o_ref[...] = x_ref[...] * 2
+
+  batch, heads, tokens, width = x.shape
+  spec = pl.BlockSpec((None, None, 512, width), lambda b, h, t: (b, h, t, 0))
+  return pl.pallas_call(
+    double,
+    grid=(batch, heads, tokens // 512),
+    in_specs=[spec],
+    out_specs=spec,
+    out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+  )(x)
+
+
+def test_the_copy_check_sees_a_relayout():
+  """The check on what the earlier layout did: a [B, H, T, 64] argument, laid out with T last,
+  copied into 128-lane padded token rows for the kernel: listed, at its padded size."""
+  compiled = tpu_compile_check.compile_for_tpu(
+    _reads_token_rows, (((8, 8, 4096, 64), jnp.bfloat16),)
+  )
+  copies = tpu_compile_check.large_copies(compiled, 1 << 20)
+  # In, padded to 128 lanes; and the kernel's output back to the argument's layout.
+  assert sorted(copy.bytes for copy in copies) == [8 * 8 * 4096 * 64 * 2, 8 * 8 * 4096 * 128 * 2]
+
+
+@pytest.mark.parametrize(
+  "shape,expected",
+  [
+    ("u32[8,8,32768,8]{2,3,1,0:T(8,128)}", 8 * 8 * 32768 * 8 * 4),
+    ("u32[8,8,32768,8]{3,2,1,0:T(8,128)}", 8 * 8 * 32768 * 128 * 4),
+    ("bf16[8,8,1024,64]{3,2,1,0:T(8,128)(2,1)S(1)}", 8 * 8 * 1024 * 128 * 2),
+    ("f32[8,8,4]{1,2,0:T(4,128)}", 8 * 4 * 128 * 4),  # physically [8, 4, 8]: 8 lanes padded
+    ("s32[]", 4),
+    ("(f32[2], f32[3])", 0),
+  ],
+)
+def test_laid_out_bytes_pad_the_two_most_minor_dimensions_to_the_tile(shape, expected):
+  assert tpu_compile_check.laid_out_bytes(shape) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "head_dim,group,dtype,tokens",
+  list(itertools.product((64, 128), (1, 2, 4, 8), (jnp.float32, jnp.bfloat16), (200, 1280))),
+)
+def test_full_precision_kernel_grid_compiles_for_a_tpu(head_dim, group, dtype, tokens):
+  tpu_compile_check.compile_for_tpu(
+    tpu_compile_check.full_precision_call(block_tokens=64),
+    _full_precision_shapes(head_dim, group, dtype, tokens),
+  )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  "bits,head_dim,group,dtype,gear",
+  list(
+    itertools.product((2, 4, 8), (64, 128), (1, 4, 8), (jnp.float32, jnp.bfloat16), (False, True))
+  ),
+)
+def test_quantized_kernel_grid_compiles_for_a_tpu(bits, head_dim, group, dtype, gear):
+  _compile_quantized(bits, head_dim, group, dtype, 64 if gear else 32, gear)
