@@ -175,8 +175,9 @@ def check_float_dtype(dtype, *, name: str) -> None:
 
 
 def check_cache_method(cache_method) -> None:
-  """ValueError unless `cache_method` is a method object (it has `allocate`)."""
-  if not callable(getattr(cache_method, "allocate", None)):
+  """ValueError unless `cache_method` is a method object (it has `allocate`); a method class
+  (`kvjax.FullCache` for `kvjax.FullCache()`) is not one."""
+  if isinstance(cache_method, type) or not callable(getattr(cache_method, "allocate", None)):
     raise ValueError(
       f"cache_method={cache_method!r} must be a cache method object such as "
       "kvjax.parse_method_spec('kivi:bits=4') (a spec string goes through parse_method_spec)"

@@ -12,6 +12,7 @@ less), they report room like the others.
 import jax
 import numpy as np
 
+from kvjax.cache_protocol import check_count
 from kvjax.layer_runs import StackedLayerCaches
 
 
@@ -40,7 +41,8 @@ def rows_room(caches) -> np.ndarray | None:
 
 def check_room(caches, new_tokens: int, *, caller: str, setting: str = "max_new_tokens") -> None:
   """Raises ValueError when some row has room for fewer than `new_tokens` more tokens, naming
-  the `setting` that allocated the room."""
+  the `setting` that allocated the room; `new_tokens` must be an int >= 0."""
+  check_count(f"{caller}: new_tokens", new_tokens, 0)
   room = rows_room(caches)
   if room is None or new_tokens <= 0 or np.all(room >= new_tokens):
     return

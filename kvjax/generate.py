@@ -89,6 +89,11 @@ def prefill(
   `lengths` [batch] in [1, width]) and the static arguments (`check_prefill_arguments`).
   `prefill.lower` lowers it ahead of time, without the checks."""
   check_row_lengths(tokens, lengths, vocab_size=decoder_vocab_size(decoder), name="tokens")
+  # Nested lists pass the checks as the arrays they make; jit takes arrays.
+  if isinstance(tokens, (list, tuple)):
+    tokens = np.asarray(tokens)
+  if isinstance(lengths, (list, tuple)):
+    lengths = np.asarray(lengths)
   check_prefill_arguments(
     decoder,
     batch=np.shape(tokens)[0],
@@ -535,6 +540,8 @@ def generate(
   check_padded_token_ids(
     tokens, pad_token_id=pad_token_id, vocab_size=decoder_vocab_size(decoder), name="prompts"
   )
+  if max_cache_tokens is not None:
+    check_count("max_cache_tokens", max_cache_tokens, 1)
   if max_cache_tokens is not None and tokens.shape[1] + max_new_tokens > max_cache_tokens:
     raise ValueError(
       f"prompt ({tokens.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "

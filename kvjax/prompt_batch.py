@@ -50,7 +50,12 @@ def compact_padded_batch(
   Real tokens of each row must be contiguous (left padding, right padding, or none).
   """
   tokens = np.asarray(tokens)
-  mask = np.asarray(attention_mask).astype(bool)
+  mask = np.asarray(attention_mask)
+  # Any nonzero value would otherwise mark a real token (-1, 0.5 or 2 a padding one).
+  if mask.dtype != bool and mask.size and not np.isin(mask, (0, 1)).all():
+    bad = mask[~np.isin(mask, (0, 1))].flat[0].item()
+    raise ValueError(f"attention_mask holds {bad!r}; it must hold only 0 and 1 (or booleans)")
+  mask = mask.astype(bool)
   if tokens.shape != mask.shape or tokens.ndim != 2:
     raise ValueError(
       f"tokens {tokens.shape} and attention_mask {mask.shape} must both be [batch, tokens]"
@@ -109,6 +114,8 @@ def check_row_lengths(tokens, lengths, *, vocab_size: int | None, name: str) -> 
   and `lengths` integer [batch], each in [1, width]. Values are checked only where they are
   concrete (not inside a trace); a length past the width would prefill from padding the
   model never saw, and a zero length leaves no last token to predict from."""
+  _dtype_of(tokens, name=name)  # nested lists: refused here if ragged
+  _dtype_of(lengths, name="lengths")
   shape, lengths_shape = np.shape(tokens), np.shape(lengths)
   if len(shape) != 2 or lengths_shape != shape[:1]:
     raise ValueError(
@@ -135,9 +142,19 @@ def check_positions(lengths, *, batch: int, name: str) -> None:
     raise ValueError(f"{name}={values.tolist()} must each be >= 0 and < 2**31")
 
 
+def _dtype_of(array, *, name: str):
+  """The dtype `array` has or, for nested lists, would have as an array (ragged ones refused)."""
+  if isinstance(array, (list, tuple)):
+    try:
+      return np.asarray(array).dtype
+    except ValueError:
+      raise ValueError(f"{name} must be rectangular: rows of equal length") from None
+  return jax.numpy.result_type(array)
+
+
 def _integer_values(array, *, name: str) -> np.ndarray | None:
   """`array`'s values, refused unless of an integer dtype; None inside a trace."""
-  dtype = jax.numpy.result_type(array)
+  dtype = _dtype_of(array, name=name)
   if not np.issubdtype(dtype, np.integer):
     raise ValueError(f"{name} must hold integers; got dtype {dtype}")
   return None if isinstance(array, jax.core.Tracer) else np.asarray(array)
@@ -146,7 +163,7 @@ def _integer_values(array, *, name: str) -> np.ndarray | None:
 def check_token_array(tokens, *, vocab_size: int | None, name: str) -> None:
   """An array of token ids: of an integer dtype (a float one would be truncated), and
   `check_token_ids` where its values are concrete (not inside a trace)."""
-  dtype = jax.numpy.result_type(tokens)
+  dtype = _dtype_of(tokens, name=name)
   if not np.issubdtype(dtype, np.integer):
     raise ValueError(f"{name} must hold integer token ids; got dtype {dtype}")
   if not isinstance(tokens, jax.core.Tracer):

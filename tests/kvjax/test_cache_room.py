@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.cache_room import rows_room
+from kvjax.cache_room import check_room, rows_room
 from kvjax.generate import decode, prefill
 from kvjax.method_spec import parse_method_spec
 from kvjax.sampling import SamplingConfig
@@ -79,3 +79,10 @@ def test_traced_caches_are_not_checked():
   """Inside a caller's jit the lengths are unknown: the check steps aside (documented)."""
   _, _, _, caches = _prefilled("full", 0)
   assert jax.jit(lambda c: jnp.int32(0) if rows_room(c) is None else jnp.int32(1))(caches) == 0
+
+
+@pytest.mark.parametrize("new_tokens", [-1, 2.5, True])
+def test_check_room_refuses_a_count_that_is_not_one(new_tokens):
+  _, _, _, caches = _prefilled("full", 4)
+  with pytest.raises(ValueError, match=f"my_loop: new_tokens={new_tokens!r} must be an int >= 0"):
+    check_room(caches, new_tokens, caller="my_loop")

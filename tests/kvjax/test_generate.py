@@ -130,6 +130,11 @@ def test_generate_reports_timings_and_cache_bytes():
       dict(max_new_tokens=4, cache_method="kivi"),
       r"cache_method='kivi' must be a cache method object such as kvjax.parse_method_spec",
     ),
+    (
+      dict(max_new_tokens=4, cache_method=FullCache),
+      r"cache_method=<class .*FullCache'> must be a cache method object",
+    ),
+    (dict(max_new_tokens=4, max_cache_tokens="64"), r"max_cache_tokens='64' must be an int >= 1"),
     (dict(max_new_tokens=4, sampling="greedy"), "sampling must be a kvjax.SamplingConfig"),
     # A stop id outside the vocabulary would never stop a row.
     (
@@ -456,3 +461,16 @@ def test_threads_calling_generate_at_once_get_what_calls_in_turn_get(monkeypatch
     results = list(pool.map(run, requests))
   for result, wanted in zip(results, expected, strict=True):
     np.testing.assert_array_equal(result, wanted)
+
+
+def test_prefill_takes_nested_lists_as_the_arrays_they_make():
+  decoder, params = tiny_decoder()
+  tokens, lengths = [[5, 6, 7], [8, 9, 0]], [3, 2]
+  common = dict(cache_method=FullCache(), max_new_tokens=2, cache_dtype=jnp.float32)
+  from_lists, _ = prefill(decoder, params, tokens, lengths, **common)
+  from_arrays, _ = prefill(
+    decoder, params, np.asarray(tokens, np.int32), np.asarray(lengths, np.int32), **common
+  )
+  np.testing.assert_array_equal(from_lists, from_arrays)
+  with pytest.raises(ValueError, match="tokens must be rectangular"):
+    prefill(decoder, params, [[5, 6, 7], [8]], [3, 1], **common)

@@ -31,6 +31,20 @@ def test_compact_padded_batch_rejects_bad_masks(mask):
     compact_padded_batch(np.ones((1, 3), int), np.array(mask))
 
 
+@pytest.mark.parametrize("value", [-1, 2, 0.5])
+def test_mask_values_other_than_zero_and_one_are_refused(value):
+  """Any nonzero value would mark a real token: -1 or 0.5 over a padding token would feed it."""
+  mask = np.array([[value, 1, 1]])
+  with pytest.raises(ValueError, match=f"attention_mask holds {value}; it must hold only 0 and 1"):
+    compact_padded_batch(np.array([[0, 5, 6]]), mask)
+
+
+def test_boolean_masks_are_taken():
+  compact, lengths = compact_padded_batch(np.array([[0, 5, 6]]), np.array([[False, True, True]]))
+  np.testing.assert_array_equal(compact, [[5, 6]])
+  np.testing.assert_array_equal(lengths, [2])
+
+
 def test_empty_prompt_rejected():
   with pytest.raises(ValueError, match="at least one token"):
     pack_prompts([[1], []])
