@@ -32,7 +32,14 @@ QUANTIZED_KEYS = tuple(
 )
 Setting = tuple[tuple[str, Any], ...]
 # Switches; every other setting is a number, a name or None.
-BOOLEAN_KEYS = ("prefetch", "stack_copies")
+BOOLEAN_KEYS = ("prefetch", "stack_copies", "approx_math")
+# Keys a quantized setting without a lowering (or with "triton") may hold: the Triton kernel's
+# and the TPU kernel's. The Mosaic GPU kernels' own keys need "lowering": "mosaic_gpu".
+TRITON_OR_TPU_QUANTIZED_KEYS = (
+  "lowering",
+  *quantized_decode_attention_gpu.CONFIG_KEYS["triton"],
+  *TPU_CONFIG_KEYS,
+)
 
 
 def _frozen(name: str, config, allowed: tuple[str, ...]) -> Setting:
@@ -86,6 +93,12 @@ class KernelSettings:
       raise ValueError(f"kernel settings full: {e}") from None
     quantized = dict(self.quantized)
     try:
+      mosaic_only = sorted(set(quantized) - set(TRITON_OR_TPU_QUANTIZED_KEYS))
+      if quantized.get("lowering", "triton") == "triton" and mosaic_only:
+        raise ValueError(
+          f"keys {mosaic_only} are taken by the Mosaic GPU kernels only; add "
+          '"lowering": "mosaic_gpu" (and their "variant") or remove them'
+        )
       if quantized.get("lowering", "triton") != "triton":
         # Another lowering's keys: checked whole, as that kernel takes them.
         quantized_decode_attention_gpu.check_config(quantized)

@@ -118,6 +118,18 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
     ),
     (dict(full={"num_stages": 0}), "full: num_stages=0 is not supported"),
     (dict(quantized={"unroll": -1}), "quantized: unroll=-1 is not supported"),
+    # A Mosaic GPU key without its lowering would reach no kernel until a trace, or none at all
+    # where the reference runs (CPU).
+    (
+      dict(quantized={"lowering": "triton", "row_max": "bound"}),
+      r"quantized: keys \['row_max'\] are taken by the Mosaic GPU kernels only; add "
+      '"lowering": "mosaic_gpu"',
+    ),
+    (
+      dict(quantized={"variant": "folded", "query_loads": 7}),
+      r"keys \['query_loads'\] are taken by the Mosaic GPU kernels only",
+    ),
+    (dict(quantized={"approx_math": "yes"}), "quantized: approx_math='yes' must be True or False"),
   ],
 )
 def test_bad_settings_name_what_is_wrong(kwargs, message):
@@ -212,3 +224,9 @@ def test_numpy_ints_are_held_as_the_ints_they_equal():
   settings = KernelSettings(full={"block_tokens": np.int64(64), "num_splits": np.int32(2)})
   assert settings == KernelSettings(full={"block_tokens": 64, "num_splits": 2})
   assert all(type(value) is int for _, value in settings.full)
+
+
+@pytest.mark.parametrize("approx_math", [True, False])
+def test_boolean_folded_settings_are_taken(approx_math):
+  quantized = {"lowering": "mosaic_gpu", "variant": "folded", "approx_math": approx_math}
+  assert KernelSettings(quantized=quantized).quantized_config() == quantized
