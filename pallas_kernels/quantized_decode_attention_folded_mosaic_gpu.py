@@ -491,10 +491,12 @@ def unsupported_reason(
   key_bias_source=None,
   num_splits=None,
   blocks_per_copy=None,
+  value_stat_loads=None,
   **segment,
 ) -> str | None:
   """Why this kernel cannot take this segment with these settings (None if it can); the
-  dequantizing Mosaic GPU kernel's limits, and its own."""
+  dequantizing Mosaic GPU kernel's limits, and its own. (A setting that needs another, such as
+  "own_slot" statistics loads without value_stats="separate", is refused by the kernel.)"""
   reason = dequantizing.unsupported_reason(
     queries, k_codes, k_scale, v_scale, bits=bits, group_size=group_size, **segment
   )
@@ -523,6 +525,11 @@ def unsupported_reason(
     reason := value_operand_matrix_loads.unsupported_reason(head_dim, bits, block)
   ):
     return reason
+  if value_stat_loads == "own_slot":
+    group = queries.shape[2]
+    reason = own_slot_unsupported_reason(tile_rows(group), value_slots(group)[0], "separate")
+    if reason is not None:
+      return reason
   if key_bias_source == "kernel":
     plan = folded_split_plan(
       queries,

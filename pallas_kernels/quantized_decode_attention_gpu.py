@@ -165,6 +165,7 @@ def mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, *, config: di
     key_bias_source=config.get("key_bias_source"),
     num_splits=config.get("num_splits"),
     blocks_per_copy=config.get("blocks_per_copy"),
+    value_stat_loads=config.get("value_stat_loads"),
     **segment,
   )
 

@@ -196,3 +196,28 @@ def test_asking_for_triton_by_name_keeps_folded_triton(monkeypatch):
   assert not mosaic_calls and len(triton_calls) == 1 and "stack_copies" not in triton_calls[0]
   ref = quantized_decode_attention_reference(*arrays, **quantization, sm_scale=0.1)
   assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, True))
+
+
+@pytest.mark.parametrize("group,falls_back", [(1, True), (2, False), (4, False), (8, False)])
+def test_own_slot_statistics_fall_back_where_a_lane_spans_slots(group, falls_back):
+  """value_stat_loads='own_slot' at one query head per KV head (a lane's two columns in two
+  value slots) runs folded Triton with a warning, as the kernel's other shape limits do; it
+  raised inside the trace before."""
+  queries, segment = _segment(group=group)
+  config = {**FOLDED_MOSAIC_GPU_V34, "value_stat_loads": "own_slot"}
+  reason = quantized_decode_attention_gpu.mosaic_gpu_fallback_reason(
+    queries,
+    segment.k_codes,
+    segment.k_scale,
+    segment.v_scale,
+    config=config,
+    bits=2,
+    group_size=32,
+    lowrank=None,
+    outliers=None,
+    block=64,
+  )
+  if falls_back:
+    assert "value_stat_loads='own_slot' with 1 query rows per value slot" in reason
+  else:
+    assert reason is None
