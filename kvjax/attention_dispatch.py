@@ -144,8 +144,9 @@ def decode_attention(
   family, interpret = choose_kernel_family(implementation, kernel_backend)
   check_kernel_config(kernel_config, quantized=False, family=family)
   check_decode_inputs(queries, keys, values, lengths)
-  if keys.shape[2] == 0:
-    family = "reference"  # a segment with no slots: nothing to read, out 0 and lse -inf
+  if 0 in keys.shape[:3]:
+    # No rows, heads or slots: nothing to read (out 0 and lse -inf where there are rows).
+    family = "reference"
   if family != "reference":
     reason = (
       decode_attention_gpu.unsupported_reason(queries, keys, kernel_config or {})
@@ -256,8 +257,9 @@ def quantized_decode_attention(
     block=block,
   )
   arrays = (queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths)
-  if k_codes.shape[2] == 0:
-    family = "reference"  # a segment with no slots: nothing to read, out 0 and lse -inf
+  if 0 in k_codes.shape[:3]:
+    # No rows, heads or slots: nothing to read (out 0 and lse -inf where there are rows).
+    family = "reference"
   if family != "reference":
     module = quantized_decode_attention_gpu if family == "gpu" else quantized_decode_attention_tpu
     segment = dict(

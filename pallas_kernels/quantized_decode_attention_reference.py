@@ -321,7 +321,7 @@ def quantized_decode_attention_reference(
       return new_max, running_sum, acc
 
     # Chunks past every row's length are skipped outright (capacity is static, lengths are not).
-    carry = jax.lax.cond(x["start"] < lengths.max(), attend, lambda c: c, carry)
+    carry = jax.lax.cond(x["start"] < lengths.max(initial=0), attend, lambda c: c, carry)
     return carry, None
 
   init = (

@@ -49,7 +49,14 @@ def plan_splits(
 ) -> SplitPlan:
   """Splits `tokens` into `num_splits` ranges of whole blocks (None: enough to reach about
   `target_programs` programs in all), each a multiple of `blocks_multiple` blocks (fewer splits
-  where that needs them). Trailing empty splits are dropped."""
+  where that needs them). Trailing empty splits are dropped. A kernel needs something to
+  split: `tokens` and `rows_times_heads` >= 1 (the dispatch runs the reference otherwise)."""
+  if tokens < 1 or rows_times_heads < 1:
+    raise ValueError(
+      f"a decode kernel needs at least one token slot and one (row, KV head); got capacity "
+      f"{tokens} and batch x kv_heads = {rows_times_heads} (attention_dispatch runs the jnp "
+      "reference for such a segment)"
+    )
   total_blocks = cdiv(tokens, block_tokens)
   if num_splits is None:
     num_splits = cdiv(target_programs, rows_times_heads)

@@ -251,3 +251,44 @@ def test_a_nan_key_minimum_in_a_held_group_makes_its_rows_nan_everywhere(kernel_
   assert np.isnan(lse).all(axis=-1).tolist() == nan_rows.tolist()
   assert np.isnan(out).all(axis=(-2, -1)).tolist() == nan_rows.tolist()
   _close(out[~nan_rows], np.asarray(ref_out)[~nan_rows], rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel_backend", ["gpu", "tpu"])
+def test_empty_batches_run_the_reference(kernel_backend):
+  """No rows: the kernels have nothing to split (their planner refuses it by name); the
+  dispatch hands the empty arrays to the reference, for both segment kinds."""
+  rng = np.random.default_rng(0)
+  queries = random_queries(rng, 0, 2, 4, 64)
+  keys, values = random_full_segment(rng, 0, 2, 40, 64)
+  lengths = jnp.zeros((0,), jnp.int32)
+  out, lse = attention_dispatch.decode_attention(
+    queries,
+    keys,
+    values,
+    lengths,
+    sm_scale=0.1,
+    implementation="interpret",
+    kernel_backend=kernel_backend,
+  )
+  assert out.shape == (0, 2, 4, 64) and lse.shape == (0, 2, 4)
+  segment = random_quantized_segment(rng, 0, 2, 64, 64, bits=4, group_size=32)
+  out, lse = attention_dispatch.quantized_decode_attention(
+    queries,
+    *segment[:6],
+    lengths,
+    bits=4,
+    group_size=32,
+    sm_scale=0.1,
+    implementation="interpret",
+    kernel_backend=kernel_backend,
+  )
+  assert out.shape == (0, 2, 4, 64) and lse.shape == (0, 2, 4)
+
+
+def test_the_split_planner_refuses_an_empty_segment_by_name():
+  from pallas_kernels.splits import plan_splits
+
+  with pytest.raises(ValueError, match="got capacity 0 and batch x kv_heads = 4"):
+    plan_splits(0, 64, 4, 2, 1)
+  with pytest.raises(ValueError, match="got capacity 64 and batch x kv_heads = 0"):
+    plan_splits(64, 64, 0, None, 132)
