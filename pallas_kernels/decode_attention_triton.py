@@ -176,6 +176,9 @@ def decode_attention_partials_triton(
   `initial_partials`, if given, are the output buffers' starting contents (aliased): tests fill
   them with NaN to prove that the kernel writes every element.
   """
+  reason = unsupported_reason(queries, keys)
+  if reason is not None:  # the dispatch runs the reference for these; called directly, refused
+    raise ValueError(f"the Triton decode-attention kernel does not take {reason}")
   batch, kv_heads, group, head_dim = queries.shape
   tokens = keys.shape[2]
   rows = tile_rows(group)

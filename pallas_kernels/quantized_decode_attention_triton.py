@@ -619,6 +619,19 @@ def quantized_decode_attention_partials_triton(
     outliers=outliers,
     block=block,
   )
+  reason = unsupported_reason(
+    queries,
+    k_codes,
+    k_scale,
+    v_scale,
+    bits=bits,
+    group_size=group_size,
+    lowrank=lowrank,
+    outliers=outliers,
+    block=block,
+  )
+  if reason is not None:  # the dispatch runs the reference for these; called directly, refused
+    raise ValueError(f"the Triton quantized decode-attention kernel does not take {reason}")
   batch, kv_heads, group, head_dim, tokens = sizes[:5]
   gear = lowrank is not None or outliers is not None
   score_io = gear and gear_terms == "xla"  # GEAR's terms around the kernel: it sees a KIVI segment

@@ -635,3 +635,10 @@ def test_triton_planar_kernel_grid(bits, head_dim, group, gear):
 def test_tpu_kernel_grid(bits, head_dim, group, gear):
   dtype = jnp.float32 if (bits + group) % 2 else jnp.bfloat16
   _check_tpu(bits, head_dim, group, gear, dtype, seed=bits + 5 * head_dim + group)
+
+
+def test_the_triton_kernel_called_directly_refuses_what_it_does_not_take():
+  queries, segment, lengths, kwargs, _ = _case(3, 2, 64, 4, False, jnp.float32)
+  queries = jnp.concatenate([queries] * 17, axis=2)  # 68 query heads per KV head
+  with pytest.raises(ValueError, match="does not take query group 68 > 64"):
+    triton_kernel.quantized_decode_attention_triton(queries, *segment[:6], lengths, **kwargs)
