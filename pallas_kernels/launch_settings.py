@@ -11,14 +11,17 @@ import numbers
 from typing import Any
 
 MIN_BLOCK_TOKENS = 16  # the smallest K or N side of a tensor-core dot; a multiple of TPU sublanes
+# The largest value of a count: index arithmetic on it stays in int32 (2**31 tokens a block
+# overflowed a kernel's index maps with an OverflowError deep inside the trace).
+MAX_SETTING = 2**20
 NUM_WARPS = (1, 2, 4, 8, 16)
 # setting -> what it must be (None always means the kernel's default)
 ALLOWED = {
-  "block_tokens": f"a power of two >= {MIN_BLOCK_TOKENS}",
-  "num_splits": "an int >= 1",
+  "block_tokens": f"a power of two in [{MIN_BLOCK_TOKENS}, 2**20]",
+  "num_splits": "an int in [1, 2**20]",
   "num_warps": f"one of {NUM_WARPS}",
-  "num_stages": "an int >= 1",
-  "unroll": "an int >= 1",
+  "num_stages": "an int in [1, 2**20]",
+  "unroll": "an int in [1, 2**20]",
 }
 
 
@@ -33,10 +36,12 @@ def _is_int(value: Any) -> bool:
 def _allowed(key: str, value: Any) -> bool:
   if not _is_int(value):
     return False
-  if key == "block_tokens":
-    return value >= MIN_BLOCK_TOKENS and is_power_of_two(value)
   if key == "num_warps":
     return value in NUM_WARPS
+  if value > MAX_SETTING:
+    return False
+  if key == "block_tokens":
+    return value >= MIN_BLOCK_TOKENS and is_power_of_two(value)
   return value >= 1
 
 

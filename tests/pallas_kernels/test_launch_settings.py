@@ -24,19 +24,21 @@ def test_allowed_settings_pass(config):
   [
     (
       {"block_tokens": 0},
-      r"block_tokens=0 is not supported; allowed: None or a power of two >= 16",
+      r"block_tokens=0 is not supported; allowed: None or a power of two in \[16, 2\*\*20\]",
     ),
     ({"block_tokens": -64}, "block_tokens=-64"),
     ({"block_tokens": 8}, "block_tokens=8"),
     ({"block_tokens": 96}, "block_tokens=96"),
     ({"block_tokens": 64.0}, "block_tokens=64.0"),
     ({"block_tokens": "abc"}, "block_tokens='abc'"),
-    ({"num_splits": 0}, "num_splits=0 is not supported; allowed: None or an int >= 1"),
+    ({"num_splits": 0}, r"num_splits=0 is not supported; allowed: None or an int in \[1, 2\*\*20"),
     ({"num_splits": True}, "num_splits=True"),
+    ({"block_tokens": 2**31}, "block_tokens=2147483648"),  # overflowed int32 inside the trace
+    ({"num_splits": 2**20 + 1}, "num_splits=1048577"),
     ({"num_warps": 3}, r"num_warps=3 is not supported; allowed: None or one of \(1, 2, 4, 8, 16\)"),
     ({"num_warps": 32}, "num_warps=32"),
-    ({"num_stages": 0}, "num_stages=0 is not supported; allowed: None or an int >= 1"),
-    ({"unroll": -1}, "unroll=-1 is not supported; allowed: None or an int >= 1"),
+    ({"num_stages": 0}, r"num_stages=0 is not supported; allowed: None or an int in \[1, 2\*\*20"),
+    ({"unroll": -1}, r"unroll=-1 is not supported; allowed: None or an int in \[1, 2\*\*20\]"),
   ],
 )
 def test_bad_settings_are_named_with_their_allowed_values(config, message):
