@@ -22,6 +22,7 @@ do not return. So `h2o_decode` accepts implementation "auto" or "reference" only
 """
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ from kvjax.chunk_attention import attend_chunk_over_slots
 from kvjax.compact_rows import zero_past_lengths
 from kvjax.dense_cache import FullCache
 from kvjax.h2o import h2o_token_scores
+from kvjax.kernel_settings import KernelSettings
 from kvjax.method_registry import register_method
 from kvjax.selection.budgets import (
   budget_while_decoding,
@@ -292,6 +294,14 @@ class H2ODecode:
         f"h2o_decode: implementation={self.storage.implementation!r}; allowed: "
         f"{', '.join(IMPLEMENTATIONS)} (its decode attention needs every held token's "
         "probability, which the Pallas kernels do not return, so it is always jnp)"
+      )
+    if self.storage.kernel_settings != KernelSettings():
+      # A warning, not an error: a command line's --kernel-settings reaches every method
+      # compared, this one too.
+      warnings.warn(
+        "h2o_decode ignores its kernel_settings: its decode attention is always jnp (it needs "
+        "every held token's probability, which the kernels do not return)",
+        stacklevel=2,
       )
 
   def budget_tokens(self, prompt_len: int) -> int:

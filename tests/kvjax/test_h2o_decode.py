@@ -1,3 +1,5 @@
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,7 @@ from kvjax.cache_protocol import ModelCacheShape, append_and_attend
 from kvjax.compressed_context import compress_context, continue_context
 from kvjax.generate import generate, prefill
 from kvjax.h2o_decode import H2ODecode
+from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import describe_method, parse_method_spec
 from kvjax.prompt_batch import pack_prompts
 from kvjax.teacher_forcing import teacher_force
@@ -314,3 +317,13 @@ def test_a_sliding_window_model_is_refused_past_its_window(budget):
   H2ODecode(budget=budget).allocate(
     shape, 0, batch=1, prompt_len=12, max_new_tokens=4, dtype=jnp.float32
   )
+
+
+def test_kernel_settings_are_named_as_ignored():
+  """Its attention is always jnp: settings for kernels it never runs are not taken silently."""
+  settings = KernelSettings(full={"lowering": "mosaic_gpu", "block_tokens": 64})
+  with pytest.warns(UserWarning, match="h2o_decode ignores its kernel_settings"):
+    parse_method_spec("h2o_decode:budget=48", kernel_settings=settings)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    parse_method_spec("h2o_decode:budget=48")
