@@ -54,6 +54,7 @@ from kvjax.row_sharding import (
   rows_split_at,
 )
 from kvjax.sampling import SamplingConfig
+from kvjax.selection.budgets import warn_if_ragged_budgets
 from kvjax.shared_context_cache import SharedContextLayerCache, shared_context_refusal
 
 
@@ -143,6 +144,7 @@ def compress_context(
   """
   _check_room_argument(room)
   tokens, lengths = pack_prompts(prompts, pad_token_id=pad_token_id)
+  warn_if_ragged_budgets(cache_method, lengths, caller="compress_context")
   check_padded_token_ids(
     tokens, pad_token_id=pad_token_id, vocab_size=decoder_vocab_size(decoder), name="prompts"
   )

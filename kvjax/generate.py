@@ -47,6 +47,7 @@ from kvjax.prompt_batch import (
 )
 from kvjax.row_sharding import check_row_sharding, row_shardings
 from kvjax.sampling import SamplingConfig, sample_next_token
+from kvjax.selection.budgets import warn_if_ragged_budgets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,6 +538,7 @@ def generate(
     stop_token_ids, pad_token_id, vocab_size=decoder_vocab_size(decoder)
   )
   tokens, lengths = _as_compact_batch(prompts, attention_mask, pad_token_id)
+  warn_if_ragged_budgets(cache_method, lengths, caller="generate")
   check_padded_token_ids(
     tokens, pad_token_id=pad_token_id, vocab_size=decoder_vocab_size(decoder), name="prompts"
   )

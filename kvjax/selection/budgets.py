@@ -8,6 +8,9 @@ cache has a static shape; a row shorter than the budget keeps all its tokens.
 
 import math
 import numbers
+import warnings
+
+import numpy as np
 
 from kvjax.cache_protocol import ModelCacheShape
 
@@ -122,4 +125,28 @@ def check_storage_method(method: str, storage) -> None:
     raise ValueError(
       f"{method}: storage={storage!r} is not a storage method (one with allocate_storage: "
       "full, kivi, gear)"
+    )
+
+
+def budget_follows_prompt_width(cache_method) -> bool:
+  """Whether a method's budgets are computed from the batch's padded prompt width: a `ratio`
+  (of any selection or eviction method) or PyramidKV's per-layer pyramid."""
+  return (
+    getattr(cache_method, "ratio", None) is not None
+    or getattr(cache_method, "method_name", "") == "pyramidkv"
+  )
+
+
+def warn_if_ragged_budgets(cache_method, lengths, *, caller: str) -> None:
+  """Warns when rows of different lengths share budgets computed from the padded width: a row
+  then keeps what the longest row's budget allows, not what it would keep alone."""
+  lengths = np.asarray(lengths)
+  if budget_follows_prompt_width(cache_method) and lengths.size and lengths.min() != lengths.max():
+    warnings.warn(
+      f"{caller}: {getattr(cache_method, 'method_name', cache_method)}'s budgets follow the "
+      f"batch's padded prompt width ({int(lengths.max())} tokens), so its shorter rows "
+      f"({int(lengths.min())} tokens and up) keep what that width allows, not what each would "
+      "keep alone; give budget= (not ratio=, and not pyramidkv) or batch rows of one length "
+      "for per-row budgets",
+      stacklevel=3,
     )

@@ -1,8 +1,11 @@
+import warnings
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from kvjax.cache_protocol import ModelCacheShape, allocate_model_cache
+from kvjax.generate import generate
 from kvjax.method_spec import parse_method_spec
 from kvjax.pyramidkv import PyramidKV, pyramid_layer_budgets
 from tests.kvjax.test_snapkv import (
@@ -17,6 +20,7 @@ from tests.kvjax.test_snapkv import (
   random_qkv,
   run_generate,
 )
+from tests.kvjax.tiny_decoder import tiny_decoder
 
 
 def numpy_pyramid_budgets(budget, window, num_layers, prompt_len, beta=20):
@@ -111,3 +115,32 @@ def test_generate_batch_of_two_lengths_layers_differ_in_size():
   budgets = method.layer_budgets(2, 37)  # the longest prompt: 37 tokens
   assert budgets == (20, 4) and sum(budgets) == 2 * 12
   assert result.cache_bytes == sum(2 * 2 * 2 * (b + 3) * 16 * 4 + 2 * 4 for b in budgets)
+
+
+@pytest.mark.parametrize(
+  "spec,warns",
+  [
+    ("pyramidkv:budget=16,window=4", True),
+    ("snapkv:ratio=0.5,window=4", True),
+    ("snapkv:ratio=0.5,window=4+kivi:bits=4,group_size=16,residual=16", True),
+    ("snapkv:budget=16,window=4", False),
+  ],
+)
+def test_ragged_batches_say_when_budgets_follow_the_padded_width(spec, warns):
+  """Budgets from the padded width (a ratio, PyramidKV's pyramid) give a short row what the
+  longest allows, not what it keeps alone (a review found its tokens changed); generate says
+  so. A fixed budget is per row already: no warning."""
+  decoder, params = tiny_decoder()
+  method = parse_method_spec(spec)
+  prompts = [list(range(1, 41)), list(range(1, 21))]
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    generate(decoder, params, prompts, max_new_tokens=2, cache_method=method)
+  said = [
+    w for w in caught if "budgets follow the batch's padded prompt width (40" in str(w.message)
+  ]
+  assert bool(said) == warns
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    generate(decoder, params, [prompts[0]] * 2, max_new_tokens=2, cache_method=method)
+  assert not [w for w in caught if "padded prompt width" in str(w.message)]
