@@ -368,3 +368,53 @@ def test_the_warp_kernel_generates_the_reference_tokens(
   assert {group for group, _ in calls} == {num_heads // config.num_kv_heads}
   assert all(kwargs.items() >= settings.items() for _, kwargs in calls)
   # (under the layer loop's jit the lengths are traced: the prompts set them, 160 and 64)
+
+
+@pytest.mark.parametrize(
+  "spec",
+  [
+    "full",
+    "kivi:bits=2,group_size=16,residual=16",
+    "gear:bits=4,group_size=16,block=16,rank=2,outliers=0.02",
+  ],
+)
+@pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
+def test_the_tpu_kernels_generate_the_reference_tokens(spec, monkeypatch):
+  """The TPU kernels (interpret mode) through generate and a forced continuation, as the GPU
+  ones above: the dispatch is pointed at them, since "interpret" picks the GPU kernels. The
+  tokens-on-lanes layout (v49) over real caches: ragged rows, KIVI's window, GEAR's terms by
+  XLA around the kernel."""
+  chosen = []
+
+  def tpu_when_interpreted(implementation, kernel_backend):
+    family = "reference" if implementation == "reference" else "tpu"
+    chosen.append(family)
+    return family, family == "tpu"
+
+  monkeypatch.setattr(attention_dispatch, "choose_kernel_family", tpu_when_interpreted)
+  decoder, params = tiny_decoder(config=KERNEL_CONFIG)
+  run = lambda implementation: (
+    generate(
+      decoder,
+      params,
+      PROMPTS,
+      max_new_tokens=3,  # a length no other test here compiles, so no program is reused
+      cache_dtype=jnp.float32,
+      cache_method=parse_method_spec(spec, implementation=implementation),
+    ).tokens
+  )
+  np.testing.assert_array_equal(run("interpret"), run("reference"))
+  assert "tpu" in chosen
+  windows = np.array([p[:21] + p[:5] for p in PROMPTS], np.int32)
+  logprobs = {
+    implementation: score_continuation(
+      decoder,
+      params,
+      parse_method_spec(spec, implementation=implementation),
+      windows,
+      context_len=21,
+      cache_dtype=jnp.float32,
+    ).logprobs
+    for implementation in ("reference", "interpret")
+  }
+  np.testing.assert_allclose(logprobs["interpret"], logprobs["reference"], atol=1e-4)
