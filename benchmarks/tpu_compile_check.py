@@ -123,11 +123,13 @@ def laid_out_bytes(shape: str) -> int:
   return math.prod(physical) * ELEMENT_BYTES.get(dtype, 4)
 
 
-def entry_instructions(compiled) -> list[Instruction]:
-  """The optimised entry computation's instructions (parameters and tuple plumbing left out)."""
+def entry_instructions(compiled, computation: str | None = None) -> list[Instruction]:
+  """The instructions of the optimised entry computation, or of the computation named
+  `computation` (parameters and tuple plumbing left out)."""
   text = compiled.as_text()
-  entry = text[text.index("\nENTRY") :]
-  body = entry[entry.index("{\n") + 2 :]
+  header = "\nENTRY" if computation is None else f"\n%{computation} "
+  entry = text[text.index(header) :]
+  body = entry[entry.index("{\n") + 2 : entry.index("\n}")]
   found = []
   for line in body.splitlines():
     match = _INSTRUCTION.match(line)
@@ -140,13 +142,94 @@ def entry_instructions(compiled) -> list[Instruction]:
   return found
 
 
-def large_copies(compiled, min_bytes: int) -> list[Instruction]:
-  """Copies and transposes in the entry computation whose result holds >= min_bytes."""
+def large_copies(compiled, min_bytes: int, computation: str | None = None) -> list[Instruction]:
+  """Copies and transposes in the entry computation (or `computation`) whose result holds
+  >= min_bytes."""
   return [
     instruction
-    for instruction in entry_instructions(compiled)
+    for instruction in entry_instructions(compiled, computation)
     if instruction.opcode in COPY_OPCODES and instruction.bytes >= min_bytes
   ]
+
+
+def while_body(compiled) -> str:
+  """The name of the body of the optimised module's one top-level `while` loop (the entry
+  computation's; loops XLA makes inside it, of a scatter or a sort, are not counted)."""
+  text = compiled.as_text()
+  entry = text[text.index("\nENTRY") :]
+  entry = entry[: entry.index("\n}")]
+  bodies = [
+    re.search(r"\bbody=%?([\w.\-]+)", line).group(1)
+    for line in entry.splitlines()
+    if re.match(r"\s*(?:ROOT )?%[\w.\-]+ = .* while\(", line)
+  ]
+  if len(bodies) != 1:
+    raise ValueError(f"expected one top-level while loop, found {len(bodies)}")
+  return bodies[0]
+
+
+def decode_loop(spec: str, *, context: int, head_dim: int, topology: str = "v5e:2x2"):
+  """kvjax's own decode loop (`generate`'s, caches donated) compiled for a TPU: a one-layer
+  random Llama with the benchmark's attention shapes (8 KV heads, 4 query heads each), batch 8,
+  a cache of `method` holding `context` tokens, the TPU kernels (the dispatch is told the
+  backend is a TPU: it picks kernels by the default backend, this machine's CPU)."""
+  import importlib
+  from unittest import mock
+
+  from kvjax.method_spec import parse_method_spec
+  from kvjax.sampling import SamplingConfig
+  from models.config import DecoderConfig
+  from models.nnx_decoder import split_decoder
+  from models.weights import random_decoder
+
+  generate_module = importlib.import_module("kvjax.generate")
+  new_tokens, batch, kv_heads, group = 64, 8, 8, 4
+  config = DecoderConfig(
+    vocab_size=256,
+    hidden_size=512,
+    intermediate_size=512,
+    num_layers=1,
+    num_heads=kv_heads * group,
+    num_kv_heads=kv_heads,
+    head_dim=head_dim,
+    max_position_embeddings=context + new_tokens,
+  )
+  decoder, params = split_decoder(random_decoder(config, seed=0))
+  method = parse_method_spec(spec, implementation="pallas")
+  device = tpu_device(topology)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  placed = lambda tree: jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
+  )
+  prefill_static = dict(
+    cache_method=method, max_new_tokens=new_tokens, cache_dtype=jnp.bfloat16, prefill_chunk=None
+  )
+  cache_was_on = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    with mock.patch("jax.default_backend", return_value="tpu"), jax.default_device(device):
+      logits, caches = jax.eval_shape(
+        lambda tokens, lengths: generate_module._prefill_in_jit(
+          decoder, params, tokens, lengths, **prefill_static
+        ),
+        jax.ShapeDtypeStruct((batch, context - new_tokens), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+      )
+      lowered = generate_module._decode_in_jit_donating_caches.trace(
+        decoder,
+        placed(params),
+        placed(logits),
+        placed(caches),
+        placed(jax.ShapeDtypeStruct((batch,), jnp.int32)),
+        placed(jax.eval_shape(lambda: jax.random.key(0))),
+        max_new_tokens=new_tokens,
+        sampling=SamplingConfig(),
+        stop_token_ids=(),
+        pad_token_id=0,
+      ).lower(lowering_platforms=("tpu",))
+      return lowered.compile()
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache_was_on)
 
 
 def record_shapes(head_dim: int, tokens: int, bits: int | None, stats_dtype=jnp.bfloat16):

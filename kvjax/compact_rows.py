@@ -9,9 +9,16 @@ def write_token_at_lengths(
   token: jax.Array,  # [batch, heads, ...]
   lengths: jax.Array,  # int32 [batch]: slot written in each row
 ) -> jax.Array:
-  """`stored[b, :, lengths[b]] = token[b]` as one scatter (in place inside a scan carry)."""
-  batch_index = jnp.arange(stored.shape[0])
-  return stored.at[batch_index, :, lengths].set(token.astype(stored.dtype), mode="drop")
+  """`stored[b, :, lengths[b]] = token[b]` as one scatter (in place inside a scan carry),
+  indexed on batch, head and slot so that its window is one trailing row: on a TPU, a window
+  spanning the heads made XLA lay the cache out heads-minor and copy it into the attention
+  kernel's layout at every decode step (KERNEL_NOTES v49)."""
+  batch, heads = stored.shape[:2]
+  batch_index = jnp.arange(batch)[:, None]
+  head_index = jnp.arange(heads)[None, :]
+  return stored.at[batch_index, head_index, lengths[:, None]].set(
+    token.astype(stored.dtype), mode="drop"
+  )
 
 
 def write_tokens_at_lengths(
@@ -20,10 +27,12 @@ def write_tokens_at_lengths(
   slots: jax.Array,  # int32 [batch, chunk]: slot of each token; >= capacity drops it
 ) -> jax.Array:
   """`stored[b, :, slots[b, j]] = tokens[b, :, j]` as one scatter (slots of a row distinct)."""
-  batch_index = jnp.arange(stored.shape[0])[:, None]
-  # Advanced indices on axes 0 and 2 around a slice put their broadcast shape first.
-  update = jnp.moveaxis(tokens, 2, 1).astype(stored.dtype)  # [batch, chunk, heads, ...]
-  return stored.at[batch_index, :, slots].set(update, mode="drop")
+  batch, heads = stored.shape[:2]
+  batch_index = jnp.arange(batch)[:, None, None]
+  head_index = jnp.arange(heads)[None, :, None]
+  return stored.at[batch_index, head_index, slots[:, None, :]].set(
+    tokens.astype(stored.dtype), mode="drop"
+  )
 
 
 def slots_after_lengths(

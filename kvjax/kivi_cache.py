@@ -146,7 +146,7 @@ def _write_blocks(
 ) -> QuantizedKV:
   """`storage[b, :, rows of blocks[b, :num_blocks[b]]] = ...`: one scatter per array."""
   batch = start_tokens.shape[0]
-  batch_index = jnp.arange(batch)[:, None]
+  batch_index = jnp.arange(batch)[:, None, None]
   num_given = blocks.tokens // window
 
   def write_array(stored, new):  # stored [B, H, rows, ...], new [B, H, num_given * rpb, ...]
@@ -156,9 +156,14 @@ def _write_blocks(
     # Rows past a row's blocks write past the end, and mode="drop" discards them.
     written = offsets[None, :] < (num_blocks * rows_per_block)[:, None]
     row_index = jnp.where(written, row_index, stored.shape[2])
-    # Advanced indices on axes 0 and 2 around a slice put their broadcast shape first.
-    update = jnp.moveaxis(new, 2, 1).astype(stored.dtype)  # [B, given rows, H, ...]
-    return stored.at[batch_index, :, row_index].set(update, mode="drop")
+    # Indices on batch, head and row, each write a trailing row: a scatter whose window is the
+    # row alone keeps the storage's row-major layout on a TPU. (One whose window spans the
+    # heads, [H, ...] per row, made XLA lay the storage out heads-minor there, padded to 128
+    # lanes, and copy it for the attention kernel at every step: KERNEL_NOTES v49.)
+    head_index = jnp.arange(stored.shape[1])[None, :, None]
+    return stored.at[batch_index, head_index, row_index[:, None, :]].set(
+      new.astype(stored.dtype), mode="drop"
+    )
 
   return jax.tree_util.tree_map(write_array, storage, blocks)
 
