@@ -28,6 +28,7 @@ import json
 import math
 import os
 import re
+import sys
 
 # Nothing here runs on a device; with libtpu installed and no TPU attached, jax would otherwise
 # try to start one (and log why it could not) before falling back to the CPU.
@@ -173,61 +174,30 @@ def decode_loop(spec: str, *, context: int, head_dim: int, topology: str = "v5e:
   random Llama with the benchmark's attention shapes (8 KV heads, 4 query heads each), batch 8,
   a cache of `method` holding `context` tokens, the TPU kernels (the dispatch is told the
   backend is a TPU: it picks kernels by the default backend, this machine's CPU)."""
-  import importlib
-  from unittest import mock
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  from decode_loop_lowering import lowered_decode_loop
 
   from kvjax.method_spec import parse_method_spec
-  from kvjax.sampling import SamplingConfig
-  from models.config import DecoderConfig
-  from models.nnx_decoder import split_decoder
-  from models.weights import random_decoder
 
-  generate_module = importlib.import_module("kvjax.generate")
-  new_tokens, batch, kv_heads, group = 64, 8, 8, 4
-  config = DecoderConfig(
-    vocab_size=256,
-    hidden_size=512,
-    intermediate_size=512,
-    num_layers=1,
-    num_heads=kv_heads * group,
-    num_kv_heads=kv_heads,
-    head_dim=head_dim,
-    max_position_embeddings=context + new_tokens,
-  )
-  decoder, params = split_decoder(random_decoder(config, seed=0))
-  method = parse_method_spec(spec, implementation="pallas")
   device = tpu_device(topology)
   sharding = jax.sharding.SingleDeviceSharding(device)
   placed = lambda tree: jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
   )
-  prefill_static = dict(
-    cache_method=method, max_new_tokens=new_tokens, cache_dtype=jnp.bfloat16, prefill_chunk=None
-  )
+  method = parse_method_spec(spec, implementation="pallas")
   cache_was_on = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   try:
-    with mock.patch("jax.default_backend", return_value="tpu"), jax.default_device(device):
-      logits, caches = jax.eval_shape(
-        lambda tokens, lengths: generate_module._prefill_in_jit(
-          decoder, params, tokens, lengths, **prefill_static
-        ),
-        jax.ShapeDtypeStruct((batch, context - new_tokens), jnp.int32),
-        jax.ShapeDtypeStruct((batch,), jnp.int32),
-      )
-      lowered = generate_module._decode_in_jit_donating_caches.trace(
-        decoder,
-        placed(params),
-        placed(logits),
-        placed(caches),
-        placed(jax.ShapeDtypeStruct((batch,), jnp.int32)),
-        placed(jax.eval_shape(lambda: jax.random.key(0))),
-        max_new_tokens=new_tokens,
-        sampling=SamplingConfig(),
-        stop_token_ids=(),
-        pad_token_id=0,
-      ).lower(lowering_platforms=("tpu",))
-      return lowered.compile()
+    return lowered_decode_loop(
+      method,
+      placed=placed,
+      backend="tpu",
+      platform="tpu",
+      context=context,
+      head_dim=head_dim,
+      target=lambda: jax.default_device(device),
+      compile_in_target=True,  # the compile, too, reads the default backend and device
+    )
   finally:
     jax.config.update("jax_enable_compilation_cache", cache_was_on)
 

@@ -294,72 +294,32 @@ def decode_step_kernels(context: int, quantized_settings: dict, bits: int = 2) -
 
   The cache's updates are scatters: their operand-plus-result bytes here are the arrays they
   update; a scatter XLA runs in place moves only its updates."""
-  import importlib
-  from unittest import mock
-
-  import jax
-  import jax.numpy as jnp
-
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import mosaic_static_cost
   import triton_static_cost
+  from decode_loop_lowering import lowered_decode_loop
 
   from kvjax.kernel_settings import KernelSettings
   from kvjax.method_spec import parse_method_spec
-  from kvjax.sampling import SamplingConfig
-  from models.config import DecoderConfig
-  from models.nnx_decoder import split_decoder
-  from models.weights import random_decoder
 
-  generate_module = importlib.import_module("kvjax.generate")  # the package exports the function
   shape = mosaic_static_cost.BENCHMARK_SHAPE
-  new_tokens = 64
-  config = DecoderConfig(
-    vocab_size=256,
-    hidden_size=512,
-    intermediate_size=512,
-    num_layers=1,
-    num_heads=shape["kv_heads"] * shape["group"],
-    num_kv_heads=shape["kv_heads"],
-    head_dim=shape["head_dim"],
-    max_position_embeddings=context + new_tokens,
-  )
-  decoder, params = split_decoder(random_decoder(config, seed=0))
-  placed = _on_compile_only_h100
-
   method = parse_method_spec(
     f"kivi:bits={bits},residual=128,group_size={shape['group_size']}",
     implementation="pallas",
     kernel_settings=KernelSettings(quantized=quantized_settings),
   )
-  batch, prompt = shape["batch"], context - new_tokens
-  prefill_static = dict(
-    cache_method=method, max_new_tokens=new_tokens, cache_dtype=jnp.bfloat16, prefill_chunk=None
+  lowered = lowered_decode_loop(
+    method,
+    placed=_on_compile_only_h100,
+    backend="gpu",
+    platform="cuda",
+    context=context,
+    kv_heads=shape["kv_heads"],
+    group=shape["group"],
+    head_dim=shape["head_dim"],
+    batch=shape["batch"],
+    target=triton_static_cost.pallas_triton_for_h100,
   )
-  # kvjax picks its kernels by the default backend, which is this machine's CPU.
-  with (
-    mock.patch("jax.default_backend", return_value="gpu"),
-    triton_static_cost.pallas_triton_for_h100(),
-  ):
-    logits, caches = jax.eval_shape(
-      lambda tokens, lengths: generate_module._prefill_in_jit(
-        decoder, params, tokens, lengths, **prefill_static
-      ),
-      jax.ShapeDtypeStruct((batch, prompt), jnp.int32),
-      jax.ShapeDtypeStruct((batch,), jnp.int32),
-    )
-    lowered = generate_module._decode_in_jit_donating_caches.trace(
-      decoder,
-      placed(params),
-      placed(logits),
-      placed(caches),
-      placed(jax.ShapeDtypeStruct((batch,), jnp.int32)),
-      placed(jax.eval_shape(lambda: jax.random.key(0))),
-      max_new_tokens=new_tokens,
-      sampling=SamplingConfig(),
-      stop_token_ids=(),
-      pad_token_id=0,
-    ).lower(lowering_platforms=("cuda",))
   return while_body_kernels(lowered.compile().as_text())
 
 
