@@ -95,6 +95,10 @@ class DecoderConfig:
       raise ValueError(
         f"model_type={model_type!r} is not supported; allowed: {', '.join(SUPPORTED_MODEL_TYPES)}"
       )
+    for flag in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+      # A string "false" would read as true (and a tied model would skip a stored lm_head).
+      if config.get(flag) is not None and not isinstance(config[flag], bool):
+        raise ValueError(f"{flag}={config[flag]!r} must be true or false (a JSON boolean)")
     for flag in ("attention_bias", "mlp_bias"):
       if config.get(flag):
         raise ValueError(f"{flag}=True is not supported (Llama/Mistral checkpoints have no biases)")
@@ -105,6 +109,16 @@ class DecoderConfig:
     head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+    vocab_size = config.get("vocab_size")
+    bos = config.get("bos_token_id")
+    for key, ids in (("eos_token_id", eos_ids), ("bos_token_id", () if bos is None else (bos,))):
+      for token in ids:
+        integral = isinstance(token, numbers.Integral) and not isinstance(token, bool)
+        known_vocabulary = isinstance(vocab_size, numbers.Integral)
+        if not integral or not (known_vocabulary and 0 <= token < vocab_size):
+          raise ValueError(
+            f"{key}={token!r} must be an int token id in [0, vocab_size={vocab_size!r})"
+          )
     defaults = _HF_DEFAULTS[model_type]
     sliding_window = None
     if model_type == "mistral":

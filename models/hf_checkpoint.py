@@ -43,7 +43,10 @@ def read_hf_checkpoint(directory: str | pathlib.Path) -> Checkpoint:
       f"{directory / CONFIG_FILE}: declares quantization_config (quant_method={method!r}); kvjax "
       "reads only unquantized checkpoints (float32, float16 or bfloat16 safetensors)"
     )
-  config = hf_config(raw_config)
+  try:
+    config = hf_config(raw_config)
+  except ValueError as error:
+    raise CheckpointError(f"{directory / CONFIG_FILE}: {error}") from None
   decoder = decoder_config(config, directory / CONFIG_FILE)
 
   stored = safetensors_files(directory)
@@ -93,8 +96,14 @@ def hf_config(raw: dict) -> dict:
   where older versions wrote `rope_theta` and `rope_scaling`; both spellings are accepted.
   """
   config = dict(raw)
+  for key in ("rope_parameters", "rope_scaling"):
+    if config.get(key) is not None and not isinstance(config[key], dict):
+      raise ValueError(f"{key} must be an object (or null), got {config[key]!r}")
   rope_parameters = config.pop("rope_parameters", None) or {}
-  config.setdefault("rope_theta", rope_parameters.get("rope_theta", 10000.0))
+  # transformers 5 takes the theta inside rope_parameters over a top-level rope_theta.
+  if "rope_theta" in rope_parameters:
+    config["rope_theta"] = rope_parameters["rope_theta"]
+  config.setdefault("rope_theta", 10000.0)
   scaling = config.get("rope_scaling") or {
     key: value for key, value in rope_parameters.items() if key != "rope_theta"
   }

@@ -101,3 +101,19 @@ def test_float_param_dtypes_are_accepted(dtype):
 def test_other_param_dtypes_are_refused_before_loading(dtype):
   with pytest.raises(ValueError, match="dtype=.* is not supported; allowed: bfloat16, float16"):
     load_model("no-such-model-is-read", dtype=dtype)
+
+
+@pytest.mark.parametrize(
+  ("change", "message"),
+  [
+    # A string "false" reads as true: a tied model would skip the stored lm_head.
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),
+    ({"mlp_bias": "false"}, "mlp_bias='false' must be true or false"),
+    ({"eos_token_id": "2"}, r"eos_token_id='2' must be an int token id in \[0, vocab_size=32\)"),
+    ({"eos_token_id": [1, 99]}, r"eos_token_id=99 must be an int token id"),
+    ({"bos_token_id": -1}, r"bos_token_id=-1 must be an int token id"),
+  ],
+)
+def test_config_values_of_the_wrong_type_or_range_are_refused(change, message):
+  with pytest.raises(ValueError, match=message):
+    DecoderConfig.from_hf_dict({**HF_LLAMA, **change})

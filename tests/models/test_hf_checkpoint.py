@@ -11,7 +11,7 @@ from safetensors.numpy import load_file, save_file
 from models.checkpoint import expected_tensor_shapes
 from models.checkpoint_errors import CheckpointError
 from models.config import DecoderConfig, RopeScaling
-from models.hf_checkpoint import read_hf_checkpoint
+from models.hf_checkpoint import hf_config, read_hf_checkpoint
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 
@@ -251,3 +251,18 @@ def test_stored_tensors_without_a_place_are_refused(tmp_path):
     read_hf_checkpoint(directory)
   assert_error_names(error, directory, "'model.layers.0.self_attn.q_proj.bias'", "no place")
   assert "inv_freq" not in str(error.value)
+
+
+def test_rope_theta_inside_rope_parameters_wins_as_in_transformers_5(tmp_path):
+  """transformers 5 reads the theta in rope_parameters over a top-level rope_theta."""
+  config = {**TINY_CONFIG, "rope_theta": 500000.0, "rope_parameters": {"rope_theta": 10000.0}}
+  assert hf_config(config)["rope_theta"] == 10000.0
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_rope_settings_that_are_not_objects_are_refused(tmp_path, key):
+  config = {**TINY_CONFIG, key: "linear"}
+  directory = write_hf_dir(tmp_path / "model", config, tiny_tensors(TINY_CONFIG))
+  with pytest.raises(CheckpointError) as error:
+    read_hf_checkpoint(directory)
+  assert_error_names(error, directory / "config.json", f"{key} must be an object")
