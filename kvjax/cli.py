@@ -144,14 +144,19 @@ def _check_profile_model(cache_method, model_name: str) -> None:
 def _writable_directory(flag: str, path: str) -> None:
   """`path` made a directory now (parents too), before any work whose results go there."""
   import pathlib
+  import tempfile
 
   directory = pathlib.Path(path)
   if directory.exists() and not directory.is_dir():
     raise ValueError(f"{flag} {path}: exists and is not a directory")
   try:
     directory.mkdir(parents=True, exist_ok=True)
+    # A directory that exists may still refuse files (permissions, /proc): try one now rather
+    # than after the work.
+    with tempfile.TemporaryFile(dir=directory):
+      pass
   except OSError as error:
-    raise ValueError(f"{flag} {path}: cannot create the directory: {error}") from None
+    raise ValueError(f"{flag} {path}: cannot write files there: {error}") from None
 
 
 def kernel_settings_from_json(text: str | None):
@@ -323,6 +328,8 @@ def _check_ask_arguments(args) -> None:
       f"--feed-chunk={args.feed_chunk} needs --rows shared (--rows repeated feeds token by token)"
     )
   if args.save is not None:
+    from kvjax.context_checkpoint import METADATA_FILE
+
     save = pathlib.Path(args.save)
     if save.exists() and not save.is_dir():
       raise ValueError(f"--save {args.save}: exists and is not a directory")
@@ -331,6 +338,13 @@ def _check_ask_arguments(args) -> None:
         f"--save {args.save}: the directory exists; pass --overwrite to replace a context "
         "saved there, or choose a new directory"
       )
+    if save.exists() and not (save / METADATA_FILE).is_file():
+      raise ValueError(
+        f"--save {args.save}: the directory holds no saved context ({METADATA_FILE}), so "
+        "--overwrite does not replace it; choose a new directory"
+      )
+    if not save.exists():
+      _writable_directory("--save", str(save.parent))
   if args.context is not None:
     for flag, value in (("--save", args.save), ("--prefill-chunk", args.prefill_chunk)):
       if value is not None:

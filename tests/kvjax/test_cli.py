@@ -162,6 +162,17 @@ def test_output_paths_are_checked_before_the_model_loads(tmp_path, capsys, monke
     (["razor-profile", "--output", str(a_file / "p.json")], "exists and is not a directory"),
     (["ask", "--document", "d", "--question", "q", "--save", str(a_file)], "is not a directory"),
     (["ask", "--document", "d", "--question", "q", "--save", str(tmp_path)], "--overwrite"),
+    (
+      ["ask", "--document", "d", "--question", "q", "--save", str(tmp_path), "--overwrite"],
+      "holds no saved context (kvjax_context.json), so --overwrite does not replace it",
+    ),
+    (
+      ["ask", "--document", "d", "--question", "q", "--save", str(a_file / "ctx")],
+      "--save " + str(a_file) + ": exists and is not a directory",
+    ),
+    # A directory that exists but takes no files: refused before the work, not after it.
+    (["razor-profile", "--output", "/proc/p.json"], "--output /proc: cannot write files there"),
+    (["duo-train", "--output", "/proc/g.json"], "--output /proc: cannot write files there"),
   ):
     with pytest.raises(SystemExit):
       main(argv)
