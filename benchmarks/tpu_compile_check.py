@@ -22,6 +22,7 @@ needed. Example (the shapes of record, a TPU v5e):
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -79,13 +80,18 @@ def compile_for_tpu(function, shapes, topology: str = "v5e:2x2"):
     shapes,
     is_leaf=_is_shape_pair,
   )
-  # A compile-only executable cannot be loaded back from the persistent compilation cache (the
-  # tests' conftest turns it on): leave it out of the cache.
+  with _without_compilation_cache(), jax.default_device(device):
+    return jax.jit(function).lower(*placed).compile()
+
+
+@contextlib.contextmanager
+def _without_compilation_cache():
+  """A compile-only executable cannot be loaded back from the persistent compilation cache (the
+  tests' conftest turns it on): compiles inside this leave it out of the cache."""
   cache_was_on = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", False)
   try:
-    with jax.default_device(device):
-      return jax.jit(function).lower(*placed).compile()
+    yield
   finally:
     jax.config.update("jax_enable_compilation_cache", cache_was_on)
 
@@ -185,9 +191,7 @@ def decode_loop(spec: str, *, context: int, head_dim: int, topology: str = "v5e:
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
   )
   method = parse_method_spec(spec, implementation="pallas")
-  cache_was_on = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  try:
+  with _without_compilation_cache():
     return lowered_decode_loop(
       method,
       placed=placed,
@@ -198,8 +202,6 @@ def decode_loop(spec: str, *, context: int, head_dim: int, topology: str = "v5e:
       target=lambda: jax.default_device(device),
       compile_in_target=True,  # the compile, too, reads the default backend and device
     )
-  finally:
-    jax.config.update("jax_enable_compilation_cache", cache_was_on)
 
 
 def record_shapes(head_dim: int, tokens: int, bits: int | None, stats_dtype=jnp.bfloat16):

@@ -69,9 +69,14 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
     for implementation in ("reference", "interpret")
   }
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
-  # Equal greedy tokens could hide a moderate error in the scores: the log-probs of a forced
-  # continuation through each path's caches agree to float32 rounding.
-  windows = np.array([p[:21] + p[:6] for p in PROMPTS], np.int32)
+  assert_forced_logprobs_agree(decoder, params, spec, continuation=6)
+
+
+def assert_forced_logprobs_agree(decoder, params, spec, *, continuation):
+  """Equal greedy tokens could hide a moderate error in the scores: the log-probs of a forced
+  continuation (`continuation` tokens after 21) through each path's caches agree to float32
+  rounding."""
+  windows = np.array([p[:21] + p[:continuation] for p in PROMPTS], np.int32)
   logprobs = {
     implementation: score_continuation(
       decoder,
@@ -405,16 +410,4 @@ def test_the_tpu_kernels_generate_the_reference_tokens(spec, monkeypatch):
   )
   np.testing.assert_array_equal(run("interpret"), run("reference"))
   assert "tpu" in chosen
-  windows = np.array([p[:21] + p[:5] for p in PROMPTS], np.int32)
-  logprobs = {
-    implementation: score_continuation(
-      decoder,
-      params,
-      parse_method_spec(spec, implementation=implementation),
-      windows,
-      context_len=21,
-      cache_dtype=jnp.float32,
-    ).logprobs
-    for implementation in ("reference", "interpret")
-  }
-  np.testing.assert_allclose(logprobs["interpret"], logprobs["reference"], atol=1e-4)
+  assert_forced_logprobs_agree(decoder, params, spec, continuation=5)
