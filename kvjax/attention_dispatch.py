@@ -287,3 +287,16 @@ def quantized_decode_attention(
       f"the {_kernel_name(family, kernel_config)} quantized decode-attention kernel", reason
     )
   return quantized_decode_attention_reference(*arrays, **common)
+
+
+def quantized_segment_layouts(
+  implementation: Implementation, head_dim: int
+) -> dict[str, tuple[int, ...]] | None:
+  """The layouts a quantized segment's arrays should keep so that this call's kernel reads them
+  in place (`quantized_decode_attention_tpu.segment_layouts`: the compiled TPU kernel), or None
+  where any layout XLA picks is read in place (the GPU kernels and the reference take the
+  default row-major layout; interpret mode runs on the CPU)."""
+  family, interpret = choose_kernel_family(implementation, None)
+  if family != "tpu" or interpret:
+    return None
+  return quantized_decode_attention_tpu.segment_layouts(head_dim)

@@ -68,3 +68,39 @@ def zero_past_lengths(
   valid = jnp.arange(x.shape[2])[None, :] < lengths[:, None]
   valid = valid.reshape(valid.shape[0], 1, valid.shape[1], *([1] * (x.ndim - 3)))
   return jnp.where(valid, x, jnp.zeros((), x.dtype))
+
+
+def write_blocks_by_row_slices(
+  stored: jax.Array,  # [batch, heads, rows, ...]
+  new: jax.Array,  # [batch, heads, given blocks * rows_per_block, ...]
+  first_rows: jax.Array,  # int32 [batch]: the row each row's first block goes to
+  num_blocks: jax.Array,  # int32 [batch]: blocks each row writes, its first ones
+  rows_per_block: int,
+) -> jax.Array:
+  """`stored[b, :, first_rows[b] + r] = new[b, :, r]` for `r < num_blocks[b] * rows_per_block`,
+  a block that would end past the last row dropped: what a scatter with mode="drop" writes, as
+  one dynamic update slice per (row, block) in a loop. On a TPU, XLA keeps a layout pinned on
+  the result of these (`jax.experimental.layout.with_layout_constraint`) through a decode
+  loop; on the scatter it did not, and it copied the whole array at every step (KERNEL_NOTES
+  v50). A loop of small writes costs a launch each on a GPU, so the scatter stays there."""
+  batch, capacity = stored.shape[0], stored.shape[2]
+  given = new.shape[2] // rows_per_block
+  if capacity < rows_per_block or given == 0:
+    return stored  # no block fits: the scatter would drop every one
+  trailing = (0,) * (stored.ndim - 3)
+
+  def write_one(step, stored):
+    row, block = step // given, step % given
+    first = first_rows[row] + block * rows_per_block
+    written = (block < num_blocks[row]) & (first + rows_per_block <= capacity)
+    # An unwritten block still goes through the update, at a start inside the array, with
+    # the rows already there: static shapes, no branch.
+    start = (row, 0, jnp.clip(first, 0, capacity - rows_per_block)) + trailing
+    size = (1, stored.shape[1], rows_per_block) + stored.shape[3:]
+    taken = jax.lax.dynamic_slice(new, (row, 0, block * rows_per_block) + trailing, size)
+    held = jax.lax.dynamic_slice(stored, start, size)
+    return jax.lax.dynamic_update_slice(
+      stored, jnp.where(written, taken.astype(stored.dtype), held), start
+    )
+
+  return jax.lax.fori_loop(0, batch * given, write_one, stored)

@@ -52,11 +52,12 @@ from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
 from kvjax.chunk_attention import attend_folded_chunk
-from kvjax.compact_rows import write_token_at_lengths
+from kvjax.compact_rows import write_blocks_by_row_slices, write_token_at_lengths
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings, check_kernel_settings
 from kvjax.method_registry import register_method
 from kvjax.quantization.group_quantization import (
@@ -143,11 +144,37 @@ def _write_blocks(
   start_tokens: jax.Array,  # int32 [B]: first token of the first block (a multiple of window)
   num_blocks: jax.Array,  # int32 [B]: blocks each row writes (its first ones; 0 writes none)
   window: int,
+  layouts: dict[str, tuple[int, ...]] | None = None,
 ) -> QuantizedKV:
-  """`storage[b, :, rows of blocks[b, :num_blocks[b]]] = ...`: one scatter per array."""
+  """`storage[b, :, rows of blocks[b, :num_blocks[b]]] = ...`: one scatter per array; or, with
+  `layouts` (the TPU kernel's, `attention_dispatch.quantized_segment_layouts`), one update
+  slice per row and block, the segment's arrays pinned to those layouts."""
   batch = start_tokens.shape[0]
   batch_index = jnp.arange(batch)[:, None, None]
   num_given = blocks.tokens // window
+  if layouts is not None:
+    written = jax.tree_util.tree_map(
+      lambda stored, new: write_blocks_by_row_slices(
+        stored,
+        new,
+        start_tokens // window * (new.shape[2] // num_given),
+        num_blocks,
+        new.shape[2] // num_given,
+      ),
+      storage,
+      blocks,
+    )
+    # Only the row-major layouts are pinned. The others (tokens minor) XLA picks by itself for
+    # these narrow arrays; and a pinned layout becomes the layout of a jitted function's output
+    # when the cache is returned, which jax on the CPU then read as row-major (wrong values).
+    return dataclasses.replace(
+      written,
+      **{
+        name: with_layout_constraint(getattr(written, name), Layout(major_to_minor=major_to_minor))
+        for name, major_to_minor in layouts.items()
+        if major_to_minor == tuple(range(len(major_to_minor)))
+      },
+    )
 
   def write_array(stored, new):  # stored [B, H, rows, ...], new [B, H, num_given * rpb, ...]
     rows_per_block = new.shape[2] // num_given
@@ -350,6 +377,7 @@ class KiviLayerCache:
         start_tokens=self.quantized_lengths,
         num_blocks=flush.astype(jnp.int32),
         window=window,
+        layouts=self._segment_layouts(),
       )
 
     emptied = flush[:, None, None, None]
@@ -410,6 +438,7 @@ class KiviLayerCache:
         start_tokens=self.quantized_lengths,
         num_blocks=num_blocks,
         window=window,
+        layouts=self._segment_layouts(),
       )
       flushed = num_blocks * window
     window_lengths = totals - flushed
@@ -423,6 +452,11 @@ class KiviLayerCache:
       window_values=new_window(combined_values),
       quantized_lengths=self.quantized_lengths + flushed,
       window_lengths=window_lengths,
+    )
+
+  def _segment_layouts(self) -> dict[str, tuple[int, ...]] | None:
+    return attention_dispatch.quantized_segment_layouts(
+      self.implementation, self.segment.k_scale.shape[-1]
     )
 
   def _attention_partials(self, queries, *, sm_scale, implementation):

@@ -84,6 +84,30 @@ def unsupported_reason(
   return None
 
 
+SEGMENT_FIELDS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
+
+
+def segment_layouts(head_dim: int) -> dict[str, tuple[int, ...]]:
+  """The layout (major to minor, of the stored [B, H, rows, last] arrays) in which this kernel
+  reads each segment array in place: the tokens minor for the codes and the value statistics
+  (their `jnp.swapaxes` is then a bitcast), and for the key statistics the channels minor at
+  128 channels or more, the groups minor below (`tokens_on_lanes`). A cache that writes its
+  segment inside a decode loop pins these (`jax.experimental.layout.with_layout_constraint`):
+  left to itself, XLA laid out the loop's copy of the key statistics heads-minor (for the
+  [B, H, 4, D] rows a 128-token block appends) and copied them into this layout at every step
+  (KERNEL_NOTES v50)."""
+  tokens_minor = (0, 1, 3, 2)
+  key_stats = tokens_minor if tokens_on_lanes(head_dim) else (0, 1, 2, 3)
+  return dict(
+    k_codes=tokens_minor,
+    k_scale=key_stats,
+    k_min=key_stats,
+    v_codes=tokens_minor,
+    v_scale=tokens_minor,
+    v_min=tokens_minor,
+  )
+
+
 def block_tokens_for(
   tokens: int, group_size: int, stats_dtype, requested: int | None, head_dim: int = 128
 ) -> int:

@@ -469,3 +469,76 @@ def test_composes_with_a_token_selection_policy():
   np.testing.assert_array_equal(storage.quantized_lengths, [16, 16])
   np.testing.assert_array_equal(storage.window_lengths, [16, 16])
   np.testing.assert_allclose(quantized, dense, atol=0.05)
+
+
+@pytest.mark.parametrize(
+  "method",
+  [Kivi(bits=2, group_size=8, residual=16), Gear(bits=4, group_size=8, rank=2, block=16)],
+  ids=["kivi", "gear"],
+)
+def test_the_tpu_segment_writes_store_what_the_scatter_stores(method, monkeypatch):
+  # On a TPU the segment's blocks are written by per-row update slices with the kernel's
+  # layouts pinned (`compact_rows.write_blocks_by_row_slices`); elsewhere by one scatter. Both
+  # are run here, on the CPU, over appends that flush at different steps per row and a chunk
+  # that writes two blocks to one row and none to the other.
+  from kvjax import attention_dispatch
+  from pallas_kernels import quantized_decode_attention_tpu
+
+  keys, values = _random(0, B, H, PROMPT, D), _random(1, B, H, PROMPT, D)
+  empty = method.allocate_storage(
+    batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D, dtype=jnp.float32
+  )
+  start = jnp.asarray([3, 14], jnp.int32)
+  rows = np.arange(B)
+
+  def run():  # fresh jits: the layouts are read while tracing
+    ingest = jax.jit(lambda cache, k, v, lengths: cache.ingest(k, v, None, lengths))
+    append = jax.jit(lambda cache, k, v: cache.append(k, v))
+    chunk = jax.jit(lambda c, k, v, n: c.ingest_chunk(k, v, None, n))
+    cache = ingest(empty, keys, values, start)
+    for step in range(20):
+      position = np.asarray(start) + step
+      cache = append(cache, keys[rows, :, position], values[rows, :, position])
+    chunked = chunk(
+      ingest(empty, keys, values, jnp.asarray([2, 0], jnp.int32)),
+      keys[:, :, :34],
+      values[:, :, :34],
+      jnp.asarray([32, 0], jnp.int32),
+    )
+    return cache, chunked
+
+  scattered = run()
+  assert attention_dispatch.quantized_segment_layouts("auto", D) is None  # the CPU
+  # At 128 channels the key statistics are pinned row-major (the rest is left to XLA).
+  pinned_layouts = quantized_decode_attention_tpu.segment_layouts(128)
+  monkeypatch.setattr(
+    attention_dispatch, "quantized_segment_layouts", lambda implementation, head_dim: pinned_layouts
+  )
+  sliced = run()
+  np.testing.assert_array_equal(sliced[0].quantized_lengths, [16, 32])
+  np.testing.assert_array_equal(sliced[1].quantized_lengths, [32, 0])
+  for path, leaf, other in zip(
+    (jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(scattered)),
+    jax.tree.leaves(sliced),
+    jax.tree.leaves(scattered),
+    strict=True,
+  ):
+    np.testing.assert_array_equal(leaf, other, err_msg=path)
+
+
+def test_the_segment_layouts_are_the_tpu_kernels_only_where_it_runs_compiled(monkeypatch):
+  from kvjax import attention_dispatch
+
+  assert attention_dispatch.quantized_segment_layouts("interpret", 128) is None
+  assert attention_dispatch.quantized_segment_layouts("reference", 128) is None
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert attention_dispatch.quantized_segment_layouts("auto", 128) is None
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert attention_dispatch.quantized_segment_layouts("interpret", 128) is None
+  at_128 = attention_dispatch.quantized_segment_layouts("auto", 128)
+  at_64 = attention_dispatch.quantized_segment_layouts("pallas", 64)
+  # Codes and value statistics tokens-minor; key statistics channels-minor at 128 channels,
+  # groups-minor below (the kernel's `tokens_on_lanes`).
+  assert at_128["k_codes"] == at_128["v_scale"] == at_64["v_min"] == (0, 1, 3, 2)
+  assert at_128["k_scale"] == at_128["k_min"] == (0, 1, 2, 3)
+  assert at_64["k_scale"] == (0, 1, 3, 2)
