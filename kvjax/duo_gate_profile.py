@@ -70,6 +70,13 @@ class DuoGateProfile(ModelKeyedProfile):
     values = np.asarray(self.gates, np.float64)
     if not (np.isfinite(values).all() and (values >= 0).all() and (values <= 1).all()):
       raise ValueError("duo gate profile: every gate must be a finite number in [0, 1]")
+    for key, value in self.training:
+      # Scalars (or None) only: the profile is part of a jit static argument, so it must hash,
+      # and its file must read back (which takes scalars only).
+      if not isinstance(value, (str, int, float, bool, type(None))):
+        raise ValueError(
+          f"training setting {key!r}={value!r} must be a scalar (str, int, float, bool or None)"
+        )
 
   @classmethod
   def from_gates(
@@ -84,7 +91,12 @@ class DuoGateProfile(ModelKeyedProfile):
     return cls(
       **cls.counts_of(shape),
       gates=tuple(tuple(float(g) for g in row) for row in gates),
-      training=tuple(sorted((training or {}).items())),
+      training=tuple(
+        sorted(
+          (str(key), value.item() if isinstance(value, np.generic) else value)
+          for key, value in (training or {}).items()
+        )
+      ),
       model_name=model_name,
     )
 
@@ -125,8 +137,4 @@ class DuoGateProfile(ModelKeyedProfile):
       if str(error).startswith(source):
         raise
       raise ValueError(f"{source}: malformed gate file ({error})") from error
-    for key, value in profile.training:
-      # Settings are scalars (or None); anything else would not hash as a jit static argument.
-      if not isinstance(value, (str, int, float, bool, type(None))):
-        raise ValueError(f"{source}: training setting {key!r}={value!r} must be a scalar")
     return profile

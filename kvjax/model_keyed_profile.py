@@ -7,6 +7,8 @@ import numbers
 import os
 from typing import ClassVar
 
+import numpy as np
+
 from kvjax.cache_protocol import ModelCacheShape
 
 MODEL_COUNTS = ("num_layers", "num_kv_heads", "num_query_heads", "head_dim")
@@ -20,6 +22,13 @@ def stored_model_count(model: dict, name: str) -> int:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise ValueError(f"model {name}={value!r} must be an int")
   return value
+
+
+def _json_scalar(value):
+  """numpy scalars (a count given as np.int64) as the Python values JSON holds."""
+  if isinstance(value, np.generic):
+    return value.item()
+  raise TypeError(f"{value!r} ({type(value).__name__}) cannot be written to JSON")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +85,19 @@ class ModelKeyedProfile:
     return {name: stored_model_count(data["model"], name) for name in MODEL_COUNTS}
 
   def save(self, path: str | os.PathLike) -> None:
-    with open(path, "w") as f:
-      json.dump(self.to_json_dict(), f, indent=1)
-      f.write("\n")
+    """Writes the file whole or not at all: the JSON is made before the file is touched (a
+    value JSON cannot hold fails there), then written beside it and renamed over it, so an
+    error never leaves a good profile truncated."""
+    text = json.dumps(self.to_json_dict(), indent=1, default=_json_scalar) + "\n"
+    path = os.fspath(path)
+    temporary = f"{path}.{os.getpid()}.partial"
+    try:
+      with open(temporary, "w") as f:
+        f.write(text)
+      os.replace(temporary, path)
+    finally:
+      if os.path.exists(temporary):
+        os.remove(temporary)
 
   @classmethod
   def from_method_argument(cls, method: str, profile):
@@ -104,6 +123,8 @@ class ModelKeyedProfile:
       raise ValueError(
         f"{source} does not exist; {cls.MAKE} it once per model with `kvjax {cls.COMMAND}`"
       ) from error
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
       raise ValueError(f"{source} is not valid JSON ({error})") from error
+    except OSError as error:  # a directory, no permission, ...
+      raise ValueError(f"{source} cannot be read ({error.strerror or error})") from error
     return cls.from_json_dict(data, source=source)

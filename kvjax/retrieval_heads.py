@@ -160,8 +160,15 @@ def select_retrieval_heads(
   echo_ratio: float,
 ) -> tuple[tuple[int, int], ...]:
   """(layer, kv_head) pairs, sorted: top ceil(ratio x heads) by induction, union top by echo."""
+  _check_ratio("induction_ratio", induction_ratio)
+  _check_ratio("echo_ratio", echo_ratio)
   induction_scores = np.asarray(induction_scores, np.float64)
   echo_scores = np.asarray(echo_scores, np.float64)
+  if induction_scores.ndim != 2 or echo_scores.shape != induction_scores.shape:
+    raise ValueError(
+      f"induction_scores {induction_scores.shape} and echo_scores {echo_scores.shape} must "
+      "both be [layers, kv_heads]"
+    )
   num_heads = induction_scores.size
   chosen = set()
   for scores, ratio in ((induction_scores, induction_ratio), (echo_scores, echo_ratio)):
@@ -181,8 +188,8 @@ def _frozen(value):
 
 
 def _check_ratio(name: str, value: float) -> None:
-  if not 0.0 <= value <= 1.0:
-    raise ValueError(f"{name}={value} must be in [0, 1] (a fraction of all KV heads)")
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
+    raise ValueError(f"{name}={value!r} must be in [0, 1] (a fraction of all KV heads)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,17 +247,17 @@ class HeadProfile(ModelKeyedProfile):
     detection: dict | None = None,
     model_name: str = "",
   ) -> "HeadProfile":
-    _check_ratio("induction_ratio", induction_ratio)
-    _check_ratio("echo_ratio", echo_ratio)
     induction_scores = np.asarray(induction_scores, np.float64)
     echo_scores = np.asarray(echo_scores, np.float64)
+    # First: it checks the ratios and that the scores are [layers, kv_heads].
+    retrieval_heads = select_retrieval_heads(
+      induction_scores, echo_scores, induction_ratio=induction_ratio, echo_ratio=echo_ratio
+    )
     return cls(
       **cls.counts_of(shape),
       induction_scores=tuple(tuple(float(s) for s in row) for row in induction_scores),
       echo_scores=tuple(tuple(float(s) for s in row) for row in echo_scores),
-      retrieval_heads=select_retrieval_heads(
-        induction_scores, echo_scores, induction_ratio=induction_ratio, echo_ratio=echo_ratio
-      ),
+      retrieval_heads=retrieval_heads,
       induction_ratio=float(induction_ratio),
       echo_ratio=float(echo_ratio),
       detection=_frozen(detection or {}),
@@ -315,6 +322,13 @@ def probe_tokens(
   check_count("repeats", repeats, 1)
   check_count("batch", batch, 1)
   check_count("seed", seed, 0)
+  if token_range is not None and (
+    not isinstance(token_range, (tuple, list))
+    or len(token_range) != 2
+    or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in token_range)
+  ):
+    # A float bound would be truncated by the generator (10.5 draws 10).
+    raise ValueError(f"token_range={token_range!r} must be a pair of ints (low, high)")
   low, high = token_range if token_range is not None else (vocab_size // 4, 3 * vocab_size // 4)
   if not 0 <= low < high <= vocab_size or high - low < 2:
     raise ValueError(

@@ -87,3 +87,9 @@ def test_gates_of_another_model_are_refused():
 def test_a_bad_fraction_is_refused(fraction):
   with pytest.raises(ValueError, match="full_fraction=.* must be a number in \\[0, 1\\]"):
     DuoGateProfile.from_gates(SHAPE, GATES).full_heads(fraction)
+
+
+def test_a_training_setting_that_is_not_a_scalar_is_refused_when_made():
+  # It saved, then its file did not load, and the method holding it did not hash (jit).
+  with pytest.raises(ValueError, match=r"training setting 'token_range'=\[1, 2\] must be a scalar"):
+    DuoGateProfile.from_gates(SHAPE, np.full((3, 2), 0.5), training=dict(token_range=[1, 2]))

@@ -256,6 +256,9 @@ def test_loading_bad_files_raises_clearly(tmp_path):
     (dict(block_len=0), "block_len=0 must be an int >= 1"),
     (dict(repeats=0), "repeats=0 must be an int >= 1"),
     (dict(block_len=2.5), "block_len=2.5 must be an int >= 1"),
+    # The generator truncated float bounds: (10.5, 12.9) drew id 10.
+    (dict(token_range=(10.5, 12.9)), r"token_range=\(10.5, 12.9\) must be a pair of ints"),
+    (dict(token_range=(10,)), r"token_range=\(10,\) must be a pair of ints"),
   ],
 )
 def test_probe_tokens_refuse_an_empty_probe(kwargs, message):
@@ -287,3 +290,20 @@ def test_a_profile_with_a_model_count_that_is_not_an_int_is_refused(tmp_path, fi
     ValueError, match=rf"malformed head profile \(model {field}=.* must be an int"
   ):
     HeadProfile.load(tmp_path / "p.json")
+
+
+def test_selecting_heads_refuses_bad_ratios_and_scores_that_are_not_a_table():
+  scores = np.arange(6.0).reshape(2, 3)
+  # A negative ratio made the count negative and the slice order[:-k] took almost every head.
+  with pytest.raises(ValueError, match=r"induction_ratio=-0.2 must be in \[0, 1\]"):
+    select_retrieval_heads(scores, scores, induction_ratio=-0.2, echo_ratio=0.0)
+  with pytest.raises(ValueError, match=r"echo_ratio='0.1' must be in \[0, 1\]"):
+    select_retrieval_heads(scores, scores, induction_ratio=0.1, echo_ratio="0.1")
+  with pytest.raises(ValueError, match=r"induction_scores \(6,\) .* must both be \[layers"):
+    HeadProfile.from_scores(
+      ModelCacheShape(num_layers=2, num_kv_heads=3, num_query_heads=3, head_dim=8),
+      scores.reshape(-1),
+      scores.reshape(-1),
+    )
+  with pytest.raises(ValueError, match=r"echo_scores \(3, 2\) must"):
+    select_retrieval_heads(scores, scores.T, induction_ratio=0.1, echo_ratio=0.1)
