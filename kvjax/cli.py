@@ -659,6 +659,26 @@ def _add_compare(subparsers):
   p.set_defaults(run=run_compare)
 
 
+def compare_header(config, *, model: str, layer_loop: str, machine: str, records) -> str:
+  """The line results.md starts with: the settings the run's tasks used (a speed run takes one
+  window, a needle-only run feeds no continuation), and the machine."""
+  # Speed is timed on the continuation batch: prefill s covers all its rows, tok/s sums them.
+  batches = {r["speed_batch"] for r in records if r.get("speed_batch")}
+  tasks = set(config.tasks)
+  continuation = (
+    f"continuation {config.continuation_len}, " if tasks & {"ppl", "kl", "speed"} else ""
+  )
+  sampled = tasks & {"ppl", "kl", "passkey", "passkey_agnostic"}
+  samples = f"{config.num_samples} samples, " if sampled else ""
+  return (
+    f"model {model}, context {config.context_len} tokens, {continuation}{samples}"
+    f"cache dtype {config.cache_dtype}, seed {config.seed}, layer loop {layer_loop}"
+    + (f", prefill in chunks of {config.prefill_chunk}" if config.prefill_chunk else "")
+    + (f", speed on a batch of {batches.pop()}" if len(batches) == 1 else "")
+    + f"; {machine}"
+  )
+
+
 def run_compare(args) -> int:
   import pathlib
   import time
@@ -703,17 +723,11 @@ def run_compare(args) -> int:
   machine = machine_description()
 
   def header_after(seconds, records):
-    # Speed is timed on the continuation batch: prefill s covers all its rows, tok/s sums them.
-    batches = {r["speed_batch"] for r in records if r.get("speed_batch")}
     return (
-      f"model {args.model}, context {config.context_len} tokens, "
-      f"continuation {config.continuation_len}, "
-      f"{config.num_samples} samples, cache dtype {config.cache_dtype}, seed {config.seed}, "
-      f"layer loop {args.layer_loop}"
-      + (f", prefill in chunks of {config.prefill_chunk}" if config.prefill_chunk else "")
-      + (f", speed on a batch of {batches.pop()}" if len(batches) == 1 else "")
-      + "; "
-      f"{machine}; wall {seconds:.0f}s"
+      compare_header(
+        config, model=args.model, layer_loop=args.layer_loop, machine=machine, records=records
+      )
+      + f"; wall {seconds:.0f}s"
     )
 
   records = compare_methods(

@@ -8,6 +8,7 @@ from tqdm.auto import tqdm
 
 from kvjax.cache_protocol import check_cache_dtype, check_count
 from kvjax.chunked_prefill import check_prefill_chunk
+from kvjax.decoder_protocol import decoder_vocab_size
 from kvjax.eval.cache_size import cache_byte_columns, cache_bytes_after_context
 from kvjax.eval.continuation import ContinuationScores, sample_text_windows, special_prefix
 from kvjax.eval.needle import ANSWER_TOKENS, build_needle_prompts, run_needle
@@ -15,6 +16,7 @@ from kvjax.eval.speed import speed_record, timed_prefill, timed_teacher_force
 from kvjax.generate import check_prefill_arguments
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_spec import describe_method, parse_method_spec
+from kvjax.prompt_batch import check_ids_fit_int32, check_token_ids
 
 TASKS = ("ppl", "kl", "passkey", "passkey_agnostic", "speed")
 
@@ -122,11 +124,17 @@ def compare_methods(
       cache_dtype=dtype,
       prefill_chunk=config.prefill_chunk,
     )
-  text_ids = np.asarray(tokenizer.encode(text), np.int32)
+  text_ids = np.asarray(tokenizer.encode(text))
   windows = None
   if continuing:
     # A context starts as the model's inputs do: with the BOS its tokenizer adds, if any.
     prefix = special_prefix(tokenizer)
+    # The continuation tasks time and score through lowered programs, which skip generate's
+    # input checks: a tokenizer with ids past the model's vocabulary gave NaN or garbage.
+    for ids, what in ((text_ids, "the tokenized text"), (prefix, "the tokenizer's BOS prefix")):
+      check_ids_fit_int32(ids, name=what)
+      check_token_ids(ids, vocab_size=decoder_vocab_size(decoder), name=what)
+    text_ids = text_ids.astype(np.int32)
     windows = sample_text_windows(
       text_ids,
       window=config.context_len + config.continuation_len - len(prefix),

@@ -36,7 +36,11 @@ def sample_text_windows(
   if slots < count:
     raise ValueError(
       f"the text has {len(token_ids)} tokens: too short for {count} windows of {window} tokens "
-      "(lower --num-samples or --context-len, or give a longer --text)"
+      + (
+        "(lower --num-samples or --context-len, or give a longer --text)"
+        if count > 1
+        else "(lower --context-len or --continuation-len, or give a longer --text)"
+      )
     )
   chosen = np.sort(np.random.default_rng(seed).choice(slots, size=count, replace=False))
   return np.stack([token_ids[s * window : (s + 1) * window] for s in chosen]).astype(np.int32)
@@ -69,6 +73,13 @@ def score_continuation(
   decoder, params, cache_method, windows: np.ndarray, *, context_len: int, cache_dtype=jnp.bfloat16
 ) -> ContinuationScores:
   """Compress the first `context_len` tokens of each window, score the rest through the cache."""
+  windows = np.asarray(windows)
+  if windows.ndim == 2 and windows.shape[1] == context_len:
+    # Nothing left to score: the perplexity and KL of no tokens came out NaN.
+    raise ValueError(
+      f"context_len={context_len} leaves no continuation in windows of {windows.shape[1]} "
+      "tokens; it must be less than the windows' width"
+    )
   context, continuation = windows[:, :context_len], windows[:, context_len:]
   lengths = np.full((windows.shape[0],), context_len, np.int32)
   logits, caches = prefill(

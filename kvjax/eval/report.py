@@ -1,6 +1,7 @@
 """Writing comparison results: terminal table, results.json, results.md, quality_vs_memory.png."""
 
 import json
+import math
 import pathlib
 
 COLUMNS = (
@@ -52,7 +53,11 @@ def plot_quality_vs_memory(records: list[dict], path: pathlib.Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  metrics = [m for m in ("ppl", "kl", "passkey_acc") if any(r.get(m) is not None for r in records)]
+  metrics = [
+    m
+    for m in ("ppl", "kl", "passkey_acc", "passkey_agnostic_acc")
+    if any(r.get(m) is not None for r in records)
+  ]
   fig, axes = plt.subplots(
     1, max(len(metrics), 1), figsize=(5 * max(len(metrics), 1), 4), squeeze=False
   )
@@ -71,6 +76,7 @@ def plot_quality_vs_memory(records: list[dict], path: pathlib.Path) -> None:
         "ppl": "continuation perplexity",
         "kl": "KL(full || method)",
         "passkey_acc": "needle accuracy",
+        "passkey_agnostic_acc": "needle accuracy (query-agnostic)",
       }[metric]
     )
     axis.grid(alpha=0.3)
@@ -80,9 +86,23 @@ def plot_quality_vs_memory(records: list[dict], path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def _finite_or_none(value):
+  if isinstance(value, float):
+    return value if math.isfinite(value) else None
+  if isinstance(value, dict):
+    return {key: _finite_or_none(item) for key, item in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_finite_or_none(item) for item in value]
+  return value
+
+
 def write_results(records: list[dict], out_dir: pathlib.Path, *, header: str = "") -> None:
   out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "results.json").write_text(json.dumps(records, indent=2))
+  # A NaN or infinite result (a KL that overflowed) is written as null: bare NaN / Infinity
+  # are not JSON, and strict readers (jq, JavaScript) refuse the file. The table prints them.
+  (out_dir / "results.json").write_text(
+    json.dumps(_finite_or_none(records), indent=2, allow_nan=False)
+  )
   (out_dir / "results.md").write_text(
     (header + "\n\n" if header else "") + format_table(records, markdown=True) + "\n"
   )

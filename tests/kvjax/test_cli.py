@@ -423,3 +423,23 @@ def test_generate_raw_prompt_gets_the_tokenizers_bos(tmp_path, capsys):
   assert json.loads(capsys.readouterr().out)["prompt_ids"] == [TINY_IDS["<s>"], TINY_IDS["ab"]]
   assert main(argv) == 0
   assert json.loads(capsys.readouterr().out)["prompt_ids"] == [TINY_IDS["<s>"], TINY_IDS["ab"]]
+
+
+@pytest.mark.parametrize(
+  "tasks, says, does_not_say",
+  [
+    (("ppl", "kl"), ["continuation 8, 3 samples, "], []),
+    (("speed",), ["continuation 8, cache dtype", "speed on a batch of 1"], ["samples"]),
+    (("passkey",), ["tokens, 3 samples, cache dtype"], ["continuation"]),
+  ],
+)
+def test_the_compare_header_names_only_the_settings_the_tasks_used(tasks, says, does_not_say):
+  from kvjax.cli import compare_header
+  from kvjax.eval.compare import CompareConfig
+
+  config = CompareConfig(tasks=tasks, context_len=64, continuation_len=8, num_samples=3)
+  records = [dict(speed_batch=1)] if "speed" in tasks else [dict(speed_batch=None)]
+  header = compare_header(config, model="m", layer_loop="scan", machine="cpu", records=records)
+  assert header.startswith("model m, context 64 tokens, ") and header.endswith("; cpu")
+  assert all(text in header for text in says), header
+  assert not any(text in header for text in does_not_say), header

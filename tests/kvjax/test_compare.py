@@ -293,14 +293,99 @@ def test_a_nan_result_prints_as_nan_not_as_not_measured():
   assert "nan" in broken and "nan" not in unmeasured
 
 
-def test_text_too_short_errors():
+@pytest.mark.parametrize(
+  "tasks, message",
+  [
+    (("ppl",), r"too short for 3 windows.*\(lower --num-samples or"),
+    # A speed run takes one window whatever --num-samples says.
+    (("speed",), r"too short for 1 windows.*\(lower --context-len or"),
+  ],
+)
+def test_text_too_short_errors(tasks, message):
   decoder, params = tiny_decoder()
-  with pytest.raises(ValueError, match="too short"):
+  with pytest.raises(ValueError, match=message):
     compare_methods(
       decoder,
       params,
       CharTokenizer(),
       ["full"],
       text="tiny",
-      config=CompareConfig(tasks=("ppl",), context_len=8, continuation_len=4),
+      config=CompareConfig(tasks=tasks, context_len=8, continuation_len=4, num_samples=3),
     )
+
+
+@pytest.mark.parametrize("tasks", [("ppl",), ("kl",), ("speed",)])
+def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused_before_any_work(tasks, monkeypatch):
+  # The continuation tasks run lowered programs, which skip generate's checks: the KL came out
+  # NaN, the speed was timed on garbage and the perplexity raised an IndexError.
+  class WideTokenizer(CharTokenizer):
+    def encode(self, text):
+      return [ord(c) % 128 for c in text]
+
+  monkeypatch.setattr(
+    compare_module, "timed_prefill", lambda *a, **k: pytest.fail("ran before the check")
+  )
+  decoder, params = tiny_decoder()
+  message = r"the tokenized text holds token id \d+; ids must be \[0, 63\]"
+  with pytest.raises(ValueError, match=message):
+    compare_methods(
+      decoder,
+      params,
+      WideTokenizer(),
+      ["full", "streaming:budget=8"],
+      text=TEXT,
+      config=CompareConfig(tasks=tasks, context_len=16, continuation_len=4, num_samples=1),
+    )
+
+
+def test_no_continuation_to_score_is_refused():
+  from kvjax.eval.continuation import score_continuation
+
+  decoder, params = tiny_decoder()
+  windows = np.ones((2, 16), np.int32)
+  with pytest.raises(ValueError, match="context_len=16 leaves no continuation in windows of 16"):
+    score_continuation(decoder, params, "full", windows, context_len=16)
+
+
+def test_results_json_is_strict_json_and_the_plot_shows_every_accuracy(tmp_path, monkeypatch):
+  from kvjax.eval import report
+
+  records = [
+    dict(method="full", cache_bytes=2**20, kl=0.0, passkey_agnostic_acc=1.0),
+    dict(method="bad", cache_bytes=2**19, kl=float("nan"), passkey_agnostic_acc=0.5),
+    dict(method="worse", cache_bytes=2**18, kl=float("inf"), passkey_agnostic_acc=0.0),
+  ]
+  plotted = []
+  monkeypatch.setattr(report, "plot_quality_vs_memory", lambda r, path: plotted.append(r))
+  write_results(records, tmp_path)
+  # Bare NaN / Infinity are not JSON: jq and JavaScript refuse them. They are written as null.
+  loaded = json.loads(
+    (tmp_path / "results.json").read_text(),
+    parse_constant=lambda name: pytest.fail(f"{name} written"),
+  )
+  assert [r["kl"] for r in loaded] == [0.0, None, None]
+  assert "nan" in (tmp_path / "results.md").read_text()  # the table still says what it was
+  monkeypatch.undo()
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  figures, close = [], plt.close
+  monkeypatch.setattr(plt, "close", figures.append)
+  report.plot_quality_vs_memory(records, tmp_path / "p.png")
+  # A run of the query-agnostic needle alone drew an empty plot.
+  assert [axis.get_ylabel() for axis in figures[0].axes] == [
+    "KL(full || method)",
+    "needle accuracy (query-agnostic)",
+  ]
+  close(figures[0])
+
+
+def test_the_machine_line_counts_the_cpus_this_process_may_use(monkeypatch):
+  from kvjax.eval import machine
+
+  # Under taskset (or a container's CPU set) the results are of fewer CPUs than the host has.
+  monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {3})
+  monkeypatch.setattr(machine.os, "cpu_count", lambda: 64)
+  assert ", 1 CPUs; jax " in machine.machine_description()
