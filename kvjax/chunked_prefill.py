@@ -128,16 +128,25 @@ def prefill_in_chunks(
   `prompt_len=tokens.shape[1]`): `prefill`, `generate` and `compress_context` check that, and a
   chunk written past a cache's capacity inside the trace would be dropped."""
   check_count("chunk", chunk, 1)
+  tokens = jnp.asarray(tokens)
   batch, prompt_len = tokens.shape
   check_positions(lengths, batch=batch, name="lengths")
-  if not isinstance(lengths, jax.core.Tracer) and np.max(lengths, initial=0) > prompt_len:
-    raise ValueError(
-      f"lengths={np.asarray(lengths).tolist()} must each be <= {prompt_len} (tokens' width)"
-    )
+  if not isinstance(lengths, jax.core.Tracer):
+    if np.max(lengths, initial=0) > prompt_len:
+      raise ValueError(
+        f"lengths={np.asarray(lengths).tolist()} must each be <= {prompt_len} (tokens' width)"
+      )
+    if offsets is None and np.min(lengths, initial=1) < 1:
+      # Fresh caches: a row of no token has no last token to predict from (its logits were
+      # zeros, from which greedy decoding picks token 0).
+      raise ValueError(
+        f"lengths={np.asarray(lengths).tolist()} must each be >= 1 on fresh caches (a row "
+        "with no token has nothing to predict from); pass offsets to continue caches"
+      )
   chunk = min(chunk, prompt_len)
   num_chunks = -(-prompt_len // chunk)
   padded = jnp.pad(tokens, ((0, 0), (0, num_chunks * chunk - prompt_len)))
-  lengths = lengths.astype(jnp.int32)
+  lengths = jnp.asarray(lengths, jnp.int32)
   last_chunk = (lengths - 1) // chunk  # the chunk holding each row's last prompt token
 
   def run_chunk(caches, index):

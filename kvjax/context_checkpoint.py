@@ -18,6 +18,7 @@ one machine runs with the kernels of another.
 
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
 from typing import Any
@@ -162,10 +163,24 @@ def save_context(
     )
   if not isinstance(overwrite, bool):
     raise ValueError(f"overwrite={overwrite!r} must be True or False")
+  metadata = {} if metadata is None else metadata
   try:
-    metadata_text = json.dumps(metadata if metadata is not None else {})
-  except TypeError as error:
+    metadata_text = json.dumps(metadata, allow_nan=False)
+  except (TypeError, ValueError) as error:
     raise ValueError(f"metadata must be JSON-serialisable: {error}") from None
+  if json.loads(metadata_text) != metadata:
+    # JSON would hand back something else (a tuple as a list, an int key as a string).
+    raise ValueError(
+      f"metadata {metadata!r} would not read back as saved: JSON reads it as "
+      f"{json.loads(metadata_text)!r}; use lists, string keys, str/int/float/bool/None"
+    )
+  leaves = jax.tree_util.tree_leaves(context)
+  for index, leaf in enumerate(leaves):
+    if not isinstance(leaf, (jax.Array, np.ndarray)) or isinstance(leaf, jax.core.Tracer):
+      raise ValueError(
+        f"context holds a {type(leaf).__name__} at leaf {index}, not an array: save a context "
+        "made by compress_context (a context_template holds shapes only), outside jit"
+      )
   directory = pathlib.Path(directory)
   if directory.exists():
     if not overwrite:
@@ -175,9 +190,7 @@ def save_context(
         f"directory={str(directory)!r} exists and holds no saved context ({METADATA_FILE}); "
         "overwrite only replaces a saved context"
       )
-    shutil.rmtree(directory)
 
-  leaves = jax.tree_util.tree_leaves(context)
   # Orbax refuses zero-size arrays; they hold nothing, and restore rebuilds them from shapes.
   arrays = {_leaf_key(i): leaf for i, leaf in enumerate(leaves) if leaf.size}
   record = {
@@ -186,15 +199,28 @@ def save_context(
     "cache_bytes": context.cache_bytes,
     "metadata": json.loads(metadata_text),
   }
-  directory.mkdir(parents=True)
-  # Closed explicitly rather than in a `with` block, which not every orbax version supports.
-  checkpointer = ocp.StandardCheckpointer()
+  # Written beside the directory and renamed into place: a save that fails (a full disk, an
+  # interrupt) leaves a context saved there before as it was.
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  partial = directory.parent / f".{directory.name}.partial-{os.getpid()}"
+  replaced = directory.parent / f".{directory.name}.replaced-{os.getpid()}"
+  shutil.rmtree(partial, ignore_errors=True)
   try:
-    checkpointer.save((directory / ARRAYS_DIR).absolute(), arrays)
-    checkpointer.wait_until_finished()
+    partial.mkdir()
+    # Closed explicitly rather than in a `with` block, which not every orbax version supports.
+    checkpointer = ocp.StandardCheckpointer()
+    try:
+      checkpointer.save((partial / ARRAYS_DIR).absolute(), arrays)
+      checkpointer.wait_until_finished()
+    finally:
+      checkpointer.close()
+    (partial / METADATA_FILE).write_text(json.dumps(record, indent=1))
+    if directory.exists():
+      directory.rename(replaced)
+    partial.rename(directory)
   finally:
-    checkpointer.close()
-  (directory / METADATA_FILE).write_text(json.dumps(record, indent=1))
+    shutil.rmtree(partial, ignore_errors=True)
+  shutil.rmtree(replaced, ignore_errors=True)
   return _disk_bytes(directory)
 
 

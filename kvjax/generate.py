@@ -38,6 +38,7 @@ from kvjax.layer_runs import pytree_signature
 from kvjax.lru_table import LruTable
 from kvjax.prompt_batch import (
   check_ids_fit_int32,
+  check_pad_token_id,
   check_padded_token_ids,
   check_positions,
   check_row_lengths,
@@ -368,8 +369,7 @@ def check_emitted_token_ids(
     raise ValueError(f"stop_token_ids={stop_token_ids!r} must be int token ids")
   ids = ids.reshape(-1).astype(np.int64)
   check_token_ids(ids, vocab_size=vocab_size, name="stop_token_ids")
-  if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, (int, np.integer)):
-    raise ValueError(f"pad_token_id={pad_token_id!r} must be an int token id")
+  check_pad_token_id(pad_token_id)
   check_token_ids(np.array([pad_token_id]), vocab_size=vocab_size, name="pad_token_id")
   return tuple(int(i) for i in ids)
 

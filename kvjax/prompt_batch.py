@@ -21,12 +21,22 @@ def pack_prompts(
   return tokens, lengths
 
 
+def check_pad_token_id(pad_token_id) -> None:
+  """An int id int32 holds (whether the vocabulary has it is checked where the size is known):
+  a tokenizer's `pad_token_id` is None for Llama, and None, 1.7 or "0" reached numpy's own
+  errors, or were truncated to an id without a word."""
+  if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, (int, np.integer)):
+    raise ValueError(f"pad_token_id={pad_token_id!r} must be an int token id")
+  check_ids_fit_int32(np.array([pad_token_id], np.int64), name="pad_token_id")
+
+
 def pack_token_lists(
   token_lists: Sequence[Sequence[int]], *, pad_token_id: int, name: str
 ) -> tuple[np.ndarray, np.ndarray]:
   """Token lists of any lengths, empty ones too -> (int32 [count, longest] right-padded with
   `pad_token_id`, lengths int32 [count]). A list holding anything but int ids is refused by
   `name[row]` (int32 would truncate 1.5 to 1 without a word)."""
+  check_pad_token_id(pad_token_id)
   arrays = [np.asarray(ids) for ids in token_lists]
   for row, array in enumerate(arrays):
     if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):
@@ -49,8 +59,15 @@ def compact_padded_batch(
 
   Real tokens of each row must be contiguous (left padding, right padding, or none).
   """
-  tokens = np.asarray(tokens)
-  mask = np.asarray(attention_mask)
+  check_pad_token_id(pad_token_id)
+  try:
+    tokens, mask = np.asarray(tokens), np.asarray(attention_mask)
+  except ValueError as error:  # numpy's "inhomogeneous shape" for ragged rows
+    raise ValueError(
+      f"tokens and attention_mask must be rectangular [batch, tokens] arrays ({error})"
+    ) from None
+  if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens must hold int token ids, got dtype {tokens.dtype}")
   # Any nonzero value would otherwise mark a real token (-1, 0.5 or 2 a padding one).
   if mask.dtype != bool and mask.size and not np.isin(mask, (0, 1)).all():
     bad = mask[~np.isin(mask, (0, 1))].flat[0].item()

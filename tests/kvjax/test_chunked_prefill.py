@@ -609,6 +609,8 @@ def test_bad_prefill_chunk_values_are_refused(bad):
     (2.5, [40, 9], "chunk=2.5 must be an int >= 1"),
     (8, [40.0, 9.0], "lengths must hold integers"),
     (8, [45, 9], r"lengths=\[45, 9\] must each be <= 40"),
+    # Its logits were zeros, from which greedy decoding picks token 0.
+    (8, [40, 0], r"lengths=\[40, 0\] must each be >= 1 on fresh caches"),
   ],
 )
 def test_prefill_in_chunks_checks_its_own_arguments(chunk, lengths, message):
@@ -621,6 +623,19 @@ def test_prefill_in_chunks_checks_its_own_arguments(chunk, lengths, message):
   tokens = jnp.ones((2, 40), jnp.int32)
   with pytest.raises(ValueError, match=message):
     prefill_in_chunks(decoder, params, tokens, np.asarray(lengths), caches, chunk=chunk)
+
+
+def test_prefill_in_chunks_takes_lists():
+  decoder, params = tiny_decoder()
+  caches = allocate_model_cache(
+    FullCache(), decoder.cache_shape, batch=2, prompt_len=8, max_new_tokens=0, dtype=jnp.float32
+  )
+  tokens = np.arange(16).reshape(2, 8) % 7 + 1
+  from_lists, _ = prefill_in_chunks(decoder, params, tokens.tolist(), [8, 3], caches, chunk=4)
+  from_arrays, _ = prefill_in_chunks(
+    decoder, params, jnp.asarray(tokens), jnp.asarray([8, 3]), caches, chunk=4
+  )
+  np.testing.assert_array_equal(from_lists, from_arrays)
 
 
 def test_a_decoder_without_prefill_chunk_is_refused():

@@ -218,6 +218,27 @@ def test_saving_never_replaces_what_is_not_a_saved_context(tmp_path):
   assert (other / "keep.txt").read_text() == "mine"
 
 
+def test_an_overwrite_that_fails_leaves_the_saved_context_as_it_was(tmp_path, monkeypatch):
+  import orbax.checkpoint as ocp
+
+  first = _context(KIVI)
+  save_context(tmp_path / "context", first, metadata={"doc": "first"})
+
+  def full_disk(self, *args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(ocp.StandardCheckpointer, "save", full_disk)
+  second = dataclasses.replace(first, lengths=jnp.asarray([7, 5], jnp.int32))
+  with pytest.raises(OSError, match="No space left"):
+    save_context(tmp_path / "context", second, overwrite=True)
+  monkeypatch.undo()
+  # The first save was removed before the second was written, and lost with its failure.
+  assert read_context_record(tmp_path / "context")["metadata"] == {"doc": "first"}
+  restored = restore_context(tmp_path / "context", _template(KIVI))
+  np.testing.assert_array_equal(restored.lengths, first.lengths)
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["context"]  # nothing partial left
+
+
 def test_bad_input_is_refused_before_anything_is_written(tmp_path):
   context = _context(KIVI)
   with pytest.raises(ValueError, match="metadata must be JSON-serialisable"):
@@ -226,6 +247,20 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
     save_context(tmp_path / "a", context.caches)
   with pytest.raises(ValueError, match="overwrite="):
     save_context(tmp_path / "a", context, overwrite="yes")
+  # JSON would give back a list for the tuple, "7" for the key, and has no NaN.
+  for metadata, message in (
+    (
+      {"stop_ids": (2, 3)},
+      r"would not read back as saved: JSON reads it as \{'stop_ids': \[2, 3\]",
+    ),
+    ({7: "layer seven"}, r"would not read back as saved: JSON reads it as \{'7'"),
+    ({"score": float("nan")}, "metadata must be JSON-serialisable: Out of range float"),
+  ):
+    with pytest.raises(ValueError, match=message):
+      save_context(tmp_path / "a", context, metadata=metadata)
+  template = _template(KIVI)
+  with pytest.raises(ValueError, match="context holds a ShapeDtypeStruct at leaf 0, not an array"):
+    save_context(tmp_path / "a", template)
   assert not (tmp_path / "a").exists()
   with pytest.raises(FileNotFoundError, match="holds no saved context"):
     restore_context(tmp_path / "a", _template(KIVI))

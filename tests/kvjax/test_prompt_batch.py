@@ -55,3 +55,20 @@ def test_ids_that_are_not_ints_are_refused_not_truncated():
     ValueError, match=r"prompts\[1\] must be a list of int token ids, got \[2.5\]"
   ):
     pack_prompts([[1], [2.5]])
+
+
+@pytest.mark.parametrize("pad", [None, 1.7, "0", True, 2**40])
+def test_a_pad_token_id_that_is_not_an_int_id_is_refused_by_name(pad):
+  # A Llama tokenizer's pad_token_id is None; 1.7 was truncated to 1 without a word.
+  message = "pad_token_id" + (" holds token id" if pad == 2**40 else "=.* must be an int token id")
+  with pytest.raises(ValueError, match=message):
+    pack_prompts([[1, 2], [3]], pad_token_id=pad)
+  with pytest.raises(ValueError, match=message):
+    compact_padded_batch(np.ones((1, 2), np.int32), np.ones((1, 2)), pad_token_id=pad)
+
+
+def test_a_padded_batch_of_floats_or_ragged_rows_is_refused_by_its_own_names():
+  with pytest.raises(ValueError, match="tokens must hold int token ids, got dtype float64"):
+    compact_padded_batch(np.ones((1, 2)), np.ones((1, 2)))
+  with pytest.raises(ValueError, match="tokens and attention_mask must be rectangular"):
+    compact_padded_batch([[1, 2], [3]], [[1, 1], [1]])
