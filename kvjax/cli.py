@@ -691,7 +691,6 @@ def run_compare(args) -> int:
   from kvjax.method_spec import parse_method_spec
 
   _check_run_arguments(args)
-  _writable_directory("--out", args.out)
   start = time.perf_counter()
   config = CompareConfig(
     tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
@@ -716,6 +715,8 @@ def run_compare(args) -> int:
     )
     _check_profile_model(method, args.model)
   text = load_text(args.text)
+  # Made after every other check (a refused run leaves no directory), before the model loads.
+  _writable_directory("--out", args.out)
   from models.loading import load_model
 
   loaded = load_model(args.model, layer_loop=args.layer_loop)

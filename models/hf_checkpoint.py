@@ -119,6 +119,11 @@ def safetensors_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     weight_map = read_json_file(index_path).get("weight_map")
     if not isinstance(weight_map, dict):
       raise CheckpointError(f"{index_path}: has no 'weight_map' object naming each tensor's shard")
+    bad = next(((n, s) for n, s in weight_map.items() if not isinstance(s, str) or not s), None)
+    if bad is not None:
+      raise CheckpointError(
+        f"{index_path}: weight_map[{bad[0]!r}]={bad[1]!r} must be a shard's file name"
+      )
     files = {name: directory / shard for name, shard in weight_map.items()}
     absent = sorted({str(path) for path in files.values() if not path.is_file()})
     if absent:

@@ -110,6 +110,22 @@ def test_bad_run_arguments_are_refused_before_the_model_loads(argv, message, cap
   assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+  "flags, message",
+  [
+    (["--methods", "magic"], "unknown cache method 'magic'"),
+    (["--tasks", "ppl,bleu"], "allowed: ppl,kl"),
+    (["--num-samples", "0"], "num_samples"),
+  ],
+)
+def test_compare_flags_are_refused_before_its_out_folder_is_made(flags, message, tmp_path, capsys):
+  out = tmp_path / "not_yet" / "out"
+  with pytest.raises(SystemExit):
+    main(["compare", "--out", str(out), *flags])
+  assert message in capsys.readouterr().err
+  assert not out.parent.exists()
+
+
 def test_razor_profile_flags_are_refused_before_its_folder_is_made(tmp_path, capsys):
   output = tmp_path / "not_yet" / "p.json"
   with pytest.raises(SystemExit):

@@ -171,6 +171,19 @@ def test_missing_shard(tmp_path):
   assert_error_names(error, directory / "model.safetensors.index.json", "model-00002-of-00002")
 
 
+@pytest.mark.parametrize("shard", [None, 1, ""])
+def test_a_shard_index_naming_no_file_is_refused(tmp_path, shard):
+  directory = write_hf_dir(tmp_path / "model", TINY_CONFIG, tiny_tensors(TINY_CONFIG), shards=2)
+  index_path = directory / "model.safetensors.index.json"
+  index = json.loads(index_path.read_text())
+  name = sorted(index["weight_map"])[0]
+  index["weight_map"][name] = shard  # a raw TypeError from the path join, before
+  index_path.write_text(json.dumps(index))
+  with pytest.raises(CheckpointError) as error:
+    read_hf_checkpoint(directory)
+  assert_error_names(error, index_path, f"weight_map[{name!r}]={shard!r} must be a shard's file")
+
+
 def test_corrupt_safetensors(tmp_path):
   directory = write_hf_dir(tmp_path / "model", TINY_CONFIG, tiny_tensors(TINY_CONFIG))
   (directory / "model.safetensors").write_bytes(b"\x00" * 64)
