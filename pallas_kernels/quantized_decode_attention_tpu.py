@@ -33,11 +33,14 @@ tiles of key-group rows (8 of 32-bit values, 16 of 16-bit ones) or, with the gro
 128 key groups (`block_tokens_for`); or the whole segment when it is shorter. A last block past
 the segment's end reads padding, which the masks above keep out.
 
-GEAR's low-rank and outlier terms are XLA's, around the kernel, as the GPU kernels' default
-(`gear_terms_xla`): the kernel adds a dense score bias and writes its scores, and the caller
-adds the value terms after the splits are merged (`quantized_decode_attention_tpu`). The
-previous version of this kernel fused them with one-hot products in its [block, W] layout;
-it compiled for a TPU only after a mask fix (v49) and was never run on one.
+GEAR's low-rank and outlier terms are XLA's, around the kernel, as the GPU kernels' default:
+the kernel adds a dense score bias and writes its scores, and the caller adds the value terms
+after the splits are merged (`quantized_decode_attention_tpu`). They are computed laid out for
+a TPU (`gear_terms_tpu`: outliers and tokens on lanes; the GPU's layout of them made XLA copy
+3.4 GB a step around this kernel in a decode loop, KERNEL_NOTES v50; its 32-slot outlier
+scatter also crashed v6e's compiler, v49). The version before v49 fused them with one-hot
+products in its [block, W] layout; it compiled for a TPU only after a mask fix (v49) and was
+never run on one.
 """
 
 import functools
@@ -58,16 +61,11 @@ from pallas_kernels.decode_attention_tpu import (
   tokens_on_lanes,
   valid_token_masks,
 )
-from pallas_kernels.gear_terms_xla import gear_score_bias, gear_value_terms_from_scores
+from pallas_kernels.gear_terms_tpu import gear_score_bias, gear_value_terms_from_scores
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
 from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
 
 DEFAULT_BLOCK_TOKENS = 512
-# The value outliers' scatter into one accumulator, not the GPU's 32 (`gear_terms_xla`
-# OUTLIER_SLOTS, against atomic contention): compiled for a TPU v6e (libtpu 0.0.50, without a
-# TPU), the 32-slot scatter crashed XLA's SparseCore backend ("Unsupported SIMD type on this
-# architecture (sparsecore-tec-gl)", then a segmentation fault); one slot compiles.
-TPU_OUTLIER_SLOTS = 1
 
 
 def unsupported_reason(
@@ -462,7 +460,7 @@ def quantized_decode_attention_tpu(
     **config,
   )
   out, lse = merge_split_partials(partials[0], partials[1], queries.shape[2])
-  if len(partials) == 3:  # GEAR: its value terms from the kernel's scores (gear_terms_xla)
+  if len(partials) == 3:  # GEAR: its value terms from the kernel's scores (gear_terms_tpu)
     out = out + gear_value_terms_from_scores(
       lowrank,
       outliers,
@@ -471,6 +469,5 @@ def quantized_decode_attention_tpu(
       lengths,
       block=block,
       head_dim=queries.shape[3],
-      outlier_slots=TPU_OUTLIER_SLOTS,
     )
   return out, lse

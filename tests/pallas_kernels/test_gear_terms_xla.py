@@ -1,4 +1,5 @@
-"""GEAR's terms computed by XLA around the kernel (`gear_terms_xla`) against the dense cache:
+"""GEAR's terms computed by XLA around the kernel (`gear_terms_xla`, and the same laid out for a
+TPU, `gear_terms_tpu`) against the dense cache:
 the score bias is q . (K_gear - K_kivi) and the value terms are sum_t p_t (V_gear - V_kivi)[t],
 with K / V materialised by `dequantize_segment` with and without the GEAR parts."""
 
@@ -11,11 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gear_terms_xla
+from pallas_kernels import gear_terms_tpu, gear_terms_xla
 from pallas_kernels.base_two_softmax import LOG2_E
 from pallas_kernels.gear_terms_xla import (
   check_gear_terms,
-  gear_score_bias,
   gear_value_terms_from_scores,
 )
 from pallas_kernels.quantized_decode_attention_reference import dequantize_segment
@@ -55,8 +55,7 @@ def _gear_parts(segment, block):
   return gear_k - kivi_k, gear_v - kivi_v
 
 
-@hypothesis.settings(max_examples=5, deadline=None)
-@hypothesis.given(
+GEAR_SEGMENTS = dict(
   seed=st.integers(0, 2**16),
   rank=st.integers(0, 3),
   outliers_per_block=st.integers(0, 24),
@@ -65,18 +64,24 @@ def _gear_parts(segment, block):
   blocks=st.integers(1, 3),
   group=st.integers(1, 4),
 )
+
+
+@pytest.mark.parametrize("terms_module", [gear_terms_xla, gear_terms_tpu], ids=["gpu", "tpu"])
+@hypothesis.settings(max_examples=5, deadline=None)
+@hypothesis.given(**GEAR_SEGMENTS)
 def test_gear_terms_are_the_gear_parts_of_the_dense_cache(
-  seed, rank, outliers_per_block, head_dim, block, blocks, group
+  terms_module, seed, rank, outliers_per_block, head_dim, block, blocks, group
 ):
   """bias = q . (K_gear - K_kivi); value terms = sum_t p_t (V_gear - V_kivi)[t], p normalised
   over each row's length; the scores past a row's length are NaN (never written by the kernel)
-  and must not reach the terms."""
+  and must not reach the terms. `terms_module`: gear_terms_xla, or gear_terms_tpu (the same
+  terms laid out for a TPU)."""
   hypothesis.assume(rank or outliers_per_block)
   tokens = blocks * block
   rng, segment = _segment(seed, rank, outliers_per_block, tokens, head_dim, block)
   key_part, value_part = _gear_parts(segment, block)
   queries = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, group, head_dim)), jnp.float32)
-  bias = jax.jit(gear_score_bias, static_argnames=("tokens", "block"))(
+  bias = jax.jit(terms_module.gear_score_bias, static_argnames=("tokens", "block"))(
     segment.lowrank, segment.outliers, queries, tokens=tokens, block=block
   )
   expected_bias = jnp.einsum("bhgd,bhtd->bhgt", queries, key_part, precision=HIGHEST)
@@ -87,7 +92,7 @@ def test_gear_terms_are_the_gear_parts_of_the_dense_cache(
   scores = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, group, tokens)), jnp.float32)
   masked = jnp.where(inside, scores, -jnp.inf)
   lse = jax.nn.logsumexp(masked, axis=-1)
-  terms = jax.jit(gear_value_terms_from_scores, static_argnames=("block", "head_dim"))(
+  terms = jax.jit(terms_module.gear_value_terms_from_scores, static_argnames=("block", "head_dim"))(
     segment.lowrank,
     segment.outliers,
     jnp.where(inside, scores * LOG2_E, jnp.nan),  # the kernel's base-2 scores
@@ -103,6 +108,10 @@ def test_gear_terms_are_the_gear_parts_of_the_dense_cache(
 
 
 def test_value_terms_of_an_empty_row_are_zero_and_of_a_uniform_row_the_mean():
+  assert_value_terms_of_an_empty_row_are_zero_and_of_a_uniform_row_the_mean(gear_terms_xla)
+
+
+def assert_value_terms_of_an_empty_row_are_zero_and_of_a_uniform_row_the_mean(terms_module):
   """Row 0 is empty (its scores NaN, its lse -inf): zero terms. Row 1's scores are all 0, so its
   probabilities are uniform and its terms are the mean of GEAR's value parts over the tokens."""
   _, segment = _segment(3, 2, 20)
@@ -112,7 +121,7 @@ def test_value_terms_of_an_empty_row_are_zero_and_of_a_uniform_row_the_mean():
   lse = jnp.stack(
     [jnp.full((KV_HEADS, GROUP), -jnp.inf), jnp.full((KV_HEADS, GROUP), np.log(TOKENS))]
   )
-  terms = gear_value_terms_from_scores(
+  terms = terms_module.gear_value_terms_from_scores(
     segment.lowrank, segment.outliers, scores, lse, lengths, block=BLOCK, head_dim=HEAD_DIM
   )
   np.testing.assert_array_equal(np.asarray(terms[0]), 0.0)
