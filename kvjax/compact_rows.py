@@ -76,13 +76,20 @@ def write_blocks_by_row_slices(
   first_rows: jax.Array,  # int32 [batch]: the row each row's first block goes to
   num_blocks: jax.Array,  # int32 [batch]: blocks each row writes, its first ones
   rows_per_block: int,
+  pin=None,
 ) -> jax.Array:
   """`stored[b, :, first_rows[b] + r] = new[b, :, r]` for `r < num_blocks[b] * rows_per_block`,
-  a block that would end past the last row dropped: what a scatter with mode="drop" writes, as
-  one dynamic update slice per (row, block) in a loop. On a TPU, XLA keeps a layout pinned on
-  the result of these (`jax.experimental.layout.with_layout_constraint`) through a decode
-  loop; on the scatter it did not, and it copied the whole array at every step (KERNEL_NOTES
-  v50). A loop of small writes costs a launch each on a GPU, so the scatter stays there."""
+  as one dynamic update slice per (row, block) in a loop; a block that would end past the last
+  row is dropped whole (a scatter with mode="drop" would write the rows of it that fit; the
+  quantized segments this writes hold whole blocks, so none of theirs is partial). On a TPU,
+  XLA keeps a layout pinned on the result of these (`jax.experimental.layout.
+  with_layout_constraint`) through a decode loop; on the scatter it did not, and it copied the
+  whole array at every step (KERNEL_NOTES v50). A loop of small writes costs a launch each on a
+  GPU, so the scatter stays there.
+  `pin(array)`: applied to the array before, inside and after the loop (a layout constraint:
+  pinned after the loop only, XLA chose the loop's own layout for small blocks, two rows of 64
+  tokens' key statistics, and copied between the two at every step)."""
+  pin = (lambda array: array) if pin is None else pin
   batch, capacity = stored.shape[0], stored.shape[2]
   given = new.shape[2] // rows_per_block
   if capacity < rows_per_block or given == 0:
@@ -99,8 +106,10 @@ def write_blocks_by_row_slices(
     size = (1, stored.shape[1], rows_per_block) + stored.shape[3:]
     taken = jax.lax.dynamic_slice(new, (row, 0, block * rows_per_block) + trailing, size)
     held = jax.lax.dynamic_slice(stored, start, size)
-    return jax.lax.dynamic_update_slice(
-      stored, jnp.where(written, taken.astype(stored.dtype), held), start
+    return pin(
+      jax.lax.dynamic_update_slice(
+        stored, jnp.where(written, taken.astype(stored.dtype), held), start
+      )
     )
 
-  return jax.lax.fori_loop(0, batch * given, write_one, stored)
+  return pin(jax.lax.fori_loop(0, batch * given, write_one, pin(stored)))

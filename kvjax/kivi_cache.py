@@ -147,34 +147,36 @@ def _write_blocks(
   layouts: dict[str, tuple[int, ...]] | None = None,
 ) -> QuantizedKV:
   """`storage[b, :, rows of blocks[b, :num_blocks[b]]] = ...`: one scatter per array; or, with
-  `layouts` (the TPU kernel's, `attention_dispatch.quantized_segment_layouts`), one update
-  slice per row and block, the segment's arrays pinned to those layouts."""
+  `layouts` (where the TPU reads them: `attention_dispatch.quantized_segment_layouts`), one
+  update slice per row and block, the arrays it reads row-major pinned to that layout."""
   batch = start_tokens.shape[0]
   batch_index = jnp.arange(batch)[:, None, None]
   num_given = blocks.tokens // window
   if layouts is not None:
-    written = jax.tree_util.tree_map(
-      lambda stored, new: write_blocks_by_row_slices(
-        stored,
-        new,
-        start_tokens // window * (new.shape[2] // num_given),
-        num_blocks,
-        new.shape[2] // num_given,
-      ),
-      storage,
-      blocks,
-    )
     # Only the row-major layouts are pinned. The others (tokens minor) XLA picks by itself for
     # these narrow arrays; and a pinned layout becomes the layout of a jitted function's output
     # when the cache is returned, which jax on the CPU then read as row-major (wrong values).
-    return dataclasses.replace(
-      written,
-      **{
-        name: with_layout_constraint(getattr(written, name), Layout(major_to_minor=major_to_minor))
-        for name, major_to_minor in layouts.items()
-        if major_to_minor == tuple(range(len(major_to_minor)))
-      },
-    )
+    def write_pinned(name, stored, new):
+      order = layouts.get(name)
+      pin = None
+      if order is not None and order == tuple(range(stored.ndim)):
+        pin = lambda array: with_layout_constraint(array, Layout(major_to_minor=order))
+      rows_per_block = new.shape[2] // num_given
+      first_rows = start_tokens // window * rows_per_block
+      return write_blocks_by_row_slices(
+        stored, new, first_rows, num_blocks, rows_per_block, pin=pin
+      )
+
+    written = {}
+    for field in dataclasses.fields(storage):
+      stored, new = getattr(storage, field.name), getattr(blocks, field.name)
+      if isinstance(stored, tuple):  # GEAR's low-rank factors and outliers
+        written[field.name] = tuple(
+          write_pinned(field.name, s, n) for s, n in zip(stored, new, strict=True)
+        )
+      elif stored is not None:
+        written[field.name] = write_pinned(field.name, stored, new)
+    return dataclasses.replace(storage, **written)
 
   def write_array(stored, new):  # stored [B, H, rows, ...], new [B, H, num_given * rpb, ...]
     rows_per_block = new.shape[2] // num_given

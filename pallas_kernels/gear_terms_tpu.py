@@ -8,14 +8,14 @@ with the outliers'. A TPU tiles the two most minor dimensions of every array int
 there a [.., G] array is padded from 4 lanes to 128, and the flattening and the [J, s] stored
 layout disagree: compiled for a TPU v5e without one, kvjax's decode loop with a GEAR-2 cache
 (batch 8, 8 KV heads x 4, 32k tokens) copied 3.36 GB a step around the kernel, 2.75 GB of it one
-padded [J s, G] product (KERNEL_NOTES v50). Here everything is kept with tokens, outliers or
-GEAR blocks on lanes:
+padded [J s, G] product (KERNEL_NOTES v50). Here everything is kept with tokens or outliers on
+lanes:
 
-  outliers  taken as [B, H, s, J] (`jnp.swapaxes` of the stored [B, H, J, s]: the layout XLA
-            gives the stored arrays, GEAR blocks last) and never flattened;
-  key       q at each outlier's channel gathered to [B, H, R, s, J], scattered onto the bias's
+  outliers  taken as stored, [B, H, J, s], row-major (`OUTLIER_LAYOUT`, pinned by the cache's
+            writes on a TPU), never flattened;
+  key       q at each outlier's channel gathered to [B, H, R, J, s], scattered onto the bias's
             token lanes;
-  value     p at each outlier's token gathered to [B, H, G, s, J], scattered onto channels;
+  value     p at each outlier's token gathered to [B, H, G, J, s], scattered onto channels;
   low rank  A taken as [B, H, r, T] (the tokens last, as XLA lays out the stored [B, H, T, r]),
             the B products as einsums with the blocks last.
 
@@ -30,17 +30,21 @@ import jax.numpy as jnp
 
 from pallas_kernels.gear_terms_xla import normalised_probabilities
 
+# The layout the outlier arrays are read in: row-major, [B, H, J, s] as stored (a cache that
+# writes them inside a TPU decode loop pins it: `kivi_cache._write_blocks`).
+OUTLIER_LAYOUT = (0, 1, 2, 3)
+
 
 def _outlier_positions(index: jax.Array, block: int, head_dim: int):
-  """int32 [B, H, s, J] token and channel of each outlier of the stored [B, H, J, s] flat
+  """int32 [B, H, J, s] token and channel of each outlier of the stored [B, H, J, s] flat
   indices (t_local * D + c within GEAR block j)."""
-  index = jnp.swapaxes(index, 2, 3).astype(jnp.int32)
-  block_start = jnp.arange(index.shape[-1], dtype=jnp.int32) * block
+  index = index.astype(jnp.int32)
+  block_start = (jnp.arange(index.shape[2], dtype=jnp.int32) * block)[:, None]
   return block_start + index // head_dim, index % head_dim
 
 
 def _grid(batch: int, kv_heads: int, rows: int):
-  """Index arrays [B, 1, 1, 1, 1], [1, H, 1, 1, 1], [1, 1, R, 1, 1] for [B, H, R, s, J] gathers
+  """Index arrays [B, 1, 1, 1, 1], [1, H, 1, 1, 1], [1, 1, R, 1, 1] for [B, H, R, J, s] gathers
   and scatters."""
   return tuple(axis[..., None, None] for axis in jnp.ogrid[:batch, :kv_heads, :rows])
 
@@ -63,10 +67,10 @@ def gear_score_bias(
     k_a = jnp.swapaxes(k_a, 2, 3).astype(jnp.float32)  # [B, H, r, T]
     bias = jnp.sum(spread * k_a[:, :, None], axis=3)
   if outliers is not None:
-    token, channel = _outlier_positions(outliers[0], block, head_dim)  # [B, H, s, J]
-    value = jnp.swapaxes(outliers[1], 2, 3).astype(jnp.float32)[:, :, None]
+    token, channel = _outlier_positions(outliers[0], block, head_dim)  # [B, H, J, s]
+    value = outliers[1].astype(jnp.float32)[:, :, None]
     b, h, g = _grid(batch, kv_heads, rows)
-    q_at_channel = scaled_queries[b, h, g, channel[:, :, None]]  # [B, H, R, s, J]
+    q_at_channel = scaled_queries[b, h, g, channel[:, :, None]]  # [B, H, R, J, s]
     bias = bias.at[b, h, g, token[:, :, None]].add(q_at_channel * value)
   return bias
 
@@ -94,9 +98,9 @@ def gear_value_terms_from_scores(
     p_a = weighted.reshape(*weighted.shape[:-1], blocks, block).sum(-1)  # [B, H, G, r, J]
     terms = jnp.einsum("bhgrj,bhjdr->bhgd", p_a, v_b.astype(jnp.float32), precision="highest")
   if outliers is not None:
-    token, channel = _outlier_positions(outliers[2], block, head_dim)  # [B, H, s, J]
-    value = jnp.swapaxes(outliers[3], 2, 3).astype(jnp.float32)[:, :, None]
+    token, channel = _outlier_positions(outliers[2], block, head_dim)  # [B, H, J, s]
+    value = outliers[3].astype(jnp.float32)[:, :, None]
     b, h, g = _grid(batch, kv_heads, group)
-    weighted = probs[b, h, g, token[:, :, None]] * value  # [B, H, G, s, J]
+    weighted = probs[b, h, g, token[:, :, None]] * value  # [B, H, G, J, s]
     terms = terms.at[b, h, g, channel[:, :, None]].add(weighted)
   return terms

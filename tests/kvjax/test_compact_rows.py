@@ -8,9 +8,10 @@ from kvjax.compact_rows import write_blocks_by_row_slices, write_token_at_length
 
 
 def _scattered(stored, new, first_rows, num_blocks, rows_per_block):
-  """The scatter the per-row slices replace on a TPU (`kivi_cache._write_blocks`), written out
-  with numpy: rows past a row's blocks are not written, a block ending past the last row is
-  dropped whole."""
+  """What the per-row slices write, with numpy: the scatter they replace on a TPU
+  (`kivi_cache._write_blocks`) for rows past a row's blocks (not written), except that a block
+  ending past the last row is dropped whole (the scatter would write its rows that fit; the
+  cache's segments hold whole blocks: `test_kivi_cache` compares the two paths there)."""
   out = np.array(stored)
   capacity = stored.shape[2]
   for row in range(stored.shape[0]):
