@@ -21,6 +21,8 @@ import json
 import os
 import pathlib
 import shutil
+import tempfile
+import uuid
 from typing import Any
 
 import jax
@@ -182,6 +184,9 @@ def save_context(
         "made by compress_context (a context_template holds shapes only), outside jit"
       )
   directory = pathlib.Path(directory)
+  if directory.is_symlink():
+    # A link to a saved context (a "current" one): the save replaces what it points to.
+    directory = directory.resolve()
   if directory.exists():
     if not overwrite:
       raise FileExistsError(f"directory={str(directory)!r} exists; pass overwrite=True")
@@ -202,11 +207,16 @@ def save_context(
   # Written beside the directory and renamed into place: a save that fails (a full disk, an
   # interrupt) leaves a context saved there before as it was.
   directory.parent.mkdir(parents=True, exist_ok=True)
-  partial = directory.parent / f".{directory.name}.partial-{os.getpid()}"
-  replaced = directory.parent / f".{directory.name}.replaced-{os.getpid()}"
-  shutil.rmtree(partial, ignore_errors=True)
+  # Names of their own (not the process id, which a container reuses): a save interrupted
+  # before cleaning up must not block the next one.
+  partial = pathlib.Path(
+    tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent)
+  )
+  replaced = directory.parent / f".{directory.name}.replaced-{uuid.uuid4().hex}"
   try:
-    partial.mkdir()
+    umask = os.umask(0)
+    os.umask(umask)
+    partial.chmod(0o777 & ~umask)  # as mkdir would have made it (mkdtemp's is 0700)
     # Closed explicitly rather than in a `with` block, which not every orbax version supports.
     checkpointer = ocp.StandardCheckpointer()
     try:

@@ -5,6 +5,8 @@ import dataclasses
 import json
 import numbers
 import os
+import shutil
+import tempfile
 from typing import ClassVar
 
 import numpy as np
@@ -89,11 +91,19 @@ class ModelKeyedProfile:
     value JSON cannot hold fails there), then written beside it and renamed over it, so an
     error never leaves a good profile truncated."""
     text = json.dumps(self.to_json_dict(), indent=1, default=_json_scalar) + "\n"
-    path = os.fspath(path)
-    temporary = f"{path}.{os.getpid()}.partial"
+    # Through a link to the file it names (a shared profile), keeping that file's permissions.
+    path = os.path.realpath(os.fspath(path))
+    directory, name = os.path.split(path)
+    handle, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=directory)
     try:
-      with open(temporary, "w") as f:
+      with os.fdopen(handle, "w") as f:
         f.write(text)
+      if os.path.exists(path):
+        shutil.copymode(path, temporary)
+      else:  # mkstemp's 0600, as open() would have made it: the umask's default
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)
       os.replace(temporary, path)
     finally:
       if os.path.exists(temporary):

@@ -239,6 +239,20 @@ def test_an_overwrite_that_fails_leaves_the_saved_context_as_it_was(tmp_path, mo
   assert sorted(p.name for p in tmp_path.iterdir()) == ["context"]  # nothing partial left
 
 
+def test_an_overwrite_through_a_link_replaces_what_it_points_to(tmp_path):
+  first = _context(KIVI)
+  save_context(tmp_path / "real", first, metadata={"v": 1})
+  (tmp_path / "current").symlink_to(tmp_path / "real")
+  # What an interrupted save of the same name leaves behind must not block this one.
+  (tmp_path / ".real.replaced-1").mkdir()
+  (tmp_path / ".real.replaced-1" / "x").write_text("left over")
+  save_context(tmp_path / "current", first, metadata={"v": 2}, overwrite=True)
+  assert (tmp_path / "current").is_symlink()  # it was replaced by a directory
+  assert read_context_record(tmp_path / "real")["metadata"] == {"v": 2}
+  names = sorted(p.name for p in tmp_path.iterdir())
+  assert names == [".real.replaced-1", "current", "real"]  # nothing of its own left
+
+
 def test_bad_input_is_refused_before_anything_is_written(tmp_path):
   context = _context(KIVI)
   with pytest.raises(ValueError, match="metadata must be JSON-serialisable"):

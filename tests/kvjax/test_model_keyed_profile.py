@@ -87,3 +87,17 @@ def test_a_directory_or_a_binary_file_is_refused_by_name(kind, tmp_path):
   (tmp_path / "model.gguf").write_bytes(b"GGUF\xff\xfe\x00\x01")
   with pytest.raises(ValueError, match=f"{kind.WHAT} '.*model.gguf' is not valid JSON"):
     kind.load(tmp_path / "model.gguf")
+
+
+@pytest.mark.parametrize("profile", _profiles(), ids=lambda p: type(p).__name__)
+def test_a_save_through_a_link_writes_the_file_it_names_and_keeps_its_mode(profile, tmp_path):
+  shared = tmp_path / "shared_v1.json"
+  profile.save(shared)
+  shared.chmod(0o640)
+  (tmp_path / "current.json").symlink_to(shared)
+  kind = type(profile)
+  renamed = dataclasses.replace(profile, model_name="renamed")
+  renamed.save(tmp_path / "current.json")
+  assert (tmp_path / "current.json").is_symlink()  # the link was replaced by a file
+  assert kind.load(shared) == renamed
+  assert shared.stat().st_mode & 0o777 == 0o640
