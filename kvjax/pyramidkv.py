@@ -7,14 +7,17 @@ T = prompt length, L = layers, all Python ints):
     step = (max - min) // (L - 1)
     budget_l = max - l * step + w            (layer 0 keeps the most)
 If T <= B nothing is compressed; if T < 2 (B - w) every layer keeps B (uniform). The budgets
-average to about B (exactly B before the floor in `step`; e.g. B=128, w=8, L=32 gives
-242 ... 25, mean 133.5).
+average to B before the floor in `step`, and the floor can take them far above it: B=128, w=8,
+L=32 gives 242 ... 25, mean 133.5 (+4%); B=64, w=32, L=80 gives step 0 and every layer 95
+(+48%), with no pyramid at all. `PyramidKV.layer_budgets` warns when the mean exceeds B by more
+than 10%; the bytes kvjax reports (`cache_bytes`, the comparison's columns) are the real ones.
 
 T is the padded (static) prompt length of the batch, so every layer's cache has its own static
 size and the memory saving is real; rows shorter than their layer's budget keep every token.
 """
 
 import dataclasses
+import warnings
 from typing import Any
 
 from kvjax.cache_protocol import ModelCacheShape
@@ -86,9 +89,19 @@ class PyramidKV:
       minimum=self.window,
       minimum_what="window",
     )
-    return pyramid_layer_budgets(
+    budgets = pyramid_layer_budgets(
       average, window=self.window, num_layers=num_layers, prompt_len=prompt_len, beta=self.beta
     )
+    mean = sum(budgets) / num_layers
+    if mean > 1.1 * average:
+      warnings.warn(
+        f"pyramidkv: the authors' layer budgets for budget={average}, window={self.window} and "
+        f"{num_layers} layers average {mean:.1f} tokens per KV head, {mean / average - 1:.0%} "
+        f"more than the budget (layers {budgets[0]} ... {budgets[-1]}: the pyramid's step "
+        "rounds down); a larger budget or a smaller window keeps the pyramid closer to it",
+        stacklevel=2,
+      )
+    return budgets
 
   def selector(self, shape: ModelCacheShape, layer: int, prompt_len: int):
     return ObservationWindowSelector(

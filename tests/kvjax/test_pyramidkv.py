@@ -144,3 +144,14 @@ def test_ragged_batches_say_when_budgets_follow_the_padded_width(spec, warns):
     warnings.simplefilter("always")
     generate(decoder, params, [prompts[0]] * 2, max_new_tokens=2, cache_method=method)
   assert not [w for w in caught if "padded prompt width" in str(w.message)]
+
+
+def test_budgets_the_pyramids_floor_takes_far_above_the_budget_are_warned_of():
+  # The authors' step rounds down: at budget 64 with the default window of 32 over 80 layers it
+  # is 0, and every layer keeps 95 tokens, 48% more than asked; 128 / 8 / 32 is 4% over.
+  with pytest.warns(UserWarning, match=r"average 95.0 tokens per KV head, 48% more than the"):
+    assert PyramidKV(budget=64).layer_budgets(80, 4096) == (95,) * 80
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    budgets = PyramidKV(budget=128, window=8).layer_budgets(32, 4096)
+  assert (budgets[0], budgets[-1]) == (242, 25)
