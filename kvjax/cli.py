@@ -141,19 +141,28 @@ def _check_profile_model(cache_method, model_name: str) -> None:
   )
 
 
-def _writable_directory(flag: str, path: str) -> None:
-  """`path` made a directory now (parents too), before any work whose results go there."""
+def _writable_directory(flag: str, path: str, *, create: bool = True) -> None:
+  """`path` made a directory now (parents too), before any work whose results go there; or,
+  with `create=False`, only checked: its nearest existing ancestor takes files (the writer
+  makes it, so a run refused later, by checks that need the model, leaves no folder)."""
   import pathlib
   import tempfile
 
   directory = pathlib.Path(path)
   if directory.exists() and not directory.is_dir():
     raise ValueError(f"{flag} {path}: exists and is not a directory")
+  probe = directory.absolute()
+  if not create:
+    while not probe.exists():
+      probe = probe.parent
+    if not probe.is_dir():
+      raise ValueError(f"{flag} {path}: {probe} exists and is not a directory")
   try:
-    directory.mkdir(parents=True, exist_ok=True)
+    if create:
+      directory.mkdir(parents=True, exist_ok=True)
     # A directory that exists may still refuse files (permissions, /proc): try one now rather
     # than after the work.
-    with tempfile.TemporaryFile(dir=directory):
+    with tempfile.TemporaryFile(dir=probe):
       pass
   except OSError as error:
     raise ValueError(f"{flag} {path}: cannot write files there: {error}") from None
@@ -715,8 +724,10 @@ def run_compare(args) -> int:
     )
     _check_profile_model(method, args.model)
   text = load_text(args.text)
-  # Made after every other check (a refused run leaves no directory), before the model loads.
-  _writable_directory("--out", args.out)
+  # Checked before the model loads; made by the first results written (write_results), so a
+  # run refused by the checks that need the model (text too short, ids past its vocabulary)
+  # leaves no folder.
+  _writable_directory("--out", args.out, create=False)
   from models.loading import load_model
 
   loaded = load_model(args.model, layer_loop=args.layer_loop)

@@ -119,10 +119,22 @@ def test_bad_run_arguments_are_refused_before_the_model_loads(argv, message, cap
   ],
 )
 def test_compare_flags_are_refused_before_its_out_folder_is_made(flags, message, tmp_path, capsys):
+  """Flags refused before the model loads; a refusal after it is the next test's."""
   out = tmp_path / "not_yet" / "out"
   with pytest.raises(SystemExit):
     main(["compare", "--out", str(out), *flags])
   assert message in capsys.readouterr().err
+  assert not out.parent.exists()
+
+
+def test_a_compare_refused_by_the_checks_that_need_the_model_makes_no_out_folder(tmp_path, capsys):
+  text = tmp_path / "short.txt"
+  text.write_text("Too short for one window.")
+  out = tmp_path / "not_yet" / "out"
+  argv = ["compare", "--methods", "full", "--tasks", "ppl", "--text", str(text)]
+  with pytest.raises(SystemExit):
+    main([*argv, "--context-len", "64", "--out", str(out)])
+  assert "too short for" in capsys.readouterr().err
   assert not out.parent.exists()
 
 
@@ -174,6 +186,11 @@ def test_output_paths_are_checked_before_the_model_loads(tmp_path, capsys, monke
   a_file.write_text("")
   for argv, message in (
     (["compare", "--methods", "full", "--out", str(a_file)], "exists and is not a directory"),
+    (
+      ["compare", "--methods", "full", "--out", str(a_file / "out" / "deeper")],
+      f"{a_file} exists and is not a directory",
+    ),
+    (["compare", "--methods", "full", "--out", "/proc/out"], "--out /proc/out: cannot write"),
     (["razor-profile", "--output", str(tmp_path)], "is a directory; name the profile's JSON"),
     (["razor-profile", "--output", str(a_file / "p.json")], "exists and is not a directory"),
     (["ask", "--document", "d", "--question", "q", "--save", str(a_file)], "is not a directory"),
