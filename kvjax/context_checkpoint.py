@@ -18,10 +18,8 @@ one machine runs with the kernels of another.
 
 import dataclasses
 import json
-import os
 import pathlib
 import shutil
-import tempfile
 import uuid
 from typing import Any
 
@@ -170,11 +168,12 @@ def save_context(
     metadata_text = json.dumps(metadata, allow_nan=False)
   except (TypeError, ValueError) as error:
     raise ValueError(f"metadata must be JSON-serialisable: {error}") from None
-  if json.loads(metadata_text) != metadata:
+  read_back = json.loads(metadata_text)
+  if read_back != metadata:
     # JSON would hand back something else (a tuple as a list, an int key as a string).
     raise ValueError(
       f"metadata {metadata!r} would not read back as saved: JSON reads it as "
-      f"{json.loads(metadata_text)!r}; use lists, string keys, str/int/float/bool/None"
+      f"{read_back!r}; use lists, string keys, str/int/float/bool/None"
     )
   leaves = jax.tree_util.tree_leaves(context)
   for index, leaf in enumerate(leaves):
@@ -202,21 +201,19 @@ def save_context(
     "format": FORMAT,
     "structure": describe_structure(context),
     "cache_bytes": context.cache_bytes,
-    "metadata": json.loads(metadata_text),
+    "metadata": read_back,
   }
   # Written beside the directory and renamed into place: a save that fails (a full disk, an
   # interrupt) leaves a context saved there before as it was.
   directory.parent.mkdir(parents=True, exist_ok=True)
   # Names of their own (not the process id, which a container reuses): a save interrupted
   # before cleaning up must not block the next one.
-  partial = pathlib.Path(
-    tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent)
+  partial, replaced = (
+    directory.parent / f".{directory.name}.{what}-{uuid.uuid4().hex}"
+    for what in ("partial", "replaced")
   )
-  replaced = directory.parent / f".{directory.name}.replaced-{uuid.uuid4().hex}"
   try:
-    umask = os.umask(0)
-    os.umask(umask)
-    partial.chmod(0o777 & ~umask)  # as mkdir would have made it (mkdtemp's is 0700)
+    partial.mkdir()
     # Closed explicitly rather than in a `with` block, which not every orbax version supports.
     checkpointer = ocp.StandardCheckpointer()
     try:

@@ -152,36 +152,24 @@ def _write_blocks(
   batch = start_tokens.shape[0]
   batch_index = jnp.arange(batch)[:, None, None]
   num_given = blocks.tokens // window
-  if layouts is not None:
-    # Only the row-major layouts are pinned. The others (tokens minor) XLA picks by itself for
-    # these narrow arrays; and a pinned layout becomes the layout of a jitted function's output
-    # when the cache is returned, which jax on the CPU then read as row-major (wrong values).
-    def write_pinned(name, stored, new):
-      order = layouts.get(name)
+
+  def write_array(path, stored, new):  # stored [B, H, rows, ...], new [B, H, given * rpb, ...]
+    rows_per_block = new.shape[2] // num_given
+    first_rows = start_tokens // window * rows_per_block  # [B]
+    if layouts is not None:
+      # Only the row-major layouts are pinned. The others (tokens minor) XLA picks by itself
+      # for these narrow arrays; and a pinned layout becomes the layout of a jitted function's
+      # output when the cache is returned, which jax on the CPU then read as row-major (wrong
+      # values). A field's layout holds for each array of it (GEAR's outliers).
+      order = layouts.get(path[0].name)
       pin = None
       if order is not None and order == tuple(range(stored.ndim)):
         pin = lambda array: with_layout_constraint(array, Layout(major_to_minor=order))
-      rows_per_block = new.shape[2] // num_given
-      first_rows = start_tokens // window * rows_per_block
       return write_blocks_by_row_slices(
         stored, new, first_rows, num_blocks, rows_per_block, pin=pin
       )
-
-    written = {}
-    for field in dataclasses.fields(storage):
-      stored, new = getattr(storage, field.name), getattr(blocks, field.name)
-      if isinstance(stored, tuple):  # GEAR's low-rank factors and outliers
-        written[field.name] = tuple(
-          write_pinned(field.name, s, n) for s, n in zip(stored, new, strict=True)
-        )
-      elif stored is not None:
-        written[field.name] = write_pinned(field.name, stored, new)
-    return dataclasses.replace(storage, **written)
-
-  def write_array(stored, new):  # stored [B, H, rows, ...], new [B, H, num_given * rpb, ...]
-    rows_per_block = new.shape[2] // num_given
     offsets = jnp.arange(new.shape[2])
-    row_index = (start_tokens // window * rows_per_block)[:, None] + offsets  # [B, given rows]
+    row_index = first_rows[:, None] + offsets  # [B, given rows]
     # Rows past a row's blocks write past the end, and mode="drop" discards them.
     written = offsets[None, :] < (num_blocks * rows_per_block)[:, None]
     row_index = jnp.where(written, row_index, stored.shape[2])
@@ -194,7 +182,7 @@ def _write_blocks(
       new.astype(stored.dtype), mode="drop"
     )
 
-  return jax.tree_util.tree_map(write_array, storage, blocks)
+  return jax.tree_util.tree_map_with_path(write_array, storage, blocks)
 
 
 def _window_tokens(

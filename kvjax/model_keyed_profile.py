@@ -6,7 +6,7 @@ import json
 import numbers
 import os
 import shutil
-import tempfile
+import uuid
 from typing import ClassVar
 
 import numpy as np
@@ -94,16 +94,12 @@ class ModelKeyedProfile:
     # Through a link to the file it names (a shared profile), keeping that file's permissions.
     path = os.path.realpath(os.fspath(path))
     directory, name = os.path.split(path)
-    handle, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".partial", dir=directory)
+    temporary = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.partial")
     try:
-      with os.fdopen(handle, "w") as f:
+      with open(temporary, "x") as f:  # the mode open() gives a new file, as before
         f.write(text)
       if os.path.exists(path):
         shutil.copymode(path, temporary)
-      else:  # mkstemp's 0600, as open() would have made it: the umask's default
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)
       os.replace(temporary, path)
     finally:
       if os.path.exists(temporary):

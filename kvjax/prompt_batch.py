@@ -58,8 +58,8 @@ def compact_padded_batch(
   """A padded batch with a Hugging Face style mask -> compact rows and their lengths.
 
   Real tokens of each row must be contiguous (left padding, right padding, or none).
+  `pad_token_id` is checked by `pack_prompts`.
   """
-  check_pad_token_id(pad_token_id)
   try:
     tokens, mask = np.asarray(tokens), np.asarray(attention_mask)
   except ValueError as error:  # numpy's "inhomogeneous shape" for ragged rows

@@ -28,19 +28,11 @@ has been timed on a TPU.
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gear_terms_xla import normalised_probabilities
+from pallas_kernels.gear_terms_xla import normalised_probabilities, outlier_tokens_and_channels
 
 # The layout the outlier arrays are read in: row-major, [B, H, J, s] as stored (a cache that
 # writes them inside a TPU decode loop pins it: `kivi_cache._write_blocks`).
 OUTLIER_LAYOUT = (0, 1, 2, 3)
-
-
-def _outlier_positions(index: jax.Array, block: int, head_dim: int):
-  """int32 [B, H, J, s] token and channel of each outlier of the stored [B, H, J, s] flat
-  indices (t_local * D + c within GEAR block j)."""
-  index = index.astype(jnp.int32)
-  block_start = (jnp.arange(index.shape[2], dtype=jnp.int32) * block)[:, None]
-  return block_start + index // head_dim, index % head_dim
 
 
 def _grid(batch: int, kv_heads: int, rows: int):
@@ -67,7 +59,7 @@ def gear_score_bias(
     k_a = jnp.swapaxes(k_a, 2, 3).astype(jnp.float32)  # [B, H, r, T]
     bias = jnp.sum(spread * k_a[:, :, None], axis=3)
   if outliers is not None:
-    token, channel = _outlier_positions(outliers[0], block, head_dim)  # [B, H, J, s]
+    token, channel = outlier_tokens_and_channels(outliers[0], block, head_dim)  # [B, H, J, s]
     value = outliers[1].astype(jnp.float32)[:, :, None]
     b, h, g = _grid(batch, kv_heads, rows)
     q_at_channel = scaled_queries[b, h, g, channel[:, :, None]]  # [B, H, R, J, s]
@@ -98,7 +90,7 @@ def gear_value_terms_from_scores(
     p_a = weighted.reshape(*weighted.shape[:-1], blocks, block).sum(-1)  # [B, H, G, r, J]
     terms = jnp.einsum("bhgrj,bhjdr->bhgd", p_a, v_b.astype(jnp.float32), precision="highest")
   if outliers is not None:
-    token, channel = _outlier_positions(outliers[2], block, head_dim)  # [B, H, J, s]
+    token, channel = outlier_tokens_and_channels(outliers[2], block, head_dim)  # [B, H, J, s]
     value = outliers[3].astype(jnp.float32)[:, :, None]
     b, h, g = _grid(batch, kv_heads, group)
     weighted = probs[b, h, g, token[:, :, None]] * value  # [B, H, G, J, s]

@@ -44,15 +44,19 @@ def check_gear_terms(gear_terms) -> None:
     )
 
 
-def _outlier_positions(index: jax.Array, block: int, head_dim: int):
-  """int32 [B, H, J * s] token and channel of each outlier (flat index t_local * D + c within
-  GEAR block j)."""
+def outlier_tokens_and_channels(index: jax.Array, block: int, head_dim: int):
+  """int32 [B, H, J, s] token and channel of each outlier of the stored [B, H, J, s] flat
+  indices (t_local * D + c within GEAR block j)."""
   index = index.astype(jnp.int32)
-  batch, kv_heads, blocks, count = index.shape
-  block_start = (jnp.arange(blocks, dtype=jnp.int32) * block)[None, None, :, None]
-  token = (block_start + index // head_dim).reshape(batch, kv_heads, blocks * count)
-  channel = (index % head_dim).reshape(batch, kv_heads, blocks * count)
-  return token, channel
+  block_start = (jnp.arange(index.shape[2], dtype=jnp.int32) * block)[:, None]
+  return block_start + index // head_dim, index % head_dim
+
+
+def _outlier_positions(index: jax.Array, block: int, head_dim: int):
+  """int32 [B, H, J * s] token and channel of each outlier, GEAR blocks flattened with them."""
+  flat = lambda x: x.reshape(*x.shape[:2], -1)
+  token, channel = outlier_tokens_and_channels(index, block, head_dim)
+  return flat(token), flat(channel)
 
 
 def gear_score_bias(

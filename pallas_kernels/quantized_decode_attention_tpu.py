@@ -82,9 +82,6 @@ def unsupported_reason(
   return None
 
 
-SEGMENT_FIELDS = ("k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min")
-
-
 def segment_layouts(head_dim: int) -> dict[str, tuple[int, ...]]:
   """The layout (major to minor, of the stored [B, H, rows, last] arrays) in which this kernel
   reads each segment array in place: the tokens minor for the codes and the value statistics
