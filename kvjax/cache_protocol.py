@@ -190,6 +190,19 @@ def check_count(name: str, value, minimum: int) -> None:
     raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
+def check_prompt_width(method: str, prompt_width: int, allocated_prompt_len: int | None) -> None:
+  """ValueError when a prompt is wider than the `prompt_len` a cache was allocated for, in caches
+  whose budget or slots were sized from it (a selection's kept tokens, an evicting cache's
+  slots): they would keep fewer tokens than asked, with nothing to say so. None: unchecked (a
+  cache built directly rather than by its method's `allocate`)."""
+  if allocated_prompt_len is not None and prompt_width > allocated_prompt_len:
+    raise ValueError(
+      f"{method}: a prompt of {prompt_width} tokens, but the cache was allocated for "
+      f"prompt_len={allocated_prompt_len} (its budget and slots were sized for that); allocate "
+      f"with prompt_len >= {prompt_width}"
+    )
+
+
 def allocate_model_cache(
   method: CacheMethod,
   shape: ModelCacheShape,

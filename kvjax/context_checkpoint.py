@@ -34,8 +34,9 @@ from kvjax.layer_runs import StackedLayerCaches
 FORMAT = "kvjax-context/1"
 METADATA_FILE = "kvjax_context.json"
 ARRAYS_DIR = "arrays"
-# Static fields that choose how a cache computes, not what its arrays mean.
-RUN_SETTINGS = ("implementation", "kernel_settings")
+# Static fields that choose how a cache computes, not what its arrays mean; and the prompt width
+# a cache was allocated for, which only `ingest` reads (a saved context is past its prompt).
+RUN_SETTINGS = ("implementation", "kernel_settings", "allocated_prompt_len")
 # Static fields added to caches after FORMAT was fixed, with the value (its repr) that gives the
 # behaviour contexts saved before them had: a saved description without one reads as this.
 SETTINGS_ADDED_LATER = {"evicts_when_full": "True", "rope_scaling": "None"}

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import attention_dispatch
-from kvjax.cache_protocol import ModelCacheShape
+from kvjax.cache_protocol import ModelCacheShape, check_prompt_width
 from kvjax.dense_cache import FullCache
 from kvjax.duo_gate_profile import DuoGateProfile, check_full_fraction, default_full_fraction
 from kvjax.head_split import join_head_partials, join_heads, split_heads
@@ -50,6 +50,9 @@ class DuoLayerCache:
   # prompt and the new tokens fit in less.
   sinks: int = dataclasses.field(metadata=dict(static=True))
   recent: int = dataclasses.field(metadata=dict(static=True))
+  # The prompt_len it was allocated for, which sized the streaming heads' slots: a wider
+  # prompt is refused (`check_prompt_width`). None: unchecked.
+  allocated_prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def _parts(self):
@@ -97,6 +100,7 @@ class DuoLayerCache:
 
   def ingest(self, keys, values, queries, lengths):
     del queries  # the split is fixed by the gates
+    check_prompt_width("duo", keys.shape[2], self.allocated_prompt_len)
     return self._each("ingest", keys, values, None, lengths.astype(jnp.int32))
 
   @property
@@ -261,4 +265,5 @@ class DuoAttention:
       streaming_heads=streaming_heads,
       sinks=self.sinks,
       recent=self.recent,
+      allocated_prompt_len=prompt_len,
     )

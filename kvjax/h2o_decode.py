@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
+from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape, check_prompt_width
 from kvjax.chunk_attention import attend_chunk_over_slots
 from kvjax.compact_rows import zero_past_lengths
 from kvjax.dense_cache import FullCache
@@ -64,6 +64,9 @@ class HeavyHitterEvictionCache(KeyValueArrays):
   # False when the slots are fewer than the method's budget (the prompt and the new tokens fit
   # in less): evicting there would keep fewer tokens than the budget, so the cache is bounded.
   evicts_when_full: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  # The prompt_len it was allocated for, which sized its slots and budget: a wider prompt is
+  # refused (`check_prompt_width`). None: unchecked.
+  allocated_prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
   def zeros(
@@ -79,6 +82,7 @@ class HeavyHitterEvictionCache(KeyValueArrays):
     sm_scale,
     query_chunk,
     evicts_when_full=True,
+    allocated_prompt_len=None,
   ):
     shape = (batch, kv_heads, slots)
     return cls(
@@ -93,6 +97,7 @@ class HeavyHitterEvictionCache(KeyValueArrays):
       prompt_sm_scale=sm_scale,
       query_chunk=query_chunk,
       evicts_when_full=evicts_when_full,
+      allocated_prompt_len=allocated_prompt_len,
     )
 
   @property
@@ -104,6 +109,7 @@ class HeavyHitterEvictionCache(KeyValueArrays):
     return None if self.evicts_when_full else self.slots - self.lengths
 
   def ingest(self, keys, values, queries, lengths):
+    check_prompt_width("h2o_decode", keys.shape[2], self.allocated_prompt_len)
     lengths = lengths.astype(jnp.int32)
     batch, kv_heads, prompt_len, _ = keys.shape
     scores = h2o_token_scores(
@@ -334,4 +340,5 @@ class H2ODecode:
       sm_scale=shape.head_dim**-0.5,
       query_chunk=self.query_chunk,
       evicts_when_full=slots >= budget,
+      allocated_prompt_len=prompt_len,
     )

@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
+from kvjax.cache_protocol import ModelCacheShape, check_prompt_width, tree_nbytes
 from kvjax.compact_rows import held_then_chunk
 from kvjax.dense_cache import DenseLayerCache, FullCache
 from kvjax.head_split import join_head_partials, join_heads, split_heads
@@ -197,6 +197,9 @@ class RazorLayerCache:
   # (head_dim, dtype name) of that state; None when the local heads are not compressed. No
   # batch: static metadata must not depend on it (kvjax.row_sharding finds batch axes by shapes).
   local_layout: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
+  # The prompt_len it was allocated for, which sized the local heads' budget and storage: a
+  # wider prompt is refused (`check_prompt_width`). None: unchecked.
+  allocated_prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def room(self) -> jax.Array | None:  # int32 [batch]: tokens every head's storage can take
@@ -218,6 +221,7 @@ class RazorLayerCache:
 
   def ingest(self, keys, values, queries, lengths):
     del queries  # the split is fixed by the head profile
+    check_prompt_width("razor", keys.shape[2], self.allocated_prompt_len)
     lengths = lengths.astype(jnp.int32)
     (retrieval_keys, local_keys), (retrieval_values, local_values) = (
       self._split(keys),
@@ -552,4 +556,5 @@ class RazorAttention:
       local_layout=(shape.head_dim, jnp.dtype(dtype).name)
       if compress and local is not None
       else None,
+      allocated_prompt_len=prompt_len,
     )

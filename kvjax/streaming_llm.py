@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import attention_dispatch
-from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
+from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape, check_prompt_width
 from kvjax.chunk_attention import attend_chunk_over_slots
 from kvjax.compact_rows import write_token_at_lengths
 from kvjax.dense_cache import FullCache
@@ -92,6 +92,9 @@ class StreamingLayerCache(KeyValueArrays):
   # False when the slots are fewer than the method's budget (the prompt and the new tokens fit
   # in less): evicting there would keep fewer tokens than the budget, so the cache is bounded.
   evicts_when_full: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  # The prompt_len it was allocated for, which sized its slots: a wider prompt is refused
+  # (`check_prompt_width`). None: unchecked.
+  allocated_prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
   def zeros(
@@ -108,6 +111,7 @@ class StreamingLayerCache(KeyValueArrays):
     implementation="auto",
     kernel_settings=DEFAULT_KERNEL_SETTINGS,
     evicts_when_full=True,
+    allocated_prompt_len=None,
   ):
     shape = (batch, kv_heads, sinks + window, head_dim)
     return cls(
@@ -120,6 +124,7 @@ class StreamingLayerCache(KeyValueArrays):
       implementation=implementation,
       kernel_settings=kernel_settings,
       evicts_when_full=evicts_when_full,
+      allocated_prompt_len=allocated_prompt_len,
     )
 
   @property
@@ -136,6 +141,7 @@ class StreamingLayerCache(KeyValueArrays):
 
   def ingest(self, keys, values, queries, lengths):
     del queries  # the choice depends on positions only
+    check_prompt_width("streaming", keys.shape[2], self.allocated_prompt_len)
     lengths = lengths.astype(jnp.int32)
     positions, valid = streaming_source_positions(lengths, sinks=self.sinks, window=self.window)
     gather_at = jnp.clip(positions, 0, keys.shape[2] - 1)[:, None, :, None]
@@ -313,4 +319,5 @@ class StreamingLLM:
       implementation=self.implementation,
       kernel_settings=self.kernel_settings,
       evicts_when_full=slots >= self.budget_tokens(prompt_len),
+      allocated_prompt_len=prompt_len,
     )

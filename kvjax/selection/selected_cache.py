@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from einops import rearrange
 
-from kvjax.cache_protocol import ModelCacheShape
+from kvjax.cache_protocol import ModelCacheShape, check_prompt_width
 from kvjax.compact_rows import held_then_chunk
 from kvjax.dense_cache import DenseLayerCache, FullCache
 from kvjax.selection.budgets import check_full_attention_model
@@ -51,6 +51,9 @@ class SelectedLayerCache:
   # (kv_heads, head_dim, dtype name) of that scratch; None when the storage is full. No batch:
   # static metadata must not depend on it (kvjax.row_sharding finds batch axes by shapes).
   scratch_layout: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
+  # The prompt_len it was allocated for, which sized the selector's budget: a wider prompt is
+  # refused (`check_prompt_width`). None: unchecked.
+  allocated_prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
   def lengths(self) -> jax.Array:  # int32 [batch]: tokens held per row
@@ -61,13 +64,18 @@ class SelectedLayerCache:
     return getattr(self.storage, "room", None)
 
   def ingest(self, keys, values, queries, lengths):
-    if self.selector.budget >= keys.shape[2]:
-      # The budget covers the whole prompt: nothing to score, keep every token.
-      return dataclasses.replace(self, storage=self.storage.ingest(keys, values, None, lengths))
-    indices, kept_lengths = self.selector.kept_indices(keys, queries, lengths)
-    storage = self.storage.ingest(
-      gather_tokens(keys, indices), gather_tokens(values, indices), None, kept_lengths
+    check_prompt_width(
+      f"selection cache ({type(self.selector).__qualname__})",
+      keys.shape[2],
+      self.allocated_prompt_len,
     )
+    if self.selector.budget >= keys.shape[2]:  # nothing to score, keep every token
+      storage = self.storage.ingest(keys, values, None, lengths)
+    else:
+      indices, kept_lengths = self.selector.kept_indices(keys, queries, lengths)
+      storage = self.storage.ingest(
+        gather_tokens(keys, indices), gather_tokens(values, indices), None, kept_lengths
+      )
     return dataclasses.replace(self, storage=storage)
 
   @property
@@ -187,4 +195,6 @@ def allocate_selected_cache(
   )
   full = isinstance(storage, DenseLayerCache)
   layout = None if full else (shape.num_kv_heads, shape.head_dim, jnp.dtype(dtype).name)
-  return SelectedLayerCache(storage=storage, selector=selector, scratch_layout=layout)
+  return SelectedLayerCache(
+    storage=storage, selector=selector, scratch_layout=layout, allocated_prompt_len=prompt_len
+  )

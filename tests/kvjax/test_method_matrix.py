@@ -10,6 +10,7 @@ bound (lossless ones near 0, lossy ones above 0).
 
 import dataclasses
 import importlib
+import re
 import warnings
 
 import jax
@@ -17,7 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.cache_protocol import model_cache_nbytes, model_cache_shapes, tree_nbytes
+from kvjax.cache_protocol import (
+  allocate_model_cache,
+  model_cache_nbytes,
+  model_cache_shapes,
+  tree_nbytes,
+)
 from kvjax.cache_room import rows_room
 from kvjax.chunked_prefill import CHUNKED_PREFILL_METHODS, chunked_prefill_refusal
 from kvjax.compressed_context import compress_context, repeat_context, share_context
@@ -270,6 +276,33 @@ def test_a_sliding_window_model_is_served_only_within_its_window(
     return
   with pytest.raises(ValueError, match=r"sliding[ _]window.*16.*44"):
     allocate(40)
+
+
+@pytest.mark.parametrize("name, spec, kl_bound", matrix_params())
+def test_a_prompt_wider_than_allocated_is_refused_or_kept_whole(
+  name, spec, kl_bound, profile_path, gates_path
+):
+  """A cache allocated for a 12-token prompt (and 4 new tokens) and handed 14 tokens either
+  refuses them by name or holds all 14: never keeps what the 12-token allocation sized (a
+  selection's budget capped at 12, an evicting cache's 16 slots) without saying so."""
+  decoder, _ = tiny_decoder(layer_loop="unroll")
+  shape = decoder.cache_shape
+  method = parse_method_spec(spec.format(profile=profile_path, gates=gates_path))
+  caches = allocate_model_cache(
+    method, shape, batch=1, prompt_len=12, max_new_tokens=4, dtype=jnp.float32
+  )
+  group = shape.num_query_heads // shape.num_kv_heads
+  keys = jax.random.normal(jax.random.key(0), (1, shape.num_kv_heads, 14, shape.head_dim))
+  queries = jax.random.normal(jax.random.key(1), (1, shape.num_kv_heads, group, 14, shape.head_dim))
+  lengths = jnp.array([14], jnp.int32)
+  for cache in caches:
+    try:
+      ingested = cache.ingest(keys, keys, queries, lengths)
+    except ValueError as refusal:
+      assert re.search(r"14 tokens.*prompt_len=12", str(refusal)), refusal
+      continue
+    assert name in ("full", "kivi", "gear"), f"{name} took a wider prompt"
+    assert int(ingested.lengths[0]) == 14, (name, ingested.lengths)
 
 
 @pytest.mark.parametrize("name, spec, kl_bound", matrix_params())
