@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import numbers
 import os
 
@@ -73,10 +74,14 @@ class DecoderConfig:
       raise ValueError(
         f"sliding_window={self.sliding_window!r} must be None (full attention) or an integer >= 1"
       )
-    if not self.rope_theta > 0:
-      raise ValueError(f"rope_theta={self.rope_theta!r} must be > 0")
-    if not self.rms_norm_eps >= 0:
-      raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be >= 0")
+    finite = lambda value: (
+      isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    )
+    if not (finite(self.rope_theta) and self.rope_theta > 0):
+      raise ValueError(f"rope_theta={self.rope_theta!r} must be a finite number > 0")
+    # An infinite epsilon would zero every normalised hidden state.
+    if not (finite(self.rms_norm_eps) and self.rms_norm_eps >= 0):
+      raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be a finite number >= 0")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
         f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -106,7 +111,12 @@ class DecoderConfig:
     if hidden_act != "silu":
       raise ValueError(f"hidden_act={hidden_act!r} is not supported; allowed: silu")
     num_heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+    if not _is_positive_int(num_heads):
+      raise ValueError(f"num_attention_heads={num_heads!r} must be a positive integer")
+    # Only an absent (or null) head_dim is derived, as transformers does: 0 is refused below.
+    head_dim = config.get("head_dim")
+    if head_dim is None:
+      head_dim = config["hidden_size"] // num_heads
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     vocab_size = config.get("vocab_size")

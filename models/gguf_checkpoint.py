@@ -8,6 +8,7 @@ permuted by llama.cpp's converter to suit its RoPE kernel.
 
 import dataclasses
 import functools
+import numbers
 import pathlib
 import re
 
@@ -143,7 +144,12 @@ def gguf_config(gguf_file: GGUFFile, tensor_names: tuple[str, ...]) -> dict:
       f"{path}: per-layer KV head counts ({architecture}.attention.head_count_kv is a list) "
       "are not supported; kvjax needs one KV head count for all layers"
     )
-  head_dim = value("attention.key_length", hidden_size // num_heads)
+  for key, count in (("embedding_length", hidden_size), ("attention.head_count", num_heads)):
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral) or count < 1:
+      raise CheckpointError(f"{path}: {architecture}.{key} = {count!r} must be an integer >= 1")
+  head_dim = value("attention.key_length", None)
+  if head_dim is None:
+    head_dim = hidden_size // num_heads
   for key in ("attention.value_length", "rope.dimension_count"):
     if value(key, head_dim) != head_dim:
       raise CheckpointError(

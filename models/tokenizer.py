@@ -115,8 +115,8 @@ class Tokenizer:
 
   @classmethod
   def from_hf_directory(cls, directory: str | pathlib.Path) -> "Tokenizer":
-    """From tokenizer.json, with tokenizer_config.json, chat_template.jinja and
-    generation_config.json where present."""
+    """From tokenizer.json, with tokenizer_config.json, special_tokens_map.json,
+    chat_template.jinja and generation_config.json where present."""
     directory = pathlib.Path(directory)
     tokenizer_path = directory / "tokenizer.json"
     if not tokenizer_path.is_file():
@@ -128,7 +128,14 @@ class Tokenizer:
 
     config_path = directory / "tokenizer_config.json"
     config = read_json_file(config_path) if config_path.is_file() else {}
-    special_tokens = {role: _token_content(config.get(role)) for role in SPECIAL_TOKEN_ROLES}
+    # Many Llama / Mistral directories name bos and eos only in special_tokens_map.json, which
+    # transformers reads after tokenizer_config.json (its entries win).
+    map_path = directory / "special_tokens_map.json"
+    token_map = read_json_file(map_path) if map_path.is_file() else {}
+    special_tokens = {
+      role: _token_content(token_map[role] if token_map.get(role) else config.get(role))
+      for role in SPECIAL_TOKEN_ROLES
+    }
     if config.get("tokenizer_class") in _BOS_EOS_FLAG_CLASSES:
       token_ids = {
         role: None if token is None else backend.token_to_id(token)
@@ -177,6 +184,10 @@ class Tokenizer:
       )
     tokens = gguf_file.value("tokenizer.ggml.tokens")
     token_types = gguf_file.value("tokenizer.ggml.token_type", [])
+    if token_types and len(token_types) != len(tokens):
+      raise CheckpointError(
+        f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
+      )
     merges = []
     for merge in gguf_file.value("tokenizer.ggml.merges"):
       pair = tuple(merge.split(" "))
@@ -186,11 +197,13 @@ class Tokenizer:
 
     vocab = {token: index for index, token in enumerate(tokens)}
     pre_tokenizer = GGUF_PRE_TOKENIZERS[pre]
-    backend = tokenizers.Tokenizer(
-      tokenizers.models.BPE(
+    try:
+      bpe = tokenizers.models.BPE(
         vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre_tokenizer.ignore_merges
       )
-    )
+    except Exception as error:  # the Rust bindings raise a bare Exception (a merge's unknown token)
+      raise CheckpointError(f"{path}: unreadable BPE vocabulary or merges: {error}") from error
+    backend = tokenizers.Tokenizer(bpe)
     backend.pre_tokenizer = pre_tokenizer.split()
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>) are matched whole and dropped by skip_special_tokens;
@@ -295,6 +308,11 @@ class Tokenizer:
       raise ValueError("document holds a NUL-delimited marker kvjax uses to split the template")
     document = document.rstrip()
     chat = self.apply_chat_template([{"role": "user", "content": f"{document}{marker}"}])
+    if chat.count(marker) != 1:
+      raise ValueError(
+        f"the chat template of {self.source} renders a user turn's content "
+        f"{chat.count(marker)} times, not once: the document cannot be cut out of it"
+      )
     head, tail = chat.split(marker)
     document_ids = self.encode(head)
     question_ids = [self.encode(separator + question + tail) for question in questions]

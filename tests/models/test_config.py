@@ -51,9 +51,14 @@ def test_explicit_null_window_means_full_attention():
   [
     ("sliding_window", 0, "sliding_window=0 must be None"),
     ("sliding_window", -3, "sliding_window=-3 must be None"),
-    ("rope_theta", 0.0, "rope_theta=0.0 must be > 0"),
-    ("rope_theta", -1e4, "rope_theta=-10000.0 must be > 0"),
-    ("rms_norm_eps", -1.0, "rms_norm_eps=-1.0 must be >= 0"),
+    ("rope_theta", 0.0, "rope_theta=0.0 must be a finite number > 0"),
+    ("rope_theta", -1e4, "rope_theta=-10000.0 must be a finite number > 0"),
+    ("rms_norm_eps", -1.0, "rms_norm_eps=-1.0 must be a finite number >= 0"),
+    # An infinite epsilon zeroes every normalised hidden state.
+    ("rms_norm_eps", float("inf"), "rms_norm_eps=inf must be a finite number >= 0"),
+    ("rms_norm_eps", None, "rms_norm_eps=None must be a finite number >= 0"),
+    ("rope_theta", None, "rope_theta=None must be a finite number > 0"),
+    ("rope_theta", float("nan"), "rope_theta=nan must be a finite number > 0"),
     ("num_kv_heads", 0, "num_kv_heads=0 must be a positive integer"),
     ("num_layers", 0, "num_layers=0 must be a positive integer"),
     ("head_dim", 2.5, "head_dim=2.5 must be a positive integer"),
@@ -112,6 +117,10 @@ def test_other_param_dtypes_are_refused_before_loading(dtype):
     ({"eos_token_id": "2"}, r"eos_token_id='2' must be an int token id in \[0, vocab_size=32\)"),
     ({"eos_token_id": [1, 99]}, r"eos_token_id=99 must be an int token id"),
     ({"bos_token_id": -1}, r"bos_token_id=-1 must be an int token id"),
+    # Divided by before any check once; transformers derives head_dim only when it is null.
+    ({"num_attention_heads": 0}, "num_attention_heads=0 must be a positive integer"),
+    ({"head_dim": 0}, "head_dim=0 must be a positive integer"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps='1e-5' must be a finite number"),
   ],
 )
 def test_config_values_of_the_wrong_type_or_range_are_refused(change, message):

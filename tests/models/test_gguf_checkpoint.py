@@ -245,6 +245,15 @@ def test_missing_metadata_key(tmp_path):
   assert_error_names(error, path, "'llama.block_count'")
 
 
+@pytest.mark.parametrize("key", ["attention.head_count", "embedding_length"])
+def test_a_zero_head_count_or_width_is_refused_naming_the_key(tmp_path, key):
+  """Divided by to derive the head size, once before any check (a ZeroDivisionError)."""
+  path = write_tiny_gguf(tmp_path / "zero.gguf", tiny_hf_tensors(), metadata={f"{{arch}}.{key}": 0})
+  with pytest.raises(CheckpointError) as error:
+    read_gguf_checkpoint(path)
+  assert_error_names(error, path, f"llama.{key} = 0 must be an integer >= 1")
+
+
 def test_partial_rotary_is_refused(tmp_path):
   path = write_tiny_gguf(
     tmp_path / "partial.gguf", tiny_hf_tensors(), metadata={"{arch}.rope.dimension_count": 4}

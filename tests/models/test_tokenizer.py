@@ -250,6 +250,21 @@ def test_gguf_unsupported_pre_tokenizer(tmp_path):
   assert "smollm" in str(error.value)
 
 
+def test_gguf_merge_of_an_unknown_token_is_a_checkpoint_error(tmp_path):
+  path = write_tokenizer_gguf(tmp_path / "merge.gguf", **{"tokenizer.ggml.merges": ["a zz"]})
+  with pytest.raises(CheckpointError) as error:
+    Tokenizer.from_gguf(path)
+  assert str(path) in str(error.value) and "zz" in str(error.value)
+
+
+def test_gguf_token_types_of_another_length_are_refused(tmp_path):
+  """A short list would leave the control tokens past its end unmatched: "</s>" encoded as
+  nothing."""
+  path = write_tokenizer_gguf(tmp_path / "types.gguf", **{"tokenizer.ggml.token_type": [3]})
+  with pytest.raises(CheckpointError, match="token_type has 1 entries for 11 tokens"):
+    Tokenizer.from_gguf(path)
+
+
 def test_gguf_not_a_gguf_file(tmp_path):
   path = tmp_path / "tokenizer.gguf"
   path.write_bytes(b"GGUF")
@@ -285,6 +300,18 @@ def test_hf_llama_tokenizer_class_follows_bos_eos_flags(tmp_path, flags, ids):
   assert Tokenizer.from_hf_directory(directory).encode("ab", add_special_tokens=True) == ids
   other = write_tokenizer_dir(tmp_path / "other", {**config, "tokenizer_class": "GPT2Tokenizer"})
   assert Tokenizer.from_hf_directory(other).encode("ab", add_special_tokens=True) == [7]
+
+
+def test_hf_directory_special_tokens_from_special_tokens_map(tmp_path):
+  """Roles named only in special_tokens_map.json are read from it, and it wins over
+  tokenizer_config.json, as in transformers; a Llama class's BOS then comes from it too."""
+  config = {"tokenizer_class": "LlamaTokenizerFast", "eos_token": "<|im_end|>"}
+  directory = write_tokenizer_dir(tmp_path / "tok", config)
+  token_map = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"}
+  (directory / "special_tokens_map.json").write_text(json.dumps(token_map))
+  tokenizer = Tokenizer.from_hf_directory(directory)
+  assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
+  assert tokenizer.encode("ab", add_special_tokens=True) == [0, 7]
 
 
 def test_hf_llama_tokenizer_class_asking_for_a_missing_bos(tmp_path):
@@ -326,6 +353,16 @@ def test_hf_directory_template_file_and_named_templates(tmp_path):
   assert Tokenizer.from_hf_directory(directory).apply_chat_template([]) == "plain"
   (directory / "chat_template.jinja").write_text("from file")
   assert Tokenizer.from_hf_directory(directory).apply_chat_template([]) == "from file"
+
+
+@pytest.mark.parametrize(
+  "template", ["{{ messages[0]['content'] }}|{{ messages[0]['content'] }}", "[no content]"]
+)
+def test_a_template_not_rendering_the_content_once_cannot_split_a_document(tmp_path, template):
+  directory = write_tokenizer_dir(tmp_path / "tok", {"chat_template": template})
+  tokenizer = Tokenizer.from_hf_directory(directory)
+  with pytest.raises(ValueError, match="times, not once"):
+    tokenizer.chat_document_and_questions("ab.", ["ab?"])
 
 
 def test_hf_directory_template_syntax_error(tmp_path):
