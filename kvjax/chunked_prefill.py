@@ -130,7 +130,12 @@ def prefill_in_chunks(
   check_count("chunk", chunk, 1)
   tokens = jnp.asarray(tokens)
   batch, prompt_len = tokens.shape
+  if prompt_len < 1:
+    raise ValueError(f"tokens must hold at least one column; got shape {tokens.shape}")
   check_positions(lengths, batch=batch, name="lengths")
+  if offsets is not None:
+    check_positions(offsets, batch=batch, name="offsets")
+    offsets = jnp.asarray(offsets, jnp.int32)
   if not isinstance(lengths, jax.core.Tracer):
     if np.max(lengths, initial=0) > prompt_len:
       raise ValueError(

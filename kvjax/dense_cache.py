@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax import attention_dispatch
-from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape
+from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape, check_count
 from kvjax.chunk_attention import attend_chunk_over_slots
 from kvjax.compact_rows import (
   slots_after_lengths,
@@ -125,6 +125,7 @@ class FullCache:
 
   def allocate_storage(self, *, batch, kv_heads, capacity, head_dim, dtype) -> "DenseLayerCache":
     """A cache of `capacity` slots (what selection methods store their survivors in)."""
+    check_count("capacity", capacity, 0)
     return DenseLayerCache.zeros(
       batch=batch,
       kv_heads=kv_heads,

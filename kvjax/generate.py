@@ -37,6 +37,7 @@ from kvjax.dense_cache import FullCache
 from kvjax.layer_runs import pytree_signature
 from kvjax.lru_table import LruTable
 from kvjax.prompt_batch import (
+  as_array,
   check_ids_fit_int32,
   check_pad_token_id,
   check_padded_token_ids,
@@ -307,6 +308,9 @@ def decode(
   batch, vocab_size = logits.shape
   key = check_decode_arguments(max_new_tokens, sampling, key)
   check_positions(lengths, batch=batch, name="lengths")
+  lengths = as_array(lengths, name="lengths")
+  feed_tokens = as_array(feed_tokens, name="feed_tokens")
+  feed_lengths = as_array(feed_lengths, name="feed_lengths")
   stop_token_ids = check_emitted_token_ids(stop_token_ids, pad_token_id, vocab_size=vocab_size)
   longest_feed = check_feed(feed_tokens, feed_lengths, batch=batch, vocab_size=vocab_size)
   check_room(caches, longest_feed + max_new_tokens - 1, caller="decode")
@@ -341,8 +345,9 @@ def check_feed(feed_tokens, feed_lengths, *, batch: int, vocab_size: int) -> int
   if len(shape) != 2 or shape[0] != batch:
     raise ValueError(f"feed_tokens must be [batch={batch}, width]; got {shape}")
   check_positions(feed_lengths, batch=batch, name="feed_lengths")
-  if not jnp.issubdtype(jnp.result_type(feed_tokens), jnp.integer):
-    raise ValueError(f"feed_tokens must hold integer token ids, got {jnp.result_type(feed_tokens)}")
+  dtype = jnp.result_type(as_array(feed_tokens, name="feed_tokens"))
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise ValueError(f"feed_tokens must hold integer token ids, got {dtype}")
   if isinstance(feed_lengths, jax.core.Tracer):
     return shape[1]  # checked no further inside a trace; the width bounds every row
   fed = np.asarray(feed_lengths)

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from kvjax import attention_dispatch
-from kvjax.cache_protocol import ModelCacheShape, tree_nbytes
+from kvjax.cache_protocol import ModelCacheShape, check_count, tree_nbytes
 from kvjax.chunk_attention import attend_folded_chunk
 from kvjax.compact_rows import write_blocks_by_row_slices, write_token_at_lengths
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings, check_kernel_settings
@@ -244,6 +244,7 @@ class KiviLayerCache:
     kernel_settings=DEFAULT_KERNEL_SETTINGS,
   ):
     """A cache that holds at least `capacity` tokens per row."""
+    check_count("capacity", capacity, 0)
     codec.check_head_dim(head_dim)
     # Whole blocks for all but the last of `capacity` tokens: a row filled to capacity keeps its
     # last 1..R tokens in the window, so the window's R slots are never left empty by design.

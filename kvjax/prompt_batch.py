@@ -159,6 +159,15 @@ def check_positions(lengths, *, batch: int, name: str) -> None:
     raise ValueError(f"{name}={values.tolist()} must each be >= 0 and < 2**31")
 
 
+def as_array(value, *, name: str):
+  """`value` as an array where it is a (rectangular) nested list or tuple, which jit would
+  otherwise take as a pytree of scalars; arrays and tracers pass through."""
+  if isinstance(value, (list, tuple)):
+    _dtype_of(value, name=name)  # ragged: refused naming `name`
+    return np.asarray(value)
+  return value
+
+
 def _dtype_of(array, *, name: str):
   """The dtype `array` has or, for nested lists, would have as an array (ragged ones refused)."""
   if isinstance(array, (list, tuple)):

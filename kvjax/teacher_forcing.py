@@ -14,7 +14,7 @@ import numpy as np
 
 from kvjax.cache_room import check_room
 from kvjax.decoder_protocol import CachedDecoder, check_decoder
-from kvjax.prompt_batch import check_positions, check_token_array
+from kvjax.prompt_batch import as_array, check_positions, check_token_array
 
 
 def teacher_force(
@@ -39,6 +39,7 @@ def teacher_force(
   check_positions(lengths, batch=batch, name="lengths")
   check_token_array(forced, vocab_size=vocab_size, name="forced")
   check_room(caches, shape[1], caller="teacher_force")
+  lengths, forced = as_array(lengths, name="lengths"), as_array(forced, name="forced")
   return _teacher_force_in_jit(decoder, params, first_logits, caches, lengths, forced)
 
 

@@ -147,6 +147,7 @@ def quantize_keys_per_channel(
   dtype = keys.dtype if dtype is None else dtype
   grouped_shape = (*lead, tokens // group_size, group_size, head_dim)
   grouped = _exact_float32(keys).reshape(grouped_shape)
+  check_exclude_mask(exclude, keys.shape)
   grouped_exclude = None if exclude is None else exclude.reshape(grouped_shape)
   codes, scale, minimum = _quantize_groups(
     grouped, grouped_exclude, axis=-2, bits=bits, dtype=dtype
@@ -156,6 +157,18 @@ def quantize_keys_per_channel(
     scale=scale[..., 0, :],  # [..., T/G, D]
     minimum=minimum[..., 0, :],
   )
+
+
+def check_exclude_mask(exclude, shape: tuple[int, ...]) -> None:
+  """`exclude` must be None or bool of exactly `shape`: reshaped, a transposed mask of the same
+  size would mark other elements."""
+  if exclude is None:
+    return
+  if tuple(exclude.shape) != tuple(shape) or exclude.dtype != jnp.bool_:
+    raise ValueError(
+      f"exclude must be a bool mask of the quantized array's shape {tuple(shape)}; got "
+      f"{exclude.dtype} {tuple(exclude.shape)}"
+    )
 
 
 def quantize_values_per_token(
@@ -172,6 +185,7 @@ def quantize_values_per_token(
   dtype = values.dtype if dtype is None else dtype
   grouped_shape = (*lead, tokens, head_dim // group_size, group_size)
   grouped = _exact_float32(values).reshape(grouped_shape)
+  check_exclude_mask(exclude, values.shape)
   grouped_exclude = None if exclude is None else exclude.reshape(grouped_shape)
   codes, scale, minimum = _quantize_groups(
     grouped, grouped_exclude, axis=-1, bits=bits, dtype=dtype

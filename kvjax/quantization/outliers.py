@@ -21,7 +21,8 @@ class Outliers(NamedTuple):
 
 
 def check_outlier_fraction(outliers: float) -> None:
-  if not isinstance(outliers, (int, float)) or not 0.0 <= outliers < 0.5:
+  number = isinstance(outliers, (int, float)) and not isinstance(outliers, bool)
+  if not number or not 0.0 <= outliers < 0.5:
     raise ValueError(f"outliers={outliers!r} must be a fraction in [0, 0.5) (GEAR uses 0.02)")
 
 

@@ -625,6 +625,37 @@ def test_prefill_in_chunks_checks_its_own_arguments(chunk, lengths, message):
     prefill_in_chunks(decoder, params, tokens, np.asarray(lengths), caches, chunk=chunk)
 
 
+@pytest.mark.parametrize(
+  "offsets, message",
+  [
+    # A negative offset rotated and wrote the row's tokens before its first slot.
+    (np.array([-3, 4]), r"offsets=\[-3, 4\] must each be >= 0"),
+    (np.array([4]), r"offsets must be \[batch=2\]; got shape \(1,\)"),
+    (np.array([4.5, 4.5]), "offsets must hold integers"),
+  ],
+)
+def test_prefill_in_chunks_checks_its_offsets(offsets, message):
+  decoder, params = tiny_decoder()
+  caches = allocate_model_cache(
+    FullCache(), decoder.cache_shape, batch=2, prompt_len=12, max_new_tokens=0, dtype=jnp.float32
+  )
+  tokens = jnp.ones((2, 4), jnp.int32)
+  with pytest.raises(ValueError, match=message):
+    prefill_in_chunks(decoder, params, tokens, [4, 4], caches, chunk=2, offsets=offsets)
+
+
+def test_prefill_in_chunks_refuses_tokens_of_no_column():
+  """Once a division by a zero chunk."""
+  decoder, params = tiny_decoder()
+  caches = allocate_model_cache(
+    FullCache(), decoder.cache_shape, batch=2, prompt_len=4, max_new_tokens=0, dtype=jnp.float32
+  )
+  with pytest.raises(ValueError, match=r"tokens must hold at least one column; got shape \(2, 0\)"):
+    prefill_in_chunks(
+      decoder, params, jnp.ones((2, 0), jnp.int32), [0, 0], caches, chunk=2, offsets=[1, 1]
+    )
+
+
 def test_prefill_in_chunks_takes_lists():
   decoder, params = tiny_decoder()
   caches = allocate_model_cache(

@@ -263,6 +263,33 @@ def test_decode_refuses_bad_arguments_before_tracing(kwargs, message):
     decode(decoder, params, logits, caches, lengths, key, **arguments)
 
 
+def test_decode_and_teacher_force_take_lists():
+  """Nested lists pass their checks; jit would then take them as pytrees of scalars and fail
+  inside the trace without naming the argument."""
+  decoder, params = tiny_decoder()
+  logits, caches, lengths = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)
+  feed = dict(feed_tokens=np.array([[1], [2]]), feed_lengths=np.array([1, 1]))
+  arrays = decode(decoder, params, logits, caches, lengths, None, **GREEDY_FIVE_TOKENS, **feed)
+  listed = decode(
+    decoder,
+    params,
+    logits,
+    caches,
+    np.asarray(lengths).tolist(),
+    None,
+    **GREEDY_FIVE_TOKENS,
+    feed_tokens=[[1], [2]],
+    feed_lengths=[1, 1],
+  )
+  np.testing.assert_array_equal(arrays[0], listed[0])
+  forced = np.array([[1, 2], [3, 4]])
+  from_arrays = teacher_force(decoder, params, logits, caches, lengths, forced)
+  from_lists = teacher_force(
+    decoder, params, logits, caches, np.asarray(lengths).tolist(), forced.tolist()
+  )
+  np.testing.assert_array_equal(from_arrays[0], from_lists[0])
+
+
 def test_the_loop_lowered_without_decodes_checks_still_refuses_no_new_tokens():
   """decode.lower skips decode's checks; with nothing to emit the loop would never end."""
   decoder, params = tiny_decoder()

@@ -209,3 +209,13 @@ def test_bad_configurations_raise_clear_errors(kwargs, message):
 def test_keys_reject_token_counts_that_are_not_whole_groups():
   with pytest.raises(ValueError, match="group_size=4 must divide the 6 tokens"):
     quantize_keys_per_channel(jnp.zeros((1, 1, 6, 16)), bits=2, group_size=4)
+
+
+@pytest.mark.parametrize("quantize", [quantize_keys_per_channel, quantize_values_per_token])
+def test_an_exclude_mask_of_another_shape_is_refused(quantize):
+  """Reshaped, a transposed mask of the same size would mark other elements."""
+  x = jnp.ones((32, 32 // 2), jnp.float32)
+  with pytest.raises(
+    ValueError, match=r"exclude must be a bool mask of .* \(32, 16\); got bool \(16, 32\)"
+  ):
+    quantize(x, bits=2, group_size=16, exclude=jnp.zeros((16, 32), bool))

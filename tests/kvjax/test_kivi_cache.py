@@ -542,3 +542,11 @@ def test_the_segment_layouts_are_the_tpu_kernels_only_where_it_runs_compiled(mon
   assert at_128["k_codes"] == at_128["v_scale"] == at_64["v_min"] == (0, 1, 3, 2)
   assert at_128["k_scale"] == at_128["k_min"] == (0, 1, 2, 3)
   assert at_64["k_scale"] == (0, 1, 3, 2)
+
+
+@pytest.mark.parametrize("method", [Kivi(bits=2, group_size=16, residual=16), FullCache()])
+@pytest.mark.parametrize("capacity", [-5, 40.9, True])
+def test_a_capacity_that_is_not_a_count_is_refused(method, capacity):
+  """It was made a count: -5 a cache of one slot, 40.9 one of 48."""
+  with pytest.raises(ValueError, match=f"capacity={capacity!r} must be an int >= 0"):
+    method.allocate_storage(batch=1, kv_heads=1, capacity=capacity, head_dim=32, dtype=jnp.float32)

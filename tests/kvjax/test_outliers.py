@@ -60,7 +60,7 @@ def test_count_rounding_is_half_up_with_at_least_one_per_side():
   assert outlier_count_per_side(0.0, 64) == 0
 
 
-@pytest.mark.parametrize("fraction", [-0.1, 0.5, 1.0])
+@pytest.mark.parametrize("fraction", [-0.1, 0.5, 1.0, False])
 def test_fractions_outside_zero_to_half_are_rejected(fraction):
   with pytest.raises(ValueError, match=r"outliers=.* must be a fraction in \[0, 0.5\)"):
     outlier_count_per_side(fraction, 64)
