@@ -21,7 +21,7 @@ import jax
 from pallas_kernels import (
   decode_attention_gpu,
   decode_attention_tpu,
-  gear_terms_tpu,
+  gear_outlier_terms_tpu,
   quantized_decode_attention_gpu,
   quantized_decode_attention_tpu,
 )
@@ -295,13 +295,13 @@ def quantized_segment_layouts(
 ) -> dict[str, tuple[int, ...]] | None:
   """The layouts a quantized segment's arrays should keep so that this call's kernel and GEAR's
   terms read them in place (`quantized_decode_attention_tpu.segment_layouts`,
-  `gear_terms_tpu.OUTLIER_LAYOUT`: the compiled TPU kernel), or None where any layout XLA picks
-  is read in place (the GPU kernels and the reference take the default row-major layout;
-  interpret mode runs on the CPU)."""
+  `gear_outlier_terms_tpu.OUTLIER_LAYOUT`: the compiled TPU kernel), or None where any layout
+  XLA picks is read in place (the GPU kernels and the reference take the default row-major
+  layout; interpret mode runs on the CPU)."""
   family, interpret = choose_kernel_family(implementation, None)
   if family != "tpu" or interpret:
     return None
   return dict(
     quantized_decode_attention_tpu.segment_layouts(head_dim),
-    outliers=gear_terms_tpu.OUTLIER_LAYOUT,
+    outliers=gear_outlier_terms_tpu.OUTLIER_LAYOUT,
   )

@@ -33,14 +33,20 @@ tiles of key-group rows (8 of 32-bit values, 16 of 16-bit ones) or, with the gro
 128 key groups (`block_tokens_for`); or the whole segment when it is shorter. A last block past
 the segment's end reads padding, which the masks above keep out.
 
-GEAR's low-rank and outlier terms are XLA's, around the kernel, as the GPU kernels' default:
-the kernel adds a dense score bias and writes its scores, and the caller adds the value terms
-after the splits are merged (`quantized_decode_attention_tpu`). They are computed laid out for
-a TPU (`gear_terms_tpu`: outliers and tokens on lanes; the GPU's layout of them made XLA copy
-3.4 GB a step around this kernel in a decode loop, KERNEL_NOTES v50; its 32-slot outlier
-scatter also crashed v6e's compiler, v49). The version before v49 fused them with one-hot
-products in its [block, W] layout; it compiled for a TPU only after a mask fix (v49) and was
-never run on one.
+GEAR's low-rank terms are the kernel's own (`_GearLowRankBlock`, since v51): per block and
+rank, each GEAR block's q . k_b row spread over its tokens by a 0/1 product and weighted by k_a
+on the token lanes, added to the scores; on the value side p . v_a
+summed per GEAR block by the transposed 0/1 product and multiplied into v_b, added to the
+accumulator, which the online softmax rescales with the rest. Done by XLA around the kernel,
+spreading each GEAR block's row over its 64 tokens was a [.., J, 64] -> [.., T] relayout
+(64 of 128 lanes) and a dense [B, H, R, T] bias: about 0.2 GB copied a step in a decode loop
+at 32k tokens (KERNEL_NOTES v50). GEAR's outliers stay XLA's, as the GPU kernels' default: the
+kernel adds a dense score bias and writes its scores, and the caller adds the value terms after
+the splits are merged (`quantized_decode_attention_tpu`), laid out for a TPU
+(`gear_outlier_terms_tpu`: outliers and tokens on lanes; the GPU's layout of them made XLA copy
+3.4 GB a step around this kernel, v50; its 32-slot outlier scatter also crashed v6e's
+compiler, v49). The version before v49 fused the outliers with one-hot products in its
+[block, W] layout; it compiled for a TPU only after a mask fix (v49) and was never run on one.
 """
 
 import functools
@@ -61,7 +67,10 @@ from pallas_kernels.decode_attention_tpu import (
   tokens_on_lanes,
   valid_token_masks,
 )
-from pallas_kernels.gear_terms_tpu import gear_score_bias, gear_value_terms_from_scores
+from pallas_kernels.gear_outlier_terms_tpu import (
+  outlier_score_bias,
+  outlier_value_terms_from_scores,
+)
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
 from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
 
@@ -104,16 +113,25 @@ def segment_layouts(head_dim: int) -> dict[str, tuple[int, ...]]:
 
 
 def block_tokens_for(
-  tokens: int, group_size: int, stats_dtype, requested: int | None, head_dim: int = 128
+  tokens: int,
+  group_size: int,
+  stats_dtype,
+  requested: int | None,
+  head_dim: int = 128,
+  *,
+  gear_block: int | None = None,
 ) -> int:
   """Tokens per kernel block: `requested` (default DEFAULT_BLOCK_TOKENS) rounded up to a
   multiple of 128 (the codes' lanes) whose key groups fill whole tiles of the key statistics
-  (8 rows of 32-bit values or 16 of 16-bit ones; 128 lanes where `tokens_on_lanes`), or the
-  whole segment when that is no longer."""
+  (8 rows of 32-bit values or 16 of 16-bit ones; 128 lanes where `tokens_on_lanes`) and, with
+  GEAR's low-rank factors, of `gear_block` (the kernel takes whole GEAR blocks); or the whole
+  segment when that is no longer."""
   if tokens_on_lanes(head_dim):
     unit = LANES * group_size
   else:
     unit = math.lcm(LANES, group_size * 8 * 4 // jnp.dtype(stats_dtype).itemsize)
+  if gear_block is not None:
+    unit = math.lcm(unit, gear_block)
   requested = DEFAULT_BLOCK_TOKENS if requested is None else requested
   block_tokens = -(-max(requested, 1) // unit) * unit
   return tokens if tokens <= block_tokens else block_tokens
@@ -155,6 +173,65 @@ def _repeat_over_channels(stats: jax.Array, group_size: int) -> jax.Array:
   )
 
 
+class _GearLowRankBlock:
+  """GEAR's low-rank terms over one kernel block of `block` tokens, `block / gear_block` GEAR
+  blocks j, each with its factors: K[t] += k_a[t] . k_b[j]^T, V[t] += v_a[t] . v_b[j]^T.
+
+  Refs: k_a and v_a [r, block] (the tokens on lanes), k_b and v_b [J_blk, r, D] (how XLA lays
+  out the stored [B, H, J, D, r]: D on lanes, the rank on sublanes). GEAR blocks past the row's
+  length are zeroed before any product (they may hold NaN, and a 0/1 product would carry
+  0 x NaN to every token)."""
+
+  def __init__(self, refs, first, length, block: int, gear_block: int, rank: int):
+    self.k_a_ref, self.k_b_ref, self.v_a_ref, self.v_b_ref = refs
+    self.rank = rank
+    gear_blocks = block // gear_block
+    starts = first + jax.lax.broadcasted_iota(jnp.int32, (gear_blocks, 1), 0) * gear_block
+    self.live_blocks = starts < length  # [J_blk, 1]
+    # spread[j, t] = 1 where token t lies in GEAR block j: products with it move a GEAR
+    # block's row onto its tokens (exact: one nonzero term) or sum its tokens.
+    token_block = jax.lax.broadcasted_iota(jnp.int32, (gear_blocks, block), 1) // gear_block
+    self.spread = (
+      token_block == jax.lax.broadcasted_iota(jnp.int32, (gear_blocks, block), 0)
+    ).astype(jnp.float32)
+
+  def _product(self, a, b, contracting):
+    return jax.lax.dot_general(
+      a,
+      b,
+      (contracting, ((), ())),
+      preferred_element_type=jnp.float32,
+      precision=jax.lax.Precision.HIGHEST,
+    )
+
+  def _factor_b(self, ref, rank_index: int) -> jax.Array:
+    """float32 [J_blk, D]: one rank's column of each live GEAR block's B, zero past the row."""
+    return jnp.where(self.live_blocks, ref[:, rank_index, :].astype(jnp.float32), 0.0)
+
+  def score_term(self, queries: jax.Array) -> jax.Array:
+    """float32 [rows, block]: q . k_b[j(t)] . k_a[t] (natural-log logits, as q is scaled; q
+    as the kernel's main product takes it, in the compute dtype)."""
+    queries = queries.astype(jnp.float32)  # [rows, D]
+    k_a = self.k_a_ref[...].astype(jnp.float32)  # [r, block]
+    term = None
+    for i in range(self.rank):
+      q_b = self._product(self._factor_b(self.k_b_ref, i), queries, ((1,), (1,)))  # [J_blk, rows]
+      part = self._product(q_b, self.spread, ((0,), (0,))) * k_a[i : i + 1]  # [rows, block]
+      term = part if term is None else term + part
+    return term
+
+  def value_term(self, probs: jax.Array, valid_tokens: jax.Array) -> jax.Array:
+    """float32 [rows, D]: sum_t p[t] v_a[t] . v_b[j(t)]^T, with p the block's unnormalised
+    probabilities (so the online softmax rescales it with the rest of the accumulator)."""
+    v_a = jnp.where(valid_tokens, self.v_a_ref[...].astype(jnp.float32), 0.0)  # [r, block]
+    term = None
+    for i in range(self.rank):
+      p_a = self._product(probs * v_a[i : i + 1], self.spread, ((1,), (1,)))  # [rows, J_blk]
+      part = self._product(p_a, self._factor_b(self.v_b_ref, i), ((1,), (0,)))  # [rows, D]
+      term = part if term is None else term + part
+    return term
+
+
 def _quantized_kernel(
   lengths_ref,
   queries_ref,  # [rows, D], compute dtype, pre-scaled
@@ -170,8 +247,13 @@ def _quantized_kernel(
   group_size: int,
   score_io: bool,
   groups_axis: int,
+  rank: int,
+  gear_block: int,
 ):
-  # rest: [bias], [the aliased initial outputs], out, lse, [scores], then three scratch buffers
+  # rest: [GEAR's low-rank factors (rank > 0): k_a, k_b, v_a, v_b], [bias], [the aliased
+  # initial outputs], out, lse, [scores], then three scratch buffers
+  lowrank_refs = rest[:4] if rank else None
+  rest = rest[4:] if rank else rest
   bias_ref = rest[0] if score_io else None
   outputs = rest[-6:-3] if score_io else rest[-5:-3]
   out_ref, lse_ref = outputs[:2]
@@ -212,9 +294,12 @@ def _quantized_kernel(
       (((1,), (0,)), ((), ())),
       preferred_element_type=jnp.float32,
     )  # [rows, block]
+    if rank:
+      lowrank = _GearLowRankBlock(lowrank_refs, first, length, block, gear_block, rank)
+      scores = scores + lowrank.score_term(queries_ref[...])
     if score_io:
       scores = scores + bias_ref[...]
-      scores_ref[...] = scores * LOG2_E  # base 2, as `gear_value_terms_from_scores` takes them
+      scores_ref[...] = scores * LOG2_E  # base 2, as the outliers' value terms take them
     scores = jnp.where(valid_tokens, scores, -jnp.inf)
     previous_max = max_ref[...]
     new_max = jnp.maximum(previous_max, scores.max(axis=1, keepdims=True))
@@ -227,12 +312,15 @@ def _quantized_kernel(
     ) + _repeat_over_channels(v_min_ref[...], group_size)  # [D, block]
     # Slots past the length may hold anything: zero them so 0 * NaN cannot leak.
     values = jnp.where(valid_tokens, values, 0.0)
-    acc_ref[...] = acc_ref[...] * correction + jax.lax.dot_general(
+    update = jax.lax.dot_general(
       probs.astype(compute_dtype),
       values.astype(compute_dtype),
       (((1,), (1,)), ((), ())),
       preferred_element_type=jnp.float32,
     )
+    if rank:
+      update = update + lowrank.value_term(probs, valid_tokens)
+    acc_ref[...] = acc_ref[...] * correction + update
 
   @pl.when(step == plan.blocks_per_split - 1)
   def _write():
@@ -273,10 +361,11 @@ def quantized_decode_attention_partials_tpu(
   num_splits: int | None = 2,
   interpret: bool = False,
 ):
-  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]) and, for a GEAR segment,
-  the scores the kernel saw (f32 [B,H,rows,T], base-2 logits with GEAR's score terms; entries
-  at or past a row's length hold anything: they are never read), from which
-  `gear_value_terms_from_scores` adds GEAR's value terms after the merge. `initial_partials`:
+  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]), GEAR's low-rank terms
+  included, and, for a GEAR segment with outliers, the scores the kernel saw (f32 [B,H,rows,T],
+  base-2 logits with GEAR's score terms; entries at or past a row's length hold anything: they
+  are never read), from which `outlier_value_terms_from_scores` adds the outliers' value terms
+  after the merge. `initial_partials`:
   buffers for those outputs (aliased; tests poison them). Interpreted, the outputs are waited
   for before this returns."""
   check_bits(bits)
@@ -296,8 +385,18 @@ def quantized_decode_attention_partials_tpu(
     block=block,
   )
   batch, kv_heads, group, head_dim, tokens, width = sizes[:6]
-  score_io = lowrank is not None or outliers is not None
-  block_tokens = block_tokens_for(tokens, group_size, k_scale.dtype, block_tokens, head_dim)
+  # GEAR's low-rank terms are the kernel's own; its outliers' are XLA's (a dense score bias in,
+  # the scores out for the value terms).
+  score_io = outliers is not None
+  rank = 0 if lowrank is None else lowrank[0].shape[-1]
+  block_tokens = block_tokens_for(
+    tokens,
+    group_size,
+    k_scale.dtype,
+    block_tokens,
+    head_dim,
+    gear_block=None if lowrank is None else block,
+  )
   groups_axis = 1 if tokens_on_lanes(head_dim) else 0
   rows = tile_rows(group)
   plan = plan_splits(tokens, block_tokens, batch * kv_heads, num_splits, target_programs=1)
@@ -344,9 +443,24 @@ def quantized_decode_attention_partials_tpu(
     lanes_spec(value_groups),
     lanes_spec(value_groups),
   ]
+  if lowrank is not None:
+    k_a, k_b, v_a, v_b = lowrank  # [B, H, T, r], [B, H, J, D, r], the same
+    # Both as XLA lays the stored arrays out (the swaps are bitcasts there): A with the tokens
+    # last, B with the channels last.
+    factor_b_spec = pl.BlockSpec(
+      (None, None, block_tokens // block, rank, head_dim),
+      lambda b, h, s, i, lens: (b, h, block_index(b, s, i, lens), 0, 0),
+    )
+    args += [
+      jnp.swapaxes(k_a, 2, 3),
+      jnp.swapaxes(k_b, 3, 4),
+      jnp.swapaxes(v_a, 2, 3),
+      jnp.swapaxes(v_b, 3, 4),
+    ]
+    in_specs += [lanes_spec(rank), factor_b_spec, lanes_spec(rank), factor_b_spec]
   if score_io:
     padded = pad_query_group(natural_queries, rows, jnp.float32)
-    args.append(gear_score_bias(lowrank, outliers, padded, tokens=tokens, block=block))
+    args.append(outlier_score_bias(outliers, padded, tokens=tokens, block=block))
     in_specs.append(lanes_spec(rows))
   out_specs = [
     pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s, i, lens: (b, h, s, 0, 0)),
@@ -405,6 +519,8 @@ def quantized_decode_attention_partials_tpu(
     group_size=group_size,
     score_io=score_io,
     groups_axis=groups_axis,
+    rank=rank,
+    gear_block=block,
   )
   outputs = pl.pallas_call(
     kernel,
@@ -457,9 +573,8 @@ def quantized_decode_attention_tpu(
     **config,
   )
   out, lse = merge_split_partials(partials[0], partials[1], queries.shape[2])
-  if len(partials) == 3:  # GEAR: its value terms from the kernel's scores (gear_terms_tpu)
-    out = out + gear_value_terms_from_scores(
-      lowrank,
+  if len(partials) == 3:  # GEAR's outliers: their value terms from the kernel's scores
+    out = out + outlier_value_terms_from_scores(
       outliers,
       partials[2],
       lse,

@@ -387,8 +387,8 @@ def test_the_warp_kernel_generates_the_reference_tokens(
 def test_the_tpu_kernels_generate_the_reference_tokens(spec, monkeypatch):
   """The TPU kernels (interpret mode) through generate and a forced continuation, as the GPU
   ones above: the dispatch is pointed at them, since "interpret" picks the GPU kernels. The
-  tokens-on-lanes layout (v49) over real caches: ragged rows, KIVI's window, GEAR's terms by
-  XLA around the kernel."""
+  tokens-on-lanes layout (v49) over real caches: ragged rows, KIVI's window, GEAR's low-rank
+  terms in the kernel and its outliers' by XLA around it (v51)."""
   chosen = []
 
   def tpu_when_interpreted(implementation, kernel_backend):

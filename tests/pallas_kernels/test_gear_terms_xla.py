@@ -1,7 +1,7 @@
-"""GEAR's terms computed by XLA around the kernel (`gear_terms_xla`, and the same laid out for a
-TPU, `gear_terms_tpu`) against the dense cache:
-the score bias is q . (K_gear - K_kivi) and the value terms are sum_t p_t (V_gear - V_kivi)[t],
-with K / V materialised by `dequantize_segment` with and without the GEAR parts."""
+"""GEAR's terms computed by XLA around the GPU kernels (`gear_terms_xla`) against the dense
+cache: the score bias is q . (K_gear - K_kivi) and the value terms are
+sum_t p_t (V_gear - V_kivi)[t], with K / V materialised by `dequantize_segment` with and
+without the GEAR parts."""
 
 import functools
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gear_terms_tpu, gear_terms_xla
+from pallas_kernels import gear_terms_xla
 from pallas_kernels.base_two_softmax import LOG2_E
 from pallas_kernels.gear_terms_xla import (
   check_gear_terms,
@@ -66,42 +66,42 @@ GEAR_SEGMENTS = dict(
 )
 
 
-@pytest.mark.parametrize("terms_module", [gear_terms_xla, gear_terms_tpu], ids=["gpu", "tpu"])
-@hypothesis.settings(max_examples=5, deadline=None)
-@hypothesis.given(**GEAR_SEGMENTS)
-def test_gear_terms_are_the_gear_parts_of_the_dense_cache(
-  terms_module, seed, rank, outliers_per_block, head_dim, block, blocks, group
-):
-  """bias = q . (K_gear - K_kivi); value terms = sum_t p_t (V_gear - V_kivi)[t], p normalised
-  over each row's length; the scores past a row's length are NaN (never written by the kernel)
-  and must not reach the terms. `terms_module`: gear_terms_xla, or gear_terms_tpu (the same
-  terms laid out for a TPU)."""
-  hypothesis.assume(rank or outliers_per_block)
-  tokens = blocks * block
-  rng, segment = _segment(seed, rank, outliers_per_block, tokens, head_dim, block)
-  key_part, value_part = _gear_parts(segment, block)
-  queries = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, group, head_dim)), jnp.float32)
-  bias = jax.jit(terms_module.gear_score_bias, static_argnames=("tokens", "block"))(
-    segment.lowrank, segment.outliers, queries, tokens=tokens, block=block
-  )
-  expected_bias = jnp.einsum("bhgd,bhtd->bhgt", queries, key_part, precision=HIGHEST)
-  np.testing.assert_allclose(np.asarray(bias), np.asarray(expected_bias), rtol=1e-5, atol=1e-5)
-
+def scores_of_random_rows(rng, tokens: int, group: int):
+  """(lengths int32 [2]: a full row and one of random length; random scores as the kernels write
+  them, base-2 and NaN at and past a row's length, [2, KV_HEADS, group, tokens]; their lse and
+  the probabilities they give, 0 past the length)."""
   lengths = jnp.asarray([tokens, int(rng.integers(1, tokens + 1))], jnp.int32)
   inside = (jnp.arange(tokens)[None, :] < lengths[:, None])[:, None, None, :]
   scores = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, group, tokens)), jnp.float32)
   masked = jnp.where(inside, scores, -jnp.inf)
   lse = jax.nn.logsumexp(masked, axis=-1)
-  terms = jax.jit(terms_module.gear_value_terms_from_scores, static_argnames=("block", "head_dim"))(
-    segment.lowrank,
-    segment.outliers,
-    jnp.where(inside, scores * LOG2_E, jnp.nan),  # the kernel's base-2 scores
-    lse,
-    lengths,
-    block=block,
-    head_dim=head_dim,
+  base_two = jnp.where(inside, scores * LOG2_E, jnp.nan)
+  return lengths, base_two, lse, jnp.exp(masked - lse[..., None])
+
+
+@hypothesis.settings(max_examples=5, deadline=None)
+@hypothesis.given(**GEAR_SEGMENTS)
+def test_gear_terms_are_the_gear_parts_of_the_dense_cache(
+  seed, rank, outliers_per_block, head_dim, block, blocks, group
+):
+  """bias = q . (K_gear - K_kivi); value terms = sum_t p_t (V_gear - V_kivi)[t], p normalised
+  over each row's length; the scores past a row's length are NaN (never written by the kernel)
+  and must not reach the terms."""
+  hypothesis.assume(rank or outliers_per_block)
+  tokens = blocks * block
+  rng, segment = _segment(seed, rank, outliers_per_block, tokens, head_dim, block)
+  key_part, value_part = _gear_parts(segment, block)
+  queries = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, group, head_dim)), jnp.float32)
+  bias = jax.jit(gear_terms_xla.gear_score_bias, static_argnames=("tokens", "block"))(
+    segment.lowrank, segment.outliers, queries, tokens=tokens, block=block
   )
-  probs = jnp.exp(masked - lse[..., None])
+  expected_bias = jnp.einsum("bhgd,bhtd->bhgt", queries, key_part, precision=HIGHEST)
+  np.testing.assert_allclose(np.asarray(bias), np.asarray(expected_bias), rtol=1e-5, atol=1e-5)
+
+  lengths, scores, lse, probs = scores_of_random_rows(rng, tokens, group)
+  terms = jax.jit(
+    gear_terms_xla.gear_value_terms_from_scores, static_argnames=("block", "head_dim")
+  )(segment.lowrank, segment.outliers, scores, lse, lengths, block=block, head_dim=head_dim)
   expected = jnp.einsum("bhgt,bhtd->bhgd", probs, value_part, precision=HIGHEST)
   assert np.all(np.isfinite(np.asarray(terms)))
   np.testing.assert_allclose(np.asarray(terms), np.asarray(expected), rtol=1e-5, atol=1e-6)

@@ -163,15 +163,16 @@ TPU_TOKENS = 1280
 TPU_LANE_GROUP_TOKENS = 4096 + 1280
 
 
-def _check_tpu(bits, head_dim, group, gear, dtype, seed, block_tokens=512):
+def _check_tpu(bits, head_dim, group, gear, dtype, seed, block_tokens=512, outliers_per_block=20):
   tokens = TPU_LANE_GROUP_TOKENS if tokens_on_lanes(head_dim) else TPU_TOKENS
   queries, segment, lengths, kwargs, reference = _case(
-    seed, bits, head_dim, group, gear, dtype, tokens=tokens
+    seed, bits, head_dim, group, gear, dtype, outliers_per_block, tokens=tokens
   )
   interpret = tpu_interpret()
   rows = decode_attention_tpu.tile_rows(group)
   poison = _poison(rows, head_dim)
-  if gear:  # the kernel's scores too, for GEAR's value terms (gear_terms_xla)
+  gear = gear and outliers_per_block > 0  # GEAR-L: its low-rank terms are the kernel's alone
+  if gear:  # the kernel's scores too, for the outliers' value terms (gear_terms_xla)
     poison += (jnp.full((BATCH, KV_HEADS, rows, tokens), jnp.nan, jnp.float32),)
   partials = tpu_kernel.quantized_decode_attention_partials_tpu(
     queries,
@@ -186,8 +187,11 @@ def _check_tpu(bits, head_dim, group, gear, dtype, seed, block_tokens=512):
   out_p, lse_p = partials[:2]
   assert_all_written(out_p, lse_p)
   out, lse = merge_split_partials(out_p, lse_p, group)
-  if gear:  # past a row's length the TPU kernel's score blocks hold anything
-    out = _with_gear_value_terms(out, lse, partials[2], segment, lengths, unwritten_past=False)
+  if gear:  # the low-rank terms are the kernel's; its outliers' value terms from its scores
+    outliers_only = segment._replace(lowrank=None)  # past a row's length they hold anything
+    out = _with_gear_value_terms(
+      out, lse, partials[2], outliers_only, lengths, unwritten_past=False
+    )
   assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(dtype, interpret))
 
 
@@ -227,6 +231,12 @@ def test_triton_planar_kernel_matches_reference(bits, head_dim, group, gear, dty
 )
 def test_tpu_kernel_matches_reference(bits, head_dim, group, gear, dtype):
   _check_tpu(bits, head_dim, group, gear, dtype, seed=bits * 7 + head_dim + group)
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(128, jnp.bfloat16), (64, jnp.float32)])
+def test_tpu_kernel_matches_reference_for_gear_without_outliers(head_dim, dtype):
+  """GEAR-L: the low-rank terms, all the kernel's own, with no score bias or scores."""
+  _check_tpu(2, head_dim, 4, True, dtype, seed=11 + head_dim, outliers_per_block=0)
 
 
 @pytest.mark.parametrize(

@@ -233,16 +233,19 @@ def test_a_decode_step_copies_no_cache_array(spec, head_dim):
   assert sum(copy.bytes for copy in copies) <= 2 * window
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("head_dim, bound_mb", [(128, 220), (64, 240)])
-def test_a_gear_decode_step_copies_less_than_a_tenth_of_what_it_did(head_dim, bound_mb):
+@pytest.mark.parametrize(
+  "head_dim, bound_mb", [(128, 2.2), pytest.param(64, 60, marks=pytest.mark.slow)]
+)
+def test_a_gear_decode_step_copies_little_beside_its_window(head_dim, bound_mb):
   """GEAR-2 in kvjax's decode loop compiled for a TPU: its terms laid out for a GPU ([J s, G]
   windows of the query group, padded there from 4 lanes to 128) made XLA copy 3.36 GB a step at
-  head_dim 128 and 1.73 GB at 64 around the kernel. Laid out for a TPU (`gear_terms_tpu`), the
-  outliers and key statistics pinned row-major through the appends' loop: 206 and 222 MB
-  (KERNEL_NOTES v50), none of it the outliers' [J s, G] products or the outlier arrays."""
+  head_dim 128 and 1.73 GB at 64 around the kernel; laid out for a TPU, the outliers and key
+  statistics pinned row-major through the appends' loop, 206 and 222 MB (KERNEL_NOTES v50), most
+  of it the low-rank rows spread over their GEAR blocks. With the low-rank terms the kernel's own
+  (v51) what is left at 128 is the full-precision window (K and V [B, H, 64, 128], 1 MB each);
+  at 64 also the B factors relaid to 128 lanes (2 x 16.7 MB) and two [B, H, 1, T] arrays."""
   compiled = tpu_compile_check.decode_loop("gear", context=32768, head_dim=head_dim)
   copies = tpu_compile_check.large_copies(compiled, 1 << 20, tpu_compile_check.while_body(compiled))
   assert sum(copy.bytes for copy in copies) <= bound_mb * 1e6, copies
-  assert not any(copy.shape.split("]")[0].endswith(",4") for copy in copies), copies
-  assert not any(copy.shape.split("]")[0].endswith(",164") for copy in copies), copies
+  if head_dim == 128:
+    assert all(copy.shape.startswith("bf16[8,8,64,128]") for copy in copies), copies
