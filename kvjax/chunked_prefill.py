@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache_protocol import check_count
+from kvjax.cache_protocol import check_count, check_prompt_width
 from kvjax.layer_runs import (
   StackedLayerCaches,
   arrange_like,
@@ -136,6 +136,11 @@ def prefill_in_chunks(
   if offsets is not None:
     check_positions(offsets, batch=batch, name="offsets")
     offsets = jnp.asarray(offsets, jnp.int32)
+  else:  # fresh caches: sized for a prompt no narrower than this one (as `ingest` checks)
+    for item in caches:
+      cache = item.stacked if isinstance(item, StackedLayerCaches) else item
+      allocated = getattr(cache, "allocated_prompt_len", None)
+      check_prompt_width(f"prefill_in_chunks ({type(cache).__name__})", prompt_len, allocated)
   if not isinstance(lengths, jax.core.Tracer):
     if np.max(lengths, initial=0) > prompt_len:
       raise ValueError(

@@ -50,8 +50,8 @@ class DuoLayerCache:
   # prompt and the new tokens fit in less.
   sinks: int = dataclasses.field(metadata=dict(static=True))
   recent: int = dataclasses.field(metadata=dict(static=True))
-  # The prompt_len it was allocated for, which sized the streaming heads' slots: a wider
-  # prompt is refused (`check_prompt_width`). None: unchecked.
+  # The prompt_len it was allocated for where that sized the streaming heads' slots (fewer
+  # than sinks + recent): a wider prompt is refused (`check_prompt_width`). None elsewhere.
   allocated_prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
@@ -265,5 +265,8 @@ class DuoAttention:
       streaming_heads=streaming_heads,
       sinks=self.sinks,
       recent=self.recent,
-      allocated_prompt_len=prompt_len,
+      # Sized by the prompt where the streaming heads' slots are fewer than sinks + recent.
+      allocated_prompt_len=prompt_len
+      if streaming is not None and not streaming.evicts_when_full
+      else None,
     )

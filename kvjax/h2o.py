@@ -122,4 +122,5 @@ class H2O:
       prompt_len=prompt_len,
       max_new_tokens=max_new_tokens,
       dtype=dtype,
+      sized_by_prompt=self.ratio is not None,
     )

@@ -64,8 +64,9 @@ class HeavyHitterEvictionCache(KeyValueArrays):
   # False when the slots are fewer than the method's budget (the prompt and the new tokens fit
   # in less): evicting there would keep fewer tokens than the budget, so the cache is bounded.
   evicts_when_full: bool = dataclasses.field(default=True, metadata=dict(static=True))
-  # The prompt_len it was allocated for, which sized its slots and budget: a wider prompt is
-  # refused (`check_prompt_width`). None: unchecked.
+  # The prompt_len it was allocated for where that sized its slots (fewer than the budget, or
+  # a budget that is a ratio of it): a wider prompt is refused (`check_prompt_width`). None
+  # where they do not depend on it.
   allocated_prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
@@ -340,5 +341,5 @@ class H2ODecode:
       sm_scale=shape.head_dim**-0.5,
       query_chunk=self.query_chunk,
       evicts_when_full=slots >= budget,
-      allocated_prompt_len=prompt_len,
+      allocated_prompt_len=prompt_len if self.ratio is not None or slots < budget else None,
     )

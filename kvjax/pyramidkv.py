@@ -123,4 +123,5 @@ class PyramidKV:
       prompt_len=prompt_len,
       max_new_tokens=max_new_tokens,
       dtype=dtype,
+      sized_by_prompt=True,  # the pyramid's layer budgets depend on the prompt's length
     )

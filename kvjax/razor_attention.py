@@ -197,8 +197,8 @@ class RazorLayerCache:
   # (head_dim, dtype name) of that state; None when the local heads are not compressed. No
   # batch: static metadata must not depend on it (kvjax.row_sharding finds batch axes by shapes).
   local_layout: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
-  # The prompt_len it was allocated for, which sized the local heads' budget and storage: a
-  # wider prompt is refused (`check_prompt_width`). None: unchecked.
+  # The prompt_len it was allocated for where that sized the local heads' budget and storage:
+  # a wider prompt is refused (`check_prompt_width`). None where they do not depend on it.
   allocated_prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
@@ -556,5 +556,6 @@ class RazorAttention:
       local_layout=(shape.head_dim, jnp.dtype(dtype).name)
       if compress and local is not None
       else None,
-      allocated_prompt_len=prompt_len,
+      # Sized by the prompt where the budget is a ratio of it or keeps all of it.
+      allocated_prompt_len=prompt_len if self.ratio is not None or not compress else None,
     )

@@ -92,8 +92,9 @@ class StreamingLayerCache(KeyValueArrays):
   # False when the slots are fewer than the method's budget (the prompt and the new tokens fit
   # in less): evicting there would keep fewer tokens than the budget, so the cache is bounded.
   evicts_when_full: bool = dataclasses.field(default=True, metadata=dict(static=True))
-  # The prompt_len it was allocated for, which sized its slots: a wider prompt is refused
-  # (`check_prompt_width`). None: unchecked.
+  # The prompt_len it was allocated for where that sized its slots (fewer than the budget, or
+  # a budget that is a ratio of it): a wider prompt is refused (`check_prompt_width`). None
+  # where they do not depend on it.
   allocated_prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
@@ -319,5 +320,7 @@ class StreamingLLM:
       implementation=self.implementation,
       kernel_settings=self.kernel_settings,
       evicts_when_full=slots >= self.budget_tokens(prompt_len),
-      allocated_prompt_len=prompt_len,
+      allocated_prompt_len=prompt_len
+      if self.ratio is not None or slots < self.budget_tokens(prompt_len)
+      else None,
     )

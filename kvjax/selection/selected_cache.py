@@ -51,8 +51,9 @@ class SelectedLayerCache:
   # (kv_heads, head_dim, dtype name) of that scratch; None when the storage is full. No batch:
   # static metadata must not depend on it (kvjax.row_sharding finds batch axes by shapes).
   scratch_layout: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
-  # The prompt_len it was allocated for, which sized the selector's budget: a wider prompt is
-  # refused (`check_prompt_width`). None: unchecked.
+  # The prompt_len it was allocated for where that sized the selector's budget (a ratio of it,
+  # or a budget capped at it): a wider prompt is refused (`check_prompt_width`). None where the
+  # budget does not depend on it, so that caches of one budget share their compiled programs.
   allocated_prompt_len: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @property
@@ -183,8 +184,11 @@ def allocate_selected_cache(
   prompt_len: int,
   max_new_tokens: int,
   dtype,
+  sized_by_prompt: bool,
 ) -> SelectedLayerCache:
-  """A selection cache whose storage holds exactly `selector.budget + max_new_tokens` tokens."""
+  """A selection cache whose storage holds exactly `selector.budget + max_new_tokens` tokens.
+  `sized_by_prompt`: the method sized the selector's budget from `prompt_len` (a ratio of it, a
+  schedule over it); a budget capped at `prompt_len` counts as sized by it too."""
   check_full_attention_model(shape, method, prompt_len + max_new_tokens)
   storage = storage_method.allocate_storage(
     batch=batch,
@@ -195,6 +199,10 @@ def allocate_selected_cache(
   )
   full = isinstance(storage, DenseLayerCache)
   layout = None if full else (shape.num_kv_heads, shape.head_dim, jnp.dtype(dtype).name)
+  sized_by_prompt = sized_by_prompt or selector.budget >= prompt_len
   return SelectedLayerCache(
-    storage=storage, selector=selector, scratch_layout=layout, allocated_prompt_len=prompt_len
+    storage=storage,
+    selector=selector,
+    scratch_layout=layout,
+    allocated_prompt_len=prompt_len if sized_by_prompt else None,
   )

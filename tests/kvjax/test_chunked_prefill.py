@@ -644,6 +644,35 @@ def test_prefill_in_chunks_checks_its_offsets(offsets, message):
     prefill_in_chunks(decoder, params, tokens, [4, 4], caches, chunk=2, offsets=offsets)
 
 
+@pytest.mark.parametrize(
+  "spec, refused",
+  [
+    ("snapkv:budget=4096,window=4", True),  # the budget capped at the 12-token allocation
+    ("h2o_decode:budget=4096", True),  # 12 slots, fewer than the budget
+    ("snapkv:budget=8,window=4", False),  # 8 tokens whatever the prompt's width
+  ],
+)
+def test_prefill_in_chunks_refuses_a_prompt_wider_than_the_caches_were_sized_for(spec, refused):
+  """As `ingest` does: fed in chunks, the selection kept what the narrower allocation sized."""
+  decoder, params = tiny_decoder()
+  caches = allocate_model_cache(
+    parse_method_spec(spec),
+    decoder.cache_shape,
+    batch=1,
+    prompt_len=12,
+    max_new_tokens=0,
+    dtype=jnp.float32,
+  )
+  feed = lambda: prefill_in_chunks(
+    decoder, params, jnp.ones((1, 20), jnp.int32), [20], caches, chunk=8
+  )
+  if refused:
+    with pytest.raises(ValueError, match=r"prefill_in_chunks .*20 tokens.*prompt_len=12"):
+      feed()
+  else:
+    assert int(feed()[1][0].lengths[0]) == 8
+
+
 def test_prefill_in_chunks_refuses_tokens_of_no_column():
   """Once a division by a zero chunk."""
   decoder, params = tiny_decoder()
