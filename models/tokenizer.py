@@ -128,10 +128,12 @@ class Tokenizer:
 
     config_path = directory / "tokenizer_config.json"
     config = read_json_file(config_path) if config_path.is_file() else {}
-    # Many Llama / Mistral directories name bos and eos only in special_tokens_map.json, which
-    # transformers reads after tokenizer_config.json (its entries win).
+    # Many older Llama / Mistral directories name bos and eos only in special_tokens_map.json.
+    # transformers reads it only for a tokenizer_config.json without "added_tokens_decoder"
+    # (saved before 4.34), and then its entries win; newer configs are read alone.
     map_path = directory / "special_tokens_map.json"
-    token_map = read_json_file(map_path) if map_path.is_file() else {}
+    legacy = "added_tokens_decoder" not in config and map_path.is_file()
+    token_map = read_json_file(map_path) if legacy else {}
     special_tokens = {
       role: _token_content(token_map[role] if token_map.get(role) else config.get(role))
       for role in SPECIAL_TOKEN_ROLES

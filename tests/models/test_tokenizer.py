@@ -303,15 +303,20 @@ def test_hf_llama_tokenizer_class_follows_bos_eos_flags(tmp_path, flags, ids):
 
 
 def test_hf_directory_special_tokens_from_special_tokens_map(tmp_path):
-  """Roles named only in special_tokens_map.json are read from it, and it wins over
-  tokenizer_config.json, as in transformers; a Llama class's BOS then comes from it too."""
+  """As transformers reads them: a tokenizer_config.json saved before transformers 4.34 (no
+  "added_tokens_decoder") takes roles from special_tokens_map.json, which wins over it (a Llama
+  class's BOS then comes from it too); a newer one is read alone."""
   config = {"tokenizer_class": "LlamaTokenizerFast", "eos_token": "<|im_end|>"}
-  directory = write_tokenizer_dir(tmp_path / "tok", config)
   token_map = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>"}
-  (directory / "special_tokens_map.json").write_text(json.dumps(token_map))
-  tokenizer = Tokenizer.from_hf_directory(directory)
+  legacy = write_tokenizer_dir(tmp_path / "legacy", config)
+  (legacy / "special_tokens_map.json").write_text(json.dumps(token_map))
+  tokenizer = Tokenizer.from_hf_directory(legacy)
   assert (tokenizer.bos_id, tokenizer.eos_id) == (0, 1)
   assert tokenizer.encode("ab", add_special_tokens=True) == [0, 7]
+  newer = {**config, "bos_token": "<s>", "added_tokens_decoder": {}}
+  directory = write_tokenizer_dir(tmp_path / "newer", newer)
+  (directory / "special_tokens_map.json").write_text(json.dumps(token_map))
+  assert Tokenizer.from_hf_directory(directory).eos_id == TINY_IDS["<|im_end|>"]
 
 
 def test_hf_llama_tokenizer_class_asking_for_a_missing_bos(tmp_path):
