@@ -1,6 +1,8 @@
 import dataclasses
 import json
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -476,3 +478,11 @@ def test_the_compare_header_names_only_the_settings_the_tasks_used(tasks, says, 
   assert header.startswith("model m, context 64 tokens, ") and header.endswith("; cpu")
   assert all(text in header for text in says), header
   assert not any(text in header for text in does_not_say), header
+
+
+def test_python_dash_m_kvjax_is_the_command_line():
+  result = subprocess.run(
+    [sys.executable, "-m", "kvjax", "--help"], capture_output=True, text=True, timeout=120
+  )
+  assert result.returncode == 0, result.stderr
+  assert "compare" in result.stdout and "usage: kvjax" in result.stdout
