@@ -39,6 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache_protocol import check_count, check_prompt_width
+from kvjax.cache_room import rows_room
+from kvjax.dense_cache import DenseLayerCache
+from kvjax.kivi_cache import KiviLayerCache
 from kvjax.layer_runs import (
   StackedLayerCaches,
   arrange_like,
@@ -112,6 +115,30 @@ def check_chunked_prefill(decoder, caches, prefill_chunk, *, method_name: str = 
   )
 
 
+def _check_whole_caches_have_room(caches, fed: np.ndarray) -> None:
+  """The caches that keep every token fed (dense, KIVI, GEAR) must have room for each row's
+  `fed` tokens: a chunk written past their capacity inside the scan would be dropped. (Caches
+  that select or evict hold fewer tokens than they are fed; a sized-from-the-prompt one is
+  checked by its allocated width.)"""
+  whole = [
+    item
+    for item in caches
+    if isinstance(
+      item.stacked if isinstance(item, StackedLayerCaches) else item,
+      (DenseLayerCache, KiviLayerCache),
+    )
+  ]
+  room = rows_room(whole)
+  short = [] if room is None else np.flatnonzero(room < fed)
+  if len(short):
+    row = int(short[0])
+    raise ValueError(
+      f"lengths={fed.tolist()}: row {row} feeds {int(fed[row])} tokens, but its caches have "
+      f"room for {int(room[row])} more (a chunk written past a cache's capacity would be "
+      "lost); allocate them with prompt_len >= the tokens fed"
+    )
+
+
 def prefill_in_chunks(
   decoder,
   params,
@@ -125,8 +152,9 @@ def prefill_in_chunks(
   """The prompt fed `chunk` tokens at a time (traceable; see the module docstring). With
   `offsets`, the tokens continue caches that hold that many tokens per row (a row fed no token
   gets zero logits). The caches must have room for the prompt (allocate them for
-  `prompt_len=tokens.shape[1]`): `prefill`, `generate` and `compress_context` check that, and a
-  chunk written past a cache's capacity inside the trace would be dropped."""
+  `prompt_len=tokens.shape[1]`): a chunk written past a cache's capacity inside the trace would
+  be dropped, so concrete caches are checked first (those that keep every token against each
+  row's tokens, those sized from the prompt against its width)."""
   check_count("chunk", chunk, 1)
   tokens = jnp.asarray(tokens)
   batch, prompt_len = tokens.shape
@@ -153,6 +181,7 @@ def prefill_in_chunks(
         f"lengths={np.asarray(lengths).tolist()} must each be >= 1 on fresh caches (a row "
         "with no token has nothing to predict from); pass offsets to continue caches"
       )
+    _check_whole_caches_have_room(caches, np.asarray(lengths))
   chunk = min(chunk, prompt_len)
   num_chunks = -(-prompt_len // chunk)
   padded = jnp.pad(tokens, ((0, 0), (0, num_chunks * chunk - prompt_len)))

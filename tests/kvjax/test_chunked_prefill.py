@@ -644,6 +644,17 @@ def test_prefill_in_chunks_checks_its_offsets(offsets, message):
     prefill_in_chunks(decoder, params, tokens, [4, 4], caches, chunk=2, offsets=offsets)
 
 
+def _fresh_caches(decoder, spec: str, *, batch: int, prompt_len: int):
+  return allocate_model_cache(
+    parse_method_spec(spec),
+    decoder.cache_shape,
+    batch=batch,
+    prompt_len=prompt_len,
+    max_new_tokens=0,
+    dtype=jnp.float32,
+  )
+
+
 @pytest.mark.parametrize(
   "spec, refused",
   [
@@ -655,14 +666,7 @@ def test_prefill_in_chunks_checks_its_offsets(offsets, message):
 def test_prefill_in_chunks_refuses_a_prompt_wider_than_the_caches_were_sized_for(spec, refused):
   """As `ingest` does: fed in chunks, the selection kept what the narrower allocation sized."""
   decoder, params = tiny_decoder()
-  caches = allocate_model_cache(
-    parse_method_spec(spec),
-    decoder.cache_shape,
-    batch=1,
-    prompt_len=12,
-    max_new_tokens=0,
-    dtype=jnp.float32,
-  )
+  caches = _fresh_caches(decoder, spec, batch=1, prompt_len=12)
   feed = lambda: prefill_in_chunks(
     decoder, params, jnp.ones((1, 20), jnp.int32), [20], caches, chunk=8
   )
@@ -671,6 +675,17 @@ def test_prefill_in_chunks_refuses_a_prompt_wider_than_the_caches_were_sized_for
       feed()
   else:
     assert int(feed()[1][0].lengths[0]) == 8
+
+
+@pytest.mark.parametrize("spec", ["full", "kivi:bits=4,group_size=16,residual=16"])
+def test_prefill_in_chunks_refuses_rows_past_the_room_of_caches_that_keep_every_token(spec):
+  """Chunks written past the capacity were dropped inside the scan: the cache then reported 8
+  tokens in 4 slots and the logits were another prompt's."""
+  decoder, params = tiny_decoder()
+  caches = _fresh_caches(decoder, spec, batch=2, prompt_len=4)
+  tokens = jnp.ones((2, 8), jnp.int32)
+  with pytest.raises(ValueError, match=r"row 0 feeds 8 tokens, but its caches have room for 4"):
+    prefill_in_chunks(decoder, params, tokens, [8, 3], caches, chunk=4)
 
 
 def test_prefill_in_chunks_refuses_tokens_of_no_column():
