@@ -122,11 +122,8 @@ def _check_whole_caches_have_room(caches, fed: np.ndarray) -> None:
   checked by its allocated width.)"""
   whole = [
     item
-    for item in caches
-    if isinstance(
-      item.stacked if isinstance(item, StackedLayerCaches) else item,
-      (DenseLayerCache, KiviLayerCache),
-    )
+    for item, (_, cache) in zip(caches, layer_cache_kinds(caches), strict=True)
+    if isinstance(cache, (DenseLayerCache, KiviLayerCache))
   ]
   room = rows_room(whole)
   short = [] if room is None else np.flatnonzero(room < fed)
@@ -165,8 +162,7 @@ def prefill_in_chunks(
     check_positions(offsets, batch=batch, name="offsets")
     offsets = jnp.asarray(offsets, jnp.int32)
   else:  # fresh caches: sized for a prompt no narrower than this one (as `ingest` checks)
-    for item in caches:
-      cache = item.stacked if isinstance(item, StackedLayerCaches) else item
+    for _, cache in layer_cache_kinds(caches):
       allocated = getattr(cache, "allocated_prompt_len", None)
       check_prompt_width(f"prefill_in_chunks ({type(cache).__name__})", prompt_len, allocated)
   if not isinstance(lengths, jax.core.Tracer):

@@ -93,10 +93,7 @@ def prefill(
   `prefill.lower` lowers it ahead of time, without the checks."""
   check_row_lengths(tokens, lengths, vocab_size=decoder_vocab_size(decoder), name="tokens")
   # Nested lists pass the checks as the arrays they make; jit takes arrays.
-  if isinstance(tokens, (list, tuple)):
-    tokens = np.asarray(tokens)
-  if isinstance(lengths, (list, tuple)):
-    lengths = np.asarray(lengths)
+  tokens, lengths = as_array(tokens, name="tokens"), as_array(lengths, name="lengths")
   check_prefill_arguments(
     decoder,
     batch=np.shape(tokens)[0],
@@ -345,9 +342,8 @@ def check_feed(feed_tokens, feed_lengths, *, batch: int, vocab_size: int) -> int
   if len(shape) != 2 or shape[0] != batch:
     raise ValueError(f"feed_tokens must be [batch={batch}, width]; got {shape}")
   check_positions(feed_lengths, batch=batch, name="feed_lengths")
-  dtype = jnp.result_type(as_array(feed_tokens, name="feed_tokens"))
-  if not jnp.issubdtype(dtype, jnp.integer):
-    raise ValueError(f"feed_tokens must hold integer token ids, got {dtype}")
+  if not jnp.issubdtype(jnp.result_type(feed_tokens), jnp.integer):
+    raise ValueError(f"feed_tokens must hold integer token ids, got {jnp.result_type(feed_tokens)}")
   if isinstance(feed_lengths, jax.core.Tracer):
     return shape[1]  # checked no further inside a trace; the width bounds every row
   fed = np.asarray(feed_lengths)

@@ -307,6 +307,7 @@ class StreamingLLM:
     if in_cache:
       check_rope_matches_model(self.rope_theta, shape)
     slots = self.slots(prompt_len, max_new_tokens)
+    budget = self.budget_tokens(prompt_len)
     sinks = min(self.sinks, slots)
     return StreamingLayerCache.zeros(
       batch=batch,
@@ -319,8 +320,6 @@ class StreamingLLM:
       rope_scaling=shape.rope_scaling if in_cache else None,
       implementation=self.implementation,
       kernel_settings=self.kernel_settings,
-      evicts_when_full=slots >= self.budget_tokens(prompt_len),
-      allocated_prompt_len=prompt_len
-      if self.ratio is not None or slots < self.budget_tokens(prompt_len)
-      else None,
+      evicts_when_full=slots >= budget,
+      allocated_prompt_len=prompt_len if self.ratio is not None or slots < budget else None,
     )

@@ -144,18 +144,20 @@ def _stacked_fields(words: jax.Array, bits: int) -> jax.Array:
   return jnp.concatenate(fields, axis=0).astype(jnp.int32).astype(jnp.float32)
 
 
+def _token_group_indicator(groups: int, group_size: int, block: int, dtype) -> jax.Array:
+  """[groups, block] 0/1: 1 where token t lies in group t // group_size. A product with it
+  moves a group's row onto its tokens (exact: one nonzero term per output) or sums its tokens."""
+  token_group = jax.lax.broadcasted_iota(jnp.int32, (groups, block), 1) // group_size
+  return (token_group == jax.lax.broadcasted_iota(jnp.int32, (groups, block), 0)).astype(dtype)
+
+
 def _spread_over_tokens(stats: jax.Array, group_size: int, block: int, groups_axis: int):
   """Per-key-group statistics, [block / group, D] (groups_axis 0) or [D, block / group] (1) ->
-  float32 [D, block]: column t holds group t // group's. A product with a 0/1 matrix (exact:
-  one nonzero term per output)."""
+  float32 [D, block]: column t holds group t // group's (`_token_group_indicator`)."""
   groups = stats.shape[groups_axis]
-  token_group = jax.lax.broadcasted_iota(jnp.int32, (groups, block), 1) // group_size
-  spread = (token_group == jax.lax.broadcasted_iota(jnp.int32, (groups, block), 0)).astype(
-    stats.dtype
-  )
   return jax.lax.dot_general(
     stats,
-    spread,
+    _token_group_indicator(groups, group_size, block, stats.dtype),
     (((groups_axis,), (0,)), ((), ())),
     preferred_element_type=jnp.float32,
     # A 16-bit row times 1 is exact in one pass; 32-bit rows need the f32 passes (Mosaic
@@ -188,12 +190,7 @@ class _GearLowRankBlock:
     gear_blocks = block // gear_block
     starts = first + jax.lax.broadcasted_iota(jnp.int32, (gear_blocks, 1), 0) * gear_block
     self.live_blocks = starts < length  # [J_blk, 1]
-    # spread[j, t] = 1 where token t lies in GEAR block j: products with it move a GEAR
-    # block's row onto its tokens (exact: one nonzero term) or sum its tokens.
-    token_block = jax.lax.broadcasted_iota(jnp.int32, (gear_blocks, block), 1) // gear_block
-    self.spread = (
-      token_block == jax.lax.broadcasted_iota(jnp.int32, (gear_blocks, block), 0)
-    ).astype(jnp.float32)
+    self.spread = _token_group_indicator(gear_blocks, gear_block, block, jnp.float32)
 
   def _product(self, a, b, contracting):
     return jax.lax.dot_general(
