@@ -13,7 +13,7 @@ from kvjax.compact_rows import (
   write_token_at_lengths,
   zero_past_lengths,
 )
-from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings, check_kernel_settings
 from kvjax.method_registry import register_method
 
 
@@ -122,6 +122,7 @@ class FullCache:
 
   def __post_init__(self):
     attention_dispatch.check_implementation(self.implementation)
+    check_kernel_settings(self.kernel_settings)
 
   def allocate_storage(self, *, batch, kv_heads, capacity, head_dim, dtype) -> "DenseLayerCache":
     """A cache of `capacity` slots (what selection methods store their survivors in)."""

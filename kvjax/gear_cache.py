@@ -11,6 +11,8 @@ head, for keys and for values separately, as a [block, head_dim] matrix X:
   3. S holds, at the outlier positions, the correction X - deq(codes) in the cache dtype, so
      deq + S reproduces the outliers up to that dtype's rounding of the correction (exactly in
      float32; in bfloat16 within 2^-9 of the correction, which the low-rank part then sees as
+     residual; a correction past the dtype's largest finite number, possible in float16 only
+     for values tens of thousands apart, is held at that number, the rest left to the
      residual). GEAR stores the raw outlier values next to a zero in the quantized matrix; ours
      does not widen the range with that zero;
   4. the residual X - deq - S is approximated at rank `rank` by `iterations` power iterations
@@ -118,8 +120,13 @@ class GearCodec(KiviCodec):
         dequantized.reshape(batch, kv_heads, blocks, block_elements), outliers.indices, axis=-1
       )
       outlier_index = outliers.indices
-      # What is stored (rounded to dtype) is what the low-rank part must complement.
-      stored_correction = round_to_dtype(outliers.values - dequantized_at_outliers, dtype)
+      # What is stored (rounded to dtype) is what the low-rank part must complement. An
+      # outlier far from its group's range can differ from the group by more than the dtype
+      # holds (float16: 40000 beside a group at -40000); held as the largest finite
+      # correction, the rest is left to the residual instead of stored as inf.
+      largest = float(jnp.finfo(dtype).max)
+      correction = jnp.clip(outliers.values - dequantized_at_outliers, -largest, largest)
+      stored_correction = round_to_dtype(correction, dtype)
       outlier_value = stored_correction.astype(dtype)
       sparse = scatter_outliers(outlier_index, stored_correction, block_elements)
       residual = residual - sparse.reshape(x.shape)

@@ -46,6 +46,10 @@ def _frozen(name: str, config, allowed: tuple[str, ...]) -> Setting:
   if config is None:
     return ()
   if isinstance(config, tuple):
+    if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in config):
+      raise ValueError(
+        f"kernel settings {name} must be a dict or a tuple of (key, value) pairs, got {config!r}"
+      )
     config = dict(config)
   if not isinstance(config, dict):
     raise ValueError(f"kernel settings {name} must be a dict, got {type(config).__name__}")

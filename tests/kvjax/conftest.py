@@ -3,6 +3,12 @@ import pytest
 
 from kvjax.duo_gate_profile import DuoGateProfile
 from kvjax.retrieval_heads import HeadProfile
+from pallas_kernels import (
+  decode_attention_gpu,
+  decode_attention_tpu,
+  quantized_decode_attention_gpu,
+  quantized_decode_attention_tpu,
+)
 from tests.kvjax.tiny_decoder import tiny_decoder
 
 
@@ -33,3 +39,34 @@ def gates_path(tmp_path_factory):
   path = tmp_path_factory.mktemp("duo") / "tiny_gates.json"
   DuoGateProfile.from_gates(shape, gates).save(path)
   return str(path)
+
+
+class KernelCalls(list):
+  """Kernel entry points' names as called, and beside them the shapes of their queries."""
+
+  def __init__(self):
+    super().__init__()
+    self.query_shapes = []
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+  """The names of the kernel entry points the dispatch called, in order (recorded when traced):
+  a result equal to the reference's could also come from the reference itself."""
+  calls = KernelCalls()
+  for module in (
+    decode_attention_gpu,
+    decode_attention_tpu,
+    quantized_decode_attention_gpu,
+    quantized_decode_attention_tpu,
+  ):
+    name = module.__name__.rsplit(".", 1)[-1]
+    kernel = getattr(module, name)
+
+    def record(queries, *args, _kernel=kernel, _name=name, **kwargs):
+      calls.append(_name)
+      calls.query_shapes.append(queries.shape)
+      return _kernel(queries, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, record)
+  return calls

@@ -78,7 +78,7 @@ def test_auto_on_cpu_is_the_reference_and_pallas_is_refused():
 
 
 @pytest.mark.parametrize("kernel_backend", [None, "tpu"])
-def test_interpret_runs_a_kernel_under_jit(kernel_backend):
+def test_interpret_runs_a_kernel_under_jit(kernel_backend, kernel_calls):
   queries, keys, values, lengths = _full_inputs(seed=1)
   run = jax.jit(
     lambda q, k, v, lens: attention_dispatch.decode_attention(
@@ -93,6 +93,7 @@ def test_interpret_runs_a_kernel_under_jit(kernel_backend):
     )
   )
   out, lse = run(queries, keys, values, lengths)
+  assert kernel_calls == [f"decode_attention_{kernel_backend or 'gpu'}"]
   ref_out, ref_lse = decode_attention_reference(queries, keys, values, lengths, sm_scale=0.1)
   _close(out, ref_out)
   _close(lse, ref_lse)
@@ -157,12 +158,13 @@ def test_a_segment_with_no_slots_gives_zero_and_minus_infinity(kernel_backend):
   np.testing.assert_array_equal(lse, np.full(queries.shape[:3], -np.inf, np.float32))
 
 
-def test_quantized_interpret_matches_reference():
+def test_quantized_interpret_matches_reference(kernel_calls):
   queries, segment, lengths = _quantized_inputs(seed=2)
   kwargs = dict(bits=4, group_size=32, sm_scale=0.125)
   out, lse = attention_dispatch.quantized_decode_attention(
     queries, *segment[:6], lengths, implementation="interpret", **kwargs
   )
+  assert kernel_calls == ["quantized_decode_attention_gpu"]
   ref_out, ref_lse = quantized_decode_attention_reference(queries, *segment[:6], lengths, **kwargs)
   _close(out, ref_out)
   _close(lse, ref_lse)
@@ -173,7 +175,7 @@ def test_quantized_interpret_matches_reference():
 
 
 @pytest.mark.parametrize("variant", ["joined", "folded"])
-def test_quantized_interpret_takes_a_gpu_kernel_variant(variant):
+def test_quantized_interpret_takes_a_gpu_kernel_variant(variant, kernel_calls):
   queries, segment, lengths = _quantized_inputs(seed=3, bits=2)
   kwargs = dict(bits=2, group_size=32, sm_scale=0.125)
   out, lse = attention_dispatch.quantized_decode_attention(
@@ -184,6 +186,7 @@ def test_quantized_interpret_takes_a_gpu_kernel_variant(variant):
     kernel_config={"variant": variant, "block_tokens": 64, "num_splits": 2},
     **kwargs,
   )
+  assert kernel_calls == ["quantized_decode_attention_gpu"]
   ref_out, ref_lse = quantized_decode_attention_reference(queries, *segment[:6], lengths, **kwargs)
   _close(out, ref_out)
   _close(lse, ref_lse)

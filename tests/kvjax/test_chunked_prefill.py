@@ -285,19 +285,31 @@ def test_snapkv_in_chunks_keeps_what_the_numpy_chunked_rule_keeps(
       )
 
 
+_ONE_CHUNK_METHODS = {
+  "snapkv": SnapKV(budget=24, window=8, kernel=3),
+  "pyramidkv": PyramidKV(budget=24, window=4),
+  "h2o_decode": H2ODecode(budget=24),
+  "pyramidkv+kivi": PyramidKV(
+    budget=24, window=4, storage=Kivi(bits=4, group_size=16, residual=16)
+  ),
+}
+
+
 @pytest.mark.parametrize(
-  "method",
+  "method,dtype",
+  # Every method in float32; bfloat16 (whose near-ties the prompts below are chosen for) by
+  # default for SnapKV, the others' bfloat16 cases under `-m slow`.
   [
-    SnapKV(budget=24, window=8, kernel=3),
-    PyramidKV(budget=24, window=4),
-    H2ODecode(budget=24),
-    PyramidKV(budget=24, window=4, storage=Kivi(bits=4, group_size=16, residual=16)),
+    pytest.param(method, dtype, id=f"{dtype_name}-{name}", marks=marks)
+    for name, method in _ONE_CHUNK_METHODS.items()
+    for dtype, dtype_name, marks in (
+      (jnp.float32, "f32", ()),
+      (jnp.bfloat16, "bf16", () if name == "snapkv" else pytest.mark.slow),
+    )
   ],
-  ids=["snapkv", "pyramidkv", "h2o_decode", "pyramidkv+kivi"],
 )
 # a chunk of the prompt's length; one longer than the prompt under `-m slow`
 @pytest.mark.parametrize("chunk", [70, pytest.param(128, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_a_prompt_in_one_chunk_is_the_one_piece_prefill(method, chunk, dtype):
   """In bfloat16 too: the chunk's keys are scored unrounded, as a one-piece prefill scores them
   (rounded first, near-ties chose other tokens)."""
@@ -321,7 +333,8 @@ def test_a_prompt_in_one_chunk_is_the_one_piece_prefill(method, chunk, dtype):
   [SnapKV(), PyramidKV(), PyramidKV(budget=64, storage=Kivi(bits=4, group_size=16, residual=16))],
   ids=["snapkv", "pyramidkv", "pyramidkv+kivi"],
 )
-@pytest.mark.parametrize("chunk", [5, 20])
+# chunks shorter than the prompt; one as long as the 20-token window under `-m slow`
+@pytest.mark.parametrize("chunk", [5, pytest.param(20, marks=pytest.mark.slow)])
 def test_a_prompt_shorter_than_the_observation_window_is_kept_whole_in_chunks(method, chunk):
   # The default window (32) is longer than these prompts, so the budget is capped at the
   # prompt: every token is kept, chunked or not, as with the full cache.

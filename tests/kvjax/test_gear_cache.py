@@ -133,6 +133,24 @@ def test_a_nan_taken_as_an_outlier_stays_one_nan():
     assert nan.sum() == 1 and nan[0, 0, 3, 5]
 
 
+def test_an_outlier_correction_past_float16s_range_is_held_finite():
+  # Every input fits float16, but the outlier's distance from its key group (80000) does not.
+  keys = np.zeros((1, 1, 8, 16), np.float32)
+  keys[0, 0, :, 0] = -40000.0
+  keys[0, 0, 3, 0] = 40000.0
+  storage = Gear(bits=2, group_size=4, block=8, rank=0, outliers=0.02).allocate_storage(
+    batch=1, kv_heads=1, capacity=9, head_dim=16, dtype=jnp.float16
+  )
+  keys = jnp.asarray(keys, jnp.float16)
+  cache = storage.ingest(keys, keys, None, jnp.array([8]))
+  dequantized_keys = np.asarray(cache.dequantized()[0], np.float32)
+  assert np.isfinite(dequantized_keys).all()
+  # The group's minimum plus float16's largest correction: as near 40000 as float16 reaches.
+  assert dequantized_keys[0, 0, 3, 0] == -40000.0 + 65504.0
+  out = cache.attend(jnp.full((1, 1, 1, 16), 1e-4, jnp.float16), sm_scale=1.0)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
 def test_a_cache_smaller_than_one_block_attends_and_dequantizes_its_window():
   method = Gear(bits=2, group_size=8, rank=2, outliers=0.05, block=64)
   cache = method.allocate_storage(batch=B, kv_heads=H, capacity=20, head_dim=D, dtype=jnp.float32)

@@ -54,7 +54,7 @@ def fallback_warnings_fire_again(monkeypatch):
   each_in_one_layer_loop([("full", "unroll"), ("kivi:bits=4,group_size=16,residual=16", "scan")]),
 )
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
-def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
+def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop, kernel_calls):
   """Also with the kernels called inside the scan over layers (kvjax.layer_runs)."""
   decoder, params = tiny_decoder(config=KERNEL_CONFIG, layer_loop=layer_loop)
   tokens = {
@@ -69,6 +69,8 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop):
     for implementation in ("reference", "interpret")
   }
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
+  gpu_kernel = "decode_attention_gpu" if spec == "full" else "quantized_decode_attention_gpu"
+  assert gpu_kernel in kernel_calls
   assert_forced_logprobs_agree(decoder, params, spec, continuation=6)
 
 
@@ -285,7 +287,7 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
 
 
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
-def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group():
+def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group(kernel_calls):
   """Three rows per context row: their queries reach the kernel as one group three times as
   large (a fallback to the reference would be an error here)."""
   decoder, params = tiny_decoder(config=KERNEL_CONFIG, layer_loop="scan")
@@ -305,6 +307,14 @@ def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group():
       decoder, params, shared, questions, max_new_tokens=3
     )
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
+  group = KERNEL_CONFIG.num_heads // KERNEL_CONFIG.num_kv_heads
+  context_rows = [
+    shape
+    for name, shape in zip(kernel_calls, kernel_calls.query_shapes, strict=True)
+    if name == "quantized_decode_attention_gpu"
+  ]
+  assert context_rows and all(shape[0] == len(PROMPTS) for shape in context_rows)
+  assert all(shape[2] == 3 * group for shape in context_rows)
 
 
 @pytest.mark.parametrize(
@@ -384,7 +394,7 @@ def test_the_warp_kernel_generates_the_reference_tokens(
   ],
 )
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
-def test_the_tpu_kernels_generate_the_reference_tokens(spec, monkeypatch):
+def test_the_tpu_kernels_generate_the_reference_tokens(spec, monkeypatch, kernel_calls):
   """The TPU kernels (interpret mode) through generate and a forced continuation, as the GPU
   ones above: the dispatch is pointed at them, since "interpret" picks the GPU kernels. The
   tokens-on-lanes layout (v49) over real caches: ragged rows, KIVI's window, GEAR's low-rank
@@ -410,4 +420,7 @@ def test_the_tpu_kernels_generate_the_reference_tokens(spec, monkeypatch):
   )
   np.testing.assert_array_equal(run("interpret"), run("reference"))
   assert "tpu" in chosen
+  tpu_kernel = "decode_attention_tpu" if spec == "full" else "quantized_decode_attention_tpu"
+  assert tpu_kernel in kernel_calls
+  assert not any(name.endswith("_gpu") for name in kernel_calls)
   assert_forced_logprobs_agree(decoder, params, spec, continuation=5)

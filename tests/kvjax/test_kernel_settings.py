@@ -130,6 +130,11 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
       r"keys \['query_loads'\] are taken by the Mosaic GPU kernels only",
     ),
     (dict(quantized={"approx_math": "yes"}), "quantized: approx_math='yes' must be True or False"),
+    (
+      dict(full=("num_warps", 4)),
+      r"full must be a dict or a tuple of \(key, value\) pairs, got \('num_warps', 4\)",
+    ),
+    (dict(quantized=("lowering",)), r"quantized must be a dict or a tuple of \(key, value\) pairs"),
   ],
 )
 def test_bad_settings_name_what_is_wrong(kwargs, message):
@@ -209,8 +214,8 @@ def test_cli_kernel_settings_errors(text, message, capsys):
   assert message in capsys.readouterr().err + str(exit_info.value)
 
 
-@pytest.mark.parametrize("spec", ["kivi:group_size=128", "gear:group_size=128,block=128"])
-def test_quantized_methods_take_only_kernel_settings_objects(spec):
+@pytest.mark.parametrize("spec", ["full", "kivi:group_size=128", "gear:group_size=128,block=128"])
+def test_storage_methods_take_only_kernel_settings_objects(spec):
   method = type(parse_method_spec(spec))
   with pytest.raises(ValueError, match="kernel_settings must be a kvjax.kernel_settings.Kernel"):
     method(kernel_settings={"quantized": {"variant": "folded"}})

@@ -97,13 +97,17 @@ def test_the_smallest_temperature_picks_the_argmax_without_overflow():
   np.testing.assert_array_equal(draws, [2, 0])
 
 
-def test_sampling_follows_the_distribution_and_the_key():
-  logits = jnp.log(jnp.array([[0.7, 0.2, 0.1]]))
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sampling_follows_the_tempered_distribution_and_the_key(temperature):
+  probabilities = np.array([0.7, 0.2, 0.1])
+  logits = jnp.log(jnp.array([probabilities]))
+  config = SamplingConfig(temperature=temperature)
   keys = jax.random.split(jax.random.key(0), 4000)
-  draws = jax.vmap(lambda k: sample_next_token(logits, k, SamplingConfig(temperature=1.0)))(keys)
+  draws = jax.vmap(lambda k: sample_next_token(logits, k, config))(keys)
   freq = np.bincount(np.asarray(draws).ravel(), minlength=3) / 4000
-  np.testing.assert_allclose(freq, [0.7, 0.2, 0.1], atol=0.03)
-  again = jax.vmap(lambda k: sample_next_token(logits, k, SamplingConfig(temperature=1.0)))(keys)
+  tempered = probabilities ** (1 / temperature) / np.sum(probabilities ** (1 / temperature))
+  np.testing.assert_allclose(freq, tempered, atol=0.03)  # 0.5: [0.91, 0.07, 0.02]
+  again = jax.vmap(lambda k: sample_next_token(logits, k, config))(keys)
   np.testing.assert_array_equal(draws, again)
 
 

@@ -117,8 +117,9 @@ def _both_kernels(queries, keys, values, lengths, *, triton_splits, tpu_splits):
 
 
 def test_kernels_ignore_nan_past_length():
-  """Capacity past a row's length may hold anything: it must neither be read into the result
-  nor cost work (blocks past the length are not loaded)."""
+  """Capacity past a row's length may hold anything (NaN here): none of it reaches the result.
+  (That blocks past the length are not loaded, so cost no work, is the kernels' design; this
+  test checks only the result.)"""
   rng = np.random.default_rng(5)
   queries, keys, values, lengths = _inputs(rng, 64, 4, jnp.float32)
   ref = decode_attention_reference(queries, keys, values, lengths, sm_scale=0.125)

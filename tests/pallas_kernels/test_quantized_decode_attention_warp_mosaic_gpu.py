@@ -61,7 +61,7 @@ def _check(
 @pytest.mark.parametrize(
   "group,tokens,num_splits,bits",
   [
-    (4, 256, 2, 2),  # one block a split
+    pytest.param(4, 256, 2, 2, marks=pytest.mark.slow),  # (one block a split)
     (4, 512, 2, 2),  # two blocks a split: the ring's second slot and the loop's carry
     pytest.param(1, 384, 3, 2, marks=pytest.mark.slow),  # (one block a split at one head)
     pytest.param(2, 256, None, 2, marks=pytest.mark.slow),  # the planner's splits
@@ -382,24 +382,30 @@ def test_gpu_entry_point_runs_the_warp_kernel(monkeypatch, head_dim):
   assert_matches_reference(out, lse, ref_out, ref_lse, rtol=RTOL)
 
 
+_LOWERED_SHAPES = [
+  (2, "xla", 2, 4, 128),
+  (4, "xla", 2, 4, 128),
+  (2, "kernel", 2, 4, 128),
+  (2, "xla", 4, 4, 128),
+  (2, "kernel", 4, 4, 128),
+  (4, "xla", 2, 8, 128),
+  (2, "kernel", 4, 6, 128),
+  (4, "xla", 2, 4, 64),
+  (2, "kernel", 2, 8, 64),
+  (2, "xla", 4, 3, 64),
+]
+_COPY_SCHEMES = [("first_warp", "barrier", "per_block"), ("slot_owner", "per_warp", "once")]
+
+
 @pytest.mark.parametrize(
-  "num_stages,key_bias_source,bits,group,head_dim",
+  "num_stages,key_bias_source,bits,group,head_dim,copy_issuer,ring_release,query_loads",
+  # Each shape with one copy scheme by default, the schemes taking turns; the other pairing of
+  # every shape under -m slow.
   [
-    (2, "xla", 2, 4, 128),
-    (4, "xla", 2, 4, 128),
-    (2, "kernel", 2, 4, 128),
-    (2, "xla", 4, 4, 128),
-    (2, "kernel", 4, 4, 128),
-    (4, "xla", 2, 8, 128),
-    (2, "kernel", 4, 6, 128),
-    (4, "xla", 2, 4, 64),
-    (2, "kernel", 2, 8, 64),
-    (2, "xla", 4, 3, 64),
+    pytest.param(*shape, *scheme, marks=() if i % 2 == j else pytest.mark.slow)
+    for i, shape in enumerate(_LOWERED_SHAPES)
+    for j, scheme in enumerate(_COPY_SCHEMES)
   ],
-)
-@pytest.mark.parametrize(
-  "copy_issuer,ring_release,query_loads",
-  [("first_warp", "barrier", "per_block"), ("slot_owner", "per_warp", "once")],
 )
 def test_the_kernel_lowers_for_sm90(
   num_stages, key_bias_source, bits, group, head_dim, copy_issuer, ring_release, query_loads

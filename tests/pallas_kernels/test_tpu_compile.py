@@ -233,9 +233,10 @@ def test_a_decode_step_copies_no_cache_array(spec, head_dim):
   assert sum(copy.bytes for copy in copies) <= 2 * window
 
 
-@pytest.mark.parametrize(
-  "head_dim, bound_mb", [(128, 2.2), pytest.param(64, 60, marks=pytest.mark.slow)]
-)
+# Slow (40-45 s a compile on a 2-core CPU); the KIVI decode step's copy test above and the TPU
+# kernel's GEAR interpret tests run by default.
+@pytest.mark.slow
+@pytest.mark.parametrize("head_dim, bound_mb", [(128, 2.2), (64, 60)])
 def test_a_gear_decode_step_copies_little_beside_its_window(head_dim, bound_mb):
   """GEAR-2 in kvjax's decode loop compiled for a TPU: its terms laid out for a GPU ([J s, G]
   windows of the query group, padded there from 4 lanes to 128) made XLA copy 3.36 GB a step at
