@@ -86,13 +86,16 @@ def assert_trees_equal(
 ):
   """Same structure and dtypes; integer leaves (codes, indices, lengths) equal; float leaves whose
   key path `inexact` accepts within `float_atol` + rtol * |b|, rtol the larger of `float_rtol` and
-  `float_ulps` ulps of the leaf's dtype; the other float leaves equal."""
+  `float_ulps` ulps of the leaf's dtype; the other float leaves equal. No float leaf of `b` holds
+  a NaN (numpy's comparisons take NaN as equal to NaN, so two paths gone NaN alike would pass)."""
   leaves_a, tree_a = jax.tree_util.tree_flatten_with_path(a)
   leaves_b, tree_b = jax.tree_util.tree_flatten_with_path(b)
   assert tree_a == tree_b
   for (path, x), (_, y) in zip(leaves_a, leaves_b, strict=True):
     x, y, name = np.asarray(x), np.asarray(y), jax.tree_util.keystr(path)
     assert x.dtype == y.dtype, name
+    if np.issubdtype(y.dtype, np.inexact) or y.dtype == jnp.bfloat16:
+      assert not np.isnan(y.astype(np.float32)).any(), name
     tolerant = (float_atol or float_rtol or float_ulps) and inexact(name)
     if np.issubdtype(x.dtype, np.integer) or not tolerant:
       np.testing.assert_array_equal(x, y, err_msg=name)
