@@ -707,6 +707,8 @@ def test_own_value_tiles_give_the_all_tiles_outputs(group, config):
   nan_tile = 2 // folded.value_slots(group)[1]  # value group 2's (channels 64-95)
   assert np.isnan(np.asarray(own)[0][..., tile_of_channel == nan_tile, :]).any()
   assert np.isfinite(np.asarray(own)[0][..., :64, :]).all()  # row tile 0 reads other tiles
+  # The other rows hold no NaN statistic: NaN there would pass the comparison above unseen.
+  assert np.isfinite(np.asarray(every)[1:]).all() and np.isfinite(np.asarray(own)[1:]).all()
 
 
 @pytest.mark.parametrize(
