@@ -1,3 +1,5 @@
+from typing import NamedTuple
+
 import numpy as np
 import pytest
 
@@ -41,18 +43,24 @@ def gates_path(tmp_path_factory):
   return str(path)
 
 
-class KernelCalls(list):
-  """Kernel entry points' names as called, and beside them the shapes of their queries."""
+class KernelCall(NamedTuple):
+  name: str  # the entry point's name, e.g. "quantized_decode_attention_gpu"
+  query_shape: tuple[int, ...]
+  kwargs: dict
 
-  def __init__(self):
-    super().__init__()
-    self.query_shapes = []
+
+class KernelCalls(list):
+  """The kernel entry points the dispatch called, in order (recorded when traced)."""
+
+  @property
+  def names(self) -> list[str]:
+    return [call.name for call in self]
 
 
 @pytest.fixture
 def kernel_calls(monkeypatch):
-  """The names of the kernel entry points the dispatch called, in order (recorded when traced):
-  a result equal to the reference's could also come from the reference itself."""
+  """Every call of the GPU and TPU kernel entry points, full and quantized: a result equal to
+  the reference's could also come from the reference itself."""
   calls = KernelCalls()
   for module in (
     decode_attention_gpu,
@@ -64,8 +72,7 @@ def kernel_calls(monkeypatch):
     kernel = getattr(module, name)
 
     def record(queries, *args, _kernel=kernel, _name=name, **kwargs):
-      calls.append(_name)
-      calls.query_shapes.append(queries.shape)
+      calls.append(KernelCall(_name, queries.shape, kwargs))
       return _kernel(queries, *args, **kwargs)
 
     monkeypatch.setattr(module, name, record)

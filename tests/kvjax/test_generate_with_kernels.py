@@ -16,7 +16,6 @@ from kvjax.eval.continuation import score_continuation
 from kvjax.generate import generate
 from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import parse_method_spec
-from pallas_kernels import decode_attention_gpu, quantized_decode_attention_gpu
 from tests.kvjax.layer_loop_params import each_in_one_layer_loop
 from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
@@ -70,7 +69,7 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop, kerne
   }
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
   gpu_kernel = "decode_attention_gpu" if spec == "full" else "quantized_decode_attention_gpu"
-  assert gpu_kernel in kernel_calls
+  assert gpu_kernel in kernel_calls.names
   assert_forced_logprobs_agree(decoder, params, spec, continuation=6)
 
 
@@ -231,44 +230,8 @@ def assert_forced_logprobs_agree(decoder, params, spec, *, continuation):
   ],
 )
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
-def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dtype, monkeypatch):
+def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dtype, kernel_calls):
   """The settings a method carries pick the kernel its caches run (here in interpret mode)."""
-  seen = []
-
-  def recording(module, name):
-    kernel = getattr(module, name)
-
-    def record(*args, **kwargs):
-      recorded = (
-        "lowering",
-        "variant",
-        "gear_terms",
-        "stack_copies",
-        "row_max",
-        "key_products",
-        "value_operand",
-        "key_bias_source",
-        "split_merge",
-        "block_tokens",
-        "num_stages",
-        "blocks_per_copy",
-        "value_stats",
-        "value_stat_loads",
-        "token_order",
-        "partial_slots",
-        "key_stack_timing",
-        "key_operand",
-        "copy_issue_point",
-        "value_product_columns",
-        "warpgroups_per_program",
-      )
-      seen.append({k: v for k, v in kwargs.items() if k in recorded})
-      return kernel(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, record)
-
-  recording(decode_attention_gpu, "decode_attention_gpu")
-  recording(quantized_decode_attention_gpu, "quantized_decode_attention_gpu")
   decoder, params = tiny_decoder(config=KERNEL_CONFIG)
   tokens = {
     implementation: generate(
@@ -282,6 +245,34 @@ def test_kernel_settings_reach_the_kernels_in_generate(spec, settings, cache_dty
     for implementation in ("reference", "interpret")
   }
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
+  recorded = (
+    "lowering",
+    "variant",
+    "gear_terms",
+    "stack_copies",
+    "row_max",
+    "key_products",
+    "value_operand",
+    "key_bias_source",
+    "split_merge",
+    "block_tokens",
+    "num_stages",
+    "blocks_per_copy",
+    "value_stats",
+    "value_stat_loads",
+    "token_order",
+    "partial_slots",
+    "key_stack_timing",
+    "key_operand",
+    "copy_issue_point",
+    "value_product_columns",
+    "warpgroups_per_program",
+  )
+  seen = [
+    {k: v for k, v in call.kwargs.items() if k in recorded}
+    for call in kernel_calls
+    if call.name.endswith("_gpu")
+  ]
   wanted = settings.full_config() or settings.quantized_config()
   assert wanted in seen, seen
 
@@ -309,9 +300,7 @@ def test_a_shared_context_runs_the_kernels_with_its_rows_in_the_query_group(kern
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
   group = KERNEL_CONFIG.num_heads // KERNEL_CONFIG.num_kv_heads
   context_rows = [
-    shape
-    for name, shape in zip(kernel_calls, kernel_calls.query_shapes, strict=True)
-    if name == "quantized_decode_attention_gpu"
+    call.query_shape for call in kernel_calls if call.name == "quantized_decode_attention_gpu"
   ]
   assert context_rows and all(shape[0] == len(PROMPTS) for shape in context_rows)
   assert all(shape[2] == 3 * group for shape in context_rows)
@@ -421,6 +410,6 @@ def test_the_tpu_kernels_generate_the_reference_tokens(spec, monkeypatch, kernel
   np.testing.assert_array_equal(run("interpret"), run("reference"))
   assert "tpu" in chosen
   tpu_kernel = "decode_attention_tpu" if spec == "full" else "quantized_decode_attention_tpu"
-  assert tpu_kernel in kernel_calls
-  assert not any(name.endswith("_gpu") for name in kernel_calls)
+  assert tpu_kernel in kernel_calls.names
+  assert not any(name.endswith("_gpu") for name in kernel_calls.names)
   assert_forced_logprobs_agree(decoder, params, spec, continuation=5)
