@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 POWER_ITERATION_SEED = 0
+MAX_UNROLLED_ITERATIONS = 8
 
 
 class LowRankFactors(NamedTuple):
@@ -73,9 +74,17 @@ def power_iteration_low_rank(
   width = min(rank + oversample, rows, columns)
   right = jax.random.uniform(jax.random.key(seed), (columns, width), jnp.float32, -1.0, 1.0)
   right = jnp.broadcast_to(right, residual.shape[:-2] + (columns, width))
-  for _ in range(iterations):  # a static, small count: unrolled at trace time
-    left, _ = jnp.linalg.qr(matrix @ right)  # [..., M, width]
-    right = jnp.swapaxes(matrix, -1, -2) @ left  # [..., N, width]
+
+  def power_step(_, factors):
+    left, _ = jnp.linalg.qr(matrix @ factors[1])  # [..., M, width]
+    return left, jnp.swapaxes(matrix, -1, -2) @ left  # right: [..., N, width]
+
+  # Few iterations are unrolled (an XLA loop on a GPU may read its condition back to the host
+  # each trip); more run as a loop, so the program's size and compile time stay bounded.
+  start = (jnp.zeros(residual.shape[:-2] + (rows, width), jnp.float32), right)
+  left, right = jax.lax.fori_loop(
+    0, iterations, power_step, start, unroll=iterations <= MAX_UNROLLED_ITERATIONS
+  )
   # Rayleigh-Ritz: the best rank-`rank` approximation within span(left) keeps the top singular
   # directions of left^T R = right^T, i.e. the top eigenvectors of the tiny [width, width] Gram
   # matrix right^T right (an eigh, not an SVD of [width, N]: batched SVDs cost ~4 ms on a GPU
