@@ -7,7 +7,7 @@ implementation:
   "pallas"     the current backend's kernel (ValueError on CPU: use "interpret");
   "reference"  the jnp reference;
   "interpret"  a kernel in Pallas interpret mode (runs on CPU; tests): the GPU kernel, or the
-               TPU kernel with kernel_backend="tpu".
+               TPU kernel with kernel_backend="tpu" (caches: `KernelSettings.kernel_backend`).
 Where a kernel does not support a shape, the reference runs instead, with a one-time warning.
 Every result is (out f32 [B, H, G, D], lse f32 [B, H, G]); a row with length 0 gives out 0 and
 lse -inf, so segments merge with `merge_attention_partials`.
@@ -291,14 +291,14 @@ def quantized_decode_attention(
 
 
 def quantized_segment_layouts(
-  implementation: Implementation, head_dim: int
+  implementation: Implementation, head_dim: int, kernel_backend: str | None = None
 ) -> dict[str, tuple[int, ...]] | None:
   """The layouts a quantized segment's arrays should keep so that this call's kernel and GEAR's
   terms read them in place (`quantized_decode_attention_tpu.segment_layouts`,
   `gear_outlier_terms_tpu.OUTLIER_LAYOUT`: the compiled TPU kernel), or None where any layout
   XLA picks is read in place (the GPU kernels and the reference take the default row-major
   layout; interpret mode runs on the CPU)."""
-  family, interpret = choose_kernel_family(implementation, None)
+  family, interpret = choose_kernel_family(implementation, kernel_backend)
   if family != "tpu" or interpret:
     return None
   return dict(

@@ -62,7 +62,8 @@ def _add_attention_arguments(p):
     "--kernel-settings",
     default=None,
     help='Pallas kernel settings as JSON, e.g. \'{"full": {"lowering": "mosaic_gpu"}, '
-    '"quantized": {"variant": "folded"}}\' (see kvjax.kernel_settings)',
+    '"quantized": {"variant": "folded"}}\', or \'{"kernel_backend": "tpu"}\' with '
+    "--implementation interpret to run the TPU kernels on a CPU (see kvjax.kernel_settings)",
   )
 
 
@@ -84,8 +85,9 @@ def _check_run_arguments(args) -> None:
     if value is not None and value < low:
       raise ValueError(f"{flag}={value} must be >= {low}")
   _check_seed(args)
+  kernel_backend = kernel_settings_from_json(args.kernel_settings).kernel_backend
   try:
-    choose_kernel_family(args.implementation, None)
+    choose_kernel_family(args.implementation, kernel_backend)
   except ValueError as error:
     raise ValueError(f"--implementation: {error}") from None
 
@@ -169,7 +171,8 @@ def _writable_directory(flag: str, path: str, *, create: bool = True) -> None:
 
 
 def kernel_settings_from_json(text: str | None):
-  """--kernel-settings: a JSON object with optional "full" and "quantized" dicts."""
+  """--kernel-settings: a JSON object with optional "full" and "quantized" dicts and
+  "kernel_backend" ("gpu" | "tpu")."""
   import json
 
   from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
@@ -180,8 +183,10 @@ def kernel_settings_from_json(text: str | None):
     settings = json.loads(text)
   except json.JSONDecodeError as e:
     raise ValueError(f"--kernel-settings is not JSON: {e}") from e
-  if not isinstance(settings, dict) or set(settings) - {"full", "quantized"}:
-    raise ValueError("--kernel-settings must be a JSON object with keys among: full, quantized")
+  if not isinstance(settings, dict) or set(settings) - {"full", "quantized", "kernel_backend"}:
+    raise ValueError(
+      "--kernel-settings must be a JSON object with keys among: full, quantized, kernel_backend"
+    )
   try:
     return KernelSettings(**settings)
   except ValueError as e:
@@ -559,6 +564,7 @@ def run_ask(args) -> int:
       len(question_ids),
       room=room,
       implementation=args.implementation,
+      kernel_settings=kernel_settings_from_json(args.kernel_settings),
     )
   else:
     rows = repeat_context(context, len(question_ids))

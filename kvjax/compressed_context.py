@@ -40,6 +40,7 @@ from kvjax.generate import (
   check_emitted_token_ids,
   check_prefill_arguments,
 )
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings, check_kernel_settings
 from kvjax.layer_runs import StackedLayerCaches, layer_cache_kinds
 from kvjax.prompt_batch import (
   check_ids_fit_int32,
@@ -376,6 +377,7 @@ def share_context(
   room: int,
   cache_dtype=jnp.bfloat16,
   implementation: str = "auto",
+  kernel_settings: KernelSettings = DEFAULT_KERNEL_SETTINGS,
   row_sharding: NamedSharding | None = None,
 ) -> CompressedContext:
   """Each row of `context` made `copies` rows, as `repeat_context` orders them, with the
@@ -383,11 +385,11 @@ def share_context(
   n, room=R), questions)` answers n questions about one compressed document in one batch.
 
   Each row appends its own tokens (question, answer: up to `room` per row) to a full-precision
-  cache of its own (`cache_dtype`, decode attention by `implementation`), and a decode step
-  attends over its context row and its own tokens, merged by log-sum-exp
-  (kvjax.shared_context_cache). The context then costs its bytes once, not `copies` times, and
-  is read once per step for all its copies. The context's caches need no room of their own
-  (compress it with `room=0`).
+  cache of its own (`cache_dtype`, decode attention by `implementation` and `kernel_settings`;
+  the context's caches keep the settings they were compressed with), and a decode step attends
+  over its context row and its own tokens, merged by log-sum-exp (kvjax.shared_context_cache).
+  The context then costs its bytes once, not `copies` times, and is read once per step for all
+  its copies. The context's caches need no room of their own (compress it with `room=0`).
 
   What differs from `repeat_context`: tokens after the context are kept as computed, never
   quantized or evicted, and the context's caches stay as compressed (a KIVI window is not
@@ -409,7 +411,9 @@ def share_context(
   _check_copies(copies)
   _check_room_argument(room)
   check_cache_dtype(cache_dtype)
-  choose_kernel_family(implementation, None)  # "pallas" needs a GPU or TPU backend
+  check_kernel_settings(kernel_settings)
+  # "pallas" needs a GPU or TPU backend, and a kernel_backend the backend's family.
+  choose_kernel_family(implementation, kernel_settings.kernel_backend)
   _refuse_shared(context, "share_context")
   check_shareable(context.caches)
   batch = context.lengths.shape[0]
@@ -424,7 +428,7 @@ def share_context(
       f"tokens, and a row may reach {longest} (context + room={room}); a shared context "
       "cannot move its window past its tokens: use repeat_context"
     )
-  own = FullCache(implementation=implementation).allocate_storage(
+  own = FullCache(implementation=implementation, kernel_settings=kernel_settings).allocate_storage(
     batch=batch * int(copies),
     kv_heads=shape.num_kv_heads,
     capacity=int(room),

@@ -34,6 +34,7 @@ from kvjax.decoder_protocol import (
   decoder_vocab_size,
 )
 from kvjax.dense_cache import FullCache
+from kvjax.kernel_settings import KernelSettings
 from kvjax.layer_runs import pytree_signature
 from kvjax.lru_table import LruTable
 from kvjax.prompt_batch import (
@@ -142,14 +143,17 @@ _prefill_in_jit = jax.jit(_prefill_work, static_argnames=_PREFILL_STATIC)
 
 
 def check_implementations_run_here(cache_method: CacheMethod) -> None:
-  """Refuses a method whose attention cannot run on this backend ("pallas" on CPU) before
-  anything is traced: the method's own `implementation` and its storage's (a composition)."""
+  """Refuses a method whose attention cannot run on this backend ("pallas" on CPU, or kernel
+  settings naming the other kernel family) before anything is traced: the method's own
+  `implementation` and its storage's (a composition)."""
   for part in (cache_method, getattr(cache_method, "storage", None)):
     implementation = getattr(part, "implementation", None)
     if not isinstance(implementation, str):
       continue
+    settings = getattr(part, "kernel_settings", None)
+    kernel_backend = settings.kernel_backend if isinstance(settings, KernelSettings) else None
     try:
-      choose_kernel_family(implementation, None)
+      choose_kernel_family(implementation, kernel_backend)
     except ValueError as error:
       raise ValueError(f"cache_method {cache_method!r}: {error}") from None
 

@@ -1,18 +1,20 @@
 """Kernel settings a cache carries into the attention dispatch: the `kernel_config` of its
-full-precision segments and of its quantized segments (see `attention_dispatch`).
+full-precision segments and of its quantized segments, and which kernel family runs them
+(see `attention_dispatch`).
 
 Frozen and hashable, so caches hold them as static pytree metadata and a jitted generate loop
 compiles once per setting. Checked when built: unknown keys or values raise ValueError naming
 them, before anything is traced (numbers against `pallas_kernels.launch_settings`). Which
 keys a kernel takes depends on the backend the cache runs on; a key the chosen kernel does not
-take raises when the cache first attends.
+take raises when the cache first attends, unless `kernel_backend` names the family, in which
+case its keys are checked here.
 """
 
 import dataclasses
 import numbers
 from typing import Any
 
-from kvjax.attention_dispatch import TPU_CONFIG_KEYS
+from kvjax.attention_dispatch import KERNEL_BACKENDS, TPU_CONFIG_KEYS
 from pallas_kernels import decode_attention_gpu, quantized_decode_attention_gpu
 from pallas_kernels.launch_settings import check_launch_settings
 from pallas_kernels.quantized_decode_attention_triton import (
@@ -74,20 +76,44 @@ def _frozen(name: str, config, allowed: tuple[str, ...]) -> Setting:
   return tuple(sorted(config.items()))
 
 
+def _check_tpu_keys(name: str, config: dict) -> None:
+  unknown = sorted(set(config) - set(TPU_CONFIG_KEYS))
+  if unknown:
+    raise ValueError(
+      f"kernel settings {name}: keys {unknown} are not taken by the tpu kernels "
+      f"(kernel_backend='tpu'); allowed: {', '.join(TPU_CONFIG_KEYS)}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSettings:
   """`full`: kernel_config of full-precision segments (e.g. {"lowering": "mosaic_gpu"});
-  `quantized`: of quantized segments (e.g. {"variant": "folded"}). Dicts or item tuples."""
+  `quantized`: of quantized segments (e.g. {"variant": "folded"}). Dicts or item tuples.
+  `kernel_backend`: None (the current backend's kernels), "gpu" or "tpu": the kernel family
+  `implementation="interpret"` runs (the GPU kernels when None), so the TPU kernels can run
+  through generate on a CPU; with "auto" or "pallas" it must match the backend (ValueError
+  before tracing otherwise; "auto" on a CPU runs the jnp reference)."""
 
   full: Setting = ()
   quantized: Setting = ()
+  kernel_backend: str | None = None
 
   def __post_init__(self):
+    if self.kernel_backend is not None and self.kernel_backend not in KERNEL_BACKENDS:
+      raise ValueError(
+        f"kernel settings kernel_backend={self.kernel_backend!r} is not supported; allowed: "
+        f"None, {', '.join(KERNEL_BACKENDS)}"
+      )
     object.__setattr__(self, "full", _frozen("full", self.full, FULL_KEYS))
     object.__setattr__(self, "quantized", _frozen("quantized", self.quantized, QUANTIZED_KEYS))
-    full = dict(self.full)
+    if self.kernel_backend == "tpu":
+      _check_tpu_keys("full", dict(self.full))
+      _check_tpu_keys("quantized", dict(self.quantized))
+      return
+    full, quantized = dict(self.full), dict(self.quantized)
+    whole = self.kernel_backend == "gpu"  # only the GPU kernels read them: each checked whole
     try:
-      if full.get("lowering") == "mosaic_gpu":
+      if whole or full.get("lowering") == "mosaic_gpu":
         # A GPU-only lowering: its keys are checked whole, as that kernel takes them (without a
         # lowering the keys may be meant for the Triton or the TPU kernel, checked when called).
         decode_attention_gpu.check_config(full)
@@ -95,7 +121,6 @@ class KernelSettings:
         decode_attention_gpu.check_config({"lowering": full["lowering"]})
     except ValueError as e:
       raise ValueError(f"kernel settings full: {e}") from None
-    quantized = dict(self.quantized)
     try:
       mosaic_only = sorted(set(quantized) - set(TRITON_OR_TPU_QUANTIZED_KEYS))
       if quantized.get("lowering", "triton") == "triton" and mosaic_only:
@@ -103,18 +128,18 @@ class KernelSettings:
           f"keys {mosaic_only} are taken by the Mosaic GPU kernels only; add "
           '"lowering": "mosaic_gpu" (and their "variant") or remove them'
         )
-      if quantized.get("lowering", "triton") != "triton":
+      if whole or quantized.get("lowering", "triton") != "triton":
         # Another lowering's keys: checked whole, as that kernel takes them.
         quantized_decode_attention_gpu.check_config(quantized)
-        return
-      check_variant_settings(
-        quantized.get("variant", DEFAULT_VARIANT),
-        quantized.get("prefetch"),
-        quantized.get("code_operand"),
-        quantized.get("channel_parts"),
-        quantized.get("gear_terms"),
-        quantized.get("stack_copies"),
-      )
+      if quantized.get("lowering", "triton") == "triton":
+        check_variant_settings(
+          quantized.get("variant", DEFAULT_VARIANT),
+          quantized.get("prefetch"),
+          quantized.get("code_operand"),
+          quantized.get("channel_parts"),
+          quantized.get("gear_terms"),
+          quantized.get("stack_copies"),
+        )
     except ValueError as e:
       raise ValueError(f"kernel settings quantized: {e}") from None
 

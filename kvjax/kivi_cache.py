@@ -447,7 +447,7 @@ class KiviLayerCache:
 
   def _segment_layouts(self) -> dict[str, tuple[int, ...]] | None:
     return attention_dispatch.quantized_segment_layouts(
-      self.implementation, self.segment.k_scale.shape[-1]
+      self.implementation, self.segment.k_scale.shape[-1], self.kernel_settings.kernel_backend
     )
 
   def _attention_partials(self, queries, *, sm_scale, implementation):
@@ -473,6 +473,7 @@ class KiviLayerCache:
           block=self.window,
           implementation=implementation,
           kernel_config=self.kernel_settings.quantized_config(),
+          kernel_backend=self.kernel_settings.kernel_backend,
         )
       )
     partials.append(
@@ -484,6 +485,7 @@ class KiviLayerCache:
         sm_scale=sm_scale,
         implementation=implementation,
         kernel_config=self.kernel_settings.full_config(),
+        kernel_backend=self.kernel_settings.kernel_backend,
       )
     )
     return partials

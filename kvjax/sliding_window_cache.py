@@ -114,6 +114,7 @@ class SlidingWindowLayerCache(KeyValueArrays):
       sm_scale=sm_scale,
       implementation=self.implementation,
       kernel_config=self.kernel_settings.full_config(),
+      kernel_backend=self.kernel_settings.kernel_backend,
     )
 
   def attend(self, queries, *, sm_scale):

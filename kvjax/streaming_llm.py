@@ -217,6 +217,7 @@ class StreamingLayerCache(KeyValueArrays):
       sm_scale=sm_scale,
       implementation=self.implementation,
       kernel_config=self.kernel_settings.full_config(),
+      kernel_backend=self.kernel_settings.kernel_backend,
     )
 
 

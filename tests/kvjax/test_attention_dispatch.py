@@ -1,5 +1,6 @@
 """Dispatch: which implementation runs, config errors before tracing, one-time fallback warning."""
 
+import re
 import warnings
 
 import jax
@@ -62,6 +63,36 @@ def test_unknown_kernel_backend_raises():
       implementation="interpret",
       kernel_backend="cuda",
     )
+
+
+@pytest.mark.parametrize(
+  "platform, implementation, kernel_backend, chosen",
+  [
+    ("cpu", "auto", None, ("reference", False)),
+    ("cpu", "auto", "tpu", ("reference", False)),
+    ("cpu", "interpret", None, ("gpu", True)),
+    ("cpu", "interpret", "tpu", ("tpu", True)),
+    ("cuda", "auto", None, ("gpu", False)),
+    ("cuda", "pallas", "gpu", ("gpu", False)),
+    ("cuda", "interpret", "tpu", ("tpu", True)),
+    ("tpu", "auto", None, ("tpu", False)),
+    ("tpu", "reference", "gpu", ("reference", False)),
+    ("cuda", "auto", "tpu", "kernel_backend='tpu' cannot run compiled on the 'cuda' backend"),
+    ("tpu", "pallas", "gpu", "kernel_backend='gpu' cannot run compiled on the 'tpu' backend"),
+    ("cpu", "pallas", "tpu", "implementation='pallas' needs a GPU or TPU backend"),
+  ],
+)
+def test_the_kernel_family_chosen_on_each_platform(
+  platform, implementation, kernel_backend, chosen, monkeypatch
+):
+  """The platform is patched where the choice reads it (no kernel runs): a compiled kernel of
+  the other family is refused by name, interpret mode runs either family anywhere."""
+  monkeypatch.setattr(jax, "default_backend", lambda: platform)
+  if isinstance(chosen, str):
+    with pytest.raises(ValueError, match=re.escape(chosen)):
+      attention_dispatch.choose_kernel_family(implementation, kernel_backend)
+  else:
+    assert attention_dispatch.choose_kernel_family(implementation, kernel_backend) == chosen
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="CPU dispatch")

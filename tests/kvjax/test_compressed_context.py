@@ -16,6 +16,7 @@ from kvjax.compressed_context import (
 from kvjax.context_checkpoint import save_context
 from kvjax.dense_cache import FullCache
 from kvjax.generate import decode, generate, prefill
+from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import parse_method_spec
 from kvjax.prompt_batch import pack_prompts
 from kvjax.sampling import SamplingConfig
@@ -379,6 +380,22 @@ def test_pallas_on_a_backend_without_kernels_is_refused_before_anything_runs():
     share_context(decoder, context, 2, room=4, implementation="pallas")
 
 
+def test_a_shared_contexts_own_cache_takes_the_kernel_settings_given(monkeypatch):
+  """The rows' own full-precision cache attends with the settings share_context was given (the
+  context's caches keep theirs); settings naming the other backend's kernels are refused
+  before anything is allocated."""
+  decoder, params = tiny_decoder(layer_loop="scan")
+  context = compress_context(decoder, params, PROMPTS, cache_method=FullCache(), room=0)
+  settings = KernelSettings(full={"block_tokens": 16}, kernel_backend="tpu")
+  shared = share_context(decoder, context, 2, room=4, kernel_settings=settings)
+  (stacked,) = shared.caches
+  assert stacked.stacked.own.kernel_settings == settings
+  assert stacked.stacked.context.kernel_settings == KernelSettings()
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # read by the dispatch's check only
+  with pytest.raises(ValueError, match="kernel_backend='tpu' cannot run compiled on the 'gpu'"):
+    share_context(decoder, context, 2, room=4, kernel_settings=settings)
+
+
 @pytest.mark.parametrize(
   "spec, layer_loop",
   each_in_one_layer_loop(
@@ -440,6 +457,8 @@ def test_share_context_refuses_bad_arguments_and_what_cannot_be_shared(tmp_path)
   for dtype in (jnp.int8, "float64"):
     with pytest.raises(ValueError, match="cache_dtype=.* is not supported; allowed: bfloat16"):
       share_context(decoder, context, 2, room=4, cache_dtype=dtype)
+  with pytest.raises(ValueError, match="kernel_settings must be a kvjax.kernel_settings"):
+    share_context(decoder, context, 2, room=4, kernel_settings={"kernel_backend": "tpu"})
   with pytest.raises(ValueError, match="must be a CompressedContext"):
     share_context(decoder, context.caches, 2, room=4)
   shared = share_context(decoder, context, 2, room=4)

@@ -14,12 +14,13 @@ from kvjax import attention_dispatch
 from kvjax.compressed_context import compress_context, continue_context, share_context
 from kvjax.eval.continuation import score_continuation
 from kvjax.generate import generate
-from kvjax.kernel_settings import KernelSettings
+from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from kvjax.method_spec import parse_method_spec
 from tests.kvjax.layer_loop_params import each_in_one_layer_loop
 from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
 KERNEL_CONFIG = dataclasses.replace(TINY_CONFIG, head_dim=64)
+TPU_SETTINGS = KernelSettings(kernel_backend="tpu")  # "interpret" then runs the TPU kernels
 
 PROMPTS = [
   list(np.random.default_rng(3).integers(1, 64, 37)),
@@ -73,7 +74,9 @@ def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop, kerne
   assert_forced_logprobs_agree(decoder, params, spec, continuation=6)
 
 
-def assert_forced_logprobs_agree(decoder, params, spec, *, continuation):
+def assert_forced_logprobs_agree(
+  decoder, params, spec, *, continuation, kernel_settings=DEFAULT_KERNEL_SETTINGS
+):
   """Equal greedy tokens could hide a moderate error in the scores: the log-probs of a forced
   continuation (`continuation` tokens after 21) through each path's caches agree to float32
   rounding."""
@@ -82,7 +85,7 @@ def assert_forced_logprobs_agree(decoder, params, spec, *, continuation):
     implementation: score_continuation(
       decoder,
       params,
-      parse_method_spec(spec, implementation=implementation),
+      parse_method_spec(spec, implementation=implementation, kernel_settings=kernel_settings),
       windows,
       context_len=21,
       cache_dtype=jnp.float32,
@@ -383,19 +386,11 @@ def test_the_warp_kernel_generates_the_reference_tokens(
   ],
 )
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
-def test_the_tpu_kernels_generate_the_reference_tokens(spec, monkeypatch, kernel_calls):
+def test_the_tpu_kernels_generate_the_reference_tokens(spec, kernel_calls):
   """The TPU kernels (interpret mode) through generate and a forced continuation, as the GPU
-  ones above: the dispatch is pointed at them, since "interpret" picks the GPU kernels. The
+  ones above, chosen by the caches' `KernelSettings(kernel_backend="tpu")`. The
   tokens-on-lanes layout (v49) over real caches: ragged rows, KIVI's window, GEAR's low-rank
   terms in the kernel and its outliers' by XLA around it (v51)."""
-  chosen = []
-
-  def tpu_when_interpreted(implementation, kernel_backend):
-    family = "reference" if implementation == "reference" else "tpu"
-    chosen.append(family)
-    return family, family == "tpu"
-
-  monkeypatch.setattr(attention_dispatch, "choose_kernel_family", tpu_when_interpreted)
   decoder, params = tiny_decoder(config=KERNEL_CONFIG)
   run = lambda implementation: (
     generate(
@@ -404,12 +399,13 @@ def test_the_tpu_kernels_generate_the_reference_tokens(spec, monkeypatch, kernel
       PROMPTS,
       max_new_tokens=3,  # a length no other test here compiles, so no program is reused
       cache_dtype=jnp.float32,
-      cache_method=parse_method_spec(spec, implementation=implementation),
+      cache_method=parse_method_spec(
+        spec, implementation=implementation, kernel_settings=TPU_SETTINGS
+      ),
     ).tokens
   )
   np.testing.assert_array_equal(run("interpret"), run("reference"))
-  assert "tpu" in chosen
   tpu_kernel = "decode_attention_tpu" if spec == "full" else "quantized_decode_attention_tpu"
   assert tpu_kernel in kernel_calls.names
   assert not any(name.endswith("_gpu") for name in kernel_calls.names)
-  assert_forced_logprobs_agree(decoder, params, spec, continuation=5)
+  assert_forced_logprobs_agree(decoder, params, spec, continuation=5, kernel_settings=TPU_SETTINGS)

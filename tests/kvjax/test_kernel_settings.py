@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 
 from kvjax import attention_dispatch
+from kvjax.cache_protocol import ModelCacheShape
 from kvjax.cli import main
 from kvjax.dense_cache import DenseLayerCache
+from kvjax.generate import generate
 from kvjax.kernel_settings import KernelSettings
 from kvjax.method_spec import describe_method, parse_method_spec
+from tests.kvjax.tiny_decoder import tiny_decoder
 
 SETTINGS = KernelSettings(
   full={"lowering": "mosaic_gpu", "block_tokens": 64},
@@ -135,11 +138,58 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
       r"full must be a dict or a tuple of \(key, value\) pairs, got \('num_warps', 4\)",
     ),
     (dict(quantized=("lowering",)), r"quantized must be a dict or a tuple of \(key, value\) pairs"),
+    (
+      dict(kernel_backend="cuda"),
+      "kernel_backend='cuda' is not supported; allowed: None, gpu, tpu",
+    ),
+    (dict(kernel_backend=""), "kernel_backend='' is not supported"),
+    # Named, the family's keys are checked whole here: no other kernel could take them.
+    (
+      dict(full={"lowering": "triton"}, kernel_backend="tpu"),
+      r"full: keys \['lowering'\] are not taken by the tpu kernels \(kernel_backend='tpu'\); "
+      "allowed: block_tokens, num_splits",
+    ),
+    (
+      dict(quantized={"variant": "folded"}, kernel_backend="tpu"),
+      r"quantized: keys \['variant'\] are not taken by the tpu kernels",
+    ),
+    (
+      dict(full={"num_warps": 4, "block_tokens": 64}, kernel_backend="tpu"),
+      r"full: keys \['num_warps'\] are not taken by the tpu kernels",
+    ),
+    (
+      dict(
+        quantized={"lowering": "mosaic_gpu", "variant": "folded", "num_warps": 4},
+        kernel_backend="gpu",
+      ),
+      r"quantized: kernel_config keys \['num_warps'\] are not taken by the quantized kernel of "
+      "lowering='mosaic_gpu'",
+    ),
+    (
+      dict(quantized={"variant": "joined", "gear_terms": "kernel"}, kernel_backend="gpu"),
+      "quantized: gear_terms='kernel' is a setting of variant='folded' only",
+    ),
   ],
 )
 def test_bad_settings_name_what_is_wrong(kwargs, message):
   with pytest.raises(ValueError, match=message):
     KernelSettings(**kwargs)
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [
+    dict(full={"block_tokens": 64, "num_splits": 4}, kernel_backend="tpu"),
+    dict(quantized={"block_tokens": 128}, kernel_backend="tpu"),
+    dict(full={"num_warps": 8}, quantized={"variant": "reshape"}, kernel_backend="gpu"),
+    dict(quantized={"lowering": "mosaic_gpu", "variant": "folded"}, kernel_backend="gpu"),
+  ],
+)
+def test_settings_for_a_named_kernel_family_are_taken(kwargs):
+  settings = KernelSettings(**kwargs)
+  assert settings.kernel_backend == kwargs["kernel_backend"]
+  assert settings == KernelSettings(**kwargs) and hash(settings) == hash(KernelSettings(**kwargs))
+  assert settings != KernelSettings(**{**kwargs, "kernel_backend": None})
 
 
 def test_every_part_of_a_composition_carries_the_settings():
@@ -152,6 +202,58 @@ def test_every_part_of_a_composition_carries_the_settings():
   assert selection_only.storage.kernel_settings == SETTINGS  # the implicit full storage
   with pytest.raises(ValueError, match="kernel_settings must be a kvjax.kernel_settings"):
     parse_method_spec("full", kernel_settings={"full": {}})
+
+
+@pytest.mark.parametrize(
+  "spec, sliding_window, kernels",
+  [
+    ("full", None, ["decode_attention_tpu"]),
+    ("full", 16, ["decode_attention_tpu"]),  # the sliding window's ring
+    ("streaming:budget=16,sinks=4", None, ["decode_attention_tpu"]),
+    (
+      "kivi:bits=2,group_size=16,residual=16",
+      None,
+      ["quantized_decode_attention_tpu", "decode_attention_tpu"],
+    ),
+  ],
+)
+def test_each_cache_runs_the_kernel_family_its_settings_name(
+  spec, sliding_window, kernels, kernel_calls
+):
+  """Every cache kind that attends through the dispatch passes `kernel_backend` on: with
+  "interpret" the TPU kernels run, not the GPU ones ("interpret"'s default). KIVI's two calls:
+  its quantized segment and its window."""
+  shape = ModelCacheShape(
+    num_layers=1, num_kv_heads=2, num_query_heads=4, head_dim=64, sliding_window=sliding_window
+  )
+  method = parse_method_spec(
+    spec, implementation="interpret", kernel_settings=KernelSettings(kernel_backend="tpu")
+  )
+  cache = method.allocate(shape, 0, batch=2, prompt_len=40, max_new_tokens=8, dtype=jnp.float32)
+  queries = jnp.ones((2, 2, 2, 64), jnp.float32)
+  out = cache.attend(queries, sm_scale=0.125)
+  assert out.shape == queries.shape
+  assert kernel_calls.names == kernels
+
+
+@pytest.mark.parametrize("spec", ["kivi:bits=4", "snapkv:budget=64+kivi:bits=4"])
+def test_settings_naming_the_other_backends_kernels_are_refused_before_tracing(
+  spec, monkeypatch, capsys
+):
+  """On a GPU (patched where the dispatch reads it: nothing runs), caches naming the TPU
+  kernels are refused by generate and by the command line before anything is traced or
+  loaded."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "cuda")
+  decoder, params = tiny_decoder()
+  method = parse_method_spec(spec, kernel_settings=KernelSettings(kernel_backend="tpu"))
+  message = "kernel_backend='tpu' cannot run compiled on the 'cuda' backend"
+  # (named by generate's own check; the dispatch's, when traced, would not name the method)
+  with pytest.raises(ValueError, match=f"cache_method .*: {message}"):
+    generate(decoder, params, [[1, 2, 3]], max_new_tokens=2, cache_method=method)
+  arguments = ["--prompt", "x", "--method", spec, "--kernel-settings", '{"kernel_backend": "tpu"}']
+  with pytest.raises(SystemExit) as exit_info:
+    main(["generate", *arguments])
+  assert f"--implementation: {message}" in capsys.readouterr().err + str(exit_info.value)
 
 
 def test_caches_keep_settings_as_static_metadata():
@@ -204,7 +306,8 @@ def test_dispatch_refuses_keys_its_kernel_does_not_take(config, quantized, famil
   "text, message",
   [
     ("{", "--kernel-settings is not JSON"),
-    ('{"fast": {}}', "keys among: full, quantized"),
+    ('{"fast": {}}', "keys among: full, quantized, kernel_backend"),
+    ('{"kernel_backend": "cuda"}', "kernel_backend='cuda' is not supported; allowed: None, gpu"),
     ('{"quantized": {"variant": "fast"}}', "variant='fast' is not supported"),
   ],
 )
