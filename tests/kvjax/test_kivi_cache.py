@@ -512,7 +512,9 @@ def test_the_tpu_segment_writes_store_what_the_scatter_stores(method, monkeypatc
   # At 128 channels the key statistics are pinned row-major (the rest is left to XLA).
   pinned_layouts = quantized_decode_attention_tpu.segment_layouts(128)
   monkeypatch.setattr(
-    attention_dispatch, "quantized_segment_layouts", lambda implementation, head_dim: pinned_layouts
+    attention_dispatch,
+    "quantized_segment_layouts",
+    lambda implementation, head_dim, kernel_backend=None: pinned_layouts,
   )
   sliced = run()
   np.testing.assert_array_equal(sliced[0].quantized_lengths, [16, 32])
