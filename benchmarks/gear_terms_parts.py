@@ -204,10 +204,10 @@ def parts(tokens: int) -> dict:
       )
     ),
     "value outliers, windows, 8 slots": lambda x, s: gear_terms_xla.value_outlier_terms(
-      s.outliers, x["probs"], slots=8, **terms
+      s.outliers, x["probs"], x["lengths"], slots=8, **terms
     ),
     "value outliers, windows, 128 slots": lambda x, s: gear_terms_xla.value_outlier_terms(
-      s.outliers, x["probs"], slots=128, **terms
+      s.outliers, x["probs"], x["lengths"], slots=128, **terms
     ),
     "value outliers, scalar scatter, 1 slot": lambda x, s: value_outliers_scalar_scatter(
       s.outliers, x["probs"], slots=1, **terms

@@ -60,12 +60,15 @@ def outlier_value_terms_from_scores(
 ) -> jax.Array:
   """float32 [B, H, G, D]: `gear_terms_xla.gear_value_terms_from_scores` without a low-rank
   part, for a TPU (same other arguments; no outlier slots: a TPU's scatter is not made of
-  atomic adds)."""
+  atomic adds). Outliers at or past a row's length add nothing, whatever they hold."""
   batch, kv_heads, group = lse.shape
   probs = normalised_probabilities(scores, lse, lengths)  # [B, H, G, T]
   token, channel = outlier_tokens_and_channels(outliers[2], block, head_dim)  # [B, H, J, s]
   value = outliers[3].astype(jnp.float32)[:, :, None]
   b, h, g = _grid(batch, kv_heads, group)
   weighted = probs[b, h, g, token[:, :, None]] * value  # [B, H, G, J, s]
+  # p = 0 past the length, but a block past it may hold NaN values (0 times NaN is NaN) and
+  # indices pointing anywhere.
+  weighted = jnp.where((token < lengths[:, None, None, None])[:, :, None], weighted, 0.0)
   terms = jnp.zeros((batch, kv_heads, group, head_dim), jnp.float32)
   return terms.at[b, h, g, channel[:, :, None]].add(weighted)

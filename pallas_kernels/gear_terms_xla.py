@@ -100,14 +100,23 @@ def key_outlier_contributions(outliers, scaled_queries: jax.Array, *, block: int
 
 
 def value_outlier_terms(
-  outliers, probs: jax.Array, *, block: int, head_dim: int, slots: int | None = None
+  outliers,
+  probs: jax.Array,
+  lengths: jax.Array,
+  *,
+  block: int,
+  head_dim: int,
+  slots: int | None = None,
 ) -> jax.Array:
   """float32 [B, H, G, D]: sum over value outliers i of p[g, token_i] * value_i at channel_i.
 
-  probs float32 [B, H, G, T]. Each outlier adds one G-vector: the probabilities are gathered
-  and scattered as windows of G contiguous floats ([B, H, T, G] and [B, H, slots, D, G]), one
-  index per outlier instead of one per outlier and query row; GEAR block j adds into partial
-  accumulator j mod `slots` (default OUTLIER_SLOTS; at most the number of blocks)."""
+  probs float32 [B, H, G, T]; lengths int32 [B]: outliers at or past a row's length add
+  nothing, whatever they hold (a GEAR block past the length may hold NaN values and indices
+  pointing anywhere, and p = 0 times NaN is NaN). Each outlier adds one G-vector: the
+  probabilities are gathered and scattered as windows of G contiguous floats ([B, H, T, G] and
+  [B, H, slots, D, G]), one index per outlier instead of one per outlier and query row; GEAR
+  block j adds into partial accumulator j mod `slots` (default OUTLIER_SLOTS; at most the
+  number of blocks)."""
   batch, kv_heads, group, _ = probs.shape
   token, channel = _outlier_positions(outliers[2], block, head_dim)  # [B, H, J s]
   per_block = outliers[2].shape[-1]
@@ -117,6 +126,7 @@ def value_outlier_terms(
   h = jnp.arange(kv_heads)[None, :, None]
   p_at_token = jnp.swapaxes(probs, 2, 3)[b, h, token]  # [B, H, J s, G]
   weighted = p_at_token * outliers[3].astype(jnp.float32).reshape(token.shape)[..., None]
+  weighted = jnp.where((token < lengths[:, None, None])[..., None], weighted, 0.0)
   partials = jnp.zeros((batch, kv_heads, slots, head_dim, group), jnp.float32)
   partials = partials.at[b, h, slot[None, None, :], channel].add(weighted)
   return jnp.swapaxes(partials.sum(axis=2), 2, 3)
@@ -148,13 +158,20 @@ def gear_value_terms_from_scores(
   scores float32 [B, H, >= G, T] as the kernel's softmax saw them, base-2 logits (s log2(e);
   entries at or past a row's length are never read: the kernel does not write them); lse
   float32 [B, H, G], the segment's log-sum-exp in natural units; lengths int32 [B];
-  outlier_slots: `value_outlier_terms`' slots."""
+  outlier_slots: `value_outlier_terms`' slots. GEAR's storage past a row's length (A rows,
+  and B factors and outliers of blocks starting there) adds nothing, whatever it holds."""
   batch, kv_heads, group = lse.shape
-  blocks = scores.shape[-1] // block
+  tokens = scores.shape[-1]
+  blocks = tokens // block
   probs = normalised_probabilities(scores, lse, lengths)
   terms = jnp.zeros((batch, kv_heads, group, head_dim), jnp.float32)
   if lowrank is not None:
     v_a, v_b = lowrank[2], lowrank[3]  # [B, H, T, r], [B, H, J, D, r]
+    # Zeroed past the length: p = 0 there, and 0 times NaN is NaN.
+    inside = jnp.arange(tokens) < lengths[:, None]  # [B, T]
+    live_blocks = jnp.arange(blocks) * block < lengths[:, None]  # [B, J]
+    v_a = jnp.where(inside[:, None, :, None], v_a.astype(jnp.float32), 0.0)
+    v_b = jnp.where(live_blocks[:, None, :, None, None], v_b.astype(jnp.float32), 0.0)
     # Reductions, not einsums, as in gear_score_bias: this reads B_v in place instead of
     # transposing it for a GEMM, and takes no GEMM with a contraction of r.
     v_a = v_a.astype(jnp.float32).reshape(batch, kv_heads, 1, blocks, block, v_a.shape[-1])
@@ -165,6 +182,6 @@ def gear_value_terms_from_scores(
     )  # [B, H, G, D]
   if outliers is not None:
     terms = terms + value_outlier_terms(
-      outliers, probs, block=block, head_dim=head_dim, slots=outlier_slots
+      outliers, probs, lengths, block=block, head_dim=head_dim, slots=outlier_slots
     )
   return terms

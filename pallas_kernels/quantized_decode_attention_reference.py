@@ -276,26 +276,39 @@ def quantized_decode_attention_reference(
         scores.shape
       )
 
-    def weighted_values(probs):  # [B,H,G,C] -> [B,H,G,D]
+    def weighted_values(probs, live_tokens):  # [B,H,G,C], bool [B,C] -> [B,H,G,D]
+      """Value-side storage past the length may hold anything (NaN): it is zeroed, so that a
+      probability of 0 times NaN cannot reach the output. Token rows past the length, and GEAR
+      blocks starting past it (their B factors and outliers)."""
+
+      def live(array, mask):  # mask [B, n] over the array's third axis
+        mask = mask.reshape(mask.shape[:1] + (1,) + mask.shape[1:] + (1,) * (array.ndim - 3))
+        return jnp.where(mask, array.astype(f32), 0.0)
+
       v_code = unpack_codes(x["v_codes"], bits).astype(f32)
       v_code = v_code.reshape(batch, kv_heads, chunk, value_groups, group_size)
-      scaled_p = probs[..., None] * x["v_scale"].astype(f32)[:, :, None]  # [B,H,G,C,groups]
+      scaled_p = probs[..., None] * live(x["v_scale"], live_tokens)[:, :, None]  # [B,H,G,C,n]
       out = jnp.einsum("bhgtc,bhtce->bhgce", scaled_p, v_code)
-      out = out + jnp.einsum("bhgt,bhtc->bhgc", probs, x["v_min"].astype(f32))[..., None]
+      out = out + jnp.einsum("bhgt,bhtc->bhgc", probs, live(x["v_min"], live_tokens))[..., None]
       out = out.reshape(batch, kv_heads, group, head_dim)
       if lowrank is not None or outliers is not None:
         probs_blocks = probs.reshape(batch, kv_heads, group, blocks, block)
+        live_blocks = live_tokens[:, ::block]  # [B, J]: live where the block's first token is
       if lowrank is not None:
-        v_a_blocks = x["v_a"].astype(f32).reshape(batch, kv_heads, blocks, block, -1)
+        v_a_blocks = live(x["v_a"], live_tokens).reshape(batch, kv_heads, blocks, block, -1)
         p_a = jnp.einsum("bhgjk,bhjkr->bhgjr", probs_blocks, v_a_blocks)
-        out = out + jnp.einsum("bhgjr,bhjdr->bhgd", p_a, x["v_b"].astype(f32))
+        out = out + jnp.einsum("bhgjr,bhjdr->bhgd", p_a, live(x["v_b"], live_blocks))
       if outliers is not None:
         index = x["v_index"].astype(jnp.int32)
         token_in_block, channel = index // head_dim, index % head_dim
         p_at_token = jnp.take_along_axis(
           probs_blocks, token_in_block[:, :, None], axis=-1
         )  # [B,H,G,J,s]
-        weighted = p_at_token * x["v_value"].astype(f32)[:, :, None]
+        # Where the product, not the value: a dead block's index may point anywhere, and an
+        # index past the block gathers NaN.
+        weighted = jnp.where(
+          live_blocks[:, None, None, :, None], p_at_token * x["v_value"].astype(f32)[:, :, None], 0
+        )
         channel_one_hot = jax.nn.one_hot(channel, head_dim, dtype=f32)  # [B,H,J,s,D]
         out = out + jnp.einsum("bhgjs,bhjsd->bhgd", weighted, channel_one_hot)
       return out
@@ -309,7 +322,8 @@ def quantized_decode_attention_reference(
       running_max, running_sum, acc = carry
       scores, weighted_values = chunk_scores_and_values(x)
       token = x["start"] + jnp.arange(chunk, dtype=jnp.int32)
-      valid = (token[None, :] < lengths[:, None])[:, None, None, :]  # [B,1,1,C]
+      live_tokens = token[None, :] < lengths[:, None]  # [B, C]
+      valid = live_tokens[:, None, None, :]  # [B,1,1,C]
       scores = jnp.where(valid, scores, -jnp.inf)
       new_max = jnp.maximum(running_max, scores.max(axis=-1))
       # A row with no valid token so far keeps max -inf: subtract 0 instead, so no inf - inf.
@@ -317,7 +331,7 @@ def quantized_decode_attention_reference(
       probs = jnp.where(valid, jnp.exp(scores - safe_max[..., None]), 0.0)
       correction = jnp.where(jnp.isfinite(running_max), jnp.exp(running_max - safe_max), 0.0)
       running_sum = running_sum * correction + probs.sum(axis=-1)
-      acc = acc * correction[..., None] + weighted_values(probs)
+      acc = acc * correction[..., None] + weighted_values(probs, live_tokens)
       return new_max, running_sum, acc
 
     # Chunks past every row's length are skipped outright (capacity is static, lengths are not).

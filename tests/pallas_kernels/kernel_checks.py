@@ -7,6 +7,7 @@ GPU (TPU), the GPU (TPU) kernels run compiled instead, so the same tests check t
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 NATIVE = os.environ.get("KVJAX_NATIVE_KERNELS", "0") == "1"
@@ -72,3 +73,49 @@ def assert_all_written(out_partials, lse_partials):
   """Partials were poisoned with NaN before the call: every element must have been written."""
   assert not np.any(np.isnan(np.asarray(out_partials))), "unwritten output partial"
   assert not np.any(np.isnan(np.asarray(lse_partials))), "unwritten lse partial"
+
+
+def poison_past_lengths(segment, lengths, *, group_size: int, block: int = 64):
+  """A quantized segment (`random_inputs.QuantizedSegment`) whose storage past each row's length
+  holds garbage: NaN in every float array and all-ones codes, per storage unit that starts at or
+  past the length (token rows; key groups; GEAR blocks for the B factors and the outliers, whose
+  indices point past the block). Units straddling the length keep their values: tokens before
+  the length use them. Kernels and the reference must give what they give on `segment`."""
+  lengths = np.asarray(lengths)[:, None, None, None]
+
+  def dead(array, unit: int):  # bool, broadcastable to `array`: rows starting at/past the length
+    starts = np.arange(array.shape[2]) * unit
+    return (starts[None, None, :, None] >= lengths).reshape(
+      lengths.shape[:1] + (1, array.shape[2]) + (1,) * (array.ndim - 3)
+    )
+
+  def nan_where(array, unit):
+    return jnp.where(dead(array, unit), jnp.nan, array).astype(array.dtype)
+
+  def ones_where(array, unit):
+    garbage = jnp.asarray(jnp.iinfo(array.dtype).max, array.dtype)
+    return jnp.where(dead(array, unit), garbage, array)
+
+  lowrank = segment.lowrank
+  if lowrank is not None:
+    k_a, k_b, v_a, v_b = lowrank
+    lowrank = (nan_where(k_a, 1), nan_where(k_b, block), nan_where(v_a, 1), nan_where(v_b, block))
+  outliers = segment.outliers
+  if outliers is not None:
+    k_index, k_value, v_index, v_value = outliers
+    outliers = (
+      ones_where(k_index, block),
+      nan_where(k_value, block),
+      ones_where(v_index, block),
+      nan_where(v_value, block),
+    )
+  return type(segment)(
+    ones_where(segment.k_codes, 1),
+    nan_where(segment.k_scale, group_size),
+    nan_where(segment.k_min, group_size),
+    ones_where(segment.v_codes, 1),
+    nan_where(segment.v_scale, 1),
+    nan_where(segment.v_min, 1),
+    lowrank,
+    outliers,
+  )

@@ -23,6 +23,7 @@ from pallas_kernels.splits import merge_split_partials, next_power_of_two
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
+  poison_past_lengths,
   relative_tolerance,
   tpu_interpret,
   triton_interpret,
@@ -103,11 +104,16 @@ def _check_triton(
   outliers_per_block=20,
   tokens=TOKENS,
   group_size=GROUP_SIZE,
+  garbage_past_lengths=False,
   **config,
 ):
+  """`garbage_past_lengths`: as `_check_tpu`'s."""
   queries, segment, lengths, kwargs, reference = _case(
     seed, bits, head_dim, group, gear, dtype, outliers_per_block, tokens, group_size
   )
+  if garbage_past_lengths:
+    segment = poison_past_lengths(segment, lengths, group_size=group_size, block=GEAR_BLOCK)
+    kwargs.update(lowrank=segment.lowrank, outliers=segment.outliers)
   interpret = triton_interpret()
   xla_terms = gear and config.get("gear_terms") == "xla"
   poison = _poison(
@@ -163,11 +169,26 @@ TPU_TOKENS = 1280
 TPU_LANE_GROUP_TOKENS = 4096 + 1280
 
 
-def _check_tpu(bits, head_dim, group, gear, dtype, seed, block_tokens=512, outliers_per_block=20):
+def _check_tpu(
+  bits,
+  head_dim,
+  group,
+  gear,
+  dtype,
+  seed,
+  block_tokens=512,
+  outliers_per_block=20,
+  garbage_past_lengths=False,
+):
+  """With `garbage_past_lengths`, the kernel reads the segment with NaN and all-ones codes past
+  each row's length (`poison_past_lengths`) and must give the clean segment's reference."""
   tokens = TPU_LANE_GROUP_TOKENS if tokens_on_lanes(head_dim) else TPU_TOKENS
   queries, segment, lengths, kwargs, reference = _case(
     seed, bits, head_dim, group, gear, dtype, outliers_per_block, tokens=tokens
   )
+  if garbage_past_lengths:
+    segment = poison_past_lengths(segment, lengths, group_size=GROUP_SIZE, block=GEAR_BLOCK)
+    kwargs.update(lowrank=segment.lowrank, outliers=segment.outliers)
   interpret = tpu_interpret()
   rows = decode_attention_tpu.tile_rows(group)
   poison = _poison(rows, head_dim)
@@ -231,6 +252,46 @@ def test_triton_planar_kernel_matches_reference(bits, head_dim, group, gear, dty
 )
 def test_tpu_kernel_matches_reference(bits, head_dim, group, gear, dtype):
   _check_tpu(bits, head_dim, group, gear, dtype, seed=bits * 7 + head_dim + group)
+
+
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear,dtype",
+  [
+    (2, 128, 4, False, jnp.bfloat16),
+    (4, 128, 2, True, jnp.float32),
+    (2, 64, 1, True, jnp.bfloat16),
+  ],
+)
+def test_tpu_kernel_ignores_garbage_past_lengths(bits, head_dim, group, gear, dtype):
+  """NaN statistics, factors and outlier values, all-ones codes and outlier indices past their
+  block, in every storage unit past a row's length: the clean segment's result."""
+  _check_tpu(bits, head_dim, group, gear, dtype, seed=bits + head_dim, garbage_past_lengths=True)
+
+
+@pytest.mark.parametrize(
+  "variant,bits,head_dim,group,gear,dtype,config",
+  [
+    ("reshape", 2, 128, 4, True, jnp.bfloat16, dict(block_tokens=64)),
+    ("folded", 4, 64, 2, True, jnp.bfloat16, dict(block_tokens=64, gear_terms="xla")),
+    ("folded", 2, 128, 4, True, jnp.float32, dict(gear_terms="kernel")),
+    ("folded", 2, 128, 1, False, jnp.bfloat16, dict(block_tokens=128)),
+  ],
+)
+def test_triton_kernel_ignores_garbage_past_lengths(
+  variant, bits, head_dim, group, gear, dtype, config
+):
+  """As the TPU kernel's test: GEAR's terms in the kernel and by XLA around it."""
+  _check_triton(
+    bits,
+    head_dim,
+    group,
+    gear,
+    dtype,
+    variant,
+    seed=bits + head_dim + group,
+    garbage_past_lengths=True,
+    **config,
+  )
 
 
 @pytest.mark.parametrize("head_dim, dtype", [(128, jnp.bfloat16), (64, jnp.float32)])

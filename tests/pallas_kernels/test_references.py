@@ -17,7 +17,7 @@ from pallas_kernels.random_inputs import (
   random_quantized_segment,
   random_queries,
 )
-from tests.pallas_kernels.kernel_checks import assert_matches_reference
+from tests.pallas_kernels.kernel_checks import assert_matches_reference, poison_past_lengths
 
 
 def dense_attention_float64(queries, keys, values, lengths, sm_scale):
@@ -133,3 +133,36 @@ def test_quantized_reference_config_errors_name_the_parameter():
       sm_scale=1.0,
       lowrank=(segment.k_codes,),
     )
+
+
+@pytest.mark.parametrize("gear", [False, True])
+def test_quantized_reference_ignores_garbage_past_length(gear):
+  """Storage past a row's length may hold anything: NaN statistics and factors, all-ones codes,
+  outlier indices past their block (`poison_past_lengths`). The result is the clean segment's,
+  bit for bit: a probability of 0 times NaN would otherwise reach the output."""
+  tokens, group_size = 256, 32
+  segment = random_quantized_segment(
+    np.random.default_rng(21),
+    3,
+    2,
+    tokens,
+    64,
+    bits=4,
+    group_size=group_size,
+    rank=2 if gear else 0,
+    outliers_per_block=5 if gear else 0,
+  )
+  queries = random_queries(np.random.default_rng(22), 3, 2, 4, 64)
+  # Ending mid key group and mid GEAR block; one row empty.
+  lengths = jnp.array([tokens, 97, 0], jnp.int32)
+  kwargs = dict(bits=4, group_size=group_size, sm_scale=0.125, chunk_tokens=128)
+  clean = quantized_decode_attention_reference(
+    queries, *segment[:6], lengths, lowrank=segment.lowrank, outliers=segment.outliers, **kwargs
+  )
+  poisoned = poison_past_lengths(segment, lengths, group_size=group_size)
+  assert np.isnan(np.asarray(poisoned.v_scale)).any()
+  out, lse = quantized_decode_attention_reference(
+    queries, *poisoned[:6], lengths, lowrank=poisoned.lowrank, outliers=poisoned.outliers, **kwargs
+  )
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(clean[0]))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(clean[1]))
