@@ -152,7 +152,7 @@ def decode_attention(
     reason = (
       decode_attention_gpu.unsupported_reason(queries, keys, kernel_config or {})
       if family == "gpu"
-      else decode_attention_tpu.unsupported_reason(queries, keys)
+      else decode_attention_tpu.unsupported_reason(queries, keys, values)
     )
     if reason is None:
       kernel = (

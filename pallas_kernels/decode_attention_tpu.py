@@ -23,19 +23,34 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
+from pallas_kernels.decode_attention_reference import check_decode_inputs
+from pallas_kernels.launch_settings import check_launch_settings
 from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
 
 SUBLANES = 8  # query rows are padded to the f32 sublane tile
 LANES = 128
 
 
-def unsupported_reason(queries, keys) -> str | None:
+def unsupported_reason(queries, keys, values=None) -> str | None:
   head_dim = queries.shape[3]
   if head_dim % 64 != 0:
     return f"head_dim={head_dim} (must be a multiple of 64)"
   if keys.dtype not in (jnp.float32, jnp.bfloat16):
-    return f"cache dtype {keys.dtype}"
+    return f"cache dtype {keys.dtype} (allowed: float32, bfloat16)"
+  if values is not None and values.dtype != keys.dtype:
+    return f"values dtype {values.dtype} with keys dtype {keys.dtype} (must be equal)"
   return None
+
+
+def check_call(queries, keys, values, lengths, *, block_tokens, num_splits) -> None:
+  """ValueError naming what a direct call passes that the kernel does not take: shapes that do
+  not fit the queries', settings outside `launch_settings`' allowed values, unsupported dtypes
+  or head dims (the dispatch runs the reference for those; called directly, refused)."""
+  check_decode_inputs(queries, keys, values, lengths)
+  check_launch_settings(dict(block_tokens=block_tokens, num_splits=num_splits))
+  reason = unsupported_reason(queries, keys, values)
+  if reason is not None:
+    raise ValueError(f"the TPU decode-attention kernel does not take {reason}")
 
 
 def tile_rows(group: int) -> int:
@@ -152,9 +167,14 @@ def decode_attention_partials_tpu(
   interpret: bool = False,
 ):
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]). Interpreted, the outputs
-  are waited for before this returns (`_compat.finished_if_interpreted`)."""
+  are waited for before this returns (`_compat.finished_if_interpreted`). A length past the
+  capacity counts as the capacity, as in the reference."""
+  check_call(queries, keys, values, lengths, block_tokens=block_tokens, num_splits=num_splits)
   batch, kv_heads, group, head_dim = queries.shape
   tokens = keys.shape[2]
+  # The index maps clamp blocks to the row's last valid one: past the capacity it would not
+  # exist (an out-of-bounds block read).
+  lengths = jnp.minimum(lengths.astype(jnp.int32), tokens)
   rows = tile_rows(group)
   transposed = tokens_on_lanes(head_dim)
   # A token block is a multiple of a lane tile when tokens are lanes, of a sublane tile when
@@ -222,7 +242,7 @@ def decode_attention_partials_tpu(
     compiler_params=_compat.tpu_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
     interpret=_compat.tpu_interpret_params() if interpret else False,
     name="decode_attention_tpu",
-  )(lengths.astype(jnp.int32), *args)
+  )(lengths, *args)
   return out, lse[..., 0]
 
 

@@ -71,6 +71,7 @@ from pallas_kernels.gear_outlier_terms_tpu import (
   outlier_score_bias,
   outlier_value_terms_from_scores,
 )
+from pallas_kernels.launch_settings import check_launch_settings
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
 from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
 
@@ -87,7 +88,7 @@ def unsupported_reason(
   if group_size % 8 != 0:
     return f"group_size={group_size} (must be a multiple of 8: value groups are sublane rows)"
   if k_scale.dtype not in (jnp.float32, jnp.bfloat16):
-    return f"scale dtype {k_scale.dtype}"
+    return f"scale dtype {k_scale.dtype} (allowed: float32, bfloat16)"
   return None
 
 
@@ -364,8 +365,11 @@ def quantized_decode_attention_partials_tpu(
   are never read), from which `outlier_value_terms_from_scores` adds the outliers' value terms
   after the merge. `initial_partials`:
   buffers for those outputs (aliased; tests poison them). Interpreted, the outputs are waited
-  for before this returns."""
+  for before this returns. A length past the capacity counts as the capacity, as in the
+  reference. What the kernel does not take (`unsupported_reason`, settings outside
+  `launch_settings`' values) is a ValueError: the dispatch runs the reference for it."""
   check_bits(bits)
+  check_launch_settings(dict(block_tokens=block_tokens, num_splits=num_splits))
   sizes = check_quantized_inputs(
     queries,
     k_codes,
@@ -382,6 +386,22 @@ def quantized_decode_attention_partials_tpu(
     block=block,
   )
   batch, kv_heads, group, head_dim, tokens, width = sizes[:6]
+  reason = unsupported_reason(
+    queries,
+    k_codes,
+    k_scale,
+    v_scale,
+    bits=bits,
+    group_size=group_size,
+    lowrank=lowrank,
+    outliers=outliers,
+    block=block,
+  )
+  if reason is not None:
+    raise ValueError(f"the TPU quantized decode-attention kernel does not take {reason}")
+  # The index maps clamp blocks to the row's last valid one: past the capacity it would not
+  # exist (an out-of-bounds block read).
+  lengths = jnp.minimum(lengths.astype(jnp.int32), tokens)
   # GEAR's low-rank terms are the kernel's own; its outliers' are XLA's (a dense score bias in,
   # the scores out for the value terms).
   score_io = outliers is not None
@@ -527,7 +547,7 @@ def quantized_decode_attention_partials_tpu(
     compiler_params=_compat.tpu_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
     interpret=_compat.tpu_interpret_params() if interpret else False,
     name=f"quantized_decode_attention_{bits}bit_tpu",
-  )(lengths.astype(jnp.int32), *args)
+  )(lengths, *args)
   if score_io:
     return outputs[0], outputs[1][..., 0], outputs[2][..., :tokens]
   return outputs[0], outputs[1][..., 0]

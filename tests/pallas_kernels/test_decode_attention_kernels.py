@@ -4,6 +4,7 @@ Interpret mode on CPU (compiled with KVJAX_NATIVE_KERNELS=1 on a GPU/TPU machine
 inputs per case; partial outputs poisoned with NaN before the call.
 """
 
+import functools
 import itertools
 
 import jax.numpy as jnp
@@ -203,3 +204,41 @@ def test_the_triton_kernel_called_directly_refuses_what_it_does_not_take():
   queries, keys, values, lengths = _inputs(rng, 96, 4, jnp.float32)
   with pytest.raises(ValueError, match=r"does not take head_dim=96"):
     decode_attention_triton.decode_attention_triton(queries, keys, values, lengths, sm_scale=0.1)
+
+
+def test_the_tpu_kernel_called_directly_refuses_what_it_does_not_take():
+  """As the Triton kernel's entry point: by name, before tracing (an int8 cache gave a 0.99
+  relative error, block_tokens=0 a ZeroDivisionError, a negative block was rounded up to a
+  lane tile, mismatched lengths were accepted)."""
+  rng = np.random.default_rng(10)
+  queries, keys, values, lengths = _inputs(rng, 128, 4, jnp.float32)
+  call = functools.partial(decode_attention_tpu.decode_attention_tpu, sm_scale=0.1)
+  with pytest.raises(ValueError, match="does not take cache dtype int8"):
+    call(queries, keys.astype(jnp.int8), values.astype(jnp.int8), lengths)
+  with pytest.raises(ValueError, match="values dtype bfloat16 with keys dtype float32"):
+    call(queries, keys, values.astype(jnp.bfloat16), lengths)
+  for block_tokens in (0, -64, 3.5, 48):
+    with pytest.raises(ValueError, match=rf"block_tokens={block_tokens!r} is not supported"):
+      call(queries, keys, values, lengths, block_tokens=block_tokens)
+  with pytest.raises(ValueError, match="num_splits=0 is not supported"):
+    call(queries, keys, values, lengths, num_splits=0)
+  with pytest.raises(ValueError, match=r"lengths must be \[3\]"):
+    call(queries, keys, values, lengths[:2])
+  queries, keys, values, lengths = _inputs(rng, 96, 4, jnp.float32)
+  with pytest.raises(ValueError, match=r"does not take head_dim=96"):
+    call(queries, keys, values, lengths)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_length_past_the_capacity_counts_as_the_capacity(head_dim):
+  """As in the reference (every slot valid). The TPU kernel's index maps clamped to a block
+  past the capacity before: NaN compiled, an out-of-bounds read interpreted."""
+  rng = np.random.default_rng(11 + head_dim)
+  tokens = TPU_LANE_TOKENS if decode_attention_tpu.tokens_on_lanes(head_dim) else TOKENS
+  queries, keys, values, _ = _inputs(rng, head_dim, 4, jnp.float32, tokens=tokens)
+  ref = decode_attention_reference(
+    queries, keys, values, jnp.full((3,), tokens, jnp.int32), sm_scale=0.125
+  )
+  past = jnp.asarray([tokens + 1, tokens + 200, 2**30], jnp.int32)
+  for out, lse in _both_kernels(queries, keys, values, past, triton_splits=3, tpu_splits=2):
+    assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.float32, False))

@@ -6,6 +6,7 @@ Interpret mode on CPU (compiled with KVJAX_NATIVE_KERNELS=1 on a GPU/TPU machine
 inputs per case; partial outputs poisoned with NaN before the call.
 """
 
+import functools
 import itertools
 
 import jax.numpy as jnp
@@ -713,3 +714,45 @@ def test_the_triton_kernel_called_directly_refuses_what_it_does_not_take():
   queries = jnp.concatenate([queries] * 17, axis=2)  # 68 query heads per KV head
   with pytest.raises(ValueError, match="does not take query group 68 > 64"):
     triton_kernel.quantized_decode_attention_triton(queries, *segment[:6], lengths, **kwargs)
+
+
+def test_the_tpu_kernel_called_directly_refuses_what_it_does_not_take():
+  """By name, before tracing: settings outside their allowed values (block_tokens=0 gave a
+  ZeroDivisionError, a negative one was rounded up), what `unsupported_reason` names."""
+  queries, segment, lengths, kwargs, _ = _case(4, 2, 128, 4, False, jnp.float32)
+  call = functools.partial(
+    tpu_kernel.quantized_decode_attention_tpu, queries, *segment[:6], lengths, **kwargs
+  )
+  for block_tokens in (0, -512, 3.5):
+    with pytest.raises(ValueError, match=rf"block_tokens={block_tokens!r} is not supported"):
+      call(block_tokens=block_tokens)
+  with pytest.raises(ValueError, match="num_splits=0 is not supported"):
+    call(num_splits=0)
+  with pytest.raises(ValueError, match=r"lengths must have shape \(3,\)"):
+    tpu_kernel.quantized_decode_attention_tpu(queries, *segment[:6], lengths[:1], **kwargs)
+  stats = [array.astype(jnp.float16) for array in segment[1:3]]
+  with pytest.raises(ValueError, match="does not take scale dtype float16"):
+    tpu_kernel.quantized_decode_attention_tpu(
+      queries, segment.k_codes, *stats, *segment[3:6], lengths, **kwargs
+    )
+
+
+@pytest.mark.parametrize("gear", [False, True])
+def test_a_length_past_the_capacity_counts_as_the_capacity(gear):
+  """As in the reference. The TPU kernel read a block past the capacity before (out of
+  bounds, interpreted)."""
+  tokens = TPU_TOKENS
+  queries, segment, _, kwargs, _ = _case(8 + gear, 2, 128, 4, gear, jnp.float32, tokens=tokens)
+  full = jnp.full((BATCH,), tokens, jnp.int32)
+  reference = quantized_decode_attention_reference(queries, *segment[:6], full, **kwargs)
+  past = jnp.asarray([tokens + 1, tokens + 300, 2**30], jnp.int32)
+  results = [
+    tpu_kernel.quantized_decode_attention_tpu(
+      queries, *segment[:6], past, num_splits=SPLITS, interpret=tpu_interpret(), **kwargs
+    ),
+    triton_kernel.quantized_decode_attention_triton(
+      queries, *segment[:6], past, num_splits=SPLITS, interpret=triton_interpret(), **kwargs
+    ),
+  ]
+  for out, lse in results:
+    assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.float32, False))
