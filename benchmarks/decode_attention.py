@@ -177,12 +177,15 @@ def quantized_bytes(segment, lengths, tokens) -> int:
 def check_grid(args) -> list[dict]:
   """Kernel vs reference on fresh random inputs over the shape grid, with poisoned outputs."""
   from pallas_kernels import (
-    decode_attention_tpu,
+    gear_outlier_terms_tpu,
+    gear_terms_xla,
     quantized_decode_attention_tpu,
     quantized_decode_attention_triton,
   )
+  from pallas_kernels.splits import merge_split_partials
 
-  on_tpu = jax.default_backend() == "tpu"
+  # The kernels of --check-family, or of this backend (the GPU kernels on CPU, interpreted).
+  on_tpu = (args.check_family or ("tpu" if jax.default_backend() == "tpu" else "gpu")) == "tpu"
   interpret = args.small
   results = []
   batch, tokens = 3, 960  # capacity: a multiple of group 32 and GEAR block 64, not of 256
@@ -227,37 +230,24 @@ def check_grid(args) -> list[dict]:
       ref_out, ref_lse = quantized_decode_attention_reference(
         queries, *segment[:6], lengths, **kwargs
       )
-      module = quantized_decode_attention_tpu if on_tpu else quantized_decode_attention_triton
-      partials_fn = (
-        module.quantized_decode_attention_partials_tpu
-        if on_tpu
-        else module.quantized_decode_attention_partials_triton
-      )
-      splits = 3
-      rows = (
-        decode_attention_tpu.tile_rows(group)
-        if on_tpu
-        else quantized_decode_attention_triton.partial_rows(
-          group, head_dim, 32, args.check_variant, gear_block=64 if gear else None
+      if on_tpu:
+        partials_fn = functools.partial(
+          quantized_decode_attention_tpu.quantized_decode_attention_partials_tpu,
+          num_splits=3,
         )
-      )
-      poison = (
-        jnp.full((batch, 2, splits, rows, head_dim), jnp.nan, jnp.float32),
-        jnp.full((batch, 2, splits, rows), jnp.nan, jnp.float32),
-      )
-      variant = {} if on_tpu else {"variant": args.check_variant}
-      out_p, lse_p = partials_fn(
-        queries,
-        *segment[:6],
-        lengths,
-        poison,
-        num_splits=splits,
-        interpret=interpret,
-        **variant,
-        **kwargs,
-      )
-      from pallas_kernels.splits import merge_split_partials
-
+      else:
+        partials_fn = functools.partial(
+          quantized_decode_attention_triton.quantized_decode_attention_partials_triton,
+          num_splits=3,
+          variant=args.check_variant,
+        )
+      partials_fn = functools.partial(partials_fn, interpret=interpret, **kwargs)
+      # Every output buffer poisoned, in the shapes the kernel plans (its split count may be
+      # below the 3 asked for; a GEAR call may also write its scores).
+      shapes = jax.eval_shape(partials_fn, queries, *segment[:6], lengths)
+      poison = [jnp.full(x.shape, jnp.nan, x.dtype) for x in shapes]
+      partials = partials_fn(queries, *segment[:6], lengths, tuple(poison))
+      out_p, lse_p = partials[:2]
       out, lse = merge_split_partials(out_p, lse_p, group)
       if not on_tpu:  # the planar/joined/folded GPU kernels' outputs come in their own order
         order = quantized_decode_attention_triton.output_channel_order(
@@ -268,6 +258,21 @@ def check_grid(args) -> list[dict]:
           quantized_decode_attention_triton.compute_dtype_for(jnp.dtype(dtype)),
         )
         out = out[..., np.argsort(order)]
+      if len(partials) == 3:  # GEAR terms by XLA from the scores the kernel wrote
+        scores = partials[2]
+        written = np.arange(scores.shape[-1])[None, :] < np.asarray(lengths)[:, None]
+        written = np.broadcast_to(written[:, None, None], scores.shape)
+        row["unwritten_scores"] = int(
+          np.isnan(np.asarray(scores)[:, :, :group][written[:, :, :group]]).sum()
+        )
+        if on_tpu:  # the kernel computed the low-rank terms; the outliers' value terms by XLA
+          out = out + gear_outlier_terms_tpu.outlier_value_terms_from_scores(
+            segment.outliers, scores, lse, lengths, block=64, head_dim=head_dim
+          )
+        else:
+          out = out + gear_terms_xla.gear_value_terms_from_scores(
+            segment.lowrank, segment.outliers, scores, lse, lengths, block=64, head_dim=head_dim
+          )
       row["unwritten"] = int(np.isnan(np.asarray(out_p)).sum() + np.isnan(np.asarray(lse_p)).sum())
       row["relative_error"] = relative_error(out, ref_out)
       finite = np.isfinite(np.asarray(ref_lse))
@@ -306,6 +311,7 @@ def check_grid(args) -> list[dict]:
             lengths,
             sm_scale=0.1,
             implementation="interpret" if interpret else "pallas",
+            kernel_backend="tpu" if on_tpu else "gpu",
             kernel_config={"lowering": lowering} if lowering else None,
           )
           row["relative_error"] = relative_error(out, ref_out)
@@ -688,7 +694,7 @@ def run(args) -> dict:
         )
         if (on_gpu or args.small) and refusal is None:
           configured_rows.append((f"{name}{suffix}", mosaic_config))
-      if rank or outliers:
+      if (rank or outliers) and backend != "tpu":  # a GPU (Triton folded) setting
         kernel_terms_config = {
           **kernel_config,
           "gear_terms": "kernel",
@@ -776,6 +782,12 @@ def main():
     "--check",
     action="store_true",
     help="first check kernels against the references over a shape grid",
+  )
+  parser.add_argument(
+    "--check-family",
+    default=None,
+    choices=["gpu", "tpu"],
+    help="which kernels --check runs (default: this backend's; on CPU the GPU kernels)",
   )
   parser.add_argument(
     "--check-variant",
