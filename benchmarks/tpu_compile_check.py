@@ -46,7 +46,16 @@ COPY_OPCODES = ("copy", "transpose", "copy-start")
 # An optimised-HLO result: dtype[dims]{minor_to_major:T(tile)...}, e.g.
 # u32[8,8,32768,8]{3,2,1,0:T(8,128)} or bf16[8,8,1024,64]{2,3,1,0:T(8,128)(2,1)S(1)}.
 _SHAPE = re.compile(r"(\w+)\[([\d,]*)\](?:\{([\d,]*)(?::T\((\d+),(\d+)\))?)?")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (\S+) ([\w\-]+)\(")
+# name = shape opcode(operands...), attributes; a tuple shape (copy-start's, a loop's) holds
+# spaces, and its elements' layouts hold ")" but never ") " followed by an opcode.
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (\(.*?\)|\S+) ([\w\-]+)\(")
+# The computations an instruction runs as control flow: a conditional's branches, a loop's body
+# and condition, a call's callee (fusions' computations are one kernel, not walked).
+_CALLED = re.compile(
+  r"\b(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%?([\w.\-]+)|"
+  r"body=%?([\w.\-]+)|condition=%?([\w.\-]+)|to_apply=%?([\w.\-]+))"
+)
+_CONTROL_FLOW = ("conditional", "while", "call")
 
 
 def libtpu_available() -> bool:
@@ -109,7 +118,9 @@ def _is_shape_pair(node) -> bool:
 class Instruction:
   opcode: str
   shape: str  # as the optimised HLO prints it, layout included
-  bytes: int  # laid out: the two most minor dimensions padded to the layout's tile
+  bytes: int  # laid out: the two most minor dimensions padded to the layout's tile (a
+  # copy-start's: its destination's, the first of its (destination, source, context) tuple)
+  computation: str = ""  # where it is: the one asked for, or a branch, body or callee of it
 
 
 def laid_out_bytes(shape: str) -> int:
@@ -130,32 +141,83 @@ def laid_out_bytes(shape: str) -> int:
   return math.prod(physical) * ELEMENT_BYTES.get(dtype, 4)
 
 
-def entry_instructions(compiled, computation: str | None = None) -> list[Instruction]:
-  """The instructions of the optimised entry computation, or of the computation named
-  `computation` (parameters and tuple plumbing left out)."""
-  text = compiled.as_text()
+def _computation_body(text: str, computation: str | None) -> str:
   header = "\nENTRY" if computation is None else f"\n%{computation} "
-  entry = text[text.index(header) :]
-  body = entry[entry.index("{\n") + 2 : entry.index("\n}")]
-  found = []
-  for line in body.splitlines():
-    match = _INSTRUCTION.match(line)
-    if match is None:
-      continue
-    shape, opcode = match.groups()
-    if opcode in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
-      continue
-    found.append(Instruction(opcode, shape, laid_out_bytes(shape)))
+  start = text.index(header)
+  body = text[start:]
+  return body[body.index("{\n") + 2 : body.index("\n}")]
+
+
+def entry_instructions(
+  compiled, computation: str | None = None, *, walk_control_flow: bool = True
+) -> list[Instruction]:
+  """The instructions of the optimised entry computation, or of the computation named
+  `computation` (parameters and tuple plumbing left out), and, with `walk_control_flow`, of
+  every computation it runs as control flow, recursively: conditional branches (a KIVI cache's
+  flush runs in one), nested loops' bodies and conditions, calls."""
+  text = compiled.as_text()
+  found, seen = [], set()
+
+  def walk(name: str | None) -> None:
+    if name in seen:
+      return
+    seen.add(name)
+    for line in _computation_body(text, name).splitlines():
+      match = _INSTRUCTION.match(line)
+      if match is None:
+        continue
+      shape, opcode = match.groups()
+      if opcode in _CONTROL_FLOW and walk_control_flow:
+        for groups in _CALLED.findall(line):
+          for callee in ",".join(groups).split(","):
+            callee = callee.strip().lstrip("%")
+            if callee:
+              walk(callee)
+      if opcode in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
+        continue
+      sized = shape[1:] if opcode == "copy-start" else shape
+      found.append(Instruction(opcode, shape, laid_out_bytes(sized), name or "ENTRY"))
+
+  walk(computation)
   return found
 
 
+def moves_memory_space_only(instruction: Instruction) -> bool:
+  """Whether a copy-start only moves an array between memory spaces, its layout unchanged: XLA's
+  memory-space assignment prefetching an operand into VMEM (`S(1)`) or evicting a result to
+  HBM. Not a relayout: the bytes cross HBM once, as the kernel reading them there would."""
+  if instruction.opcode != "copy-start":
+    return False
+  destination, source = _tuple_elements(instruction.shape)[:2]
+  in_any_space = lambda shape: re.sub(r"S\(\d+\)", "", shape)
+  return in_any_space(destination) == in_any_space(source)
+
+
+def _tuple_elements(shape: str) -> list[str]:
+  """The element shapes of a tuple shape string ("(a, b, /*index=2*/c)")."""
+  elements, depth, start = [], 0, 1
+  for index, char in enumerate(shape):
+    if char in "([{":
+      depth += 1
+    elif char in ")]}":
+      depth -= 1
+    if (char == "," and depth == 1) or (char == ")" and depth == 0):
+      elements.append(re.sub(r"/\*.*?\*/", "", shape[start:index]).strip())
+      start = index + 1
+  return elements
+
+
 def large_copies(compiled, min_bytes: int, computation: str | None = None) -> list[Instruction]:
-  """Copies and transposes in the entry computation (or `computation`) whose result holds
-  >= min_bytes."""
+  """Copies, transposes and relayouting copy-starts in the entry computation (or
+  `computation`), and in what it runs as control flow (`entry_instructions`), whose result
+  holds >= min_bytes; copy-starts that only move an array between memory spaces are left out
+  (`moves_memory_space_only`)."""
   return [
     instruction
     for instruction in entry_instructions(compiled, computation)
-    if instruction.opcode in COPY_OPCODES and instruction.bytes >= min_bytes
+    if instruction.opcode in COPY_OPCODES
+    and instruction.bytes >= min_bytes
+    and not moves_memory_space_only(instruction)
   ]
 
 

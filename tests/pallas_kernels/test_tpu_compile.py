@@ -163,6 +163,74 @@ def test_the_copy_check_sees_a_relayout():
   assert sorted(copy.bytes for copy in copies) == [8 * 8 * 4096 * 64 * 2, 8 * 8 * 4096 * 128 * 2]
 
 
+class _OptimisedText:
+  """A compiled program's stand-in: `as_text` returns the given optimised HLO."""
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def as_text(self) -> str:
+    return self.text
+
+
+_LOOP_WITH_A_FLUSH = """HloModule m
+
+%flush (p: (u32[8,8,128,8])) -> (u32[8,8,128,8]) {
+  %p = (u32[8,8,128,8]{3,2,1,0:T(8,128)}) parameter(0)
+  %g = u32[8,8,128,8]{3,2,1,0:T(8,128)} get-tuple-element(%p), index=0
+  %copy.1 = u32[8,8,128,8]{2,3,1,0:T(8,128)} copy(%g)
+  ROOT %t = (u32[8,8,128,8]{2,3,1,0:T(8,128)}) tuple(%copy.1)
+}
+
+%keep (p: (u32[8,8,128,8])) -> (u32[8,8,128,8]) {
+  ROOT %p = (u32[8,8,128,8]{3,2,1,0:T(8,128)}) parameter(0)
+}
+
+%cond (s: (s32[], u32[8,8,128,8])) -> pred[] {
+  %s = (s32[], u32[8,8,128,8]{3,2,1,0:T(8,128)}) parameter(0)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%body (s: (s32[], u32[8,8,128,8])) -> (s32[], u32[8,8,128,8]) {
+  %s = (s32[], u32[8,8,128,8]{3,2,1,0:T(8,128)}) parameter(0)
+  %cond.1 = (u32[8]{0}, /*index=1*/s32[]) conditional(%i), branch_computations={%keep, %flush}
+  %cs.1 = (f32[8,256]{0,1:T(8,128)S(1)}, f32[8,256]{1,0:T(8,128)}, u32[]) copy-start(%a)
+  %cs.2 = (f32[8,256]{1,0:T(8,128)S(1)}, /*index=1*/f32[8,256]{1,0:T(8,128)}) copy-start(%a)
+  ROOT %r = (s32[], u32[8,8,128,8]{3,2,1,0:T(8,128)}) tuple(%i, %g)
+}
+
+ENTRY %main (a: f32[8,256]) -> f32[8,256] {
+  %w = (s32[], u32[8,8,128,8]{3,2,1,0:T(8,128)}) while(%init), condition=%cond, body=%body
+  ROOT %a = f32[8,256]{1,0:T(8,128)} parameter(0)
+}
+"""
+
+
+def test_the_copy_check_walks_branches_and_reads_copy_starts():
+  """Before, a conditional's branches went unread (a KIVI cache's flush copies in one) and a
+  copy-start, whose tuple shape holds spaces, never matched. A copy-start that only moves an
+  array between memory spaces (a prefetch into VMEM) is no relayout: left out."""
+  compiled = _OptimisedText(_LOOP_WITH_A_FLUSH)
+  copies = tpu_compile_check.large_copies(compiled, 8 * 1024, "body")
+  assert [(copy.opcode, copy.computation, copy.bytes) for copy in copies] == [
+    ("copy", "flush", 8 * 8 * 8 * 128 * 4),  # [.., 128, 8] laid out with the 128 tokens minor
+    # its destination, the first of its tuple: physically [256, 8], 8 lanes padded to 128
+    ("copy-start", "body", 256 * 128 * 4),
+  ]
+  assert [copy.computation for copy in tpu_compile_check.large_copies(compiled, 8 * 1024)] == [
+    "flush",
+    "body",
+  ]
+  unwalked = tpu_compile_check.entry_instructions(compiled, "body", walk_control_flow=False)
+  assert [instruction.opcode for instruction in unwalked] == [
+    "conditional",
+    "copy-start",
+    "copy-start",
+  ]
+  assert tpu_compile_check.moves_memory_space_only(unwalked[2])
+  assert not tpu_compile_check.moves_memory_space_only(unwalked[1])
+
+
 @pytest.mark.parametrize(
   "shape,expected",
   [
@@ -223,14 +291,34 @@ def test_a_decode_step_copies_no_cache_array(spec, head_dim):
   3.1 GB for KIVI-2: KERNEL_NOTES v49); then, with the scatters indexed on (row, head, slot),
   KIVI-4's codes (836 MB) and KIVI's key statistics (34 MB) were still copied. The segment's
   blocks are now written by per-row update slices, the key statistics pinned to the kernel's
-  layout (v50)."""
+  layout (v50).
+
+  The copies inside the loop's conditional branches count too (`large_copies` walks them): a
+  KIVI cache flushes its full-precision window into the segment in one, every `residual` steps
+  (128 here). There XLA copies block-sized arrays (the window's [B, H, 128, D] block being
+  quantized, its f32 intermediates, its [B, H, 4, D] key statistics), never a segment array:
+  measured 17.0 MiB in six copies at head_dim 128 and 12.0 MiB in seven at 64, about 0.13 MiB
+  a step over the 128."""
   compiled = tpu_compile_check.decode_loop(spec, context=32768, head_dim=head_dim)
-  copies = tpu_compile_check.large_copies(compiled, 1 << 20, tpu_compile_check.while_body(compiled))
+  body = tpu_compile_check.while_body(compiled)
+  copies = tpu_compile_check.large_copies(compiled, 1 << 20, body)
+  every_step = [copy for copy in copies if copy.computation == body]
   # What is left, below 128 channels only: a KIVI cache's full-precision window (K and V,
   # [B, H, 128 slots, head_dim], 1 MB each), which the bf16 kernel takes tokens-minor.
-  assert all(copy.shape.startswith(f"bf16[8,8,128,{head_dim}]") for copy in copies), copies
+  assert all(copy.shape.startswith(f"bf16[8,8,128,{head_dim}]") for copy in every_step), copies
   window = 8 * 8 * 128 * head_dim * 2 if spec.startswith("kivi") and head_dim < 128 else 0
-  assert sum(copy.bytes for copy in copies) <= 2 * window
+  assert sum(copy.bytes for copy in every_step) <= 2 * window
+  _check_flush_copies([copy for copy in copies if copy.computation != body], total_mib=18)
+  if not spec.startswith("kivi"):
+    assert every_step == copies
+
+
+def _check_flush_copies(copies, *, total_mib: float) -> None:
+  """The copies in a decode loop's branches (a compressed cache's flush): each at most 4 MiB
+  (an f32 [B, H, 128, 128] block), where the smallest segment array at 32k tokens (KIVI's key
+  statistics, [B, H, 1020, D]) is 8 MiB or more laid out; in all at most `total_mib`."""
+  assert all(copy.bytes <= 4 << 20 for copy in copies), copies
+  assert sum(copy.bytes for copy in copies) <= total_mib * 2**20, copies
 
 
 # Slow (40-45 s a compile on a 2-core CPU); the KIVI decode step's copy test above and the TPU
@@ -244,9 +332,14 @@ def test_a_gear_decode_step_copies_little_beside_its_window(head_dim, bound_mb):
   statistics pinned row-major through the appends' loop, 206 and 222 MB (KERNEL_NOTES v50), most
   of it the low-rank rows spread over their GEAR blocks. With the low-rank terms the kernel's own
   (v51) what is left at 128 is the full-precision window (K and V [B, H, 64, 128], 1 MB each);
-  at 64 also the B factors relaid to 128 lanes (2 x 16.7 MB) and two [B, H, 1, T] arrays."""
+  at 64 also the B factors relaid to 128 lanes (2 x 16.7 MB) and two [B, H, 1, T] arrays.
+  The flush branch, every 64 steps, copies block-sized arrays: 31.0 MiB in 14 copies at 128,
+  22.0 MiB at 64 (`_check_flush_copies`)."""
   compiled = tpu_compile_check.decode_loop("gear", context=32768, head_dim=head_dim)
-  copies = tpu_compile_check.large_copies(compiled, 1 << 20, tpu_compile_check.while_body(compiled))
-  assert sum(copy.bytes for copy in copies) <= bound_mb * 1e6, copies
+  body = tpu_compile_check.while_body(compiled)
+  copies = tpu_compile_check.large_copies(compiled, 1 << 20, body)
+  every_step = [copy for copy in copies if copy.computation == body]
+  assert sum(copy.bytes for copy in every_step) <= bound_mb * 1e6, copies
   if head_dim == 128:
-    assert all(copy.shape.startswith("bf16[8,8,64,128]") for copy in copies), copies
+    assert all(copy.shape.startswith("bf16[8,8,64,128]") for copy in every_step), copies
+  _check_flush_copies([copy for copy in copies if copy.computation != body], total_mib=32)
