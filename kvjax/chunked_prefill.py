@@ -40,7 +40,9 @@ import numpy as np
 
 from kvjax.cache_protocol import check_count, check_prompt_width
 from kvjax.cache_room import rows_room
+from kvjax.decoder_protocol import decoder_vocab_size
 from kvjax.dense_cache import DenseLayerCache
+from kvjax.h2o_decode import HeavyHitterEvictionCache
 from kvjax.kivi_cache import KiviLayerCache
 from kvjax.layer_runs import (
   StackedLayerCaches,
@@ -48,7 +50,10 @@ from kvjax.layer_runs import (
   flatten_layer_caches,
   layer_cache_kinds,
 )
-from kvjax.prompt_batch import check_positions
+from kvjax.prompt_batch import check_positions, check_token_array
+from kvjax.selection.selected_cache import SelectedLayerCache
+from kvjax.sliding_window_cache import SlidingWindowLayerCache
+from kvjax.streaming_llm import StreamingLayerCache
 
 # Cache methods whose layer caches take a prompt in chunks.
 CHUNKED_PREFILL_METHODS = (
@@ -115,17 +120,20 @@ def check_chunked_prefill(decoder, caches, prefill_chunk, *, method_name: str = 
   )
 
 
-def _check_whole_caches_have_room(caches, fed: np.ndarray) -> None:
-  """The caches that keep every token fed (dense, KIVI, GEAR) must have room for each row's
-  `fed` tokens: a chunk written past their capacity inside the scan would be dropped. (Caches
-  that select or evict hold fewer tokens than they are fed; a sized-from-the-prompt one is
-  checked by its allocated width.)"""
-  whole = [
+def _check_caches_have_room(caches, fed: np.ndarray) -> None:
+  """Every layer cache that keeps what it is fed up to a capacity must have room for each row's
+  `fed` tokens: dense, KIVI, GEAR; StreamingLLM and h2o_decode allocated with fewer slots than
+  their budget (which then report `room`: evicting there would keep less than the budget); duo
+  and razor's full heads. A chunk written past a capacity inside the scan would be lost, or
+  evict what the method keeps. Caches that choose among the tokens they are fed (SnapKV,
+  PyramidKV) hold fewer than they are fed by design, and a ring buffer or a cache at its
+  budget evicts by design: they report no room, or are left out here."""
+  bounded = [
     item
     for item, (_, cache) in zip(caches, layer_cache_kinds(caches), strict=True)
-    if isinstance(cache, (DenseLayerCache, KiviLayerCache))
+    if not isinstance(cache, SelectedLayerCache)
   ]
-  room = rows_room(whole)
+  room = rows_room(bounded)
   short = [] if room is None else np.flatnonzero(room < fed)
   if len(short):
     row = int(short[0])
@@ -134,6 +142,37 @@ def _check_whole_caches_have_room(caches, fed: np.ndarray) -> None:
       f"room for {int(room[row])} more (a chunk written past a cache's capacity would be "
       "lost); allocate them with prompt_len >= the tokens fed"
     )
+
+
+def _tokens_seen(cache) -> jax.Array | None:
+  """int32 [.., batch]: the position of each row's next token, for the caches that count it
+  (None for the others: a selection holds fewer than it has seen and does not count them)."""
+  if isinstance(cache, HeavyHitterEvictionCache):
+    return cache.seen
+  if isinstance(
+    cache, (DenseLayerCache, KiviLayerCache, SlidingWindowLayerCache, StreamingLayerCache)
+  ):
+    return cache.lengths
+  return None
+
+
+def _check_offsets_continue_caches(caches, offsets: np.ndarray) -> None:
+  """`offsets` must be the tokens each row's caches have seen: the chunk is stored after what
+  a cache holds but rotated and masked by `offsets`, so a mismatch would silently misplace it.
+  Checked where the caches count them (`_tokens_seen`) and are concrete."""
+  for index, cache in layer_cache_kinds(caches):
+    seen = _tokens_seen(cache)
+    if seen is None or isinstance(seen, jax.core.Tracer):
+      continue
+    seen = np.asarray(seen).reshape(-1, offsets.shape[0])  # a stacked run: [layers, batch]
+    mismatch = np.flatnonzero(np.any(seen != offsets, axis=0))
+    if len(mismatch):
+      row = int(mismatch[0])
+      raise ValueError(
+        f"offsets={offsets.tolist()}: row {row} continues at position {int(offsets[row])}, "
+        f"but layer {index}'s {type(cache).__name__} has seen {int(seen[0, row])} tokens of "
+        "it; pass the tokens each row's caches hold as offsets"
+      )
 
 
 def prefill_in_chunks(
@@ -150,8 +189,10 @@ def prefill_in_chunks(
   `offsets`, the tokens continue caches that hold that many tokens per row (a row fed no token
   gets zero logits). The caches must have room for the prompt (allocate them for
   `prompt_len=tokens.shape[1]`): a chunk written past a cache's capacity inside the trace would
-  be dropped, so concrete caches are checked first (those that keep every token against each
-  row's tokens, those sized from the prompt against its width)."""
+  be dropped, so concrete caches are checked first (those that keep what they are fed up to a
+  capacity against each row's tokens, those sized from the prompt against its width, and with
+  `offsets` those that count the tokens seen against them); token ids outside the decoder's
+  vocabulary are refused where concrete."""
   check_count("chunk", chunk, 1)
   tokens = jnp.asarray(tokens)
   batch, prompt_len = tokens.shape
@@ -165,6 +206,7 @@ def prefill_in_chunks(
     for _, cache in layer_cache_kinds(caches):
       allocated = getattr(cache, "allocated_prompt_len", None)
       check_prompt_width(f"prefill_in_chunks ({type(cache).__name__})", prompt_len, allocated)
+  check_token_array(tokens, vocab_size=decoder_vocab_size(decoder), name="tokens")
   if not isinstance(lengths, jax.core.Tracer):
     if np.max(lengths, initial=0) > prompt_len:
       raise ValueError(
@@ -177,7 +219,9 @@ def prefill_in_chunks(
         f"lengths={np.asarray(lengths).tolist()} must each be >= 1 on fresh caches (a row "
         "with no token has nothing to predict from); pass offsets to continue caches"
       )
-    _check_whole_caches_have_room(caches, np.asarray(lengths))
+    _check_caches_have_room(caches, np.asarray(lengths))
+    if offsets is not None and not isinstance(offsets, jax.core.Tracer):
+      _check_offsets_continue_caches(caches, np.asarray(offsets))
   chunk = min(chunk, prompt_len)
   num_chunks = -(-prompt_len // chunk)
   padded = jnp.pad(tokens, ((0, 0), (0, num_chunks * chunk - prompt_len)))

@@ -804,3 +804,51 @@ def test_a_context_compressed_in_chunks_answers_like_one_compressed_in_one_piece
   np.testing.assert_allclose(eight_bits.next_logits, one_piece.next_logits, atol=0.06)
   answer, count = continue_context(decoder, params, chunked, [[5, 6], [7]], max_new_tokens=4)
   assert answer.shape == (2, 4) and count.tolist() == [4, 4]
+
+
+@pytest.mark.parametrize(
+  "spec", ["full", "streaming:budget=64,sinks=2", "h2o_decode:budget=64,window=2"]
+)
+def test_prefill_in_chunks_refuses_continuing_past_the_room_of_bounded_caches(spec):
+  """StreamingLLM and h2o_decode allocated for fewer tokens than their budget keep every token
+  (`evicts_when_full=False`, they report `room`); continued with offsets past it, they wrapped
+  or evicted silently before (only dense and KIVI caches were checked)."""
+  decoder, params = tiny_decoder()
+  caches = _fresh_caches(decoder, spec, batch=2, prompt_len=6)
+  assert all(cache.room is not None for cache in caches)
+  _, caches = prefill_in_chunks(
+    decoder, params, jnp.ones((2, 4), jnp.int32), [4, 4], caches, chunk=2
+  )
+  more = jnp.ones((2, 4), jnp.int32)
+  with pytest.raises(ValueError, match=r"row 1 feeds 3 tokens, but its caches have room for 2"):
+    prefill_in_chunks(decoder, params, more, [2, 3], caches, chunk=2, offsets=[4, 4])
+  _, caches = prefill_in_chunks(decoder, params, more, [2, 2], caches, chunk=2, offsets=[4, 4])
+  assert all(np.asarray(cache.room).tolist() == [0, 0] for cache in caches)
+
+
+@pytest.mark.parametrize(
+  "spec", ["full", "kivi:bits=4,group_size=16,residual=16", "streaming:budget=4,sinks=1"]
+)
+def test_prefill_in_chunks_refuses_offsets_unlike_the_tokens_the_caches_have_seen(spec):
+  """The chunk is written after what a cache holds but rotated and masked by `offsets`: a
+  mismatch misplaced it silently. StreamingLLM at its budget (it evicts) counts what it saw."""
+  decoder, params = tiny_decoder()
+  caches = _fresh_caches(decoder, spec, batch=2, prompt_len=12)
+  tokens = jnp.ones((2, 6), jnp.int32)
+  _, caches = prefill_in_chunks(decoder, params, tokens, [6, 5], caches, chunk=4)
+  more = jnp.ones((2, 2), jnp.int32)
+  with pytest.raises(
+    ValueError,
+    match=r"offsets=\[6, 6\]: row 1 continues at position 6, but layer 0's \w+ has seen 5",
+  ):
+    prefill_in_chunks(decoder, params, more, [2, 2], caches, chunk=2, offsets=[6, 6])
+  prefill_in_chunks(decoder, params, more, [2, 2], caches, chunk=2, offsets=[6, 5])
+
+
+def test_prefill_in_chunks_refuses_token_ids_outside_the_vocabulary():
+  """As `prefill` does; in a chunk, an id past the embedding table gathered a clamped row."""
+  decoder, params = tiny_decoder()
+  caches = _fresh_caches(decoder, "full", batch=2, prompt_len=4)
+  tokens = jnp.asarray([[1, 2, 3, 64], [1, 2, 0, 0]], jnp.int32)
+  with pytest.raises(ValueError, match=r"tokens holds token id 64; ids must be \[0, 63\]"):
+    prefill_in_chunks(decoder, params, tokens, [4, 2], caches, chunk=2)
