@@ -74,8 +74,9 @@ class HeavyHitterSelector:
 class H2O:
   """Cache method `h2o`: heavy hitters by accumulated prompt attention + a recent window.
 
-  `budget`: prompt tokens each KV head keeps, recent window included (default 1024 when neither
-  `budget` nor `ratio` is given); `ratio`: fraction of the padded prompt kept instead. `window`
+  `budget`: prompt tokens each KV head keeps, recent window included, at least `window` + 1 (a
+  heavy hitter; default 1024 when neither `budget` nor `ratio` is given); `ratio`: fraction of
+  the padded prompt kept instead. `window`
   is 32 by default, as SnapKV's (KVCache-Factory's one-shot H2O keeps 8). Budgets
   are computed at allocate time from the padded (static) prompt length; rows shorter than the
   budget keep every token. Scores use sm_scale = 1/sqrt(head_dim).
@@ -91,16 +92,17 @@ class H2O:
   def __post_init__(self):
     check_method_int("h2o", "window", self.window, 1)
     check_method_int("h2o", "query_chunk", self.query_chunk, 1)
-    check_budget_or_ratio(
-      "h2o", self.budget, self.ratio, minimum=self.window, minimum_what="window"
-    )
+    check_budget_or_ratio("h2o", self.budget, self.ratio, **self._smallest_budget())
     check_gqa_reduce("h2o", self.gqa_reduce)
     check_storage_method("h2o", self.storage)
 
   def prompt_budget(self, prompt_len: int) -> int:
-    return prompt_budget(
-      "h2o", self.budget, self.ratio, prompt_len, minimum=self.window, minimum_what="window"
-    )
+    return prompt_budget("h2o", self.budget, self.ratio, prompt_len, **self._smallest_budget())
+
+  def _smallest_budget(self) -> dict:
+    # A budget of the window alone keeps no heavy hitter: a recent window, not H2O (as
+    # h2o_decode refuses it).
+    return dict(minimum=self.window + 1, minimum_what="window + 1 (a heavy-hitter slot)")
 
   def selector(self, shape: ModelCacheShape, prompt_len: int) -> HeavyHitterSelector:
     return HeavyHitterSelector(

@@ -7,6 +7,7 @@ from kvjax.method_spec import parse_method_spec
 from kvjax.selection.window_attention_scores import accumulated_prompt_attention
 from tests.kvjax.test_snapkv import (
   LENGTHS,
+  PROMPTS,
   SHAPE,
   B,
   D,
@@ -96,13 +97,15 @@ def test_budget_covering_the_prompt_keeps_every_token():
 @pytest.mark.parametrize(
   "kwargs, message",
   [
-    (dict(budget=2, window=3), "h2o: budget=2 is smaller than window = 3"),
+    (dict(budget=2, window=3), r"h2o: budget=2 is smaller than window \+ 1 \(a heavy-hitter"),
+    # The window alone keeps no heavy hitter (h2o_decode refuses it too).
+    (dict(budget=3, window=3), r"budget=3 is smaller than window \+ 1 \(a heavy-hitter slot\) = 4"),
     (dict(ratio=-0.5), r"ratio=-0.5 must be in \(0, 1\]"),
     (dict(query_chunk=0), "query_chunk=0 must be an int >= 1"),
     (dict(budget=16, window=2.5), "h2o: window=2.5 must be an int >= 1"),
     (dict(gqa_reduce="min"), "gqa_reduce='min'"),
     # Refused at construction, not while tracing the first ingest of a prompt over 1024.
-    (dict(window=2000), r"h2o: the default budget=1024 is smaller than window = 2000"),
+    (dict(window=2000), r"h2o: the default budget=1024 is smaller than window \+ 1 .* = 2001"),
   ],
 )
 def test_bad_configurations_raise_clearly(kwargs, message):
@@ -111,8 +114,14 @@ def test_bad_configurations_raise_clearly(kwargs, message):
 
 
 def test_generate_batch_of_two_lengths():
+  """Both rows (37 and 22 tokens) cut to the 10-token budget at prefill: each generates what it
+  generates alone (its scores, choice and padding its own), and not what the full cache does."""
   method = parse_method_spec("h2o:budget=10,window=4,query_chunk=16")
   assert method == H2O(budget=10, window=4, query_chunk=16)
   result = run_generate(method, max_new_tokens=3)
-  assert result.tokens.shape == (2, 3)
   assert result.cache_bytes == 2 * (2 * 2 * 2 * (10 + 3) * 16 * 4 + 2 * 4)
+  for row, prompt in enumerate(PROMPTS):
+    alone = run_generate(method, max_new_tokens=3, prompts=[prompt])
+    np.testing.assert_array_equal(result.tokens[row], alone.tokens[0])
+  full = run_generate(parse_method_spec("full"), max_new_tokens=3)
+  assert not np.array_equal(result.tokens, full.tokens)

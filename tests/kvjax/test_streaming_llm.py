@@ -9,7 +9,7 @@ from kvjax.cache_protocol import ModelCacheShape
 from kvjax.method_spec import parse_method_spec
 from kvjax.rope import RopeScaling, rope_inverse_frequencies
 from kvjax.streaming_llm import StreamingLLM
-from tests.kvjax.test_snapkv import run_generate, softmax
+from tests.kvjax.test_snapkv import PROMPTS, run_generate, softmax
 
 B, H, G, D = 2, 2, 2, 8
 SHAPE = ModelCacheShape(num_layers=1, num_kv_heads=H, num_query_heads=H * G, head_dim=D)
@@ -225,8 +225,17 @@ def test_codec_storage_is_refused_clearly():
 
 
 def test_generate_batch_of_two_lengths_evicting_while_decoding():
+  """Row 0 (37 tokens) is cut at prefill; row 1 (14 tokens) fills the 16-token budget after
+  two decode steps and evicts from the third. Each row generates what it generates alone (rows
+  evict independently, at their own steps), and row 1 the full cache's tokens until it first
+  evicts."""
   method = parse_method_spec("streaming:budget=16,sinks=2")
-  # Row 0 (37 tokens) is cut at prefill; row 1 (22 tokens) starts evicting during decoding.
-  result = run_generate(method, max_new_tokens=4)
-  assert result.tokens.shape == (2, 4)
+  prompts = [PROMPTS[0], PROMPTS[1][:14]]
+  result = run_generate(method, max_new_tokens=6, prompts=prompts)
   assert result.cache_bytes == 2 * (2 * 2 * 2 * 16 * 16 * 4 + 2 * 4)
+  for row, prompt in enumerate(prompts):
+    alone = run_generate(method, max_new_tokens=6, prompts=[prompt])
+    np.testing.assert_array_equal(result.tokens[row], alone.tokens[0])
+  full = run_generate(parse_method_spec("full"), max_new_tokens=6, prompts=prompts)
+  np.testing.assert_array_equal(result.tokens[1, :3], full.tokens[1, :3])
+  assert not np.array_equal(result.tokens, full.tokens)  # the evictions change what is generated
