@@ -14,7 +14,7 @@ import dataclasses
 import numbers
 from typing import Any
 
-from kvjax.attention_dispatch import KERNEL_BACKENDS, TPU_CONFIG_KEYS
+from kvjax.attention_dispatch import KERNEL_BACKENDS, TPU_CONFIG_KEYS, check_kernel_config
 from pallas_kernels import decode_attention_gpu, quantized_decode_attention_gpu
 from pallas_kernels.launch_settings import check_launch_settings
 from pallas_kernels.quantized_decode_attention_triton import (
@@ -76,15 +76,6 @@ def _frozen(name: str, config, allowed: tuple[str, ...]) -> Setting:
   return tuple(sorted(config.items()))
 
 
-def _check_tpu_keys(name: str, config: dict) -> None:
-  unknown = sorted(set(config) - set(TPU_CONFIG_KEYS))
-  if unknown:
-    raise ValueError(
-      f"kernel settings {name}: keys {unknown} are not taken by the tpu kernels "
-      f"(kernel_backend='tpu'); allowed: {', '.join(TPU_CONFIG_KEYS)}"
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class KernelSettings:
   """`full`: kernel_config of full-precision segments (e.g. {"lowering": "mosaic_gpu"});
@@ -106,9 +97,12 @@ class KernelSettings:
       )
     object.__setattr__(self, "full", _frozen("full", self.full, FULL_KEYS))
     object.__setattr__(self, "quantized", _frozen("quantized", self.quantized, QUANTIZED_KEYS))
-    if self.kernel_backend == "tpu":
-      _check_tpu_keys("full", dict(self.full))
-      _check_tpu_keys("quantized", dict(self.quantized))
+    if self.kernel_backend == "tpu":  # the TPU kernels' keys, as the dispatch checks them
+      for name, quantized in (("full", False), ("quantized", True)):
+        try:
+          check_kernel_config(dict(getattr(self, name)), quantized=quantized, family="tpu")
+        except ValueError as e:
+          raise ValueError(f"kernel settings {name} (kernel_backend='tpu'): {e}") from None
       return
     full, quantized = dict(self.full), dict(self.quantized)
     whole = self.kernel_backend == "gpu"  # only the GPU kernels read them: each checked whole

@@ -146,16 +146,17 @@ def test_settings_are_frozen_hashable_and_give_back_their_dicts():
     # Named, the family's keys are checked whole here: no other kernel could take them.
     (
       dict(full={"lowering": "triton"}, kernel_backend="tpu"),
-      r"full: keys \['lowering'\] are not taken by the tpu kernels \(kernel_backend='tpu'\); "
-      "allowed: block_tokens, num_splits",
+      r"full \(kernel_backend='tpu'\): kernel_config keys \['lowering'\] are not taken by the tpu "
+      "full-precision kernel; allowed: block_tokens, num_splits",
     ),
     (
       dict(quantized={"variant": "folded"}, kernel_backend="tpu"),
-      r"quantized: keys \['variant'\] are not taken by the tpu kernels",
+      r"quantized \(kernel_backend='tpu'\): kernel_config keys \['variant'\] are not taken by "
+      "the tpu quantized kernel",
     ),
     (
       dict(full={"num_warps": 4, "block_tokens": 64}, kernel_backend="tpu"),
-      r"full: keys \['num_warps'\] are not taken by the tpu kernels",
+      r"full \(kernel_backend='tpu'\): kernel_config keys \['num_warps'\] are not taken",
     ),
     (
       dict(
