@@ -30,7 +30,8 @@ The key statistics stay [B, H, T / group, D] at head_dim 128 (head_dim on lanes)
 channels XLA lays them out with the groups last too, and the kernel takes them as
 [B, H, D, T / group] (`tokens_on_lanes`). Blocks are a multiple of 128 tokens holding whole
 tiles of key-group rows (8 of 32-bit values, 16 of 16-bit ones) or, with the groups on lanes,
-128 key groups (`block_tokens_for`); or the whole segment when it is shorter. A last block past
+128 key groups and, with GEAR's low-rank factors, 128 GEAR blocks (`block_tokens_for`); or the
+whole segment when it is shorter. A last block past
 the segment's end reads padding, which the masks above keep out.
 
 GEAR's low-rank terms are the kernel's own (`_GearLowRankBlock`, since v51): per block and
@@ -132,7 +133,8 @@ def block_tokens_for(
   else:
     unit = math.lcm(LANES, group_size * 8 * 4 // jnp.dtype(stats_dtype).itemsize)
   if gear_block is not None:
-    unit = math.lcm(unit, gear_block)
+    # Whole GEAR blocks; with the tokens on lanes, 128 of them (the B factors' lanes there).
+    unit = math.lcm(unit, gear_block * (LANES if tokens_on_lanes(head_dim) else 1))
   requested = DEFAULT_BLOCK_TOKENS if requested is None else requested
   block_tokens = -(-max(requested, 1) // unit) * unit
   return tokens if tokens <= block_tokens else block_tokens
@@ -180,17 +182,24 @@ class _GearLowRankBlock:
   """GEAR's low-rank terms over one kernel block of `block` tokens, `block / gear_block` GEAR
   blocks j, each with its factors: K[t] += k_a[t] . k_b[j]^T, V[t] += v_a[t] . v_b[j]^T.
 
-  Refs: k_a and v_a [r, block] (the tokens on lanes), k_b and v_b [J_blk, r, D] (how XLA lays
-  out the stored [B, H, J, D, r]: D on lanes, the rank on sublanes). GEAR blocks past the row's
-  length are zeroed before any product (they may hold NaN, and a 0/1 product would carry
+  Refs: k_a and v_a [r, block] (the tokens on lanes); k_b and v_b as XLA lays out the stored
+  [B, H, J, D, r]: at 128 channels or more [J_blk, r, D] (D on lanes, the rank on sublanes),
+  below 128 [D, r, J_blk] (the GEAR blocks on lanes, `blocks_on_lanes`: there D would fill
+  half the lanes, and XLA stores the blocks minor; read as [J, r, D] they were copied at every
+  step, 2 x 16.7 MB in a decode loop at 32k tokens, KERNEL_NOTES v54). GEAR blocks past the
+  row's length are zeroed before any product (they may hold NaN, and a 0/1 product would carry
   0 x NaN to every token)."""
 
-  def __init__(self, refs, first, length, block: int, gear_block: int, rank: int):
+  def __init__(
+    self, refs, first, length, block: int, gear_block: int, rank: int, blocks_on_lanes: bool
+  ):
     self.k_a_ref, self.k_b_ref, self.v_a_ref, self.v_b_ref = refs
     self.rank = rank
+    self.blocks_on_lanes = blocks_on_lanes
     gear_blocks = block // gear_block
-    starts = first + jax.lax.broadcasted_iota(jnp.int32, (gear_blocks, 1), 0) * gear_block
-    self.live_blocks = starts < length  # [J_blk, 1]
+    shape, axis = ((1, gear_blocks), 1) if blocks_on_lanes else ((gear_blocks, 1), 0)
+    starts = first + jax.lax.broadcasted_iota(jnp.int32, shape, axis) * gear_block
+    self.live_blocks = starts < length  # [1, J_blk] or [J_blk, 1]
     self.spread = _token_group_indicator(gear_blocks, gear_block, block, jnp.float32)
 
   def _product(self, a, b, contracting):
@@ -203,8 +212,10 @@ class _GearLowRankBlock:
     )
 
   def _factor_b(self, ref, rank_index: int) -> jax.Array:
-    """float32 [J_blk, D]: one rank's column of each live GEAR block's B, zero past the row."""
-    return jnp.where(self.live_blocks, ref[:, rank_index, :].astype(jnp.float32), 0.0)
+    """float32 [J_blk, D] (or [D, J_blk] with blocks_on_lanes): one rank's column of each live
+    GEAR block's B, zero past the row."""
+    column = ref[:, rank_index, :].astype(jnp.float32)
+    return jnp.where(self.live_blocks, column, 0.0)
 
   def score_term(self, queries: jax.Array) -> jax.Array:
     """float32 [rows, block]: q . k_b[j(t)] . k_a[t] (natural-log logits, as q is scaled; q
@@ -213,8 +224,14 @@ class _GearLowRankBlock:
     k_a = self.k_a_ref[...].astype(jnp.float32)  # [r, block]
     term = None
     for i in range(self.rank):
-      q_b = self._product(self._factor_b(self.k_b_ref, i), queries, ((1,), (1,)))  # [J_blk, rows]
-      part = self._product(q_b, self.spread, ((0,), (0,))) * k_a[i : i + 1]  # [rows, block]
+      factor = self._factor_b(self.k_b_ref, i)
+      if self.blocks_on_lanes:  # [rows, D] . [D, J_blk] -> [rows, J_blk]
+        q_b = self._product(queries, factor, ((1,), (0,)))
+        spread = self._product(q_b, self.spread, ((1,), (0,)))
+      else:  # [J_blk, D] . [rows, D] -> [J_blk, rows]
+        q_b = self._product(factor, queries, ((1,), (1,)))
+        spread = self._product(q_b, self.spread, ((0,), (0,)))
+      part = spread * k_a[i : i + 1]  # [rows, block]
       term = part if term is None else term + part
     return term
 
@@ -225,7 +242,9 @@ class _GearLowRankBlock:
     term = None
     for i in range(self.rank):
       p_a = self._product(probs * v_a[i : i + 1], self.spread, ((1,), (1,)))  # [rows, J_blk]
-      part = self._product(p_a, self._factor_b(self.v_b_ref, i), ((1,), (0,)))  # [rows, D]
+      factor = self._factor_b(self.v_b_ref, i)
+      block_axis = 1 if self.blocks_on_lanes else 0
+      part = self._product(p_a, factor, ((1,), (block_axis,)))  # [rows, D]
       term = part if term is None else term + part
     return term
 
@@ -293,7 +312,9 @@ def _quantized_kernel(
       preferred_element_type=jnp.float32,
     )  # [rows, block]
     if rank:
-      lowrank = _GearLowRankBlock(lowrank_refs, first, length, block, gear_block, rank)
+      lowrank = _GearLowRankBlock(
+        lowrank_refs, first, length, block, gear_block, rank, blocks_on_lanes=groups_axis == 1
+      )
       scores = scores + lowrank.score_term(queries_ref[...])
     if score_io:
       scores = scores + bias_ref[...]
@@ -462,18 +483,22 @@ def quantized_decode_attention_partials_tpu(
   ]
   if lowrank is not None:
     k_a, k_b, v_a, v_b = lowrank  # [B, H, T, r], [B, H, J, D, r], the same
-    # Both as XLA lays the stored arrays out (the swaps are bitcasts there): A with the tokens
-    # last, B with the channels last.
-    factor_b_spec = pl.BlockSpec(
-      (None, None, block_tokens // block, rank, head_dim),
-      lambda b, h, s, i, lens: (b, h, block_index(b, s, i, lens), 0, 0),
-    )
-    args += [
-      jnp.swapaxes(k_a, 2, 3),
-      jnp.swapaxes(k_b, 3, 4),
-      jnp.swapaxes(v_a, 2, 3),
-      jnp.swapaxes(v_b, 3, 4),
-    ]
+    # Both as XLA lays the stored arrays out (the transposes are bitcasts there): A with the
+    # tokens last; B with the channels last at 128 channels or more, the GEAR blocks last below
+    # (`_GearLowRankBlock`).
+    if groups_axis == 1:
+      as_stored = lambda factor: jnp.transpose(factor, (0, 1, 3, 4, 2))  # [B, H, D, r, J]
+      factor_b_spec = pl.BlockSpec(
+        (None, None, head_dim, rank, block_tokens // block),
+        lambda b, h, s, i, lens: (b, h, 0, 0, block_index(b, s, i, lens)),
+      )
+    else:
+      as_stored = lambda factor: jnp.swapaxes(factor, 3, 4)  # [B, H, J, r, D]
+      factor_b_spec = pl.BlockSpec(
+        (None, None, block_tokens // block, rank, head_dim),
+        lambda b, h, s, i, lens: (b, h, block_index(b, s, i, lens), 0, 0),
+      )
+    args += [jnp.swapaxes(k_a, 2, 3), as_stored(k_b), jnp.swapaxes(v_a, 2, 3), as_stored(v_b)]
     in_specs += [lanes_spec(rank), factor_b_spec, lanes_spec(rank), factor_b_spec]
   if score_io:
     padded = pad_query_group(natural_queries, rows, jnp.float32)

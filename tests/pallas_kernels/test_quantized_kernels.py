@@ -166,8 +166,11 @@ def _check_triton(
 # last one half past the segment's end (padding the masks must keep out), two splits. Below
 # 128 channels the key groups are lanes too, 128 of them a block (4096 tokens at group 32):
 # 5376 tokens make two blocks, the second mostly padding.
+# With GEAR's low-rank factors there, the blocks hold 128 GEAR blocks too (8192 tokens: the B
+# factors' lanes): 9472 tokens make two.
 TPU_TOKENS = 1280
 TPU_LANE_GROUP_TOKENS = 4096 + 1280
+TPU_LANE_GEAR_TOKENS = 8192 + 1280
 
 
 def _check_tpu(
@@ -183,7 +186,9 @@ def _check_tpu(
 ):
   """With `garbage_past_lengths`, the kernel reads the segment with NaN and all-ones codes past
   each row's length (`poison_past_lengths`) and must give the clean segment's reference."""
-  tokens = TPU_LANE_GROUP_TOKENS if tokens_on_lanes(head_dim) else TPU_TOKENS
+  tokens = TPU_TOKENS
+  if tokens_on_lanes(head_dim):
+    tokens = TPU_LANE_GEAR_TOKENS if gear else TPU_LANE_GROUP_TOKENS
   queries, segment, lengths, kwargs, reference = _case(
     seed, bits, head_dim, group, gear, dtype, outliers_per_block, tokens=tokens
   )
