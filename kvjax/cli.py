@@ -1,6 +1,7 @@
 """`kvjax` command line: the one composition root inside kvjax that imports `models` (lazily)."""
 
 import argparse
+import functools
 import json
 import sys
 
@@ -170,9 +171,10 @@ def _writable_directory(flag: str, path: str, *, create: bool = True) -> None:
     raise ValueError(f"{flag} {path}: cannot write files there: {error}") from None
 
 
+@functools.cache  # the pre-load check and the command read the flag: parsed once
 def kernel_settings_from_json(text: str | None):
   """--kernel-settings: a JSON object with optional "full" and "quantized" dicts and
-  "kernel_backend" ("gpu" | "tpu")."""
+  "kernel_backend" ("gpu" | "tpu"); frozen settings, shared by every caller."""
   import json
 
   from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings

@@ -339,3 +339,13 @@ def test_numpy_ints_are_held_as_the_ints_they_equal():
 def test_boolean_folded_settings_are_taken(approx_math):
   quantized = {"lowering": "mosaic_gpu", "variant": "folded", "approx_math": approx_math}
   assert KernelSettings(quantized=quantized).quantized_config() == quantized
+
+
+def test_cli_kernel_settings_are_parsed_once():
+  """The pre-load check and the command share one frozen KernelSettings per flag text."""
+  from kvjax.cli import kernel_settings_from_json
+
+  text = '{"kernel_backend": "tpu", "quantized": {"num_splits": 2}}'
+  settings = kernel_settings_from_json(text)
+  assert settings == KernelSettings(quantized={"num_splits": 2}, kernel_backend="tpu")
+  assert kernel_settings_from_json(text) is settings
