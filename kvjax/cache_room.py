@@ -16,20 +16,21 @@ from kvjax.cache_protocol import check_count
 from kvjax.layer_runs import StackedLayerCaches
 
 
-def _room_of(item):  # int32 [batch] or [layers, batch], or None
+def _room_of(item, attribute: str):  # int32 [batch] or [layers, batch], or None
   if isinstance(item, StackedLayerCaches):
     # Every layer's room at once, over the run's layer axis: slicing each layer's arrays out
     # (flatten_layer_caches) would copy the whole run to read its lengths.
-    return jax.vmap(lambda cache: getattr(cache, "room", None))(item.stacked)
-  return getattr(item, "room", None)
+    return jax.vmap(lambda cache: getattr(cache, attribute, None))(item.stacked)
+  return getattr(item, attribute, None)
 
 
-def rows_room(caches) -> np.ndarray | None:
+def rows_room(caches, attribute: str = "room") -> np.ndarray | None:
   """Tokens each row can still take in every bounded layer cache (None: none is bounded, or
-  the caches are traced values that cannot be read before the loop runs)."""
+  the caches are traced values that cannot be read before the loop runs). `attribute`: the
+  room read ("room"; `chunked_prefill` reads a cache's "chunk_room" where it has one)."""
   rooms = []
   for item in caches:
-    room = _room_of(item)
+    room = _room_of(item, attribute)
     if room is None:
       continue
     if isinstance(room, jax.core.Tracer):

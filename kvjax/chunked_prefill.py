@@ -124,16 +124,22 @@ def _check_caches_have_room(caches, fed: np.ndarray) -> None:
   """Every layer cache that keeps what it is fed up to a capacity must have room for each row's
   `fed` tokens: dense, KIVI, GEAR; StreamingLLM and h2o_decode allocated with fewer slots than
   their budget (which then report `room`: evicting there would keep less than the budget); duo
-  and razor's full heads. A chunk written past a capacity inside the scan would be lost, or
-  evict what the method keeps. Caches that choose among the tokens they are fed (SnapKV,
-  PyramidKV) hold fewer than they are fed by design, and a ring buffer or a cache at its
-  budget evicts by design: they report no room, or are left out here."""
-  bounded = [
-    item
-    for item, (_, cache) in zip(caches, layer_cache_kinds(caches), strict=True)
-    if not isinstance(cache, SelectedLayerCache)
-  ]
-  room = rows_room(bounded)
+  and razor's full and retrieval heads (razor's compressed local heads hold a sinks-and-window
+  buffer while the chunks come: `RazorLayerCache.chunk_room`). A chunk written past a capacity
+  inside the scan would be lost, or evict what the method keeps. Caches that choose among the
+  tokens they are fed (SnapKV, PyramidKV) hold fewer than they are fed by design, and a ring
+  buffer or a cache at its budget evicts by design: they report no room, or are left out
+  here."""
+  rooms = []
+  for item, (_, cache) in zip(caches, layer_cache_kinds(caches), strict=True):
+    if isinstance(cache, SelectedLayerCache):
+      continue
+    # Razor's compressed local heads buffer their window while chunks come: `chunk_room`.
+    attribute = "chunk_room" if hasattr(type(cache), "chunk_room") else "room"
+    room = rows_room([item], attribute)
+    if room is not None:
+      rooms.append(room)
+  room = np.min(rooms, axis=0) if rooms else None
   short = [] if room is None else np.flatnonzero(room < fed)
   if len(short):
     row = int(short[0])

@@ -76,10 +76,9 @@ class H2O:
 
   `budget`: prompt tokens each KV head keeps, recent window included, at least `window` + 1 (a
   heavy hitter; default 1024 when neither `budget` nor `ratio` is given); `ratio`: fraction of
-  the padded prompt kept instead. `window`
-  is 32 by default, as SnapKV's (KVCache-Factory's one-shot H2O keeps 8). Budgets
-  are computed at allocate time from the padded (static) prompt length; rows shorter than the
-  budget keep every token. Scores use sm_scale = 1/sqrt(head_dim).
+  the padded prompt kept instead. `window` is 32 by default, as SnapKV's (KVCache-Factory's
+  one-shot H2O keeps 8). Budgets are computed at allocate time from the padded (static) prompt
+  length; rows shorter than the budget keep every token. Scores use sm_scale = 1/sqrt(head_dim).
   """
 
   budget: int | None = None

@@ -37,6 +37,7 @@ ingest would hand them over, so a codec storage encodes them once.
 """
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -178,6 +179,12 @@ def supports_lse(storage_cache) -> bool:
   return callable(getattr(storage_cache, "attend_with_lse", None))
 
 
+def _least_room(*parts) -> jax.Array | None:
+  """int32 [batch]: the least room of the parts that report one (None if none does)."""
+  rooms = [part.room for part in parts if part is not None and part.room is not None]
+  return functools.reduce(jnp.minimum, rooms) if rooms else None
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RazorLayerCache:
@@ -203,8 +210,14 @@ class RazorLayerCache:
 
   @property
   def room(self) -> jax.Array | None:  # int32 [batch]: tokens every head's storage can take
-    rooms = [part.room for part in (self.retrieval, self.local) if part is not None]
-    return jnp.minimum(*rooms) if len(rooms) == 2 else rooms[0]
+    return _least_room(self.retrieval, self.local)
+
+  @property
+  def chunk_room(self) -> jax.Array | None:
+    """int32 [batch]: prompt tokens every head can take in chunks (`chunked_prefill`). Compressed
+    local heads keep a sinks-and-window buffer between `begin_chunks` and `end_chunks`, whatever
+    the prompt, and their storage receives only that: the retrieval heads bound it."""
+    return _least_room(self.retrieval, None if self._compresses_local_heads else self.local)
 
   def _split(self, x):  # heads on axis 1 -> (retrieval part, local part)
     return split_heads(x, self.retrieval_heads, self.local_heads)

@@ -12,6 +12,7 @@ from kvjax.cache_protocol import (
   model_cache_shapes,
   tree_nbytes,
 )
+from kvjax.cache_room import rows_room
 from kvjax.chunked_prefill import (
   CHUNKED_PREFILL_METHODS,
   chunked_prefill_refusal,
@@ -852,3 +853,21 @@ def test_prefill_in_chunks_refuses_token_ids_outside_the_vocabulary():
   tokens = jnp.asarray([[1, 2, 3, 64], [1, 2, 0, 0]], jnp.int32)
   with pytest.raises(ValueError, match=r"tokens holds token id 64; ids must be \[0, 63\]"):
     prefill_in_chunks(decoder, params, tokens, [4, 2], caches, chunk=2)
+
+
+def test_prefill_in_chunks_bounds_razor_by_its_retrieval_heads(profile_path):
+  """Razor's compressed local heads buffer sinks and window while chunks come, so a prompt
+  longer than their budget is theirs to compress: fed directly (concrete caches, the room
+  checked), it was refused by their storage's room (16 < 40). Its retrieval heads keep every
+  token: past their room, refused."""
+  decoder, params = tiny_decoder()
+  method = parse_method_spec(f"razor:budget=12,sinks=2,profile={profile_path}")
+  caches = allocate_model_cache(
+    method, decoder.cache_shape, batch=2, prompt_len=40, max_new_tokens=4, dtype=jnp.float32
+  )
+  tokens = jnp.ones((2, 40), jnp.int32)
+  _, fed = prefill_in_chunks(decoder, params, tokens, [40, 33], caches, chunk=16)
+  # Retrieval heads of 40 + 4 slots (a layer without any reports none).
+  np.testing.assert_array_equal(rows_room(fed, "chunk_room"), [4, 11])
+  with pytest.raises(ValueError, match=r"row 0 feeds 5 tokens, but its caches have room for 4"):
+    prefill_in_chunks(decoder, params, tokens[:, :5], [5, 2], fed, chunk=4, offsets=[40, 33])

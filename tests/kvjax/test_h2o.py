@@ -115,7 +115,8 @@ def test_bad_configurations_raise_clearly(kwargs, message):
 
 def test_generate_batch_of_two_lengths():
   """Both rows (37 and 22 tokens) cut to the 10-token budget at prefill: each generates what it
-  generates alone (its scores, choice and padding its own), and not what the full cache does."""
+  generates alone (its scores, choice and padding its own), and not what the full cache does.
+  Which tokens are kept is checked against numpy by the ingest tests above."""
   method = parse_method_spec("h2o:budget=10,window=4,query_chunk=16")
   assert method == H2O(budget=10, window=4, query_chunk=16)
   result = run_generate(method, max_new_tokens=3)
