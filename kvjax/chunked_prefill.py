@@ -171,13 +171,13 @@ def _check_offsets_continue_caches(caches, offsets: np.ndarray) -> None:
     if seen is None or isinstance(seen, jax.core.Tracer):
       continue
     seen = np.asarray(seen).reshape(-1, offsets.shape[0])  # a stacked run: [layers, batch]
-    mismatch = np.flatnonzero(np.any(seen != offsets, axis=0))
+    mismatch = np.argwhere(seen != offsets)  # (layer in the run, row), row-major
     if len(mismatch):
-      row = int(mismatch[0])
+      layer, row = (int(i) for i in mismatch[np.argmin(mismatch[:, 1])])
       raise ValueError(
         f"offsets={offsets.tolist()}: row {row} continues at position {int(offsets[row])}, "
-        f"but layer {index}'s {type(cache).__name__} has seen {int(seen[0, row])} tokens of "
-        "it; pass the tokens each row's caches hold as offsets"
+        f"but layer {index + layer}'s {type(cache).__name__} has seen {int(seen[layer, row])} "
+        "tokens of it; pass the tokens each row's caches hold as offsets"
       )
 
 

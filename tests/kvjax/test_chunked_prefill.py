@@ -828,12 +828,20 @@ def test_prefill_in_chunks_refuses_continuing_past_the_room_of_bounded_caches(sp
 
 
 @pytest.mark.parametrize(
-  "spec", ["full", "kivi:bits=4,group_size=16,residual=16", "streaming:budget=4,sinks=1"]
+  "spec, layer_loop",
+  [
+    ("full", "unroll"),
+    ("full", "scan"),  # a stacked run of layers
+    ("kivi:bits=4,group_size=16,residual=16", "unroll"),
+    ("streaming:budget=4,sinks=1", "unroll"),
+    ("h2o_decode:budget=4,window=2", "unroll"),
+  ],
 )
-def test_prefill_in_chunks_refuses_offsets_unlike_the_tokens_the_caches_have_seen(spec):
+def test_prefill_in_chunks_refuses_offsets_unlike_the_tokens_the_caches_have_seen(spec, layer_loop):
   """The chunk is written after what a cache holds but rotated and masked by `offsets`: a
-  mismatch misplaced it silently. StreamingLLM at its budget (it evicts) counts what it saw."""
-  decoder, params = tiny_decoder()
+  mismatch misplaced it silently. StreamingLLM and h2o_decode at their budget (they evict)
+  count what they saw."""
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
   caches = _fresh_caches(decoder, spec, batch=2, prompt_len=12)
   tokens = jnp.ones((2, 6), jnp.int32)
   _, caches = prefill_in_chunks(decoder, params, tokens, [6, 5], caches, chunk=4)
