@@ -184,9 +184,12 @@ def check_grid(args) -> list[dict]:
   )
   from pallas_kernels.splits import merge_split_partials
 
-  # The kernels of --check-family, or of this backend (the GPU kernels on CPU, interpreted).
-  on_tpu = (args.check_family or ("tpu" if jax.default_backend() == "tpu" else "gpu")) == "tpu"
-  interpret = args.small
+  # The kernels of --check-family, or of this backend's (the GPU kernels on CPU); interpreted
+  # in the CPU smoke run (--small) and wherever they are not this backend's.
+  backend_family = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(jax.default_backend())
+  family = args.check_family or backend_family or "gpu"
+  on_tpu = family == "tpu"
+  interpret = args.small or family != backend_family
   results = []
   batch, tokens = 3, 960  # capacity: a multiple of group 32 and GEAR block 64, not of 256
   rng = np.random.default_rng(0)
@@ -236,10 +239,14 @@ def check_grid(args) -> list[dict]:
           num_splits=3,
         )
       else:
+        # GEAR's terms as the dispatch computes them by default for the folded kernel: by XLA
+        # around it, from the scores it writes.
+        xla_terms = {"gear_terms": "xla"} if gear and args.check_variant == "folded" else {}
         partials_fn = functools.partial(
           quantized_decode_attention_triton.quantized_decode_attention_partials_triton,
           num_splits=3,
           variant=args.check_variant,
+          **xla_terms,
         )
       partials_fn = functools.partial(partials_fn, interpret=interpret, **kwargs)
       # Every output buffer poisoned, in the shapes the kernel plans (its split count may be

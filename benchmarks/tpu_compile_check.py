@@ -121,6 +121,9 @@ class Instruction:
   bytes: int  # laid out: the two most minor dimensions padded to the layout's tile (a
   # copy-start's: its destination's, the first of its (destination, source, context) tuple)
   computation: str = ""  # where it is: the one asked for, or a branch, body or callee of it
+  # Reached through a conditional's branch (a compressed cache's flush: not every step); the
+  # rest runs whenever the computation asked for does (nested loops: as often as they turn).
+  in_branch: bool = False
 
 
 def laid_out_bytes(shape: str) -> int:
@@ -158,7 +161,7 @@ def entry_instructions(
   text = compiled.as_text()
   found, seen = [], set()
 
-  def walk(name: str | None) -> None:
+  def walk(name: str | None, in_branch: bool) -> None:
     if name in seen:
       return
     seen.add(name)
@@ -168,17 +171,19 @@ def entry_instructions(
         continue
       shape, opcode = match.groups()
       if opcode in _CONTROL_FLOW and walk_control_flow:
-        for groups in _CALLED.findall(line):
+        # Attributes only: metadata's op names and quoted strings may hold "body=" too.
+        attributes = re.sub(r'metadata=\{[^}]*\}|"[^"]*"', "", line)
+        for groups in _CALLED.findall(attributes):
           for callee in ",".join(groups).split(","):
             callee = callee.strip().lstrip("%")
             if callee:
-              walk(callee)
+              walk(callee, in_branch or opcode == "conditional")
       if opcode in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
         continue
       sized = shape[1:] if opcode == "copy-start" else shape
-      found.append(Instruction(opcode, shape, laid_out_bytes(sized), name or "ENTRY"))
+      found.append(Instruction(opcode, shape, laid_out_bytes(sized), name or "ENTRY", in_branch))
 
-  walk(computation)
+  walk(computation, False)
   return found
 
 
@@ -189,7 +194,7 @@ def moves_memory_space_only(instruction: Instruction) -> bool:
   if instruction.opcode != "copy-start":
     return False
   destination, source = _tuple_elements(instruction.shape)[:2]
-  in_any_space = lambda shape: re.sub(r"S\(\d+\)", "", shape)
+  in_any_space = lambda shape: re.sub(r"S\(\d+\)", "", shape).replace(":}", "}")
   return in_any_space(destination) == in_any_space(source)
 
 

@@ -46,8 +46,10 @@ def check_gear_terms(gear_terms) -> None:
 
 def outlier_tokens_and_channels(index: jax.Array, block: int, head_dim: int):
   """int32 [B, H, J, s] token and channel of each outlier of the stored [B, H, J, s] flat
-  indices (t_local * D + c within GEAR block j)."""
-  index = index.astype(jnp.int32)
+  indices (t_local * D + c within GEAR block j). An index outside its block (storage past a
+  row's length may hold anything) is clipped into it: a negative one would otherwise name a
+  token of an earlier block, inside the length."""
+  index = jnp.clip(index.astype(jnp.int32), 0, block * head_dim - 1)
   block_start = (jnp.arange(index.shape[2], dtype=jnp.int32) * block)[:, None]
   return block_start + index // head_dim, index % head_dim
 
@@ -170,8 +172,11 @@ def gear_value_terms_from_scores(
     # Zeroed past the length: p = 0 there, and 0 times NaN is NaN.
     inside = jnp.arange(tokens) < lengths[:, None]  # [B, T]
     live_blocks = jnp.arange(blocks) * block < lengths[:, None]  # [B, J]
-    v_a = jnp.where(inside[:, None, :, None], v_a.astype(jnp.float32), 0.0)
-    v_b = jnp.where(live_blocks[:, None, :, None, None], v_b.astype(jnp.float32), 0.0)
+    # In the storage dtype: XLA on the CPU writes the selected factors out (48 MiB at batch 8,
+    # 8 KV heads x 4, 32k tokens, rank 4; 96 in f32). Whether a GPU's fusion reads them in
+    # place is unmeasured (`benchmarks/gear_terms_parts.py`, the value-terms rows).
+    v_a = jnp.where(inside[:, None, :, None], v_a, jnp.zeros((), v_a.dtype))
+    v_b = jnp.where(live_blocks[:, None, :, None, None], v_b, jnp.zeros((), v_b.dtype))
     # Reductions, not einsums, as in gear_score_bias: this reads B_v in place instead of
     # transposing it for a GEMM, and takes no GEMM with a contraction of r.
     v_a = v_a.astype(jnp.float32).reshape(batch, kv_heads, 1, blocks, block, v_a.shape[-1])

@@ -1,21 +1,26 @@
 """benchmarks/decode_attention.py --check: the kernel-vs-reference grid a GPU or TPU session
-runs first. Its TPU branch runs here with the TPU kernels interpreted (`--check-family tpu`)."""
+runs first, run here in its CPU smoke form (--small: the kernels interpreted), for either
+kernel family (`--check-family`)."""
 
 import argparse
+
+import pytest
 
 from tests.benchmarks.benchmark_modules import load_benchmark
 
 
-def test_the_tpu_check_poisons_the_planned_outputs_and_adds_the_outlier_terms():
-  """Before: 3 poisoned splits where the TPU planner makes 1 or 2 (every case an error), no
-  poisoned scores buffer, no outlier value terms."""
+@pytest.mark.parametrize("family, rows", [("tpu", 10), ("gpu", 14)])
+def test_the_check_poisons_the_planned_outputs_and_adds_gears_xla_terms(family, rows):
+  """Before: 3 poisoned splits where the TPU planner makes 1 or 2 (every TPU case an error),
+  no poisoned scores buffer, no value terms for GEAR's terms by XLA (the TPU kernel's outliers,
+  the folded GPU kernel's default), which the GPU check never ran."""
   benchmark = load_benchmark("decode_attention")
-  rows = benchmark.check_grid(
-    argparse.Namespace(small=True, check_family="tpu", check_variant="folded")
+  found = benchmark.check_grid(
+    argparse.Namespace(small=True, check_family=family, check_variant="folded")
   )
-  quantized = [row for row in rows if row["name"].startswith("quantized")]
-  assert len(quantized) == 4 and len(rows) == 10
-  for row in rows:
+  quantized = [row for row in found if row["name"].startswith("quantized")]
+  assert len(quantized) == 4 and len(found) == rows
+  for row in found:
     assert "error" not in row, row
     assert row["relative_error"] < (2e-5 if "float32" in row["name"] else 1e-2), row
   for row in quantized:

@@ -79,8 +79,9 @@ def poison_past_lengths(segment, lengths, *, group_size: int, block: int = 64):
   """A quantized segment (`random_inputs.QuantizedSegment`) whose storage past each row's length
   holds garbage: NaN in every float array and all-ones codes, per storage unit that starts at or
   past the length (token rows; key groups; GEAR blocks for the B factors and the outliers, whose
-  indices point past the block). Units straddling the length keep their values: tokens before
-  the length use them. Kernels and the reference must give what they give on `segment`."""
+  indices point past the block, or before it where they are signed). Units straddling the
+  length keep their values: tokens before the length use them. Kernels and the reference must
+  give what they give on `segment`."""
   lengths = np.asarray(lengths)[:, None, None, None]
 
   def dead(array, unit: int):  # bool, broadcastable to `array`: rows starting at/past the length
@@ -92,8 +93,9 @@ def poison_past_lengths(segment, lengths, *, group_size: int, block: int = 64):
   def nan_where(array, unit):
     return jnp.where(dead(array, unit), jnp.nan, array).astype(array.dtype)
 
-  def ones_where(array, unit):
-    garbage = jnp.asarray(jnp.iinfo(array.dtype).max, array.dtype)
+  def ones_where(array, unit):  # all ones; a signed array's most negative value instead
+    info = jnp.iinfo(array.dtype)
+    garbage = jnp.asarray(info.min if info.min < 0 else info.max, array.dtype)
     return jnp.where(dead(array, unit), garbage, array)
 
   lowrank = segment.lowrank

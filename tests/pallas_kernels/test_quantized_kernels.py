@@ -193,8 +193,23 @@ def _check_tpu(
     seed, bits, head_dim, group, gear, dtype, outliers_per_block, tokens=tokens
   )
   if garbage_past_lengths:
+    if segment.outliers is not None:  # signed indices, so that the garbage ones are negative
+      k_index, k_value, v_index, v_value = segment.outliers
+      outliers = (k_index.astype(jnp.int32), k_value, v_index.astype(jnp.int32), v_value)
+      segment = segment._replace(outliers=outliers)
     segment = poison_past_lengths(segment, lengths, group_size=GROUP_SIZE, block=GEAR_BLOCK)
     kwargs.update(lowrank=segment.lowrank, outliers=segment.outliers)
+    # The entry point too: its outliers' value terms are `gear_outlier_terms_tpu`'s.
+    out, lse = tpu_kernel.quantized_decode_attention_tpu(
+      queries,
+      *segment[:6],
+      lengths,
+      num_splits=SPLITS,
+      block_tokens=block_tokens,
+      interpret=tpu_interpret(),
+      **kwargs,
+    )
+    assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(dtype, tpu_interpret()))
   interpret = tpu_interpret()
   rows = decode_attention_tpu.tile_rows(group)
   poison = _poison(rows, head_dim)

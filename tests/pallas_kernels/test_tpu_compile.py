@@ -195,9 +195,16 @@ _LOOP_WITH_A_FLUSH = """HloModule m
   ROOT %lt = pred[] compare(%i, %n), direction=LT
 }
 
+%row (s: (s32[], u32[8,8,128,8])) -> (s32[], u32[8,8,128,8]) {
+  %copy.2 = f32[4096]{0:T(1024)} copy(%x)
+  %cs.3 = (f32[4096]{0:T(1024)S(1)}, f32[4096]{0:T(1024)}) copy-start(%x)
+  %cs.4 = (f32[64,64]{1,0:S(1)}, f32[64,64]{1,0}) copy-start(%x)
+}
+
 %body (s: (s32[], u32[8,8,128,8])) -> (s32[], u32[8,8,128,8]) {
   %s = (s32[], u32[8,8,128,8]{3,2,1,0:T(8,128)}) parameter(0)
   %cond.1 = (u32[8]{0}, /*index=1*/s32[]) conditional(%i), branch_computations={%keep, %flush}
+  %w.2 = (s32[]) while(%s), condition=%cond, body=%row, metadata={op_name="f/body=nowhere"}
   %cs.1 = (f32[8,256]{0,1:T(8,128)S(1)}, f32[8,256]{1,0:T(8,128)}, u32[]) copy-start(%a)
   %cs.2 = (f32[8,256]{1,0:T(8,128)S(1)}, /*index=1*/f32[8,256]{1,0:T(8,128)}) copy-start(%a)
   ROOT %r = (s32[], u32[8,8,128,8]{3,2,1,0:T(8,128)}) tuple(%i, %g)
@@ -216,23 +223,31 @@ def test_the_copy_check_walks_branches_and_reads_copy_starts():
   array between memory spaces (a prefetch into VMEM) is no relayout: left out."""
   compiled = _OptimisedText(_LOOP_WITH_A_FLUSH)
   copies = tpu_compile_check.large_copies(compiled, 8 * 1024, "body")
-  assert [(copy.opcode, copy.computation, copy.bytes) for copy in copies] == [
-    ("copy", "flush", 8 * 8 * 8 * 128 * 4),  # [.., 128, 8] laid out with the 128 tokens minor
+  assert [(copy.opcode, copy.computation, copy.bytes, copy.in_branch) for copy in copies] == [
+    # [.., 128, 8] laid out with the 128 tokens minor; in the flush branch, not every step
+    ("copy", "flush", 8 * 8 * 8 * 128 * 4, True),
+    # a nested loop runs every step (its metadata's "body=nowhere" is no callee)
+    ("copy", "row", 4096 * 4, False),
     # its destination, the first of its tuple: physically [256, 8], 8 lanes padded to 128
-    ("copy-start", "body", 256 * 128 * 4),
+    ("copy-start", "body", 256 * 128 * 4, False),
   ]
   assert [copy.computation for copy in tpu_compile_check.large_copies(compiled, 8 * 1024)] == [
     "flush",
+    "row",
     "body",
   ]
   unwalked = tpu_compile_check.entry_instructions(compiled, "body", walk_control_flow=False)
   assert [instruction.opcode for instruction in unwalked] == [
     "conditional",
+    "while",
     "copy-start",
     "copy-start",
   ]
-  assert tpu_compile_check.moves_memory_space_only(unwalked[2])
-  assert not tpu_compile_check.moves_memory_space_only(unwalked[1])
+  assert tpu_compile_check.moves_memory_space_only(unwalked[3])
+  assert not tpu_compile_check.moves_memory_space_only(unwalked[2])
+  # Memory spaces named with a tile or without one (cs.3 and cs.4 in the nested loop)
+  moves = tpu_compile_check.entry_instructions(compiled, "row")[1:]
+  assert [tpu_compile_check.moves_memory_space_only(move) for move in moves] == [True, True]
 
 
 @pytest.mark.parametrize(
@@ -306,13 +321,13 @@ def test_a_decode_step_copies_no_cache_array(spec, head_dim):
   compiled = tpu_compile_check.decode_loop(spec, context=32768, head_dim=head_dim)
   body = tpu_compile_check.while_body(compiled)
   copies = tpu_compile_check.large_copies(compiled, 1 << 20, body)
-  every_step = [copy for copy in copies if copy.computation == body]
+  every_step = [copy for copy in copies if not copy.in_branch]
   # What is left, below 128 channels only: a KIVI cache's full-precision window (K and V,
   # [B, H, 128 slots, head_dim], 1 MB each), which the bf16 kernel takes tokens-minor.
   assert all(copy.shape.startswith(f"bf16[8,8,128,{head_dim}]") for copy in every_step), copies
   window = 8 * 8 * 128 * head_dim * 2 if spec.startswith("kivi") and head_dim < 128 else 0
   assert sum(copy.bytes for copy in every_step) <= 2 * window
-  _check_flush_copies([copy for copy in copies if copy.computation != body], total_mib=18)
+  _check_flush_copies([copy for copy in copies if copy.in_branch], total_mib=18)
   if not spec.startswith("kivi"):
     assert every_step == copies
 
@@ -345,8 +360,8 @@ def test_a_gear_decode_step_copies_little_beside_its_window(head_dim, bound_mb):
   compiled = tpu_compile_check.decode_loop("gear", context=32768, head_dim=head_dim)
   body = tpu_compile_check.while_body(compiled)
   copies = tpu_compile_check.large_copies(compiled, 1 << 20, body)
-  every_step = [copy for copy in copies if copy.computation == body]
+  every_step = [copy for copy in copies if not copy.in_branch]
   assert sum(copy.bytes for copy in every_step) <= bound_mb * 1e6, copies
   if head_dim == 128:
     assert all(copy.shape.startswith("bf16[8,8,64,128]") for copy in every_step), copies
-  _check_flush_copies([copy for copy in copies if copy.computation != body], total_mib=32)
+  _check_flush_copies([copy for copy in copies if copy.in_branch], total_mib=32)
