@@ -15,7 +15,11 @@ from pallas_kernels.quantized_decode_attention_reference import (
   quantized_decode_attention_reference,
 )
 from pallas_kernels.random_inputs import random_quantized_segment, random_queries
-from tests.pallas_kernels.kernel_checks import assert_matches_reference, relative_tolerance
+from tests.pallas_kernels.kernel_checks import (
+  assert_matches_reference,
+  poison_past_lengths,
+  relative_tolerance,
+)
 from tests.pallas_kernels.test_quantized_decode_attention_mosaic_gpu import _inputs
 
 pytestmark = pytest.mark.filterwarnings(
@@ -221,3 +225,45 @@ def test_own_slot_statistics_fall_back_where_a_lane_spans_slots(group, falls_bac
     assert "value_stat_loads='own_slot' with 1 query rows per value slot" in reason
   else:
     assert reason is None
+
+
+@pytest.mark.parametrize(
+  "config",
+  [
+    pytest.param({"lowering": "mosaic_gpu"}, marks=pytest.mark.slow),  # 10 s, not a default
+    {"lowering": "mosaic_gpu", "variant": "folded"},
+    {"lowering": "mosaic_gpu", "variant": "warp"},
+    {},  # the measured default
+  ],
+  ids=["mosaic_dequantize", "mosaic_folded", "mosaic_warp", "default"],
+)
+def test_the_mosaic_gpu_kernels_ignore_garbage_past_lengths_and_capacity(config):
+  """Storage past a row's length holding garbage (`poison_past_lengths`: NaN statistics,
+  all-ones codes), and a length past the capacity: the clean segment's result at the capacity,
+  exactly (interpreted; the Triton and TPU kernels' tests are in test_quantized_kernels.py)."""
+  rng = np.random.default_rng(31)
+  tokens = 640
+  queries = random_queries(rng, 3, 2, 4, 128)
+  segment = random_quantized_segment(
+    rng, 3, 2, tokens, 128, bits=2, group_size=32, dtype=jnp.bfloat16
+  )
+  lengths = jnp.asarray([tokens, 333, 0], jnp.int32)
+  call = lambda segment, lengths: attention_dispatch.quantized_decode_attention(
+    queries,
+    *segment[:6],
+    lengths,
+    bits=2,
+    group_size=32,
+    sm_scale=0.1,
+    implementation="interpret",
+    kernel_config=config,
+  )
+  clean = call(segment, lengths)
+  poisoned = poison_past_lengths(segment, lengths, group_size=32)
+  for result in (call(poisoned, lengths), call(segment, lengths.at[0].set(tokens + 300))):
+    np.testing.assert_array_equal(np.asarray(result[0]), np.asarray(clean[0]))
+    np.testing.assert_array_equal(np.asarray(result[1]), np.asarray(clean[1]))
+  reference = quantized_decode_attention_reference(
+    queries, *segment[:6], lengths, bits=2, group_size=32, sm_scale=0.1
+  )
+  assert_matches_reference(*clean, *reference, rtol=relative_tolerance(jnp.bfloat16, True))
