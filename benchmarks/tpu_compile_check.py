@@ -172,7 +172,7 @@ def entry_instructions(
       shape, opcode = match.groups()
       if opcode in _CONTROL_FLOW and walk_control_flow:
         # Attributes only: metadata's op names and quoted strings may hold "body=" too.
-        attributes = re.sub(r'metadata=\{[^}]*\}|"[^"]*"', "", line)
+        attributes = re.sub(r"metadata=\{[^}]*\}", "", re.sub(r'"[^"]*"', "", line))
         for groups in _CALLED.findall(attributes):
           for callee in ",".join(groups).split(","):
             callee = callee.strip().lstrip("%")

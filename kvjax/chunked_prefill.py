@@ -208,6 +208,10 @@ def prefill_in_chunks(
   if offsets is not None:
     check_positions(offsets, batch=batch, name="offsets")
     offsets = jnp.asarray(offsets, jnp.int32)
+    for index, cache in layer_cache_kinds(caches):
+      refusal = getattr(cache, "chunked_continuation_refusal", None)
+      if refusal:
+        raise ValueError(f"offsets: layer {index}: {refusal}")
   else:  # fresh caches: sized for a prompt no narrower than this one (as `ingest` checks)
     for _, cache in layer_cache_kinds(caches):
       allocated = getattr(cache, "allocated_prompt_len", None)

@@ -293,6 +293,18 @@ class RazorLayerCache:
         return f"razor's storage {type(part).__name__} cannot take a prompt in chunks"
     return None
 
+  @property
+  def chunked_continuation_refusal(self) -> str | None:
+    """Why a prefilled cache cannot take more tokens in chunks (`prefill_in_chunks` with
+    offsets), or None."""
+    if not self._compresses_local_heads:
+      return None
+    return (
+      "razor's compressed local heads start a chunked prefill from an empty sinks-and-window "
+      "buffer and store it when the prompt ends, so continuing a prefilled cache in chunks "
+      "would drop the tokens they hold; continue it by decode steps"
+    )
+
   def begin_chunks(self) -> "RazorLayerCache":
     """Before the first chunk: compressed local heads hold their sinks and window in a
     full-precision buffer of `sinks + window` tokens, and the sums of what they drop."""

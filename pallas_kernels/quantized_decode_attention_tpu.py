@@ -126,8 +126,9 @@ def block_tokens_for(
   """Tokens per kernel block: `requested` (default DEFAULT_BLOCK_TOKENS) rounded up to a
   multiple of 128 (the codes' lanes) whose key groups fill whole tiles of the key statistics
   (8 rows of 32-bit values or 16 of 16-bit ones; 128 lanes where `tokens_on_lanes`) and, with
-  GEAR's low-rank factors, of `gear_block` (the kernel takes whole GEAR blocks); or the whole
-  segment when that is no longer."""
+  GEAR's low-rank factors, of `gear_block` (the kernel takes whole GEAR blocks; 128 of them
+  where `tokens_on_lanes`, the B factors' lanes: 8192 tokens at GEAR blocks of 64, whatever is
+  requested); or the whole segment when that is no longer."""
   if tokens_on_lanes(head_dim):
     unit = LANES * group_size
   else:

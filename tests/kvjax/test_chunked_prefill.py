@@ -26,6 +26,7 @@ from kvjax.gear_cache import Gear
 from kvjax.generate import generate, prefill
 from kvjax.h2o_decode import H2ODecode
 from kvjax.kivi_cache import Kivi
+from kvjax.layer_runs import StackedLayerCaches
 from kvjax.method_registry import METHODS
 from kvjax.method_spec import parse_method_spec
 from kvjax.pyramidkv import PyramidKV
@@ -866,8 +867,8 @@ def test_prefill_in_chunks_refuses_token_ids_outside_the_vocabulary():
 def test_prefill_in_chunks_bounds_razor_by_its_retrieval_heads(profile_path):
   """Razor's compressed local heads buffer sinks and window while chunks come, so a prompt
   longer than their budget is theirs to compress: fed directly (concrete caches, the room
-  checked), it was refused by their storage's room (16 < 40). Its retrieval heads keep every
-  token: past their room, refused."""
+  checked), it was refused by their storage's room (16 < 40). Continued in chunks, that buffer
+  would start empty and replace what they hold: refused before anything runs."""
   decoder, params = tiny_decoder()
   method = parse_method_spec(f"razor:budget=12,sinks=2,profile={profile_path}")
   caches = allocate_model_cache(
@@ -877,5 +878,21 @@ def test_prefill_in_chunks_bounds_razor_by_its_retrieval_heads(profile_path):
   _, fed = prefill_in_chunks(decoder, params, tokens, [40, 33], caches, chunk=16)
   # Retrieval heads of 40 + 4 slots (a layer without any reports none).
   np.testing.assert_array_equal(rows_room(fed, "chunk_room"), [4, 11])
-  with pytest.raises(ValueError, match=r"row 0 feeds 5 tokens, but its caches have room for 4"):
-    prefill_in_chunks(decoder, params, tokens[:, :5], [5, 2], fed, chunk=4, offsets=[40, 33])
+  with pytest.raises(ValueError, match=r"offsets: layer 0: razor's compressed local heads"):
+    prefill_in_chunks(decoder, params, tokens[:, :2], [1, 2], fed, chunk=2, offsets=[40, 33])
+
+
+def test_the_offsets_check_names_the_layer_of_a_stacked_run_that_differs():
+  """A scanned decoder's caches are one stacked run: the check reads every layer's count, and
+  names the layer whose count differs (here only the second's)."""
+  decoder, params = tiny_decoder(layer_loop="scan")
+  caches = _fresh_caches(decoder, "full", batch=2, prompt_len=12)
+  tokens = jnp.ones((2, 6), jnp.int32)
+  _, caches = prefill_in_chunks(decoder, params, tokens, [6, 5], caches, chunk=4)
+  (run,) = caches
+  assert isinstance(run, StackedLayerCaches)
+  lengths = run.stacked.lengths.at[1, 1].set(4)  # layer 1, row 1
+  caches = (StackedLayerCaches(dataclasses.replace(run.stacked, lengths=lengths)),)
+  more = jnp.ones((2, 2), jnp.int32)
+  with pytest.raises(ValueError, match=r"row 1 continues at position 5, but layer 1's DenseLayer"):
+    prefill_in_chunks(decoder, params, more, [2, 2], caches, chunk=2, offsets=[6, 5])
