@@ -90,6 +90,20 @@ class SelectedLayerCache:
     return None
 
   @property
+  def chunked_continuation_refusal(self) -> str | None:
+    """Why a prefilled cache cannot take more tokens in chunks (`prefill_in_chunks` with
+    offsets), or None: with a codec storage the candidates start in an empty full-precision
+    scratch and replace the storage after the last chunk, which would drop what it holds."""
+    if self.scratch_layout is None:
+      return None
+    return (
+      "a selection with a codec storage keeps its candidates in a full-precision scratch that "
+      "starts empty and replaces the storage when the prompt ends, so continuing a prefilled "
+      "cache in chunks would drop the tokens it holds; continue it by decode steps, or use "
+      "full storage"
+    )
+
+  @property
   def _candidates(self) -> DenseLayerCache:
     """Where chunked prefill keeps the held tokens as computed."""
     return self.storage if self.scratch is None else self.scratch

@@ -896,3 +896,23 @@ def test_the_offsets_check_names_the_layer_of_a_stacked_run_that_differs():
   more = jnp.ones((2, 2), jnp.int32)
   with pytest.raises(ValueError, match=r"row 1 continues at position 5, but layer 1's DenseLayer"):
     prefill_in_chunks(decoder, params, more, [2, 2], caches, chunk=2, offsets=[6, 5])
+
+
+@pytest.mark.parametrize("storage, refused", [("", False), ("+kivi:bits=4,group_size=16", True)])
+def test_a_selection_continues_in_chunks_only_over_full_storage(storage, refused):
+  """SnapKV over a codec storage keeps its candidates in a scratch that starts empty and
+  replaces the storage after the last chunk: continued in chunks, what it held would be lost.
+  Over full storage the held tokens compete with the chunk."""
+  decoder, params = tiny_decoder()
+  caches = _fresh_caches(decoder, f"snapkv:budget=8,window=4{storage}", batch=2, prompt_len=12)
+  _, caches = prefill_in_chunks(
+    decoder, params, jnp.ones((2, 12), jnp.int32), [12, 9], caches, chunk=4
+  )
+  more = lambda: prefill_in_chunks(
+    decoder, params, jnp.ones((2, 4), jnp.int32), [4, 4], caches, chunk=4, offsets=[12, 9]
+  )
+  if refused:
+    with pytest.raises(ValueError, match=r"offsets: layer 0: a selection with a codec storage"):
+      more()
+  else:
+    assert [np.asarray(cache.lengths).tolist() for cache in more()[1]] == [[8, 8]] * 2
