@@ -193,7 +193,8 @@ def prefill_in_chunks(
 ) -> tuple[jax.Array, tuple]:  # (logits at each row's last prompt token [batch, vocab], caches)
   """The prompt fed `chunk` tokens at a time (traceable; see the module docstring). With
   `offsets`, the tokens continue caches that hold that many tokens per row (a row fed no token
-  gets zero logits). The caches must have room for the prompt (allocate them for
+  gets zero logits); caches that rebuild their storage when a chunked prompt ends (razor's
+  compressed local heads, a selection over a codec storage) refuse them. The caches must have room for the prompt (allocate them for
   `prompt_len=tokens.shape[1]`): a chunk written past a cache's capacity inside the trace would
   be dropped, so concrete caches are checked first (those that keep what they are fed up to a
   capacity against each row's tokens, those sized from the prompt against its width, and with
