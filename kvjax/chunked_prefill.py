@@ -194,12 +194,12 @@ def prefill_in_chunks(
   """The prompt fed `chunk` tokens at a time (traceable; see the module docstring). With
   `offsets`, the tokens continue caches that hold that many tokens per row (a row fed no token
   gets zero logits); caches that rebuild their storage when a chunked prompt ends (razor's
-  compressed local heads, a selection over a codec storage) refuse them. The caches must have room for the prompt (allocate them for
-  `prompt_len=tokens.shape[1]`): a chunk written past a cache's capacity inside the trace would
-  be dropped, so concrete caches are checked first (those that keep what they are fed up to a
-  capacity against each row's tokens, those sized from the prompt against its width, and with
-  `offsets` those that count the tokens seen against them); token ids outside the decoder's
-  vocabulary are refused where concrete."""
+  compressed local heads, a selection over a codec storage) refuse them. The caches must have
+  room for the prompt (allocate them for `prompt_len=tokens.shape[1]`): a chunk written past a
+  cache's capacity inside the trace would be dropped, so concrete caches are checked first
+  (those that keep what they are fed up to a capacity against each row's tokens, those sized
+  from the prompt against its width, and with `offsets` those that count the tokens seen
+  against them); token ids outside the decoder's vocabulary are refused where concrete."""
   check_count("chunk", chunk, 1)
   tokens = jnp.asarray(tokens)
   batch, prompt_len = tokens.shape
