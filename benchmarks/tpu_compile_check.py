@@ -121,8 +121,8 @@ class Instruction:
   bytes: int  # laid out: the two most minor dimensions padded to the layout's tile (a
   # copy-start's: its destination's, the first of its (destination, source, context) tuple)
   computation: str = ""  # where it is: the one asked for, or a branch, body or callee of it
-  # Reached through a conditional's branch (a compressed cache's flush: not every step); the
-  # rest runs whenever the computation asked for does (nested loops: as often as they turn).
+  # Reached only through a conditional's branch (a compressed cache's flush: not every step);
+  # the rest runs whenever the computation asked for does (nested loops: as often as they turn).
   in_branch: bool = False
 
 
@@ -159,12 +159,16 @@ def entry_instructions(
   every computation it runs as control flow, recursively: conditional branches (a KIVI cache's
   flush runs in one), nested loops' bodies and conditions, calls."""
   text = compiled.as_text()
-  found, seen = [], set()
+  # First the control-flow graph: per computation, its instructions and its callees (each with
+  # whether it is called as a conditional's branch).
+  graph, order = {}, []
 
-  def walk(name: str | None, in_branch: bool) -> None:
-    if name in seen:
+  def read(name: str | None) -> None:
+    if name in graph:
       return
-    seen.add(name)
+    instructions, callees = [], []
+    graph[name] = (instructions, callees)
+    order.append(name)
     for line in _computation_body(text, name).splitlines():
       match = _INSTRUCTION.match(line)
       if match is None:
@@ -177,13 +181,26 @@ def entry_instructions(
           for callee in ",".join(groups).split(","):
             callee = callee.strip().lstrip("%")
             if callee:
-              walk(callee, in_branch or opcode == "conditional")
-      if opcode in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
-        continue
-      sized = shape[1:] if opcode == "copy-start" else shape
-      found.append(Instruction(opcode, shape, laid_out_bytes(sized), name or "ENTRY", in_branch))
+              callees.append((callee, opcode == "conditional"))
+              read(callee)
+      if opcode not in ("parameter", "get-tuple-element", "tuple", "constant", "bitcast"):
+        instructions.append((opcode, shape))
 
-  walk(computation, False)
+  read(computation)
+  # Every step: what is reached from `computation` without passing a conditional's branch.
+  every_step, pending = {computation}, [computation]
+  while pending:
+    for callee, through_branch in graph[pending.pop()][1]:
+      if not through_branch and callee not in every_step:
+        every_step.add(callee)
+        pending.append(callee)
+  found = []
+  for name in order:
+    for opcode, shape in graph[name][0]:
+      sized = shape[1:] if opcode == "copy-start" else shape
+      found.append(
+        Instruction(opcode, shape, laid_out_bytes(sized), name or "ENTRY", name not in every_step)
+      )
   return found
 
 

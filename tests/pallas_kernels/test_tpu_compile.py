@@ -224,17 +224,17 @@ def test_the_copy_check_walks_branches_and_reads_copy_starts():
   compiled = _OptimisedText(_LOOP_WITH_A_FLUSH)
   copies = tpu_compile_check.large_copies(compiled, 8 * 1024, "body")
   assert [(copy.opcode, copy.computation, copy.bytes, copy.in_branch) for copy in copies] == [
+    # its destination, the first of its tuple: physically [256, 8], 8 lanes padded to 128
+    ("copy-start", "body", 256 * 128 * 4, False),
     # [.., 128, 8] laid out with the 128 tokens minor; in the flush branch, not every step
     ("copy", "flush", 8 * 8 * 8 * 128 * 4, True),
     # a nested loop runs every step (its metadata's "body=nowhere" is no callee)
     ("copy", "row", 4096 * 4, False),
-    # its destination, the first of its tuple: physically [256, 8], 8 lanes padded to 128
-    ("copy-start", "body", 256 * 128 * 4, False),
   ]
   assert [copy.computation for copy in tpu_compile_check.large_copies(compiled, 8 * 1024)] == [
+    "body",
     "flush",
     "row",
-    "body",
   ]
   unwalked = tpu_compile_check.entry_instructions(compiled, "body", walk_control_flow=False)
   assert [instruction.opcode for instruction in unwalked] == [
@@ -248,6 +248,19 @@ def test_the_copy_check_walks_branches_and_reads_copy_starts():
   # Memory spaces named with a tile or without one (cs.3 and cs.4 in the nested loop)
   moves = tpu_compile_check.entry_instructions(compiled, "row")[1:]
   assert [tpu_compile_check.moves_memory_space_only(move) for move in moves] == [True, True]
+
+
+def test_a_computation_also_reached_outside_a_branch_runs_every_step():
+  """Tagged by every path that reaches it, not by the first one walked."""
+  text = _LOOP_WITH_A_FLUSH.replace(
+    "  %cs.1 = ", "  %call.1 = (u32[8]{0}) call(%s), to_apply=%flush\n  %cs.1 = "
+  )
+  copies = tpu_compile_check.large_copies(_OptimisedText(text), 8 * 1024, "body")
+  assert [(copy.computation, copy.in_branch) for copy in copies] == [
+    ("body", False),
+    ("flush", False),
+    ("row", False),
+  ]
 
 
 @pytest.mark.parametrize(
