@@ -16,21 +16,26 @@ from kvjax.cache_protocol import check_count
 from kvjax.layer_runs import StackedLayerCaches
 
 
-def _room_of(item, attribute: str):  # int32 [batch] or [layers, batch], or None
+def _layer_room(cache) -> jax.Array | None:
+  return getattr(cache, "room", None)
+
+
+def _room_of(item, room_of):  # int32 [batch] or [layers, batch], or None
   if isinstance(item, StackedLayerCaches):
     # Every layer's room at once, over the run's layer axis: slicing each layer's arrays out
     # (flatten_layer_caches) would copy the whole run to read its lengths.
-    return jax.vmap(lambda cache: getattr(cache, attribute, None))(item.stacked)
-  return getattr(item, attribute, None)
+    return jax.vmap(room_of)(item.stacked)
+  return room_of(item)
 
 
-def rows_room(caches, attribute: str = "room") -> np.ndarray | None:
+def rows_room(caches, room_of=_layer_room) -> np.ndarray | None:
   """Tokens each row can still take in every bounded layer cache (None: none is bounded, or
-  the caches are traced values that cannot be read before the loop runs). `attribute`: the
-  room read ("room"; `chunked_prefill` reads a cache's "chunk_room" where it has one)."""
+  the caches are traced values that cannot be read before the loop runs). `room_of`: a layer
+  cache's room, int32 [batch] or None (its `room`; `chunked_prefill` reads the room for a
+  prompt fed in chunks)."""
   rooms = []
   for item in caches:
-    room = _room_of(item, attribute)
+    room = _room_of(item, room_of)
     if room is None:
       continue
     if isinstance(room, jax.core.Tracer):

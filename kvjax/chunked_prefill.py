@@ -41,9 +41,6 @@ import numpy as np
 from kvjax.cache_protocol import check_count, check_prompt_width
 from kvjax.cache_room import rows_room
 from kvjax.decoder_protocol import decoder_vocab_size
-from kvjax.dense_cache import DenseLayerCache
-from kvjax.h2o_decode import HeavyHitterEvictionCache
-from kvjax.kivi_cache import KiviLayerCache
 from kvjax.layer_runs import (
   StackedLayerCaches,
   arrange_like,
@@ -51,9 +48,6 @@ from kvjax.layer_runs import (
   layer_cache_kinds,
 )
 from kvjax.prompt_batch import check_positions, check_token_array
-from kvjax.selection.selected_cache import SelectedLayerCache
-from kvjax.sliding_window_cache import SlidingWindowLayerCache
-from kvjax.streaming_llm import StreamingLayerCache
 
 # Cache methods whose layer caches take a prompt in chunks.
 CHUNKED_PREFILL_METHODS = (
@@ -127,19 +121,9 @@ def _check_caches_have_room(caches, fed: np.ndarray) -> None:
   and razor's full and retrieval heads (razor's compressed local heads hold a sinks-and-window
   buffer while the chunks come: `RazorLayerCache.chunk_room`). A chunk written past a capacity
   inside the scan would be lost, or evict what the method keeps. Caches that choose among the
-  tokens they are fed (SnapKV, PyramidKV) hold fewer than they are fed by design, and a ring
-  buffer or a cache at its budget evicts by design: they report no room, or are left out
-  here."""
-  rooms = []
-  for item, (_, cache) in zip(caches, layer_cache_kinds(caches), strict=True):
-    if isinstance(cache, SelectedLayerCache):
-      continue
-    # Razor's compressed local heads buffer their window while chunks come: `chunk_room`.
-    attribute = "chunk_room" if hasattr(type(cache), "chunk_room") else "room"
-    room = rows_room([item], attribute)
-    if room is not None:
-      rooms.append(room)
-  room = np.min(rooms, axis=0) if rooms else None
+  tokens they are fed (SnapKV, PyramidKV: `SelectedLayerCache.chunk_room` is None), a ring
+  buffer and a cache at its budget (they evict by design) report no room."""
+  room = rows_room(caches, _chunk_room)
   short = [] if room is None else np.flatnonzero(room < fed)
   if len(short):
     row = int(short[0])
@@ -150,24 +134,22 @@ def _check_caches_have_room(caches, fed: np.ndarray) -> None:
     )
 
 
-def _tokens_seen(cache) -> jax.Array | None:
-  """int32 [.., batch]: the position of each row's next token, for the caches that count it
-  (None for the others: a selection holds fewer than it has seen and does not count them)."""
-  if isinstance(cache, HeavyHitterEvictionCache):
-    return cache.seen
-  if isinstance(
-    cache, (DenseLayerCache, KiviLayerCache, SlidingWindowLayerCache, StreamingLayerCache)
-  ):
-    return cache.lengths
-  return None
+def _chunk_room(cache) -> jax.Array | None:
+  """int32 [batch]: the prompt tokens a layer cache takes in chunks: its `chunk_room` where it
+  defines one (razor, selections), else its `room`."""
+  if hasattr(type(cache), "chunk_room"):
+    return cache.chunk_room
+  return getattr(cache, "room", None)
 
 
 def _check_offsets_continue_caches(caches, offsets: np.ndarray) -> None:
   """`offsets` must be the tokens each row's caches have seen: the chunk is stored after what
   a cache holds but rotated and masked by `offsets`, so a mismatch would silently misplace it.
-  Checked where the caches count them (`_tokens_seen`) and are concrete."""
+  Checked where the caches count them (`tokens_seen`: dense, KIVI/GEAR, ring, StreamingLLM,
+  h2o_decode; a selection holds fewer than it has seen and does not count them) and are
+  concrete."""
   for index, cache in layer_cache_kinds(caches):
-    seen = _tokens_seen(cache)
+    seen = getattr(cache, "tokens_seen", None)
     if seen is None or isinstance(seen, jax.core.Tracer):
       continue
     seen = np.asarray(seen).reshape(-1, offsets.shape[0])  # a stacked run: [layers, batch]

@@ -57,6 +57,10 @@ class DenseLayerCache(KeyValueArrays):
   def room(self) -> jax.Array:  # int32 [batch]: tokens each row can still take
     return self.capacity - self.lengths
 
+  @property
+  def tokens_seen(self) -> jax.Array:  # int32 [batch]: the position of each row's next token
+    return self.lengths
+
   def ingest(self, keys, values, queries, lengths):
     del queries  # a dense cache keeps every token
     prompt_len = keys.shape[2]

@@ -109,6 +109,10 @@ class HeavyHitterEvictionCache(KeyValueArrays):
   def room(self) -> jax.Array | None:  # int32 [batch], or None once the cache holds its budget
     return None if self.evicts_when_full else self.slots - self.lengths
 
+  @property
+  def tokens_seen(self) -> jax.Array:  # int32 [batch]: the position of each row's next token
+    return self.seen
+
   def ingest(self, keys, values, queries, lengths):
     check_prompt_width("h2o_decode", keys.shape[2], self.allocated_prompt_len)
     lengths = lengths.astype(jnp.int32)

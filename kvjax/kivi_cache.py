@@ -292,6 +292,10 @@ class KiviLayerCache:
     return self.capacity - self.lengths
 
   @property
+  def tokens_seen(self) -> jax.Array:  # int32 [batch]: the position of each row's next token
+    return self.lengths
+
+  @property
   def dtype(self):
     return self.window_keys.dtype
 

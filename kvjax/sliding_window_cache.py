@@ -65,6 +65,10 @@ class SlidingWindowLayerCache(KeyValueArrays):
   def window(self) -> int:
     return self.keys.shape[2]
 
+  @property
+  def tokens_seen(self) -> jax.Array:  # int32 [batch]: the position of each row's next token
+    return self.lengths
+
   def ingest(self, keys, values, queries, lengths):
     del queries
     lengths = lengths.astype(jnp.int32)

@@ -140,6 +140,10 @@ class StreamingLayerCache(KeyValueArrays):
   def room(self) -> jax.Array | None:  # int32 [batch], or None once the cache holds its budget
     return None if self.evicts_when_full else self.slots - self.lengths
 
+  @property
+  def tokens_seen(self) -> jax.Array:  # int32 [batch]: the position of each row's next token
+    return self.lengths
+
   def ingest(self, keys, values, queries, lengths):
     del queries  # the choice depends on positions only
     check_prompt_width("streaming", keys.shape[2], self.allocated_prompt_len)

@@ -90,6 +90,12 @@ class SelectedLayerCache:
     return None
 
   @property
+  def chunk_room(self) -> None:
+    """No bound on the prompt tokens it takes in chunks: they compete with the held ones for
+    the budget (`chunked_prefill`), however many come."""
+    return None
+
+  @property
   def chunked_continuation_refusal(self) -> str | None:
     """Why a prefilled cache cannot take more tokens in chunks (`prefill_in_chunks` with
     offsets), or None: with a codec storage the candidates start in an empty full-precision

@@ -877,7 +877,7 @@ def test_prefill_in_chunks_bounds_razor_by_its_retrieval_heads(profile_path):
   tokens = jnp.ones((2, 40), jnp.int32)
   _, fed = prefill_in_chunks(decoder, params, tokens, [40, 33], caches, chunk=16)
   # Retrieval heads of 40 + 4 slots (a layer without any reports none).
-  np.testing.assert_array_equal(rows_room(fed, "chunk_room"), [4, 11])
+  np.testing.assert_array_equal(rows_room(fed, lambda cache: cache.chunk_room), [4, 11])
   with pytest.raises(ValueError, match=r"offsets: layer 0: razor's compressed local heads"):
     prefill_in_chunks(decoder, params, tokens[:, :2], [1, 2], fed, chunk=2, offsets=[40, 33])
 
