@@ -186,8 +186,8 @@ def check_grid(args) -> list[dict]:
 
   # The kernels of --check-family, or of this backend's (the GPU kernels on CPU); interpreted
   # in the CPU smoke run (--small) and wherever they are not this backend's.
-  backend_family = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(jax.default_backend())
-  family = args.check_family or backend_family or "gpu"
+  backend_family, _ = attention_dispatch.choose_kernel_family("auto", None)  # or "reference"
+  family = args.check_family or ("gpu" if backend_family == "reference" else backend_family)
   on_tpu = family == "tpu"
   interpret = args.small or family != backend_family
   results = []
