@@ -57,12 +57,16 @@ def tile_rows(group: int) -> int:
   return -(-group // SUBLANES) * SUBLANES
 
 
+def last_valid_block(row, lengths_ref, *, plan: SplitPlan):
+  """The row's last block holding a token before its length (block 0 for an empty row)."""
+  return jnp.maximum((lengths_ref[row] + plan.block_tokens - 1) // plan.block_tokens - 1, 0)
+
+
 def clamped_block_index(row, split, step, lengths_ref, *, plan: SplitPlan):
   """Block to fetch at this grid step: the step's own block, or the row's last valid block
   once the step is past the length (same index as the previous step: no DMA)."""
   block = split * plan.blocks_per_split + step
-  last_valid = jnp.maximum((lengths_ref[row] + plan.block_tokens - 1) // plan.block_tokens - 1, 0)
-  return jnp.minimum(block, last_valid)
+  return jnp.minimum(block, last_valid_block(row, lengths_ref, plan=plan))
 
 
 def valid_token_masks(first, length, block: int) -> tuple[jax.Array, jax.Array]:

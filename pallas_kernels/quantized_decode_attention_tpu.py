@@ -1,8 +1,11 @@
 """TPU fused dequantize-attention for decoding over a KIVI / GEAR quantized segment (Mosaic).
 
-Same grid as `decode_attention_tpu`: (batch, kv_heads, splits, blocks), lengths
-scalar-prefetched, index maps clamped to the row's last valid block (no DMA past the length),
-compute skipped there with `pl.when`, online softmax in VMEM scratch.
+The grid of `decode_attention_tpu` with the KV heads innermost: (batch, splits, blocks,
+kv_heads), lengths scalar-prefetched, index maps clamped to the row's last valid block of the
+last head (no DMA past the length: `clamped_head_and_block`), compute skipped there with
+`pl.when`, online softmax in VMEM scratch of every head. The heads are innermost so that what
+the heads share per block is fetched once for all of them: the value statistics of one group
+per token, which XLA stores with the heads on sublanes (`value_stats_shared`, since v55).
 
 **Tokens on lanes.** A TPU tiles the last two dimensions of every array into (8, 128) tiles, in
 HBM as in VMEM, so an array whose last dimension is small is either padded to 128 lanes or laid
@@ -64,6 +67,7 @@ from pallas_kernels.decode_attention_tpu import (
   LANES,
   clamped_block_index,
   finalize,
+  last_valid_block,
   tile_rows,
   tokens_on_lanes,
   valid_token_masks,
@@ -139,6 +143,23 @@ def block_tokens_for(
   requested = DEFAULT_BLOCK_TOKENS if requested is None else requested
   block_tokens = -(-max(requested, 1) // unit) * unit
   return tokens if tokens <= block_tokens else block_tokens
+
+
+def last_head_past(split, step, head, last, *, plan: SplitPlan, kv_heads: int):
+  """(head, block) a step of the heads-innermost grid (batch, split, block, KV head) reads or
+  writes, where blocks past `last` are not read: the step's own, or past `last` block `last`
+  of the last head. That is the block the step before had, so Pallas fetches (or writes back)
+  nothing there: with the heads innermost, each head's own block `last` would be a new index
+  at every step past it."""
+  block = split * plan.blocks_per_split + step
+  return jnp.where(block > last, kv_heads - 1, head), jnp.minimum(block, last)
+
+
+def clamped_head_and_block(row, split, step, head, lengths_ref, *, plan: SplitPlan, kv_heads):
+  """`last_head_past` at the row's last valid block (`clamped_block_index`): no DMA past a
+  row's length."""
+  last_valid = last_valid_block(row, lengths_ref, plan=plan)
+  return last_head_past(split, step, head, last_valid, plan=plan, kv_heads=kv_heads)
 
 
 def _stacked_fields(words: jax.Array, bits: int) -> jax.Array:
@@ -250,14 +271,27 @@ class _GearLowRankBlock:
     return term
 
 
+def _value_statistics(ref, head, heads_shared: bool) -> jax.Array:
+  """float32 [D / group, block]: this head's value statistics rows. With `heads_shared` the
+  block holds every KV head's single row ([H, block]: one value group per token, stored with
+  the heads on sublanes) and the head's row is taken by a mask: a load at a dynamic sublane
+  offset into a packed 16-bit tile Mosaic refuses ("cannot statically prove that index in
+  dimension 1 is a multiple of 2", compiled for a TPU v5e and v6e)."""
+  stats = ref[...].astype(jnp.float32)
+  if not heads_shared:
+    return stats
+  heads = jax.lax.broadcasted_iota(jnp.int32, stats.shape, 0)
+  return jnp.where(heads == head, stats, 0.0).sum(axis=0, keepdims=True)
+
+
 def _quantized_kernel(
   lengths_ref,
-  queries_ref,  # [rows, D], compute dtype, pre-scaled
+  queries_ref,  # [H, rows, D], compute dtype, pre-scaled: every KV head's query rows
   k_codes_ref,  # uint32 [W, block]
   k_scale_ref,  # [block / group, D], or [D, block / group] with groups_axis 1
   k_min_ref,
   v_codes_ref,  # uint32 [W, block]
-  v_scale_ref,  # [D / group, block]
+  v_scale_ref,  # [D / group, block], or [H, block] with value_stats_shared
   v_min_ref,
   *rest,
   plan: SplitPlan,
@@ -267,19 +301,22 @@ def _quantized_kernel(
   groups_axis: int,
   rank: int,
   gear_block: int,
+  value_stats_shared: bool,
 ):
   # rest: [GEAR's low-rank factors (rank > 0): k_a, k_b, v_a, v_b], [bias], [the aliased
-  # initial outputs], out, lse, [scores], then three scratch buffers
+  # initial outputs], out, lse, [scores], then three scratch buffers. out, lse and the scratch
+  # hold every KV head ([H, rows, ...]): the heads are the grid's innermost axis.
   lowrank_refs = rest[:4] if rank else None
   rest = rest[4:] if rank else rest
   bias_ref = rest[0] if score_io else None
   outputs = rest[-6:-3] if score_io else rest[-5:-3]
   out_ref, lse_ref = outputs[:2]
   scores_ref = outputs[2] if score_io else None
-  max_ref, sum_ref, acc_ref = rest[-3:]
-  row, split, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+  row, split, step, head = (pl.program_id(axis) for axis in range(4))
+  max_ref, sum_ref, acc_ref = (ref.at[head] for ref in rest[-3:])
   block = plan.block_tokens
   compute_dtype = queries_ref.dtype
+  queries_ref = queries_ref.at[head]
 
   @pl.when(step == 0)
   def _init():
@@ -327,9 +364,12 @@ def _quantized_kernel(
     probs = jnp.exp(scores - new_max)  # 0 past the length
     sum_ref[...] = sum_ref[...] * correction + probs.sum(axis=1, keepdims=True)
     max_ref[...] = new_max
+    v_scale, v_min = (
+      _value_statistics(ref, head, value_stats_shared) for ref in (v_scale_ref, v_min_ref)
+    )
     values = _stacked_fields(v_codes_ref[...], bits) * _repeat_over_channels(
-      v_scale_ref[...], group_size
-    ) + _repeat_over_channels(v_min_ref[...], group_size)  # [D, block]
+      v_scale, group_size
+    ) + _repeat_over_channels(v_min, group_size)  # [D, block]
     # Slots past the length may hold anything: zero them so 0 * NaN cannot leak.
     values = jnp.where(valid_tokens, values, 0.0)
     update = jax.lax.dot_general(
@@ -344,7 +384,7 @@ def _quantized_kernel(
 
   @pl.when(step == plan.blocks_per_split - 1)
   def _write():
-    finalize(max_ref, sum_ref, acc_ref[...], out_ref, lse_ref)
+    finalize(max_ref, sum_ref, acc_ref[...], out_ref.at[head], lse_ref.at[head])
 
 
 @_compat.waits_when_interpreted  # the jax 0.11.2 interpreter hang: `finished_if_interpreted`
@@ -444,43 +484,60 @@ def quantized_decode_attention_partials_tpu(
   key_groups = block_tokens // group_size
   value_groups = head_dim // group_size
 
-  def block_index(b, s, i, lens):
-    return clamped_block_index(b, s, i, lens, plan=plan)
+  # The grid's axes are (batch, split, block, KV head), the heads innermost: a block of value
+  # statistics shared by the heads (`value_stats_shared`) is then fetched once for all of them.
+  head_and_block = functools.partial(clamped_head_and_block, plan=plan, kv_heads=kv_heads)
 
-  def lanes_spec(leading):  # [leading, block] tiles of a [B, H, leading, T] array
-    return pl.BlockSpec(
-      (None, None, leading, block_tokens),
-      lambda b, h, s, i, lens: (b, h, 0, block_index(b, s, i, lens)),
-    )
+  def minor_blocks_spec(leading, minor):  # [leading, minor] tiles of a [B, H, leading, ...]
+    def index_map(b, s, i, h, lens):
+      head, block_index = head_and_block(b, s, i, h, lens)
+      return b, head, 0, block_index
 
+    return pl.BlockSpec((None, None, leading, minor), index_map)
+
+  lanes_spec = lambda leading: minor_blocks_spec(leading, block_tokens)  # [B, H, leading, T]
   if groups_axis == 1:  # [B, H, D, T / group]: the layout XLA gives them below 128 channels
     k_scale, k_min = jnp.swapaxes(k_scale, 2, 3), jnp.swapaxes(k_min, 2, 3)
-    key_stat_spec = pl.BlockSpec(
-      (None, None, head_dim, key_groups),
-      lambda b, h, s, i, lens: (b, h, 0, block_index(b, s, i, lens)),
+    key_stat_spec = minor_blocks_spec(head_dim, key_groups)
+  else:
+
+    def key_stats_index(b, s, i, h, lens):
+      head, block_index = head_and_block(b, s, i, h, lens)
+      return b, head, block_index, 0
+
+    key_stat_spec = pl.BlockSpec((None, None, key_groups, head_dim), key_stats_index)
+  # One value group per token: XLA stores the [B, H, T, 1] statistics with the heads on
+  # sublanes ([B, 1, H, T]), where one head's row is a block of one sublane, which Mosaic
+  # refuses (and a DMA of it too: the offset is not tile-aligned). Taken [B, H, T] (a bitcast
+  # there), a block of every head's row serves the heads' consecutive steps. As [B, H, 1, T]
+  # rows XLA copied both statistics into rows padded to two sublanes at every call (2 x 8 MiB
+  # a step at 32k tokens, batch 8: KERNEL_NOTES v55).
+  value_stats_shared = value_groups == 1
+  if value_stats_shared:
+    value_stats = (v_scale[..., 0], v_min[..., 0])
+    value_stat_spec = pl.BlockSpec(
+      (None, kv_heads, block_tokens),
+      lambda b, s, i, h, lens: (b, 0, clamped_block_index(b, s, i, lens, plan=plan)),
     )
   else:
-    key_stat_spec = pl.BlockSpec(
-      (None, None, key_groups, head_dim),
-      lambda b, h, s, i, lens: (b, h, block_index(b, s, i, lens), 0),
-    )
+    value_stats = (jnp.swapaxes(v_scale, 2, 3), jnp.swapaxes(v_min, 2, 3))
+    value_stat_spec = lanes_spec(value_groups)
   args = [
     pad_query_group(natural_queries, rows, compute_dtype),
     jnp.swapaxes(k_codes, 2, 3),
     k_scale,
     k_min,
     jnp.swapaxes(v_codes, 2, 3),
-    jnp.swapaxes(v_scale, 2, 3),
-    jnp.swapaxes(v_min, 2, 3),
+    *value_stats,
   ]
   in_specs = [
-    pl.BlockSpec((None, None, rows, head_dim), lambda b, h, s, i, lens: (b, h, 0, 0)),
+    pl.BlockSpec((None, kv_heads, rows, head_dim), lambda b, s, i, h, lens: (b, 0, 0, 0)),
     lanes_spec(width),
     key_stat_spec,
     key_stat_spec,
     lanes_spec(width),
-    lanes_spec(value_groups),
-    lanes_spec(value_groups),
+    value_stat_spec,
+    value_stat_spec,
   ]
   if lowrank is not None:
     k_a, k_b, v_a, v_b = lowrank  # [B, H, T, r], [B, H, J, D, r], the same
@@ -489,15 +546,23 @@ def quantized_decode_attention_partials_tpu(
     # (`_GearLowRankBlock`).
     if groups_axis == 1:
       as_stored = lambda factor: jnp.transpose(factor, (0, 1, 3, 4, 2))  # [B, H, D, r, J]
+
+      def factor_b_index(b, s, i, h, lens):
+        head, block_index = head_and_block(b, s, i, h, lens)
+        return b, head, 0, 0, block_index
+
       factor_b_spec = pl.BlockSpec(
-        (None, None, head_dim, rank, block_tokens // block),
-        lambda b, h, s, i, lens: (b, h, 0, 0, block_index(b, s, i, lens)),
+        (None, None, head_dim, rank, block_tokens // block), factor_b_index
       )
     else:
       as_stored = lambda factor: jnp.swapaxes(factor, 3, 4)  # [B, H, J, r, D]
+
+      def factor_b_index(b, s, i, h, lens):
+        head, block_index = head_and_block(b, s, i, h, lens)
+        return b, head, block_index, 0, 0
+
       factor_b_spec = pl.BlockSpec(
-        (None, None, block_tokens // block, rank, head_dim),
-        lambda b, h, s, i, lens: (b, h, block_index(b, s, i, lens), 0, 0),
+        (None, None, block_tokens // block, rank, head_dim), factor_b_index
       )
     args += [jnp.swapaxes(k_a, 2, 3), as_stored(k_b), jnp.swapaxes(v_a, 2, 3), as_stored(v_b)]
     in_specs += [lanes_spec(rank), factor_b_spec, lanes_spec(rank), factor_b_spec]
@@ -505,9 +570,12 @@ def quantized_decode_attention_partials_tpu(
     padded = pad_query_group(natural_queries, rows, jnp.float32)
     args.append(outlier_score_bias(outliers, padded, tokens=tokens, block=block))
     in_specs.append(lanes_spec(rows))
+  # Every head's partials of a split in one block, written back once, after its last step:
+  # a head's own block would be left and revisited at every step, and Pallas writes an output
+  # block back whenever its index changes.
   out_specs = [
-    pl.BlockSpec((None, None, None, rows, head_dim), lambda b, h, s, i, lens: (b, h, s, 0, 0)),
-    pl.BlockSpec((None, None, None, rows, 1), lambda b, h, s, i, lens: (b, h, s, 0, 0)),
+    pl.BlockSpec((None, kv_heads, None, rows, head_dim), lambda b, s, i, h, lens: (b, 0, s, 0, 0)),
+    pl.BlockSpec((None, kv_heads, None, rows, 1), lambda b, s, i, h, lens: (b, 0, s, 0, 0)),
   ]
   out_shape = [
     jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
@@ -516,14 +584,16 @@ def quantized_decode_attention_partials_tpu(
   if score_io:
     # Not clamped to the length: a split whose blocks all lie past it computes nothing, and
     # a clamped index would have it write its unwritten buffer over another split's block.
-    # Only to the last block, which then repeats within the last split's own steps.
+    # Only to the last block, of the last head, which then repeats within the last split's own
+    # steps (the last step that wrote it was the last head's).
     last_block = -(-tokens // block_tokens) - 1
-    out_specs.append(
-      pl.BlockSpec(
-        (None, None, rows, block_tokens),
-        lambda b, h, s, i, lens: (b, h, 0, jnp.minimum(s * plan.blocks_per_split + i, last_block)),
-      )
-    )
+
+    def scores_index(b, s, i, h, lens):
+      del lens
+      head, block_index = last_head_past(s, i, h, last_block, plan=plan, kv_heads=kv_heads)
+      return b, head, 0, block_index
+
+    out_specs.append(pl.BlockSpec((None, None, rows, block_tokens), scores_index))
     # Whole blocks: Pallas' interpreter pads an aliased output to its blocks and then cannot
     # return it at the unpadded shape; the caller gets the first `tokens` columns.
     padded_tokens = (last_block + 1) * block_tokens
@@ -546,13 +616,13 @@ def quantized_decode_attention_partials_tpu(
     args += initial
   grid_spec = _compat.prefetch_scalar_grid_spec(
     num_scalar_prefetch=1,
-    grid=(batch, kv_heads, plan.num_splits, plan.blocks_per_split),
+    grid=(batch, plan.num_splits, plan.blocks_per_split, kv_heads),
     in_specs=in_specs,
     out_specs=out_specs,
     scratch_shapes=[
-      _compat.tpu_vmem_scratch((rows, 1), jnp.float32),
-      _compat.tpu_vmem_scratch((rows, 1), jnp.float32),
-      _compat.tpu_vmem_scratch((rows, head_dim), jnp.float32),
+      _compat.tpu_vmem_scratch((kv_heads, rows, 1), jnp.float32),
+      _compat.tpu_vmem_scratch((kv_heads, rows, 1), jnp.float32),
+      _compat.tpu_vmem_scratch((kv_heads, rows, head_dim), jnp.float32),
     ],
   )
   kernel = functools.partial(
@@ -564,13 +634,14 @@ def quantized_decode_attention_partials_tpu(
     groups_axis=groups_axis,
     rank=rank,
     gear_block=block,
+    value_stats_shared=value_stats_shared,
   )
   outputs = pl.pallas_call(
     kernel,
     grid_spec=grid_spec,
     out_shape=out_shape,
     input_output_aliases=aliases,
-    compiler_params=_compat.tpu_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+    compiler_params=_compat.tpu_compiler_params(("parallel", "parallel", "arbitrary", "arbitrary")),
     interpret=_compat.tpu_interpret_params() if interpret else False,
     name=f"quantized_decode_attention_{bits}bit_tpu",
   )(lengths, *args)

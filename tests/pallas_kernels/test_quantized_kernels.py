@@ -20,7 +20,7 @@ from pallas_kernels.decode_attention_tpu import tokens_on_lanes
 from pallas_kernels.gear_terms_xla import gear_value_terms_from_scores
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
 from pallas_kernels.random_inputs import random_quantized_segment, random_queries
-from pallas_kernels.splits import merge_split_partials, next_power_of_two
+from pallas_kernels.splits import merge_split_partials, next_power_of_two, plan_splits
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
@@ -44,13 +44,14 @@ def _case(
   outliers_per_block=20,
   tokens=TOKENS,
   group_size=GROUP_SIZE,
+  kv_heads=KV_HEADS,
 ):
   rng = np.random.default_rng(seed)
-  queries = random_queries(rng, BATCH, KV_HEADS, group, head_dim)
+  queries = random_queries(rng, BATCH, kv_heads, group, head_dim)
   segment = random_quantized_segment(
     rng,
     BATCH,
-    KV_HEADS,
+    kv_heads,
     tokens,
     head_dim,
     bits=bits,
@@ -72,10 +73,10 @@ def _case(
   return queries, segment, lengths, kwargs, reference
 
 
-def _poison(rows, head_dim):
+def _poison(rows, head_dim, kv_heads=KV_HEADS):
   return (
-    jnp.full((BATCH, KV_HEADS, SPLITS, rows, head_dim), jnp.nan, jnp.float32),
-    jnp.full((BATCH, KV_HEADS, SPLITS, rows), jnp.nan, jnp.float32),
+    jnp.full((BATCH, kv_heads, SPLITS, rows, head_dim), jnp.nan, jnp.float32),
+    jnp.full((BATCH, kv_heads, SPLITS, rows), jnp.nan, jnp.float32),
   )
 
 
@@ -183,21 +184,24 @@ def _check_tpu(
   block_tokens=512,
   outliers_per_block=20,
   garbage_past_lengths=False,
+  group_size=GROUP_SIZE,
+  kv_heads=KV_HEADS,
 ):
   """With `garbage_past_lengths`, the kernel reads the segment with NaN and all-ones codes past
   each row's length (`poison_past_lengths`) and must give the clean segment's reference."""
   tokens = TPU_TOKENS
   if tokens_on_lanes(head_dim):
     tokens = TPU_LANE_GEAR_TOKENS if gear else TPU_LANE_GROUP_TOKENS
+  shape = dict(tokens=tokens, group_size=group_size, kv_heads=kv_heads)
   queries, segment, lengths, kwargs, reference = _case(
-    seed, bits, head_dim, group, gear, dtype, outliers_per_block, tokens=tokens
+    seed, bits, head_dim, group, gear, dtype, outliers_per_block, **shape
   )
   if garbage_past_lengths:
     if segment.outliers is not None:  # signed indices, so that the garbage ones are negative
       k_index, k_value, v_index, v_value = segment.outliers
       outliers = (k_index.astype(jnp.int32), k_value, v_index.astype(jnp.int32), v_value)
       segment = segment._replace(outliers=outliers)
-    segment = poison_past_lengths(segment, lengths, group_size=GROUP_SIZE, block=GEAR_BLOCK)
+    segment = poison_past_lengths(segment, lengths, group_size=group_size, block=GEAR_BLOCK)
     kwargs.update(lowrank=segment.lowrank, outliers=segment.outliers)
     # The entry point too: its outliers' value terms are `gear_outlier_terms_tpu`'s.
     out, lse = tpu_kernel.quantized_decode_attention_tpu(
@@ -212,10 +216,10 @@ def _check_tpu(
     assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(dtype, tpu_interpret()))
   interpret = tpu_interpret()
   rows = decode_attention_tpu.tile_rows(group)
-  poison = _poison(rows, head_dim)
+  poison = _poison(rows, head_dim, kv_heads)
   gear = gear and outliers_per_block > 0  # GEAR-L: its low-rank terms are the kernel's alone
   if gear:  # the kernel's scores too, for the outliers' value terms (gear_terms_xla)
-    poison += (jnp.full((BATCH, KV_HEADS, rows, tokens), jnp.nan, jnp.float32),)
+    poison += (jnp.full((BATCH, kv_heads, rows, tokens), jnp.nan, jnp.float32),)
   partials = tpu_kernel.quantized_decode_attention_partials_tpu(
     queries,
     *segment[:6],
@@ -273,6 +277,73 @@ def test_triton_planar_kernel_matches_reference(bits, head_dim, group, gear, dty
 )
 def test_tpu_kernel_matches_reference(bits, head_dim, group, gear, dtype):
   _check_tpu(bits, head_dim, group, gear, dtype, seed=bits * 7 + head_dim + group)
+
+
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear,dtype,kv_heads",
+  [
+    (2, 64, 4, True, jnp.bfloat16, 3),  # GEAR's default group of 64: SmolLM2's head_dim
+    (4, 128, 1, False, jnp.float32, 2),
+  ],
+)
+def test_tpu_kernel_with_one_value_group_per_token(bits, head_dim, group, gear, dtype, kv_heads):
+  """Value groups as wide as the head: the kernel reads a block of every KV head's statistics
+  row ([H, block], the layout XLA stores them in) once for the heads' consecutive steps, and
+  takes its head's row; an odd number of heads, and garbage past the lengths."""
+  _check_tpu(
+    bits,
+    head_dim,
+    group,
+    gear,
+    dtype,
+    seed=bits + head_dim + kv_heads,
+    group_size=head_dim,
+    kv_heads=kv_heads,
+    garbage_past_lengths=True,
+  )
+
+
+@pytest.mark.parametrize("kv_heads", [1, 3])
+@pytest.mark.parametrize("tokens,block_tokens,num_splits", [(1280, 512, 2), (4096, 512, 3)])
+def test_the_tpu_grid_fetches_each_valid_block_of_each_head_once(
+  kv_heads, tokens, block_tokens, num_splits
+):
+  """The heads-innermost grid's index maps (`clamped_head_and_block`, and for GEAR's scores
+  `last_head_past` at the segment's last block): a step before a row's length reads its head's
+  own block; a step past it repeats the step before's index, so Pallas fetches nothing there,
+  and over the grid each valid (head, block) is a new index once."""
+  plan = plan_splits(tokens, block_tokens, BATCH * kv_heads, num_splits, target_programs=1)
+  blocks = -(-tokens // block_tokens)
+  lengths = jnp.asarray([tokens, block_tokens + 1, 0, block_tokens * plan.blocks_per_split])
+  for row in range(lengths.shape[0]):
+    last_valid = max(-(-int(lengths[row]) // block_tokens) - 1, 0)
+    for last, index_of in [
+      (
+        last_valid,
+        lambda s, i, h, row=row: tpu_kernel.clamped_head_and_block(
+          row, s, i, h, lengths, plan=plan, kv_heads=kv_heads
+        ),
+      ),
+      (
+        blocks - 1,
+        lambda s, i, h: tpu_kernel.last_head_past(
+          s, i, h, blocks - 1, plan=plan, kv_heads=kv_heads
+        ),
+      ),
+    ]:
+      previous, new_indices = None, []
+      for s, i, h in itertools.product(
+        range(plan.num_splits), range(plan.blocks_per_split), range(kv_heads)
+      ):
+        index = tuple(int(x) for x in index_of(s, i, h))
+        if s * plan.blocks_per_split + i <= last:
+          assert index == (h, s * plan.blocks_per_split + i)
+        else:
+          assert index == previous, (row, s, i, h)
+        if index != previous:
+          new_indices.append(index)
+        previous = index
+      assert sorted(new_indices) == sorted(itertools.product(range(kv_heads), range(last + 1)))
 
 
 @pytest.mark.parametrize(
