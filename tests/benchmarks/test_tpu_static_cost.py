@@ -1,0 +1,71 @@
+"""`benchmarks/tpu_static_cost.py`: the bundles of libtpu's dumps read right, and a TPU kernel's
+counts bounded by what its block must do."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.benchmarks.benchmark_modules import BENCHMARKS, load_benchmark
+
+tpu_static_cost = load_benchmark("tpu_static_cost")
+tpu_compile_check = load_benchmark("tpu_compile_check")
+
+# As libtpu writes them: a prologue bundle, a loop of three (its header marked LB, its back
+# edge the last branch), an exit bundle; one utilization row per bundle.
+FINAL_BUNDLES = """= control target key start
+LB: loop body
+= control target key end
+
+     0   :  { %s1 = smov 0 }
+   0x1 LB: > { %v2 = vadd.f32 %v0, %v1  ;;  %v3 = vmul.f32 %v0, %v1 }
+   0x2   : > { %v4 = vand.u32 %v2, %v3  ;;  %5 = sbr.rel (%p1) target = $region9 }
+   0x3   : > { %6 = sbr.rel (!%p2) target = $region2 }
+   0x4   :  { %7 = vsyncpa [#allocation8], 1 }
+"""
+UTILIZATION = """== CAPACTIY:
+MXU, XLU, VALU, VPOP, EUP, VLOAD, VLOAD:FILL, VSTORE, VSTORE:SPILL, SALU
+    4     3     4     2     1     3     3     1     1     2
+== UTILIZATION:
+0 0 0 0 0 0 0 0 0 1
+0 0 2 0 0 1 0 0 0 0
+0 0 1 0 0 0 0 1 0 1
+0 0 0 0 0 0 0 0 0 1
+0 0 0 0 0 0 0 0 0 0
+"""
+
+
+def test_the_loop_body_runs_from_its_header_to_its_back_edge():
+  counts = tpu_static_cost.read_bundles(FINAL_BUNDLES, UTILIZATION)
+  assert counts.total_bundles == 5
+  assert counts.loop_bundles == 3
+  assert counts.loop_unit_ops["VALU"] == 3
+  assert counts.loop_unit_ops["SALU"] == 2
+  assert counts.loop_unit_ops["VSTORE"] == 1
+  assert counts.unit_capacity["VALU"] == 4
+
+
+def test_a_utilization_table_of_other_bundles_is_refused():
+  with pytest.raises(ValueError, match="4 utilization rows for 5 bundles"):
+    tpu_static_cost.read_bundles(FINAL_BUNDLES, UTILIZATION.rstrip().rsplit("\n", 1)[0])
+
+
+@pytest.mark.skipif(not tpu_compile_check.libtpu_available(), reason="libtpu is not installed")
+def test_the_quantized_kernel_issues_at_least_its_unpacking(tmp_path):
+  """KIVI-2 at head_dim 128, 512-token blocks, compiled for a v5e in a process of its own (the
+  dump flags are read when libtpu loads). Each block unpacks 2 x [8 words, 512] codes, 4 vregs
+  each, into 16 fields: a shift and a mask per field and vreg, 256 VALU ops at the least; the
+  loop body holds at least its VALU ops over the 4 VALU slots of a bundle."""
+  out = tmp_path / "rows.json"
+  environment = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent))
+  command = [sys.executable, str(BENCHMARKS / "tpu_static_cost.py"), "--kernels", "kivi2"]
+  command += ["--block-tokens", "512", "--head-dim", "128", "--out", str(out)]
+  subprocess.run(command, check=True, env=environment, capture_output=True, timeout=600)
+  (row,) = json.loads(out.read_text())
+  assert row["grid_steps"] == 8 * 8 * 32768 // 512
+  assert row["loop_unit_ops"]["VALU"] >= 256
+  assert row["loop_bundles"] >= row["loop_unit_ops"]["VALU"] / row["unit_capacity"]["VALU"]
+  assert row["static_cycles"] == row["grid_steps"] * row["loop_bundles"]
+  assert row["loop_bundles"] < row["total_bundles"]
