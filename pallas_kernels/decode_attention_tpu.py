@@ -29,6 +29,11 @@ from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_gro
 
 SUBLANES = 8  # query rows are padded to the f32 sublane tile
 LANES = 128
+# A grid step costs about 250 bundles besides its block's work (the pipeline's DMA issue and
+# waits, the index maps): at 512 tokens a block, head_dim 64, a 32k call issued longer than its
+# reads take on a v5e; at 2048, 2.6x fewer cycles (static bundle counts, `tpu_static_cost`,
+# KERNEL_NOTES v55).
+DEFAULT_BLOCK_TOKENS = 2048
 
 
 def unsupported_reason(queries, keys, values=None) -> str | None:
@@ -166,7 +171,7 @@ def decode_attention_partials_tpu(
   initial_partials=None,
   *,
   sm_scale: float,
-  block_tokens: int = 512,
+  block_tokens: int = DEFAULT_BLOCK_TOKENS,
   num_splits: int | None = 2,
   interpret: bool = False,
 ):

@@ -80,7 +80,11 @@ from pallas_kernels.launch_settings import check_launch_settings
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
 from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
 
-DEFAULT_BLOCK_TOKENS = 512
+# The kernel issues far longer than its reads take (static bundle counts of libtpu's schedule,
+# `benchmarks/tpu_static_cost.py`, KERNEL_NOTES v55: KIVI-2, head_dim 128, 32k tokens, v5e:
+# 3.85 M cycles a call at 512 tokens a block against 0.37 M cycles of HBM reads), and a grid
+# step costs about 600 bundles besides its block's work: 4096-token blocks halve the cycles.
+DEFAULT_BLOCK_TOKENS = 4096
 
 
 def unsupported_reason(
