@@ -847,3 +847,21 @@ def test_a_length_past_the_capacity_counts_as_the_capacity(gear):
   ]
   for out, lse in results:
     assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(jnp.float32, False))
+
+
+@pytest.mark.parametrize("groups_axis", [0, 1])
+def test_the_key_minimums_scores_are_spread_exactly(groups_axis):
+  """q . k_min per key group spread over the group's tokens, taken from bf16 queries as two
+  bf16 halves of the f32 sums: within 2^-16 of the sums (a single bf16 spread would be off by
+  up to 2^-9), each token its own group's."""
+  rng = np.random.default_rng(5)
+  rows, head_dim, groups, group_size = 8, 64, 16, 32
+  queries = jnp.asarray(rng.standard_normal((rows, head_dim)) * 3, jnp.bfloat16)
+  k_min = jnp.asarray(rng.standard_normal((groups, head_dim)), jnp.bfloat16)
+  stored = k_min if groups_axis == 0 else k_min.T
+  scores = tpu_kernel._key_minimum_scores(
+    queries, stored, group_size, groups * group_size, groups_axis
+  )
+  per_group = np.asarray(queries, np.float64) @ np.asarray(k_min, np.float64).T
+  expected = np.repeat(per_group, group_size, axis=1)
+  np.testing.assert_allclose(np.asarray(scores), expected, rtol=2.0**-16, atol=1e-5)
