@@ -367,9 +367,11 @@ def _quantized_kernel(
     live_groups = group_starts < length
     k_scale = jnp.where(live_groups, k_scale_ref[...], 0)
     k_min = jnp.where(live_groups, k_min_ref[...], 0)
-    # The codes centred on their range's middle, the minimums moved by as much: a key's
-    # distance from its group's middle is what the bf16 operand rounds (no larger than the
-    # key's own magnitude, so no less accurate than the keys rounded whole).
+    # The codes centred on their range's middle, the minimums moved by as much: what the bf16
+    # operand rounds is a key's distance from its group's middle (at most half the group's
+    # range), and a channel's offset is kept exact in q . k_min instead of rounded into every
+    # key. Uncentred, the keys less their minimums (up to the whole range) rounded worse than
+    # the keys whole (KERNEL_NOTES v55).
     middle = (2**bits - 1) / 2
     k_min = k_min.astype(jnp.float32) + middle * k_scale.astype(jnp.float32)
     scaled_codes = (_stacked_fields(k_codes_ref[...], bits) - middle) * _spread_over_tokens(
