@@ -101,12 +101,22 @@ def read_bundles(final_bundles: str, utilization: str) -> BundleCounts:
   return BundleCounts(len(addresses), len(body), ops, capacity)
 
 
-def kernel_bundles(function, shapes, topology: str, kernel_name: str, dumps: str) -> BundleCounts:
+def xla_estimated_cycles(compiled) -> int:
+  """The cycles XLA's cost model estimates for the ops of a compiled program that it records
+  them for (`estimated_cycles` in their backend configs: its fusions, copies and the like, not
+  a Mosaic kernel), summed over the program once: for a call without loops, what runs around
+  the kernel. An estimate of XLA's, not a count of bundles."""
+  return sum(int(cycles) for cycles in re.findall(r'estimated_cycles":"(\d+)"', compiled.as_text()))
+
+
+def kernel_bundles(
+  function, shapes, topology: str, kernel_name: str, dumps: str
+) -> tuple[BundleCounts, int]:
   """Compile `function` on `shapes` for `topology` and read the bundles of the Mosaic kernel
   named `kernel_name` (the `pallas_call`'s name) from the dumps this compile wrote into
-  `dumps` (`dump_bundles_to`)."""
+  `dumps` (`dump_bundles_to`); with XLA's estimated cycles of the rest of the program."""
   before = set(os.listdir(dumps))
-  tpu_compile_check.compile_for_tpu(function, shapes, topology)
+  compiled = tpu_compile_check.compile_for_tpu(function, shapes, topology)
   written = sorted(set(os.listdir(dumps)) - before)
 
   def one(suffix: str) -> str:
@@ -116,9 +126,33 @@ def kernel_bundles(function, shapes, topology: str, kernel_name: str, dumps: str
     with open(os.path.join(dumps, found[0])) as handle:
       return handle.read()
 
-  return read_bundles(
+  counts = read_bundles(
     one("-final_bundles.txt"), one("-final_hlo-static-per-bundle-utilization.txt")
   )
+  return counts, xla_estimated_cycles(compiled)
+
+
+def gear_shapes(head_dim: int, tokens: int, bits: int):
+  """(shape, dtype) arguments of a GEAR decode call at the shapes of record with GEAR's
+  defaults (`kvjax.gear_cache.Gear`): quantization groups and blocks of 64 tokens, rank 2, 2%
+  outliers a block and side (82 at head_dim 64, 164 at 128), uint16 indices."""
+  batch, kv_heads, group, block, rank = 8, 8, 4, 64, 2
+  outliers = round(0.02 * block * head_dim)
+  blocks = tokens // block
+  codes = ((batch, kv_heads, tokens, head_dim * bits // 32), jnp.uint32)
+  key_stats = ((batch, kv_heads, tokens // block, head_dim), jnp.bfloat16)
+  value_stats = ((batch, kv_heads, tokens, head_dim // block), jnp.bfloat16)
+  factors = (
+    ((batch, kv_heads, tokens, rank), jnp.bfloat16),
+    ((batch, kv_heads, blocks, head_dim, rank), jnp.bfloat16),
+  ) * 2
+  sparse = (
+    ((batch, kv_heads, blocks, outliers), jnp.uint16),
+    ((batch, kv_heads, blocks, outliers), jnp.bfloat16),
+  ) * 2
+  segment = (codes, key_stats, key_stats, codes, value_stats, value_stats)
+  queries = ((batch, kv_heads, group, head_dim), jnp.bfloat16)
+  return (queries, *segment, ((batch,), jnp.int32), *factors, *sparse)
 
 
 def _bytes_of(shapes) -> int:
@@ -135,29 +169,43 @@ def static_cost(
   dumps: str,
   num_splits: int = 1,
 ) -> dict:
-  """One kernel at the benchmark shape (batch 8, 8 KV heads x 4, group 32, bf16 statistics):
-  "bf16" (`decode_attention_tpu`) or "kivi2" / "kivi4" (`quantized_decode_attention_tpu`)."""
+  """One kernel at the benchmark shape (batch 8, 8 KV heads x 4, bf16 statistics): "bf16"
+  (`decode_attention_tpu`), "kivi2" / "kivi4" (`quantized_decode_attention_tpu`, group 32) or
+  "gear2" / "gear4" (the same kernel with GEAR's low-rank terms and its outliers' score bias
+  and scores, `gear_shapes`; XLA's outlier terms around it are in `xla_estimated_cycles`)."""
   from pallas_kernels import quantized_decode_attention_tpu
   from pallas_kernels.splits import plan_splits
 
-  bits = None if kernel == "bf16" else int(kernel.removeprefix("kivi"))
   config = dict(block_tokens=block_tokens, num_splits=num_splits)
-  if bits is None:
+  if kernel == "bf16":
     function = tpu_compile_check.full_precision_call(**config)
-    name = "decode_attention_tpu"
-    block = block_tokens
-  else:
+    name, block = "decode_attention_tpu", block_tokens
+    shapes = tpu_compile_check.record_shapes(head_dim, tokens, None)
+    cache_shapes = shapes[1:3]
+  elif kernel.startswith("kivi"):
+    bits = int(kernel.removeprefix("kivi"))
     function = tpu_compile_check.quantized_call(bits, **config)
     name = f"quantized_decode_attention_{bits}bit_tpu"
     block = quantized_decode_attention_tpu.block_tokens_for(
       tokens, 32, jnp.bfloat16, block_tokens, head_dim
     )
-  shapes = tpu_compile_check.record_shapes(head_dim, tokens, bits)
-  counts = kernel_bundles(function, shapes, topology, name, dumps)
+    shapes = tpu_compile_check.record_shapes(head_dim, tokens, bits)
+    cache_shapes = shapes[1:7]
+  else:
+    bits = int(kernel.removeprefix("gear"))
+    call = tpu_compile_check.quantized_call(bits, group_size=64, **config)
+    function = lambda *args: call(*args[:8], lowrank=args[8:12], outliers=args[12:16], block=64)
+    name = f"quantized_decode_attention_{bits}bit_tpu"
+    block = quantized_decode_attention_tpu.block_tokens_for(
+      tokens, 64, jnp.bfloat16, block_tokens, head_dim, gear_block=64
+    )
+    shapes = gear_shapes(head_dim, tokens, bits)
+    cache_shapes = shapes[1:7] + shapes[8:]  # the lengths (eighth) left out
+  counts, xla_cycles = kernel_bundles(function, shapes, topology, name, dumps)
   batch, kv_heads = shapes[0][0][:2]
   plan = plan_splits(tokens, block, batch * kv_heads, num_splits, target_programs=1)
   steps = batch * kv_heads * plan.num_splits * plan.blocks_per_split
-  cache_bytes = _bytes_of(shapes[1:-1])  # the cache arrays: queries and lengths left out
+  cache_bytes = _bytes_of(cache_shapes)
   static_cycles = steps * counts.loop_bundles
   row = dict(
     kernel=kernel,
@@ -168,6 +216,7 @@ def static_cost(
     grid_steps=steps,
     **dataclasses.asdict(counts),
     static_cycles=static_cycles,
+    xla_estimated_cycles=xla_cycles,
     cache_bytes=cache_bytes,
   )
   if topology.startswith("v5e"):
@@ -210,7 +259,9 @@ def main(argv=None):
   parser.add_argument("--topology", default="v5e:2x2", choices=tpu_compile_check.TOPOLOGIES)
   parser.add_argument("--head-dim", type=int, nargs="+", default=[128])
   parser.add_argument("--tokens", type=int, default=32768)
-  parser.add_argument("--kernels", nargs="+", default=["bf16", "kivi2", "kivi4"])
+  parser.add_argument(
+    "--kernels", nargs="+", default=["bf16", "kivi2", "kivi4"], help="also gear2, gear4"
+  )
   parser.add_argument("--block-tokens", type=int, nargs="+", default=[512, 1024, 2048])
   parser.add_argument("--out", help="write the rows as JSON here")
   args = parser.parse_args(argv)
