@@ -52,27 +52,43 @@ def test_a_utilization_table_of_other_bundles_is_refused():
     tpu_static_cost.read_bundles(FINAL_BUNDLES, UTILIZATION.rstrip().rsplit("\n", 1)[0])
 
 
-@pytest.mark.skipif(not tpu_compile_check.libtpu_available(), reason="libtpu is not installed")
-def test_the_quantized_kernel_issues_at_least_its_unpacking(tmp_path):
-  """KIVI-2 and GEAR-2 at head_dim 128, 512-token blocks, compiled for a v5e in a process of
-  its own (the dump flags are read when libtpu loads). Each KIVI block unpacks 2 x [8 words,
-  512] codes, 4 vregs each, into 16 fields: a shift and a mask per field and vreg, 256 VALU ops
-  at the least; the loop body holds at least its VALU ops over the 4 VALU slots of a bundle."""
+def _static_cost_rows(tmp_path, *kernels: str) -> list[dict]:
+  """`tpu_static_cost.py` at head_dim 128, 512-token blocks, compiled for a v5e in a process
+  of its own (the dump flags are read when libtpu loads)."""
   out = tmp_path / "rows.json"
   environment = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent))
-  command = [sys.executable, str(BENCHMARKS / "tpu_static_cost.py"), "--kernels", "kivi2"]
-  command += ["gear2", "--block-tokens", "512", "--head-dim", "128", "--out", str(out)]
+  command = [sys.executable, str(BENCHMARKS / "tpu_static_cost.py"), "--kernels", *kernels]
+  command += ["--block-tokens", "512", "--head-dim", "128", "--out", str(out)]
   subprocess.run(command, check=True, env=environment, capture_output=True, timeout=600)
-  row, gear = json.loads(out.read_text())
+  return json.loads(out.read_text())
+
+
+needs_libtpu = pytest.mark.skipif(
+  not tpu_compile_check.libtpu_available(), reason="libtpu is not installed"
+)
+
+
+@needs_libtpu
+def test_the_quantized_kernel_issues_at_least_its_unpacking(tmp_path):
+  """KIVI-2: each block unpacks 2 x [8 words, 512] codes, 4 vregs each, into 16 fields: a shift
+  and a mask per field and vreg, 256 VALU ops at the least; the loop body holds at least its
+  VALU ops over the 4 VALU slots of a bundle."""
+  (row,) = _static_cost_rows(tmp_path, "kivi2")
   assert row["grid_steps"] == 8 * 8 * 32768 // 512
   assert row["loop_unit_ops"]["VALU"] >= 256
   assert row["loop_bundles"] >= row["loop_unit_ops"]["VALU"] / row["unit_capacity"]["VALU"]
   assert row["static_cycles"] == row["grid_steps"] * row["loop_bundles"]
   assert row["loop_bundles"] < row["total_bundles"]
-  # GEAR-2 (rank 2, 164 outliers a 64-token block and side, uint16 indices): the whole cache's
-  # bytes, codes 2 x 64 MiB, key and value statistics 2 x 8 MiB each, A factors 2 x 8 MiB, B
-  # factors 2 x 16 MiB, outlier indices and values 4 x 10.25 MiB; and XLA's outlier terms
-  # around the kernel, which only GEAR has.
+
+
+@needs_libtpu
+@pytest.mark.slow  # about 40 s: GEAR's call compiled in a fresh process
+def test_gears_row_counts_its_whole_cache_and_xlas_outlier_terms(tmp_path):
+  """GEAR-2 (rank 2, 164 outliers a 64-token block and side, uint16 indices): the whole cache's
+  bytes, codes 2 x 64 MiB, key and value statistics 2 x 8 MiB each, A factors 2 x 8 MiB, B
+  factors 2 x 16 MiB, outlier indices and values 4 x 10.25 MiB; and XLA's outlier terms around
+  the kernel, which only GEAR has."""
+  row, gear = _static_cost_rows(tmp_path, "kivi2", "gear2")
   mib = 2**20
   assert gear["cache_bytes"] == 2 * 64 * mib + 6 * 8 * mib + 2 * 16 * mib + 4 * 10.25 * mib
   assert gear["xla_estimated_cycles"] > row["xla_estimated_cycles"]

@@ -369,10 +369,10 @@ def test_a_gear_decode_step_copies_little_beside_its_window(head_dim, bound_mb):
   statistics pinned row-major through the appends' loop, 206 and 222 MB (KERNEL_NOTES v50), most
   of it the low-rank rows spread over their GEAR blocks. With the low-rank terms the kernel's own
   (v51) what is left at 128 is the full-precision window (K and V [B, H, 64, 128], 1 MB each);
-  at 64 the window twice (4 x 1 MiB). The B factors, relaid there from blocks-minor to 128
-  channel lanes (2 x 16.7 MB: 52 MiB in all), are read as stored since v54; the value
-  statistics of one group per token, stored heads-on-sublanes and copied to [B, H, 1, T] rows
-  padded to 2 sublanes (2 x 8 MiB: 20 MiB in all), since v55 (one block of every head's row).
+  at 64 the window twice (4 x 1 MiB). There the B factors (relaid from blocks-minor to 128
+  channel lanes before: 2 x 16.7 MB, 52 MiB in all) are read as stored since v54, and so are
+  the value statistics of one group per token since v55 (stored heads-on-sublanes and copied
+  to [B, H, 1, T] rows padded to 2 sublanes before: 2 x 8 MiB, 20 MiB in all).
   The flush branch, every 64 steps, copies block-sized arrays: 31.0 MiB in 14 copies at 128,
   22.0 MiB at 64 (`_check_flush_copies`)."""
   compiled = tpu_compile_check.decode_loop("gear", context=32768, head_dim=head_dim)
