@@ -321,6 +321,13 @@ def quantized_call(bits: int, group_size: int = 32, sm_scale: float = 0.088, **c
   )
 
 
+def gear_call(bits: int, group_size: int, block: int = 64, **config):
+  """`quantized_call` on a GEAR segment: the call's arguments are the quantized segment's eight
+  (queries to lengths), then the four low-rank factors and the four outlier arrays."""
+  call = quantized_call(bits, group_size, **config)
+  return lambda *args: call(*args[:8], lowrank=args[8:12], outliers=args[12:16], block=block)
+
+
 def check_record_shapes(topology: str, tokens: int) -> list[dict]:
   """Every TPU kernel at the benchmark shape: compiled, and its copies of >= 1 MB."""
   rows = []

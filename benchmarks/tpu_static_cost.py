@@ -193,8 +193,7 @@ def static_cost(
     cache_shapes = shapes[1:7]
   else:
     bits = int(kernel.removeprefix("gear"))
-    call = tpu_compile_check.quantized_call(bits, group_size=64, **config)
-    function = lambda *args: call(*args[:8], lowrank=args[8:12], outliers=args[12:16], block=64)
+    function = tpu_compile_check.gear_call(bits, group_size=64, **config)
     name = f"quantized_decode_attention_{bits}bit_tpu"
     block = quantized_decode_attention_tpu.block_tokens_for(
       tokens, 64, jnp.bfloat16, block_tokens, head_dim, gear_block=64

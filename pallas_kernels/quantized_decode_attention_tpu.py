@@ -522,24 +522,24 @@ def quantized_decode_attention_partials_tpu(
   # statistics shared by the heads (`value_stats_shared`) is then fetched once for all of them.
   head_and_block = functools.partial(clamped_head_and_block, plan=plan, kv_heads=kv_heads)
 
-  def minor_blocks_spec(leading, minor):  # [leading, minor] tiles of a [B, H, leading, ...]
+  def head_block_spec(shape, token_axis):
+    """Blocks of `shape` of a [B, H, ...] array, one head's, the token blocks along
+    `token_axis` of `shape`, the other axes whole."""
+
     def index_map(b, s, i, h, lens):
       head, block_index = head_and_block(b, s, i, h, lens)
-      return b, head, 0, block_index
+      return (b, head) + tuple(
+        block_index if axis == token_axis else 0 for axis in range(len(shape))
+      )
 
-    return pl.BlockSpec((None, None, leading, minor), index_map)
+    return pl.BlockSpec((None, None, *shape), index_map)
 
-  lanes_spec = lambda leading: minor_blocks_spec(leading, block_tokens)  # [B, H, leading, T]
+  lanes_spec = lambda leading: head_block_spec((leading, block_tokens), 1)  # [B, H, leading, T]
   if groups_axis == 1:  # [B, H, D, T / group]: the layout XLA gives them below 128 channels
     k_scale, k_min = jnp.swapaxes(k_scale, 2, 3), jnp.swapaxes(k_min, 2, 3)
-    key_stat_spec = minor_blocks_spec(head_dim, key_groups)
+    key_stat_spec = head_block_spec((head_dim, key_groups), 1)
   else:
-
-    def key_stats_index(b, s, i, h, lens):
-      head, block_index = head_and_block(b, s, i, h, lens)
-      return b, head, block_index, 0
-
-    key_stat_spec = pl.BlockSpec((None, None, key_groups, head_dim), key_stats_index)
+    key_stat_spec = head_block_spec((key_groups, head_dim), 0)
   # One value group per token: XLA stores the [B, H, T, 1] statistics with the heads on
   # sublanes ([B, 1, H, T]), where one head's row is a block of one sublane, which Mosaic
   # refuses (and a DMA of it too: the offset is not tile-aligned). Taken [B, H, T] (a bitcast
@@ -578,26 +578,13 @@ def quantized_decode_attention_partials_tpu(
     # Both as XLA lays the stored arrays out (the transposes are bitcasts there): A with the
     # tokens last; B with the channels last at 128 channels or more, the GEAR blocks last below
     # (`_GearLowRankBlock`).
+    gear_blocks = block_tokens // block
     if groups_axis == 1:
       as_stored = lambda factor: jnp.transpose(factor, (0, 1, 3, 4, 2))  # [B, H, D, r, J]
-
-      def factor_b_index(b, s, i, h, lens):
-        head, block_index = head_and_block(b, s, i, h, lens)
-        return b, head, 0, 0, block_index
-
-      factor_b_spec = pl.BlockSpec(
-        (None, None, head_dim, rank, block_tokens // block), factor_b_index
-      )
+      factor_b_spec = head_block_spec((head_dim, rank, gear_blocks), 2)
     else:
       as_stored = lambda factor: jnp.swapaxes(factor, 3, 4)  # [B, H, J, r, D]
-
-      def factor_b_index(b, s, i, h, lens):
-        head, block_index = head_and_block(b, s, i, h, lens)
-        return b, head, block_index, 0, 0
-
-      factor_b_spec = pl.BlockSpec(
-        (None, None, block_tokens // block, rank, head_dim), factor_b_index
-      )
+      factor_b_spec = head_block_spec((gear_blocks, rank, head_dim), 0)
     args += [jnp.swapaxes(k_a, 2, 3), as_stored(k_b), jnp.swapaxes(v_a, 2, 3), as_stored(v_b)]
     in_specs += [lanes_spec(rank), factor_b_spec, lanes_spec(rank), factor_b_spec]
   if score_io:

@@ -72,10 +72,9 @@ def _quantized_shapes(bits, head_dim, group, dtype, group_size, gear, tokens):
 
 
 def _quantized_function(bits, group_size, gear):
-  call = tpu_compile_check.quantized_call(bits, group_size)
   if not gear:
-    return call
-  return lambda *args: call(*args[:8], lowrank=args[8:12], outliers=args[12:16], block=64)
+    return tpu_compile_check.quantized_call(bits, group_size)
+  return tpu_compile_check.gear_call(bits, group_size)
 
 
 def _compile_quantized(bits, head_dim, group, dtype, group_size, gear, topology="v5e:2x2"):
