@@ -177,7 +177,6 @@ def quantized_bytes(segment, lengths, tokens) -> int:
 def check_grid(args) -> list[dict]:
   """Kernel vs reference on fresh random inputs over the shape grid, with poisoned outputs."""
   from pallas_kernels import (
-    gear_outlier_terms_tpu,
     gear_terms_xla,
     quantized_decode_attention_tpu,
     quantized_decode_attention_triton,
@@ -265,21 +264,16 @@ def check_grid(args) -> list[dict]:
           quantized_decode_attention_triton.compute_dtype_for(jnp.dtype(dtype)),
         )
         out = out[..., np.argsort(order)]
-      if len(partials) == 3:  # GEAR terms by XLA from the scores the kernel wrote
+      if len(partials) == 3:  # GEAR terms by XLA from the scores the GPU kernel wrote
         scores = partials[2]
         written = np.arange(scores.shape[-1])[None, :] < np.asarray(lengths)[:, None]
         written = np.broadcast_to(written[:, None, None], scores.shape)
         row["unwritten_scores"] = int(
           np.isnan(np.asarray(scores)[:, :, :group][written[:, :, :group]]).sum()
         )
-        if on_tpu:  # the kernel computed the low-rank terms; the outliers' value terms by XLA
-          out = out + gear_outlier_terms_tpu.outlier_value_terms_from_scores(
-            segment.outliers, scores, lse, lengths, block=64, head_dim=head_dim
-          )
-        else:
-          out = out + gear_terms_xla.gear_value_terms_from_scores(
-            segment.lowrank, segment.outliers, scores, lse, lengths, block=64, head_dim=head_dim
-          )
+        out = out + gear_terms_xla.gear_value_terms_from_scores(
+          segment.lowrank, segment.outliers, scores, lse, lengths, block=64, head_dim=head_dim
+        )
       row["unwritten"] = int(np.isnan(np.asarray(out_p)).sum() + np.isnan(np.asarray(lse_p)).sum())
       row["relative_error"] = relative_error(out, ref_out)
       finite = np.isfinite(np.asarray(ref_lse))

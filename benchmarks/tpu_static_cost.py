@@ -171,8 +171,8 @@ def static_cost(
 ) -> dict:
   """One kernel at the benchmark shape (batch 8, 8 KV heads x 4, bf16 statistics): "bf16"
   (`decode_attention_tpu`), "kivi2" / "kivi4" (`quantized_decode_attention_tpu`, group 32) or
-  "gear2" / "gear4" (the same kernel with GEAR's low-rank terms and its outliers' score bias
-  and scores, `gear_shapes`; XLA's outlier terms around it are in `xla_estimated_cycles`)."""
+  "gear2" / "gear4" (the same kernel with GEAR's low-rank and outlier terms, `gear_shapes`).
+  XLA's work around a kernel is in `xla_estimated_cycles` (XLA's own cost model)."""
   from pallas_kernels import quantized_decode_attention_tpu
   from pallas_kernels.splits import plan_splits
 
@@ -196,7 +196,14 @@ def static_cost(
     function = tpu_compile_check.gear_call(bits, group_size=64, **config)
     name = f"quantized_decode_attention_{bits}bit_tpu"
     block = quantized_decode_attention_tpu.block_tokens_for(
-      tokens, 64, jnp.bfloat16, block_tokens, head_dim, gear_block=64
+      tokens,
+      64,
+      jnp.bfloat16,
+      block_tokens,
+      head_dim,
+      gear_block=64,
+      lowrank=True,
+      outlier_itemsize=2,
     )
     shapes = gear_shapes(head_dim, tokens, bits)
     cache_shapes = shapes[1:7] + shapes[8:]  # the lengths (eighth) left out

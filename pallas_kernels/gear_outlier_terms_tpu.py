@@ -1,74 +1,166 @@
-"""GEAR's outlier terms by XLA around the TPU decode kernel, laid out for a TPU.
+"""GEAR's sparse outlier terms inside the TPU decode kernel: one-hot products per GEAR block.
 
-The TPU kernel computes GEAR's low-rank terms itself (`quantized_decode_attention_tpu`); the
-sparse outliers stay XLA's, as `gear_terms_xla`'s for the GPU kernels (whose docstring has the
-algebra): a dense score bias the kernel adds, and value terms added after the merge from the
-scores the kernel wrote. `gear_terms_xla` lays its work out for a GPU: each outlier's query
-group as a window of G contiguous floats ([B, H, J s, G]), the GEAR blocks' axis flattened with
-the outliers'. A TPU tiles the two most minor dimensions of every array into (8, 128), so there
-a [.., G] array is padded from 4 lanes to 128, and the flattening and the [J, s] stored layout
-disagree: compiled for a TPU v5e without one, kvjax's decode loop with a GEAR-2 cache (batch 8,
-8 KV heads x 4, 32k tokens) copied 3.36 GB a step around the kernel, 2.75 GB of it one padded
-[J s, G] product (KERNEL_NOTES v50). Here the outliers are taken as stored, [B, H, J, s],
-row-major (`OUTLIER_LAYOUT`, pinned by the cache's writes on a TPU), never flattened:
+A GEAR block j of `gear_block` tokens stores s outliers as flat indices t_local * D + c and
+values, [J, s] per KV head, row-major (`OUTLIER_LAYOUT`). Over one kernel block of J_blk GEAR
+blocks (their [J_blk, s] rows, the outliers on lanes, as stored), with q the scaled queries
+[rows, D] and p the unnormalised probabilities [rows, block], a `span` of tokens at a time (whole
+lane tiles holding whole GEAR blocks: 128 tokens, two GEAR blocks of 64, whose outliers are
+taken side by side, [1, 2 s]):
 
-  key    q at each outlier's channel gathered to [B, H, R, J, s], scattered onto the bias's
-         token lanes;
-  value  p at each outlier's token gathered to [B, H, G, J, s], scattered onto channels.
+  keys    scores[:, t] += sum_{k: token k = t} q[:, c_k] v_k
+          = q[:, c] . T^T: q gathered at the outliers' channels (a lane gather, exact), times
+          T [span, n] the token one-hot holding the values;
+  values  out += sum_k p[:, t_k] v_k e_{c_k}
+          = p[:, t] . C^T: p gathered at the outliers' tokens, times C [D, n] the channel
+          one-hot holding the values.
 
-Both are exact rewrites of `gear_terms_xla`'s outlier parts (tests compare them); nothing here
-has been timed on a TPU.
+The one-hot holds the values as stored and has one nonzero term per outlier: with bfloat16
+values the float32 queries and probabilities gathered are taken as two bfloat16 halves in one
+MXU pass (`bfloat16_halves`, exact to 2^-16), and only the float32 sums round, as in the
+reference. Float32 values take HIGHEST precision.
+
+Outliers whose token is at or past the row's length are zeroed first: storage past a length may
+hold anything (NaN values, indices anywhere), and a NaN in a one-hot operand would reach every
+output of its product (0 x NaN). Indices are clipped into their block, so that a garbage one
+cannot name a token of the other GEAR block of a span.
+
+Before v56 these terms were XLA's around the kernel (a dense [B, H, R, T] score bias in, the
+scores out, the value terms scattered after the merge): XLA's own cost model put those ops at
+15 M (head_dim 64) to 31 M (128) cycles a decode step at 32k, against the kernel's 3.5 M
+(compiled for a TPU v5e without one: KERNEL_NOTES v55), and their scatter crashed v6e's
+SparseCore compiler at 32k.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gear_terms_xla import normalised_probabilities, outlier_tokens_and_channels
+from pallas_kernels.bfloat16_halves import product_by_halves
+from pallas_kernels.decode_attention_tpu import LANES
 
 # The layout the outlier arrays are read in: row-major, [B, H, J, s] as stored (a cache that
 # writes them inside a TPU decode loop pins it: `kivi_cache._write_blocks`).
 OUTLIER_LAYOUT = (0, 1, 2, 3)
 
 
-def _grid(batch: int, kv_heads: int, rows: int):
-  """Index arrays [B, 1, 1, 1, 1], [1, H, 1, 1, 1], [1, 1, R, 1, 1] for [B, H, R, J, s] gathers
-  and scatters."""
-  return tuple(axis[..., None, None] for axis in jnp.ogrid[:batch, :kv_heads, :rows])
+def outlier_span(gear_block: int) -> int:
+  """Tokens whose scores one GEAR block's products cover: whole lane tiles holding whole GEAR
+  blocks (128 at GEAR blocks of 16 to 128 dividing it, the GEAR block at multiples of 128)."""
+  return math.lcm(gear_block, LANES)
 
 
-def outlier_score_bias(outliers, scaled_queries: jax.Array, *, tokens: int, block: int):
-  """float32 [B, H, R, tokens]: `gear_terms_xla.gear_score_bias` without a low-rank part, for
-  a TPU. scaled_queries float32 [B, H, R, D] (padding rows give padding rows); outliers as the
-  reference takes them."""
-  batch, kv_heads, rows, head_dim = scaled_queries.shape
-  token, channel = outlier_tokens_and_channels(outliers[0], block, head_dim)  # [B, H, J, s]
-  value = outliers[1].astype(jnp.float32)[:, :, None]
-  b, h, g = _grid(batch, kv_heads, rows)
-  q_at_channel = scaled_queries[b, h, g, channel[:, :, None]]  # [B, H, R, J, s]
-  bias = jnp.zeros((batch, kv_heads, rows, tokens), jnp.float32)
-  return bias.at[b, h, g, token[:, :, None]].add(q_at_channel * value)
+class GearOutlierBlock:
+  """GEAR's outlier terms over one kernel block: `first` its first token, `length` the row's
+  length, the four outlier arrays [J_blk, s] (indices of any integer dtype, values in the
+  cache's dtype) of its J_blk GEAR blocks. `operand_dtype` is what the products take (the
+  kernel's compute dtype: bfloat16, or float32 at HIGHEST precision); values not exact in it
+  (float32 ones with bfloat16 queries) make it float32."""
 
+  def __init__(
+    self,
+    k_index: jax.Array,
+    k_value: jax.Array,
+    v_index: jax.Array,
+    v_value: jax.Array,
+    *,
+    first,
+    length,
+    gear_block: int,
+    head_dim: int,
+    operand_dtype,
+  ):
+    self.gear_blocks, self.count = k_index.shape
+    self.gear_block = gear_block
+    self.head_dim = head_dim
+    self.span = outlier_span(gear_block)
+    exact = all(value.dtype == operand_dtype for value in (k_value, v_value))
+    self.dtype = operand_dtype if exact else jnp.float32
+    self.keys = self._positions(k_index, k_value, first, length)
+    self.values = self._positions(v_index, v_value, first, length)
 
-def outlier_value_terms_from_scores(
-  outliers,
-  scores: jax.Array,
-  lse: jax.Array,
-  lengths: jax.Array,
-  *,
-  block: int,
-  head_dim: int,
-) -> jax.Array:
-  """float32 [B, H, G, D]: `gear_terms_xla.gear_value_terms_from_scores` without a low-rank
-  part, for a TPU (same other arguments; no outlier slots: a TPU's scatter is not made of
-  atomic adds). Outliers at or past a row's length add nothing, whatever they hold."""
-  batch, kv_heads, group = lse.shape
-  probs = normalised_probabilities(scores, lse, lengths)  # [B, H, G, T]
-  token, channel = outlier_tokens_and_channels(outliers[2], block, head_dim)  # [B, H, J, s]
-  value = outliers[3].astype(jnp.float32)[:, :, None]
-  b, h, g = _grid(batch, kv_heads, group)
-  weighted = probs[b, h, g, token[:, :, None]] * value  # [B, H, G, J, s]
-  # p = 0 past the length, but a block past it may hold NaN values (0 times NaN is NaN) and
-  # indices pointing anywhere.
-  weighted = jnp.where((token < lengths[:, None, None, None])[:, :, None], weighted, 0.0)
-  terms = jnp.zeros((batch, kv_heads, group, head_dim), jnp.float32)
-  return terms.at[b, h, g, channel[:, :, None]].add(weighted)
+  def _positions(self, index, value, first, length):
+    """(token within its span, channel, value zeroed at or past the length), each [J_blk, s]."""
+    index = jnp.clip(index.astype(jnp.int32), 0, self.gear_block * self.head_dim - 1)
+    token_in_block, channel = index // self.head_dim, index % self.head_dim
+    block = jax.lax.broadcasted_iota(jnp.int32, index.shape, 0)
+    live = first + block * self.gear_block + token_in_block < length
+    value = jnp.where(live, value.astype(jnp.float32), 0.0)
+    blocks_per_span = self.span // self.gear_block
+    return token_in_block + (block % blocks_per_span) * self.gear_block, channel, value
+
+  @staticmethod
+  def _span_rows(positions, blocks: range):
+    """(token, channel, value) rows [1, n s] of the span's n GEAR blocks side by side: one
+    gather and one product for the span instead of one per GEAR block, on fewer padded lanes
+    (2 x 164 outliers fill 3 lane tiles, not 4)."""
+    rows = tuple(tuple(x[j : j + 1] for j in blocks) for x in positions)
+    return tuple(row[0] if len(row) == 1 else jnp.concatenate(row, axis=1) for row in rows)
+
+  def _one_hot(self, index: jax.Array, value: jax.Array, size: int) -> jax.Array:
+    """[size, n]: row i holding the values whose index (a row [1, n]) is i."""
+    hit = jax.lax.broadcasted_iota(jnp.int32, (size, index.shape[1]), 0) == index
+    return jnp.where(hit, value, 0.0).astype(self.dtype)
+
+  @staticmethod
+  def _gather_lanes(operand: jax.Array, index: jax.Array) -> jax.Array:
+    """float32 [rows, s]: operand[:, index] for an index row [1, s] into operand [rows, width],
+    one 128-lane tile at a time (a TPU gathers lanes within one vector register: Mosaic
+    refuses "multiple source vregs along gather dimension"), in float32 (it refuses 16-bit
+    sources with 32-bit indices)."""
+    rows, width = operand.shape
+    operand = operand.astype(jnp.float32)
+    index = jnp.broadcast_to(index, (rows, index.shape[1]))
+    gathered = None
+    for start in range(0, width, LANES):
+      tile = operand[:, start : start + LANES]
+      local = jnp.clip(index - start, 0, tile.shape[1] - 1)
+      part = jnp.take_along_axis(tile, local, axis=1)
+      gathered = part if gathered is None else jnp.where(index >= start, part, gathered)
+    return gathered
+
+  def _product(self, a, b, *, a_exact: bool):
+    """a [rows, s] . b [n, s]^T -> float32 [rows, n]. `a_exact`: a is exact in the operand
+    dtype; else (gathered float32 queries or probabilities) it is taken as two bfloat16
+    halves (`bfloat16_halves`)."""
+    if self.dtype == jnp.bfloat16 and not a_exact:
+      return product_by_halves(a, b, (1,))
+    precision = jax.lax.Precision.HIGHEST if self.dtype == jnp.float32 else None
+    return jax.lax.dot_general(
+      a.astype(self.dtype),
+      b,
+      (((1,), (1,)), ((), ())),
+      preferred_element_type=jnp.float32,
+      precision=precision,
+    )
+
+  def _spans(self):
+    """(first token, width, GEAR blocks) of each span of the kernel block; the last one is
+    narrower where the block (a whole segment shorter than a kernel block) ends inside it."""
+    per_span = self.span // self.gear_block
+    for first_block in range(0, self.gear_blocks, per_span):
+      blocks = range(first_block, min(first_block + per_span, self.gear_blocks))
+      yield first_block * self.gear_block, len(blocks) * self.gear_block, blocks
+
+  def score_term(self, queries: jax.Array) -> jax.Array:
+    """float32 [rows, block]: the key outliers' scores for queries [rows, D] (scaled as the
+    kernel's scores are; float32, or exact in the operand dtype)."""
+    parts = []
+    for _, width, blocks in self._spans():
+      token, channel, value = self._span_rows(self.keys, blocks)
+      at_channels = self._gather_lanes(queries, channel)  # [rows, n s]
+      tokens = self._one_hot(token, value, width)
+      parts.append(self._product(at_channels, tokens, a_exact=queries.dtype == self.dtype))
+    return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+  def value_term(self, probs: jax.Array) -> jax.Array:
+    """float32 [rows, D]: sum_t p[:, t] times token t's value outliers, for the block's float32
+    probabilities [rows, block] (unnormalised: the online softmax rescales it with the rest)."""
+    term = None
+    for start, width, blocks in self._spans():
+      token, channel, value = self._span_rows(self.values, blocks)
+      at_tokens = self._gather_lanes(probs[:, start : start + width], token)  # [rows, n s]
+      channels = self._one_hot(channel, value, self.head_dim)
+      part = self._product(at_tokens, channels, a_exact=False)
+      term = part if term is None else part + term
+    return term

@@ -44,13 +44,13 @@ summed per GEAR block by the transposed 0/1 product and multiplied into v_b, add
 accumulator, which the online softmax rescales with the rest. Done by XLA around the kernel,
 spreading each GEAR block's row over its 64 tokens was a [.., J, 64] -> [.., T] relayout
 (64 of 128 lanes) and a dense [B, H, R, T] bias: about 0.2 GB copied a step in a decode loop
-at 32k tokens (KERNEL_NOTES v50). GEAR's outliers stay XLA's, as the GPU kernels' default: the
-kernel adds a dense score bias and writes its scores, and the caller adds the value terms after
-the splits are merged (`quantized_decode_attention_tpu`), laid out for a TPU
-(`gear_outlier_terms_tpu`: outliers and tokens on lanes; the GPU's layout of them made XLA copy
-3.4 GB a step around this kernel, v50; its 32-slot outlier scatter also crashed v6e's
-compiler, v49). The version before v49 fused the outliers with one-hot products in its
-[block, W] layout; it compiled for a TPU only after a mask fix (v49) and was never run on one.
+at 32k tokens (KERNEL_NOTES v50). GEAR's outliers are the kernel's too (since v56): per GEAR
+block, one-hot products gather q at the key outliers' channels and spread them over their
+tokens, and gather p at the value outliers' tokens and spread them over their channels
+(`gear_outlier_terms_tpu`), the outliers read as stored ([J_blk, s] rows per block). Done by
+XLA around the kernel (a dense [B, H, R, T] score bias in, the scores out, the value terms
+scattered after the merge), XLA's own cost model put them at 15-31 M cycles a decode step at 32k
+against the kernel's 3.5 M (v55), and their scatter crashed v6e's SparseCore compiler at 32k.
 """
 
 import functools
@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.base_two_softmax import LOG2_E
+from pallas_kernels.bfloat16_halves import product_by_halves
 from pallas_kernels.bit_packing import check_bits
 from pallas_kernels.decode_attention_tpu import (
   LANES,
@@ -72,10 +72,7 @@ from pallas_kernels.decode_attention_tpu import (
   tokens_on_lanes,
   valid_token_masks,
 )
-from pallas_kernels.gear_outlier_terms_tpu import (
-  outlier_score_bias,
-  outlier_value_terms_from_scores,
-)
+from pallas_kernels.gear_outlier_terms_tpu import GearOutlierBlock
 from pallas_kernels.launch_settings import check_launch_settings
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
 from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
@@ -130,20 +127,25 @@ def block_tokens_for(
   head_dim: int = 128,
   *,
   gear_block: int | None = None,
+  lowrank: bool = False,
+  outlier_itemsize: int | None = None,
 ) -> int:
   """Tokens per kernel block: `requested` (default DEFAULT_BLOCK_TOKENS) rounded up to a
   multiple of 128 (the codes' lanes) whose key groups fill whole tiles of the key statistics
-  (8 rows of 32-bit values or 16 of 16-bit ones; 128 lanes where `tokens_on_lanes`) and, with
-  GEAR's low-rank factors, of `gear_block` (the kernel takes whole GEAR blocks; 128 of them
-  where `tokens_on_lanes`, the B factors' lanes: 8192 tokens at GEAR blocks of 64, whatever is
-  requested); or the whole segment when that is no longer."""
+  (8 rows of 32-bit values or 16 of 16-bit ones; 128 lanes where `tokens_on_lanes`) and, in a
+  GEAR segment, whole GEAR blocks of `gear_block`: with its low-rank factors 128 of them where
+  `tokens_on_lanes` (the B factors' lanes: 8192 tokens at GEAR blocks of 64, whatever is
+  requested), with its outliers (the smallest of their arrays' items `outlier_itemsize` bytes)
+  whole tiles of their [GEAR blocks, s] rows; or the whole segment when that is no longer."""
   if tokens_on_lanes(head_dim):
     unit = LANES * group_size
   else:
     unit = math.lcm(LANES, group_size * 8 * 4 // jnp.dtype(stats_dtype).itemsize)
   if gear_block is not None:
-    # Whole GEAR blocks; with the tokens on lanes, 128 of them (the B factors' lanes there).
-    unit = math.lcm(unit, gear_block * (LANES if tokens_on_lanes(head_dim) else 1))
+    blocks_per_unit = LANES if lowrank and tokens_on_lanes(head_dim) else 1
+    if outlier_itemsize is not None:
+      blocks_per_unit = math.lcm(blocks_per_unit, 8 * 4 // outlier_itemsize)
+    unit = math.lcm(unit, gear_block * blocks_per_unit)
   requested = DEFAULT_BLOCK_TOKENS if requested is None else requested
   block_tokens = -(-max(requested, 1) // unit) * unit
   return tokens if tokens <= block_tokens else block_tokens
@@ -201,21 +203,16 @@ def _key_minimum_scores(queries, k_min, group_size: int, block: int, groups_axis
   the product ([D, groups] x [groups, block] on the MXU and an add per key element) cost a
   4096-token step 3650 bundles against 3013 this way (KIVI-2, head_dim 128, v5e, static
   counts: KERNEL_NOTES v55). With 16-bit queries the per-group sums are spread as two bf16
-  halves in one pass (an f32 operand would take the MXU's multi-pass precision, which cost
-  more than it saved: 3813 bundles); f32 queries keep that precision."""
+  halves in one pass (`bfloat16_halves`; an f32 operand would take the MXU's multi-pass
+  precision, which cost more than it saved: 3813 bundles); f32 queries keep that precision."""
   contracting = 1 if groups_axis == 0 else 0  # k_min [groups, D] or [D, groups]
   per_group = jax.lax.dot_general(
     queries, k_min, (((1,), (contracting,)), ((), ())), preferred_element_type=jnp.float32
   )  # [rows, groups]
   if queries.dtype == jnp.float32:
     return _spread_over_tokens(per_group, group_size, block, groups_axis=1)
-  rows = per_group.shape[0]
-  high = per_group.astype(jnp.bfloat16)
-  low = (per_group - high.astype(jnp.float32)).astype(jnp.bfloat16)
-  halves = _spread_over_tokens(
-    jnp.concatenate([high, low], axis=0), group_size, block, groups_axis=1
-  )  # [2 rows, block], exact: one nonzero term per output
-  return halves[:rows] + halves[rows:]
+  indicator = _token_group_indicator(per_group.shape[1], group_size, block, jnp.bfloat16)
+  return product_by_halves(per_group, indicator, (0,))  # one nonzero term per output
 
 
 def _repeat_over_channels(stats: jax.Array, group_size: int) -> jax.Array:
@@ -237,63 +234,87 @@ class _GearLowRankBlock:
   half the lanes, and XLA stores the blocks minor; read as [J, r, D] they were copied at every
   step, 2 x 16.7 MB in a decode loop at 32k tokens, KERNEL_NOTES v54). GEAR blocks past the
   row's length are zeroed before any product (they may hold NaN, and a 0/1 product would carry
-  0 x NaN to every token)."""
+  0 x NaN to every token).
+
+  With bfloat16 queries and factors (`exact_halves`) every product is one MXU pass and exact
+  to 2^-16 of a term: q . k_b of two bfloat16 operands, the float32 sums and p v_a as two
+  bfloat16 halves (`bfloat16_halves`). Otherwise
+  float32 at HIGHEST precision, which cost GEAR-2's 4096-token step about 3900 bundles of its
+  6900 on a v5e (static counts, KERNEL_NOTES v56)."""
 
   def __init__(
-    self, refs, first, length, block: int, gear_block: int, rank: int, blocks_on_lanes: bool
+    self,
+    refs,
+    first,
+    length,
+    block: int,
+    gear_block: int,
+    rank: int,
+    blocks_on_lanes: bool,
+    compute_dtype,
   ):
     self.k_a_ref, self.k_b_ref, self.v_a_ref, self.v_b_ref = refs
     self.rank = rank
     self.blocks_on_lanes = blocks_on_lanes
+    self.exact_halves = compute_dtype == jnp.bfloat16 and all(
+      ref.dtype == jnp.bfloat16 for ref in refs
+    )
     gear_blocks = block // gear_block
     shape, axis = ((1, gear_blocks), 1) if blocks_on_lanes else ((gear_blocks, 1), 0)
     starts = first + jax.lax.broadcasted_iota(jnp.int32, shape, axis) * gear_block
     self.live_blocks = starts < length  # [1, J_blk] or [J_blk, 1]
-    self.spread = _token_group_indicator(gear_blocks, gear_block, block, jnp.float32)
+    spread_dtype = jnp.bfloat16 if self.exact_halves else jnp.float32
+    self.spread = _token_group_indicator(gear_blocks, gear_block, block, spread_dtype)
 
   def _product(self, a, b, contracting):
+    """a [rows, k] . b (contracting axis `contracting` of b), float32: by bfloat16 halves of a
+    where `exact_halves`, else at HIGHEST precision."""
+    if self.exact_halves:
+      return product_by_halves(a, b, contracting)
     return jax.lax.dot_general(
-      a,
-      b,
-      (contracting, ((), ())),
+      a.astype(jnp.float32),
+      b.astype(jnp.float32),
+      (((1,), contracting), ((), ())),
       preferred_element_type=jnp.float32,
       precision=jax.lax.Precision.HIGHEST,
     )
 
   def _factor_b(self, ref, rank_index: int) -> jax.Array:
-    """float32 [J_blk, D] (or [D, J_blk] with blocks_on_lanes): one rank's column of each live
-    GEAR block's B, zero past the row."""
-    column = ref[:, rank_index, :].astype(jnp.float32)
-    return jnp.where(self.live_blocks, column, 0.0)
+    """[J_blk, D] (or [D, J_blk] with blocks_on_lanes), in the stored dtype: one rank's column
+    of each live GEAR block's B, zero past the row. (Masked in float32: Mosaic refuses the
+    sublane broadcast of the [1, J_blk] mask over packed 16-bit rows.)"""
+    column = ref[:, rank_index, :]
+    return jnp.where(self.live_blocks, column.astype(jnp.float32), 0.0).astype(column.dtype)
 
   def score_term(self, queries: jax.Array) -> jax.Array:
     """float32 [rows, block]: q . k_b[j(t)] . k_a[t] (natural-log logits, as q is scaled; q
-    as the kernel's main product takes it, in the compute dtype)."""
-    queries = queries.astype(jnp.float32)  # [rows, D]
+    in float32)."""
+    rows = queries.shape[0]
+    contracting = (0,) if self.blocks_on_lanes else (1,)  # k_b [D, J_blk] or [J_blk, D]
+    ranks = range(self.rank)
+    per_block = jnp.concatenate(
+      [self._product(queries, self._factor_b(self.k_b_ref, i), contracting) for i in ranks]
+    )  # [r rows, J_blk]: every rank spread over the tokens in one product
+    spread = self._product(per_block, self.spread, (0,))  # [r rows, block]
     k_a = self.k_a_ref[...].astype(jnp.float32)  # [r, block]
     term = None
     for i in range(self.rank):
-      factor = self._factor_b(self.k_b_ref, i)
-      if self.blocks_on_lanes:  # [rows, D] . [D, J_blk] -> [rows, J_blk]
-        q_b = self._product(queries, factor, ((1,), (0,)))
-        spread = self._product(q_b, self.spread, ((1,), (0,)))
-      else:  # [J_blk, D] . [rows, D] -> [J_blk, rows]
-        q_b = self._product(factor, queries, ((1,), (1,)))
-        spread = self._product(q_b, self.spread, ((0,), (0,)))
-      part = spread * k_a[i : i + 1]  # [rows, block]
+      part = spread[i * rows : (i + 1) * rows] * k_a[i : i + 1]
       term = part if term is None else term + part
     return term
 
   def value_term(self, probs: jax.Array, valid_tokens: jax.Array) -> jax.Array:
     """float32 [rows, D]: sum_t p[t] v_a[t] . v_b[j(t)]^T, with p the block's unnormalised
     probabilities (so the online softmax rescales it with the rest of the accumulator)."""
+    rows = probs.shape[0]
     v_a = jnp.where(valid_tokens, self.v_a_ref[...].astype(jnp.float32), 0.0)  # [r, block]
+    weighted = jnp.concatenate([probs * v_a[i : i + 1] for i in range(self.rank)])
+    per_block = self._product(weighted, self.spread, (1,))  # [r rows, J_blk]
+    block_axis = 1 if self.blocks_on_lanes else 0
     term = None
     for i in range(self.rank):
-      p_a = self._product(probs * v_a[i : i + 1], self.spread, ((1,), (1,)))  # [rows, J_blk]
       factor = self._factor_b(self.v_b_ref, i)
-      block_axis = 1 if self.blocks_on_lanes else 0
-      part = self._product(p_a, factor, ((1,), (block_axis,)))  # [rows, D]
+      part = self._product(per_block[i * rows : (i + 1) * rows], factor, (block_axis,))
       term = part if term is None else term + part
     return term
 
@@ -324,26 +345,30 @@ def _quantized_kernel(
   plan: SplitPlan,
   bits: int,
   group_size: int,
-  score_io: bool,
   groups_axis: int,
   rank: int,
+  outliers: bool,
   gear_block: int,
   value_stats_shared: bool,
+  gear_queries: bool,
 ):
-  # rest: [GEAR's low-rank factors (rank > 0): k_a, k_b, v_a, v_b], [bias], [the aliased
-  # initial outputs], out, lse, [scores], then three scratch buffers. out, lse and the scratch
-  # hold every KV head ([H, rows, ...]): the heads are the grid's innermost axis.
+  # rest: [the queries in float32 for GEAR's terms ([H, rows, D], `gear_queries`)], [GEAR's
+  # low-rank factors (rank > 0): k_a, k_b, v_a, v_b], [its outliers: k_index, k_value, v_index,
+  # v_value, each [J_blk, s]], [the aliased initial outputs], out, lse, then three scratch
+  # buffers. out, lse and the scratch hold every KV head ([H, rows, ...]): the heads are the
+  # grid's innermost axis.
+  gear_queries_ref = rest[0] if gear_queries else queries_ref
+  rest = rest[1:] if gear_queries else rest
   lowrank_refs = rest[:4] if rank else None
   rest = rest[4:] if rank else rest
-  bias_ref = rest[0] if score_io else None
-  outputs = rest[-6:-3] if score_io else rest[-5:-3]
-  out_ref, lse_ref = outputs[:2]
-  scores_ref = outputs[2] if score_io else None
+  outlier_refs = rest[:4] if outliers else None
+  out_ref, lse_ref = rest[-5:-3]
   row, split, step, head = (pl.program_id(axis) for axis in range(4))
   max_ref, sum_ref, acc_ref = (ref.at[head] for ref in rest[-3:])
   block = plan.block_tokens
   compute_dtype = queries_ref.dtype
   queries_ref = queries_ref.at[head]
+  gear_queries_ref = gear_queries_ref.at[head]
 
   @pl.when(step == 0)
   def _init():
@@ -385,12 +410,26 @@ def _quantized_kernel(
     ) + _key_minimum_scores(queries_ref[...], k_min, group_size, block, groups_axis)
     if rank:
       lowrank = _GearLowRankBlock(
-        lowrank_refs, first, length, block, gear_block, rank, blocks_on_lanes=groups_axis == 1
+        lowrank_refs,
+        first,
+        length,
+        block,
+        gear_block,
+        rank,
+        blocks_on_lanes=groups_axis == 1,
+        compute_dtype=compute_dtype,
       )
-      scores = scores + lowrank.score_term(queries_ref[...])
-    if score_io:
-      scores = scores + bias_ref[...]
-      scores_ref[...] = scores * LOG2_E  # base 2, as the outliers' value terms take them
+      scores = scores + lowrank.score_term(gear_queries_ref[...])
+    if outliers:
+      outlier_terms = GearOutlierBlock(
+        *(ref[...] for ref in outlier_refs),
+        first=first,
+        length=length,
+        gear_block=gear_block,
+        head_dim=queries_ref.shape[-1],
+        operand_dtype=compute_dtype,
+      )
+      scores = scores + outlier_terms.score_term(gear_queries_ref[...])
     scores = jnp.where(valid_tokens, scores, -jnp.inf)
     previous_max = max_ref[...]
     new_max = jnp.maximum(previous_max, scores.max(axis=1, keepdims=True))
@@ -414,6 +453,8 @@ def _quantized_kernel(
     )
     if rank:
       update = update + lowrank.value_term(probs, valid_tokens)
+    if outliers:
+      update = update + outlier_terms.value_term(probs)
     acc_ref[...] = acc_ref[...] * correction + update
 
   @pl.when(step == plan.blocks_per_split - 1)
@@ -455,12 +496,9 @@ def quantized_decode_attention_partials_tpu(
   num_splits: int | None = 2,
   interpret: bool = False,
 ):
-  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]), GEAR's low-rank terms
-  included, and, for a GEAR segment with outliers, the scores the kernel saw (f32 [B,H,rows,T],
-  base-2 logits with GEAR's score terms; entries at or past a row's length hold anything: they
-  are never read), from which `outlier_value_terms_from_scores` adds the outliers' value terms
-  after the merge. `initial_partials`:
-  buffers for those outputs (aliased; tests poison them). Interpreted, the outputs are waited
+  """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]), GEAR's low-rank and
+  outlier terms included. `initial_partials`: buffers for those outputs (aliased; tests poison
+  them). Interpreted, the outputs are waited
   for before this returns. A length past the capacity counts as the capacity, as in the
   reference. What the kernel does not take (`unsupported_reason`, settings outside
   `launch_settings`' values) is a ValueError: the dispatch runs the reference for it."""
@@ -498,17 +536,17 @@ def quantized_decode_attention_partials_tpu(
   # The index maps clamp blocks to the row's last valid one: past the capacity it would not
   # exist (an out-of-bounds block read).
   lengths = jnp.minimum(lengths.astype(jnp.int32), tokens)
-  # GEAR's low-rank terms are the kernel's own; its outliers' are XLA's (a dense score bias in,
-  # the scores out for the value terms).
-  score_io = outliers is not None
   rank = 0 if lowrank is None else lowrank[0].shape[-1]
+  gear = lowrank is not None or outliers is not None
   block_tokens = block_tokens_for(
     tokens,
     group_size,
     k_scale.dtype,
     block_tokens,
     head_dim,
-    gear_block=None if lowrank is None else block,
+    gear_block=block if gear else None,
+    lowrank=lowrank is not None,
+    outlier_itemsize=None if outliers is None else min(x.dtype.itemsize for x in outliers),
   )
   groups_axis = 1 if tokens_on_lanes(head_dim) else 0
   rows = tile_rows(group)
@@ -573,6 +611,13 @@ def quantized_decode_attention_partials_tpu(
     value_stat_spec,
     value_stat_spec,
   ]
+  # GEAR's terms take the queries in float32 (exact to 2^-16 by bfloat16 halves, as the
+  # reference's are): rounded to bfloat16 like the main product's, they multiplied the
+  # outliers (the largest entries) by a relative error of 2^-9.
+  gear_queries = gear and compute_dtype != jnp.float32
+  if gear_queries:
+    args.append(pad_query_group(natural_queries, rows, jnp.float32))
+    in_specs.append(in_specs[0])
   if lowrank is not None:
     k_a, k_b, v_a, v_b = lowrank  # [B, H, T, r], [B, H, J, D, r], the same
     # Both as XLA lays the stored arrays out (the transposes are bitcasts there): A with the
@@ -587,10 +632,9 @@ def quantized_decode_attention_partials_tpu(
       factor_b_spec = head_block_spec((gear_blocks, rank, head_dim), 0)
     args += [jnp.swapaxes(k_a, 2, 3), as_stored(k_b), jnp.swapaxes(v_a, 2, 3), as_stored(v_b)]
     in_specs += [lanes_spec(rank), factor_b_spec, lanes_spec(rank), factor_b_spec]
-  if score_io:
-    padded = pad_query_group(natural_queries, rows, jnp.float32)
-    args.append(outlier_score_bias(outliers, padded, tokens=tokens, block=block))
-    in_specs.append(lanes_spec(rows))
+  if outliers is not None:  # [B, H, J, s] as stored (`OUTLIER_LAYOUT`)
+    args += list(outliers)
+    in_specs += [head_block_spec((block_tokens // block, outliers[0].shape[-1]), 0)] * 4
   # Every head's partials of a split in one block, written back once, after its last step:
   # a head's own block would be left and revisited at every step, and Pallas writes an output
   # block back whenever its index changes.
@@ -602,23 +646,6 @@ def quantized_decode_attention_partials_tpu(
     jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, head_dim), jnp.float32),
     jax.ShapeDtypeStruct((batch, kv_heads, plan.num_splits, rows, 1), jnp.float32),
   ]
-  if score_io:
-    # Not clamped to the length: a split whose blocks all lie past it computes nothing, and
-    # a clamped index would have it write its unwritten buffer over another split's block.
-    # Only to the last block, of the last head, which then repeats within the last split's own
-    # steps (the last step that wrote it was the last head's).
-    last_block = -(-tokens // block_tokens) - 1
-
-    def scores_index(b, s, i, h, lens):
-      del lens
-      head, block_index = last_head_past(s, i, h, last_block, plan=plan, kv_heads=kv_heads)
-      return b, head, 0, block_index
-
-    out_specs.append(pl.BlockSpec((None, None, rows, block_tokens), scores_index))
-    # Whole blocks: Pallas' interpreter pads an aliased output to its blocks and then cannot
-    # return it at the unpadded shape; the caller gets the first `tokens` columns.
-    padded_tokens = (last_block + 1) * block_tokens
-    out_shape.append(jax.ShapeDtypeStruct((batch, kv_heads, rows, padded_tokens), jnp.float32))
   aliases = {}
   if initial_partials is not None:
     if len(initial_partials) != len(out_shape):
@@ -631,9 +658,6 @@ def quantized_decode_attention_partials_tpu(
     aliases = {1 + len(args) + index: index for index in range(len(out_shape))}
     initial = list(initial_partials)
     initial[1] = initial[1][..., None]
-    if score_io:  # NaN-padded, so that a poisoned buffer stays poisoned past `tokens`
-      padding = ((0, 0), (0, 0), (0, 0), (0, padded_tokens - tokens))
-      initial[2] = jnp.pad(initial[2], padding, constant_values=jnp.nan)
     args += initial
   grid_spec = _compat.prefetch_scalar_grid_spec(
     num_scalar_prefetch=1,
@@ -651,11 +675,12 @@ def quantized_decode_attention_partials_tpu(
     plan=plan,
     bits=bits,
     group_size=group_size,
-    score_io=score_io,
     groups_axis=groups_axis,
     rank=rank,
+    outliers=outliers is not None,
     gear_block=block,
     value_stats_shared=value_stats_shared,
+    gear_queries=gear_queries,
   )
   outputs = pl.pallas_call(
     kernel,
@@ -666,8 +691,6 @@ def quantized_decode_attention_partials_tpu(
     interpret=_compat.tpu_interpret_params() if interpret else False,
     name=f"quantized_decode_attention_{bits}bit_tpu",
   )(lengths, *args)
-  if score_io:
-    return outputs[0], outputs[1][..., 0], outputs[2][..., :tokens]
   return outputs[0], outputs[1][..., 0]
 
 
@@ -707,14 +730,4 @@ def quantized_decode_attention_tpu(
     block=block,
     **config,
   )
-  out, lse = merge_split_partials(partials[0], partials[1], queries.shape[2])
-  if len(partials) == 3:  # GEAR's outliers: their value terms from the kernel's scores
-    out = out + outlier_value_terms_from_scores(
-      outliers,
-      partials[2],
-      lse,
-      lengths,
-      block=block,
-      head_dim=queries.shape[3],
-    )
-  return out, lse
+  return merge_split_partials(partials[0], partials[1], queries.shape[2])

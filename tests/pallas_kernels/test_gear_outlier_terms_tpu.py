@@ -1,87 +1,136 @@
-"""GEAR's outlier terms laid out for a TPU (`gear_outlier_terms_tpu`): equal to the dense cache's
-outlier parts (a segment of rank 0, so that GEAR's parts are its outliers alone), and to
-`gear_terms_xla`'s on the same inputs; an empty row's terms are zero."""
+"""GEAR's outlier terms as the TPU kernel computes them (`gear_outlier_terms_tpu.GearOutlierBlock`,
+run here as plain jnp over the kernel's blocks): equal to the outlier parts of the dense cache (a
+segment of rank 0, so that GEAR's parts are its outliers alone), bfloat16 operands giving exact
+products; garbage past a row's length (NaN values, indices anywhere) adds nothing."""
 
 import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.lax import Precision
+import pytest
 
-from pallas_kernels import gear_outlier_terms_tpu, gear_terms_xla
-from pallas_kernels.base_two_softmax import LOG2_E
-from tests.pallas_kernels.test_gear_terms_xla import (
-  BATCH,
-  GEAR_SEGMENTS,
-  KV_HEADS,
-  _gear_parts,
-  _segment,
-  scores_of_random_rows,
+from pallas_kernels.gear_outlier_terms_tpu import GearOutlierBlock, outlier_span
+from tests.pallas_kernels.kernel_checks import poison_past_lengths
+from tests.pallas_kernels.test_gear_terms_xla import BATCH, KV_HEADS, _gear_parts, _segment
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def _terms_by_blocks(segment, queries, probs, lengths, *, gear_block, kernel_block, dtype):
+  """(scores [B, H, R, T], value terms [B, H, R, D]) of the outliers, the segment walked in
+  kernel blocks of `kernel_block` tokens (the last one shorter where the segment ends)."""
+  batch, kv_heads, _, tokens = probs.shape
+  head_dim = queries.shape[-1]
+  scores, values = [], []
+  for b in range(batch):
+    for h in range(kv_heads):
+      row_scores, row_values = [], 0.0
+      for first in range(0, tokens, kernel_block):
+        last = min(first + kernel_block, tokens)
+        outliers = [x[b, h, first // gear_block : last // gear_block] for x in segment.outliers]
+        block = GearOutlierBlock(
+          *outliers,
+          first=first,
+          length=lengths[b],
+          gear_block=gear_block,
+          head_dim=head_dim,
+          operand_dtype=dtype,
+        )
+        row_scores.append(block.score_term(queries[b, h]))
+        row_values = row_values + block.value_term(probs[b, h, :, first:last])
+      scores.append(jnp.concatenate(row_scores, axis=1))
+      values.append(row_values)
+  shape = (batch, kv_heads) + scores[0].shape
+  return jnp.stack(scores).reshape(shape), jnp.stack(values).reshape(batch, kv_heads, -1, head_dim)
+
+
+@hypothesis.settings(max_examples=6, deadline=None)
+@hypothesis.given(
+  seed=st.integers(0, 2**16),
+  outliers_per_block=st.integers(1, 24),
+  head_dim=st.sampled_from([64, 128]),
+  gear_block=st.sampled_from([16, 64, 256]),
+  blocks=st.integers(1, 9),
+  spans_per_kernel_block=st.integers(1, 2),
+  group=st.integers(1, 8),
+  dtype=st.sampled_from([jnp.bfloat16, jnp.float32]),
 )
-
-
-@hypothesis.settings(max_examples=5, deadline=None)
-@hypothesis.given(**GEAR_SEGMENTS)
 def test_outlier_terms_are_the_outlier_parts_of_the_dense_cache(
-  seed, rank, outliers_per_block, head_dim, block, blocks, group
+  seed, outliers_per_block, head_dim, gear_block, blocks, spans_per_kernel_block, group, dtype
 ):
-  del rank  # the low-rank terms are the TPU kernel's own
-  hypothesis.assume(outliers_per_block)
-  tokens = blocks * block
-  rng, segment = _segment(seed, 0, outliers_per_block, tokens, head_dim, block)
-  key_part, value_part = _gear_parts(segment, block)
+  """Over every token before each row's length (a full row and one ending anywhere), with
+  garbage stored past it; float32 queries and probabilities, as the kernel gives them, with
+  bfloat16 outlier values (products exact to 2^-16 by bfloat16 halves) or float32 ones
+  (HIGHEST precision)."""
+  tokens = blocks * gear_block
+  rng, segment = _segment(seed, 0, outliers_per_block, tokens, head_dim, gear_block)
+  key_part, value_part = _gear_parts(segment, gear_block)
+  lengths = np.asarray([tokens, rng.integers(0, tokens + 1)], np.int32)
   queries = jnp.asarray(rng.normal(size=(BATCH, KV_HEADS, group, head_dim)), jnp.float32)
-  bias = gear_outlier_terms_tpu.outlier_score_bias(
-    segment.outliers, queries, tokens=tokens, block=block
+  live = (np.arange(tokens)[None, :] < lengths[:, None])[:, None, None, :]
+  probs = np.where(live, rng.random((BATCH, KV_HEADS, group, tokens)), 0.0)
+  probs = jnp.asarray(probs, jnp.float32)
+  if dtype == jnp.float32:
+    k_index, k_value, v_index, v_value = segment.outliers
+    outliers = (k_index, k_value.astype(dtype), v_index, v_value.astype(dtype))
+    segment = segment._replace(outliers=outliers)
+  poisoned = poison_past_lengths(segment, lengths, group_size=16, block=gear_block)
+  scores, values = _terms_by_blocks(
+    poisoned,
+    queries,
+    probs,
+    jnp.asarray(lengths),
+    gear_block=gear_block,
+    kernel_block=spans_per_kernel_block * outlier_span(gear_block),
+    dtype=dtype,
   )
-  expected_bias = jnp.einsum("bhgd,bhtd->bhgt", queries, key_part, precision=Precision.HIGHEST)
-  np.testing.assert_allclose(np.asarray(bias), np.asarray(expected_bias), rtol=1e-5, atol=1e-5)
-
-  lengths, scores, lse, probs = scores_of_random_rows(rng, tokens, group)
-  terms = gear_outlier_terms_tpu.outlier_value_terms_from_scores(
-    segment.outliers, scores, lse, lengths, block=block, head_dim=head_dim
+  expected_scores = jnp.einsum("bhgd,bhtd->bhgt", queries, key_part, precision=HIGHEST)
+  expected_values = jnp.einsum("bhgt,bhtd->bhgd", probs, value_part, precision=HIGHEST)
+  live = np.broadcast_to(live, scores.shape)
+  np.testing.assert_allclose(
+    np.asarray(scores)[live], np.asarray(expected_scores)[live], rtol=5e-5, atol=5e-5
   )
-  expected = jnp.einsum("bhgt,bhtd->bhgd", probs, value_part, precision=Precision.HIGHEST)
-  assert np.all(np.isfinite(np.asarray(terms)))
-  np.testing.assert_allclose(np.asarray(terms), np.asarray(expected), rtol=1e-5, atol=1e-6)
-
-
-def test_the_terms_equal_the_gpu_layouts_outlier_terms():
-  # Five GEAR blocks of 16 tokens, 12 outliers each; one row ending mid-block.
-  block, tokens, head_dim = 16, 80, 64
-  rng, segment = _segment(5, 0, 12, tokens, head_dim, block)
-  queries = jnp.asarray(rng.normal(size=(2, 3, 8, head_dim)), jnp.float32)
-  bias = gear_outlier_terms_tpu.outlier_score_bias(
-    segment.outliers, queries, tokens=tokens, block=block
-  )
-  expected_bias = gear_terms_xla.gear_score_bias(
-    None, segment.outliers, queries, tokens=tokens, block=block
-  )
-  np.testing.assert_allclose(np.asarray(bias), np.asarray(expected_bias), rtol=1e-6, atol=1e-6)
-  lengths = jnp.asarray([tokens, 37], jnp.int32)
-  scores = jnp.asarray(rng.normal(size=(2, 3, 8, tokens)), jnp.float32)
-  inside = jnp.arange(tokens)[None, None, None, :] < lengths[:, None, None, None]
-  lse = jax.nn.logsumexp(jnp.where(inside, scores, -jnp.inf)[:, :, :4], axis=-1)
-  common = dict(block=block, head_dim=head_dim)
-  terms = gear_outlier_terms_tpu.outlier_value_terms_from_scores(
-    segment.outliers, scores * LOG2_E, lse, lengths, **common
-  )
-  expected = gear_terms_xla.gear_value_terms_from_scores(
-    None, segment.outliers, scores * LOG2_E, lse, lengths, **common
-  )
-  assert terms.shape == (2, 3, 4, head_dim)
-  np.testing.assert_allclose(np.asarray(terms), np.asarray(expected), rtol=1e-5, atol=1e-6)
+  assert np.all(np.isfinite(np.asarray(values)))
+  np.testing.assert_allclose(np.asarray(values), np.asarray(expected_values), rtol=5e-5, atol=5e-5)
 
 
-def test_value_terms_of_an_empty_row_are_zero():
-  """Row 0 is empty: its scores NaN (never written) and its lse -inf."""
-  block, tokens, head_dim = 16, 48, 64
-  _, segment = _segment(3, 0, 20, tokens, head_dim, block)
-  lengths = jnp.asarray([0, tokens], jnp.int32)
-  scores = jnp.full((2, 3, 4, tokens), jnp.nan, jnp.float32).at[1].set(0.0)
-  lse = jnp.stack([jnp.full((3, 4), -jnp.inf), jnp.full((3, 4), np.log(tokens))])
-  terms = gear_outlier_terms_tpu.outlier_value_terms_from_scores(
-    segment.outliers, scores, lse, lengths, block=block, head_dim=head_dim
+@pytest.mark.parametrize("gear_block", [64, 256])
+def test_each_outlier_lands_on_its_own_token_and_channel(gear_block):
+  """One outlier a GEAR block, at a known position, value 2: the score term is 2 q[c] at its
+  token and 0 elsewhere, the value term 2 p[t] on its channel; one GEAR block past the length
+  (row length = 1.5 GEAR blocks) holds a NaN value and a negative index, and adds nothing."""
+  head_dim, blocks = 64, 4
+  span = outlier_span(gear_block)
+  positions = [(3, 5), (gear_block - 1, 63), (0, 0), (7, 17)]  # (token in block, channel)
+  index = jnp.asarray([[t * head_dim + c] for t, c in positions], jnp.int32)
+  value = jnp.full((blocks, 1), 2.0, jnp.bfloat16)
+  length = gear_block * 3 // 2  # block 2 starts past it: its outlier is garbage
+  index = index.at[2, 0].set(-5)
+  value = value.at[2, 0].set(jnp.nan)
+  queries = jnp.arange(1, head_dim + 1, dtype=jnp.bfloat16)[None, :]  # q[c] = c + 1
+  probs = jnp.arange(1, blocks * gear_block + 1, dtype=jnp.float32)[None, :] / 1024
+  probs = jnp.where(jnp.arange(blocks * gear_block) < length, probs, 0.0).astype(jnp.bfloat16)
+  block = GearOutlierBlock(
+    index,
+    value,
+    index,
+    value,
+    first=0,
+    length=length,
+    gear_block=gear_block,
+    head_dim=head_dim,
+    operand_dtype=jnp.bfloat16,
   )
-  np.testing.assert_array_equal(np.asarray(terms[0]), 0.0)
-  assert np.all(np.isfinite(np.asarray(terms[1])))
+  scores = np.asarray(block.score_term(queries))[0]
+  values = np.asarray(block.value_term(probs))[0]
+  expected_scores = np.zeros(blocks * gear_block, np.float32)
+  expected_values = np.zeros(head_dim, np.float32)
+  for j, (t, c) in enumerate(positions):
+    token = j * gear_block + t
+    if token < length:
+      expected_scores[token] += 2 * (c + 1)
+      expected_values[c] += 2 * float(probs[0, token])
+  assert scores.shape == (blocks * gear_block,) and span >= gear_block
+  np.testing.assert_array_equal(scores[:length], expected_scores[:length])
+  np.testing.assert_allclose(values, expected_values, rtol=1e-6)

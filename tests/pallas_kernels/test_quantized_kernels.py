@@ -203,7 +203,7 @@ def _check_tpu(
       segment = segment._replace(outliers=outliers)
     segment = poison_past_lengths(segment, lengths, group_size=group_size, block=GEAR_BLOCK)
     kwargs.update(lowrank=segment.lowrank, outliers=segment.outliers)
-    # The entry point too: its outliers' value terms are `gear_outlier_terms_tpu`'s.
+    # The entry point too.
     out, lse = tpu_kernel.quantized_decode_attention_tpu(
       queries,
       *segment[:6],
@@ -217,9 +217,6 @@ def _check_tpu(
   interpret = tpu_interpret()
   rows = decode_attention_tpu.tile_rows(group)
   poison = _poison(rows, head_dim, kv_heads)
-  gear = gear and outliers_per_block > 0  # GEAR-L: its low-rank terms are the kernel's alone
-  if gear:  # the kernel's scores too, for the outliers' value terms (gear_terms_xla)
-    poison += (jnp.full((BATCH, kv_heads, rows, tokens), jnp.nan, jnp.float32),)
   partials = tpu_kernel.quantized_decode_attention_partials_tpu(
     queries,
     *segment[:6],
@@ -230,14 +227,9 @@ def _check_tpu(
     interpret=interpret,
     **kwargs,
   )
-  out_p, lse_p = partials[:2]
+  out_p, lse_p = partials
   assert_all_written(out_p, lse_p)
   out, lse = merge_split_partials(out_p, lse_p, group)
-  if gear:  # the low-rank terms are the kernel's; its outliers' value terms from its scores
-    outliers_only = segment._replace(lowrank=None)  # past a row's length they hold anything
-    out = _with_gear_value_terms(
-      out, lse, partials[2], outliers_only, lengths, unwritten_past=False
-    )
   assert_matches_reference(out, lse, *reference, rtol=relative_tolerance(dtype, interpret))
 
 
