@@ -215,6 +215,50 @@ def _key_minimum_scores(queries, k_min, group_size: int, block: int, groups_axis
   return product_by_halves(per_group, indicator, (0,))  # one nonzero term per output
 
 
+def _scale_folded_scores(queries, codes, k_scale, group_size: int):
+  """float32 [rows, block]: sum_c q[c] k_scale[g(t), c] codes[c, t], the key scales folded
+  into the queries per key group instead of spread over the codes: per lane tile of the block,
+  the queries times each of the tile's groups' scales stacked ([groups in tile x rows, D]) times
+  the tile's codes, each token taking its own group's rows. codes float32 [D, block] (exact in
+  the queries' dtype); k_scale [groups, D].
+
+  Against the scales spread over the tokens by a 0/1 product and multiplied into the codes
+  ([D, block] on the MXU and the VPU, and a chain of dependent MXU pushes): KIVI-2 at head_dim
+  128, 4096-token steps, 3013 -> 2658 bundles, KIVI-4 3007 -> 2642 (v5e, static counts,
+  KERNEL_NOTES v56). Below 128 channels, where the scales come [D, groups] and would need a
+  transpose, KIVI-2 went 2933 -> 3084: there the kernel spreads them."""
+  rows = queries.shape[0]
+  block = codes.shape[1]
+  compute_dtype = queries.dtype
+  queries = queries.astype(jnp.float32)
+  k_scale = k_scale.astype(jnp.float32)
+  codes = codes.astype(compute_dtype)
+  tile = max(LANES, group_size)
+  parts = []
+  for start in range(0, block, tile):
+    width = min(tile, block - start)
+    first_group, groups = start // group_size, width // group_size
+    scaled = jnp.concatenate(
+      [queries * k_scale[g : g + 1] for g in range(first_group, first_group + groups)]
+    ).astype(compute_dtype)  # [groups x rows, D]
+    products = jax.lax.dot_general(
+      scaled,
+      codes[:, start : start + width],
+      (((1,), (0,)), ((), ())),
+      preferred_element_type=jnp.float32,
+    )  # [groups x rows, width]
+    if groups == 1:
+      parts.append(products)
+      continue
+    token_group = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) // group_size
+    part = None
+    for g in range(groups):
+      own = jnp.where(token_group == g, products[g * rows : (g + 1) * rows], 0.0)
+      part = own if part is None else part + own
+    parts.append(part)
+  return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
 def _repeat_over_channels(stats: jax.Array, group_size: int) -> jax.Array:
   """[D / group, block] per-value-group rows -> float32 [D, block]: row c holds row c // group."""
   groups, block = stats.shape
@@ -399,15 +443,17 @@ def _quantized_kernel(
     # the keys whole (KERNEL_NOTES v55).
     middle = (2**bits - 1) / 2
     k_min = k_min.astype(jnp.float32) + middle * k_scale.astype(jnp.float32)
-    scaled_codes = (_stacked_fields(k_codes_ref[...], bits) - middle) * _spread_over_tokens(
-      k_scale, group_size, block, groups_axis
-    )  # [D, block]: the keys less their groups' middles
-    scores = jax.lax.dot_general(
-      queries_ref[...],
-      scaled_codes.astype(compute_dtype),
-      (((1,), (0,)), ((), ())),
-      preferred_element_type=jnp.float32,
-    ) + _key_minimum_scores(queries_ref[...], k_min, group_size, block, groups_axis)
+    centred_codes = _stacked_fields(k_codes_ref[...], bits) - middle  # [D, block]
+    if groups_axis == 0:  # the scales' rows as stored: folded into the queries
+      scores = _scale_folded_scores(queries_ref[...], centred_codes, k_scale, group_size)
+    else:
+      scores = jax.lax.dot_general(
+        queries_ref[...],
+        (centred_codes * _spread_over_tokens(k_scale, group_size, block, 1)).astype(compute_dtype),
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+      )  # the keys less their groups' middles, [D, block]
+    scores = scores + _key_minimum_scores(queries_ref[...], k_min, group_size, block, groups_axis)
     if rank:
       lowrank = _GearLowRankBlock(
         lowrank_refs,
