@@ -29,6 +29,11 @@ chose, nothing moves), and works on [channels, tokens] tiles:
            repeated over its channels (a sublane broadcast);
   out      [rows, D] += p [rows, block] . values (contracting the token lanes).
 
+Since v56: at head_dim 128 and more the key scales are folded into the queries per key group
+instead (`_scale_folded_scores`); at 2 bits and head_dim 64, where a token's 4 words fill half
+a register, the block's two token halves are stacked on sublanes so that every field is whole
+registers (`token_halves_tpu`).
+
 The key statistics stay [B, H, T / group, D] at head_dim 128 (head_dim on lanes); below 128
 channels XLA lays them out with the groups last too, and the kernel takes them as
 [B, H, D, T / group] (`tokens_on_lanes`). Blocks are a multiple of 128 tokens holding whole
@@ -60,7 +65,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat
+from pallas_kernels import _compat, token_halves_tpu
 from pallas_kernels.bfloat16_halves import product_by_halves
 from pallas_kernels.bit_packing import check_bits
 from pallas_kernels.decode_attention_tpu import (
@@ -443,16 +448,27 @@ def _quantized_kernel(
     # the keys whole (KERNEL_NOTES v55).
     middle = (2**bits - 1) / 2
     k_min = k_min.astype(jnp.float32) + middle * k_scale.astype(jnp.float32)
-    centred_codes = _stacked_fields(k_codes_ref[...], bits) - middle  # [D, block]
-    if groups_axis == 0:  # the scales' rows as stored: folded into the queries
-      scores = _scale_folded_scores(queries_ref[...], centred_codes, k_scale, group_size)
+    centred = lambda words: _stacked_fields(words, bits) - middle
+    token_halves = token_halves_tpu.applies(k_codes_ref.shape[0], block, group_size)
+    if token_halves:  # 2 bits at head_dim 64: the codes as whole registers
+      scales = token_halves_tpu.key_scales_in_rows(
+        k_scale,
+        _token_group_indicator(groups // 2, group_size, block // 2, k_scale.dtype),
+      )  # [(f, h, w), block / 2]
+      keys = centred(token_halves_tpu.halves_on_sublanes(k_codes_ref[...])) * scales
+      scores = token_halves_tpu.key_scores(queries_ref[...], keys.astype(compute_dtype))
+    elif groups_axis == 0:  # the scales' rows as stored: folded into the queries
+      scores = _scale_folded_scores(
+        queries_ref[...], centred(k_codes_ref[...]), k_scale, group_size
+      )
     else:
+      keys = centred(k_codes_ref[...]) * _spread_over_tokens(k_scale, group_size, block, 1)
       scores = jax.lax.dot_general(
         queries_ref[...],
-        (centred_codes * _spread_over_tokens(k_scale, group_size, block, 1)).astype(compute_dtype),
+        keys.astype(compute_dtype),  # the keys less their groups' middles, [D, block]
         (((1,), (0,)), ((), ())),
         preferred_element_type=jnp.float32,
-      )  # the keys less their groups' middles, [D, block]
+      )
     scores = scores + _key_minimum_scores(queries_ref[...], k_min, group_size, block, groups_axis)
     if rank:
       lowrank = _GearLowRankBlock(
@@ -486,17 +502,31 @@ def _quantized_kernel(
     v_scale, v_min = (
       _value_statistics(ref, head, value_stats_shared) for ref in (v_scale_ref, v_min_ref)
     )
-    values = _stacked_fields(v_codes_ref[...], bits) * _repeat_over_channels(
-      v_scale, group_size
-    ) + _repeat_over_channels(v_min, group_size)  # [D, block]
-    # Slots past the length may hold anything: zero them so 0 * NaN cannot leak.
-    values = jnp.where(valid_tokens, values, 0.0)
-    update = jax.lax.dot_general(
-      probs.astype(compute_dtype),
-      values.astype(compute_dtype),
-      (((1,), (1,)), ((), ())),
-      preferred_element_type=jnp.float32,
-    )
+    if token_halves:
+      fields = 32 // bits
+      in_rows = functools.partial(
+        token_halves_tpu.value_statistics_in_rows, group_size=group_size, fields=fields
+      )
+      v_words = token_halves_tpu.halves_on_sublanes(v_codes_ref[...])
+      values = _stacked_fields(v_words, bits) * in_rows(v_scale) + in_rows(v_min)
+      # Slots past the length may hold anything: zero them so 0 * NaN cannot leak.
+      live = in_rows(valid_tokens.astype(jnp.float32), group_size=4 * fields)
+      values = jnp.where(live > 0, values, 0.0)
+      update = token_halves_tpu.value_update(
+        probs.astype(compute_dtype), values.astype(compute_dtype)
+      )
+    else:
+      values = _stacked_fields(v_codes_ref[...], bits) * _repeat_over_channels(
+        v_scale, group_size
+      ) + _repeat_over_channels(v_min, group_size)  # [D, block]
+      # Slots past the length may hold anything: zero them so 0 * NaN cannot leak.
+      values = jnp.where(valid_tokens, values, 0.0)
+      update = jax.lax.dot_general(
+        probs.astype(compute_dtype),
+        values.astype(compute_dtype),
+        (((1,), (1,)), ((), ())),
+        preferred_element_type=jnp.float32,
+      )
     if rank:
       update = update + lowrank.value_term(probs, valid_tokens)
     if outliers:
