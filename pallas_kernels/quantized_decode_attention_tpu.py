@@ -451,12 +451,12 @@ def _quantized_kernel(
     centred = lambda words: _stacked_fields(words, bits) - middle
     token_halves = token_halves_tpu.applies(k_codes_ref.shape[0], block, group_size)
     if token_halves:  # 2 bits at head_dim 64: the codes as whole registers
-      scales = token_halves_tpu.key_scales_in_rows(
+      scores = token_halves_tpu.scale_folded_key_scores(
+        queries_ref[...],
+        centred(token_halves_tpu.halves_on_sublanes(k_codes_ref[...])),
         k_scale,
-        _token_group_indicator(groups // 2, group_size, block // 2, k_scale.dtype),
-      )  # [(f, h, w), block / 2]
-      keys = centred(token_halves_tpu.halves_on_sublanes(k_codes_ref[...])) * scales
-      scores = token_halves_tpu.key_scores(queries_ref[...], keys.astype(compute_dtype))
+        group_size,
+      )
     elif groups_axis == 0:  # the scales' rows as stored: folded into the queries
       scores = _scale_folded_scores(
         queries_ref[...], centred(k_codes_ref[...]), k_scale, group_size

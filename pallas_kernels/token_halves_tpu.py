@@ -11,13 +11,13 @@ token h * block / 2 + t'), so each field is whole registers and the fields stack
 [(f, h, w) = 128, block / 2] rows: channel 4 f + w of token h * block / 2 + t'. The products
 follow the rows:
 
-  scores  [q at (f, 0, w), 0 at h = 1 ; 0, q at (f, 1, w)] [2 rows, 128] . keys [128, block/2]
-          -> each half's scores, side by side on lanes;
+  scores  per 128-token tile of the halves, [q of half 0 (zero on half 1's rows) times each of
+          the tile's key groups' scales ; the same for half 1] . the tile's codes: the key
+          scales folded into the queries (as at 128 channels), each token taking its half's and
+          group's rows; the scales put on the rows' lanes by a 0/1 product (exact);
   values  [p of half 0 ; p of half 1] [2 rows, block/2] . values^T -> [2 rows, 128], channel
-          4 f + w the sum of row block 0's column (f, 0, w) and row block 1's (f, 1, w).
-
-The key scales reach the rows by two exact products (a 0/1 row duplication, then each row's
-half of the 0/1 group spread); the value statistics by sublane broadcasts of their halves.
+          4 f + w the sum of row block 0's column (f, 0, w) and row block 1's (f, 1, w); the
+          value statistics reach the rows by sublane broadcasts of their halves.
 """
 
 import jax
@@ -29,7 +29,7 @@ WORDS = 4  # the codes' words a token at 2 bits and head_dim 64: half a register
 def applies(words: int, block: int, group_size: int) -> bool:
   """Whether a block of `block` tokens with `words` words a token takes this layout: half-full
   registers (4 words), halves of whole lane tiles holding whole key groups."""
-  return words == WORDS and block % 256 == 0 and block % (2 * group_size) == 0
+  return words == WORDS and group_size <= 128 and block % 256 == 0 and block % (2 * group_size) == 0
 
 
 def halves_on_sublanes(rows: jax.Array) -> jax.Array:
@@ -57,41 +57,61 @@ def _exact_product(a, b, contracting):
   )
 
 
-def key_scales_in_rows(k_scale: jax.Array, indicator: jax.Array) -> jax.Array:
-  """float32 [128, block / 2]: the key scale of each row (f, h, w) and token t', from the
-  block's scales [64, G] (channels x key groups; dead groups zeroed) and the half's 0/1
-  [G / 2, block / 2] group indicator. Row (f, h, w) takes channel 4 f + w (a 0/1 product: row
-  duplication) of the groups of half h."""
-  channels, groups = k_scale.shape
-  rows = 2 * channels
-  duplicate = (
-    _channel((rows, channels), 0) == jax.lax.broadcasted_iota(jnp.int32, (rows, channels), 1)
-  ).astype(k_scale.dtype)
-  duplicated = _exact_product(duplicate, k_scale, ((1,), (0,)))  # [128, G]
-  half_groups = groups // 2
-  own_half = jnp.where(
-    _half((rows, half_groups), 0) == 0,
-    duplicated[:, :half_groups],
-    duplicated[:, half_groups:],
-  )
-  operand = own_half.astype(k_scale.dtype) if k_scale.dtype == jnp.bfloat16 else own_half
-  return _exact_product(operand, indicator.astype(operand.dtype), ((1,), (0,)))
-
-
-def key_scores(queries: jax.Array, keys: jax.Array) -> jax.Array:
-  """float32 [rows, block]: q . K for queries [rows, 64] and the keys' rows [128, block / 2]
-  (in the queries' dtype)."""
+def scale_folded_key_scores(
+  queries: jax.Array, codes: jax.Array, k_scale: jax.Array, group_size: int
+) -> jax.Array:
+  """float32 [rows, block]: sum_c q[c] k_scale[c, g(t)] codes[c, t] for queries [rows, 64], the
+  codes' rows [128, block / 2] (float32, exact in the queries' dtype) and the block's scales
+  [64, G]: the scales folded into the queries per key group. Per 128-token tile of the halves,
+  the queries of each half (zero on the other half's rows) times each of the tile's groups'
+  scales, stacked ([2 x groups in tile x rows, 128]), times the tile's codes; each token takes
+  its half's and group's rows. Against the scales spread onto the rows by two 0/1 products and
+  multiplied into the codes: KIVI-2 2154 -> 2035 bundles a 4096-token step (v5e, static
+  counts, KERNEL_NOTES v56), and the keys are no longer rounded to bfloat16 (q x scale is)."""
   rows = queries.shape[0]
-  lanes = (rows, 2 * queries.shape[1])
+  channels, groups = k_scale.shape
+  lanes = (rows, 2 * channels)
   at_rows = jnp.take_along_axis(queries.astype(jnp.float32), _channel(lanes, 1), axis=1)
   half = _half(lanes, 1)
-  stacked = jnp.concatenate(
-    [jnp.where(half == 0, at_rows, 0.0), jnp.where(half == 1, at_rows, 0.0)]
-  ).astype(queries.dtype)  # exact: the queries' own values
-  both = jax.lax.dot_general(
-    stacked, keys, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-  )  # [2 rows, block / 2]
-  return jnp.concatenate([both[:rows], both[rows:]], axis=1)
+  by_half = [jnp.where(half == h, at_rows, 0.0) for h in range(2)]
+  # The scales on the rows' lanes, [G, 128]: a 0/1 product placing channel 4 f + w on lane
+  # (f, h, w) (exact: one nonzero term).
+  place = (
+    _channel((2 * channels, channels), 0)
+    == jax.lax.broadcasted_iota(jnp.int32, (2 * channels, channels), 1)
+  ).astype(k_scale.dtype)
+  scale_lanes = _exact_product(k_scale, place, ((0,), (1,)))
+  compute_dtype = queries.dtype
+  codes = codes.astype(compute_dtype)
+  half_block = codes.shape[1]
+  half_groups = groups // 2
+  tile = 128
+  per_tile = tile // group_size
+  token_group = jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1) // group_size
+  halves = ([], [])
+  for start in range(0, half_block, tile):
+    first = start // group_size
+    scaled = jnp.concatenate(
+      [
+        by_half[h] * scale_lanes[h * half_groups + g : h * half_groups + g + 1]
+        for h in range(2)
+        for g in range(first, first + per_tile)
+      ]
+    ).astype(compute_dtype)  # [2 x groups in tile x rows, 128]
+    products = jax.lax.dot_general(
+      scaled,
+      codes[:, start : start + tile],
+      (((1,), (0,)), ((), ())),
+      preferred_element_type=jnp.float32,
+    )
+    for h in range(2):
+      part = None
+      for i in range(per_tile):
+        offset = (h * per_tile + i) * rows
+        own = jnp.where(token_group == i, products[offset : offset + rows], 0.0)
+        part = own if part is None else part + own
+      halves[h].append(part)
+  return jnp.concatenate(halves[0] + halves[1], axis=1)
 
 
 def value_statistics_in_rows(stats: jax.Array, group_size: int, fields: int) -> jax.Array:
