@@ -187,14 +187,13 @@ def _token_group_indicator(groups: int, group_size: int, block: int, dtype) -> j
   return (token_group == jax.lax.broadcasted_iota(jnp.int32, (groups, block), 0)).astype(dtype)
 
 
-def _spread_over_tokens(stats: jax.Array, group_size: int, block: int, groups_axis: int):
-  """Per-key-group statistics, [block / group, D] (groups_axis 0) or [D, block / group] (1) ->
-  float32 [D, block]: column t holds group t // group's (`_token_group_indicator`)."""
-  groups = stats.shape[groups_axis]
+def _spread_over_tokens(stats: jax.Array, group_size: int, block: int):
+  """Per-key-group rows [n, block / group] -> float32 [n, block]: column t holds group
+  t // group's (`_token_group_indicator`)."""
   return jax.lax.dot_general(
     stats,
-    _token_group_indicator(groups, group_size, block, stats.dtype),
-    (((groups_axis,), (0,)), ((), ())),
+    _token_group_indicator(stats.shape[1], group_size, block, stats.dtype),
+    (((1,), (0,)), ((), ())),
     preferred_element_type=jnp.float32,
     # A 16-bit row times 1 is exact in one pass; 32-bit rows need the f32 passes (Mosaic
     # refuses that precision for bf16 operands).
@@ -215,7 +214,7 @@ def _key_minimum_scores(queries, k_min, group_size: int, block: int, groups_axis
     queries, k_min, (((1,), (contracting,)), ((), ())), preferred_element_type=jnp.float32
   )  # [rows, groups]
   if queries.dtype == jnp.float32:
-    return _spread_over_tokens(per_group, group_size, block, groups_axis=1)
+    return _spread_over_tokens(per_group, group_size, block)
   indicator = _token_group_indicator(per_group.shape[1], group_size, block, jnp.bfloat16)
   return product_by_halves(per_group, indicator, (0,))  # one nonzero term per output
 
@@ -238,7 +237,7 @@ def _scale_folded_scores(queries, codes, k_scale, group_size: int):
   queries = queries.astype(jnp.float32)
   k_scale = k_scale.astype(jnp.float32)
   codes = codes.astype(compute_dtype)
-  tile = max(LANES, group_size)
+  tile = math.lcm(LANES, group_size)  # whole lane tiles holding whole groups (48: 384 tokens)
   parts = []
   for start in range(0, block, tile):
     width = min(tile, block - start)
@@ -285,9 +284,9 @@ class _GearLowRankBlock:
   row's length are zeroed before any product (they may hold NaN, and a 0/1 product would carry
   0 x NaN to every token).
 
-  With bfloat16 queries and factors (`exact_halves`) every product is one MXU pass and exact
-  to 2^-16 of a term: q . k_b of two bfloat16 operands, the float32 sums and p v_a as two
-  bfloat16 halves (`bfloat16_halves`). Otherwise
+  With bfloat16 factors and compute dtype (`exact_halves`) every product is one MXU pass and
+  exact to 2^-16 of a term: the float32 queries, the float32 sums and p v_a taken as two
+  bfloat16 halves against the bfloat16 factors or 0/1 spreads (`bfloat16_halves`). Otherwise
   float32 at HIGHEST precision, which cost GEAR-2's 4096-token step about 3900 bundles of its
   6900 on a v5e (static counts, KERNEL_NOTES v56)."""
 
@@ -462,7 +461,7 @@ def _quantized_kernel(
         queries_ref[...], centred(k_codes_ref[...]), k_scale, group_size
       )
     else:
-      keys = centred(k_codes_ref[...]) * _spread_over_tokens(k_scale, group_size, block, 1)
+      keys = centred(k_codes_ref[...]) * _spread_over_tokens(k_scale, group_size, block)
       scores = jax.lax.dot_general(
         queries_ref[...],
         keys.astype(compute_dtype),  # the keys less their groups' middles, [D, block]

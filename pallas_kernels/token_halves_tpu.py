@@ -29,7 +29,7 @@ WORDS = 4  # the codes' words a token at 2 bits and head_dim 64: half a register
 def applies(words: int, block: int, group_size: int) -> bool:
   """Whether a block of `block` tokens with `words` words a token takes this layout: half-full
   registers (4 words), halves of whole lane tiles holding whole key groups."""
-  return words == WORDS and group_size <= 128 and block % 256 == 0 and block % (2 * group_size) == 0
+  return words == WORDS and 128 % group_size == 0 and block % 256 == 0
 
 
 def halves_on_sublanes(rows: jax.Array) -> jax.Array:

@@ -186,12 +186,14 @@ def _check_tpu(
   garbage_past_lengths=False,
   group_size=GROUP_SIZE,
   kv_heads=KV_HEADS,
+  tokens=None,
 ):
   """With `garbage_past_lengths`, the kernel reads the segment with NaN and all-ones codes past
   each row's length (`poison_past_lengths`) and must give the clean segment's reference."""
-  tokens = TPU_TOKENS
-  if tokens_on_lanes(head_dim):
-    tokens = TPU_LANE_GEAR_TOKENS if gear else TPU_LANE_GROUP_TOKENS
+  if tokens is None:
+    tokens = TPU_TOKENS
+    if tokens_on_lanes(head_dim):
+      tokens = TPU_LANE_GEAR_TOKENS if gear else TPU_LANE_GROUP_TOKENS
   shape = dict(tokens=tokens, group_size=group_size, kv_heads=kv_heads)
   queries, segment, lengths, kwargs, reference = _case(
     seed, bits, head_dim, group, gear, dtype, outliers_per_block, **shape
@@ -291,6 +293,25 @@ def test_tpu_kernel_with_one_value_group_per_token(bits, head_dim, group, gear, 
     seed=bits + head_dim + kv_heads,
     group_size=head_dim,
     kv_heads=kv_heads,
+    garbage_past_lengths=True,
+  )
+
+
+@pytest.mark.parametrize("bits,dtype", [(2, jnp.float32), (4, jnp.bfloat16)])
+def test_tpu_kernel_with_key_groups_across_lane_tiles(bits, dtype):
+  """Groups of 48 tokens at head_dim 192: a 128-token lane tile ends inside a key group, so the
+  scales folded into the queries are taken per 384 tokens (lcm(128, 48)); taken per 128 a
+  tile's last tokens lost their group (relative error 0.6, the review of v56). Two kernel
+  blocks of 768 tokens, one row ending inside the second."""
+  _check_tpu(
+    bits,
+    192,
+    2,
+    False,
+    dtype,
+    seed=48 + bits,
+    group_size=48,
+    tokens=1536,
     garbage_past_lengths=True,
   )
 
