@@ -79,6 +79,7 @@ from pallas_kernels.decode_attention_tpu import (
 )
 from pallas_kernels.gear_outlier_terms_tpu import GearOutlierBlock
 from pallas_kernels.launch_settings import check_launch_settings
+from pallas_kernels.own_group_rows import own_group_rows
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
 from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_group, plan_splits
 
@@ -251,15 +252,7 @@ def _scale_folded_scores(queries, codes, k_scale, group_size: int):
       (((1,), (0,)), ((), ())),
       preferred_element_type=jnp.float32,
     )  # [groups x rows, width]
-    if groups == 1:
-      parts.append(products)
-      continue
-    token_group = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) // group_size
-    part = None
-    for g in range(groups):
-      own = jnp.where(token_group == g, products[g * rows : (g + 1) * rows], 0.0)
-      part = own if part is None else part + own
-    parts.append(part)
+    parts.append(own_group_rows(products, rows, group_size, 0, groups))
   return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
 

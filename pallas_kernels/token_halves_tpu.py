@@ -23,6 +23,8 @@ follow the rows:
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.own_group_rows import own_group_rows
+
 WORDS = 4  # the codes' words a token at 2 bits and head_dim 64: half a register's sublanes
 
 
@@ -87,7 +89,6 @@ def scale_folded_key_scores(
   half_groups = groups // 2
   tile = 128
   per_tile = tile // group_size
-  token_group = jax.lax.broadcasted_iota(jnp.int32, (1, tile), 1) // group_size
   halves = ([], [])
   for start in range(0, half_block, tile):
     first = start // group_size
@@ -105,12 +106,7 @@ def scale_folded_key_scores(
       preferred_element_type=jnp.float32,
     )
     for h in range(2):
-      part = None
-      for i in range(per_tile):
-        offset = (h * per_tile + i) * rows
-        own = jnp.where(token_group == i, products[offset : offset + rows], 0.0)
-        part = own if part is None else part + own
-      halves[h].append(part)
+      halves[h].append(own_group_rows(products, rows, group_size, h * per_tile, per_tile))
   return jnp.concatenate(halves[0] + halves[1], axis=1)
 
 
