@@ -34,6 +34,16 @@ instead (`_scale_folded_scores`); at 2 bits and head_dim 64, where a token's 4 w
 a register, the block's two token halves are stacked on sublanes so that every field is whole
 registers (`token_halves_tpu`).
 
+Since v57, with 2- or 4-bit codes, bfloat16 statistics and head_dim >= 128
+(`code_pairs_apply`), no code is unpacked to float32 or dequantized: the packed words are masked
+into bfloat16 numbers 1 + code * 2^(p - 7), two a word (`bfloat16_code_pairs`), which are the
+MXU operands of both products; the key scales are folded into the queries, the value scales
+into the probabilities, and the 1s cancelled exactly (`code_pair_products_tpu`). The softmax
+runs in chunks of CHUNK_TOKENS, each against its own maximum, so that one chunk's value product
+need not wait for the block's last key product. The query rows' padding holds copies of the
+query rows, so that a register of 8 rows serves two key or value groups at 4 query heads a KV
+head.
+
 The key statistics stay [B, H, T / group, D] at head_dim 128 (head_dim on lanes); below 128
 channels XLA lays them out with the groups last too, and the kernel takes them as
 [B, H, D, T / group] (`tokens_on_lanes`). Blocks are a multiple of 128 tokens holding whole
@@ -65,7 +75,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat, token_halves_tpu
+from pallas_kernels import _compat, bfloat16_code_pairs, code_pair_products_tpu, token_halves_tpu
 from pallas_kernels.bfloat16_halves import product_by_halves
 from pallas_kernels.bit_packing import check_bits
 from pallas_kernels.decode_attention_tpu import (
@@ -88,6 +98,23 @@ from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_gro
 # 3.85 M cycles a call at 512 tokens a block against 0.37 M cycles of HBM reads), and a grid
 # step costs about 600 bundles besides its block's work: 4096-token blocks halve the cycles.
 DEFAULT_BLOCK_TOKENS = 4096
+# With the codes as bfloat16 pairs (`code_pairs_apply`) a 4096-token step is mostly that
+# overhead and the chain from the key products to the value products: KIVI-2 at head_dim 128,
+# 32k tokens, v5e, 1708 bundles a 4096-token step (0.87 M cycles a call), 2705 an 8192-token
+# one (0.69 M), 4834 a 16384-token one (0.62 M, more VMEM: KERNEL_NOTES v57).
+CODE_PAIR_BLOCK_TOKENS = 8192
+
+
+def code_pairs_apply(bits: int, head_dim: int, stats_dtype) -> bool:
+  """Whether the kernel makes its matrix operands from the codes as bfloat16 pairs
+  (`bfloat16_code_pairs`, `code_pair_products_tpu`): 2- and 4-bit codes with bfloat16
+  statistics (the compute dtype) and the key statistics' channels on lanes (head_dim >= 128).
+  Otherwise it unpacks the codes to float32 and dequantizes them."""
+  return (
+    bits in bfloat16_code_pairs.PAIR_BITS
+    and jnp.dtype(stats_dtype) == jnp.bfloat16
+    and not tokens_on_lanes(head_dim)
+  )
 
 
 def unsupported_reason(
@@ -135,8 +162,10 @@ def block_tokens_for(
   gear_block: int | None = None,
   lowrank: bool = False,
   outlier_itemsize: int | None = None,
+  bits: int | None = None,
 ) -> int:
-  """Tokens per kernel block: `requested` (default DEFAULT_BLOCK_TOKENS) rounded up to a
+  """Tokens per kernel block: `requested` (default DEFAULT_BLOCK_TOKENS, CODE_PAIR_BLOCK_TOKENS
+  where `code_pairs_apply` to `bits`) rounded up to a
   multiple of 128 (the codes' lanes) whose key groups fill whole tiles of the key statistics
   (8 rows of 32-bit values or 16 of 16-bit ones; 128 lanes where `tokens_on_lanes`) and, in a
   GEAR segment, whole GEAR blocks of `gear_block`: with its low-rank factors 128 of them where
@@ -152,7 +181,9 @@ def block_tokens_for(
     if outlier_itemsize is not None:
       blocks_per_unit = math.lcm(blocks_per_unit, 8 * 4 // outlier_itemsize)
     unit = math.lcm(unit, gear_block * blocks_per_unit)
-  requested = DEFAULT_BLOCK_TOKENS if requested is None else requested
+  if requested is None:
+    pairs = bits is not None and code_pairs_apply(bits, head_dim, stats_dtype)
+    requested = CODE_PAIR_BLOCK_TOKENS if pairs else DEFAULT_BLOCK_TOKENS
   block_tokens = -(-max(requested, 1) // unit) * unit
   return tokens if tokens <= block_tokens else block_tokens
 
@@ -254,6 +285,37 @@ def _scale_folded_scores(queries, codes, k_scale, group_size: int):
     )  # [groups x rows, width]
     parts.append(own_group_rows(products, rows, group_size, 0, groups))
   return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
+def _unpacked_key_scores(
+  queries, k_codes, k_scale, k_min, *, bits: int, group_size: int, groups_axis: int
+):
+  """float32 [rows, block]: q . k with the codes unpacked to float32 (where `code_pairs_apply`
+  does not), the scales and minimums of groups past the length zeroed. The codes are centred on
+  their range's middle, the minimums moved by as much: what the bf16 operand rounds is a key's
+  distance from its group's middle (at most half the group's range), and a channel's offset is
+  kept exact in q . k_min instead of rounded into every key. Uncentred, the keys less their
+  minimums (up to the whole range) rounded worse than the keys whole (KERNEL_NOTES v55)."""
+  block = k_codes.shape[1]
+  middle = (2**bits - 1) / 2
+  k_min = k_min.astype(jnp.float32) + middle * k_scale.astype(jnp.float32)
+  centred = lambda words: _stacked_fields(words, bits) - middle
+  if token_halves_tpu.applies(k_codes.shape[0], block, group_size):
+    # 2 bits at head_dim 64: the codes as whole registers
+    scores = token_halves_tpu.scale_folded_key_scores(
+      queries, centred(token_halves_tpu.halves_on_sublanes(k_codes)), k_scale, group_size
+    )
+  elif groups_axis == 0:  # the scales' rows as stored: folded into the queries
+    scores = _scale_folded_scores(queries, centred(k_codes), k_scale, group_size)
+  else:
+    keys = centred(k_codes) * _spread_over_tokens(k_scale, group_size, block)
+    scores = jax.lax.dot_general(
+      queries,
+      keys.astype(queries.dtype),  # the keys less their groups' middles, [D, block]
+      (((1,), (0,)), ((), ())),
+      preferred_element_type=jnp.float32,
+    )
+  return scores + _key_minimum_scores(queries, k_min, group_size, block, groups_axis)
 
 
 def _repeat_over_channels(stats: jax.Array, group_size: int) -> jax.Array:
@@ -373,6 +435,47 @@ def _value_statistics(ref, head, heads_shared: bool) -> jax.Array:
   return jnp.where(heads == head, stats, 0.0).sum(axis=0, keepdims=True)
 
 
+CHUNK_TOKENS = 1024
+
+
+def _attend_in_chunks(
+  scores, v_pairs, v_scale, v_min, matrix, state_refs, group_size: int, query_rows: int
+):
+  """The softmax and value product of a block in chunks of CHUNK_TOKENS tokens, each chunk
+  against its own maximum, merged at the end: no chunk's exponentials wait for another chunk's
+  scores, so the scheduler can run one chunk's value product beside the next one's key
+  products (with one maximum over the block, every value product waited for every key product:
+  the step's critical path, KERNEL_NOTES v57). scores float32 [rows, block], -inf past the
+  length; the value statistics zero there."""
+  max_ref, sum_ref, acc_ref = state_refs
+  rows, block = scores.shape
+  chunk = CHUNK_TOKENS if block % CHUNK_TOKENS == 0 else block
+  parts = []
+  for start in range(0, block, chunk):
+    piece = slice(start, start + chunk)
+    chunk_max = scores[:, piece].max(axis=1, keepdims=True)  # -inf: a chunk past the length
+    probs = jnp.exp(scores[:, piece] - jnp.where(chunk_max == -jnp.inf, 0.0, chunk_max))
+    codes_part, minimums = code_pair_products_tpu.pair_value_partials(
+      probs, v_pairs[:, piece], v_scale[:, piece], v_min[:, piece], query_rows
+    )
+    parts.append((chunk_max, probs.sum(axis=1, keepdims=True), codes_part, minimums))
+  previous_max = max_ref[...]
+  new_max = functools.reduce(jnp.maximum, [part[0] for part in parts], previous_max)
+  total_sum, total_codes, total_minimums = sum_ref[...] * jnp.exp(previous_max - new_max), 0, 0
+  for chunk_max, chunk_sum, codes_part, minimums in parts:
+    weight = jnp.exp(chunk_max - new_max)  # [rows, 1]; 0 for a chunk past the length
+    total_sum = total_sum + weight * chunk_sum
+    arrays = codes_part.shape[0] // rows
+    total_codes = total_codes + jnp.concatenate([weight] * arrays) * codes_part
+    total_minimums = total_minimums + jnp.concatenate([weight] * arrays) * minimums
+  update = code_pair_products_tpu.pair_value_update(
+    total_codes, total_minimums, matrix, group_size, query_rows, rows
+  )
+  acc_ref[...] = acc_ref[...] * jnp.exp(previous_max - new_max) + update
+  sum_ref[...] = total_sum
+  max_ref[...] = new_max
+
+
 def _quantized_kernel(
   lengths_ref,
   queries_ref,  # [H, rows, D], compute dtype, pre-scaled: every KV head's query rows
@@ -392,6 +495,8 @@ def _quantized_kernel(
   gear_block: int,
   value_stats_shared: bool,
   gear_queries: bool,
+  code_pairs: bool,
+  query_rows: int,
 ):
   # rest: [the queries in float32 for GEAR's terms ([H, rows, D], `gear_queries`)], [GEAR's
   # low-rank factors (rank > 0): k_a, k_b, v_a, v_b], [its outliers: k_index, k_value, v_index,
@@ -400,6 +505,8 @@ def _quantized_kernel(
   # grid's innermost axis.
   gear_queries_ref = rest[0] if gear_queries else queries_ref
   rest = rest[1:] if gear_queries else rest
+  pair_queries_ref, pair_matrix_ref = rest[:2] if code_pairs else (None, None)
+  rest = rest[2:] if code_pairs else rest
   lowrank_refs = rest[:4] if rank else None
   rest = rest[4:] if rank else rest
   outlier_refs = rest[:4] if outliers else None
@@ -410,6 +517,8 @@ def _quantized_kernel(
   compute_dtype = queries_ref.dtype
   queries_ref = queries_ref.at[head]
   gear_queries_ref = gear_queries_ref.at[head]
+  if code_pairs:
+    pair_queries_ref = pair_queries_ref.at[head]
 
   @pl.when(step == 0)
   def _init():
@@ -433,35 +542,27 @@ def _quantized_kernel(
     live_groups = group_starts < length
     k_scale = jnp.where(live_groups, k_scale_ref[...], 0)
     k_min = jnp.where(live_groups, k_min_ref[...], 0)
-    # The codes centred on their range's middle, the minimums moved by as much: what the bf16
-    # operand rounds is a key's distance from its group's middle (at most half the group's
-    # range), and a channel's offset is kept exact in q . k_min instead of rounded into every
-    # key. Uncentred, the keys less their minimums (up to the whole range) rounded worse than
-    # the keys whole (KERNEL_NOTES v55).
-    middle = (2**bits - 1) / 2
-    k_min = k_min.astype(jnp.float32) + middle * k_scale.astype(jnp.float32)
-    centred = lambda words: _stacked_fields(words, bits) - middle
-    token_halves = token_halves_tpu.applies(k_codes_ref.shape[0], block, group_size)
-    if token_halves:  # 2 bits at head_dim 64: the codes as whole registers
-      scores = token_halves_tpu.scale_folded_key_scores(
+    if code_pairs:
+      scores = code_pair_products_tpu.key_scores(
         queries_ref[...],
-        centred(token_halves_tpu.halves_on_sublanes(k_codes_ref[...])),
+        pair_queries_ref[...],
+        bfloat16_code_pairs.code_pairs(k_codes_ref[...], bits),
         k_scale,
-        group_size,
-      )
-    elif groups_axis == 0:  # the scales' rows as stored: folded into the queries
-      scores = _scale_folded_scores(
-        queries_ref[...], centred(k_codes_ref[...]), k_scale, group_size
+        k_min,
+        pair_matrix_ref[...],
+        group_size=group_size,
+        query_rows=query_rows,
       )
     else:
-      keys = centred(k_codes_ref[...]) * _spread_over_tokens(k_scale, group_size, block)
-      scores = jax.lax.dot_general(
+      scores = _unpacked_key_scores(
         queries_ref[...],
-        keys.astype(compute_dtype),  # the keys less their groups' middles, [D, block]
-        (((1,), (0,)), ((), ())),
-        preferred_element_type=jnp.float32,
+        k_codes_ref[...],
+        k_scale,
+        k_min,
+        bits=bits,
+        group_size=group_size,
+        groups_axis=groups_axis,
       )
-    scores = scores + _key_minimum_scores(queries_ref[...], k_min, group_size, block, groups_axis)
     if rank:
       lowrank = _GearLowRankBlock(
         lowrank_refs,
@@ -485,16 +586,43 @@ def _quantized_kernel(
       )
       scores = scores + outlier_terms.score_term(gear_queries_ref[...])
     scores = jnp.where(valid_tokens, scores, -jnp.inf)
+    v_scale, v_min = (
+      _value_statistics(ref, head, value_stats_shared) for ref in (v_scale_ref, v_min_ref)
+    )
+    token_halves = token_halves_tpu.applies(k_codes_ref.shape[0], block, group_size)
+    if code_pairs and not (rank or outliers):
+      _attend_in_chunks(
+        scores,
+        bfloat16_code_pairs.code_pairs(v_codes_ref[...], bits),
+        jnp.where(valid_tokens, v_scale, 0.0),
+        jnp.where(valid_tokens, v_min, 0.0),
+        pair_matrix_ref[...],
+        (max_ref, sum_ref, acc_ref),
+        group_size,
+        query_rows,
+      )
+      return
     previous_max = max_ref[...]
     new_max = jnp.maximum(previous_max, scores.max(axis=1, keepdims=True))
     correction = jnp.exp(previous_max - new_max)  # 0 on the first block (max was -inf)
     probs = jnp.exp(scores - new_max)  # 0 past the length
     sum_ref[...] = sum_ref[...] * correction + probs.sum(axis=1, keepdims=True)
     max_ref[...] = new_max
-    v_scale, v_min = (
-      _value_statistics(ref, head, value_stats_shared) for ref in (v_scale_ref, v_min_ref)
-    )
-    if token_halves:
+    if code_pairs:
+      update = code_pair_products_tpu.pair_value_update(
+        *code_pair_products_tpu.pair_value_partials(
+          probs,
+          bfloat16_code_pairs.code_pairs(v_codes_ref[...], bits),
+          jnp.where(valid_tokens, v_scale, 0.0),
+          jnp.where(valid_tokens, v_min, 0.0),
+          query_rows,
+        ),
+        pair_matrix_ref[...],
+        group_size,
+        query_rows,
+        probs.shape[0],
+      )
+    elif token_halves:
       fields = 32 // bits
       in_rows = functools.partial(
         token_halves_tpu.value_statistics_in_rows, group_size=group_size, fields=fields
@@ -615,6 +743,7 @@ def quantized_decode_attention_partials_tpu(
     gear_block=block if gear else None,
     lowrank=lowrank is not None,
     outlier_itemsize=None if outliers is None else min(x.dtype.itemsize for x in outliers),
+    bits=bits,
   )
   groups_axis = 1 if tokens_on_lanes(head_dim) else 0
   rows = tile_rows(group)
@@ -662,8 +791,17 @@ def quantized_decode_attention_partials_tpu(
   else:
     value_stats = (jnp.swapaxes(v_scale, 2, 3), jnp.swapaxes(v_min, 2, 3))
     value_stat_spec = lanes_spec(value_groups)
+  code_pairs = code_pairs_apply(bits, head_dim, k_scale.dtype)
+
+  def padded_queries(queries, dtype):
+    """[B, H, rows, D]: the query rows, then copies of them where the code pairs' products fill
+    registers with several groups' rows (`code_pair_products_tpu.fill_query_rows`), or zeros."""
+    if code_pairs:
+      return code_pair_products_tpu.fill_query_rows(queries.astype(dtype), rows)
+    return pad_query_group(queries, rows, dtype)
+
   args = [
-    pad_query_group(natural_queries, rows, compute_dtype),
+    padded_queries(natural_queries, compute_dtype),
     jnp.swapaxes(k_codes, 2, 3),
     k_scale,
     k_min,
@@ -684,8 +822,16 @@ def quantized_decode_attention_partials_tpu(
   # outliers (the largest entries) by a relative error of 2^-9.
   gear_queries = gear and compute_dtype != jnp.float32
   if gear_queries:
-    args.append(pad_query_group(natural_queries, rows, jnp.float32))
+    args.append(padded_queries(natural_queries, jnp.float32))
     in_specs.append(in_specs[0])
+  if code_pairs:
+    queries_in_compute_dtype = padded_queries(natural_queries, compute_dtype)
+    args.append(code_pair_products_tpu.pair_query_rows(queries_in_compute_dtype, bits))
+    in_specs.append(
+      pl.BlockSpec((None, kv_heads, 2 * rows, head_dim), lambda b, s, i, h, lens: (b, 0, 0, 0))
+    )
+    args.append(jnp.asarray(bfloat16_code_pairs.pair_matrix(head_dim, bits), jnp.bfloat16))
+    in_specs.append(pl.BlockSpec((head_dim, head_dim), lambda b, s, i, h, lens: (0, 0)))
   if lowrank is not None:
     k_a, k_b, v_a, v_b = lowrank  # [B, H, T, r], [B, H, J, D, r], the same
     # Both as XLA lays the stored arrays out (the transposes are bitcasts there): A with the
@@ -749,6 +895,8 @@ def quantized_decode_attention_partials_tpu(
     gear_block=block,
     value_stats_shared=value_stats_shared,
     gear_queries=gear_queries,
+    code_pairs=code_pairs,
+    query_rows=group,
   )
   outputs = pl.pallas_call(
     kernel,

@@ -48,6 +48,23 @@ def fallback_warnings_fire_again(monkeypatch):
   monkeypatch.setattr(attention_dispatch, "_warned", set())
 
 
+def _generated_tokens(decoder, params, spec, cache_dtype, kernel_settings=DEFAULT_KERNEL_SETTINGS):
+  """{"reference", "interpret"}: the tokens `generate` gives through each path (4 new ones)."""
+  return {
+    implementation: generate(
+      decoder,
+      params,
+      PROMPTS,
+      max_new_tokens=4,
+      cache_dtype=cache_dtype,
+      cache_method=parse_method_spec(
+        spec, implementation=implementation, kernel_settings=kernel_settings
+      ),
+    ).tokens
+    for implementation in ("reference", "interpret")
+  }
+
+
 @pytest.mark.parametrize(
   "spec, layer_loop",
   # The other loops (the same dispatch) under -m slow: 7 s and 18 s in interpret mode.
@@ -57,17 +74,7 @@ def fallback_warnings_fire_again(monkeypatch):
 def test_interpret_kernels_generate_the_reference_tokens(spec, layer_loop, kernel_calls):
   """Also with the kernels called inside the scan over layers (kvjax.layer_runs)."""
   decoder, params = tiny_decoder(config=KERNEL_CONFIG, layer_loop=layer_loop)
-  tokens = {
-    implementation: generate(
-      decoder,
-      params,
-      PROMPTS,
-      max_new_tokens=4,
-      cache_dtype=jnp.float32,
-      cache_method=parse_method_spec(spec, implementation=implementation),
-    ).tokens
-    for implementation in ("reference", "interpret")
-  }
+  tokens = _generated_tokens(decoder, params, spec, jnp.float32)
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
   gpu_kernel = "decode_attention_gpu" if spec == "full" else "quantized_decode_attention_gpu"
   assert gpu_kernel in kernel_calls.names
@@ -409,3 +416,25 @@ def test_the_tpu_kernels_generate_the_reference_tokens(spec, kernel_calls):
   assert tpu_kernel in kernel_calls.names
   assert not any(name.endswith("_gpu") for name in kernel_calls.names)
   assert_forced_logprobs_agree(decoder, params, spec, continuation=5, kernel_settings=TPU_SETTINGS)
+
+
+@pytest.mark.parametrize(
+  "spec",
+  [
+    "kivi:bits=2,group_size=32,residual=32",
+    pytest.param("kivi:bits=4,group_size=16,residual=16", marks=pytest.mark.slow),
+  ],
+)
+@pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
+def test_the_tpu_code_pair_kernel_generates_the_reference_tokens(spec, kernel_calls):
+  """bfloat16 caches at head_dim 128: the TPU quantized kernel makes its operands from the codes
+  as bfloat16 pairs (`code_pairs_apply`, KERNEL_NOTES v57), the query rows copied into the
+  padding (4 query heads a KV head: two groups a register of rows). The reference path's
+  tokens through generate."""
+  from pallas_kernels.quantized_decode_attention_tpu import code_pairs_apply
+
+  assert code_pairs_apply(int(spec[len("kivi:bits=")]), 128, jnp.bfloat16)
+  decoder, params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, head_dim=128))
+  tokens = _generated_tokens(decoder, params, spec, jnp.bfloat16, TPU_SETTINGS)
+  np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
+  assert "quantized_decode_attention_tpu" in kernel_calls.names

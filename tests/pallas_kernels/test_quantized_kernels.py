@@ -174,6 +174,18 @@ TPU_LANE_GROUP_TOKENS = 4096 + 1280
 TPU_LANE_GEAR_TOKENS = 8192 + 1280
 
 
+def _garbage_past_lengths(segment, lengths, kwargs, group_size):
+  """The segment with garbage past each row's length (`poison_past_lengths`; GEAR's outlier
+  indices signed, so that the garbage ones are negative), `kwargs`' GEAR terms updated."""
+  if segment.outliers is not None:
+    k_index, k_value, v_index, v_value = segment.outliers
+    outliers = (k_index.astype(jnp.int32), k_value, v_index.astype(jnp.int32), v_value)
+    segment = segment._replace(outliers=outliers)
+  segment = poison_past_lengths(segment, lengths, group_size=group_size, block=GEAR_BLOCK)
+  kwargs.update(lowrank=segment.lowrank, outliers=segment.outliers)
+  return segment
+
+
 def _check_tpu(
   bits,
   head_dim,
@@ -199,12 +211,7 @@ def _check_tpu(
     seed, bits, head_dim, group, gear, dtype, outliers_per_block, **shape
   )
   if garbage_past_lengths:
-    if segment.outliers is not None:  # signed indices, so that the garbage ones are negative
-      k_index, k_value, v_index, v_value = segment.outliers
-      outliers = (k_index.astype(jnp.int32), k_value, v_index.astype(jnp.int32), v_value)
-      segment = segment._replace(outliers=outliers)
-    segment = poison_past_lengths(segment, lengths, group_size=group_size, block=GEAR_BLOCK)
-    kwargs.update(lowrank=segment.lowrank, outliers=segment.outliers)
+    segment = _garbage_past_lengths(segment, lengths, kwargs, group_size)
     # The entry point too.
     out, lse = tpu_kernel.quantized_decode_attention_tpu(
       queries,
@@ -396,6 +403,47 @@ def test_triton_kernel_ignores_garbage_past_lengths(
     seed=bits + head_dim + group,
     garbage_past_lengths=True,
     **config,
+  )
+
+
+@pytest.mark.parametrize(
+  "bits,head_dim,group,gear",
+  [
+    (2, 128, 4, False),  # two key and two value groups a register of rows
+    (4, 128, 1, False),  # MQA: four groups a register, the query row copied 8 times
+    (2, 256, 3, False),  # 3 query rows: zero padding, one group a register
+    (4, 128, 2, True),  # GEAR's terms beside the pairs (one chunk a block)
+  ],
+)
+def test_tpu_kernel_with_code_pairs_in_chunks(bits, head_dim, group, gear):
+  """bfloat16 statistics at head_dim >= 128: the codes as bfloat16 pairs (`code_pairs_apply`),
+  2048-token blocks in two chunks of 1024 tokens, each against its own maximum. Rows: whole;
+  ending 300 tokens into the second block (its second chunk wholly past the length: no
+  maximum); one token. Garbage past the lengths; partials poisoned."""
+  tokens, block_tokens = 4096, 2048
+  queries, segment, _, kwargs, _ = _case(
+    group * 13 + bits, bits, head_dim, group, gear, jnp.bfloat16, tokens=tokens
+  )
+  assert tpu_kernel.code_pairs_apply(bits, head_dim, segment.k_scale.dtype)
+  assert tpu_kernel.CHUNK_TOKENS * 2 == block_tokens
+  lengths = jnp.asarray([tokens, block_tokens + 300, 1], jnp.int32)
+  reference = quantized_decode_attention_reference(queries, *segment[:6], lengths, **kwargs)
+  segment = _garbage_past_lengths(segment, lengths, kwargs, GROUP_SIZE)
+  rows = decode_attention_tpu.tile_rows(group)
+  out_p, lse_p = tpu_kernel.quantized_decode_attention_partials_tpu(
+    queries,
+    *segment[:6],
+    lengths,
+    _poison(rows, head_dim),
+    num_splits=SPLITS,
+    block_tokens=block_tokens,
+    interpret=tpu_interpret(),
+    **kwargs,
+  )
+  assert_all_written(out_p, lse_p)
+  out, lse = merge_split_partials(out_p, lse_p, group)
+  assert_matches_reference(
+    out, lse, *reference, rtol=relative_tolerance(jnp.bfloat16, tpu_interpret())
   )
 
 

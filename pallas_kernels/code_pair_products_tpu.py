@@ -1,0 +1,288 @@
+"""The TPU quantized kernel's two products with the codes as bfloat16 pairs (`bfloat16_code_pairs`).
+
+The codes' operand rows hold 1 + code * 2^(p - 7), in the pairs' row order. What the other
+operand and the result do with that:
+
+  scores  the key scales folded into the queries per key group, as in `_scale_folded_scores`,
+          the queries and scales taken in row order and times the rows' factors (the scales by
+          one product with `pair_matrix`, exact); minus the scaled queries' product with ones
+          (the 1 in every row), in the same float32 accumulation;
+  values  the value scales folded into the probabilities per value group: P' [groups x rows,
+          block] = p * scale of the group, times the codes' rows (contracting the tokens), minus
+          each P' row's sum (the 1s); into channel order and times the factors by one product
+          with `pair_matrix` (by bfloat16 halves: the float32 result exact to 2^-16); each
+          channel takes its group's rows, and p . minimum of its group is added.
+
+The constant 1 is subtracted against exactly the bfloat16 operands that multiplied it: the
+codes' part of a row is a small part of it (2^-7 of the 1 at p = 0), and anything but the same
+rounded numbers would leave their rounding, times 2^7, in the result.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import bfloat16_code_pairs
+from pallas_kernels.bfloat16_halves import product_by_halves
+
+LANES = 128
+
+
+def rounded_to_bfloat16(x: jax.Array) -> jax.Array:
+  """float32 x rounded to the nearest bfloat16 number (halves away from zero), still float32.
+  By bits: XLA may drop a float32 -> bfloat16 -> float32 round trip as excess precision
+  (`xla_allow_excess_precision`), and the sums of the rounded numbers must be exactly theirs."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+  rounded = (bits + jnp.uint32(0x8000)) & jnp.uint32(0xFFFF0000)
+  return jax.lax.bitcast_convert_type(rounded, jnp.float32)
+
+
+def groups_per_block(rows: int, query_rows: int, groups: int) -> int:
+  """k: how many groups one [rows, n] array holds, group j in rows [j rows / k, (j + 1) rows /
+  k), where the query rows are copied to fill the rows (8 of them, `copied_query_rows`): each
+  block then holds whole copies of them. 1 where they are not, or where `groups` does not
+  split."""
+  if rows != 8 or 8 % query_rows:
+    return 1
+  k = 8 // query_rows
+  while groups % k:
+    k //= 2
+  return k
+
+
+def copied_query_rows(rows: int, query_rows: int) -> bool:
+  """Whether the queries' padding rows hold copies of the query rows (so that a register of 8
+  rows can serve 8 / query_rows groups) rather than zeros."""
+  return rows == 8 and 8 % query_rows == 0
+
+
+def fill_query_rows(queries: jax.Array, rows: int) -> jax.Array:
+  """[..., rows, D]: the query rows [..., q, D], then copies of them where `copied_query_rows`,
+  else zeros."""
+  query_rows = queries.shape[-2]
+  if copied_query_rows(rows, query_rows):
+    return jnp.concatenate([queries] * (rows // query_rows), axis=-2)
+  padding = [(0, 0)] * (queries.ndim - 2) + [(0, rows - query_rows), (0, 0)]
+  return jnp.pad(queries, padding)
+
+
+def _row_block(shape, k: int) -> jax.Array:
+  return jax.lax.broadcasted_iota(jnp.int32, shape, 0) // (shape[0] // k)
+
+
+def rows_by_block(pieces, k: int, shape) -> jax.Array:
+  """[rows, n]: block j of rows from pieces[j] (each broadcast to `shape`)."""
+  out = jnp.broadcast_to(pieces[0], shape)
+  if k == 1:
+    return out
+  block = _row_block(shape, k)
+  for j in range(1, k):
+    out = jnp.where(block == j, jnp.broadcast_to(pieces[j], shape), out)
+  return out
+
+
+def _blocks_everywhere(x: jax.Array, k: int) -> list:
+  """For each block j of x [rows, n]: x with block j's rows in every block (sublane rotations:
+  block m of the result is block j of x rotated by (m - j) blocks)."""
+  if k == 1:
+    return [x]
+  size = x.shape[0] // k
+  rotated = {0: x}
+  for shift in range(1, k):
+    rotated[shift] = pltpu.roll(x, shift * size, 0)
+  block = _row_block(x.shape, k)
+  out = []
+  for j in range(k):
+    everywhere = rotated[(0 - j) % k]
+    for m in range(1, k):
+      everywhere = jnp.where(block == m, rotated[(m - j) % k], everywhere)
+    out.append(everywhere)
+  return out
+
+
+def pair_ordered_scales(k_scale: jax.Array, matrix: jax.Array) -> jax.Array:
+  """float32 [groups, D]: the key scales [groups, D] (bfloat16, channel order) in the pairs' row
+  order, times the rows' factors (exact: one nonzero term, a power of two)."""
+  return jax.lax.dot_general(
+    k_scale.astype(jnp.bfloat16),
+    matrix,
+    (((1,), (1,)), ((), ())),
+    preferred_element_type=jnp.float32,
+  )
+
+
+def pair_query_rows(queries: jax.Array, bits: int) -> jax.Array:
+  """[..., 2 rows, D]: queries [..., rows, D] (bfloat16) in the pairs' row order, then times
+  their rows' factors in channel order (both exact), for `key_scores`. The reordering is a
+  product with a 0/1 matrix: as a gather on the channels XLA laid the result out channels-major
+  and copied it into the kernel's layout at every call (2 MiB at batch 8, 8 KV heads, v57)."""
+  head_dim = queries.shape[-1]
+  channel, factor = bfloat16_code_pairs.pair_rows(head_dim, bits)
+  order = np.zeros((head_dim, head_dim), np.float32)
+  order[np.arange(head_dim), channel] = 1.0
+  in_row_order = jnp.einsum(
+    "...c,rc->...r",
+    queries,
+    jnp.asarray(order, queries.dtype),
+    preferred_element_type=jnp.float32,
+  )  # exact: one nonzero term
+  factor_of_channel = np.zeros(head_dim, np.float32)
+  factor_of_channel[channel] = factor
+  factored = queries.astype(jnp.float32) * factor_of_channel
+  return jnp.concatenate([in_row_order, factored], axis=-2).astype(queries.dtype)
+
+
+def key_scores(
+  queries: jax.Array,
+  pair_queries: jax.Array,
+  pairs: jax.Array,
+  k_scale: jax.Array,
+  k_min: jax.Array,
+  matrix: jax.Array,
+  *,
+  group_size: int,
+  query_rows: int,
+) -> jax.Array:
+  """float32 [rows, block]: q . k for queries bfloat16 [rows, D] (channel order), pair_queries
+  bfloat16 [2 rows, D] (the queries in the pairs' row order, then the queries times their rows'
+  factors in channel order: `pair_query_rows`), the key pairs [D, block], the key statistics
+  [groups, D] (bfloat16, zero past the length) and `pair_matrix` bfloat16 [D, D]."""
+  rows = queries.shape[0]
+  # q . k_min less the pairs' 1s (sum_c q[c] factor[c] k_scale[g, c]) per key group, in one
+  # product that does not wait for the scales' reordering (the step's first products: on its
+  # critical path, KERNEL_NOTES v57).
+  per_group = jax.lax.dot_general(
+    jnp.concatenate([queries, -pair_queries[rows:]], axis=1),
+    jnp.concatenate([k_min, k_scale], axis=1),
+    (((1,), (1,)), ((), ())),
+    preferred_element_type=jnp.float32,
+  )  # [rows, groups]
+  return pair_key_scores(
+    pair_queries[:rows],
+    pairs,
+    pair_ordered_scales(k_scale, matrix),
+    per_group,
+    group_size,
+    query_rows,
+  )
+
+
+def pair_key_scores(
+  queries: jax.Array,
+  pairs: jax.Array,
+  scales: jax.Array,
+  per_group: jax.Array,
+  group_size: int,
+  query_rows: int,
+) -> jax.Array:
+  """float32 [rows, block]: q . k of each token, from queries bfloat16 [rows, D] and scales
+  float32 [groups, D] in the pairs' row order (`pair_ordered_scales`: exact bfloat16 numbers
+  times the rows' factors), pairs bfloat16 [D, block] (`code_pairs`) and per_group float32
+  [rows, groups]: each key group's q . k_min less the pairs' 1s (sum_r q[r] scales[g, r]).
+
+  Per lane tile, the queries times each of the tile's key groups' scales (the key scales
+  folded into the queries), k groups an array of rows (`groups_per_block`); each product of
+  two bfloat16 numbers is exact in float32 and exactly the sum of two bfloat16 numbers, its
+  rounding and the rest, stacked as rows: one product, exact, so that the 1s cancel exactly.
+  Each token takes its own group's rows."""
+  rows, channels = queries.shape
+  block = pairs.shape[1]
+  queries = queries.astype(jnp.float32)
+  tile = math.lcm(LANES, group_size)
+  parts = []
+  for start in range(0, block, tile):
+    width = min(tile, block - start)
+    first, groups = start // group_size, width // group_size
+    k = groups_per_block(rows, query_rows, groups)
+    arrays = [range(first + v * k, first + (v + 1) * k) for v in range(groups // k)]
+    scaled = jnp.concatenate(
+      [
+        queries * rows_by_block([scales[g : g + 1] for g in array], k, (rows, channels))
+        for array in arrays
+      ]
+    )  # [groups / k x rows, D], exact
+    high = rounded_to_bfloat16(scaled)
+    both = jax.lax.dot_general(
+      jnp.concatenate([high, scaled - high]).astype(jnp.bfloat16),
+      pairs[:, start : start + width],
+      (((1,), (0,)), ((), ())),
+      preferred_element_type=jnp.float32,
+    )
+    products = both[: scaled.shape[0]] + both[scaled.shape[0] :]
+    token_group = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) // group_size
+    scores = None
+    for v in range(len(arrays)):
+      product = products[v * rows : (v + 1) * rows]
+      for j, everywhere in enumerate(_blocks_everywhere(product, k)):
+        own = v * k + j
+        scores = everywhere if scores is None else jnp.where(token_group == own, everywhere, scores)
+    # Each token's group's constant, by one lane gather from the lane tile of per_group that
+    # holds the tile's groups (a broadcast of each group's column took one XLU permute a group).
+    base = first // LANES * LANES
+    source = per_group[:, base : base + LANES]
+    if source.shape[1] < LANES:
+      source = jnp.concatenate(
+        [source, jnp.zeros((rows, LANES - source.shape[1]), source.dtype)], axis=1
+      )
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1) // group_size + (first - base)
+    parts.append(scores + jnp.take_along_axis(source, lanes, axis=1))
+  return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+
+def pair_value_partials(
+  probs: jax.Array, pairs: jax.Array, v_scale: jax.Array, v_min: jax.Array, query_rows: int
+) -> tuple[jax.Array, jax.Array]:
+  """(codes' part float32 [groups / k x rows, D rows], minimums' part float32 [groups / k x
+  rows, 1]) of p . V for p float32 [rows, n] (0 past the length), pairs bfloat16 [D, n] and the
+  value statistics float32 [D / group, n] (zero past the length: they may hold NaN there),
+  k value groups an array of rows (`groups_per_block`). Both are linear in p: partials of
+  several token ranges, each weighted by row, add up (`pair_value_update`)."""
+  rows = probs.shape[0]
+  groups = v_scale.shape[0]
+  k = groups_per_block(rows, query_rows, groups)
+  arrays = [range(v * k, (v + 1) * k) for v in range(groups // k)]
+  per_array = lambda stats, array: rows_by_block([stats[g : g + 1] for g in array], k, probs.shape)
+  weighted = rounded_to_bfloat16(
+    jnp.concatenate([probs * per_array(v_scale, array) for array in arrays])
+  )  # [groups / k x rows, n], float32 holding bfloat16 numbers
+  products = jax.lax.dot_general(
+    weighted.astype(jnp.bfloat16),
+    pairs,
+    (((1,), (1,)), ((), ())),
+    preferred_element_type=jnp.float32,
+  )  # [groups / k x rows, D rows]
+  codes_part = products - weighted.sum(axis=1, keepdims=True)  # less the rows' 1s
+  # sum_t p[t] v_min[g, t] on the vector unit: as a product its weights would be v_min's
+  # [tokens, groups] tiles, a push into the MXU per 128 tokens for a few columns.
+  minimums = jnp.concatenate(
+    [(probs * per_array(v_min, array)).sum(axis=1, keepdims=True) for array in arrays]
+  )
+  return codes_part, minimums
+
+
+def pair_value_update(
+  codes_part: jax.Array,
+  minimums: jax.Array,
+  matrix: jax.Array,
+  group_size: int,
+  query_rows: int,
+  rows: int,
+) -> jax.Array:
+  """float32 [rows, D] in channel order from `pair_value_partials`' two parts and `pair_matrix`
+  bfloat16 [D, D]: into channel order and times the factors by one product (by bfloat16
+  halves, exact to 2^-16), each channel taking its value group's rows."""
+  channels = matrix.shape[1]
+  groups = channels // group_size
+  k = groups_per_block(rows, query_rows, groups)
+  in_channels = product_by_halves(codes_part, matrix, (0,)) + minimums
+  group_of = jax.lax.broadcasted_iota(jnp.int32, (1, channels), 1) // group_size
+  update = None
+  for v in range(groups // k):
+    array = in_channels[v * rows : (v + 1) * rows]
+    for j, everywhere in enumerate(_blocks_everywhere(array, k)):
+      own = v * k + j
+      update = everywhere if update is None else jnp.where(group_of == own, everywhere, update)
+  return update
