@@ -103,13 +103,14 @@ def _blocks_everywhere(x: jax.Array, k: int) -> list:
   return out
 
 
-def pair_ordered_scales(k_scale: jax.Array, matrix: jax.Array) -> jax.Array:
-  """float32 [groups, D]: the key scales [groups, D] (bfloat16, channel order) in the pairs' row
-  order, times the rows' factors (exact: one nonzero term, a power of two)."""
+def pair_ordered_scales(k_scale: jax.Array, matrix: jax.Array, groups_axis: int = 0) -> jax.Array:
+  """float32 [groups, D]: the key scales [groups, D] (or [D, groups] with `groups_axis` 1;
+  bfloat16, channel order) in the pairs' row order, times the rows' factors (exact: one nonzero
+  term, a power of two)."""
   return jax.lax.dot_general(
     k_scale.astype(jnp.bfloat16),
     matrix,
-    (((1,), (1,)), ((), ())),
+    (((1 - groups_axis,), (1,)), ((), ())),
     preferred_element_type=jnp.float32,
   )
 
@@ -145,25 +146,28 @@ def key_scores(
   *,
   group_size: int,
   query_rows: int,
+  groups_axis: int = 0,
 ) -> jax.Array:
   """float32 [rows, block]: q . k for queries bfloat16 [rows, D] (channel order), pair_queries
   bfloat16 [2 rows, D] (the queries in the pairs' row order, then the queries times their rows'
   factors in channel order: `pair_query_rows`), the key pairs [D, block], the key statistics
-  [groups, D] (bfloat16, zero past the length) and `pair_matrix` bfloat16 [D, D]."""
+  [groups, D] (or [D, groups] with `groups_axis` 1, as stored below 128 channels; bfloat16,
+  zero past the length) and `pair_matrix` bfloat16 [D, D]."""
   rows = queries.shape[0]
   # q . k_min less the pairs' 1s (sum_c q[c] factor[c] k_scale[g, c]) per key group, in one
   # product that does not wait for the scales' reordering (the step's first products: on its
   # critical path, KERNEL_NOTES v57).
+  channels_axis = 1 - groups_axis
   per_group = jax.lax.dot_general(
     jnp.concatenate([queries, -pair_queries[rows:]], axis=1),
-    jnp.concatenate([k_min, k_scale], axis=1),
-    (((1,), (1,)), ((), ())),
+    jnp.concatenate([k_min, k_scale], axis=channels_axis),
+    (((1,), (channels_axis,)), ((), ())),
     preferred_element_type=jnp.float32,
   )  # [rows, groups]
   return pair_key_scores(
     pair_queries[:rows],
     pairs,
-    pair_ordered_scales(k_scale, matrix),
+    pair_ordered_scales(k_scale, matrix, groups_axis),
     per_group,
     group_size,
     query_rows,

@@ -108,12 +108,15 @@ CODE_PAIR_BLOCK_TOKENS = 8192
 def code_pairs_apply(bits: int, head_dim: int, stats_dtype) -> bool:
   """Whether the kernel makes its matrix operands from the codes as bfloat16 pairs
   (`bfloat16_code_pairs`, `code_pair_products_tpu`): 2- and 4-bit codes with bfloat16
-  statistics (the compute dtype) and the key statistics' channels on lanes (head_dim >= 128).
-  Otherwise it unpacks the codes to float32 and dequantizes them."""
+  statistics (the compute dtype) whose words fill whole registers, 8 words a token or more (2
+  bits from head_dim 128, 4 bits from 64). Otherwise it unpacks the codes to float32 and
+  dequantizes them: at 2 bits and head_dim 64 (4 words, half a register) the pairs took as long
+  as the unpacked token halves (`token_halves_tpu`: KIVI-2 0.92 against 0.90 M cycles a call at
+  8192-token blocks, GEAR-2 2.46 against 2.29 M; v5e, static counts, KERNEL_NOTES v57)."""
   return (
     bits in bfloat16_code_pairs.PAIR_BITS
     and jnp.dtype(stats_dtype) == jnp.bfloat16
-    and not tokens_on_lanes(head_dim)
+    and head_dim * bits // 32 >= 8
   )
 
 
@@ -552,6 +555,7 @@ def _quantized_kernel(
         pair_matrix_ref[...],
         group_size=group_size,
         query_rows=query_rows,
+        groups_axis=groups_axis,
       )
     else:
       scores = _unpacked_key_scores(

@@ -419,22 +419,19 @@ def test_the_tpu_kernels_generate_the_reference_tokens(spec, kernel_calls):
 
 
 @pytest.mark.parametrize(
-  "spec",
-  [
-    "kivi:bits=2,group_size=32,residual=32",
-    pytest.param("kivi:bits=4,group_size=16,residual=16", marks=pytest.mark.slow),
-  ],
+  "spec,head_dim",
+  [("kivi:bits=2,group_size=32,residual=32", 128), ("kivi:bits=4,group_size=16,residual=16", 64)],
 )
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
-def test_the_tpu_code_pair_kernel_generates_the_reference_tokens(spec, kernel_calls):
-  """bfloat16 caches at head_dim 128: the TPU quantized kernel makes its operands from the codes
-  as bfloat16 pairs (`code_pairs_apply`, KERNEL_NOTES v57), the query rows copied into the
-  padding (4 query heads a KV head: two groups a register of rows). The reference path's
-  tokens through generate."""
+def test_the_tpu_code_pair_kernel_generates_the_reference_tokens(spec, head_dim, kernel_calls):
+  """bfloat16 caches whose codes fill whole registers (2 bits at head_dim 128, 4 at 64): the TPU
+  quantized kernel makes its operands from the codes as bfloat16 pairs (`code_pairs_apply`,
+  KERNEL_NOTES v57), the query rows copied into the padding (4 query heads a KV head: two
+  groups a register of rows). The reference path's tokens through generate."""
   from pallas_kernels.quantized_decode_attention_tpu import code_pairs_apply
 
-  assert code_pairs_apply(int(spec[len("kivi:bits=")]), 128, jnp.bfloat16)
-  decoder, params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, head_dim=128))
+  assert code_pairs_apply(int(spec[len("kivi:bits=")]), head_dim, jnp.bfloat16)
+  decoder, params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, head_dim=head_dim))
   tokens = _generated_tokens(decoder, params, spec, jnp.bfloat16, TPU_SETTINGS)
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
   assert "quantized_decode_attention_tpu" in kernel_calls.names

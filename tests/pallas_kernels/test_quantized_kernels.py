@@ -407,25 +407,26 @@ def test_triton_kernel_ignores_garbage_past_lengths(
 
 
 @pytest.mark.parametrize(
-  "bits,head_dim,group,gear",
+  "bits,head_dim,group,gear,block_tokens",
   [
-    (2, 128, 4, False),  # two key and two value groups a register of rows
-    (4, 128, 1, False),  # MQA: four groups a register, the query row copied 8 times
-    (2, 256, 3, False),  # 3 query rows: zero padding, one group a register
-    (4, 128, 2, True),  # GEAR's terms beside the pairs (one chunk a block)
+    (2, 128, 4, False, 2048),  # two key and two value groups a register of rows
+    (4, 128, 1, False, 2048),  # MQA: four groups a register, the query row copied 8 times
+    (2, 256, 3, False, 2048),  # 3 query rows: zero padding, one group a register
+    (4, 128, 2, True, 2048),  # GEAR's terms beside the pairs (one chunk a block)
+    (4, 64, 4, False, 4096),  # the key statistics [D, groups] (groups on lanes)
   ],
 )
-def test_tpu_kernel_with_code_pairs_in_chunks(bits, head_dim, group, gear):
-  """bfloat16 statistics at head_dim >= 128: the codes as bfloat16 pairs (`code_pairs_apply`),
-  2048-token blocks in two chunks of 1024 tokens, each against its own maximum. Rows: whole;
-  ending 300 tokens into the second block (its second chunk wholly past the length: no
+def test_tpu_kernel_with_code_pairs_in_chunks(bits, head_dim, group, gear, block_tokens):
+  """bfloat16 statistics and codes filling whole registers: the codes as bfloat16 pairs
+  (`code_pairs_apply`), blocks in chunks of 1024 tokens, each against its own maximum. Rows:
+  whole; ending 300 tokens into the second block (its last chunk wholly past the length: no
   maximum); one token. Garbage past the lengths; partials poisoned."""
-  tokens, block_tokens = 4096, 2048
+  tokens = 2 * block_tokens
   queries, segment, _, kwargs, _ = _case(
     group * 13 + bits, bits, head_dim, group, gear, jnp.bfloat16, tokens=tokens
   )
   assert tpu_kernel.code_pairs_apply(bits, head_dim, segment.k_scale.dtype)
-  assert tpu_kernel.CHUNK_TOKENS * 2 == block_tokens
+  assert block_tokens % tpu_kernel.CHUNK_TOKENS == 0 and block_tokens > tpu_kernel.CHUNK_TOKENS
   lengths = jnp.asarray([tokens, block_tokens + 300, 1], jnp.int32)
   reference = quantized_decode_attention_reference(queries, *segment[:6], lengths, **kwargs)
   segment = _garbage_past_lengths(segment, lengths, kwargs, GROUP_SIZE)
