@@ -18,7 +18,7 @@ import numpy as np
 
 from pallas_kernels import quantized_decode_attention_tpu
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
-from pallas_kernels.random_inputs import random_quantized_segment, random_queries
+from pallas_kernels.random_inputs import random_quantized_segment, random_queries, segment_kwargs
 
 BATCH, KV_HEADS, QUERY_HEADS = 3, 2, 4
 
@@ -46,13 +46,7 @@ def relative_error(
     outliers_per_block=round(0.02 * 64 * head_dim) if gear else 0,
   )
   lengths = jnp.asarray([tokens, int(rng.integers(1, tokens)) | 1, 1], jnp.int32)
-  kwargs = dict(
-    bits=bits,
-    group_size=group_size,
-    sm_scale=head_dim**-0.5,
-    lowrank=segment.lowrank,
-    outliers=segment.outliers,
-  )
+  kwargs = segment_kwargs(segment, bits=bits, group_size=group_size)
   reference, _ = quantized_decode_attention_reference(queries, *segment[:6], lengths, **kwargs)
   out, _ = quantized_decode_attention_tpu.quantized_decode_attention_tpu(
     queries, *segment[:6], lengths, interpret=True, block_tokens=block_tokens, **kwargs

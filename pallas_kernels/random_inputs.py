@@ -97,6 +97,18 @@ def random_quantized_segment(
   return _random_quantized_segment_jit(key, *sizes, dtype=dtype, **options)
 
 
+def segment_kwargs(segment: QuantizedSegment, *, bits: int, group_size: int) -> dict:
+  """The keyword arguments of a quantized kernel call (or of its reference) on `segment`: its
+  bits and group size, the softmax scale head_dim ** -0.5 and GEAR's terms (None without)."""
+  return dict(
+    bits=bits,
+    group_size=group_size,
+    sm_scale=segment.k_scale.shape[-1] ** -0.5,
+    lowrank=segment.lowrank,
+    outliers=segment.outliers,
+  )
+
+
 class _NumpyRandom:
   """The three jax.random draws used below, from a numpy Generator (keys are ignored)."""
 

@@ -19,7 +19,7 @@ from pallas_kernels import quantized_decode_attention_triton as triton_kernel
 from pallas_kernels.decode_attention_tpu import tokens_on_lanes
 from pallas_kernels.gear_terms_xla import gear_value_terms_from_scores
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
-from pallas_kernels.random_inputs import random_quantized_segment, random_queries
+from pallas_kernels.random_inputs import random_quantized_segment, random_queries, segment_kwargs
 from pallas_kernels.splits import merge_split_partials, next_power_of_two, plan_splits
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
@@ -62,13 +62,7 @@ def _case(
   )
   # A full row, a row ending mid-group, an empty row.
   lengths = jnp.asarray([tokens, int(rng.integers(1, tokens)) | 1, 0], jnp.int32)
-  kwargs = dict(
-    bits=bits,
-    group_size=group_size,
-    sm_scale=head_dim**-0.5,
-    lowrank=segment.lowrank,
-    outliers=segment.outliers,
-  )
+  kwargs = segment_kwargs(segment, bits=bits, group_size=group_size)
   reference = quantized_decode_attention_reference(queries, *segment[:6], lengths, **kwargs)
   return queries, segment, lengths, kwargs, reference
 
