@@ -4,18 +4,24 @@ The codes' operand rows hold 1 + code * 2^(p - 7), in the pairs' row order. What
 operand and the result do with that:
 
   scores  the key scales folded into the queries per key group, as in `_scale_folded_scores`,
-          the queries and scales taken in row order and times the rows' factors (the scales by
-          one product with `pair_matrix`, exact); minus the scaled queries' product with ones
-          (the 1 in every row), in the same float32 accumulation;
+          queries and scales taken in row order, the rows' factors in the scales (reordered by
+          one product with `pair_matrix`: exact). Each q x scale, a product of two bfloat16
+          numbers, is split exactly into two bfloat16 numbers stacked as rows, so the product
+          with the pairs is exact; the 1s' part (sum_c q[c] factor[c] k_scale[g, c]) is
+          subtracted exactly with q . k_min, per key group, each tile taking its groups' by one
+          lane gather;
   values  the value scales folded into the probabilities per value group: P' [groups x rows,
-          block] = p * scale of the group, times the codes' rows (contracting the tokens), minus
-          each P' row's sum (the 1s); into channel order and times the factors by one product
-          with `pair_matrix` (by bfloat16 halves: the float32 result exact to 2^-16); each
-          channel takes its group's rows, and p . minimum of its group is added.
+          block] = p * scale of the group, rounded to bfloat16, times the codes' rows
+          (contracting the tokens), minus each P' row's exact sum (the 1s); into channel order
+          and times the factors by one product with `pair_matrix` (by bfloat16 halves: the
+          float32 result exact to 2^-16); each channel takes its group's rows, and p . minimum
+          of its group is added.
 
-The constant 1 is subtracted against exactly the bfloat16 operands that multiplied it: the
-codes' part of a row is a small part of it (2^-7 of the 1 at p = 0), and anything but the same
-rounded numbers would leave their rounding, times 2^7, in the result.
+The 1s cancel against exactly the bfloat16 operands that multiplied them: the codes' part of a
+row is a small part of it (2^-7 of the 1 at p = 0), and anything but the same rounded numbers
+would leave their rounding, times up to 2^7, in the result. Where the query rows are copied into
+the padding (`copied_query_rows`) one array of 8 rows holds several groups' rows
+(`groups_per_block`), each token or channel taking its group's block by sublane rotations.
 """
 
 import math
