@@ -34,11 +34,12 @@ instead (`_scale_folded_scores`); at 2 bits and head_dim 64, where a token's 4 w
 a register, the block's two token halves are stacked on sublanes so that every field is whole
 registers (`token_halves_tpu`).
 
-Since v57, with 2- or 4-bit codes, bfloat16 statistics and head_dim >= 128
-(`code_pairs_apply`), no code is unpacked to float32 or dequantized: the packed words are masked
-into bfloat16 numbers 1 + code * 2^(p - 7), two a word (`bfloat16_code_pairs`), which are the
-MXU operands of both products; the key scales are folded into the queries, the value scales
-into the probabilities, and the 1s cancelled exactly (`code_pair_products_tpu`). The softmax
+Since v57, with 2- or 4-bit codes whose words fill whole registers (2 bits from head_dim 128, 4
+bits from 64) and bfloat16 statistics (`code_pairs_apply`), no code is unpacked to float32 or
+dequantized: the packed words are masked into bfloat16 numbers 1 + code * 2^(p - 7), two a word
+(`bfloat16_code_pairs`), which are the MXU operands of both products; the key scales are folded
+into the queries, the value scales into the probabilities, and the 1s cancelled exactly
+(`code_pair_products_tpu`). The softmax
 runs in chunks of CHUNK_TOKENS, each against its own maximum, so that one chunk's value product
 need not wait for the block's last key product. The query rows' padding holds copies of the
 query rows, so that a register of 8 rows serves two key or value groups at 4 query heads a KV
@@ -98,10 +99,10 @@ from pallas_kernels.splits import SplitPlan, merge_split_partials, pad_query_gro
 # 3.85 M cycles a call at 512 tokens a block against 0.37 M cycles of HBM reads), and a grid
 # step costs about 600 bundles besides its block's work: 4096-token blocks halve the cycles.
 DEFAULT_BLOCK_TOKENS = 4096
-# With the codes as bfloat16 pairs (`code_pairs_apply`) a 4096-token step is mostly that
-# overhead and the chain from the key products to the value products: KIVI-2 at head_dim 128,
-# 32k tokens, v5e, 1708 bundles a 4096-token step (0.87 M cycles a call), 2705 an 8192-token
-# one (0.69 M), 4834 a 16384-token one (0.62 M, more VMEM: KERNEL_NOTES v57).
+# With the codes as bfloat16 pairs (`code_pairs_apply`) a 4096-token step is much of that
+# overhead: KIVI-2 at head_dim 128, 32k tokens, v5e, 1698 bundles a 4096-token step (0.87 M
+# cycles a call), 2734 an 8192-token one (0.70 M); 16384-token steps, counted before the last
+# changes, 0.62 M against 0.69 M at 8192, for twice the VMEM (KERNEL_NOTES v57).
 CODE_PAIR_BLOCK_TOKENS = 8192
 
 
@@ -829,8 +830,7 @@ def quantized_decode_attention_partials_tpu(
     args.append(padded_queries(natural_queries, jnp.float32))
     in_specs.append(in_specs[0])
   if code_pairs:
-    queries_in_compute_dtype = padded_queries(natural_queries, compute_dtype)
-    args.append(code_pair_products_tpu.pair_query_rows(queries_in_compute_dtype, bits))
+    args.append(code_pair_products_tpu.pair_query_rows(args[0], bits))  # args[0]: the queries
     in_specs.append(
       pl.BlockSpec((None, kv_heads, 2 * rows, head_dim), lambda b, s, i, h, lens: (b, 0, 0, 0))
     )
