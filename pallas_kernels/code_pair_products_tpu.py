@@ -33,8 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import bfloat16_code_pairs
 from pallas_kernels.bfloat16_halves import product_by_halves
-
-LANES = 128
+from pallas_kernels.decode_attention_tpu import LANES
 
 
 def rounded_to_bfloat16(x: jax.Array) -> jax.Array:

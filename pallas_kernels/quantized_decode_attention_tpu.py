@@ -469,9 +469,9 @@ def _attend_in_chunks(
   for chunk_max, chunk_sum, codes_part, minimums in parts:
     weight = jnp.exp(chunk_max - new_max)  # [rows, 1]; 0 for a chunk past the length
     total_sum = total_sum + weight * chunk_sum
-    arrays = codes_part.shape[0] // rows
-    total_codes = total_codes + jnp.concatenate([weight] * arrays) * codes_part
-    total_minimums = total_minimums + jnp.concatenate([weight] * arrays) * minimums
+    weight_per_array = jnp.concatenate([weight] * (codes_part.shape[0] // rows))
+    total_codes = total_codes + weight_per_array * codes_part
+    total_minimums = total_minimums + weight_per_array * minimums
   update = code_pair_products_tpu.pair_value_update(
     total_codes, total_minimums, matrix, group_size, query_rows, rows
   )
@@ -595,12 +595,16 @@ def _quantized_kernel(
       _value_statistics(ref, head, value_stats_shared) for ref in (v_scale_ref, v_min_ref)
     )
     token_halves = token_halves_tpu.applies(k_codes_ref.shape[0], block, group_size)
+    if code_pairs:
+      v_pairs = bfloat16_code_pairs.code_pairs(v_codes_ref[...], bits)
+      # Past the length the statistics may hold NaN, which would reach P'.
+      v_scale, v_min = (jnp.where(valid_tokens, stats, 0.0) for stats in (v_scale, v_min))
     if code_pairs and not (rank or outliers):
       _attend_in_chunks(
         scores,
-        bfloat16_code_pairs.code_pairs(v_codes_ref[...], bits),
-        jnp.where(valid_tokens, v_scale, 0.0),
-        jnp.where(valid_tokens, v_min, 0.0),
+        v_pairs,
+        v_scale,
+        v_min,
         pair_matrix_ref[...],
         (max_ref, sum_ref, acc_ref),
         group_size,
@@ -615,13 +619,7 @@ def _quantized_kernel(
     max_ref[...] = new_max
     if code_pairs:
       update = code_pair_products_tpu.pair_value_update(
-        *code_pair_products_tpu.pair_value_partials(
-          probs,
-          bfloat16_code_pairs.code_pairs(v_codes_ref[...], bits),
-          jnp.where(valid_tokens, v_scale, 0.0),
-          jnp.where(valid_tokens, v_min, 0.0),
-          query_rows,
-        ),
+        *code_pair_products_tpu.pair_value_partials(probs, v_pairs, v_scale, v_min, query_rows),
         pair_matrix_ref[...],
         group_size,
         query_rows,

@@ -56,10 +56,9 @@ def test_query_rows_are_copied_where_they_divide_the_register(query_rows):
   queries = jnp.arange(query_rows * 5, dtype=jnp.float32).reshape(1, query_rows, 5) + 1
   filled = np.asarray(products.fill_query_rows(queries, ROWS))
   assert filled.shape == (1, ROWS, 5)
+  copies = ROWS % query_rows == 0
   for row in range(ROWS):
-    expected = queries[0, row % query_rows] if ROWS % query_rows == 0 else 0 * queries[0, 0]
-    if row < query_rows:
-      expected = queries[0, row]
+    expected = queries[0, row % query_rows] if copies or row < query_rows else 0 * queries[0, 0]
     np.testing.assert_array_equal(filled[0, row], expected)
 
 
