@@ -86,9 +86,14 @@ def waits_when_interpreted(jitted_function):
   return entry_point
 
 
-def tpu_compiler_params(dimension_semantics: tuple[str, ...]):
+def tpu_compiler_params(dimension_semantics: tuple[str, ...], *, own_copies_in_bounds=False):
+  """`own_copies_in_bounds`: the kernel's own copies (`make_async_copy` of dynamic slices) are in
+  bounds by construction, so Mosaic's run-time checks of their offsets (a compare, a predicate
+  and a halt per bound and copy, on the scalar unit of every grid step) are left out."""
   pltpu = _tpu_module()
   params_class = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
+  if own_copies_in_bounds:
+    return params_class(dimension_semantics=dimension_semantics, disable_bounds_checks=True)
   return params_class(dimension_semantics=dimension_semantics)
 
 
@@ -128,3 +133,26 @@ def gpu_compute_capability() -> str | None:
   """Compute capability of the first device ("9.0" on an H100 / H200), None where it has none."""
   capability = _first_device_attribute("compute_capability")
   return str(capability) if capability else None
+
+
+def tpu_dma_semaphores(shape):
+  """Scratch: an array of DMA semaphores of `shape`, for a TPU kernel's own copies."""
+  return _tpu_module().SemaphoreType.DMA(shape)
+
+
+def tpu_async_copy(source, target, semaphore):
+  """A TPU kernel's copy of `source` into `target` signalling `semaphore` (`start`, `wait`)."""
+  return _tpu_module().make_async_copy(source, target, semaphore)
+
+
+def tpu_hbm_memory_space():
+  """The memory space of a pallas_call operand kept in HBM for the kernel's own copies."""
+  return _tpu_module().MemorySpace.HBM
+
+
+def tpu_kept_in_hbm(array):
+  """`array` as a pallas_call operand XLA must leave in HBM. (Without it, XLA placed GEAR's
+  5-8 MiB outliers and rank-2 factors in a v5e's VMEM, where the kernel's copies from an HBM
+  operand became loops of vector loads and stores: KERNEL_NOTES v58.)"""
+  pltpu = _tpu_module()
+  return pltpu.with_memory_space_constraint(array, pltpu.MemorySpace.HBM)

@@ -1,11 +1,14 @@
 """TPU fused dequantize-attention for decoding over a KIVI / GEAR quantized segment (Mosaic).
 
 The grid of `decode_attention_tpu` with the KV heads innermost: (batch, splits, blocks,
-kv_heads), lengths scalar-prefetched, index maps clamped to the row's last valid block of the
-last head (no DMA past the length: `clamped_head_and_block`), compute skipped there with
-`pl.when`, online softmax in VMEM scratch of every head. The heads are innermost so that what
-the heads share per block is fetched once for all of them: the value statistics of one group
-per token, which XLA stores with the heads on sublanes (`value_stats_shared`, since v55).
+kv_heads), lengths scalar-prefetched, online softmax in VMEM scratch of every head. The heads
+are innermost so that what the heads share per block is fetched once for all of them: the
+value statistics of one group per token, which XLA stores with the heads on sublanes
+(`value_stats_shared`, since v55). Since v58 the cache's arrays stay in HBM and the kernel
+fetches each step's blocks itself, double-buffered, one schedule for all arrays
+(`token_block_fetches_tpu`): nothing past a row's length is fetched or computed. As BlockSpecs
+with index maps clamped to the row's last valid block (still the way where the blocks do not
+tile the segment), Mosaic's pipeline spent about 470 bundles of scalar work a step on them.
 
 **Tokens on lanes.** A TPU tiles the last two dimensions of every array into (8, 128) tiles, in
 HBM as in VMEM, so an array whose last dimension is small is either padded to 128 lanes or laid
@@ -50,8 +53,8 @@ channels XLA lays them out with the groups last too, and the kernel takes them a
 [B, H, D, T / group] (`tokens_on_lanes`). Blocks are a multiple of 128 tokens holding whole
 tiles of key-group rows (8 of 32-bit values, 16 of 16-bit ones) or, with the groups on lanes,
 128 key groups and, with GEAR's low-rank factors, 128 GEAR blocks (`block_tokens_for`); or the
-whole segment when it is shorter. A last block past
-the segment's end reads padding, which the masks above keep out.
+whole segment when it is shorter. A last block past the segment's end (Mosaic's pipeline
+fetches those: `token_block_fetches_tpu`) reads padding, which the masks above keep out.
 
 GEAR's low-rank terms are the kernel's own (`_GearLowRankBlock`, since v51): per block and
 rank, each GEAR block's q . k_b row spread over its tokens by a 0/1 product and weighted by k_a
@@ -76,14 +79,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import _compat, bfloat16_code_pairs, code_pair_products_tpu, token_halves_tpu
+from pallas_kernels import (
+  _compat,
+  bfloat16_code_pairs,
+  code_pair_products_tpu,
+  token_block_fetches_tpu,
+  token_halves_tpu,
+)
 from pallas_kernels.bfloat16_halves import product_by_halves
 from pallas_kernels.bit_packing import check_bits
 from pallas_kernels.decode_attention_tpu import (
   LANES,
-  clamped_block_index,
   finalize,
-  last_valid_block,
   tile_rows,
   tokens_on_lanes,
   valid_token_masks,
@@ -190,23 +197,6 @@ def block_tokens_for(
     requested = CODE_PAIR_BLOCK_TOKENS if pairs else DEFAULT_BLOCK_TOKENS
   block_tokens = -(-max(requested, 1) // unit) * unit
   return tokens if tokens <= block_tokens else block_tokens
-
-
-def last_head_past(split, step, head, last, *, plan: SplitPlan, kv_heads: int):
-  """(head, block) a step of the heads-innermost grid (batch, split, block, KV head) reads or
-  writes, where blocks past `last` are not read: the step's own, or past `last` block `last`
-  of the last head. That is the block the step before had, so Pallas fetches (or writes back)
-  nothing there: with the heads innermost, each head's own block `last` would be a new index
-  at every step past it."""
-  block = split * plan.blocks_per_split + step
-  return jnp.where(block > last, kv_heads - 1, head), jnp.minimum(block, last)
-
-
-def clamped_head_and_block(row, split, step, head, lengths_ref, *, plan: SplitPlan, kv_heads):
-  """`last_head_past` at the row's last valid block (`clamped_block_index`): no DMA past a
-  row's length."""
-  last_valid = last_valid_block(row, lengths_ref, plan=plan)
-  return last_head_past(split, step, head, last_valid, plan=plan, kv_heads=kv_heads)
 
 
 def _stacked_fields(words: jax.Array, bits: int) -> jax.Array:
@@ -482,14 +472,7 @@ def _attend_in_chunks(
 
 def _quantized_kernel(
   lengths_ref,
-  queries_ref,  # [H, rows, D], compute dtype, pre-scaled: every KV head's query rows
-  k_codes_ref,  # uint32 [W, block]
-  k_scale_ref,  # [block / group, D], or [D, block / group] with groups_axis 1
-  k_min_ref,
-  v_codes_ref,  # uint32 [W, block]
-  v_scale_ref,  # [D / group, block], or [H, block] with value_stats_shared
-  v_min_ref,
-  *rest,
+  *refs,
   plan: SplitPlan,
   bits: int,
   group_size: int,
@@ -501,12 +484,43 @@ def _quantized_kernel(
   gear_queries: bool,
   code_pairs: bool,
   query_rows: int,
+  fetched: tuple[tuple[int, token_block_fetches_tpu.TokenBlockWindow], ...],
 ):
-  # rest: [the queries in float32 for GEAR's terms ([H, rows, D], `gear_queries`)], [GEAR's
-  # low-rank factors (rank > 0): k_a, k_b, v_a, v_b], [its outliers: k_index, k_value, v_index,
-  # v_value, each [J_blk, s]], [the aliased initial outputs], out, lse, then three scratch
-  # buffers. out, lse and the scratch hold every KV head ([H, rows, ...]): the heads are the
-  # grid's innermost axis.
+  # refs: the inputs, [the aliased initial outputs], out, lse, three scratch buffers, then the
+  # fetches' buffers and semaphores (`token_block_fetches_tpu.fetch_scratch`). The inputs:
+  #   queries [H, rows, D], compute dtype, pre-scaled: every KV head's query rows;
+  #   k_codes uint32 [W, block]; k_scale, k_min [block / group, D] ([D, block / group] with
+  #   groups_axis 1); v_codes uint32 [W, block]; v_scale, v_min [D / group, block] ([H, block]
+  #   with value_stats_shared); [the queries in float32 for GEAR's terms ([H, rows, D],
+  #   `gear_queries`)]; [the pair queries and the pair matrix (`code_pairs`)]; [GEAR's low-rank
+  #   factors (rank > 0): k_a, k_b, v_a, v_b]; [its outliers: k_index, k_value, v_index,
+  #   v_value, each [J_blk, s]].
+  # The inputs at the `fetched` positions are HBM refs, replaced below by the step's blocks.
+  # out, lse and the scratch hold every KV head ([H, rows, ...]): the heads are the grid's
+  # innermost axis.
+  # The state's three buffers, then (where the kernel fetches its blocks) the fetches'.
+  scratch_count = 3 + (len(fetched) + 1 if fetched else 0)
+  scratch = refs[-scratch_count:]
+  refs = list(refs[:-scratch_count])
+  row, split, step, head = (pl.program_id(axis) for axis in range(4))
+  kv_heads = scratch[0].shape[0]
+  max_ref, sum_ref, acc_ref = (ref.at[head] for ref in scratch[:3])
+  out_ref, lse_ref = refs[-2:]
+  length = lengths_ref[row]
+  if fetched:  # else Mosaic's pipeline fetched the blocks (`token_block_fetches_tpu`)
+    fetches = token_block_fetches_tpu.TokenBlockFetches(
+      [refs[position] for position, _ in fetched],
+      scratch[3:-1],
+      scratch[-1],
+      [window for _, window in fetched],
+    )
+    slot, whole_slot = fetches.step(
+      row=row, split=split, step=step, head=head, length=length, plan=plan, kv_heads=kv_heads
+    )
+    for index, (position, _) in enumerate(fetched):
+      refs[position] = fetches.current(index, slot, whole_slot)
+  queries_ref, k_codes_ref, k_scale_ref, k_min_ref, v_codes_ref, v_scale_ref, v_min_ref = refs[:7]
+  rest = refs[7:]
   gear_queries_ref = rest[0] if gear_queries else queries_ref
   rest = rest[1:] if gear_queries else rest
   pair_queries_ref, pair_matrix_ref = rest[:2] if code_pairs else (None, None)
@@ -514,9 +528,6 @@ def _quantized_kernel(
   lowrank_refs = rest[:4] if rank else None
   rest = rest[4:] if rank else rest
   outlier_refs = rest[:4] if outliers else None
-  out_ref, lse_ref = rest[-5:-3]
-  row, split, step, head = (pl.program_id(axis) for axis in range(4))
-  max_ref, sum_ref, acc_ref = (ref.at[head] for ref in rest[-3:])
   block = plan.block_tokens
   compute_dtype = queries_ref.dtype
   queries_ref = queries_ref.at[head]
@@ -530,7 +541,6 @@ def _quantized_kernel(
     sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  length = lengths_ref[row]
   first = (split * plan.blocks_per_split + step) * block
 
   @pl.when(first < length)
@@ -758,26 +768,15 @@ def quantized_decode_attention_partials_tpu(
 
   # The grid's axes are (batch, split, block, KV head), the heads innermost: a block of value
   # statistics shared by the heads (`value_stats_shared`) is then fetched once for all of them.
-  head_and_block = functools.partial(clamped_head_and_block, plan=plan, kv_heads=kv_heads)
-
-  def head_block_spec(shape, token_axis):
-    """Blocks of `shape` of a [B, H, ...] array, one head's, the token blocks along
-    `token_axis` of `shape`, the other axes whole."""
-
-    def index_map(b, s, i, h, lens):
-      head, block_index = head_and_block(b, s, i, h, lens)
-      return (b, head) + tuple(
-        block_index if axis == token_axis else 0 for axis in range(len(shape))
-      )
-
-    return pl.BlockSpec((None, None, *shape), index_map)
-
-  lanes_spec = lambda leading: head_block_spec((leading, block_tokens), 1)  # [B, H, leading, T]
+  # The cache's arrays are fetched by the kernel (`token_block_fetches_tpu`): each is an input
+  # kept in HBM and a window of its token blocks (BlockSpecs where the blocks do not tile them).
+  fetch = token_block_fetches_tpu.TokenBlockWindow
   if groups_axis == 1:  # [B, H, D, T / group]: the layout XLA gives them below 128 channels
     k_scale, k_min = jnp.swapaxes(k_scale, 2, 3), jnp.swapaxes(k_min, 2, 3)
-    key_stat_spec = head_block_spec((head_dim, key_groups), 1)
+    key_stat_window = fetch((head_dim, key_groups), 1)
   else:
-    key_stat_spec = head_block_spec((key_groups, head_dim), 0)
+    key_stat_window = fetch((key_groups, head_dim), 0)
+  codes_window = fetch((width, block_tokens), 1)  # [B, H, W, T]
   # One value group per token: XLA stores the [B, H, T, 1] statistics with the heads on
   # sublanes ([B, 1, H, T]), where one head's row is a block of one sublane, which Mosaic
   # refuses (and a DMA of it too: the offset is not tile-aligned). Taken [B, H, T] (a bitcast
@@ -787,13 +786,10 @@ def quantized_decode_attention_partials_tpu(
   value_stats_shared = value_groups == 1
   if value_stats_shared:
     value_stats = (v_scale[..., 0], v_min[..., 0])
-    value_stat_spec = pl.BlockSpec(
-      (None, kv_heads, block_tokens),
-      lambda b, s, i, h, lens: (b, 0, clamped_block_index(b, s, i, lens, plan=plan)),
-    )
+    value_stat_window = fetch((kv_heads, block_tokens), 1, heads_whole=True)
   else:
     value_stats = (jnp.swapaxes(v_scale, 2, 3), jnp.swapaxes(v_min, 2, 3))
-    value_stat_spec = lanes_spec(value_groups)
+    value_stat_window = fetch((value_groups, block_tokens), 1)
   code_pairs = code_pairs_apply(bits, head_dim, k_scale.dtype)
 
   def padded_queries(queries, dtype):
@@ -803,30 +799,29 @@ def quantized_decode_attention_partials_tpu(
       return code_pair_products_tpu.fill_query_rows(queries.astype(dtype), rows)
     return pad_query_group(queries, rows, dtype)
 
-  args = [
-    padded_queries(natural_queries, compute_dtype),
-    jnp.swapaxes(k_codes, 2, 3),
-    k_scale,
-    k_min,
-    jnp.swapaxes(v_codes, 2, 3),
-    *value_stats,
-  ]
-  in_specs = [
-    pl.BlockSpec((None, kv_heads, rows, head_dim), lambda b, s, i, h, lens: (b, 0, 0, 0)),
-    lanes_spec(width),
-    key_stat_spec,
-    key_stat_spec,
-    lanes_spec(width),
-    value_stat_spec,
-    value_stat_spec,
-  ]
+  queries_spec = pl.BlockSpec(
+    (None, kv_heads, rows, head_dim), lambda b, s, i, h, lens: (b, 0, 0, 0)
+  )
+  args, in_specs, windows = [padded_queries(natural_queries, compute_dtype)], [queries_spec], []
+
+  def add_fetched(array, window):
+    args.append(array)
+    in_specs.append(None)  # below, once every window is known
+    windows.append((len(args) - 1, window))
+
+  add_fetched(jnp.swapaxes(k_codes, 2, 3), codes_window)
+  add_fetched(k_scale, key_stat_window)
+  add_fetched(k_min, key_stat_window)
+  add_fetched(jnp.swapaxes(v_codes, 2, 3), codes_window)
+  add_fetched(value_stats[0], value_stat_window)
+  add_fetched(value_stats[1], value_stat_window)
   # GEAR's terms take the queries in float32 (exact to 2^-16 by bfloat16 halves, as the
   # reference's are): rounded to bfloat16 like the main product's, they multiplied the
   # outliers (the largest entries) by a relative error of 2^-9.
   gear_queries = gear and compute_dtype != jnp.float32
   if gear_queries:
     args.append(padded_queries(natural_queries, jnp.float32))
-    in_specs.append(in_specs[0])
+    in_specs.append(queries_spec)
   if code_pairs:
     args.append(code_pair_products_tpu.pair_query_rows(args[0], bits))  # args[0]: the queries
     in_specs.append(
@@ -842,15 +837,29 @@ def quantized_decode_attention_partials_tpu(
     gear_blocks = block_tokens // block
     if groups_axis == 1:
       as_stored = lambda factor: jnp.transpose(factor, (0, 1, 3, 4, 2))  # [B, H, D, r, J]
-      factor_b_spec = head_block_spec((head_dim, rank, gear_blocks), 2)
+      factor_b_window = fetch((head_dim, rank, gear_blocks), 2)
     else:
       as_stored = lambda factor: jnp.swapaxes(factor, 3, 4)  # [B, H, J, r, D]
-      factor_b_spec = head_block_spec((gear_blocks, rank, head_dim), 0)
-    args += [jnp.swapaxes(k_a, 2, 3), as_stored(k_b), jnp.swapaxes(v_a, 2, 3), as_stored(v_b)]
-    in_specs += [lanes_spec(rank), factor_b_spec, lanes_spec(rank), factor_b_spec]
+      factor_b_window = fetch((gear_blocks, rank, head_dim), 0)
+    factor_a_window = fetch((rank, block_tokens), 1)
+    add_fetched(jnp.swapaxes(k_a, 2, 3), factor_a_window)
+    add_fetched(as_stored(k_b), factor_b_window)
+    add_fetched(jnp.swapaxes(v_a, 2, 3), factor_a_window)
+    add_fetched(as_stored(v_b), factor_b_window)
   if outliers is not None:  # [B, H, J, s] as stored (`OUTLIER_LAYOUT`)
-    args += list(outliers)
-    in_specs += [head_block_spec((block_tokens // block, outliers[0].shape[-1]), 0)] * 4
+    for array in outliers:
+      add_fetched(array, fetch((block_tokens // block, array.shape[-1]), 0))
+  own_fetches = all(
+    token_block_fetches_tpu.tiles_evenly(window, args[position].shape)
+    for position, window in windows
+  )
+  for position, window in windows:
+    if own_fetches:
+      args[position] = _compat.tpu_kept_in_hbm(args[position])
+      in_specs[position] = token_block_fetches_tpu.hbm_spec()
+    else:
+      in_specs[position] = token_block_fetches_tpu.block_spec(window, plan=plan, kv_heads=kv_heads)
+  windows = windows if own_fetches else []
   # Every head's partials of a split in one block, written back once, after its last step:
   # a head's own block would be left and revisited at every step, and Pallas writes an output
   # block back whenever its index changes.
@@ -884,6 +893,13 @@ def quantized_decode_attention_partials_tpu(
       _compat.tpu_vmem_scratch((kv_heads, rows, 1), jnp.float32),
       _compat.tpu_vmem_scratch((kv_heads, rows, 1), jnp.float32),
       _compat.tpu_vmem_scratch((kv_heads, rows, head_dim), jnp.float32),
+      *(
+        token_block_fetches_tpu.fetch_scratch(
+          [window for _, window in windows], [args[position].dtype for position, _ in windows]
+        )
+        if windows
+        else []
+      ),
     ],
   )
   kernel = functools.partial(
@@ -899,13 +915,19 @@ def quantized_decode_attention_partials_tpu(
     gear_queries=gear_queries,
     code_pairs=code_pairs,
     query_rows=group,
+    fetched=tuple(windows),
   )
   outputs = pl.pallas_call(
     kernel,
     grid_spec=grid_spec,
     out_shape=out_shape,
     input_output_aliases=aliases,
-    compiler_params=_compat.tpu_compiler_params(("parallel", "parallel", "arbitrary", "arbitrary")),
+    # The fetches' offsets are in bounds by construction (`token_block_fetches_tpu`: no block
+    # at or past a length clamped to the capacity, the last one copied short): Mosaic's checks
+    # of them took 215 of a KIVI-2 8192-token step's 2595 bundles (head_dim 128, v5e).
+    compiler_params=_compat.tpu_compiler_params(
+      ("parallel", "parallel", "arbitrary", "arbitrary"), own_copies_in_bounds=own_fetches
+    ),
     interpret=_compat.tpu_interpret_params() if interpret else False,
     name=f"quantized_decode_attention_{bits}bit_tpu",
   )(lengths, *args)

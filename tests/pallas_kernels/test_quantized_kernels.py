@@ -20,7 +20,7 @@ from pallas_kernels.decode_attention_tpu import tokens_on_lanes
 from pallas_kernels.gear_terms_xla import gear_value_terms_from_scores
 from pallas_kernels.quantized_decode_attention_reference import quantized_decode_attention_reference
 from pallas_kernels.random_inputs import random_quantized_segment, random_queries, segment_kwargs
-from pallas_kernels.splits import merge_split_partials, next_power_of_two, plan_splits
+from pallas_kernels.splits import merge_split_partials, next_power_of_two
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
@@ -157,13 +157,14 @@ def _check_triton(
 
 
 # The TPU kernel's blocks are multiples of 128 tokens (its codes' lanes) holding whole tiles of
-# key groups (512 tokens for 16-bit statistics at group 32): 1280 tokens make three blocks, the
-# last one half past the segment's end (padding the masks must keep out), two splits. Below
-# 128 channels the key groups are lanes too, 128 of them a block (4096 tokens at group 32):
-# 5376 tokens make two blocks, the second mostly padding.
+# key groups (512 tokens for 16-bit statistics at group 32): 1536 tokens make three blocks in
+# two splits, which the kernel fetches itself (`token_block_fetches_tpu`). Below 128 channels
+# the key groups are lanes too, 128 of them a block (4096 tokens at group 32): 5376 tokens make
+# two blocks, the second mostly padding, which Mosaic's pipeline fetches (the blocks do not
+# tile the segment): the masks must keep the padding out.
 # With GEAR's low-rank factors there, the blocks hold 128 GEAR blocks too (8192 tokens: the B
 # factors' lanes): 9472 tokens make two.
-TPU_TOKENS = 1280
+TPU_TOKENS = 1536
 TPU_LANE_GROUP_TOKENS = 4096 + 1280
 TPU_LANE_GEAR_TOKENS = 8192 + 1280
 
@@ -315,49 +316,6 @@ def test_tpu_kernel_with_key_groups_across_lane_tiles(bits, dtype):
     tokens=1536,
     garbage_past_lengths=True,
   )
-
-
-@pytest.mark.parametrize("kv_heads", [1, 3])
-@pytest.mark.parametrize("tokens,block_tokens,num_splits", [(1280, 512, 2), (4096, 512, 3)])
-def test_the_tpu_grid_fetches_each_valid_block_of_each_head_once(
-  kv_heads, tokens, block_tokens, num_splits
-):
-  """The heads-innermost grid's index maps (`clamped_head_and_block`, and for GEAR's scores
-  `last_head_past` at the segment's last block): a step before a row's length reads its head's
-  own block; a step past it repeats the step before's index, so Pallas fetches nothing there,
-  and over the grid each valid (head, block) is a new index once."""
-  plan = plan_splits(tokens, block_tokens, BATCH * kv_heads, num_splits, target_programs=1)
-  blocks = -(-tokens // block_tokens)
-  lengths = jnp.asarray([tokens, block_tokens + 1, 0, block_tokens * plan.blocks_per_split])
-  for row in range(lengths.shape[0]):
-    last_valid = max(-(-int(lengths[row]) // block_tokens) - 1, 0)
-    for last, index_of in [
-      (
-        last_valid,
-        lambda s, i, h, row=row: tpu_kernel.clamped_head_and_block(
-          row, s, i, h, lengths, plan=plan, kv_heads=kv_heads
-        ),
-      ),
-      (
-        blocks - 1,
-        lambda s, i, h: tpu_kernel.last_head_past(
-          s, i, h, blocks - 1, plan=plan, kv_heads=kv_heads
-        ),
-      ),
-    ]:
-      previous, new_indices = None, []
-      for s, i, h in itertools.product(
-        range(plan.num_splits), range(plan.blocks_per_split), range(kv_heads)
-      ):
-        index = tuple(int(x) for x in index_of(s, i, h))
-        if s * plan.blocks_per_split + i <= last:
-          assert index == (h, s * plan.blocks_per_split + i)
-        else:
-          assert index == previous, (row, s, i, h)
-        if index != previous:
-          new_indices.append(index)
-        previous = index
-      assert sorted(new_indices) == sorted(itertools.product(range(kv_heads), range(last + 1)))
 
 
 @pytest.mark.parametrize(
