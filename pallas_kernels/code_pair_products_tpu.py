@@ -78,33 +78,28 @@ def _row_block(shape, k: int) -> jax.Array:
   return jax.lax.broadcasted_iota(jnp.int32, shape, 0) // (shape[0] // k)
 
 
-def rows_by_block(pieces, k: int, shape) -> jax.Array:
-  """[rows, n]: block j of rows from pieces[j] (each broadcast to `shape`)."""
-  out = jnp.broadcast_to(pieces[0], shape)
-  if k == 1:
-    return out
-  block = _row_block(shape, k)
-  for j in range(1, k):
-    out = jnp.where(block == j, jnp.broadcast_to(pieces[j], shape), out)
-  return out
+def _sublane_rows(stats: jax.Array, first: int, k: int, shape) -> jax.Array:
+  """[rows, n]: block j of rows from stats row first + j ([groups, n]), by one sublane gather
+  from the 8-row slab holding rows first .. first + k - 1."""
+  slab_start = first // 8 * 8
+  slab = stats[slab_start : slab_start + 8]
+  if slab.shape[0] < 8:
+    slab = jnp.concatenate([slab, jnp.zeros((8 - slab.shape[0], slab.shape[1]), slab.dtype)])
+  index = _row_block(shape, k) + (first - slab_start)
+  return jnp.take_along_axis(slab, index, axis=0)
 
 
-def _blocks_everywhere(x: jax.Array, k: int) -> list:
-  """For each block j of x [rows, n]: x with block j's rows in every block (sublane rotations:
-  block m of the result is block j of x rotated by (m - j) blocks)."""
+def _own_block_everywhere(x: jax.Array, own_block: jax.Array, k: int) -> jax.Array:
+  """x [rows, n] whose block own_block[t] (of k blocks of rows; [1, n]) holds token t's rows:
+  those rows in every block, by sublane rotations (block m of the result is block j of x
+  rotated by (m - j) blocks)."""
   if k == 1:
-    return [x]
+    return x
   size = x.shape[0] // k
-  rotated = {0: x}
+  rotation = (_row_block(x.shape, k) - own_block) % k
+  out = x
   for shift in range(1, k):
-    rotated[shift] = pltpu.roll(x, shift * size, 0)
-  block = _row_block(x.shape, k)
-  out = []
-  for j in range(k):
-    everywhere = rotated[(0 - j) % k]
-    for m in range(1, k):
-      everywhere = jnp.where(block == m, rotated[(m - j) % k], everywhere)
-    out.append(everywhere)
+    out = jnp.where(rotation == shift, pltpu.roll(x, shift * size, 0), out)
   return out
 
 
@@ -208,10 +203,7 @@ def pair_key_scores(
     k = groups_per_block(rows, query_rows, groups)
     arrays = [range(first + v * k, first + (v + 1) * k) for v in range(groups // k)]
     scaled = jnp.concatenate(
-      [
-        queries * rows_by_block([scales[g : g + 1] for g in array], k, (rows, channels))
-        for array in arrays
-      ]
+      [queries * _sublane_rows(scales, array[0], k, (rows, channels)) for array in arrays]
     )  # [groups / k x rows, D], exact
     high = rounded_to_bfloat16(scaled)
     both = jax.lax.dot_general(
@@ -222,12 +214,11 @@ def pair_key_scores(
     )
     products = both[: scaled.shape[0]] + both[scaled.shape[0] :]
     token_group = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) // group_size
-    scores = None
-    for v in range(len(arrays)):
-      product = products[v * rows : (v + 1) * rows]
-      for j, everywhere in enumerate(_blocks_everywhere(product, k)):
-        own = v * k + j
-        scores = everywhere if scores is None else jnp.where(token_group == own, everywhere, scores)
+    # Each token's array of rows, then its own group's block of rows into every block.
+    chosen = products[:rows]
+    for v in range(1, len(arrays)):
+      chosen = jnp.where(token_group // k == v, products[v * rows : (v + 1) * rows], chosen)
+    scores = _own_block_everywhere(chosen, token_group % k, k)
     # Each token's group's constant, by one lane gather from the lane tile of per_group that
     # holds the tile's groups (a broadcast of each group's column took one XLU permute a group).
     base = first // LANES * LANES
@@ -242,20 +233,21 @@ def pair_key_scores(
 
 
 def pair_value_partials(
-  probs: jax.Array, pairs: jax.Array, v_scale: jax.Array, v_min: jax.Array, query_rows: int
+  probs: jax.Array, pairs: jax.Array, v_stats: jax.Array, query_rows: int
 ) -> tuple[jax.Array, jax.Array]:
   """(codes' part float32 [groups / k x rows, D rows], minimums' part float32 [groups / k x
   rows, 1]) of p . V for p float32 [rows, n] (0 past the length), pairs bfloat16 [D, n] and the
-  value statistics float32 [D / group, n] (zero past the length: they may hold NaN there),
-  k value groups an array of rows (`groups_per_block`). Both are linear in p: partials of
-  several token ranges, each weighted by row, add up (`pair_value_update`)."""
+  value statistics float32 [2 D / group, n], the scales' rows then the minimums' (one array, so
+  that at 4 value groups one slab of 8 rows holds both; zero past the length: they may hold NaN
+  there), k value groups an array of rows (`groups_per_block`). Both are linear in p: partials
+  of several token ranges, each weighted by row, add up (`pair_value_update`)."""
   rows = probs.shape[0]
-  groups = v_scale.shape[0]
+  groups = v_stats.shape[0] // 2
   k = groups_per_block(rows, query_rows, groups)
   arrays = [range(v * k, (v + 1) * k) for v in range(groups // k)]
-  per_array = lambda stats, array: rows_by_block([stats[g : g + 1] for g in array], k, probs.shape)
+  per_array = lambda offset, array: _sublane_rows(v_stats, offset + array[0], k, probs.shape)
   weighted = rounded_to_bfloat16(
-    jnp.concatenate([probs * per_array(v_scale, array) for array in arrays])
+    jnp.concatenate([probs * per_array(0, array) for array in arrays])
   )  # [groups / k x rows, n], float32 holding bfloat16 numbers
   products = jax.lax.dot_general(
     weighted.astype(jnp.bfloat16),
@@ -267,7 +259,7 @@ def pair_value_partials(
   # sum_t p[t] v_min[g, t] on the vector unit: as a product its weights would be v_min's
   # [tokens, groups] tiles, a push into the MXU per 128 tokens for a few columns.
   minimums = jnp.concatenate(
-    [(probs * per_array(v_min, array)).sum(axis=1, keepdims=True) for array in arrays]
+    [(probs * per_array(groups, array)).sum(axis=1, keepdims=True) for array in arrays]
   )
   return codes_part, minimums
 
@@ -288,10 +280,7 @@ def pair_value_update(
   k = groups_per_block(rows, query_rows, groups)
   in_channels = product_by_halves(codes_part, matrix, (0,)) + minimums
   group_of = jax.lax.broadcasted_iota(jnp.int32, (1, channels), 1) // group_size
-  update = None
-  for v in range(groups // k):
-    array = in_channels[v * rows : (v + 1) * rows]
-    for j, everywhere in enumerate(_blocks_everywhere(array, k)):
-      own = v * k + j
-      update = everywhere if update is None else jnp.where(group_of == own, everywhere, update)
-  return update
+  chosen = in_channels[:rows]
+  for v in range(1, groups // k):
+    chosen = jnp.where(group_of // k == v, in_channels[v * rows : (v + 1) * rows], chosen)
+  return _own_block_everywhere(chosen, group_of % k, k)

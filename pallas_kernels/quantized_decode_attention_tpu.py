@@ -111,6 +111,10 @@ DEFAULT_BLOCK_TOKENS = 4096
 # cycles a call), 2734 an 8192-token one (0.70 M); 16384-token steps, counted before the last
 # changes, 0.62 M against 0.69 M at 8192, for twice the VMEM (KERNEL_NOTES v57).
 CODE_PAIR_BLOCK_TOKENS = 8192
+# At 2 bits and head_dim 64 (the block's token halves on sublanes, `token_halves_tpu`) with the
+# kernel's own fetches: KIVI-2, 32k tokens, v5e, 0.87 M cycles a call at 4096-token blocks, 0.81
+# M at 8192, 0.87 M at 16384 (KERNEL_NOTES v58).
+TOKEN_HALVES_BLOCK_TOKENS = 8192
 
 
 def code_pairs_apply(bits: int, head_dim: int, stats_dtype) -> bool:
@@ -176,7 +180,8 @@ def block_tokens_for(
   bits: int | None = None,
 ) -> int:
   """Tokens per kernel block: `requested` (default DEFAULT_BLOCK_TOKENS, CODE_PAIR_BLOCK_TOKENS
-  where `code_pairs_apply` to `bits`) rounded up to a
+  where `code_pairs_apply` to `bits`, TOKEN_HALVES_BLOCK_TOKENS for codes of 4 words a token)
+  rounded up to a
   multiple of 128 (the codes' lanes) whose key groups fill whole tiles of the key statistics
   (8 rows of 32-bit values or 16 of 16-bit ones; 128 lanes where `tokens_on_lanes`) and, in a
   GEAR segment, whole GEAR blocks of `gear_block`: with its low-rank factors 128 of them where
@@ -193,8 +198,11 @@ def block_tokens_for(
       blocks_per_unit = math.lcm(blocks_per_unit, 8 * 4 // outlier_itemsize)
     unit = math.lcm(unit, gear_block * blocks_per_unit)
   if requested is None:
-    pairs = bits is not None and code_pairs_apply(bits, head_dim, stats_dtype)
-    requested = CODE_PAIR_BLOCK_TOKENS if pairs else DEFAULT_BLOCK_TOKENS
+    requested = DEFAULT_BLOCK_TOKENS
+    if bits is not None and code_pairs_apply(bits, head_dim, stats_dtype):
+      requested = CODE_PAIR_BLOCK_TOKENS
+    elif bits is not None and head_dim * bits // 32 == token_halves_tpu.WORDS:
+      requested = TOKEN_HALVES_BLOCK_TOKENS
   block_tokens = -(-max(requested, 1) // unit) * unit
   return tokens if tokens <= block_tokens else block_tokens
 
@@ -433,14 +441,15 @@ CHUNK_TOKENS = 1024
 
 
 def _attend_in_chunks(
-  scores, v_pairs, v_scale, v_min, matrix, state_refs, group_size: int, query_rows: int
+  scores, v_pairs, v_stats, matrix, state_refs, group_size: int, query_rows: int
 ):
   """The softmax and value product of a block in chunks of CHUNK_TOKENS tokens, each chunk
   against its own maximum, merged at the end: no chunk's exponentials wait for another chunk's
   scores, so the scheduler can run one chunk's value product beside the next one's key
   products (with one maximum over the block, every value product waited for every key product:
   the step's critical path, KERNEL_NOTES v57). scores float32 [rows, block], -inf past the
-  length; the value statistics zero there."""
+  length; v_stats the value scales' rows then the minimums' ([2 D / group, block], zero past
+  the length)."""
   max_ref, sum_ref, acc_ref = state_refs
   rows, block = scores.shape
   chunk = CHUNK_TOKENS if block % CHUNK_TOKENS == 0 else block
@@ -450,7 +459,7 @@ def _attend_in_chunks(
     chunk_max = scores[:, piece].max(axis=1, keepdims=True)  # -inf: a chunk past the length
     probs = jnp.exp(scores[:, piece] - jnp.where(chunk_max == -jnp.inf, 0.0, chunk_max))
     codes_part, minimums = code_pair_products_tpu.pair_value_partials(
-      probs, v_pairs[:, piece], v_scale[:, piece], v_min[:, piece], query_rows
+      probs, v_pairs[:, piece], v_stats[:, piece], query_rows
     )
     parts.append((chunk_max, probs.sum(axis=1, keepdims=True), codes_part, minimums))
   previous_max = max_ref[...]
@@ -608,13 +617,12 @@ def _quantized_kernel(
     if code_pairs:
       v_pairs = bfloat16_code_pairs.code_pairs(v_codes_ref[...], bits)
       # Past the length the statistics may hold NaN, which would reach P'.
-      v_scale, v_min = (jnp.where(valid_tokens, stats, 0.0) for stats in (v_scale, v_min))
+      v_stats = jnp.where(valid_tokens, jnp.concatenate([v_scale, v_min]), 0.0)
     if code_pairs and not (rank or outliers):
       _attend_in_chunks(
         scores,
         v_pairs,
-        v_scale,
-        v_min,
+        v_stats,
         pair_matrix_ref[...],
         (max_ref, sum_ref, acc_ref),
         group_size,
@@ -629,7 +637,7 @@ def _quantized_kernel(
     max_ref[...] = new_max
     if code_pairs:
       update = code_pair_products_tpu.pair_value_update(
-        *code_pair_products_tpu.pair_value_partials(probs, v_pairs, v_scale, v_min, query_rows),
+        *code_pair_products_tpu.pair_value_partials(probs, v_pairs, v_stats, query_rows),
         pair_matrix_ref[...],
         group_size,
         query_rows,

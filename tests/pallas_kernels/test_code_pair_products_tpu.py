@@ -63,13 +63,32 @@ def test_query_rows_are_copied_where_they_divide_the_register(query_rows):
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_each_block_of_rows_everywhere(k):
+def test_each_token_own_block_of_rows_goes_everywhere(k):
+  """Block own[t] of column t's rows, in every block of column t (sublane rotations)."""
   x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
-  moved = jax.jit(products._blocks_everywhere, static_argnums=1)(x, k)
+  own = jnp.arange(128)[None, :] // 3 % k
+  moved = np.asarray(jax.jit(products._own_block_everywhere, static_argnums=2)(x, own, k))
   size = 8 // k
-  for j, everywhere in enumerate(moved):
-    expected = np.tile(np.asarray(x)[j * size : (j + 1) * size], (k, 1))
-    np.testing.assert_array_equal(np.asarray(everywhere), expected)
+  for t in range(128):
+    j = int(own[0, t])
+    expected = np.tile(np.asarray(x)[j * size : (j + 1) * size, t], k)
+    np.testing.assert_array_equal(moved[:, t], expected)
+
+
+@pytest.mark.parametrize(
+  "k,first,groups", [(1, 5, 6), (2, 2, 4), (2, 10, 12), (4, 4, 8), (8, 0, 3)]
+)
+def test_sublane_rows_take_block_j_from_row_first_plus_j(k, first, groups):
+  """At 3 groups (fewer than a slab) the slab is padded; k = 8 with 3 groups takes rows past
+  them, as zeros."""
+  stats = jnp.arange(groups * 256, dtype=jnp.float32).reshape(groups, 256) + 1
+  rows = np.asarray(
+    jax.jit(products._sublane_rows, static_argnums=(1, 2, 3))(stats, first, k, (8, 256))
+  )
+  for r in range(8):
+    g = first + r // (8 // k)
+    expected = np.asarray(stats)[g] if g < groups else np.zeros(256, np.float32)
+    np.testing.assert_array_equal(rows[r], expected)
 
 
 def _key_case(seed, bits, head_dim, query_rows, group_size=32, tokens=512):
@@ -153,7 +172,8 @@ def test_the_value_update_is_exact_but_for_the_weights_rounding(bits, query_rows
 
   @jax.jit
   def update(probs, pairs, v_scale, v_min):
-    codes_part, minimums = products.pair_value_partials(probs, pairs, v_scale, v_min, query_rows)
+    v_stats = jnp.concatenate([v_scale, v_min])
+    codes_part, minimums = products.pair_value_partials(probs, pairs, v_stats, query_rows)
     matrix = jnp.asarray(bfloat16_code_pairs.pair_matrix(head_dim, bits), jnp.bfloat16)
     return products.pair_value_update(codes_part, minimums, matrix, group_size, query_rows, ROWS)
 

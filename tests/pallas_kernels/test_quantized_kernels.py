@@ -879,3 +879,23 @@ def test_the_key_minimums_scores_are_spread_exactly(groups_axis):
   per_group = np.asarray(queries, np.float64) @ np.asarray(k_min, np.float64).T
   expected = np.repeat(per_group, group_size, axis=1)
   np.testing.assert_allclose(np.asarray(scores), expected, rtol=2.0**-16, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+  "bits,head_dim,stats_dtype,expected",
+  [
+    (2, 128, jnp.bfloat16, tpu_kernel.CODE_PAIR_BLOCK_TOKENS),
+    (4, 64, jnp.bfloat16, tpu_kernel.CODE_PAIR_BLOCK_TOKENS),
+    (2, 64, jnp.bfloat16, tpu_kernel.TOKEN_HALVES_BLOCK_TOKENS),
+    (2, 64, jnp.float32, tpu_kernel.TOKEN_HALVES_BLOCK_TOKENS),
+    (4, 128, jnp.float32, tpu_kernel.DEFAULT_BLOCK_TOKENS),
+    (8, 128, jnp.bfloat16, tpu_kernel.DEFAULT_BLOCK_TOKENS),
+  ],
+)
+def test_the_tpu_kernel_default_blocks_follow_the_path_the_codes_take(
+  bits, head_dim, stats_dtype, expected
+):
+  """The static counts' choices (KERNEL_NOTES v57, v58); a shorter segment is one block."""
+  block = tpu_kernel.block_tokens_for(32768, 32, stats_dtype, None, head_dim, bits=bits)
+  assert block == expected
+  assert tpu_kernel.block_tokens_for(1000, 32, stats_dtype, None, head_dim, bits=bits) == 1000
