@@ -78,9 +78,16 @@ def _row_block(shape, k: int) -> jax.Array:
   return jax.lax.broadcasted_iota(jnp.int32, shape, 0) // (shape[0] // k)
 
 
-def _sublane_rows(stats: jax.Array, first: int, k: int, shape) -> jax.Array:
-  """[rows, n]: block j of rows from stats row first + j ([groups, n]), by one sublane gather
-  from the 8-row slab holding rows first .. first + k - 1."""
+def _sublane_rows(stats: jax.Array, first: int, k: int, shape, gathers: bool) -> jax.Array:
+  """[rows, n]: block j of rows from stats row first + j ([groups, n]). With `gathers`, by one
+  sublane gather from the 8-row slab holding rows first .. first + k - 1 (a TPU v5e or newer:
+  Mosaic refuses a sublane gather for a v4, "failed to legalize tpu.dynamic_gather"); else
+  each row broadcast over its block, the blocks joined (k broadcasts and k - 1 selects)."""
+  if not gathers:
+    size = shape[0] // k
+    return jnp.concatenate(
+      [jnp.broadcast_to(stats[first + j : first + j + 1], (size, shape[1])) for j in range(k)]
+    )
   slab_start = first // 8 * 8
   slab = stats[slab_start : slab_start + 8]
   if slab.shape[0] < 8:
@@ -147,6 +154,7 @@ def key_scores(
   group_size: int,
   query_rows: int,
   groups_axis: int = 0,
+  sublane_gathers: bool = True,
 ) -> jax.Array:
   """float32 [rows, block]: q . k for queries bfloat16 [rows, D] (channel order), pair_queries
   bfloat16 [2 rows, D] (the queries in the pairs' row order, then the queries times their rows'
@@ -171,6 +179,7 @@ def key_scores(
     per_group,
     group_size,
     query_rows,
+    sublane_gathers,
   )
 
 
@@ -181,6 +190,7 @@ def pair_key_scores(
   per_group: jax.Array,
   group_size: int,
   query_rows: int,
+  sublane_gathers: bool = True,
 ) -> jax.Array:
   """float32 [rows, block]: q . k of each token, from queries bfloat16 [rows, D] and scales
   float32 [groups, D] in the pairs' row order (`pair_ordered_scales`: exact bfloat16 numbers
@@ -203,7 +213,10 @@ def pair_key_scores(
     k = groups_per_block(rows, query_rows, groups)
     arrays = [range(first + v * k, first + (v + 1) * k) for v in range(groups // k)]
     scaled = jnp.concatenate(
-      [queries * _sublane_rows(scales, array[0], k, (rows, channels)) for array in arrays]
+      [
+        queries * _sublane_rows(scales, array[0], k, (rows, channels), sublane_gathers)
+        for array in arrays
+      ]
     )  # [groups / k x rows, D], exact
     high = rounded_to_bfloat16(scaled)
     both = jax.lax.dot_general(
@@ -233,7 +246,11 @@ def pair_key_scores(
 
 
 def pair_value_partials(
-  probs: jax.Array, pairs: jax.Array, v_stats: jax.Array, query_rows: int
+  probs: jax.Array,
+  pairs: jax.Array,
+  v_stats: jax.Array,
+  query_rows: int,
+  sublane_gathers: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
   """(codes' part float32 [groups / k x rows, D rows], minimums' part float32 [groups / k x
   rows, 1]) of p . V for p float32 [rows, n] (0 past the length), pairs bfloat16 [D, n] and the
@@ -245,7 +262,9 @@ def pair_value_partials(
   groups = v_stats.shape[0] // 2
   k = groups_per_block(rows, query_rows, groups)
   arrays = [range(v * k, (v + 1) * k) for v in range(groups // k)]
-  per_array = lambda offset, array: _sublane_rows(v_stats, offset + array[0], k, probs.shape)
+  per_array = lambda offset, array: _sublane_rows(
+    v_stats, offset + array[0], k, probs.shape, sublane_gathers
+  )
   weighted = rounded_to_bfloat16(
     jnp.concatenate([probs * per_array(0, array) for array in arrays])
   )  # [groups / k x rows, n], float32 holding bfloat16 numbers

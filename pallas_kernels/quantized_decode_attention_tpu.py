@@ -74,6 +74,7 @@ against the kernel's 3.5 M (v55), and their scatter crashed v6e's SparseCore com
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +116,24 @@ CODE_PAIR_BLOCK_TOKENS = 8192
 # kernel's own fetches: KIVI-2, 32k tokens, v5e, 0.87 M cycles a call at 4096-token blocks, 0.81
 # M at 8192, 0.87 M at 16384 (KERNEL_NOTES v58).
 TOKEN_HALVES_BLOCK_TOKENS = 8192
+
+
+def sublane_gathers_lower() -> bool:
+  """Whether Mosaic lowers a sublane gather (`jnp.take_along_axis` on axis 0) for the TPU jax
+  runs on: a v5e or newer; for a v4 it refuses ("failed to legalize tpu.dynamic_gather",
+  compiled for one without it, KERNEL_NOTES v58). True without a TPU (interpret mode; a
+  compile-only tool names its target's choice itself)."""
+  device = jax.devices()[0]
+  if device.platform != "tpu":
+    return True
+  return tpu_generation(device.device_kind) >= 5
+
+
+def tpu_generation(device_kind: str) -> int:
+  """The generation of a TPU by its device kind ("TPU v4", "TPU v5 lite", "TPU v6e", ...); a
+  kind naming none counts as the newest."""
+  match = re.search(r"v(\d+)", device_kind)
+  return int(match.group(1)) if match else 1_000
 
 
 def code_pairs_apply(bits: int, head_dim: int, stats_dtype) -> bool:
@@ -441,7 +460,14 @@ CHUNK_TOKENS = 1024
 
 
 def _attend_in_chunks(
-  scores, v_pairs, v_stats, matrix, state_refs, group_size: int, query_rows: int
+  scores,
+  v_pairs,
+  v_stats,
+  matrix,
+  state_refs,
+  group_size: int,
+  query_rows: int,
+  sublane_gathers: bool,
 ):
   """The softmax and value product of a block in chunks of CHUNK_TOKENS tokens, each chunk
   against its own maximum, merged at the end: no chunk's exponentials wait for another chunk's
@@ -459,7 +485,7 @@ def _attend_in_chunks(
     chunk_max = scores[:, piece].max(axis=1, keepdims=True)  # -inf: a chunk past the length
     probs = jnp.exp(scores[:, piece] - jnp.where(chunk_max == -jnp.inf, 0.0, chunk_max))
     codes_part, minimums = code_pair_products_tpu.pair_value_partials(
-      probs, v_pairs[:, piece], v_stats[:, piece], query_rows
+      probs, v_pairs[:, piece], v_stats[:, piece], query_rows, sublane_gathers
     )
     parts.append((chunk_max, probs.sum(axis=1, keepdims=True), codes_part, minimums))
   previous_max = max_ref[...]
@@ -494,6 +520,7 @@ def _quantized_kernel(
   code_pairs: bool,
   query_rows: int,
   fetched: tuple[tuple[int, token_block_fetches_tpu.TokenBlockWindow], ...],
+  sublane_gathers: bool,
 ):
   # refs: the inputs, [the aliased initial outputs], out, lse, three scratch buffers, then the
   # fetches' buffers and semaphores (`token_block_fetches_tpu.fetch_scratch`). The inputs:
@@ -576,6 +603,7 @@ def _quantized_kernel(
         group_size=group_size,
         query_rows=query_rows,
         groups_axis=groups_axis,
+        sublane_gathers=sublane_gathers,
       )
     else:
       scores = _unpacked_key_scores(
@@ -627,6 +655,7 @@ def _quantized_kernel(
         (max_ref, sum_ref, acc_ref),
         group_size,
         query_rows,
+        sublane_gathers,
       )
       return
     previous_max = max_ref[...]
@@ -637,7 +666,9 @@ def _quantized_kernel(
     max_ref[...] = new_max
     if code_pairs:
       update = code_pair_products_tpu.pair_value_update(
-        *code_pair_products_tpu.pair_value_partials(probs, v_pairs, v_stats, query_rows),
+        *code_pair_products_tpu.pair_value_partials(
+          probs, v_pairs, v_stats, query_rows, sublane_gathers
+        ),
         pair_matrix_ref[...],
         group_size,
         query_rows,
@@ -690,6 +721,7 @@ def _quantized_kernel(
     "block_tokens",
     "num_splits",
     "interpret",
+    "sublane_gathers",
   ),
 )
 def quantized_decode_attention_partials_tpu(
@@ -712,13 +744,19 @@ def quantized_decode_attention_partials_tpu(
   block_tokens: int | None = None,
   num_splits: int | None = 2,
   interpret: bool = False,
+  sublane_gathers: bool | None = None,
 ):
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]), GEAR's low-rank and
   outlier terms included. `initial_partials`: buffers for those outputs (aliased; tests poison
   them). Interpreted, the outputs are waited
   for before this returns. A length past the capacity counts as the capacity, as in the
   reference. What the kernel does not take (`unsupported_reason`, settings outside
-  `launch_settings`' values) is a ValueError: the dispatch runs the reference for it."""
+  `launch_settings`' values) is a ValueError: the dispatch runs the reference for it.
+  `sublane_gathers`: whether the code-pair products gather statistics rows on sublanes (a TPU
+  v5e or newer); None: `sublane_gathers_lower` for the TPU jax runs on (pass False to compile
+  for a v4 from elsewhere)."""
+  if sublane_gathers not in (None, True, False):
+    raise ValueError(f"sublane_gathers={sublane_gathers!r}; allowed: None, True, False")
   check_bits(bits)
   check_launch_settings(dict(block_tokens=block_tokens, num_splits=num_splits))
   sizes = check_quantized_inputs(
@@ -924,6 +962,7 @@ def quantized_decode_attention_partials_tpu(
     code_pairs=code_pairs,
     query_rows=group,
     fetched=tuple(windows),
+    sublane_gathers=sublane_gathers_lower() if sublane_gathers is None else sublane_gathers,
   )
   outputs = pl.pallas_call(
     kernel,

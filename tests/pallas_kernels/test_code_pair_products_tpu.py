@@ -76,19 +76,18 @@ def test_each_token_own_block_of_rows_goes_everywhere(k):
 
 
 @pytest.mark.parametrize(
-  "k,first,groups", [(1, 5, 6), (2, 2, 4), (2, 10, 12), (4, 4, 8), (8, 0, 3)]
+  "k,first,groups", [(1, 5, 6), (2, 2, 4), (2, 10, 12), (4, 4, 8), (8, 0, 8)]
 )
-def test_sublane_rows_take_block_j_from_row_first_plus_j(k, first, groups):
-  """At 3 groups (fewer than a slab) the slab is padded; k = 8 with 3 groups takes rows past
-  them, as zeros."""
+@pytest.mark.parametrize("gathers", [True, False])
+def test_sublane_rows_take_block_j_from_row_first_plus_j(k, first, groups, gathers):
+  """By a sublane gather (a TPU v5e or newer) or by broadcasts; at 4 groups (fewer than a
+  slab) the gather's slab is padded."""
   stats = jnp.arange(groups * 256, dtype=jnp.float32).reshape(groups, 256) + 1
   rows = np.asarray(
-    jax.jit(products._sublane_rows, static_argnums=(1, 2, 3))(stats, first, k, (8, 256))
+    jax.jit(products._sublane_rows, static_argnums=(1, 2, 3, 4))(stats, first, k, (8, 256), gathers)
   )
   for r in range(8):
-    g = first + r // (8 // k)
-    expected = np.asarray(stats)[g] if g < groups else np.zeros(256, np.float32)
-    np.testing.assert_array_equal(rows[r], expected)
+    np.testing.assert_array_equal(rows[r], np.asarray(stats)[first + r // (8 // k)])
 
 
 def _key_case(seed, bits, head_dim, query_rows, group_size=32, tokens=512):
@@ -104,14 +103,17 @@ def _key_case(seed, bits, head_dim, query_rows, group_size=32, tokens=512):
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("query_rows", [4, 1, 2, 8, 3])
-def test_key_scores_are_exact_but_for_float32_sums(bits, query_rows):
+@pytest.mark.parametrize("sublane_gathers", [True, False], ids=["gathers", "broadcasts"])
+def test_key_scores_are_exact_but_for_float32_sums(bits, query_rows, sublane_gathers):
   head_dim, group_size = 128, 32
   queries, codes, pairs, k_scale, k_min, reference = _key_case(
     bits + 10 * query_rows, bits, head_dim, query_rows, group_size
   )
   filled = products.fill_query_rows(jnp.asarray(queries, jnp.bfloat16), ROWS)
   matrix = jnp.asarray(bfloat16_code_pairs.pair_matrix(head_dim, bits), jnp.bfloat16)
-  scores = jax.jit(products.key_scores, static_argnames=("group_size", "query_rows"))(
+  scores = jax.jit(
+    products.key_scores, static_argnames=("group_size", "query_rows", "sublane_gathers")
+  )(
     filled,
     products.pair_query_rows(filled, bits),
     pairs,
@@ -120,6 +122,7 @@ def test_key_scores_are_exact_but_for_float32_sums(bits, query_rows):
     matrix,
     group_size=group_size,
     query_rows=query_rows,
+    sublane_gathers=sublane_gathers,
   )
   scores = np.asarray(scores, np.float64)
   assert scores.shape == (ROWS, codes.shape[1])
@@ -159,7 +162,10 @@ def test_zero_codes_and_minimums_make_zero_scores():
 
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("query_rows,group_size", [(4, 32), (1, 32), (8, 32), (2, 64), (3, 128)])
-def test_the_value_update_is_exact_but_for_the_weights_rounding(bits, query_rows, group_size):
+@pytest.mark.parametrize("sublane_gathers", [True, False], ids=["gathers", "broadcasts"])
+def test_the_value_update_is_exact_but_for_the_weights_rounding(
+  bits, query_rows, group_size, sublane_gathers
+):
   head_dim, tokens = 128, 384
   rng = np.random.default_rng(bits * 100 + query_rows)
   codes, pairs = _codes(rng, bits, head_dim, tokens)
@@ -173,7 +179,9 @@ def test_the_value_update_is_exact_but_for_the_weights_rounding(bits, query_rows
   @jax.jit
   def update(probs, pairs, v_scale, v_min):
     v_stats = jnp.concatenate([v_scale, v_min])
-    codes_part, minimums = products.pair_value_partials(probs, pairs, v_stats, query_rows)
+    codes_part, minimums = products.pair_value_partials(
+      probs, pairs, v_stats, query_rows, sublane_gathers
+    )
     matrix = jnp.asarray(bfloat16_code_pairs.pair_matrix(head_dim, bits), jnp.bfloat16)
     return products.pair_value_update(codes_part, minimums, matrix, group_size, query_rows, ROWS)
 

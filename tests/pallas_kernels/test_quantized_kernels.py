@@ -359,16 +359,19 @@ def test_triton_kernel_ignores_garbage_past_lengths(
 
 
 @pytest.mark.parametrize(
-  "bits,head_dim,group,gear,block_tokens",
+  "bits,head_dim,group,gear,block_tokens,sublane_gathers",
   [
-    (2, 128, 4, False, 2048),  # two key and two value groups a register of rows
-    (4, 128, 1, False, 2048),  # MQA: four groups a register, the query row copied 8 times
-    (2, 256, 3, False, 2048),  # 3 query rows: zero padding, one group a register
-    (4, 128, 2, True, 2048),  # GEAR's terms beside the pairs (one chunk a block)
-    (4, 64, 4, False, 4096),  # the key statistics [D, groups] (groups on lanes)
+    (2, 128, 4, False, 2048, True),  # two key and two value groups a register of rows
+    (2, 128, 4, False, 2048, False),  # the same, the statistics rows by broadcasts (a v4's)
+    (4, 128, 1, False, 2048, True),  # MQA: four groups a register, the query row copied 8 times
+    (2, 256, 3, False, 2048, True),  # 3 query rows: zero padding, one group a register
+    (4, 128, 2, True, 2048, True),  # GEAR's terms beside the pairs (one chunk a block)
+    (4, 64, 4, False, 4096, True),  # the key statistics [D, groups] (groups on lanes)
   ],
 )
-def test_tpu_kernel_with_code_pairs_in_chunks(bits, head_dim, group, gear, block_tokens):
+def test_tpu_kernel_with_code_pairs_in_chunks(
+  bits, head_dim, group, gear, block_tokens, sublane_gathers
+):
   """bfloat16 statistics and codes filling whole registers: the codes as bfloat16 pairs
   (`code_pairs_apply`), blocks in chunks of 1024 tokens, each against its own maximum. Rows:
   whole; ending 300 tokens into the second block (its last chunk wholly past the length: no
@@ -391,6 +394,7 @@ def test_tpu_kernel_with_code_pairs_in_chunks(bits, head_dim, group, gear, block
     num_splits=SPLITS,
     block_tokens=block_tokens,
     interpret=tpu_interpret(),
+    sublane_gathers=sublane_gathers,
     **kwargs,
   )
   assert_all_written(out_p, lse_p)
@@ -899,3 +903,18 @@ def test_the_tpu_kernel_default_blocks_follow_the_path_the_codes_take(
   block = tpu_kernel.block_tokens_for(32768, 32, stats_dtype, None, head_dim, bits=bits)
   assert block == expected
   assert tpu_kernel.block_tokens_for(1000, 32, stats_dtype, None, head_dim, bits=bits) == 1000
+
+
+def test_the_tpu_generation_decides_the_sublane_gathers():
+  kinds = {"TPU v4": 4, "TPU v5 lite": 5, "TPU v5e": 5, "TPU v5p": 5, "TPU v6e": 6, "TPU7x": 1000}
+  for kind, generation in kinds.items():
+    assert tpu_kernel.tpu_generation(kind) == generation, kind
+  assert tpu_kernel.sublane_gathers_lower()  # no TPU here: interpret mode takes them
+
+
+def test_the_tpu_kernel_refuses_a_sublane_gathers_setting_that_is_not_a_bool():
+  queries, segment, lengths, kwargs, _ = _case(3, 2, 128, 4, False, jnp.bfloat16)
+  with pytest.raises(ValueError, match="sublane_gathers='yes'; allowed: None, True, False"):
+    tpu_kernel.quantized_decode_attention_partials_tpu(
+      queries, *segment[:6], lengths, sublane_gathers="yes", interpret=True, **kwargs
+    )

@@ -393,3 +393,13 @@ def test_a_gear_decode_step_copies_little_beside_its_window(head_dim, bound_mb):
   assert sum(copy.bytes for copy in every_step) <= bound_mb * 1e6, copies
   assert all(copy.shape.startswith(f"bf16[8,8,64,{head_dim}]") for copy in every_step), copies
   _check_flush_copies([copy for copy in copies if copy.in_branch], total_mib=32)
+
+
+@pytest.mark.parametrize("bits,head_dim", [(2, 128), (4, 64)])
+def test_the_code_pair_kernel_compiles_for_a_tpu_v4_without_sublane_gathers(bits, head_dim):
+  """Mosaic refuses a sublane gather for a v4 ("failed to legalize tpu.dynamic_gather", v58):
+  there the code-pair products build the statistics rows from broadcasts."""
+  tokens = TOKENS if head_dim >= 128 else LANE_GROUP_TOKENS
+  shapes = _quantized_shapes(bits, head_dim, 4, jnp.bfloat16, 32, False, tokens)
+  call = tpu_compile_check.quantized_call(bits, 32, sublane_gathers=False)
+  tpu_compile_check.compile_for_tpu(call, shapes, "v4:2x2x1")
