@@ -46,7 +46,9 @@ into the queries, the value scales into the probabilities, and the 1s cancelled 
 runs in chunks of CHUNK_TOKENS, each against its own maximum, so that one chunk's value product
 need not wait for the block's last key product. The query rows' padding holds copies of the
 query rows, so that a register of 8 rows serves two key or value groups at 4 query heads a KV
-head.
+head. Since v58 KIVI's 2-bit codes at head_dim 64 take pairs too, of the block's token halves
+stacked on sublanes, as a virtual head of 128 channels whose halves' products are apart
+(`code_pair_halves_tpu`); GEAR's there keep the unpacked token halves.
 
 The key statistics stay [B, H, T / group, D] at head_dim 128 (head_dim on lanes); below 128
 channels XLA lays them out with the groups last too, and the kernel takes them as
@@ -83,6 +85,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import (
   _compat,
   bfloat16_code_pairs,
+  code_pair_halves_tpu,
   code_pair_products_tpu,
   token_block_fetches_tpu,
   token_halves_tpu,
@@ -112,9 +115,10 @@ DEFAULT_BLOCK_TOKENS = 4096
 # cycles a call), 2734 an 8192-token one (0.70 M); 16384-token steps, counted before the last
 # changes, 0.62 M against 0.69 M at 8192, for twice the VMEM (KERNEL_NOTES v57).
 CODE_PAIR_BLOCK_TOKENS = 8192
-# At 2 bits and head_dim 64 (the block's token halves on sublanes, `token_halves_tpu`) with the
-# kernel's own fetches: KIVI-2, 32k tokens, v5e, 0.87 M cycles a call at 4096-token blocks, 0.81
-# M at 8192, 0.87 M at 16384 (KERNEL_NOTES v58).
+# At 2 bits and head_dim 64 (the block's token halves on sublanes, `token_halves_tpu`, and
+# KIVI's as pairs, `code_pair_halves_tpu`): KIVI-2, 32k tokens, v5e, 0.81 M cycles a call at
+# 4096-token blocks, 0.63 M at 8192, 0.57 M at 16384 (twice the VMEM); unpacked (GEAR's path),
+# 0.87 M at 4096, 0.81 M at 8192, 0.87 M at 16384 (KERNEL_NOTES v58).
 TOKEN_HALVES_BLOCK_TOKENS = 8192
 
 
@@ -140,10 +144,12 @@ def code_pairs_apply(bits: int, head_dim: int, stats_dtype) -> bool:
   """Whether the kernel makes its matrix operands from the codes as bfloat16 pairs
   (`bfloat16_code_pairs`, `code_pair_products_tpu`): 2- and 4-bit codes with bfloat16
   statistics (the compute dtype) whose words fill whole registers, 8 words a token or more (2
-  bits from head_dim 128, 4 bits from 64). Otherwise it unpacks the codes to float32 and
-  dequantizes them: at 2 bits and head_dim 64 (4 words, half a register) the pairs took as long
-  as the unpacked token halves (`token_halves_tpu`: KIVI-2 0.92 against 0.90 M cycles a call at
-  8192-token blocks, GEAR-2 2.46 against 2.29 M; v5e, static counts, KERNEL_NOTES v57)."""
+  bits from head_dim 128, 4 bits from 64). At 2 bits and head_dim 64 (4 words, half a
+  register) pairs of half-full registers took as long as the unpacked token halves
+  (`token_halves_tpu`: KIVI-2 0.92 against 0.90 M cycles a call at 8192-token blocks, GEAR-2
+  2.46 against 2.29 M; v5e, static counts, KERNEL_NOTES v57); KIVI's codes there take the
+  stacked token halves' pairs instead (`code_pair_halves_tpu.applies`, since v58). Otherwise
+  the kernel unpacks the codes to float32 and dequantizes them."""
   return (
     bits in bfloat16_code_pairs.PAIR_BITS
     and jnp.dtype(stats_dtype) == jnp.bfloat16
@@ -459,6 +465,46 @@ def _value_statistics(ref, head, heads_shared: bool) -> jax.Array:
 CHUNK_TOKENS = 1024
 
 
+def _key_scores_by_halves(
+  queries_ref,
+  pair_queries_ref,
+  words,
+  k_scale,
+  k_min,
+  matrix,
+  embeddings_ref,
+  *,
+  bits: int,
+  group_size: int,
+  query_rows: int,
+  sublane_gathers: bool,
+):
+  """float32 [rows, block]: q . k of a block's two token halves (`code_pair_halves_tpu`), side
+  by side. queries_ref [2 rows, 2 D]: each half's virtual queries; pair_queries_ref [4 rows,
+  2 D]: each half's pair queries; words [8, block / 2]: the halves' words stacked; the key
+  statistics [D, G] (groups on lanes); embeddings_ref [4 D, D]: each half's embedding."""
+  rows, channels = queries_ref.shape[0] // 2, queries_ref.shape[1]
+  pairs = bfloat16_code_pairs.code_pairs(words, bits)
+  scores = []
+  for half in range(2):
+    embedding = embeddings_ref[half * channels : (half + 1) * channels, :]
+    scores.append(
+      code_pair_products_tpu.key_scores(
+        queries_ref[half * rows : (half + 1) * rows, :],
+        pair_queries_ref[half * 2 * rows : (half + 1) * 2 * rows, :],
+        pairs,
+        code_pair_halves_tpu.virtual_key_statistics(k_scale, embedding, half),
+        code_pair_halves_tpu.virtual_key_statistics(k_min, embedding, half),
+        matrix,
+        group_size=group_size,
+        query_rows=query_rows,
+        groups_axis=1,
+        sublane_gathers=sublane_gathers,
+      )
+    )
+  return jnp.concatenate(scores, axis=1)
+
+
 def _attend_in_chunks(
   scores,
   v_pairs,
@@ -468,6 +514,7 @@ def _attend_in_chunks(
   group_size: int,
   query_rows: int,
   sublane_gathers: bool,
+  halves: bool = False,
 ):
   """The softmax and value product of a block in chunks of CHUNK_TOKENS tokens, each chunk
   against its own maximum, merged at the end: no chunk's exponentials wait for another chunk's
@@ -475,18 +522,25 @@ def _attend_in_chunks(
   products (with one maximum over the block, every value product waited for every key product:
   the step's critical path, KERNEL_NOTES v57). scores float32 [rows, block], -inf past the
   length; v_stats the value scales' rows then the minimums' ([2 D / group, block], zero past
-  the length)."""
+  the length). With `halves`, v_pairs are the token halves' pairs ([2 D, block / 2],
+  `code_pair_halves_tpu`): a chunk's codes part goes beside zeros for the other half's rows,
+  and `matrix` is `half_value_matrix`."""
   max_ref, sum_ref, acc_ref = state_refs
   rows, block = scores.shape
-  chunk = CHUNK_TOKENS if block % CHUNK_TOKENS == 0 else block
+  span = block // 2 if halves else block  # the pairs' lanes
+  chunk = CHUNK_TOKENS if span % CHUNK_TOKENS == 0 else span
   parts = []
   for start in range(0, block, chunk):
     piece = slice(start, start + chunk)
+    half, local = divmod(start, span)
     chunk_max = scores[:, piece].max(axis=1, keepdims=True)  # -inf: a chunk past the length
     probs = jnp.exp(scores[:, piece] - jnp.where(chunk_max == -jnp.inf, 0.0, chunk_max))
     codes_part, minimums = code_pair_products_tpu.pair_value_partials(
-      probs, v_pairs[:, piece], v_stats[:, piece], query_rows, sublane_gathers
+      probs, v_pairs[:, local : local + chunk], v_stats[:, piece], query_rows, sublane_gathers
     )
+    if halves:
+      beside = jnp.zeros_like(codes_part)
+      codes_part = jnp.concatenate([beside, codes_part] if half else [codes_part, beside], axis=1)
     parts.append((chunk_max, probs.sum(axis=1, keepdims=True), codes_part, minimums))
   previous_max = max_ref[...]
   new_max = functools.reduce(jnp.maximum, [part[0] for part in parts], previous_max)
@@ -518,6 +572,7 @@ def _quantized_kernel(
   value_stats_shared: bool,
   gear_queries: bool,
   code_pairs: bool,
+  pair_halves: bool,
   query_rows: int,
   fetched: tuple[tuple[int, token_block_fetches_tpu.TokenBlockWindow], ...],
   sublane_gathers: bool,
@@ -561,6 +616,11 @@ def _quantized_kernel(
   rest = rest[1:] if gear_queries else rest
   pair_queries_ref, pair_matrix_ref = rest[:2] if code_pairs else (None, None)
   rest = rest[2:] if code_pairs else rest
+  # With `pair_halves` (`code_pair_halves_tpu`): pair_queries_ref holds each half's virtual
+  # queries, pair_matrix_ref the virtual head's pair matrix; then each half's pair queries,
+  # the value matrix and the half embeddings.
+  half_pair_queries_ref, value_matrix_ref, embeddings_ref = rest[:3] if pair_halves else [None] * 3
+  rest = rest[3:] if pair_halves else rest
   lowrank_refs = rest[:4] if rank else None
   rest = rest[4:] if rank else rest
   outlier_refs = rest[:4] if outliers else None
@@ -570,6 +630,8 @@ def _quantized_kernel(
   gear_queries_ref = gear_queries_ref.at[head]
   if code_pairs:
     pair_queries_ref = pair_queries_ref.at[head]
+  if pair_halves:
+    half_pair_queries_ref = half_pair_queries_ref.at[head]
 
   @pl.when(step == 0)
   def _init():
@@ -592,7 +654,21 @@ def _quantized_kernel(
     live_groups = group_starts < length
     k_scale = jnp.where(live_groups, k_scale_ref[...], 0)
     k_min = jnp.where(live_groups, k_min_ref[...], 0)
-    if code_pairs:
+    if pair_halves:
+      scores = _key_scores_by_halves(
+        pair_queries_ref,
+        half_pair_queries_ref,
+        token_halves_tpu.halves_on_sublanes(k_codes_ref[...]),
+        k_scale,
+        k_min,
+        pair_matrix_ref[...],
+        embeddings_ref,
+        bits=bits,
+        group_size=group_size,
+        query_rows=query_rows,
+        sublane_gathers=sublane_gathers,
+      )
+    elif code_pairs:
       scores = code_pair_products_tpu.key_scores(
         queries_ref[...],
         pair_queries_ref[...],
@@ -643,7 +719,9 @@ def _quantized_kernel(
     )
     token_halves = token_halves_tpu.applies(k_codes_ref.shape[0], block, group_size)
     if code_pairs:
-      v_pairs = bfloat16_code_pairs.code_pairs(v_codes_ref[...], bits)
+      v_words = v_codes_ref[...]
+      v_words = token_halves_tpu.halves_on_sublanes(v_words) if pair_halves else v_words
+      v_pairs = bfloat16_code_pairs.code_pairs(v_words, bits)
       # Past the length the statistics may hold NaN, which would reach P'.
       v_stats = jnp.where(valid_tokens, jnp.concatenate([v_scale, v_min]), 0.0)
     if code_pairs and not (rank or outliers):
@@ -651,11 +729,12 @@ def _quantized_kernel(
         scores,
         v_pairs,
         v_stats,
-        pair_matrix_ref[...],
+        (value_matrix_ref if pair_halves else pair_matrix_ref)[...],
         (max_ref, sum_ref, acc_ref),
         group_size,
         query_rows,
         sublane_gathers,
+        halves=pair_halves,
       )
       return
     previous_max = max_ref[...]
@@ -836,7 +915,12 @@ def quantized_decode_attention_partials_tpu(
   else:
     value_stats = (jnp.swapaxes(v_scale, 2, 3), jnp.swapaxes(v_min, 2, 3))
     value_stat_window = fetch((value_groups, block_tokens), 1)
-  code_pairs = code_pairs_apply(bits, head_dim, k_scale.dtype)
+  # The codes as pairs of a virtual head of the token halves (`code_pair_halves_tpu`): KIVI's
+  # 2-bit codes at head_dim 64. GEAR's terms there keep the unpacked token halves.
+  pair_halves = not gear and code_pair_halves_tpu.applies(
+    bits, head_dim, k_scale.dtype, block_tokens, group_size
+  )
+  code_pairs = code_pairs_apply(bits, head_dim, k_scale.dtype) or pair_halves
 
   def padded_queries(queries, dtype):
     """[B, H, rows, D]: the query rows, then copies of them where the code pairs' products fill
@@ -868,13 +952,31 @@ def quantized_decode_attention_partials_tpu(
   if gear_queries:
     args.append(padded_queries(natural_queries, jnp.float32))
     in_specs.append(queries_spec)
-  if code_pairs:
-    args.append(code_pair_products_tpu.pair_query_rows(args[0], bits))  # args[0]: the queries
-    in_specs.append(
-      pl.BlockSpec((None, kv_heads, 2 * rows, head_dim), lambda b, s, i, h, lens: (b, 0, 0, 0))
+  whole_array = lambda shape: pl.BlockSpec(shape, lambda b, s, i, h, lens: (0,) * len(shape))
+  per_row = lambda shape: pl.BlockSpec(
+    (None, kv_heads, *shape), lambda b, s, i, h, lens: (b, 0) + (0,) * len(shape)
+  )
+  if pair_halves:  # args[0]: the queries
+    virtual = 2 * head_dim
+    args.append(
+      code_pair_halves_tpu.half_queries(args[0], bits).reshape(batch, kv_heads, 2 * rows, virtual)
     )
+    in_specs.append(per_row((2 * rows, virtual)))
+    args.append(jnp.asarray(bfloat16_code_pairs.pair_matrix(virtual, bits), jnp.bfloat16))
+    in_specs.append(whole_array((virtual, virtual)))
+    half_pair_queries = code_pair_halves_tpu.half_pair_queries(args[0], bits)
+    args.append(half_pair_queries.reshape(batch, kv_heads, 4 * rows, virtual))
+    in_specs.append(per_row((4 * rows, virtual)))
+    args.append(jnp.asarray(code_pair_halves_tpu.half_value_matrix(head_dim, bits), jnp.bfloat16))
+    in_specs.append(whole_array((2 * virtual, head_dim)))
+    embeddings = code_pair_halves_tpu.half_embeddings(head_dim, bits)
+    args.append(jnp.asarray(embeddings.reshape(2 * virtual, head_dim), jnp.bfloat16))
+    in_specs.append(whole_array((2 * virtual, head_dim)))
+  elif code_pairs:
+    args.append(code_pair_products_tpu.pair_query_rows(args[0], bits))
+    in_specs.append(per_row((2 * rows, head_dim)))
     args.append(jnp.asarray(bfloat16_code_pairs.pair_matrix(head_dim, bits), jnp.bfloat16))
-    in_specs.append(pl.BlockSpec((head_dim, head_dim), lambda b, s, i, h, lens: (0, 0)))
+    in_specs.append(whole_array((head_dim, head_dim)))
   if lowrank is not None:
     k_a, k_b, v_a, v_b = lowrank  # [B, H, T, r], [B, H, J, D, r], the same
     # Both as XLA lays the stored arrays out (the transposes are bitcasts there): A with the
@@ -960,6 +1062,7 @@ def quantized_decode_attention_partials_tpu(
     value_stats_shared=value_stats_shared,
     gear_queries=gear_queries,
     code_pairs=code_pairs,
+    pair_halves=pair_halves,
     query_rows=group,
     fetched=tuple(windows),
     sublane_gathers=sublane_gathers_lower() if sublane_gathers is None else sublane_gathers,

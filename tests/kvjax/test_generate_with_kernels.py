@@ -435,3 +435,37 @@ def test_the_tpu_code_pair_kernel_generates_the_reference_tokens(spec, head_dim,
   tokens = _generated_tokens(decoder, params, spec, jnp.bfloat16, TPU_SETTINGS)
   np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
   assert "quantized_decode_attention_tpu" in kernel_calls.names
+
+
+@pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
+def test_the_tpu_token_halves_pair_kernel_generates_the_reference_tokens(monkeypatch):
+  """2-bit codes at head_dim 64 (SmolLM2's) in a segment of whole 256-token halves: the TPU
+  kernel takes the token halves' code pairs (`code_pair_halves_tpu`, KERNEL_NOTES v58). A
+  509-token prompt and a window of 128: a 512-token segment, one block."""
+  from pallas_kernels import code_pair_halves_tpu
+
+  traced = []
+  embed = code_pair_halves_tpu.virtual_key_statistics
+  monkeypatch.setattr(
+    code_pair_halves_tpu,
+    "virtual_key_statistics",
+    lambda *args: traced.append(1) or embed(*args),
+  )
+  decoder, params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, head_dim=64))
+  prompts = [list(np.random.default_rng(5).integers(1, 64, 509)), PROMPTS[1]]
+  spec = "kivi:bits=2,group_size=32,residual=128"
+  tokens = {
+    implementation: generate(
+      decoder,
+      params,
+      prompts,
+      max_new_tokens=4,
+      cache_dtype=jnp.bfloat16,
+      cache_method=parse_method_spec(
+        spec, implementation=implementation, kernel_settings=TPU_SETTINGS
+      ),
+    ).tokens
+    for implementation in ("reference", "interpret")
+  }
+  np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
+  assert traced  # the halves' path was traced

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import decode_attention_tpu, gear_terms_triton
+from pallas_kernels import code_pair_halves_tpu, decode_attention_tpu, gear_terms_triton
 from pallas_kernels import quantized_decode_attention_tpu as tpu_kernel
 from pallas_kernels import quantized_decode_attention_triton as triton_kernel
 from pallas_kernels.decode_attention_tpu import tokens_on_lanes
@@ -367,6 +367,8 @@ def test_triton_kernel_ignores_garbage_past_lengths(
     (2, 256, 3, False, 2048, True),  # 3 query rows: zero padding, one group a register
     (4, 128, 2, True, 2048, True),  # GEAR's terms beside the pairs (one chunk a block)
     (4, 64, 4, False, 4096, True),  # the key statistics [D, groups] (groups on lanes)
+    (2, 64, 4, False, 4096, True),  # the token halves' pairs (`code_pair_halves_tpu`)
+    (2, 64, 1, False, 8192, False),  # the same, MQA, the statistics rows by broadcasts
   ],
 )
 def test_tpu_kernel_with_code_pairs_in_chunks(
@@ -380,7 +382,9 @@ def test_tpu_kernel_with_code_pairs_in_chunks(
   queries, segment, _, kwargs, _ = _case(
     group * 13 + bits, bits, head_dim, group, gear, jnp.bfloat16, tokens=tokens
   )
-  assert tpu_kernel.code_pairs_apply(bits, head_dim, segment.k_scale.dtype)
+  assert tpu_kernel.code_pairs_apply(
+    bits, head_dim, segment.k_scale.dtype
+  ) or code_pair_halves_tpu.applies(bits, head_dim, segment.k_scale.dtype, block_tokens, GROUP_SIZE)
   assert block_tokens % tpu_kernel.CHUNK_TOKENS == 0 and block_tokens > tpu_kernel.CHUNK_TOKENS
   lengths = jnp.asarray([tokens, block_tokens + 300, 1], jnp.int32)
   reference = quantized_decode_attention_reference(queries, *segment[:6], lengths, **kwargs)
