@@ -177,9 +177,6 @@ def static_cost(
   from pallas_kernels.splits import plan_splits
 
   config = dict(block_tokens=block_tokens, num_splits=num_splits)
-  # The target is named here, not found by jax (no TPU runs it): so is its sublane gathers'.
-  generation = quantized_decode_attention_tpu.tpu_generation(topology.split(":")[0])
-  quantized_config = dict(config, sublane_gathers=generation >= 5)
   if kernel == "bf16":
     function = tpu_compile_check.full_precision_call(**config)
     name, block = "decode_attention_tpu", block_tokens
@@ -187,7 +184,7 @@ def static_cost(
     cache_shapes = shapes[1:3]
   elif kernel.startswith("kivi"):
     bits = int(kernel.removeprefix("kivi"))
-    function = tpu_compile_check.quantized_call(bits, **quantized_config)
+    function = tpu_compile_check.quantized_call(bits, **config)
     name = f"quantized_decode_attention_{bits}bit_tpu"
     block = quantized_decode_attention_tpu.block_tokens_for(
       tokens, 32, jnp.bfloat16, block_tokens, head_dim
@@ -196,7 +193,7 @@ def static_cost(
     cache_shapes = shapes[1:7]
   else:
     bits = int(kernel.removeprefix("gear"))
-    function = tpu_compile_check.gear_call(bits, group_size=64, **quantized_config)
+    function = tpu_compile_check.gear_call(bits, group_size=64, **config)
     name = f"quantized_decode_attention_{bits}bit_tpu"
     block = quantized_decode_attention_tpu.block_tokens_for(
       tokens,

@@ -123,11 +123,15 @@ TOKEN_HALVES_BLOCK_TOKENS = 8192
 
 
 def sublane_gathers_lower() -> bool:
-  """Whether Mosaic lowers a sublane gather (`jnp.take_along_axis` on axis 0) for the TPU jax
-  runs on: a v5e or newer; for a v4 it refuses ("failed to legalize tpu.dynamic_gather",
-  compiled for one without it, KERNEL_NOTES v58). True without a TPU (interpret mode; a
-  compile-only tool names its target's choice itself)."""
-  device = jax.devices()[0]
+  """Whether Mosaic lowers a sublane gather (`jnp.take_along_axis` on axis 0) for the TPU of
+  the default device (`jax.default_device`, else the first device): a v5e or newer; for a v4
+  it refuses ("failed to legalize tpu.dynamic_gather", compiled for one without it, KERNEL_NOTES
+  v58). True without a TPU (interpret mode). A compile for a TPU that is not there (a
+  compile-only topology's device set as the default, as `tpu_compile_check` does) gets its
+  target's choice."""
+  device = jax.config.jax_default_device
+  if device is None or isinstance(device, str):
+    device = jax.devices(device)[0] if device else jax.devices()[0]
   if device.platform != "tpu":
     return True
   return tpu_generation(device.device_kind) >= 5
@@ -832,8 +836,7 @@ def quantized_decode_attention_partials_tpu(
   reference. What the kernel does not take (`unsupported_reason`, settings outside
   `launch_settings`' values) is a ValueError: the dispatch runs the reference for it.
   `sublane_gathers`: whether the code-pair products gather statistics rows on sublanes (a TPU
-  v5e or newer); None: `sublane_gathers_lower` for the TPU jax runs on (pass False to compile
-  for a v4 from elsewhere)."""
+  v5e or newer); None: `sublane_gathers_lower` for the default device's TPU."""
   if sublane_gathers not in (None, True, False):
     raise ValueError(f"sublane_gathers={sublane_gathers!r}; allowed: None, True, False")
   check_bits(bits)

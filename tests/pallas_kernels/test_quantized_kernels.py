@@ -9,6 +9,7 @@ inputs per case; partial outputs poisoned with NaN before the call.
 import functools
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -914,6 +915,8 @@ def test_the_tpu_generation_decides_the_sublane_gathers():
   for kind, generation in kinds.items():
     assert tpu_kernel.tpu_generation(kind) == generation, kind
   assert tpu_kernel.sublane_gathers_lower()  # no TPU here: interpret mode takes them
+  with jax.default_device(jax.devices("cpu")[0]):
+    assert tpu_kernel.sublane_gathers_lower()
 
 
 def test_the_tpu_kernel_refuses_a_sublane_gathers_setting_that_is_not_a_bool():

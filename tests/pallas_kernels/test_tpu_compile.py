@@ -395,11 +395,20 @@ def test_a_gear_decode_step_copies_little_beside_its_window(head_dim, bound_mb):
   _check_flush_copies([copy for copy in copies if copy.in_branch], total_mib=32)
 
 
-@pytest.mark.parametrize("bits,head_dim", [(2, 128), (4, 64)])
-def test_the_code_pair_kernel_compiles_for_a_tpu_v4_without_sublane_gathers(bits, head_dim):
+@pytest.mark.parametrize("bits,head_dim,tokens", [(2, 128, 1280), (4, 64, 5376), (2, 64, 8192)])
+def test_the_code_pair_kernel_compiles_for_a_tpu_v4_without_sublane_gathers(bits, head_dim, tokens):
   """Mosaic refuses a sublane gather for a v4 ("failed to legalize tpu.dynamic_gather", v58):
-  there the code-pair products build the statistics rows from broadcasts."""
-  tokens = TOKENS if head_dim >= 128 else LANE_GROUP_TOKENS
+  there the code-pair products build the statistics rows from broadcasts, chosen by the
+  default device (the topology's, set by `compile_for_tpu`); 2 bits at head_dim 64 in two
+  4096-token blocks take the token halves' pairs."""
   shapes = _quantized_shapes(bits, head_dim, 4, jnp.bfloat16, 32, False, tokens)
-  call = tpu_compile_check.quantized_call(bits, 32, sublane_gathers=False)
+  call = tpu_compile_check.quantized_call(bits, 32, block_tokens=4096)
   tpu_compile_check.compile_for_tpu(call, shapes, "v4:2x2x1")
+
+
+def test_the_default_device_decides_the_sublane_gathers():
+  from pallas_kernels import quantized_decode_attention_tpu as kernel
+
+  for topology, gathers in [("v4:2x2x1", False), ("v5e:2x2", True), ("v6e:2x2", True)]:
+    with jax.default_device(tpu_compile_check.tpu_device(topology)):
+      assert kernel.sublane_gathers_lower() is gathers, topology
