@@ -96,6 +96,16 @@ def _sublane_rows(stats: jax.Array, first: int, k: int, shape, gathers: bool) ->
   return jnp.take_along_axis(slab, index, axis=0)
 
 
+def _own_group_rows(arrays: jax.Array, group: jax.Array, k: int, rows: int) -> jax.Array:
+  """[rows, n]: column t's rows of its group group[t] ([1, n]) in every block of rows, from
+  arrays [groups / k x rows, n] of k groups' blocks of rows each: each column's array chosen,
+  then its group's block rotated into every block (`_own_block_everywhere`)."""
+  chosen = arrays[:rows]
+  for v in range(1, arrays.shape[0] // rows):
+    chosen = jnp.where(group // k == v, arrays[v * rows : (v + 1) * rows], chosen)
+  return _own_block_everywhere(chosen, group % k, k)
+
+
 def _own_block_everywhere(x: jax.Array, own_block: jax.Array, k: int) -> jax.Array:
   """x [rows, n] whose block own_block[t] (of k blocks of rows; [1, n]) holds token t's rows:
   those rows in every block, by sublane rotations (block m of the result is block j of x
@@ -227,11 +237,7 @@ def pair_key_scores(
     )
     products = both[: scaled.shape[0]] + both[scaled.shape[0] :]
     token_group = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) // group_size
-    # Each token's array of rows, then its own group's block of rows into every block.
-    chosen = products[:rows]
-    for v in range(1, len(arrays)):
-      chosen = jnp.where(token_group // k == v, products[v * rows : (v + 1) * rows], chosen)
-    scores = _own_block_everywhere(chosen, token_group % k, k)
+    scores = _own_group_rows(products, token_group, k, rows)
     # Each token's group's constant, by one lane gather from the lane tile of per_group that
     # holds the tile's groups (a broadcast of each group's column took one XLU permute a group).
     base = first // LANES * LANES
@@ -299,7 +305,4 @@ def pair_value_update(
   k = groups_per_block(rows, query_rows, groups)
   in_channels = product_by_halves(codes_part, matrix, (0,)) + minimums
   group_of = jax.lax.broadcasted_iota(jnp.int32, (1, channels), 1) // group_size
-  chosen = in_channels[:rows]
-  for v in range(1, groups // k):
-    chosen = jnp.where(group_of // k == v, in_channels[v * rows : (v + 1) * rows], chosen)
-  return _own_block_everywhere(chosen, group_of % k, k)
+  return _own_group_rows(in_channels, group_of, k, rows)
