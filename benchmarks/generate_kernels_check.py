@@ -51,6 +51,9 @@ def runs_to_check(kivi_settings: dict | None = None) -> list[tuple]:
     # FOLDED_MOSAIC_GPU_V34's settings) on a bf16 cache. In v30's last call the step's time
     # limit stopped the script before its bf16 runs.
     ("kivi:bits=4,residual=32", default, jnp.bfloat16),
+    # The same at 2 bits: the float32 KIVI runs below fall back to Triton in the Mosaic GPU
+    # kernels, which take bf16 statistics only (KERNEL_NOTES v59)
+    ("kivi:bits=2,residual=32", default, jnp.bfloat16),
     ("full", KernelSettings()),
     ("kivi:bits=4,residual=32", default),
     ("kivi:bits=2,residual=32", default),

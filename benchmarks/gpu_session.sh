@@ -60,6 +60,14 @@
 #   bash benchmarks/gpu_session.sh warp_products  # not yet run (~2-3 min; first, then v43 on
 #                                           # the warm machine): v44's per-warp products loop
 #                                           # as CUDA and as Mosaic GPU, checked and timed
+#   bash benchmarks/gpu_session.sh v59      # run 2026-12-04 (361 s): the 32k sweep of the warp
+#                                           # variant beside the folded settings, the 32k table
+#                                           # with the fastest, its native tests, generate check
+#   bash benchmarks/gpu_session.sh v59b     # run 2026-12-04 (308 s): v59's fastest at other shapes
+#                                           # and through generate (its 8k-128k table timed out)
+#   bash benchmarks/gpu_session.sh v60      # not yet run (~7 min): teacher-forced logits of the
+#                                           # warp kernel at head_dim 64, 2 bits (v59's divergence),
+#                                           # the 8k and 128k tables with the Hopper default
 #   bash benchmarks/gpu_session.sh v40_profile ['<config JSON>']  # right after v40, v42 or v43 (~4 min):
 #                                           # the 32k table, each kernel of a call and ncu of
 #                                           # the fastest (or of the config given)
@@ -101,6 +109,9 @@ v34="${folded}, ${v34_settings}"
 # codes, each lane's own value statistics, the splits merged by one Triton kernel.
 c_merge="${v34}, \"row_max\": \"bound\", \"key_bias_source\": \"kernel\", \
 \"value_operand\": \"registers\", \"value_stat_loads\": \"own_slot\", \"split_merge\": \"triton\""
+# The warp variant (v45-v47), and the Hopper default's settings since v59 (WARP_MOSAIC_GPU_V59).
+warp='{"lowering": "mosaic_gpu", "variant": "warp"'
+warp_v59="${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2, \"split_merge\": \"triton\"}"
 # Folded Triton with padded query rows, with stack copies, and with copies but no prefetch.
 stack_copies_configs='[{"variant": "folded"}, {"stack_copies": true}, {"stack_copies": true, "prefetch": false}]'
 
@@ -175,7 +186,6 @@ warp_products_run() {  # warp_products_run LOG: v44's per-warp products experime
     -p no:cacheprovider -m "slow or not slow" \
     tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py \
     2>&1 | tail -15 >> "$1" || status=1
-  local warp="{\"lowering\": \"mosaic_gpu\", \"variant\": \"warp\""
   sweep_at_32k "$1" "[${warp}}, ${warp}, \"num_stages\": 2}, \
 ${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2}, ${warp}, \"key_products\": \"reduction\"}, \
 ${warp}, \"split_merge\": \"triton\"}, \
@@ -200,7 +210,6 @@ warp_head_dim64_run() {  # warp_head_dim64_run LOG (v47, ~3 min): the warp varia
   echo "== warp variant, generate check (KERNEL_NOTES v47)" >> "$1"
   timeout --signal=INT 90 "$python" benchmarks/generate_kernels_check.py --only warp \
     2>&1 | tail -4 >> "$1" || status=1
-  local warp="{\"lowering\": \"mosaic_gpu\", \"variant\": \"warp\""
   sweep_shapes_only "$1" "32768 4 2 64" "32768 4 4 64" -- "${warp}}" "${warp}, \"num_stages\": 2}" \
     "{\"lowering\": \"triton\", \"variant\": \"folded\"}" "{\"lowering\": \"triton\"}" || status=1
   return "$status"
@@ -786,6 +795,96 @@ ${winner}, ${both}, ${matrix}, ${five}, \"num_splits\": 20}, ${winner}, ${both},
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader > "$log"
     warp_products_run "$log"
     ;;
+  v59)
+    # v59 (the first GPU lent since v39; ~8 min, one call): the 32k sweep first, so that the
+    # timings come back even if a later step runs out of time: the warp variant (v45-v47: its
+    # default, 2 stages, the kernel's bias with the Triton merge, XLA's products as reductions,
+    # each slot's copies by its own warp with the per-warp release, queries loaded once) beside
+    # v34's default, C + merge (v39's fastest), C + merge with v40's two settings and with v43's
+    # matrix loads (one and two blocks per slot). Then the issue's 32k table with the fastest in
+    # the folded Mosaic row (the copy rate and XLA's bf16 attention of the same run), the native
+    # tests of the fastest's file, the generate check with it, and KIVI-4 at 32k.
+    set +e
+    status=0
+    log="$out/v59.log"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
+    both="\"key_stack_timing\": \"block_ahead\", \"copy_issue_point\": \"value_product\""
+    matrix="\"value_operand\": \"matrix_loads\""
+    pairs="\"num_stages\": 2, \"blocks_per_copy\": 2"
+    sweep_at_32k "$log" "[${warp}}, ${warp}, \"num_stages\": 2}, \
+${warp}, \"key_bias_source\": \"kernel\", \"num_stages\": 2, \"split_merge\": \"triton\"}, \
+${warp}, \"split_merge\": \"triton\"}, ${warp}, \"key_products\": \"reduction\"}, \
+${warp}, \"copy_issuer\": \"slot_owner\", \"ring_release\": \"per_warp\"}, \
+${warp}, \"query_loads\": \"once\"}, ${v34}}, ${c_merge}}, ${c_merge}, ${both}}, \
+${c_merge}, ${matrix}}, ${c_merge}, ${pairs}, ${matrix}}]" 200 || status=1
+    best="$(keep_fastest "$log")" || { best="${c_merge}}"; status=1; }
+    timeout --signal=INT 130 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
+      --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$best" \
+      --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
+    case "$best" in
+      *'"warp"'*) test_files=(tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py) ;;
+      *) test_files=(tests/pallas_kernels/test_quantized_decode_attention_folded_mosaic_gpu.py
+           tests/pallas_kernels/test_key_bias_in_kernel.py) ;;
+    esac
+    workers=()
+    "$python" -c "import xdist" 2>/dev/null && workers=(-n 8)
+    timeout --signal=INT 110 env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 \
+      "$python" -m pytest -q "${workers[@]}" -p no:cacheprovider -m "slow or not slow" \
+      "${test_files[@]}" 2>&1 | tail -15 | tee -a "$log" || status=1
+    timeout --signal=INT 90 "$python" benchmarks/generate_kernels_check.py --kivi-settings "$best" \
+      2>&1 | tee "$out/generate_kernels_check.log" | tail -12 || status=1
+    sweep_shapes_only "$log" "32768 4 4" -- "${warp}}" "${v34}}" "$best" || status=1
+    exit "$status"
+    ;;
+  v59b)
+    # v59's second call (~6 min): the fastest of v59's sweep (the warp variant with the kernel's
+    # bias, two stages and the Triton merge) in the issue's table at 8k, 32k and 128k; the
+    # generate check with it on bf16 caches (2- and 4-bit) and the warp variant's own runs; it
+    # against C + merge at one and eight query heads per KV head; head_dim 64 at 2 bits.
+    set +e
+    status=0
+    log="$out/v59b.log"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
+    best="$warp_v59"
+    timeout --signal=INT 170 "$python" benchmarks/decode_attention.py --contexts 8192 32768 131072 \
+      --no-gear --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$best" \
+      --out "$out/decode_attention.json" 2>&1 | tee "$out/decode_attention.log" | tail -16 || status=1
+    timeout --signal=INT 80 "$python" benchmarks/generate_kernels_check.py --only warp \
+      --kivi-settings "$best" 2>&1 | tee "$out/generate_kernels_check.log" | tail -8 || status=1
+    sweep_shapes_only "$log" "32768 1 2" "32768 8 2" -- "$best" "${c_merge}}" || status=1
+    sweep_shapes_only "$log" "32768 4 2 64" -- "$best" "${warp}}" \
+      "{\"lowering\": \"triton\", \"variant\": \"folded\"}" || status=1
+    exit "$status"
+    ;;
+  v60)
+    # What v59 left (~7 min, not yet run): why the warp kernel's generate check at head_dim 64 with
+    # 2-bit codes on a bf16 cache left the reference's tokens (row 1 from its 8th token; interpret
+    # mode gives the reference's tokens, and the reference's top-two margin there is 0.72 on
+    # CPU): teacher-forced logits of the warp kernel (v59's settings, then its own defaults) and
+    # of folded Triton on the same cache against the reference path, step by step; then the
+    # issue's table at 8k and at 128k with the Hopper default (v59's 8k-128k table ran past its
+    # limit in the 128k rows' compiles).
+    set +e
+    status=0
+    log="$out/v60.log"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
+    for config in "$warp_v59" \
+      "${warp}}" '{"variant": "folded"}'; do
+      echo "== logit margins, KIVI-2 bf16, $config" >> "$log"
+      timeout --signal=INT 60 "$python" benchmarks/generate_logit_margins.py \
+        --spec kivi:bits=2,residual=32 --kernel-config "$config" 2>&1 | tail -40 >> "$log" ||
+        status=1
+    done
+    for limit_and_context in "100 8192" "240 131072"; do
+      set -- $limit_and_context
+      local_limit="$1" context="$2"
+      timeout --signal=INT "$local_limit" "$python" benchmarks/decode_attention.py --contexts "$context" \
+        --no-gear --kernel-config '{"variant": "folded"}' \
+        --folded-mosaic-kernel-config "$warp_v59" \
+        --out "$out/decode_attention_$context.json" 2>&1 | tail -16 | tee -a "$log" || status=1
+    done
+    exit "$status"
+    ;;
   warp_head_dim64)
     # v47 (~3 min; after warp_products on the warm machine if `status` leaves 4 minutes)
     log="$out/warp_head_dim64.log"
@@ -793,7 +892,7 @@ ${winner}, ${both}, ${matrix}, ${five}, \"num_splits\": 20}, ${winner}, ${both},
     warp_head_dim64_run "$log"
     ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | v42 | v43 | warp_products | warp_head_dim64 | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | v42 | v43 | warp_products | warp_head_dim64 | v59 | v59b | v60 | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

@@ -200,16 +200,17 @@ def quantized_decode_attention(
   Storage layout: see `pallas_kernels.quantized_decode_attention_reference`. Configuration
   errors raise ValueError before anything is traced. On GPU (and in interpret mode) an empty
   `kernel_config` runs the measured default, `quantized_decode_attention_gpu.
-  measured_default_config`: on Hopper, for 1 to 8 query heads per KV head, the folded Mosaic
-  GPU kernel with its v34 settings where it takes the segment; folded Triton otherwise (with
-  stack copies for one head). A non-empty one is taken as given. It may pick the Triton
+  measured_default_config`: on Hopper, for 1 to 8 query heads per KV head, the "warp" Mosaic
+  GPU variant with its v59 settings where it takes the segment, else the folded Mosaic GPU
+  kernel with its v34 settings where that does; folded Triton otherwise (with stack copies for
+  one head). A non-empty one is taken as given. It may pick the Triton
   kernel's variant: {"variant": "folded" (default) | "joined" | "reshape" | "planar"} and, for
   "folded", {"prefetch": True (default) | False, "code_operand": "subnormal" (default for bf16
   2- and 4-bit codes) | "offset", "channel_parts": 1 (default) | 2 | 4, "gear_terms": "xla"
   (default) | "kernel", "stack_copies": False (default) | True} (see
   `pallas_kernels.quantized_decode_attention_triton`); or
   {"lowering": "mosaic_gpu"} (also "variant": "dequantize" (default) | "folded" | "warp" (both
-  products per warp by mma.sync: KIVI 2/4-bit, head_dim 128, group size 32, up to 8 query heads
+  products per warp by mma.sync: KIVI 2/4-bit, head_dim 64 / 128, group size 32, up to 8 query heads
   per KV head; block_tokens 128, num_splits, num_stages, key_products, key_bias_source,
   split_merge, "copy_issuer": "first_warp" (default) | "slot_owner", "ring_release": "barrier"
   (default) | "per_warp"),

@@ -6,13 +6,14 @@ MMA; measured on an H100 and an H200, slower than either folded kernel), "folded
 into stacked queries and probabilities, codes staged by masking alone as subnormal bf16
 operands; `quantized_decode_attention_folded_mosaic_gpu`) or "warp" (the folded operands, both
 products per warp by `mma.sync` with operands in registers, 2- and 4-bit codes at head_dim 64
-and 128 and up to 8 query heads per KV head; `quantized_decode_attention_warp_mosaic_gpu`; not
-yet timed on a GPU).
+and 128 and up to 8 query heads per KV head; `quantized_decode_attention_warp_mosaic_gpu`; the
+fastest measured on an H200, KERNEL_NOTES v59).
 
 An empty kernel_config runs what was measured fastest (`measured_default_config`): on a Hopper
-GPU (and in interpret mode, which checks what such a GPU runs) the folded Mosaic GPU kernel with
-v34's settings (`FOLDED_MOSAIC_GPU_V34`) where it takes the segment, for 1 to 8 query heads per
-KV head; otherwise the folded Triton kernel, with stack copies for one head.
+GPU (and in interpret mode, which checks what such a GPU runs), for 1 to 8 query heads per KV
+head, the warp variant with v59's settings (`WARP_MOSAIC_GPU_V59`) where it takes the segment,
+else the folded Mosaic GPU kernel with v34's settings (`FOLDED_MOSAIC_GPU_V34`) where that does;
+otherwise the folded Triton kernel, with stack copies for one head.
 
 A segment the chosen Mosaic GPU kernel does not take (GEAR terms, head dims other than 64 / 128,
 fewer than 8 code words per token, for "folded" also 8-bit codes and non-bf16 statistics, ...)
@@ -189,7 +190,16 @@ FOLDED_MOSAIC_GPU_V34 = {
   "value_accumulator": "carried",
   "value_stats": "separate",
 }
-MOSAIC_DEFAULT_MAX_GROUP = 8  # the largest query group timed (KERNEL_NOTES v29, v30, v34)
+# KERNEL_NOTES v59 (H200): the warp variant with the kernel's own q . k_min bias, two ring stages
+# and the splits merged by one Triton kernel; the fastest at every shape timed.
+WARP_MOSAIC_GPU_V59 = {
+  "lowering": "mosaic_gpu",
+  "variant": "warp",
+  "key_bias_source": "kernel",
+  "num_stages": 2,
+  "split_merge": "triton",
+}
+MOSAIC_DEFAULT_MAX_GROUP = 8  # the largest query group timed (KERNEL_NOTES v29, v30, v34, v59)
 
 
 def measured_default_config(
@@ -204,16 +214,26 @@ def measured_default_config(
   (231.1). v34: `FOLDED_MOSAIC_GPU_V30` -> `FOLDED_MOSAIC_GPU_V34`: KIVI-2 32k 222.8 -> 183.6
   (216.1 -> 180.9 in a later call), 8k 93.4 -> 78.8, 128k 731.5 -> 563.7, 1 head 208.4 -> 197.6
   (folded Triton with stack copies 223.9), 8 heads 239.1 -> 198.3; KIVI-4 218.0 -> 207.7.
+  v59: `FOLDED_MOSAIC_GPU_V34` -> `WARP_MOSAIC_GPU_V59` (v39's fastest folded settings, "C +
+  merge", in brackets): KIVI-2 32k 175.1 -> 110.6 (121.0; 106.1 in the issue's table: 49.7% of
+  the copy rate, 2.95x XLA's bf16 attention), 1 head 107.0 (folded Triton with stack copies
+  217.2; v34's untimed there), 8 heads 134.5 (148.5); KIVI-4 32k 188.4 -> 122.4; 2-bit codes at
+  head_dim 64 (which no folded kernel takes) 76.2 against 184.2 for folded Triton, but not the
+  default there (below). 8k and 128k were not timed with it.
   Two to eight heads were timed at 4 and 8, not 2; more than 8 (shared contexts fold rows into
   the query group) not at all, so those keep folded Triton's path.
 
-  On Hopper (compute capability 9.x: the Mosaic kernels issue wgmma, which exists there alone)
-  and in interpret mode (which checks what such a GPU runs), for 1 to 8 query heads per KV head:
-  `FOLDED_MOSAIC_GPU_V34` where the kernel takes the segment at its 64-token blocks (whole key
-  groups per block: group sizes up to 64), else v29's folded Mosaic GPU default where that
-  takes it, else folded Triton (with stack copies for one head, v29's measurement). Segments
-  neither Mosaic kernel takes (GEAR terms, f32 / f16 statistics, 8-bit codes, 2-bit codes at
-  head_dim 64, ...) and other GPUs run folded Triton as before these measurements."""
+  On Hopper (compute capability 9.x: the Mosaic kernels are built for it) and in interpret mode
+  (which checks what such a GPU runs), for 1 to 8 query heads per KV head: `WARP_MOSAIC_GPU_V59`
+  where the warp variant takes the segment (bf16 statistics, 2- or 4-bit codes, head_dim 64 or
+  128, key groups of 32, a multiple of 8 cached tokens, splits of at most 256 key groups for the
+  kernel's bias) and the segment is not 2-bit at head_dim 64 (an unresolved native divergence
+  in v59's generate check; the warp variant runs there when asked for by name), else
+  `FOLDED_MOSAIC_GPU_V34` where the folded kernel takes it at its 64-token blocks (whole key
+  groups per block: group sizes up to 64), else v29's folded Mosaic GPU default where that takes
+  it, else folded Triton (with stack copies for one head, v29's measurement). Segments no
+  Mosaic kernel takes (GEAR terms, f32 / f16 statistics, 8-bit codes, 2-bit codes at head_dim 64
+  by default, ...) and other GPUs run folded Triton as before these measurements."""
   capability = _compat.gpu_compute_capability()
   hopper = interpret or (capability is not None and capability.split(".")[0] == "9")
   if not hopper:
@@ -222,8 +242,13 @@ def measured_default_config(
   triton_default = {"stack_copies": True} if group == 1 else {}
   if group > MOSAIC_DEFAULT_MAX_GROUP:
     return triton_default
+  # 2-bit codes at head_dim 64 keep folded Triton: there the warp variant's generate check on
+  # the H200 left the reference's tokens at a step where the reference's top-two margin was wide
+  # (KERNEL_NOTES v59), which interpret mode does not reproduce
+  warp_checked = not (queries.shape[3] == 64 and segment.get("bits") == 2)
+  candidates = (WARP_MOSAIC_GPU_V59,) if warp_checked else ()
   # v34's settings take the segments v30's take (they differ in none that a segment can refuse)
-  for config in (FOLDED_MOSAIC_GPU_V34, FOLDED_MOSAIC_GPU):
+  for config in (*candidates, FOLDED_MOSAIC_GPU_V34, FOLDED_MOSAIC_GPU):
     if (
       mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, config=config, **segment)
       is None

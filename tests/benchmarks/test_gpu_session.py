@@ -35,7 +35,8 @@ for flag in (a.split("=")[0] for a in args[1:] if a.startswith("--")):
   # the whole flag: "--sweep" is not found in "--sweep-configs"
   if not re.search(re.escape(flag) + r"(?![\\w-])", usage):
     sys.exit(f"{{script}} has no flag {{flag}}")
-for flag in ("--sweep-configs", "--kernel-config", "--kivi-settings"):
+config_flags = ("--sweep-configs", "--kernel-config", "--kivi-settings")
+for flag in (*config_flags, "--folded-mosaic-kernel-config"):
   if flag in args:
     configs = json.loads(args[args.index(flag) + 1])
     configs = configs if isinstance(configs, list) else [configs]
@@ -92,6 +93,9 @@ SWEEP = "benchmarks/decode_attention.py"
     ("warp_head_dim64", [(SWEEP, 4), (SWEEP, 4)]),
     # the generate check with C + merge + matrix loads, the 32k sweep (9), its fastest picked
     ("v43", [("benchmarks/generate_kernels_check.py", 1), (SWEEP, 9)]),
+    # teacher-forced logits through three kernels, then the 8k and 128k tables (the Triton
+    # config and the warp one each)
+    ("v60", [("benchmarks/generate_logit_margins.py", 1)] * 3 + [(SWEEP, 1)] * 4),
   ],
 )
 def test_the_next_steps_hand_their_scripts_valid_configs_and_flags(stand_in, step, expected):

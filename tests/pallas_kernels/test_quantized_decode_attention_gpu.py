@@ -1,5 +1,5 @@
-"""The GPU entry point's measured default: what an empty kernel_config runs (KERNEL_NOTES v29),
-on CPU in interpret mode, which picks as a Hopper GPU does."""
+"""The GPU entry point's measured default: what an empty kernel_config runs (KERNEL_NOTES v29,
+v34, v59), on CPU in interpret mode, which picks as a Hopper GPU does."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +8,7 @@ import pytest
 from kvjax import attention_dispatch
 from pallas_kernels import (
   _compat,
+  quantized_decode_attention_folded_mosaic_gpu,
   quantized_decode_attention_gpu,
   quantized_decode_attention_triton,
 )
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.filterwarnings(
 FOLDED_MOSAIC_GPU = quantized_decode_attention_gpu.FOLDED_MOSAIC_GPU
 FOLDED_MOSAIC_GPU_V30 = quantized_decode_attention_gpu.FOLDED_MOSAIC_GPU_V30
 FOLDED_MOSAIC_GPU_V34 = quantized_decode_attention_gpu.FOLDED_MOSAIC_GPU_V34
+WARP_MOSAIC_GPU_V59 = quantized_decode_attention_gpu.WARP_MOSAIC_GPU_V59
 
 
 def _segment(*, group, dtype=jnp.bfloat16, bits=2, head_dim=128, gear=False, group_size=32):
@@ -52,20 +54,22 @@ def _segment(*, group, dtype=jnp.bfloat16, bits=2, head_dim=128, gear=False, gro
 @pytest.mark.parametrize(
   "group,dtype,bits,head_dim,gear,capability,interpret,expected",
   [
-    # Hopper, or interpret mode: the folded Mosaic GPU kernel with v34's settings where it
-    # takes the segment, one query head per KV head included (v30 and v34 timed it faster than
-    # folded Triton with stack copies)
-    (4, jnp.bfloat16, 2, 128, False, "9.0", False, FOLDED_MOSAIC_GPU_V34),
-    (8, jnp.bfloat16, 4, 64, False, "9.0", False, FOLDED_MOSAIC_GPU_V34),
-    (2, jnp.bfloat16, 2, 128, False, None, True, FOLDED_MOSAIC_GPU_V34),
-    (1, jnp.bfloat16, 2, 128, False, "9.0", False, FOLDED_MOSAIC_GPU_V34),
+    # Hopper, or interpret mode: the warp variant with v59's settings where it takes the
+    # segment, one query head per KV head included (v59 timed it faster than the folded kernels
+    # and folded Triton with stack copies at each)
+    (4, jnp.bfloat16, 2, 128, False, "9.0", False, WARP_MOSAIC_GPU_V59),
+    (8, jnp.bfloat16, 4, 64, False, "9.0", False, WARP_MOSAIC_GPU_V59),
+    (2, jnp.bfloat16, 2, 128, False, None, True, WARP_MOSAIC_GPU_V59),
+    (1, jnp.bfloat16, 2, 128, False, "9.0", False, WARP_MOSAIC_GPU_V59),
+    # 2-bit codes at head_dim 64 (4 words a token, which the folded kernels do not take): the
+    # warp variant takes them, but its native generate check there diverged (v59): folded Triton
+    (4, jnp.bfloat16, 2, 64, False, "9.0", False, {}),
     # one head, a segment no Mosaic kernel takes: folded Triton with stack copies (v29, Hopper)
     (1, jnp.float32, 2, 128, False, None, True, {"stack_copies": True}),
     (1, jnp.bfloat16, 2, 128, False, "8.0", False, {}),
-    # segments the folded Mosaic kernel does not take, and GPUs without wgmma: folded Triton
+    # segments no Mosaic kernel takes, and GPUs without wgmma: folded Triton
     (4, jnp.float32, 2, 128, False, "9.0", False, {}),
     (4, jnp.bfloat16, 2, 128, True, "9.0", False, {}),
-    (4, jnp.bfloat16, 2, 64, False, "9.0", False, {}),  # 2-bit at head_dim 64: 4 words a token
     (4, jnp.bfloat16, 2, 128, False, "8.0", False, {}),
     (4, jnp.bfloat16, 2, 128, False, "10.0", False, {}),
     (4, jnp.bfloat16, 2, 128, False, None, False, {}),
@@ -79,6 +83,43 @@ def test_an_empty_config_stands_for_the_kernel_measured_fastest(
   queries, segment = _segment(group=group, dtype=dtype, bits=bits, head_dim=head_dim, gear=gear)
   assert _default_config(queries, segment, bits=bits, group_size=32, interpret=interpret) == (
     expected
+  )
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_group_size_64_takes_the_folded_kernel_with_v34s_settings(group, monkeypatch):
+  """The warp variant takes key groups of 32 only: 64 runs v34's folded Mosaic default."""
+  monkeypatch.setattr(_compat, "gpu_compute_capability", lambda: "9.0")
+  queries, segment = _segment(group=group, group_size=64)
+  config = _default_config(queries, segment, bits=2, group_size=64, interpret=False)
+  assert config == FOLDED_MOSAIC_GPU_V34
+
+
+def test_splits_too_long_for_the_warp_kernels_bias_take_the_folded_kernel(monkeypatch):
+  """Splits of more than 256 key groups are past the warp kernel's bias (with batch 8 x 8 KV
+  heads on an H200, contexts past ~270k tokens): v34's folded default takes those segments. Here
+  the planner aims at one program, so 8448 tokens make one split of 264 key groups."""
+  monkeypatch.setattr(_compat, "gpu_compute_capability", lambda: "9.0")
+  monkeypatch.setattr(
+    quantized_decode_attention_folded_mosaic_gpu, "gpu_target_programs", lambda: 1
+  )
+  rng = np.random.default_rng(0)
+  segment = random_quantized_segment(
+    rng, 1, 1, 8448, 128, bits=2, group_size=32, dtype=jnp.bfloat16
+  )
+  queries = random_queries(rng, 1, 1, 4, 128)
+  reason = quantized_decode_attention_gpu.mosaic_gpu_fallback_reason(
+    queries,
+    segment.k_codes,
+    segment.k_scale,
+    segment.v_scale,
+    config=WARP_MOSAIC_GPU_V59,
+    bits=2,
+    group_size=32,
+  )
+  assert reason is not None and "key groups per split" in reason
+  assert _default_config(queries, segment, bits=2, group_size=32, interpret=False) == (
+    FOLDED_MOSAIC_GPU_V34
   )
 
 
@@ -116,10 +157,11 @@ def _recording(monkeypatch, module, name, calls):
   monkeypatch.setattr(module, name, record)
 
 
-def _record_both_kernels(monkeypatch):
-  """(calls of the folded Mosaic GPU entry point, calls of the Triton one): each call's kwargs."""
+def _record_both_kernels(monkeypatch, variant="folded"):
+  """(calls of the variant's Mosaic GPU entry point, calls of the Triton one): each call's
+  kwargs."""
   mosaic_calls, triton_calls = [], []
-  module, entry_point = quantized_decode_attention_gpu.MOSAIC_GPU_KERNELS["folded"]
+  module, entry_point = quantized_decode_attention_gpu.MOSAIC_GPU_KERNELS[variant]
   _recording(monkeypatch, module, entry_point, mosaic_calls)
   _recording(
     monkeypatch,
@@ -133,9 +175,9 @@ def _record_both_kernels(monkeypatch):
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # no fallback warning for the default
 @pytest.mark.parametrize("group", [1, 4])
 def test_an_empty_config_runs_the_measured_default_kernel(group, monkeypatch):
-  """One and four heads per KV head reach the folded Mosaic GPU kernel with v34's settings, and
+  """One and four heads per KV head reach the warp Mosaic GPU kernel with v59's settings, and
   give the reference's attention."""
-  mosaic_calls, triton_calls = _record_both_kernels(monkeypatch)
+  mosaic_calls, triton_calls = _record_both_kernels(monkeypatch, variant="warp")
   arrays, clean = _inputs(
     np.random.default_rng(3),
     head_dim=128,
@@ -150,7 +192,7 @@ def test_an_empty_config_runs_the_measured_default_kernel(group, monkeypatch):
     *arrays, **quantization, sm_scale=0.1, implementation="interpret"
   )
   assert len(mosaic_calls) == 1 and not triton_calls
-  expected = {k: v for k, v in FOLDED_MOSAIC_GPU_V34.items() if k not in FOLDED_MOSAIC_GPU}
+  expected = {k: v for k, v in WARP_MOSAIC_GPU_V59.items() if k not in ("lowering", "variant")}
   assert {key: mosaic_calls[0][key] for key in expected} == expected
   ref = quantized_decode_attention_reference(*clean, **quantization, sm_scale=0.1)
   assert_matches_reference(out, lse, *ref, rtol=relative_tolerance(jnp.bfloat16, True))
@@ -185,7 +227,7 @@ def test_a_segment_the_default_mosaic_kernel_does_not_take_runs_triton_without_a
 def test_asking_for_triton_by_name_keeps_folded_triton(monkeypatch):
   """{"lowering": "triton"} is not empty: where the default would run the Mosaic kernel (4 heads,
   bf16 statistics), the Triton kernel runs, with its own defaults."""
-  mosaic_calls, triton_calls = _record_both_kernels(monkeypatch)
+  mosaic_calls, triton_calls = _record_both_kernels(monkeypatch, variant="warp")
   queries, segment = _segment(group=4)
   lengths = jnp.asarray([100], jnp.int32)
   arrays = (queries, *segment[:6], lengths)
