@@ -21,8 +21,13 @@ def test_kivi_settings_replace_the_default_of_the_kivi_runs_only():
       replaced += 1
     else:
       assert after == before
-  assert replaced == 3  # the bf16 default run first, then KIVI-4 and KIVI-2 on f32 caches
-  assert candidate_runs[0][2] == jnp.bfloat16
+  # the bf16 default runs first (KIVI-4, then KIVI-2), then KIVI-4 and KIVI-2 on f32 caches
+  assert replaced == 4
+  assert candidate_runs[0][2] == candidate_runs[1][2] == jnp.bfloat16
+  assert [spec for spec, *_ in candidate_runs[:2]] == [
+    "kivi:bits=4,residual=32",
+    "kivi:bits=2,residual=32",
+  ]
 
 
 def test_the_warp_variant_runs_kivi_2_and_4_on_a_bf16_cache():
