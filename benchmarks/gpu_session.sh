@@ -868,20 +868,17 @@ ${c_merge}, ${matrix}}, ${c_merge}, ${pairs}, ${matrix}}]" 200 || status=1
     status=0
     log="$out/v60.log"
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
-    for config in "$warp_v59" \
-      "${warp}}" '{"variant": "folded"}'; do
+    for config in "$warp_v59" "${warp}}" '{"variant": "folded"}'; do
       echo "== logit margins, KIVI-2 bf16, $config" >> "$log"
       timeout --signal=INT 60 "$python" benchmarks/generate_logit_margins.py \
         --spec kivi:bits=2,residual=32 --kernel-config "$config" 2>&1 | tail -40 >> "$log" ||
         status=1
     done
-    for limit_and_context in "100 8192" "240 131072"; do
-      set -- $limit_and_context
-      local_limit="$1" context="$2"
-      timeout --signal=INT "$local_limit" "$python" benchmarks/decode_attention.py --contexts "$context" \
-        --no-gear --kernel-config '{"variant": "folded"}' \
-        --folded-mosaic-kernel-config "$warp_v59" \
-        --out "$out/decode_attention_$context.json" 2>&1 | tail -16 | tee -a "$log" || status=1
+    for seconds_and_context in "100 8192" "240 131072"; do
+      set -- $seconds_and_context
+      timeout --signal=INT "$1" "$python" benchmarks/decode_attention.py --contexts "$2" \
+        --no-gear --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$warp_v59" \
+        --out "$out/decode_attention_$2.json" 2>&1 | tail -16 | tee -a "$log" || status=1
     done
     exit "$status"
     ;;

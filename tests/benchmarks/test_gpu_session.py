@@ -35,8 +35,9 @@ for flag in (a.split("=")[0] for a in args[1:] if a.startswith("--")):
   # the whole flag: "--sweep" is not found in "--sweep-configs"
   if not re.search(re.escape(flag) + r"(?![\\w-])", usage):
     sys.exit(f"{{script}} has no flag {{flag}}")
-config_flags = ("--sweep-configs", "--kernel-config", "--kivi-settings")
-for flag in (*config_flags, "--folded-mosaic-kernel-config"):
+for flag in (
+  "--sweep-configs", "--kernel-config", "--kivi-settings", "--folded-mosaic-kernel-config"
+):
   if flag in args:
     configs = json.loads(args[args.index(flag) + 1])
     configs = configs if isinstance(configs, list) else [configs]
