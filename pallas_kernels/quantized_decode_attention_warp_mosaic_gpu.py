@@ -287,14 +287,15 @@ def _warp_kernel(
       reference_smem,  # f32 [8]
       k_words_smem,  # [stages, 128, 8]
       k_scale_smem,  # [stages, 4, 128]
-      v_words_and_partial_smem,  # [stages, 128, 8] uint32, after the loop f32 [512, 8]
+      v_words_smem,  # [stages, 128, 8] uint32
       v_scale_smem,  # [stages, 4, 128]
       v_min_smem,
-      out_smem,  # f32 [rows, 128]
       statistics_smem,  # f32 [1 + value_operands(rows), 8]: `statistics_rows`
       lse_smem,  # f32 [8]
-      halves_smem,  # bf16 [32, 128]: `key_bias_in_kernel.query_halves` with the bounds'
-      tile_smem,  # bf16 [chunk groups, 128]: the prologue's k_min / k_scale chunk
+      # the prologue's (halves bf16 [32, 128]: `key_bias_in_kernel.query_halves` with the bounds';
+      # tile bf16 [chunk groups, 128]: its k_min / k_scale chunk), then in the same bytes the
+      # epilogue's (partials f32 [512, 8]; out f32 [rows, 128])
+      ((halves_smem, tile_smem), (partial_smem, out_smem)),
       split_bias_smem,  # f32 [chunks x chunk groups, 8]: the split's q . k_min
       setup_barrier,
       ring_barriers,
@@ -319,7 +320,7 @@ def _warp_kernel(
       k_words_smem,
       k_scale_smem,
       key_bias_smem,  # [stages, 4, 8]
-      v_words_and_partial_smem,
+      v_words_and_partial_smem,  # [stages, 128, 8] uint32, after the loop the partials f32 [512, 8]
       v_scale_smem,
       v_min_smem,
       out_smem,
@@ -329,7 +330,8 @@ def _warp_kernel(
       ring_barriers,
     ) = refs
   row, head, split = (lax.axis_index(name) for name in ("row", "head", "split"))
-  v_words_smem, partial_smem = v_words_and_partial_smem
+  if not kernel_bias:
+    v_words_smem, partial_smem = v_words_and_partial_smem
   plgpu.copy_gmem_to_smem(lengths_gmem, lengths_smem, setup_barrier)
   if kernel_bias:
     # one array (`key_bias_in_kernel.queries_with_halves`), copied apart
@@ -535,7 +537,8 @@ def _warp_kernel(
 
   acc, row_max, sums, minimums = lax.cond(exchange, loop(True), loop(False), init)
   # Once per split: the sums over tokens, the four warps' partial outputs added (through shared
-  # memory, in the value ring's bytes: every copy into it has been waited for and read) and
+  # memory: with XLA's bias in the value ring's bytes, every copy into it waited for and read;
+  # with the kernel's in the prologue's, read for the last time before its `commit_smem`) and
   # finished: each channel's own slot, normalised, and the split's log-sum-exp (natural), as
   # the folded kernel's partial_slots="own" writes them.
   totals = [x.sum(axis=0) for x in (sums, *minimums)]
@@ -544,7 +547,7 @@ def _warp_kernel(
   nonempty = totals[0] != 0  # a NaN sum is not empty: its NaN reaches out and lse
   safe_sums = jnp.where(nonempty, totals[0], 1.0)
   lse_smem[...] = jnp.where(nonempty, natural_log_sum_exp(row_max, safe_sums), -jnp.inf)
-  if ring_release == "per_warp":  # every warp done with the value ring the partials reuse
+  if ring_release == "per_warp" and not kernel_bias:  # every warp done with the value ring
     plgpu.commit_smem()
   partial_smem[...] = acc
   plgpu.commit_smem()
@@ -646,6 +649,9 @@ def _scratch_types(
   ring = lambda shape, dtype: plgpu.SMEM((num_stages, *shape), dtype)
   operand = functools.partial(swizzled_operand_transforms, head_dim, dtype=jnp.bfloat16)
   queries = (COLUMNS, head_dim) if kernel_bias else (head_dim, COLUMNS)
+  v_words = ring((BLOCK_TOKENS, words), jnp.uint32)
+  partial = plgpu.SMEM((partial_rows(head_dim), COLUMNS), jnp.float32)
+  out = plgpu.SMEM((rows, head_dim), jnp.float32)
   scratch = [
     plgpu.SMEM((lengths_words,), jnp.int32),
     plgpu.SMEM(queries, jnp.bfloat16),
@@ -653,13 +659,12 @@ def _scratch_types(
     ring((BLOCK_TOKENS, words), jnp.uint32),
     ring((groups, head_dim), jnp.bfloat16),
     *([] if kernel_bias else [ring((groups, COLUMNS), jnp.float32)]),
-    plgpu.RefUnion(
-      ring((BLOCK_TOKENS, words), jnp.uint32),
-      plgpu.SMEM((partial_rows(head_dim), COLUMNS), jnp.float32),
-    ),
+    # with XLA's bias the partials reuse the value ring's bytes (free after the loop); with the
+    # kernel's, the prologue's (below)
+    v_words if kernel_bias else plgpu.RefUnion(v_words, partial),
     ring((value_groups(head_dim), BLOCK_TOKENS), jnp.bfloat16),
     ring((value_groups(head_dim), BLOCK_TOKENS), jnp.bfloat16),
-    plgpu.SMEM((rows, head_dim), jnp.float32),
+    *([] if kernel_bias else [out]),
     plgpu.SMEM((statistics_rows(rows, head_dim), COLUMNS), jnp.float32),
     plgpu.SMEM((COLUMNS,), jnp.float32),
   ]
@@ -672,9 +677,17 @@ def _scratch_types(
   # a split shorter than a chunk copies its own groups into the tile: the rest is never picked
   chunk = PROLOGUE_CHUNK_GROUPS
   chunks = bias_chunks(split_key_groups(plan.split_tokens, KEY_GROUP), chunk)
-  return scratch + [
+  # The prologue's query halves and k_min / k_scale tile (read for the last time before the
+  # prologue's closing `commit_smem`) and the epilogue's partials and outputs (written after the
+  # loop) in the same bytes: at 2 stages, 2-bit codes and head_dim 128 the program's shared
+  # memory goes from 65 KB to under the 56 KB that four programs an SM leave each (KERNEL_NOTES
+  # v60), where the value ring is too small to hold the partials.
+  prologue = (
     plgpu.SMEM((4 * COLUMNS, head_dim), jnp.bfloat16, transforms=operand()),
     plgpu.SMEM((chunk, head_dim), jnp.bfloat16, transforms=operand()),
+  )
+  return scratch + [
+    plgpu.RefUnion(prologue, (partial, out)),
     plgpu.SMEM((chunks * chunk, COLUMNS), jnp.float32),
     *barriers,
     plgpu.Barrier(num_barriers=chunks * copies_per_chunk(True)),

@@ -9,10 +9,13 @@ NaN in every value statistic past a row's length and in every key group that sta
 every buffer the kernel allocates starts as NaN.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import quantized_decode_attention_gpu
 from pallas_kernels import quantized_decode_attention_warp_mosaic_gpu as warp
@@ -21,6 +24,7 @@ from pallas_kernels.quantized_decode_attention_reference import (
 )
 from pallas_kernels.softmax_reference_bounds import EXCHANGE
 from pallas_kernels.splits import SplitPlan
+from tests.benchmarks.benchmark_modules import load_benchmark
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
@@ -304,6 +308,56 @@ def test_bad_settings_name_the_setting(settings, match):
     warp.warp_decode_attention_mosaic_gpu(*arrays, **quantization, sm_scale=1.0, **settings)
   with pytest.raises(ValueError, match=match):
     quantized_decode_attention_gpu.check_config({**WARP, **settings})
+
+
+def _shared_memory_bytes(scratch) -> int:
+  """Shared memory a program of the kernel allocates for `scratch` (`_scratch_types`): each
+  buffer rounded up to the 1024 bytes Pallas aligns it to, a union the largest of its groups,
+  and the reduction scratch. The barriers are not counted: the compiled sizes match without
+  them."""
+
+  def aligned(ref):
+    return -(-math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize // 1024) * 1024
+
+  def size(entry):
+    if isinstance(entry, plgpu.Barrier):
+      return 0
+    if isinstance(entry, plgpu.RefUnion):
+      return max(sum(map(aligned, jax.tree.leaves(group))) for group in entry.refs)
+    return aligned(entry)
+
+  return sum(map(size, scratch)) + warp.REDUCTION_SCRATCH_BYTES
+
+
+@pytest.mark.parametrize(
+  "bits,head_dim,num_stages,kernel_bias,compiled",
+  [
+    (2, 128, 2, True, 56320),  # WARP_MOSAIC_GPU_V59 at the shape of record
+    (4, 128, 2, True, 72704),
+    (2, 64, 2, True, 31744),
+    (2, 128, 3, True, 67584),
+    (2, 128, 4, False, 55296),  # the variant's defaults: XLA's bias, 4 stages
+  ],
+)
+def test_shared_memory_is_what_the_compiled_kernel_allocates(
+  bits, head_dim, num_stages, kernel_bias, compiled
+):
+  """Against the sm_90a static count of the compiled kernels (`mosaic_static_cost.py`,
+  `benchmarks/results/warp_static_cost_v60*.json`, 4 query heads per KV head). With the kernel's
+  bias the prologue's buffers and the epilogue's partials share bytes (KERNEL_NOTES v60): at
+  2-bit codes, head_dim 128 and 2 stages that is 55 KB, four programs an SM (65 KB before:
+  three), where an SM gives each of four 57 KB less the driver's 1 KB."""
+  occupancy = load_benchmark("sm90_occupancy")
+  scratch = warp._scratch_types(
+    8, SplitPlan(warp.BLOCK_TOKENS, 32, 8), num_stages, bits, head_dim, kernel_bias, 4, "barrier"
+  )
+  shared = _shared_memory_bytes(scratch)
+  assert shared == compiled
+  if (bits, head_dim, num_stages, kernel_bias) == (2, 128, 2, True):
+    programs = occupancy.SHARED_BYTES_PER_SM // (
+      shared + occupancy.SHARED_BYTES_RESERVED_PER_PROGRAM
+    )
+    assert programs == 4
 
 
 def test_splits_too_long_for_the_kernels_bias_are_refused():
