@@ -67,10 +67,9 @@ def margins_table(reference_logits, other_logits) -> list[dict]:
   ]
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--spec", default="kivi:bits=4,residual=32")
-  parser.add_argument("--kernel-config", default='{"variant": "folded"}')
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+  """The teacher-forced run's options (`attention_calls_check.py` takes them too): the cache's
+  dtype, the kernels natively or interpreted, and the steps."""
   parser.add_argument("--cache-dtype", default="bfloat16", choices=("bfloat16", "float32"))
   parser.add_argument(
     "--implementation",
@@ -79,6 +78,13 @@ def main():
     help="the kernels natively (an accelerator) or interpreted (CPU)",
   )
   parser.add_argument("--steps", type=int, default=16)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--spec", default="kivi:bits=4,residual=32")
+  parser.add_argument("--kernel-config", default='{"variant": "folded"}')
+  add_run_arguments(parser)
   args = parser.parse_args()
   print(jax.__version__, jax.devices())
   cache_dtype = jnp.dtype(args.cache_dtype)

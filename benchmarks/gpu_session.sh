@@ -65,9 +65,14 @@
 #                                           # with the fastest, its native tests, generate check
 #   bash benchmarks/gpu_session.sh v59b     # run 2026-12-04 (308 s): v59's fastest at other shapes
 #                                           # and through generate (its 8k-128k table timed out)
-#   bash benchmarks/gpu_session.sh v60      # not yet run (~7 min): teacher-forced logits of the
-#                                           # warp kernel at head_dim 64, 2 bits (v59's divergence),
-#                                           # the 8k and 128k tables with the Hopper default
+#   bash benchmarks/gpu_session.sh v60      # not yet run (~8 min): every attention call of the
+#                                           # warp kernel at head_dim 64, 2 bits against the
+#                                           # reference (v59's divergence), its teacher-forced
+#                                           # logits, the 8k and 128k tables with the Hopper default
+#   bash benchmarks/gpu_session.sh v61      # not yet run (~6 min; before v60): the 32k sweep
+#                                           # around warp V59 at four programs an SM (v60's
+#                                           # shared bytes), the 32k table with the fastest, the
+#                                           # warp kernel's native tests
 #   bash benchmarks/gpu_session.sh v40_profile ['<config JSON>']  # right after v40, v42 or v43 (~4 min):
 #                                           # the 32k table, each kernel of a call and ncu of
 #                                           # the fastest (or of the config given)
@@ -857,29 +862,68 @@ ${c_merge}, ${matrix}}, ${c_merge}, ${pairs}, ${matrix}}]" 200 || status=1
     exit "$status"
     ;;
   v60)
-    # What v59 left (~7 min, not yet run): why the warp kernel's generate check at head_dim 64 with
-    # 2-bit codes on a bf16 cache left the reference's tokens (row 1 from its 8th token; interpret
-    # mode gives the reference's tokens, and the reference's top-two margin there is 0.72 on
-    # CPU): teacher-forced logits of the warp kernel (v59's settings, then its own defaults) and
-    # of folded Triton on the same cache against the reference path, step by step; then the
-    # issue's table at 8k and at 128k with the Hopper default (v59's 8k-128k table ran past its
-    # limit in the 128k rows' compiles).
+    # What v59 left (~8 min, not yet run; after v61 on the warm machine): why the warp kernel's
+    # generate check at head_dim 64 with 2-bit codes on a bf16 cache left the reference's tokens
+    # (row 1 from its 8th token; interpret mode gives the reference's tokens, and the reference's
+    # top-two margin there is 0.72 on CPU). First every attention call of the teacher-forced run
+    # through the warp kernel (v59's settings) and through folded Triton against the reference on
+    # the same inputs, per step, layer and row, the worst calls' inputs saved for a replay on the
+    # CPU (`attention_calls_check.py --replay`); then the teacher-forced logits through warp V59;
+    # then the issue's table at 8k and at 128k with the Hopper default (v59's 8k-128k table ran
+    # past its limit in the 128k rows' compiles).
     set +e
     status=0
     log="$out/v60.log"
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
-    for config in "$warp_v59" "${warp}}" '{"variant": "folded"}'; do
-      echo "== logit margins, KIVI-2 bf16, $config" >> "$log"
-      timeout --signal=INT 60 "$python" benchmarks/generate_logit_margins.py \
-        --spec kivi:bits=2,residual=32 --kernel-config "$config" 2>&1 | tail -40 >> "$log" ||
+    for name_and_config in "warp_v59 $warp_v59" 'folded_triton {"variant": "folded"}'; do
+      set -- $name_and_config
+      echo "== attention calls, KIVI-2 bf16, $name_and_config" >> "$log"
+      timeout --signal=INT 120 "$python" benchmarks/attention_calls_check.py \
+        --kernel-config "${name_and_config#* }" --dump "$out/calls_$1" 2>&1 | tail -80 >> "$log" ||
         status=1
     done
-    for seconds_and_context in "100 8192" "240 131072"; do
+    echo "== logit margins, KIVI-2 bf16, $warp_v59" >> "$log"
+    timeout --signal=INT 60 "$python" benchmarks/generate_logit_margins.py \
+      --spec kivi:bits=2,residual=32 --kernel-config "$warp_v59" 2>&1 | tail -40 >> "$log" ||
+      status=1
+    for seconds_and_context in "100 8192" "220 131072"; do
       set -- $seconds_and_context
       timeout --signal=INT "$1" "$python" benchmarks/decode_attention.py --contexts "$2" \
         --no-gear --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$warp_v59" \
         --out "$out/decode_attention_$2.json" 2>&1 | tail -16 | tee -a "$log" || status=1
     done
+    exit "$status"
+    ;;
+  v61)
+    # The first step of the next GPU session (~6 min, not yet run; then v60 on the warm machine if
+    # `status` leaves 9 minutes). KERNEL_NOTES v60 put the kernel's prologue buffers and its
+    # epilogue's partials in the same shared-memory bytes: warp V59 at 2-bit codes and head_dim
+    # 128 went from 65 KB to 55 KB a program, three programs an SM to four (sm_90a static count),
+    # and the planner's 32 splits from 5.2 waves (six, the last a sixth full) to 3.9. The 32k
+    # sweep: V59 as it is now; the warp defaults, whose code did not change, as the control
+    # against v59's run (148.2 us there); V59 with slot-owner copies, with them and the per-warp
+    # release (both four programs an SM too); 16 and 64 splits instead of the planner's 32. Then
+    # the issue's 32k table with the fastest, and the warp kernel's tests natively (the shared
+    # bytes are new code there; v60's generate runs go through them at head_dim 64).
+    set +e
+    status=0
+    log="$out/v61.log"
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
+    v59_open="${warp_v59%\}}"
+    owner='"copy_issuer": "slot_owner"'
+    sweep_at_32k "$log" "[${warp_v59}, ${warp}}, ${v59_open}, ${owner}}, \
+${v59_open}, ${owner}, \"ring_release\": \"per_warp\"}, ${v59_open}, \"num_splits\": 16}, \
+${v59_open}, \"num_splits\": 64}]" 120 || status=1
+    best="$(keep_fastest "$log")" || { best="$warp_v59"; status=1; }
+    timeout --signal=INT 130 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
+      --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$best" \
+      --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
+    workers=()
+    "$python" -c "import xdist" 2>/dev/null && workers=(-n 8)
+    timeout --signal=INT 110 env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 \
+      "$python" -m pytest -q "${workers[@]}" -p no:cacheprovider -m "slow or not slow" \
+      tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py 2>&1 | tail -15 |
+      tee -a "$log" || status=1
     exit "$status"
     ;;
   warp_head_dim64)
@@ -889,7 +933,7 @@ ${c_merge}, ${matrix}}, ${c_merge}, ${pairs}, ${matrix}}]" 200 || status=1
     warp_head_dim64_run "$log"
     ;;
   *)
-    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | v42 | v43 | warp_products | warp_head_dim64 | v59 | v59b | v60 | ncu '<kernel config JSON>'" >&2
+    echo "usage: $0 check | check_triton | sweep | gear | rows | brief | recheck | defaults | probe | word | tune | final | issuer | shapes '<config JSON>' | v34 | v35 | v35_profile | v39 | v40 | v40_profile | v42 | v43 | warp_products | warp_head_dim64 | v59 | v59b | v60 | v61 | ncu '<kernel config JSON>'" >&2
     exit 2
     ;;
 esac

@@ -94,9 +94,17 @@ SWEEP = "benchmarks/decode_attention.py"
     ("warp_head_dim64", [(SWEEP, 4), (SWEEP, 4)]),
     # the generate check with C + merge + matrix loads, the 32k sweep (9), its fastest picked
     ("v43", [("benchmarks/generate_kernels_check.py", 1), (SWEEP, 9)]),
-    # teacher-forced logits through three kernels, then the 8k and 128k tables (the Triton
-    # config and the warp one each)
-    ("v60", [("benchmarks/generate_logit_margins.py", 1)] * 3 + [(SWEEP, 1)] * 4),
+    # every attention call through two kernels, teacher-forced logits through one, then the 8k
+    # and 128k tables (the Triton config and the warp one each)
+    (
+      "v60",
+      [("benchmarks/attention_calls_check.py", 1)] * 2
+      + [("benchmarks/generate_logit_margins.py", 1)]
+      + [(SWEEP, 1)] * 4,
+    ),
+    # the 32k sweep around warp V59 with the warp defaults as the control (6 configs), the table
+    # with the fastest (then the native tests, which the stand-in does not run)
+    ("v61", [(SWEEP, 6), (SWEEP, 1), (SWEEP, 1)]),
   ],
 )
 def test_the_next_steps_hand_their_scripts_valid_configs_and_flags(stand_in, step, expected):
