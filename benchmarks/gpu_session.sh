@@ -875,10 +875,11 @@ ${c_merge}, ${matrix}}, ${c_merge}, ${pairs}, ${matrix}}]" 200 || status=1
     status=0
     log="$out/v60.log"
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$log"
+    # the limits below add up to 2 x 100 + 60 + 100 + 220 = 580 s, under a call's 600
     for name_and_config in "warp_v59 $warp_v59" 'folded_triton {"variant": "folded"}'; do
       set -- $name_and_config
       echo "== attention calls, KIVI-2 bf16, $name_and_config" >> "$log"
-      timeout --signal=INT 120 "$python" benchmarks/attention_calls_check.py \
+      timeout --signal=INT 100 "$python" benchmarks/attention_calls_check.py \
         --kernel-config "${name_and_config#* }" --dump "$out/calls_$1" 2>&1 | tail -80 >> "$log" ||
         status=1
     done
