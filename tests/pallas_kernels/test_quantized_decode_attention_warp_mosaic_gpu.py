@@ -205,6 +205,23 @@ def test_copy_issuers_ring_releases_and_query_loads(
   )
 
 
+def test_the_kernels_bias_path_runs_without_races(monkeypatch):
+  """The Hopper default's path under the interpreter's happens-before race detector: the ring's
+  copies and refills (5 blocks through 2 stages), the prologue, and the epilogue in the
+  prologue's bytes (KERNEL_NOTES v60). The detector does not see `wgmma`'s reads, so this checks
+  the copies and the plain accesses, not the union's lifetimes. It also reports
+  ring_release="per_warp"'s refills, whose reads the emulation makes warpgroup-wide (not run
+  here). Interpret mode only; 16 s."""
+  if not triton_interpret():
+    pytest.skip("the race detector is the interpreter's")
+  monkeypatch.setattr(
+    warp._compat,
+    "mosaic_gpu_interpret_params",
+    lambda: plgpu.InterpretGPUParams(detect_races=True),
+  )
+  _check(group=3, tokens=640, num_splits=1, seed=60, key_bias_source="kernel", num_stages=2)
+
+
 @pytest.mark.slow  # 12 s in interpret mode; the other tests run 2 and 4 stages
 def test_warp_kernel_with_more_stages_than_blocks_and_three_stages():
   _check(group=4, tokens=768, num_splits=1, seed=5, num_stages=3)
