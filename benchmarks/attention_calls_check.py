@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.generate_kernels_check import CONFIG, WARP_MOSAIC_GPU, prompts_of_record
+from benchmarks.generate_kernels_check import CONFIG, prompts_of_record
 from benchmarks.generate_logit_margins import add_run_arguments, teacher_forced_logits
 from kvjax import attention_dispatch
 from kvjax.generate import generate
@@ -37,28 +37,24 @@ from kvjax.method_spec import parse_method_spec
 from kvjax.prompt_batch import pack_prompts
 from models.nnx_decoder import split_decoder
 from models.weights import random_decoder
+from pallas_kernels.quantized_decode_attention_gpu import WARP_MOSAIC_GPU_V59
 
 # The dispatch functions a cache calls, their array arguments in order, and their static ones.
 ARRAY_NAMES = {
   "quantized": ("queries", "k_codes", "k_scale", "k_min", "v_codes", "v_scale", "v_min", "lengths"),
   "window": ("queries", "keys", "values", "lengths"),
 }
-DISPATCH = {
-  "quantized": attention_dispatch.quantized_decode_attention,
-  "window": attention_dispatch.decode_attention,
-}
+# The names the caches call them by in `attention_dispatch` (patched there during a check), and
+# the functions themselves as imported.
+DISPATCH_NAMES = {"quantized": "quantized_decode_attention", "window": "decode_attention"}
+DISPATCH = {kind: getattr(attention_dispatch, name) for kind, name in DISPATCH_NAMES.items()}
 STATIC_NAMES = {
   "quantized": ("bits", "group_size", "sm_scale", "block"),
   "window": ("sm_scale",),
 }
-# The warp variant with KERNEL_NOTES v59's settings (`WARP_MOSAIC_GPU_V59`): the default here,
-# since the measured default keeps 2-bit codes at head_dim 64 off it.
-DEFAULT_KERNEL_CONFIG = {
-  **WARP_MOSAIC_GPU,
-  "key_bias_source": "kernel",
-  "num_stages": 2,
-  "split_merge": "triton",
-}
+# The warp variant with KERNEL_NOTES v59's settings: the default here, since the measured
+# default keeps 2-bit codes at head_dim 64 off it.
+DEFAULT_KERNEL_CONFIG = WARP_MOSAIC_GPU_V59
 
 
 def row_errors(reference, kernel) -> list[dict]:
@@ -216,16 +212,16 @@ def check_calls(
   )
   tokens, lengths = pack_prompts(prompts)
   recorder = CallRecorder(implementation, kernel_configs, CONFIG.num_layers)
-  originals = {kind: getattr(attention_dispatch, name) for kind, name in _NAMES.items()}
+  originals = {kind: getattr(attention_dispatch, name) for kind, name in DISPATCH_NAMES.items()}
   try:
-    for kind, name in _NAMES.items():
+    for kind, name in DISPATCH_NAMES.items():
       setattr(attention_dispatch, name, recorder.checked(kind))
     teacher_forced_logits(
       decoder, params, tokens, lengths, reference_run.tokens, method, cache_dtype
     )
     jax.effects_barrier()
   finally:
-    for kind, name in _NAMES.items():
+    for kind, name in DISPATCH_NAMES.items():
       setattr(attention_dispatch, name, originals[kind])
   expected = (steps - 1) * CONFIG.num_layers
   kinds = ("quantized", "window") if spec.startswith("kivi") else ("window",)
@@ -237,9 +233,6 @@ def check_calls(
         f"{expected}: the step / layer labels would be wrong"
       )
   return recorder
-
-
-_NAMES = {"quantized": "quantized_decode_attention", "window": "decode_attention"}
 
 
 def _print_rows(entries):
