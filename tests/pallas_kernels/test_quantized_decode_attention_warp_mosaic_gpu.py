@@ -205,13 +205,7 @@ def test_copy_issuers_ring_releases_and_query_loads(
   )
 
 
-def test_the_kernels_bias_path_runs_without_races(monkeypatch):
-  """The Hopper default's path under the interpreter's happens-before race detector: the ring's
-  copies and refills (5 blocks through 2 stages), the prologue, and the epilogue in the
-  prologue's bytes (KERNEL_NOTES v60). The detector does not see `wgmma`'s reads, so this checks
-  the copies and the plain accesses, not the union's lifetimes. It also reports
-  ring_release="per_warp"'s refills, whose reads the emulation makes warpgroup-wide (not run
-  here). Interpret mode only; 16 s."""
+def _detect_races(monkeypatch):
   if not triton_interpret():
     pytest.skip("the race detector is the interpreter's")
   monkeypatch.setattr(
@@ -219,7 +213,34 @@ def test_the_kernels_bias_path_runs_without_races(monkeypatch):
     "mosaic_gpu_interpret_params",
     lambda: plgpu.InterpretGPUParams(detect_races=True),
   )
+
+
+def test_the_kernels_bias_path_runs_without_races(monkeypatch):
+  """The Hopper default's path under the interpreter's happens-before race detector: the ring's
+  copies and refills (5 blocks through 2 stages), the prologue, and the epilogue in the
+  prologue's bytes (KERNEL_NOTES v60). The detector does not see `wgmma`'s reads, so this checks
+  the copies and the plain accesses, not the union's lifetimes. Interpret mode only; 16 s."""
+  _detect_races(monkeypatch)
   _check(group=3, tokens=640, num_splits=1, seed=60, key_bias_source="kernel", num_stages=2)
+
+
+@pytest.mark.parametrize(
+  "settings",
+  [
+    # the v61 sweep's candidate: each slot's copies by its own warp
+    dict(key_bias_source="kernel", copy_issuer="slot_owner"),
+    pytest.param(dict(key_bias_source="xla", copy_issuer="first_warp"), marks=pytest.mark.slow),
+  ],
+)
+def test_the_per_warp_release_runs_without_races(monkeypatch, settings):
+  """ring_release="per_warp": a slot's refill (a TMA write) waits only for the warps' arrivals,
+  so each thread's reads of the slot need the proxy fence before its arrival
+  (`fence_shared_reads_before_async_writes`); without it the detector reports the refill
+  against the block's reads (KERNEL_NOTES v61). 5 blocks through 2 stages; 7 s."""
+  _detect_races(monkeypatch)
+  _check(
+    group=3, tokens=640, num_splits=1, seed=61, num_stages=2, ring_release="per_warp", **settings
+  )
 
 
 @pytest.mark.slow  # 12 s in interpret mode; the other tests run 2 and 4 stages
