@@ -9,6 +9,10 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _compat
 
 NATIVE = os.environ.get("KVJAX_NATIVE_KERNELS", "0") == "1"
 
@@ -120,4 +124,16 @@ def poison_past_lengths(segment, lengths, *, group_size: int, block: int = 64):
     nan_where(segment.v_min, 1),
     lowrank,
     outliers,
+  )
+
+
+def detect_mosaic_gpu_races(monkeypatch) -> None:
+  """Runs this test's Mosaic GPU kernels under the interpreter's happens-before race detector
+  (`InterpretGPUParams(detect_races=True)`): a shared-memory access not ordered against
+  another's by barriers, or plain accesses not ordered against a TMA copy by a proxy fence
+  (`commit_smem`), fails the call. It does not see `wgmma`'s reads. Interpret mode only."""
+  if not triton_interpret():
+    pytest.skip("the race detector is the interpreter's")
+  monkeypatch.setattr(
+    _compat, "mosaic_gpu_interpret_params", lambda: plgpu.InterpretGPUParams(detect_races=True)
   )

@@ -23,6 +23,7 @@ from pallas_kernels.splits import merge_split_partials
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
+  detect_mosaic_gpu_races,
   relative_tolerance,
   triton_interpret,
 )
@@ -80,6 +81,15 @@ def test_mosaic_gpu_kernel_batch_of_unequal_rows_and_wide_group():
 def test_mosaic_gpu_kernel_capacity_below_one_block():
   """A 40-slot cache read by 64-token boxes: the rows past the capacity arrive as 0."""
   _check(64, 4, jnp.bfloat16, seed=8, tokens=40, block_tokens=64)
+
+
+def test_mosaic_gpu_kernel_runs_without_races(monkeypatch):
+  """Under the interpreter's race detector: 10 blocks through 2 ring stages, so every slot is
+  refilled after the block's plain accesses (the values zeroed past a row's length, P staged).
+  Without the `commit_smem` before the partials' copies (`send_partials`, which the quantized
+  Mosaic kernels share) it reports a race, which the other tests here do not catch."""
+  detect_mosaic_gpu_races(monkeypatch)
+  _check(128, 4, jnp.bfloat16, seed=61, tokens=640, block_tokens=64, num_stages=2, num_splits=1)
 
 
 def test_mosaic_gpu_entry_merges_like_the_partials():

@@ -48,6 +48,7 @@ from pallas_kernels.word_operand_order import OPERAND_ORDERS
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
+  detect_mosaic_gpu_races,
   relative_tolerance,
   triton_interpret,
 )
@@ -882,6 +883,35 @@ def test_bound_row_max_hands_on_nan_statistics_as_the_reference():
     assert np.isnan(np.asarray(ref_out)[1, 0]).any()
     np.testing.assert_array_equal(np.isnan(out), np.isnan(ref_out))
     np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+
+
+@pytest.mark.parametrize(
+  "settings",
+  [
+    V34_SETTINGS,  # the Hopper default where the warp kernel does not run
+    pytest.param(  # the kernel's bias, the bound, register values, own statistics and slots
+      dict(
+        V34_SETTINGS,
+        key_bias_source="kernel",
+        row_max="bound",
+        value_operand="registers",
+        value_stat_loads="own_slot",
+        partial_slots="own",
+        num_stages=2,
+      ),
+      marks=pytest.mark.slow,
+    ),
+  ],
+)
+def test_folded_mosaic_gpu_kernel_runs_without_races(monkeypatch, settings):
+  """Under the interpreter's race detector: 10 blocks of 64 tokens through the ring, every slot
+  refilled after the block's plain reads of it (its bias and statistics) and the staged tiles
+  rewritten every block. Without the `commit_smem` after the value codes and P' are staged it
+  reports the refill against the block's bias read, which no other default test catches."""
+  detect_mosaic_gpu_races(monkeypatch)
+  _check(
+    head_dim=128, group=4, bits=2, group_size=32, tokens=640, seed=61, num_splits=1, **settings
+  )
 
 
 def test_folded_mosaic_gpu_kernel_batch_of_unequal_rows():

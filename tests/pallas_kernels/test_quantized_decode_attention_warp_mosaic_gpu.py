@@ -28,6 +28,7 @@ from tests.benchmarks.benchmark_modules import load_benchmark
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
+  detect_mosaic_gpu_races,
   triton_interpret,
 )
 from tests.pallas_kernels.test_quantized_decode_attention_mosaic_gpu import _inputs, _zeros_segment
@@ -205,22 +206,12 @@ def test_copy_issuers_ring_releases_and_query_loads(
   )
 
 
-def _detect_races(monkeypatch):
-  if not triton_interpret():
-    pytest.skip("the race detector is the interpreter's")
-  monkeypatch.setattr(
-    warp._compat,
-    "mosaic_gpu_interpret_params",
-    lambda: plgpu.InterpretGPUParams(detect_races=True),
-  )
-
-
 def test_the_kernels_bias_path_runs_without_races(monkeypatch):
   """The Hopper default's path under the interpreter's happens-before race detector: the ring's
   copies and refills (5 blocks through 2 stages), the prologue, and the epilogue in the
   prologue's bytes (KERNEL_NOTES v60). The detector does not see `wgmma`'s reads, so this checks
   the copies and the plain accesses, not the union's lifetimes. Interpret mode only; 16 s."""
-  _detect_races(monkeypatch)
+  detect_mosaic_gpu_races(monkeypatch)
   _check(group=3, tokens=640, num_splits=1, seed=60, key_bias_source="kernel", num_stages=2)
 
 
@@ -237,7 +228,7 @@ def test_the_per_warp_release_runs_without_races(monkeypatch, settings):
   so each thread's reads of the slot need the proxy fence before its arrival
   (`fence_shared_reads_before_async_writes`); without it the detector reports the refill
   against the block's reads (KERNEL_NOTES v61). 5 blocks through 2 stages; 7 s."""
-  _detect_races(monkeypatch)
+  detect_mosaic_gpu_races(monkeypatch)
   _check(
     group=3, tokens=640, num_splits=1, seed=61, num_stages=2, ring_release="per_warp", **settings
   )
