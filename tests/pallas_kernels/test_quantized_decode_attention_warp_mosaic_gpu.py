@@ -225,9 +225,9 @@ def test_the_kernels_bias_path_runs_without_races(monkeypatch):
 )
 def test_the_per_warp_release_runs_without_races(monkeypatch, settings):
   """ring_release="per_warp": a slot's refill (a TMA write) waits only for the warps' arrivals,
-  so each thread's reads of the slot need the proxy fence before its arrival
-  (`fence_shared_reads_before_async_writes`); without it the detector reports the refill
-  against the block's reads (KERNEL_NOTES v61). 5 blocks through 2 stages; 7 s."""
+  so the warps' reads of the slot are ordered before it by the issuing warp's proxy fence after
+  the arrivals (`fence_shared_reads_before_async_writes`); without it the detector reports the
+  refill against the block's reads (KERNEL_NOTES v61). 5 blocks through 2 stages; 7 s."""
   detect_mosaic_gpu_races(monkeypatch)
   _check(
     group=3, tokens=640, num_splits=1, seed=61, num_stages=2, ring_release="per_warp", **settings
