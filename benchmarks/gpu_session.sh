@@ -166,6 +166,18 @@ native_tests_and_generate_check() {  # LOG CONFIG: the native tests (NATIVE_TEST
     --kivi-settings "$2" 2>&1 | tee "$out/generate_kernels_check.log" | tail -12 || status=1
   return "$status"
 }
+table_32k() {  # table_32k SECONDS CONFIG: the issue's 32k table with CONFIG in the folded Mosaic
+  # rows (the copy rate and XLA's bf16 attention of the same run), JSON and log to $out
+  timeout --signal=INT "$1" "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
+    --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$2" \
+    --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log"
+}
+native_tests() {  # native_tests SECONDS FILE...: the files' tests compiled, slow ones included
+  local workers=()
+  "$python" -c "import xdist" 2>/dev/null && workers=(-n 8)
+  timeout --signal=INT "$1" env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 \
+    "$python" -m pytest -q "${workers[@]}" -p no:cacheprovider -m "slow or not slow" "${@:2}"
+}
 sweep_at_32k() {  # sweep_at_32k LOG CONFIGS_JSON [SECONDS]: the configs timed at 32k (JSON to $out)
   timeout --signal=INT "${3:-210}" "$python" benchmarks/decode_attention.py --contexts 32768 --sweep \
     --sweep-only --sweep-configs "$2" --out "$out/sweep_32k.json" 2>&1 | tee -a "$1"
@@ -480,9 +492,7 @@ ${folded}, \"operand_order\": \"word\", \"approx_math\": true}]" || status=1
     set +e
     status=0
     settings="${2:-{${v34_settings}\}}"
-    timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
-      --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$settings" \
-      --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
+    table_32k 150 "$settings" || status=1
     candidate=()
     [ -n "${2:-}" ] && candidate=(--kivi-settings "{\"lowering\": \"mosaic_gpu\", \"variant\": \"folded\", ${2#\{}")
     timeout --signal=INT 150 "$python" benchmarks/generate_kernels_check.py "${candidate[@]}" 2>&1 |
@@ -720,9 +730,7 @@ c['value_stat_loads'] = 'all_groups'; print(json.dumps(c))" "$best")" &&
     echo "profiled: $best" | tee -a "$log"
     # The 32k table with the fastest in the folded Mosaic rows (the copy rate and XLA's bf16
     # attention of the same run: the issue's measure), then its kernels and ncu
-    timeout --signal=INT 150 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
-      --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$best" \
-      --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
+    table_32k 150 "$best" || status=1
     call_kernels "$best" || status=1
     ncu_folded_mosaic "$best" >> "$log" || status=1
     exit "$status"
@@ -823,19 +831,13 @@ ${warp}, \"copy_issuer\": \"slot_owner\", \"ring_release\": \"per_warp\"}, \
 ${warp}, \"query_loads\": \"once\"}, ${v34}}, ${c_merge}}, ${c_merge}, ${both}}, \
 ${c_merge}, ${matrix}}, ${c_merge}, ${pairs}, ${matrix}}]" 200 || status=1
     best="$(keep_fastest "$log")" || { best="${c_merge}}"; status=1; }
-    timeout --signal=INT 130 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
-      --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$best" \
-      --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
+    table_32k 130 "$best" || status=1
     case "$best" in
       *'"warp"'*) test_files=(tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py) ;;
       *) test_files=(tests/pallas_kernels/test_quantized_decode_attention_folded_mosaic_gpu.py
            tests/pallas_kernels/test_key_bias_in_kernel.py) ;;
     esac
-    workers=()
-    "$python" -c "import xdist" 2>/dev/null && workers=(-n 8)
-    timeout --signal=INT 110 env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 \
-      "$python" -m pytest -q "${workers[@]}" -p no:cacheprovider -m "slow or not slow" \
-      "${test_files[@]}" 2>&1 | tail -15 | tee -a "$log" || status=1
+    native_tests 110 "${test_files[@]}" 2>&1 | tail -15 | tee -a "$log" || status=1
     timeout --signal=INT 90 "$python" benchmarks/generate_kernels_check.py --kivi-settings "$best" \
       2>&1 | tee "$out/generate_kernels_check.log" | tail -12 || status=1
     sweep_shapes_only "$log" "32768 4 4" -- "${warp}}" "${v34}}" "$best" || status=1
@@ -916,15 +918,9 @@ ${c_merge}, ${matrix}}, ${c_merge}, ${pairs}, ${matrix}}]" 200 || status=1
 ${v59_open}, ${owner}, \"ring_release\": \"per_warp\"}, ${v59_open}, \"num_splits\": 16}, \
 ${v59_open}, \"num_splits\": 64}]" 120 || status=1
     best="$(keep_fastest "$log")" || { best="$warp_v59"; status=1; }
-    timeout --signal=INT 130 "$python" benchmarks/decode_attention.py --contexts 32768 --no-gear \
-      --kernel-config '{"variant": "folded"}' --folded-mosaic-kernel-config "$best" \
-      --out "$out/decode_attention_32k.json" 2>&1 | tee "$out/decode_attention_32k.log" || status=1
-    workers=()
-    "$python" -c "import xdist" 2>/dev/null && workers=(-n 8)
-    timeout --signal=INT 110 env KVJAX_NATIVE_KERNELS=1 KVJAX_TESTS_FAST_COMPILE=0 \
-      "$python" -m pytest -q "${workers[@]}" -p no:cacheprovider -m "slow or not slow" \
-      tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py 2>&1 | tail -15 |
-      tee -a "$log" || status=1
+    table_32k 130 "$best" || status=1
+    native_tests 110 tests/pallas_kernels/test_quantized_decode_attention_warp_mosaic_gpu.py 2>&1 |
+      tail -15 | tee -a "$log" || status=1
     exit "$status"
     ;;
   warp_head_dim64)
