@@ -1,8 +1,11 @@
-"""Shared-memory bank conflicts of the folded Mosaic GPU kernel's per-lane loads, from their
-addresses (no GPU): how many wavefronts each warp-wide load takes, for the loads whose addresses
-kvjax's own inline code chooses, the register value operand's code words
-(`value_operand_registers`, and `value_operand_matrix_loads`' transposing matrix loads) and the
-own-slot value statistics (`value_stats_own_slot`).
+"""Shared-memory bank conflicts of the Mosaic GPU kernels' per-lane loads, from their addresses
+(no GPU): how many wavefronts each warp-wide load takes, for the loads whose addresses kvjax's
+own inline code chooses. The folded kernel's register value operand's code words
+(`value_operand_registers`, and `value_operand_matrix_loads`' transposing matrix loads) and
+own-slot value statistics (`value_stats_own_slot`); the warp kernel's
+(`quantized_decode_attention_warp_mosaic_gpu`, KERNEL_NOTES v62) value-code matrix loads
+(`warp_value_product`, with and without value_ring_layout="swizzled"), key words
+(`warp_key_product`) and value statistics (`statistics_by_slot`).
 
 `mosaic_static_cost.py` counts conflict-free wavefronts (the fewest a load's bytes need); this
 counts what the addresses give: a bank serves one 32-bit word per wavefront, so a load takes as
@@ -16,7 +19,8 @@ share it). Options that change the addresses, to see what each would remove:
 
   PYTHONPATH=. .venv/bin/python benchmarks/shared_bank_conflicts.py --out results/x.json
 
-Only the addresses are modelled; whether the loads stall on the conflicts is for ncu to say.
+A 64-bit load (the warp kernel's key words) is counted as two half-warp phases. Only the
+addresses are modelled; whether the loads stall on the conflicts is for ncu to say.
 """
 
 import argparse
@@ -25,6 +29,7 @@ import json
 import numpy as np
 
 from pallas_kernels import value_operand_matrix_loads
+from pallas_kernels.bit_packing import packed_width
 from pallas_kernels.spread_token_order import TOKEN_ORDERS, token_of_column
 from pallas_kernels.value_operand_registers import (
   WARPGROUP_THREADS,
@@ -114,6 +119,80 @@ def own_slot_statistic_loads(
   return loads
 
 
+WARP_TILES = 2  # the warp kernel's 16-token tiles a warp per 128-token block
+
+
+def warp_value_matrix_loads(head_dim: int, bits: int, swizzled_ring: bool):
+  """Byte addresses of each matrix the warp kernel's value product reads per 128-token block
+  (`warp_value_product.value_product_per_warp`: per warp and tile, `ldmatrix.x4.trans` per 16
+  half-words, rows token 16 tiles w + 16 tile + 8 (m / 2) + l % 8 at chunk 2 blk + m % 2; at 4
+  words a token one `.x2` of whole 16-byte rows), each row's four words listed; `swizzled_ring`:
+  the ring's TMA swizzle a token row wide (`value_operand_matrix_loads.ring_swizzle_bytes`)."""
+  words = packed_width(head_dim, bits)
+  row_bytes = 4 * words
+  swizzle = value_operand_matrix_loads.ring_swizzle_bytes(head_dim, bits) if swizzled_ring else 0
+  lane = np.arange(WARP)
+  loads = []
+  for warp in range(WARPGROUP_THREADS // WARP):
+    for tile in range(WARP_TILES):
+      first = 16 * WARP_TILES * warp + 16 * tile
+      if words == 4:  # .x2: matrix m's rows are tokens 8 m + l % 8
+        matrices, rows = 2, [(first + 8 * (lane // 8 % 2) + lane % 8) * row_bytes]
+      else:
+        token = first + 8 * (lane // 16) + lane % 8
+        matrices = 4
+        rows = [token * row_bytes + 16 * (2 * blk + lane // 8 % 2) for blk in range(words // 8)]
+      for offsets in rows:
+        for matrix in range(matrices):
+          row = swizzled(offsets[8 * matrix : 8 * matrix + 8], swizzle)
+          loads.append((row[:, None] + WORD_BYTES * np.arange(4)[None, :]).ravel())
+  return loads
+
+
+def warp_key_word_loads(head_dim: int, bits: int):
+  """Byte addresses of each phase of the warp kernel's key-word loads per 128-token block
+  (`warp_key_product.own_token_words`: lane (g, q) reads words 8 j + 2 q, + 1 of tokens g and
+  g + 8 of its tile, one 64-bit load each, counted as two half-warp phases; at 4 words a token
+  `own_token_codes_one_word_per_lane`, word q, one 32-bit load)."""
+  words = packed_width(head_dim, bits)
+  row_bytes = 4 * words
+  lane = np.arange(WARP)
+  loads = []
+  for warp in range(WARPGROUP_THREADS // WARP):
+    for tile in range(WARP_TILES):
+      token = 16 * WARP_TILES * warp + 16 * tile + lane // 4
+      for h in range(2):
+        if words == 4:
+          loads.append((token + 8 * h) * row_bytes + WORD_BYTES * (lane % 4))
+          continue
+        for j in range(words // 8):
+          address = (token + 8 * h) * row_bytes + 8 * (lane % 4) + 32 * j
+          for phase in range(2):
+            half = address[16 * phase : 16 * phase + 16]
+            loads.append(np.concatenate([half, half + WORD_BYTES]))
+  return loads
+
+
+def warp_statistic_loads(head_dim: int, rows: int):
+  """Byte addresses of the warp kernel's 16-bit value-statistic loads per 128-token block
+  (`warp_value_product.statistics_by_slot`, both statistics: lane (g, q) reads tokens g and g + 8
+  of its tile in its columns' group, at 4 query rows group (q / 2) (D / 64) + b, at 8 group b,
+  from a [D / 32, 128] bf16 ring slot)."""
+  per_half = head_dim // 64
+  operands = per_half if rows == 4 else head_dim // 32
+  lane = np.arange(WARP)
+  loads = []
+  for warp in range(WARPGROUP_THREADS // WARP):
+    for tile in range(WARP_TILES):
+      token = 16 * WARP_TILES * warp + 16 * tile + lane // 4
+      for b in range(operands):
+        group = (lane % 4) // 2 * per_half + b if rows == 4 else np.full(WARP, b)
+        for _statistic in range(2):
+          for h in range(2):
+            loads.append((group * 128 + token + 8 * h) * 2)
+  return loads
+
+
 def load_wavefronts(loads, swizzle: int = 0) -> dict:
   """{"loads", "wavefronts", "conflict_free"}: per block, summed over the warpgroup's four
   warps, the warp-wide loads (or matrices), the wavefronts their addresses take, and the fewest
@@ -147,6 +226,21 @@ def main():
         shape = f"{rows_} rows ({real_rows} real), {value_groups} groups, slot of {block} tokens"
         rows.append(dict(kind="own-slot statistics", shape=shape, token_order=token_order,
                          swizzle=0, **load_wavefronts(loads)))  # fmt: skip
+  for head_dim in (64, 128):
+    for bits in (2, 4):
+      shape = f"head_dim {head_dim}, {bits}-bit"
+      swizzle = value_operand_matrix_loads.ring_swizzle_bytes(head_dim, bits)
+      for swizzled_ring in (False, True):
+        loads = warp_value_matrix_loads(head_dim, bits, swizzled_ring)
+        rows.append(dict(kind="warp: value codes, matrix loads", shape=shape,
+                         token_order="natural", swizzle=swizzle if swizzled_ring else 0,
+                         **load_wavefronts(loads)))  # fmt: skip
+      rows.append(dict(kind="warp: key words", shape=shape, token_order="natural", swizzle=0,
+                       **load_wavefronts(warp_key_word_loads(head_dim, bits))))  # fmt: skip
+    for query_rows in (4, 8):
+      rows.append(dict(kind="warp: value statistics", shape=f"head_dim {head_dim}, "
+                       f"{query_rows} query rows", token_order="natural", swizzle=0,
+                       **load_wavefronts(warp_statistic_loads(head_dim, query_rows))))  # fmt: skip
   print("| loads | shape | token order | swizzle | loads per block | wavefronts | conflict-free |")
   print("|---|---|---|---:|---:|---:|---:|")
   for row in rows:

@@ -213,7 +213,8 @@ def quantized_decode_attention(
   products per warp by mma.sync: KIVI 2/4-bit, head_dim 64 / 128, group size 32, up to 8 query heads
   per KV head; block_tokens 128, num_splits, num_stages, key_products, key_bias_source,
   split_merge, "copy_issuer": "first_warp" (default) | "slot_owner", "ring_release": "barrier"
-  (default) | "per_warp"),
+  (default) | "per_warp", "query_loads": "per_block" (default) | "once", "value_ring_layout":
+  "rows" (default) | "swizzled", "statistic_loads": "per_token" (default) | "matrix_loads"),
   block_tokens,
   num_splits, num_stages, and for "folded" "key_operand": "shared_memory" (default) |
   "registers", "operand_order": "channel" (default) | "word", "approx_math": False (default) |

@@ -76,6 +76,8 @@ WARP_KEYS = (
   "copy_issuer",
   "ring_release",
   "query_loads",
+  "value_ring_layout",
+  "statistic_loads",
 )
 
 

@@ -22,7 +22,11 @@ The ring (TMA copies of a block's key words, key scales, XLA's key bias, value w
 group-major value statistics, issued by the first warp, or with copy_issuer="slot_owner" by warp
 s % 4 for slot s) is the only thing the warps share in the loop: one barrier per block before a
 slot is refilled, or with ring_release="per_warp" each warp's arrival on the slot's mbarrier,
-which only the issuing warp waits for. A split the bounds cannot serve
+which only the issuing warp waits for. Opt-in, untimed (KERNEL_NOTES v62): the value words
+TMA-swizzled a token row wide (value_ring_layout="swizzled": no bank conflicts in the value
+matrix loads) and the value statistics read by matrix loads from one ring
+(statistic_loads="matrix_loads": one `ldmatrix` where there were 8 16-bit loads a tile). A split
+the bounds cannot serve
 (reference `EXCHANGE`) runs an exact online softmax instead, in a loop of its own, its row max
 reduced across the warps at every block.
 
@@ -59,7 +63,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _compat, key_bias_in_kernel
+from pallas_kernels import _compat, key_bias_in_kernel, value_operand_matrix_loads
 from pallas_kernels import quantized_decode_attention_folded_mosaic_gpu as folded
 from pallas_kernels.base_two_softmax import base_two_queries, natural_log_sum_exp
 from pallas_kernels.bit_packing import packed_width
@@ -102,6 +106,7 @@ from pallas_kernels.warp_value_product import (
   finished_own_slot_outputs_emulated,
   partial_rows,
   query_rows,
+  statistics_by_matrix_loads,
   statistics_by_slot,
   statistics_by_slot_emulated,
   value_groups,
@@ -144,9 +149,25 @@ DEFAULT_RING_RELEASE = "barrier"
 # v46), or once before the loop ("once", v45).
 QUERY_LOADS = ("per_block", "once")
 DEFAULT_QUERY_LOADS = "per_block"
+# How the value ring's slots hold the block's value words: token rows as the cache has them
+# ("rows", v45), or TMA-swizzled a token row wide ("swizzled": `value_operand_matrix_loads`'
+# swizzle, the same at head_dim 64 with 2-bit codes, whose 16-byte rows need none). The matrix
+# loads' 8 rows of a matrix are a token row apart: unswizzled they share banks two at a time at
+# 32-byte rows (head_dim 128 with 2-bit codes, 64 with 4-bit), four at 64-byte rows (128, 4-bit);
+# swizzled, one wavefront a matrix (`benchmarks/shared_bank_conflicts.py`, KERNEL_NOTES v62).
+VALUE_RING_LAYOUTS = ("rows", "swizzled")
+DEFAULT_VALUE_RING_LAYOUT = "rows"
+# How each lane loads its tokens' value statistics (scale and minimum of its columns' group):
+# one 16-bit load a token and statistic ("per_token", v45: 8 loads a tile at 4 query rows and
+# head_dim 128), or by transposing matrix loads, two tokens a register ("matrix_loads": one
+# `ldmatrix.x4` a tile there; `warp_value_product.statistics_by_matrix_loads`). At V59's
+# settings 469 -> 458 instructions a block at 124 -> 128 registers, the most that four programs
+# an SM allow (sm_90a static count, KERNEL_NOTES v62).
+STATISTIC_LOADS = ("per_token", "matrix_loads")
+DEFAULT_STATISTIC_LOADS = "per_token"
 # Settings no other Mosaic GPU variant takes (`copy_issuer` is the folded kernel's too, with its
 # own values).
-WARP_ONLY_SETTINGS = ("ring_release", "query_loads")
+WARP_ONLY_SETTINGS = ("ring_release", "query_loads", "value_ring_layout", "statistic_loads")
 
 
 def statistics_rows(rows: int, head_dim: int = 128) -> int:
@@ -213,6 +234,8 @@ def check_settings(
   copy_issuer=None,
   ring_release=None,
   query_loads=None,
+  value_ring_layout=None,
+  statistic_loads=None,
 ) -> None:
   """ValueError naming a setting the warp variant does not take, and its allowed values (None:
   the setting's default)."""
@@ -228,6 +251,16 @@ def check_settings(
   if query_loads not in (None, *QUERY_LOADS):
     raise ValueError(
       f"query_loads={query_loads!r} is not supported by the warp variant; allowed: {QUERY_LOADS}"
+    )
+  if value_ring_layout not in (None, *VALUE_RING_LAYOUTS):
+    raise ValueError(
+      f"value_ring_layout={value_ring_layout!r} is not supported by the warp variant; allowed: "
+      f"{VALUE_RING_LAYOUTS}"
+    )
+  if statistic_loads not in (None, *STATISTIC_LOADS):
+    raise ValueError(
+      f"statistic_loads={statistic_loads!r} is not supported by the warp variant; allowed: "
+      f"{STATISTIC_LOADS}"
     )
   if block_tokens not in (None, BLOCK_TOKENS):
     raise ValueError(
@@ -280,12 +313,15 @@ def _warp_kernel(
   copy_issuer: str,
   ring_release: str,
   query_loads: str,
+  value_ring_layout: str,
+  statistic_loads: str,
   emulate,
 ):
   """One program: a split of one (row, KV head). `refs`: the inputs (`_kernel_arrays`), the
   outputs, the scratch (`_scratch_types`), in their order. `rows`: the query rows (4 or 8,
-  `warp_value_product.query_rows`); `copy_issuer`, `ring_release`, `query_loads`:
-  `COPY_ISSUERS`, `RING_RELEASES`, `QUERY_LOADS`. Shapes below at head_dim D = 128 (W = 8 words
+  `warp_value_product.query_rows`); `copy_issuer`, `ring_release`, `query_loads`,
+  `value_ring_layout`, `statistic_loads`: `COPY_ISSUERS`, `RING_RELEASES`, `QUERY_LOADS`,
+  `VALUE_RING_LAYOUTS`, `STATISTIC_LOADS`. Shapes below at head_dim D = 128 (W = 8 words
   a token at 2 bits); at 64 every 128 channels is 64 and W is 4 (2 bits) or 8 (4 bits)."""
   if ring_release == "per_warp":
     *refs, consumed_barriers = refs  # per ring slot: each warp's arrival once it has read it
@@ -307,8 +343,9 @@ def _warp_kernel(
       k_words_smem,  # [stages, 128, 8]
       k_scale_smem,  # [stages, 4, 128]
       v_words_smem,  # [stages, 128, 8] uint32
-      v_scale_smem,  # [stages, 4, 128]
-      v_min_smem,
+      # v_scale, v_min: two rings [stages, 4, 128], or with statistic_loads="matrix_loads" one
+      # [stages, 2, 4, 128] (both statistics from one address a lane)
+      v_stats_smem,
       statistics_smem,  # f32 [1 + value_operands(rows), 8]: `statistics_rows`
       lse_smem,  # f32 [8]
       # the prologue's (halves bf16 [32, 128]: `key_bias_in_kernel.query_halves` with the bounds';
@@ -340,8 +377,7 @@ def _warp_kernel(
       k_scale_smem,
       key_bias_smem,  # [stages, 4, 8]
       v_words_and_partial_smem,  # [stages, 128, 8] uint32, after the loop the partials f32 [512, 8]
-      v_scale_smem,
-      v_min_smem,
+      v_stats_smem,
       out_smem,
       statistics_smem,
       lse_smem,
@@ -366,6 +402,12 @@ def _warp_kernel(
   blocks = (jnp.maximum(end - start, 0) + BLOCK_TOKENS - 1) // BLOCK_TOKENS
   wgmma = plgpu.Layout.WGMMA
 
+  def statistic_ring(slot, k):
+    """Ring slot `slot` of value statistic k (0: scales, 1: minimums), [4, 128]."""
+    if statistic_loads == "matrix_loads":
+      return v_stats_smem.at[slot, k]
+    return v_stats_smem[k].at[slot]
+
   def fetch(i):
     slot, first = lax.rem(i, num_stages), start + i * BLOCK_TOKENS
     barrier = ring_barriers.at[slot]
@@ -377,8 +419,8 @@ def _warp_kernel(
     if not kernel_bias:
       plgpu.copy_gmem_to_smem(source(key_bias_gmem).at[groups_of], key_bias_smem.at[slot], barrier)
     plgpu.copy_gmem_to_smem(source(v_words_gmem).at[tokens_of], v_words_smem.at[slot], barrier)
-    plgpu.copy_gmem_to_smem(source(v_scale_gmem).at[:, tokens_of], v_scale_smem.at[slot], barrier)
-    plgpu.copy_gmem_to_smem(source(v_min_gmem).at[:, tokens_of], v_min_smem.at[slot], barrier)
+    for k, statistic in enumerate((v_scale_gmem, v_min_gmem)):
+      plgpu.copy_gmem_to_smem(source(statistic).at[:, tokens_of], statistic_ring(slot, k), barrier)
 
   def issues_copies(warp, slot):
     """Whether `warp` issues ring slot `slot`'s copies: always the same warp for a slot, so
@@ -484,18 +526,35 @@ def _warp_kernel(
       keys, queries, k_scale_smem.at[slot], bias_ref, TILES, bits, head_dim
     )
 
-  def slot_statistic(ring, slot, b, t):
+  def slot_statistics(slot, t):
+    """[(scale, minimum) of each P' operand] of tile t's tokens."""
     if emulate:
-      return statistics_by_slot_emulated(ring[slot], b, t, TILES, rows)
-    return statistics_by_slot(ring.at[slot], b, t, TILES, rows, head_dim)
+      return [
+        tuple(
+          statistics_by_slot_emulated(statistic_ring(slot, k)[...], b, t, TILES, rows)
+          for k in range(2)
+        )
+        for b in range(operands)
+      ]
+    if statistic_loads == "matrix_loads":
+      return statistics_by_matrix_loads(v_stats_smem.at[slot], t, TILES, rows, head_dim)
+    return [
+      tuple(
+        statistics_by_slot(statistic_ring(slot, k), b, t, TILES, rows, head_dim) for k in range(2)
+      )
+      for b in range(operands)
+    ]
 
   def value_product(probs, slot, acc, t):
     if emulate:
       return value_product_per_warp_emulated(
         probs, v_words_smem[slot], acc, t, TILES, bits, head_dim
       )
-    return value_product_per_warp(probs, v_words_smem.at[slot], acc, t, TILES, bits, head_dim)
+    return value_product_per_warp(
+      probs, v_words_smem.at[slot], acc, t, TILES, bits, head_dim, swizzled=swizzled_values
+    )
 
+  swizzled_values = value_ring_layout == "swizzled"
   operands = value_operands(rows, head_dim)
   accumulator_rows = partial_rows(head_dim)
 
@@ -528,10 +587,10 @@ def _warp_kernel(
 
       probs = select(jnp.exp2(logits[t] - per_column(row_max)))
       scaled_probs, new_minimums = [], []
+      statistics = slot_statistics(slot, t)
       # 4 rows: slot s of the columns holds value group 2 s + b; 8 rows: every column group b
       for b in range(operands):
-        scale = select(slot_statistic(v_scale_smem, slot, b, t))
-        minimum = select(slot_statistic(v_min_smem, slot, b, t))
+        scale, minimum = (select(x) for x in statistics[b])
         scaled_probs.append((probs * scale * PROBS_SCALE).astype(jnp.bfloat16))
         new_minimums.append(minimums[b] + probs * minimum)
       acc = value_product(scaled_probs, slot, acc, t)
@@ -667,8 +726,11 @@ def _scratch_types(
   kernel_bias: bool,
   rows: int,
   ring_release: str,
+  value_ring_layout: str,
+  statistic_loads: str,
 ):
   """The kernel's scratch, in its order (`_warp_kernel`)."""
+  statistics = (value_groups(head_dim), BLOCK_TOKENS)
   consumed = (
     [plgpu.Barrier(num_arrivals=4, num_barriers=num_stages)] if ring_release == "per_warp" else []
   )
@@ -677,21 +739,32 @@ def _scratch_types(
   ring = lambda shape, dtype: plgpu.SMEM((num_stages, *shape), dtype)
   operand = functools.partial(swizzled_operand_transforms, head_dim, dtype=jnp.bfloat16)
   queries = (COLUMNS, head_dim) if kernel_bias else (head_dim, COLUMNS)
-  v_words = ring((BLOCK_TOKENS, words), jnp.uint32)
+  value_transforms = (
+    value_operand_matrix_loads.ring_transforms(head_dim, bits)
+    if value_ring_layout == "swizzled"
+    else ()
+  )
+  v_words = plgpu.SMEM((num_stages, BLOCK_TOKENS, words), jnp.uint32, transforms=value_transforms)
   partial = plgpu.SMEM((partial_rows(head_dim), COLUMNS), jnp.float32)
   out = plgpu.SMEM((rows, head_dim), jnp.float32)
   scratch = [
     plgpu.SMEM((lengths_words,), jnp.int32),
     plgpu.SMEM(queries, jnp.bfloat16),
     plgpu.SMEM((COLUMNS,), jnp.float32),
-    ring((BLOCK_TOKENS, words), jnp.uint32),
+    ring((BLOCK_TOKENS, words), jnp.uint32),  # key words
     ring((groups, head_dim), jnp.bfloat16),
     *([] if kernel_bias else [ring((groups, COLUMNS), jnp.float32)]),
     # with XLA's bias the partials reuse the value ring's bytes (free after the loop); with the
     # kernel's, the prologue's (below)
     v_words if kernel_bias else plgpu.RefUnion(v_words, partial),
-    ring((value_groups(head_dim), BLOCK_TOKENS), jnp.bfloat16),
-    ring((value_groups(head_dim), BLOCK_TOKENS), jnp.bfloat16),
+    # the value statistics (`_warp_kernel`'s `statistic_ring`): with matrix loads in one ring, so
+    # that a lane's address serves both (two rings took four more registers, 132 against 128:
+    # three programs an SM); one ring cost the 16-bit loads 3 instructions a block (v62)
+    (
+      ring((2, value_groups(head_dim), BLOCK_TOKENS), jnp.bfloat16)
+      if statistic_loads == "matrix_loads"
+      else (ring(statistics, jnp.bfloat16), ring(statistics, jnp.bfloat16))
+    ),
     *([] if kernel_bias else [out]),
     plgpu.SMEM((statistics_rows(rows, head_dim), COLUMNS), jnp.float32),
     plgpu.SMEM((COLUMNS,), jnp.float32),
@@ -735,6 +808,8 @@ def _scratch_types(
     "copy_issuer",
     "ring_release",
     "query_loads",
+    "value_ring_layout",
+    "statistic_loads",
     "interpret",
   ),
 )
@@ -749,6 +824,8 @@ def _jitted_kernel_outputs(
   copy_issuer: str,
   ring_release: str,
   query_loads: str,
+  value_ring_layout: str,
+  statistic_loads: str,
   interpret: bool,
 ):
   queries, k_codes = arrays[:2]
@@ -772,6 +849,8 @@ def _jitted_kernel_outputs(
       copy_issuer=copy_issuer,
       ring_release=ring_release,
       query_loads=query_loads,
+      value_ring_layout=value_ring_layout,
+      statistic_loads=statistic_loads,
       emulate=interpret,
     ),
     out_type=(
@@ -781,7 +860,16 @@ def _jitted_kernel_outputs(
     grid=(batch, kv_heads, plan.num_splits),
     grid_names=("row", "head", "split"),
     scratch_types=_scratch_types(
-      inputs[0].shape[0], plan, num_stages, bits, head_dim, kernel_bias, rows, ring_release
+      inputs[0].shape[0],
+      plan,
+      num_stages,
+      bits,
+      head_dim,
+      kernel_bias,
+      rows,
+      ring_release,
+      value_ring_layout,
+      statistic_loads,
     ),
     # Every thread's stores into shared memory (the epilogue's, the prologue's) are published by
     # `commit_smem` before anyone reads them; the loop stores none. TMA refills a slot only after
@@ -815,6 +903,8 @@ def warp_kernel_outputs(
   copy_issuer: str = DEFAULT_COPY_ISSUER,
   ring_release: str = DEFAULT_RING_RELEASE,
   query_loads: str = DEFAULT_QUERY_LOADS,
+  value_ring_layout: str = DEFAULT_VALUE_RING_LAYOUT,
+  statistic_loads: str = DEFAULT_STATISTIC_LOADS,
   interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
   """The kernel's own outputs: out f32 [B, H, S, rows, D] (each split's normalised output, each
@@ -830,6 +920,8 @@ def warp_kernel_outputs(
     copy_issuer=copy_issuer,
     ring_release=ring_release,
     query_loads=query_loads,
+    value_ring_layout=value_ring_layout,
+    statistic_loads=statistic_loads,
   )
   reason = unsupported_reason(
     queries,
@@ -871,6 +963,8 @@ def warp_kernel_outputs(
     copy_issuer=copy_issuer,
     ring_release=ring_release,
     query_loads=query_loads,
+    value_ring_layout=value_ring_layout,
+    statistic_loads=statistic_loads,
     interpret=interpret,
   )
   return _compat.finished_if_interpreted(outputs, interpret)

@@ -30,10 +30,14 @@ zeroed (a lane's A registers are rows of one parity), into one accumulator: twic
 product's MMAs, the same accumulator registers.
 
 - `statistics_by_slot`: the per-token statistic of each column's slot group, f32 [64, 8]: a lane's
-  two columns share a slot, so it loads its two tokens' values of one group.
+  two columns share a slot, so it loads its two tokens' values of one group;
+  `statistics_by_matrix_loads` the same for both statistics of one ring slot, two tokens a
+  register by transposing matrix loads (the kernel's statistic_loads="matrix_loads").
 - `value_product_per_warp`: P' (bf16 [64, 8] per operand; rows the warp's tokens as the key
   product's scores hold them) moved to B operands by `movmatrix.trans`, the warp's own 16
-  tokens' value codes by the matrix loads above, D / 16 MMAs (twice that at 8 rows) into the
+  tokens' value codes by the matrix loads above (from a ring slot TMA-swizzled a token row wide
+  with `swizzled`: unswizzled, a matrix's 8 rows, a token row apart, share banks two or four at a
+  time at 32- or 64-byte rows), D / 16 MMAs (twice that at 8 rows) into the
   partial output, a [4 D, 8] f32 array in the wgmma layout whose row 64 m + 16 w + r is warp w's
   m-tile m.
 - `add_warp_partials` (head_dim 128, the experiments'): f32 [128, 4], channel c's 4 rows summed
@@ -55,6 +59,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.bit_packing import packed_width, unpack_codes
 from pallas_kernels.subnormal_codes import code_exponent, power_of_two
+from pallas_kernels.value_operand_matrix_loads import ring_swizzle_bytes, ring_transforms
 from pallas_kernels.warp_key_product import COLUMNS, TILE_ROWS, warp_rows
 from pallas_kernels.warpgroup_thread import thread_coordinates
 from pallas_kernels.word_operand_order import MlirInt, words_per_lane
@@ -64,6 +69,8 @@ REAL_ROWS = 4  # query rows of a slot when two slots share the 8 columns
 ROW_COUNTS = (REAL_ROWS, COLUMNS)  # query rows the products take: two slots of 4, or one of 8
 _CODE_UNIT_EXPONENT = 133
 _PROBS_EXPONENT = 64
+_CHUNK = 16  # bytes of an ldmatrix row, the unit a TMA swizzle moves
+_SWIZZLE_ROW = 128  # bytes: a TMA swizzle XORs address bits 7.. into the chunk index
 
 
 def value_groups(head_dim: int) -> int:
@@ -167,13 +174,21 @@ def _rows_of_operands(operands: int, head_dim: int) -> int:
 
 
 def value_product_per_warp(
-  probs, words_ref, acc, tile: int = 0, tiles: int = 1, bits: int = 2, head_dim: int = 128
+  probs,
+  words_ref,
+  acc,
+  tile: int = 0,
+  tiles: int = 1,
+  bits: int = 2,
+  head_dim: int = 128,
+  swizzled: bool = False,
 ):
   """acc f32 [4 D, 8] (wgmma layout: row 64 m + 16 w + r is warp w's m-tile m) plus each warp's
   V^T [D, 16 own tokens] . P'^T [16, 8]. `probs`: P' bf16 [64, 8] (wgmma layout: warp w's rows
   are its tokens 16 tiles w + 16 tile ..), `value_operands(rows, D)` of them: the one row r of
   m-tile m takes is `operand_of_half(rows, D, r % 2, group_in_half(m))`; `words_ref` the block's
-  value words [64 tiles, W] uint32 in shared memory (`inline_mgpu`, native only)."""
+  value words [64 tiles, W] uint32 in shared memory, `swizzled` if it was copied in with
+  `value_operand_matrix_loads.ring_transforms` (`inline_mgpu`, native only)."""
   wgmma = plgpu.Layout.WGMMA
   words = packed_width(head_dim, bits)
   row_bytes = 4 * words
@@ -181,8 +196,11 @@ def value_product_per_warp(
   rows = _rows_of_operands(operands, head_dim)
   one_word = words_per_lane(head_dim, bits) == 1
 
+  swizzle = ring_swizzle_bytes(head_dim, bits) if swizzled else 0
+  ring_type = plgpu.RefType(transforms=ring_transforms(head_dim, bits) if swizzled else ())
+
   @plgpu.inline_mgpu(
-    arg_types=([wgmma] * operands, plgpu.RefType(), wgmma),
+    arg_types=([wgmma] * operands, ring_type, wgmma),
     return_type=plgpu.ShapeDtypeStruct(
       (partial_rows(head_dim), COLUMNS), jnp.float32, layout=wgmma
     ),
@@ -221,26 +239,40 @@ def value_product_per_warp(
         arith.addi(first, arith.muli(arith.remui(matrix, const(2)), const(8))),
         arith.remui(lane, const(8)),
       )
-      offset = arith.muli(token, const(row_bytes))
+      chunk = const(0)
       instruction = "ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {$0, $1}, [$2];"
       blocks, loads = 1, 2
     else:
       # .x4: lanes 8 m .. 8 m + 7 address the rows of matrix m: token 16 tiles w + 16 tile +
-      # 8 (m / 2) + l % 8, bytes 32 blk + 16 (m % 2) of its row (one load per 16 half-words)
+      # 8 (m / 2) + l % 8, 16-byte chunk 2 blk + m % 2 of its row (one load per 16 half-words)
       token = arith.addi(
         arith.addi(first, arith.muli(arith.divui(matrix, const(2)), const(8))),
         arith.remui(lane, const(8)),
       )
-      offset = arith.addi(
-        arith.muli(token, const(row_bytes)), arith.muli(arith.remui(matrix, const(2)), const(16))
-      )
+      chunk = arith.remui(matrix, const(2))
       instruction = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];"
       blocks, loads = words // 8, 4
-    address = mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
+    row = arith.muli(token, const(row_bytes))
+    # Where the ring's swizzle put chunk k of the lane's row: k XOR the row's bits 7.. (a row is
+    # the swizzle's width, so they are the token's low bits, the lane's own; `swizzled_offsets`).
+    # Unswizzled, a matrix's 8 rows share banks two (32-byte rows) or four (64-byte) at a time.
+    row_bits = (
+      arith.andi(arith.divui(row, const(_SWIZZLE_ROW)), const(swizzle // _CHUNK - 1))
+      if swizzle
+      else None
+    )
+
+    def address(blk: int):
+      block_chunk = arith.addi(chunk, const(2 * blk))
+      if row_bits is not None:
+        block_chunk = arith.xori(block_chunk, row_bits)
+      offset = arith.addi(row, arith.muli(block_chunk, const(_CHUNK)))
+      return mgpu_utils.getelementptr(mgpu_utils.memref_ptr(ref), [offset], i8)
+
     loaded = [
       mgpu_utils.inline_ptx(
         instruction,
-        mgpu_utils.getelementptr(address, [32 * blk], i8),
+        address(blk),
         result_types=[i32] * loads,
         has_side_effects=True,
         convergent=True,
@@ -397,6 +429,83 @@ def statistics_by_slot(
     return fa.FragmentedArray(_registers=registers, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
 
   return load(ring_ref)
+
+
+def statistics_by_matrix_loads(
+  statistics_ref, tile: int = 0, tiles: int = 1, rows: int = REAL_ROWS, head_dim: int = 128
+):
+  """[(scale, minimum) f32 [64, 8] for each P' operand b]: what `statistics_by_slot` gives for
+  each of the block's two statistics, from their [2, D / 32, 64 tiles] bf16 ring slot (scales,
+  then minimums) by transposing matrix loads. Matrix (b, statistic) has rows 2 q + e: the 8
+  tokens 16 tiles w + 16 tile + 8 e .. of the group of quad lane q's columns, so lane (g, q)
+  receives tokens g and g + 8 of its group in one register's two halves: one
+  `ldmatrix.x4.trans` per two operands a tile (`.x2` for one) where `statistics_by_slot` makes a
+  16-bit load per token and statistic (`inline_mgpu`, native only)."""
+  check_rows(rows)
+  per_half = _groups_per_half(head_dim)
+  groups = value_groups(head_dim)
+  slot_tokens = TILE_ROWS * tiles
+  operands = value_operands(rows, head_dim)
+  stat_type = plgpu.ShapeDtypeStruct((TILE_ROWS, COLUMNS), jnp.float32, layout=plgpu.Layout.WGMMA)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),), return_type=[stat_type] * (2 * operands))
+  def load(_, ref):
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, vector
+
+    i32 = ir.IntegerType.get_signless(32)
+    i8 = ir.IntegerType.get_signless(8)
+    f32 = ir.F32Type.get()
+    const, lane, warp, _ = thread_coordinates()
+    # lanes 8 m .. 8 m + 7 address matrix m's rows (an .x2 reads lanes 0-15's): row 2 q + e
+    matrix, row = arith.divui(lane, const(8)), arith.remui(lane, const(8))
+    quad_lane, e = arith.divui(row, const(2)), arith.remui(row, const(2))
+    statistic = arith.remui(matrix, const(2))
+    token = arith.addi(
+      arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile)), arith.muli(e, const(8))
+    )
+    first_b = arith.remui(arith.divui(matrix, const(2)), const(2))  # b of the load's first pair
+    slot = None  # 8 rows: every column's group is b
+    if rows == REAL_ROWS:  # columns 2 q, 2 q + 1 are slot q // 2's
+      slot = arith.muli(arith.divui(quad_lane, const(2)), const(per_half))
+    results = []
+    for first in range(0, operands, 2):
+      count = 2 * min(2, operands - first)
+      group = arith.addi(first_b, const(first))
+      if slot is not None:
+        group = arith.addi(slot, group)
+      element = arith.addi(
+        arith.muli(arith.addi(arith.muli(statistic, const(groups)), group), const(slot_tokens)),
+        token,
+      )
+      address = mgpu_utils.getelementptr(
+        mgpu_utils.memref_ptr(ref), [arith.muli(element, const(2))], i8
+      )
+      names = ", ".join(f"${i}" for i in range(count))
+      loaded = mgpu_utils.inline_ptx(
+        f"ldmatrix.sync.aligned.m8n8.x{count}.trans.shared.b16 {{{names}}}, [${count}];",
+        address,
+        result_types=[i32] * count,
+        has_side_effects=True,
+        convergent=True,
+      )
+      for register in loaded:
+        # bf16 -> f32: the low half shifted up, the high half with its low bits cleared
+        halves = [arith.shli(register, const(16)), arith.andi(register, const(-65536))]
+        array = np.empty(fa.WGMMA_LAYOUT.registers_shape((TILE_ROWS, COLUMNS)), dtype=object)
+        for h, half in enumerate(halves):
+          array[(0, 0, 0, 0, h, 0, 0, 0, 0)] = vector.broadcast(
+            ir.VectorType.get((2,), f32), mgpu_utils.bitcast(half, f32)
+          )
+        results.append(
+          fa.FragmentedArray(_registers=array, _layout=fa.WGMMA_LAYOUT, _is_signed=None)
+        )
+    return results
+
+  arrays = load(statistics_ref)
+  return [(arrays[2 * b], arrays[2 * b + 1]) for b in range(operands)]
 
 
 def statistics_by_slot_emulated(statistics, b: int, tile: int, tiles: int, rows: int = REAL_ROWS):

@@ -95,3 +95,39 @@ def test_own_slot_statistics_conflict_across_the_two_slots_groups():
     assert bank_model.load_wavefronts(loads)["wavefronts"] == 2 * len(loads)
   loads = bank_model.own_slot_statistic_loads(8, 8, 4)
   assert bank_model.load_wavefronts(loads)["wavefronts"] == len(loads)
+
+
+@pytest.mark.parametrize(
+  "head_dim,bits,matrices,ways",
+  [(128, 2, 32, 2), (128, 4, 64, 4), (64, 4, 32, 2), (64, 2, 16, 1)],
+)
+def test_the_warp_kernels_value_matrices_and_its_swizzled_ring(head_dim, bits, matrices, ways):
+  """The warp kernel's value product (v62): per 128-token block, 8 tokens' rows a matrix, a token
+  row apart: 2-way at 32-byte rows, 4-way at 64, none at 16; value_ring_layout="swizzled" leaves
+  one wavefront a matrix (the kernel's own addresses give the same counts:
+  `test_warp_products_inline.test_the_value_matrix_loads_bank_conflicts`)."""
+  loads = bank_model.warp_value_matrix_loads(head_dim, bits, swizzled_ring=False)
+  assert len(loads) == matrices and all(len(matrix) == 32 for matrix in loads)
+  assert bank_model.load_wavefronts(loads)["wavefronts"] == ways * matrices
+  swizzled = bank_model.warp_value_matrix_loads(head_dim, bits, swizzled_ring=True)
+  assert bank_model.load_wavefronts(swizzled)["wavefronts"] == matrices
+
+
+def test_the_warp_kernels_key_words_conflict_only_at_64_byte_rows():
+  """64-bit loads in half-warp phases: 4 tokens of 32-byte rows fill a phase's 128 bytes; at
+  64-byte rows (head_dim 128, 4 bits) the lanes read half of each row, and tokens 0 and 2 of a
+  phase share banks."""
+  for head_dim, bits, ways in ((128, 2, 1), (64, 4, 1), (64, 2, 1), (128, 4, 2)):
+    loads = bank_model.warp_key_word_loads(head_dim, bits)
+    assert bank_model.load_wavefronts(loads)["wavefronts"] == ways * len(loads)
+
+
+def test_the_warp_kernels_statistics_conflict_across_the_two_slots_groups():
+  """At 4 query rows quads' lanes 0-1 and 2-3 read two groups' rows of the same tokens, a
+  multiple of 128 bytes apart: 2-way, as the folded kernel's own-slot statistics; at 8 rows one
+  group a load, none."""
+  for head_dim in (64, 128):
+    loads = bank_model.warp_statistic_loads(head_dim, 4)
+    assert bank_model.load_wavefronts(loads)["wavefronts"] == 2 * len(loads)
+    loads = bank_model.warp_statistic_loads(head_dim, 8)
+    assert bank_model.load_wavefronts(loads)["wavefronts"] == len(loads)

@@ -41,6 +41,7 @@ def emulate_inline_code(monkeypatch, *, first_thread: int, load) -> None:
     "addi": lambda a, b: (as_uint(a) + as_uint(b)) & _LOW_32,
     "subi": lambda a, b: (as_uint(a) - as_uint(b)) & _LOW_32,
     "andi": lambda a, b: as_uint(a) & as_uint(b),
+    "xori": lambda a, b: as_uint(a) ^ as_uint(b),
     "shli": lambda a, b: (as_uint(a) << as_uint(b)) & _LOW_32,
     "minui": lambda a, b: np.minimum(as_uint(a), as_uint(b)),
     "index_cast": lambda _, value: value,

@@ -234,6 +234,49 @@ def test_the_per_warp_release_runs_without_races(monkeypatch, settings):
   )
 
 
+@pytest.mark.parametrize(
+  "group,bits,head_dim,settings",
+  [
+    # WARP_MOSAIC_GPU_V59's settings: 32-byte rows, the ring beside the prologue's union
+    (4, 2, 128, dict(key_bias_source="kernel", num_stages=2, value_ring_layout="swizzled")),
+    # 64-byte rows in the value ring's union with XLA's bias's partials; 8 query rows
+    (6, 4, 128, dict(key_bias_source="xla", num_stages=2, value_ring_layout="swizzled")),
+    # the statistics in one ring, by matrix loads: one .x4 a tile at 4 query rows
+    (4, 2, 128, dict(key_bias_source="kernel", num_stages=2, statistic_loads="matrix_loads")),
+    pytest.param(
+      3,
+      4,
+      64,
+      dict(key_bias_source="kernel", num_stages=3, value_ring_layout="swizzled"),
+      marks=pytest.mark.slow,
+    ),
+    # one .x2 a tile (head_dim 64, 4 rows); two .x4 (head_dim 128, 8 rows)
+    pytest.param(2, 2, 64, dict(statistic_loads="matrix_loads"), marks=pytest.mark.slow),
+    pytest.param(
+      7,
+      2,
+      128,
+      dict(statistic_loads="matrix_loads", value_ring_layout="swizzled"),
+      marks=pytest.mark.slow,
+    ),
+  ],
+)
+def test_the_swizzled_value_ring_and_the_statistics_matrix_loads(group, bits, head_dim, settings):
+  """value_ring_layout="swizzled" (the value words TMA-swizzled into their ring slots) and
+  statistic_loads="matrix_loads" (both statistics in one ring, read by `ldmatrix`). Their inline
+  loads are checked lane by lane in `test_warp_products_inline.py` and run here only natively;
+  in interpret mode this checks the rings' copies, slices and refills, 4 blocks a split."""
+  _check(
+    group=group,
+    tokens=512,
+    num_splits=1,
+    seed=62 + bits,
+    bits=bits,
+    head_dim=head_dim,
+    **settings,
+  )
+
+
 @pytest.mark.slow  # 12 s in interpret mode; the other tests run 2 and 4 stages
 def test_warp_kernel_with_more_stages_than_blocks_and_three_stages():
   _check(group=4, tokens=768, num_splits=1, seed=5, num_stages=3)
@@ -329,6 +372,14 @@ def test_the_triton_merge_takes_the_kernels_partials(case):
       dict(query_loads="twice"),
       r"query_loads='twice' is not supported by the warp variant; allowed: \('per_block'",
     ),
+    (
+      dict(value_ring_layout="tiled"),
+      r"value_ring_layout='tiled' is not supported by the warp variant; allowed: \('rows'",
+    ),
+    (
+      dict(statistic_loads="gather"),
+      r"statistic_loads='gather' is not supported by the warp variant; allowed: \('per_token'",
+    ),
   ],
 )
 def test_bad_settings_name_the_setting(settings, match):
@@ -351,6 +402,8 @@ def _shared_memory_bytes(scratch) -> int:
   def size(entry):
     if isinstance(entry, plgpu.Barrier):
       return 0
+    if isinstance(entry, tuple):  # the value statistics' two rings
+      return sum(map(size, entry))
     if isinstance(entry, plgpu.RefUnion):
       return max(sum(map(aligned, jax.tree.leaves(group))) for group in entry.refs)
     return aligned(entry)
@@ -378,7 +431,16 @@ def test_shared_memory_is_what_the_compiled_kernel_allocates(
   three), where an SM gives each of four 57 KB less the driver's 1 KB."""
   occupancy = load_benchmark("sm90_occupancy")
   scratch = warp._scratch_types(
-    8, SplitPlan(warp.BLOCK_TOKENS, 32, 8), num_stages, bits, head_dim, kernel_bias, 4, "barrier"
+    8,
+    SplitPlan(warp.BLOCK_TOKENS, 32, 8),
+    num_stages,
+    bits,
+    head_dim,
+    kernel_bias,
+    4,
+    "barrier",
+    "rows",
+    "per_token",
   )
   shared = _shared_memory_bytes(scratch)
   assert shared == compiled
@@ -410,7 +472,15 @@ def test_folded_settings_are_refused_by_name():
 
 
 @pytest.mark.parametrize("variant", ["folded", "dequantize"])
-@pytest.mark.parametrize("setting", [dict(ring_release="per_warp"), dict(query_loads="once")])
+@pytest.mark.parametrize(
+  "setting",
+  [
+    dict(ring_release="per_warp"),
+    dict(query_loads="once"),
+    dict(value_ring_layout="swizzled"),
+    dict(statistic_loads="matrix_loads"),
+  ],
+)
 def test_warp_settings_are_refused_for_other_variants(variant, setting):
   config = {"lowering": "mosaic_gpu", "variant": variant, **setting}
   with pytest.raises(ValueError, match=rf"\['{next(iter(setting))}'\] are taken by the \"warp\""):
@@ -477,11 +547,15 @@ _LOWERED_SHAPES = [
   (2, "kernel", 2, 8, 64),
   (2, "xla", 4, 3, 64),
 ]
-_COPY_SCHEMES = [("first_warp", "barrier", "per_block"), ("slot_owner", "per_warp", "once")]
+_COPY_SCHEMES = [
+  ("first_warp", "barrier", "per_block", "rows", "per_token"),
+  ("slot_owner", "per_warp", "once", "swizzled", "matrix_loads"),
+]
 
 
 @pytest.mark.parametrize(
-  "num_stages,key_bias_source,bits,group,head_dim,copy_issuer,ring_release,query_loads",
+  "num_stages,key_bias_source,bits,group,head_dim,copy_issuer,ring_release,query_loads,"
+  "value_ring_layout,statistic_loads",
   # Each shape with one copy scheme by default, the schemes taking turns; the other pairing of
   # every shape under -m slow.
   [
@@ -491,7 +565,16 @@ _COPY_SCHEMES = [("first_warp", "barrier", "per_block"), ("slot_owner", "per_war
   ],
 )
 def test_the_kernel_lowers_for_sm90(
-  num_stages, key_bias_source, bits, group, head_dim, copy_issuer, ring_release, query_loads
+  num_stages,
+  key_bias_source,
+  bits,
+  group,
+  head_dim,
+  copy_issuer,
+  ring_release,
+  query_loads,
+  value_ring_layout,
+  statistic_loads,
 ):
   """The native kernel (inline mma.sync, movmatrix, ldmatrix; the ring; both softmax arms; 4 and
   8 query rows; head_dim 64 and 128) through Mosaic GPU's layout inference and lowering for a
@@ -520,6 +603,8 @@ def test_the_kernel_lowers_for_sm90(
     copy_issuer=copy_issuer,
     ring_release=ring_release,
     query_loads=query_loads,
+    value_ring_layout=value_ring_layout,
+    statistic_loads=statistic_loads,
     interpret=False,
   )
   text = traced.lower(lowering_platforms=("cuda",)).as_text()

@@ -8,7 +8,7 @@ products, and so is the jnp counterpart interpret mode runs instead (`*_emulated
 import numpy as np
 import pytest
 
-from pallas_kernels import warp_key_product, warp_value_product
+from pallas_kernels import value_operand_matrix_loads, warp_key_product, warp_value_product
 from tests.benchmarks.benchmark_modules import load_benchmark
 from tests.pallas_kernels.inline_code_emulation import (
   CapturedArray,
@@ -181,6 +181,35 @@ def emulated(monkeypatch):
   return install
 
 
+def _ring_bytes(words: np.ndarray, bits: int, head_dim: int, swizzled: bool) -> np.ndarray:
+  """A value ring slot's bytes holding `words` [tokens, W]: as they are, or where the ring's TMA
+  swizzle (`value_operand_matrix_loads`) puts each byte."""
+  logical = words.view(np.uint8).ravel()
+  swizzle = value_operand_matrix_loads.ring_swizzle_bytes(head_dim, bits) if swizzled else 0
+  placed = np.zeros_like(logical)
+  placed[value_operand_matrix_loads.swizzled_offsets(np.arange(logical.size), swizzle)] = logical
+  return placed
+
+
+def _value_product_of_words(probs, acc, tile, tiles, bits, head_dim, swizzled):
+  """`value_product_per_warp` of P' `probs` (uint16 bf16 bits [64, 8] each) and `acc` (float32)
+  on the ring slot installed as "words"."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jaxlib.mlir import ir
+
+  with ir.Context(), ir.Location.unknown():
+    return warp_value_product.value_product_per_warp(
+      [_registers(fa.WGMMA_LAYOUT, p) for p in probs],
+      "words",
+      _registers(fa.WGMMA_LAYOUT, acc),
+      tile,
+      tiles,
+      bits,
+      head_dim,
+      swizzled=swizzled,
+    )
+
+
 def _bf16(rng, shape, low, high):
   return experiment.bf16_bits(rng.uniform(low, high, shape).astype(np.float32))
 
@@ -263,30 +292,36 @@ def test_key_product_per_warp_is_each_warps_tokens_against_its_groups_scaled_que
 
 
 @pytest.mark.parametrize(
-  "tiles,tile,bits,rows,head_dim",
+  "tiles,tile,bits,rows,head_dim,swizzled",
   [
-    (1, 0, 2, 4, 128),
-    (2, 0, 2, 4, 128),
-    (2, 1, 2, 4, 128),
-    (2, 1, 4, 4, 128),
-    (1, 0, 2, 8, 128),
-    (2, 1, 4, 8, 128),
-    (2, 1, 2, 4, 64),  # 4 words a token: one 8-half-word matrix load, each register twice
-    (1, 0, 2, 8, 64),
-    (2, 1, 4, 4, 64),  # 8 words: one x4 load of 16 half-words, 4 m-tiles
-    (2, 0, 4, 8, 64),
+    (1, 0, 2, 4, 128, False),
+    (2, 0, 2, 4, 128, False),
+    (2, 1, 2, 4, 128, False),
+    (2, 1, 4, 4, 128, False),
+    (1, 0, 2, 8, 128, False),
+    (2, 1, 4, 8, 128, False),
+    (2, 1, 2, 4, 64, False),  # 4 words a token: one 8-half-word matrix load, each register twice
+    (1, 0, 2, 8, 64, False),
+    (2, 1, 4, 4, 64, False),  # 8 words: one x4 load of 16 half-words, 4 m-tiles
+    (2, 0, 4, 8, 64, False),
+    # value_ring_layout="swizzled": 32-byte rows, 64-byte rows (the XOR reaching the second
+    # load's chunks), 32-byte rows at head_dim 64, and 16-byte rows, which stay as they are
+    (2, 1, 2, 4, 128, True),
+    (2, 0, 4, 8, 128, True),
+    (2, 1, 4, 4, 64, True),
+    (1, 0, 2, 4, 64, True),
   ],
 )
 def test_value_product_per_warp_adds_each_warps_own_tokens_product(
-  emulated, tiles, tile, bits, rows, head_dim
+  emulated, tiles, tile, bits, rows, head_dim, swizzled
 ):
   """acc [4 D, 8] + per warp w, m-tile m and row r: channel c = `value_row_channel(m, r)` of the
   warp's tokens 16 tiles w + 16 tile .., each code a pattern code x 2^(its bit in its byte),
   against P' rows 16 w .. 16 w + 15 of the operand for c's group: at 4 query rows its pairing
-  (its group within its half, the half being r % 2), at 8 rows the group's own."""
+  (its group within its half, the half being r % 2), at 8 rows the group's own. `swizzled`: the
+  words where the value ring's TMA swizzle puts them (`swizzled_offsets`), the same product."""
   import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import fragmented_array as fa
-  from jaxlib.mlir import ir
 
   from pallas_kernels.bit_packing import packed_width, unpack_codes
   from pallas_kernels.subnormal_codes import code_exponent
@@ -300,17 +335,8 @@ def test_value_product_per_warp_adds_each_warps_own_tokens_product(
   probs = [_bf16(rng, (64, 8), 0.0, 2.0**64) for _ in range(operands)]
   accumulator_rows = warp_value_product.partial_rows(head_dim)
   acc = (rng.normal(size=(accumulator_rows, 8)) * 2.0**-66).astype(np.float32)
-  emulated(words.view(np.uint8).ravel().copy(), {"words": 0})
-  with ir.Context(), ir.Location.unknown():
-    result = warp_value_product.value_product_per_warp(
-      [_registers(fa.WGMMA_LAYOUT, p) for p in probs],
-      "words",
-      _registers(fa.WGMMA_LAYOUT, acc),
-      tile,
-      tiles,
-      bits,
-      head_dim,
-    )
+  emulated(_ring_bytes(words, bits, head_dim, swizzled), {"words": 0})
+  result = _value_product_of_words(probs, acc, tile, tiles, bits, head_dim, swizzled)
   out = _matrix(fa.WGMMA_LAYOUT, (accumulator_rows, 8), result.registers)
   codes = np.asarray(unpack_codes(jnp.asarray(words), bits)).astype(np.uint32)  # channel order
   expected = acc.astype(np.float64)
@@ -343,6 +369,50 @@ def test_value_product_per_warp_adds_each_warps_own_tokens_product(
     head_dim,
   )
   np.testing.assert_allclose(emulated_out, expected, rtol=0, atol=1e-5 * increment.max())
+
+
+@pytest.mark.parametrize(
+  "bits,head_dim,rows_wavefronts",
+  [(2, 128, 2), (4, 128, 4), (4, 64, 2), (2, 64, 1)],
+)
+@pytest.mark.parametrize("swizzled", [False, True])
+def test_the_value_matrix_loads_bank_conflicts(
+  emulated, monkeypatch, bits, head_dim, rows_wavefronts, swizzled
+):
+  """The wavefronts each of the value product's matrices takes (8 rows of 16 bytes: one at
+  best), from the addresses the inline code gives `ldmatrix` (`shared_bank_conflicts.wavefronts`
+  on each matrix's words): a token row apart, 2 or 4 a matrix unswizzled where rows are 32 or 64
+  bytes (16-byte rows take one); with value_ring_layout="swizzled", one everywhere."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+  from pallas_kernels.bit_packing import packed_width
+
+  bank_conflicts = load_benchmark("shared_bank_conflicts")
+  tiles = 2
+  words = np.zeros((64 * tiles, packed_width(head_dim, bits)), np.uint32)
+  emulated(_ring_bytes(words, bits, head_dim, swizzled), {"words": 0})
+  run_ptx, addresses = mgpu_utils.inline_ptx, []
+
+  def recorded(ptx, *args, **kwargs):
+    if ptx.startswith("ldmatrix"):
+      matrices = 4 if ".x4." in ptx else 2  # .x2: lanes 0-15 address its two matrices
+      addresses.append((matrices, np.asarray(args[0], np.int64)))
+    return run_ptx(ptx, *args, **kwargs)
+
+  monkeypatch.setattr(mgpu_utils, "inline_ptx", recorded)
+  operands = warp_value_product.value_operands(4, head_dim)
+  zeros = np.zeros((64, 8), np.uint16)
+  acc = np.zeros((warp_value_product.partial_rows(head_dim), 8), np.float32)
+  for tile in range(tiles):
+    _value_product_of_words([zeros] * operands, acc, tile, tiles, bits, head_dim, swizzled)
+  counts = set()
+  for matrices, address in addresses:
+    for warp in range(4):
+      for matrix in range(matrices):
+        rows = address[32 * warp + 8 * matrix : 32 * warp + 8 * matrix + 8]
+        counts.add(bank_conflicts.wavefronts((rows[:, None] + 4 * np.arange(4)).ravel()))
+  assert len(addresses) == tiles * max(1, packed_width(head_dim, bits) // 8)
+  assert counts == {1 if swizzled else rows_wavefronts}
 
 
 @pytest.mark.parametrize(
@@ -384,6 +454,67 @@ def test_statistics_by_slot_give_each_column_its_slots_group(
       group = (head_dim // 64) * (column // 4) + b if rows == 4 else b
       np.testing.assert_array_equal(table[:, column], values[group, token])
       np.testing.assert_array_equal(emulated_table[:, column], values[group, token])
+
+
+@pytest.mark.parametrize(
+  "tiles,tile,rows,head_dim",
+  [(1, 0, 4, 128), (2, 1, 4, 128), (2, 1, 8, 128), (2, 1, 4, 64), (2, 0, 8, 64)],
+)
+def test_statistics_by_matrix_loads_are_the_per_token_loads_tables(
+  emulated, monkeypatch, tiles, tile, rows, head_dim
+):
+  """statistic_loads="matrix_loads": from one [2, D / 32, 64 tiles] ring slot (scales, then
+  minimums), each P' operand's pair of tables is `statistics_by_slot`'s (the same [64, 8]
+  layout and values: row 16 w + r token 16 tiles w + 16 tile + r, column c its slot's group),
+  through `ldmatrix.trans` as the emulation's lane mapping gives it; one .x4 per two operands
+  (.x2 for one), and each matrix's rows on distinct banks but for the two slots' groups."""
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import vector
+
+  rng = np.random.default_rng(24 + rows + head_dim)
+  groups = head_dim // 32
+  statistics = _bf16(rng, (2, groups, 64 * tiles), -1.0, 1.0)
+  emulated(statistics.view(np.uint8).ravel().copy(), {"statistics": 0})
+  run_ptx, instructions, addresses = mgpu_utils.inline_ptx, [], []
+
+  def recorded(ptx, *args, **kwargs):
+    instructions.append(ptx.split(" ")[0])
+    addresses.append(np.asarray(args[0], np.int64))
+    return run_ptx(ptx, *args, **kwargs)
+
+  monkeypatch.setattr(mgpu_utils, "inline_ptx", recorded)
+  monkeypatch.setattr(
+    mgpu_utils,
+    "bitcast",
+    lambda value, type_: (
+      as_uint(value).astype(np.uint32).view(np.float32) if str(type_) == "f32" else value
+    ),
+  )
+  monkeypatch.setattr(vector, "broadcast", lambda _, value: np.stack([value, value], axis=1))
+  with ir.Context(), ir.Location.unknown():
+    pairs = warp_value_product.statistics_by_matrix_loads("statistics", tile, tiles, rows, head_dim)
+  operands = warp_value_product.value_operands(rows, head_dim)
+  assert len(pairs) == operands
+  x4, x2 = "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "ldmatrix.sync.aligned.m8n8.x2.trans"
+  assert instructions == [x4] * (operands // 2) + [x2 + ".shared.b16"] * (operands % 2)
+  bank_conflicts = load_benchmark("shared_bank_conflicts")
+  for instruction, address in zip(instructions, addresses):
+    for warp in range(4):
+      for matrix in range(4 if instruction == x4 else 2):
+        rows_of = address[32 * warp + 8 * matrix : 32 * warp + 8 * matrix + 8]
+        words = (rows_of[:, None] + 4 * np.arange(4)).ravel()
+        assert bank_conflicts.wavefronts(words) == (2 if rows == 4 else 1)
+  values = experiment.bf16_values(statistics)
+  row = np.arange(64)
+  token = 16 * tiles * (row // 16) + 16 * tile + row % 16
+  for b, pair in enumerate(pairs):
+    for k, table in enumerate(pair):
+      table = _matrix(fa.WGMMA_LAYOUT, (64, 8), table.registers)
+      for column in range(8):
+        group = (head_dim // 64) * (column // 4) + b if rows == 4 else b
+        np.testing.assert_array_equal(table[:, column], values[k, group, token])
 
 
 @pytest.mark.parametrize("tiles", [1, 2])
