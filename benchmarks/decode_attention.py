@@ -40,7 +40,8 @@ query, so no computation is hoisted; see time_op for layouts), the wall time of 
 after block_until_ready is divided by the count; the median of `--repeats` such loops is
 reported, after a warm-up. Bytes: what the op must read (codes, scales, minimums, factors,
 outliers of the valid tokens; K and V for bf16); bandwidth = bytes / time. Each kernel's output
-is also checked against the jnp reference (relative L2 error) on the same inputs.
+is also checked against the jnp reference (relative L2 error) on the same inputs, and so is each
+--sweep config's (one past SWEEP_ERROR_LIMIT is marked "wrong" and never picked).
 
   python benchmarks/decode_attention.py --out bench.json          # GPU (or TPU)
   python benchmarks/decode_attention.py --small --out small.json  # CPU, interpret mode, tiny
@@ -153,6 +154,12 @@ def _quantized_reference(queries, segment, lengths, **kwargs):
   return quantized_decode_attention_reference(
     queries, *segment[:6], lengths, lowrank=segment.lowrank, outliers=segment.outliers, **kwargs
   )
+
+
+# A swept config whose output is further than this from the jnp reference on the same codes
+# (relative L2) is wrong: the kernels' bf16 operands leave ~5e-3 (folded Triton 4.45e-3 at 256
+# tokens, interpret mode), a misplaced operand or statistic O(0.1) to O(1).
+SWEEP_ERROR_LIMIT = 5e-2
 
 
 def relative_error(out, ref) -> float:
@@ -407,6 +414,17 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None, list[dict]]:
       )
   if args.sweep_configs:
     quantized_configs = json.loads(args.sweep_configs)
+  # Each config's output against the jnp reference on the same codes, so that a setting whose
+  # kernel is wrong on this GPU (new inline code runs natively for the first time in a sweep) is
+  # named and never picked, whatever its time.
+  reference, _ = jax.jit(
+    functools.partial(
+      _quantized_reference,
+      bits=args.sweep_bits,
+      group_size=args.group_size,
+      sm_scale=sm_scale,
+    )
+  )(queries, segment, lengths)
   for config in quantized_configs:
     op = lambda q, s, lens, config=config: attention_dispatch.quantized_decode_attention(
       q,
@@ -425,8 +443,19 @@ def sweep(args) -> tuple[dict, dict, dict, dict | None, list[dict]]:
         f"  sweep kivi{args.sweep_bits} {config}: {type(e).__name__}: {str(e)[:300]}", flush=True
       )
       continue
-    print(f"  sweep kivi{args.sweep_bits} {config}: {seconds * 1e6:.1f} us", flush=True)
-    quantized_timings.append({"config": config, "seconds": seconds})
+    out, _ = jax.jit(op)(queries, segment, lengths)
+    error = relative_error(out, reference)
+    wrong = not error <= SWEEP_ERROR_LIMIT  # NaN too
+    print(
+      f"  sweep kivi{args.sweep_bits} {config}: {seconds * 1e6:.1f} us, rel.err {error:.2e}"
+      + (f" (WRONG: over {SWEEP_ERROR_LIMIT}, not picked)" if wrong else ""),
+      flush=True,
+    )
+    quantized_timings.append(
+      {"config": config, "seconds": seconds, "relative_error": error, "wrong": wrong}
+    )
+    if wrong:
+      continue
     # The Mosaic GPU configs compete among themselves, per variant: the table times each in
     # its own row, beside the Triton kernel's.
     if config.get("lowering") == "mosaic_gpu":

@@ -102,9 +102,9 @@ SWEEP = "benchmarks/decode_attention.py"
       + [("benchmarks/generate_logit_margins.py", 1)]
       + [(SWEEP, 1)] * 4,
     ),
-    # the 32k sweep around warp V59 with the warp defaults as the control (6 configs), the table
+    # the 32k sweep around warp V59 with the warp defaults as the control (8 configs), the table
     # with the fastest (then the native tests, which the stand-in does not run)
-    ("v61", [(SWEEP, 6), (SWEEP, 1), (SWEEP, 1)]),
+    ("v61", [(SWEEP, 8), (SWEEP, 1), (SWEEP, 1)]),
   ],
 )
 def test_the_next_steps_hand_their_scripts_valid_configs_and_flags(stand_in, step, expected):
