@@ -17,7 +17,7 @@ ROOT = pathlib.Path(__file__).parents[2]
 # through the script's own parser (its --help); pytest is only named; a sweep's --out gets rows of
 # made-up seconds, the first config fastest, for the steps' pick of the fastest.
 STAND_IN = """
-import json, re, subprocess, sys
+import json, os, re, subprocess, sys
 sys.path.insert(0, {root!r})
 from pallas_kernels.quantized_decode_attention_gpu import check_config
 args = sys.argv[1:]
@@ -45,7 +45,11 @@ for flag in (
       check_config(config)
     print(f"sweep kivi checked {{script}} {{len(configs)}}")
     if "--out" in args and flag == "--sweep-configs":  # what keep_fastest reads
-      rows = [dict(config=c, seconds=1.0 + i) for i, c in enumerate(configs)]
+      wrong_first = os.environ.get("STAND_IN_FIRST_WRONG") == "1"
+      rows = [
+        dict(config=c, seconds=1.0 + i, wrong=wrong_first and i == 0)
+        for i, c in enumerate(configs)
+      ]
       with open(args[args.index("--out") + 1], "w") as out:
         json.dump(dict(sweep_kivi2=rows), out)
 """
@@ -120,6 +124,27 @@ def test_the_next_steps_hand_their_scripts_valid_configs_and_flags(stand_in, ste
   out = pathlib.Path(environment["OUT"])
   assert run.returncode == 0, run.stdout + run.stderr
   assert _checked_configs(out) == sorted(expected), run.stdout
+
+
+def test_the_fastest_config_picked_is_never_a_wrong_one(stand_in):
+  """`keep_fastest` skips a config the sweep found wrong (its output past the reference's limit,
+  `decode_attention.SWEEP_ERROR_LIMIT`), however fast: v61's table gets the second config."""
+  environment, _ = stand_in
+  environment = dict(environment, STAND_IN_FIRST_WRONG="1")
+  run = subprocess.run(
+    ["bash", "benchmarks/gpu_session.sh", "v61"],
+    cwd=ROOT,
+    env=environment,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  out = pathlib.Path(environment["OUT"])
+  assert run.returncode == 0, run.stdout + run.stderr
+  rows = json.loads((out / "sweep_32k.json").read_text())["sweep_kivi2"]
+  assert rows[0]["wrong"] and rows[0]["seconds"] < rows[1]["seconds"]
+  picked = re.search(r"fastest at 32k: (.*)", (out / "v61.log").read_text()).group(1)
+  assert json.loads(picked) == rows[1]["config"]
 
 
 def test_the_stand_in_refuses_a_bad_config_and_an_unknown_flag(stand_in):
