@@ -239,29 +239,15 @@ def check_settings(
 ) -> None:
   """ValueError naming a setting the warp variant does not take, and its allowed values (None:
   the setting's default)."""
-  if copy_issuer not in (None, *COPY_ISSUERS):
-    raise ValueError(
-      f"copy_issuer={copy_issuer!r} is not supported by the warp variant; allowed: {COPY_ISSUERS}"
-    )
-  if ring_release not in (None, *RING_RELEASES):
-    raise ValueError(
-      f"ring_release={ring_release!r} is not supported by the warp variant; allowed: "
-      f"{RING_RELEASES}"
-    )
-  if query_loads not in (None, *QUERY_LOADS):
-    raise ValueError(
-      f"query_loads={query_loads!r} is not supported by the warp variant; allowed: {QUERY_LOADS}"
-    )
-  if value_ring_layout not in (None, *VALUE_RING_LAYOUTS):
-    raise ValueError(
-      f"value_ring_layout={value_ring_layout!r} is not supported by the warp variant; allowed: "
-      f"{VALUE_RING_LAYOUTS}"
-    )
-  if statistic_loads not in (None, *STATISTIC_LOADS):
-    raise ValueError(
-      f"statistic_loads={statistic_loads!r} is not supported by the warp variant; allowed: "
-      f"{STATISTIC_LOADS}"
-    )
+  for name, value, allowed in (
+    ("copy_issuer", copy_issuer, COPY_ISSUERS),
+    ("ring_release", ring_release, RING_RELEASES),
+    ("query_loads", query_loads, QUERY_LOADS),
+    ("value_ring_layout", value_ring_layout, VALUE_RING_LAYOUTS),
+    ("statistic_loads", statistic_loads, STATISTIC_LOADS),
+  ):
+    if value not in (None, *allowed):
+      raise ValueError(f"{name}={value!r} is not supported by the warp variant; allowed: {allowed}")
   if block_tokens not in (None, BLOCK_TOKENS):
     raise ValueError(
       f"block_tokens={block_tokens!r} is not supported by the warp variant; allowed: "

@@ -466,23 +466,22 @@ def statistics_by_matrix_loads(
     token = arith.addi(
       arith.addi(arith.muli(warp, const(16 * tiles)), const(16 * tile)), arith.muli(e, const(8))
     )
-    first_b = arith.remui(arith.divui(matrix, const(2)), const(2))  # b of the load's first pair
+    b_of_matrix = arith.divui(matrix, const(2))  # 0 or 1: which of the load's two operands
     slot = None  # 8 rows: every column's group is b
     if rows == REAL_ROWS:  # columns 2 q, 2 q + 1 are slot q // 2's
       slot = arith.muli(arith.divui(quad_lane, const(2)), const(per_half))
+    base = mgpu_utils.memref_ptr(ref)
     results = []
     for first in range(0, operands, 2):
       count = 2 * min(2, operands - first)
-      group = arith.addi(first_b, const(first))
+      group = arith.addi(b_of_matrix, const(first))
       if slot is not None:
         group = arith.addi(slot, group)
       element = arith.addi(
         arith.muli(arith.addi(arith.muli(statistic, const(groups)), group), const(slot_tokens)),
         token,
       )
-      address = mgpu_utils.getelementptr(
-        mgpu_utils.memref_ptr(ref), [arith.muli(element, const(2))], i8
-      )
+      address = mgpu_utils.getelementptr(base, [arith.muli(element, const(2))], i8)
       names = ", ".join(f"${i}" for i in range(count))
       loaded = mgpu_utils.inline_ptx(
         f"ldmatrix.sync.aligned.m8n8.x{count}.trans.shared.b16 {{{names}}}, [${count}];",

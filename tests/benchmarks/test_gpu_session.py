@@ -86,6 +86,20 @@ def _checked_configs(out: pathlib.Path) -> list[tuple[str, int]]:
   )
 
 
+def _run_step(environment: dict, step: str) -> tuple[pathlib.Path, str]:
+  """(its $OUT, its stdout) of `gpu_session.sh step` run with the stand-in, which must succeed."""
+  run = subprocess.run(
+    ["bash", "benchmarks/gpu_session.sh", step],
+    cwd=ROOT,
+    env=environment,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert run.returncode == 0, run.stdout + run.stderr
+  return pathlib.Path(environment["OUT"]), run.stdout
+
+
 SWEEP = "benchmarks/decode_attention.py"
 
 
@@ -113,34 +127,15 @@ SWEEP = "benchmarks/decode_attention.py"
 )
 def test_the_next_steps_hand_their_scripts_valid_configs_and_flags(stand_in, step, expected):
   environment, _ = stand_in
-  run = subprocess.run(
-    ["bash", "benchmarks/gpu_session.sh", step],
-    cwd=ROOT,
-    env=environment,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  out = pathlib.Path(environment["OUT"])
-  assert run.returncode == 0, run.stdout + run.stderr
-  assert _checked_configs(out) == sorted(expected), run.stdout
+  out, stdout = _run_step(environment, step)
+  assert _checked_configs(out) == sorted(expected), stdout
 
 
 def test_the_fastest_config_picked_is_never_a_wrong_one(stand_in):
   """`keep_fastest` skips a config the sweep found wrong (its output past the reference's limit,
   `decode_attention.SWEEP_ERROR_LIMIT`), however fast: v61's table gets the second config."""
   environment, _ = stand_in
-  environment = dict(environment, STAND_IN_FIRST_WRONG="1")
-  run = subprocess.run(
-    ["bash", "benchmarks/gpu_session.sh", "v61"],
-    cwd=ROOT,
-    env=environment,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  out = pathlib.Path(environment["OUT"])
-  assert run.returncode == 0, run.stdout + run.stderr
+  out, _ = _run_step(dict(environment, STAND_IN_FIRST_WRONG="1"), "v61")
   rows = json.loads((out / "sweep_32k.json").read_text())["sweep_kivi2"]
   assert rows[0]["wrong"] and rows[0]["seconds"] < rows[1]["seconds"]
   picked = re.search(r"fastest at 32k: (.*)", (out / "v61.log").read_text()).group(1)
