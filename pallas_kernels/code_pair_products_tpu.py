@@ -175,6 +175,24 @@ def key_scores(
   # q . k_min less the pairs' 1s (sum_c q[c] factor[c] k_scale[g, c]) per key group, in one
   # product that does not wait for the scales' reordering (the step's first products: on its
   # critical path, KERNEL_NOTES v57).
+  scales, per_group = key_score_terms(queries, pair_queries, k_scale, k_min, matrix, groups_axis)
+  return pair_key_scores(
+    pair_queries[:rows], pairs, scales, per_group, group_size, query_rows, sublane_gathers
+  )
+
+
+def key_score_terms(
+  queries: jax.Array,
+  pair_queries: jax.Array,
+  k_scale: jax.Array,
+  k_min: jax.Array,
+  matrix: jax.Array,
+  groups_axis: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+  """(scales float32 [groups, D] in the pairs' row order, per_group float32 [rows, groups]) of
+  a block's key statistics, `key_scores`' arguments: what `pair_key_scores` takes for any of
+  the block's token ranges."""
+  rows = queries.shape[0]
   channels_axis = 1 - groups_axis
   per_group = jax.lax.dot_general(
     jnp.concatenate([queries, -pair_queries[rows:]], axis=1),
@@ -182,15 +200,7 @@ def key_scores(
     (((1,), (channels_axis,)), ((), ())),
     preferred_element_type=jnp.float32,
   )  # [rows, groups]
-  return pair_key_scores(
-    pair_queries[:rows],
-    pairs,
-    pair_ordered_scales(k_scale, matrix, groups_axis),
-    per_group,
-    group_size,
-    query_rows,
-    sublane_gathers,
-  )
+  return pair_ordered_scales(k_scale, matrix, groups_axis), per_group
 
 
 def pair_key_scores(
@@ -201,11 +211,13 @@ def pair_key_scores(
   group_size: int,
   query_rows: int,
   sublane_gathers: bool = True,
+  token_offset: int = 0,
 ) -> jax.Array:
-  """float32 [rows, block]: q . k of each token, from queries bfloat16 [rows, D] and scales
-  float32 [groups, D] in the pairs' row order (`pair_ordered_scales`: exact bfloat16 numbers
-  times the rows' factors), pairs bfloat16 [D, block] (`code_pairs`) and per_group float32
-  [rows, groups]: each key group's q . k_min less the pairs' 1s (sum_r q[r] scales[g, r]).
+  """float32 [rows, n]: q . k of each of tokens token_offset .. token_offset + n - 1 of a
+  block, from queries bfloat16 [rows, D], their pairs bfloat16 [D, n] (`code_pairs`), and the
+  whole block's scales float32 [groups, D] in the pairs' row order (`pair_ordered_scales`:
+  exact bfloat16 numbers times the rows' factors) and per_group float32 [rows, groups]: each
+  key group's q . k_min less the pairs' 1s (sum_r q[r] scales[g, r]); `key_score_terms`.
 
   Per lane tile, the queries times each of the tile's key groups' scales (the key scales
   folded into the queries), k groups an array of rows (`groups_per_block`); each product of
@@ -219,7 +231,7 @@ def pair_key_scores(
   parts = []
   for start in range(0, block, tile):
     width = min(tile, block - start)
-    first, groups = start // group_size, width // group_size
+    first, groups = (token_offset + start) // group_size, width // group_size
     k = groups_per_block(rows, query_rows, groups)
     arrays = [range(first + v * k, first + (v + 1) * k) for v in range(groups // k)]
     scaled = jnp.concatenate(

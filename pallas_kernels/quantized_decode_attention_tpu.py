@@ -467,80 +467,125 @@ def _value_statistics(ref, head, heads_shared: bool) -> jax.Array:
 
 
 CHUNK_TOKENS = 1024
+# How many chunks' key scores are issued ahead of a chunk's softmax (`_attend_pairs_by_chunks`).
+# Static bundles of an 8192-token step on a v5e (KERNEL_NOTES v63), KIVI-2 at head_dim 128 / 64,
+# KIVI-4 at 128 / 64: 2765 / 2962 / 2863 / 2219 issued one chunk at a time (0 ahead: fewest
+# spills, but each chunk's value product waits for its own key product), 2316 / 2419 / 2384 /
+# 1863 one ahead, 2104 / 2252 / 2221 / 1668 four ahead, 2122 / 2325 / 2187 / 1692 all; every
+# block's key scores first (v58) 2157 / 2471 / 2273 / 1760.
+KEY_CHUNKS_AHEAD = 4
 
 
-def _key_scores_by_halves(
-  queries_ref,
-  pair_queries_ref,
-  words,
+def _attend_pairs_by_chunks(
+  refs,
+  head,
+  valid_tokens,
   k_scale,
   k_min,
-  matrix,
-  embeddings_ref,
+  state_refs,
   *,
   bits: int,
   group_size: int,
   query_rows: int,
+  groups_axis: int,
+  value_stats_shared: bool,
   sublane_gathers: bool,
+  halves: bool,
 ):
-  """float32 [rows, block]: q . k of a block's two token halves (`code_pair_halves_tpu`), side
-  by side. queries_ref [2 rows, 2 D]: each half's virtual queries; pair_queries_ref [4 rows,
-  2 D]: each half's pair queries; words [8, block / 2]: the halves' words stacked; the key
-  statistics [D, G] (groups on lanes); embeddings_ref [4 D, D]: each half's embedding."""
-  rows, channels = queries_ref.shape[0] // 2, queries_ref.shape[1]
-  pairs = bfloat16_code_pairs.code_pairs(words, bits)
-  scores = []
-  for half in range(2):
-    embedding = embeddings_ref[half * channels : (half + 1) * channels, :]
-    scores.append(
-      code_pair_products_tpu.key_scores(
-        queries_ref[half * rows : (half + 1) * rows, :],
-        pair_queries_ref[half * 2 * rows : (half + 1) * 2 * rows, :],
-        pairs,
-        code_pair_halves_tpu.virtual_key_statistics(k_scale, embedding, half),
-        code_pair_halves_tpu.virtual_key_statistics(k_min, embedding, half),
-        matrix,
-        group_size=group_size,
-        query_rows=query_rows,
-        groups_axis=1,
-        sublane_gathers=sublane_gathers,
-      )
-    )
-  return jnp.concatenate(scores, axis=1)
+  """A block's attention with the codes as bfloat16 pairs (`code_pair_products_tpu`), chunk by
+  chunk of CHUNK_TOKENS tokens: each chunk's key scores from its own words, its softmax against
+  its own maximum and its value partials, each read from the refs where the chunk needs it;
+  the chunks merged at the end. The program order is the schedule's starting point: with every
+  key score of the block first (v58) the scheduler kept [rows, block] float32 scores and the
+  block's pairs live, 796 of a KIVI-2 step's 868 vector stores at head_dim 128 spills; one
+  chunk at a time, 254, but each value product waited for its own key product and the step
+  was 28% longer; KEY_CHUNKS_AHEAD chunks ahead is shorter than both (KERNEL_NOTES v63).
 
-
-def _attend_in_chunks(
-  scores,
-  v_pairs,
-  v_stats,
-  matrix,
-  state_refs,
-  group_size: int,
-  query_rows: int,
-  sublane_gathers: bool,
-  halves: bool = False,
-):
-  """The softmax and value product of a block in chunks of CHUNK_TOKENS tokens, each chunk
-  against its own maximum, merged at the end: no chunk's exponentials wait for another chunk's
-  scores, so the scheduler can run one chunk's value product beside the next one's key
-  products (with one maximum over the block, every value product waited for every key product:
-  the step's critical path, KERNEL_NOTES v57). scores float32 [rows, block], -inf past the
-  length; v_stats the value scales' rows then the minimums' ([2 D / group, block], zero past
-  the length). With `halves`, v_pairs are the token halves' pairs ([2 D, block / 2],
-  `code_pair_halves_tpu`): a chunk's codes part goes beside zeros for the other half's rows,
-  and `matrix` is `half_value_matrix`."""
+  refs: (queries [rows, D], pair queries [2 rows, D], k_codes [W, block], v_codes [W, block],
+  v_scale, v_min, pair matrix, value matrix); with `halves` (`code_pair_halves_tpu`): each
+  half's virtual queries [2 rows, 2 D], each half's pair queries [4 rows, 2 D] and the half
+  embeddings [4 D, D] follow, and each chunk of lanes holds a chunk of both token halves. The
+  key statistics zero past the length; scores and P' are masked per chunk."""
+  queries_ref, pair_queries_ref, k_codes_ref, v_codes_ref, v_scale_ref, v_min_ref = refs[:6]
+  matrix, value_matrix = refs[6][...], refs[7][...]
   max_ref, sum_ref, acc_ref = state_refs
-  rows, block = scores.shape
+  rows = max_ref.shape[0]
+  block = k_codes_ref.shape[1]
   span = block // 2 if halves else block  # the pairs' lanes
   chunk = CHUNK_TOKENS if span % CHUNK_TOKENS == 0 else span
+  if halves:
+    embeddings_ref = refs[8]
+    channels = queries_ref.shape[1]
+    terms = []  # each half's scales and per-group constants, its pair queries
+    for half in range(2):
+      embedding = embeddings_ref[half * channels : (half + 1) * channels, :]
+      pair_queries = pair_queries_ref[half * 2 * rows : (half + 1) * 2 * rows, :]
+      terms.append(
+        code_pair_products_tpu.key_score_terms(
+          queries_ref[half * rows : (half + 1) * rows, :],
+          pair_queries,
+          code_pair_halves_tpu.virtual_key_statistics(k_scale, embedding, half),
+          code_pair_halves_tpu.virtual_key_statistics(k_min, embedding, half),
+          matrix,
+          groups_axis=1,
+        )
+        + (pair_queries[:rows],)
+      )
+  else:
+    terms = [
+      code_pair_products_tpu.key_score_terms(
+        queries_ref[...], pair_queries_ref[...], k_scale, k_min, matrix, groups_axis
+      )
+      + (pair_queries_ref[:rows, :],)
+    ]
+  # (chunk lanes, half) of each token chunk, in token order.
+  items = [(local, half) for half in range(len(terms)) for local in range(0, span, chunk)]
+  items.sort()
+
+  @functools.cache  # a chunk of lanes' pairs serve both halves
+  def pairs(local, codes: str):
+    codes_ref = {"keys": k_codes_ref, "values": v_codes_ref}[codes]
+    pieces = [slice(h * span + local, h * span + local + chunk) for h in range(len(terms))]
+    words = jnp.concatenate([codes_ref[:, piece] for piece in pieces])
+    return bfloat16_code_pairs.code_pairs(words, bits)
+
+  def chunk_scores(local, half):
+    scales, per_group, pair_queries = terms[half]
+    scores = code_pair_products_tpu.pair_key_scores(
+      pair_queries,
+      pairs(local, "keys"),
+      scales,
+      per_group,
+      group_size,
+      query_rows,
+      sublane_gathers,
+      token_offset=local,
+    )
+    piece = slice(half * span + local, half * span + local + chunk)
+    return jnp.where(valid_tokens[:, piece], scores, -jnp.inf)
+
+  scores_of = {}
   parts = []
-  for start in range(0, block, chunk):
-    piece = slice(start, start + chunk)
-    half, local = divmod(start, span)
-    chunk_max = scores[:, piece].max(axis=1, keepdims=True)  # -inf: a chunk past the length
-    probs = jnp.exp(scores[:, piece] - jnp.where(chunk_max == -jnp.inf, 0.0, chunk_max))
+  for index, (local, half) in enumerate(items):
+    # The next chunks' key products are issued before this chunk's softmax, for the scheduler
+    # to overlap them with its exponentials and value product.
+    for ahead in items[index : index + 1 + KEY_CHUNKS_AHEAD]:
+      if ahead not in scores_of:
+        scores_of[ahead] = chunk_scores(*ahead)
+    scores = scores_of.pop((local, half))
+    piece = slice(half * span + local, half * span + local + chunk)
+    v_stats = jnp.concatenate(
+      [
+        _value_statistics(ref.at[:, piece], head, value_stats_shared)
+        for ref in (v_scale_ref, v_min_ref)
+      ]
+    )
+    # Past the length the statistics may hold NaN, which would reach P'.
+    v_stats = jnp.where(valid_tokens[:, piece], v_stats, 0.0)
+    chunk_max = scores.max(axis=1, keepdims=True)  # -inf: a chunk past the length
+    probs = jnp.exp(scores - jnp.where(chunk_max == -jnp.inf, 0.0, chunk_max))
     codes_part, minimums = code_pair_products_tpu.pair_value_partials(
-      probs, v_pairs[:, local : local + chunk], v_stats[:, piece], query_rows, sublane_gathers
+      probs, pairs(local, "values"), v_stats, query_rows, sublane_gathers
     )
     if halves:
       beside = jnp.zeros_like(codes_part)
@@ -556,7 +601,7 @@ def _attend_in_chunks(
     total_codes = total_codes + weight_per_array * codes_part
     total_minimums = total_minimums + weight_per_array * minimums
   update = code_pair_products_tpu.pair_value_update(
-    total_codes, total_minimums, matrix, group_size, query_rows, rows
+    total_codes, total_minimums, value_matrix, group_size, query_rows, rows
   )
   acc_ref[...] = acc_ref[...] * jnp.exp(previous_max - new_max) + update
   sum_ref[...] = total_sum
@@ -658,21 +703,29 @@ def _quantized_kernel(
     live_groups = group_starts < length
     k_scale = jnp.where(live_groups, k_scale_ref[...], 0)
     k_min = jnp.where(live_groups, k_min_ref[...], 0)
-    if pair_halves:
-      scores = _key_scores_by_halves(
-        pair_queries_ref,
-        half_pair_queries_ref,
-        token_halves_tpu.halves_on_sublanes(k_codes_ref[...]),
+    if code_pairs and not (rank or outliers):
+      if pair_halves:
+        pair_refs = (pair_queries_ref, half_pair_queries_ref)
+        matrices = (pair_matrix_ref, value_matrix_ref, embeddings_ref)
+      else:
+        pair_refs, matrices = (queries_ref, pair_queries_ref), (pair_matrix_ref, pair_matrix_ref)
+      _attend_pairs_by_chunks(
+        (*pair_refs, k_codes_ref, v_codes_ref, v_scale_ref, v_min_ref, *matrices),
+        head,
+        valid_tokens,
         k_scale,
         k_min,
-        pair_matrix_ref[...],
-        embeddings_ref,
+        (max_ref, sum_ref, acc_ref),
         bits=bits,
         group_size=group_size,
         query_rows=query_rows,
+        groups_axis=groups_axis,
+        value_stats_shared=value_stats_shared,
         sublane_gathers=sublane_gathers,
+        halves=pair_halves,
       )
-    elif code_pairs:
+      return
+    if code_pairs:
       scores = code_pair_products_tpu.key_scores(
         queries_ref[...],
         pair_queries_ref[...],
@@ -723,24 +776,9 @@ def _quantized_kernel(
     )
     token_halves = token_halves_tpu.applies(k_codes_ref.shape[0], block, group_size)
     if code_pairs:
-      v_words = v_codes_ref[...]
-      v_words = token_halves_tpu.halves_on_sublanes(v_words) if pair_halves else v_words
-      v_pairs = bfloat16_code_pairs.code_pairs(v_words, bits)
+      v_pairs = bfloat16_code_pairs.code_pairs(v_codes_ref[...], bits)
       # Past the length the statistics may hold NaN, which would reach P'.
       v_stats = jnp.where(valid_tokens, jnp.concatenate([v_scale, v_min]), 0.0)
-    if code_pairs and not (rank or outliers):
-      _attend_in_chunks(
-        scores,
-        v_pairs,
-        v_stats,
-        (value_matrix_ref if pair_halves else pair_matrix_ref)[...],
-        (max_ref, sum_ref, acc_ref),
-        group_size,
-        query_rows,
-        sublane_gathers,
-        halves=pair_halves,
-      )
-      return
     previous_max = max_ref[...]
     new_max = jnp.maximum(previous_max, scores.max(axis=1, keepdims=True))
     correction = jnp.exp(previous_max - new_max)  # 0 on the first block (max was -inf)

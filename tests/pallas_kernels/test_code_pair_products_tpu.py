@@ -137,6 +137,46 @@ def test_key_scores_are_exact_but_for_float32_sums(bits, query_rows, sublane_gat
       np.testing.assert_allclose(scores[row], reference[row % query_rows], rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("groups_axis", [0, 1])
+def test_key_scores_of_token_ranges_are_the_block_scores(groups_axis):
+  """`pair_key_scores` of tokens [offset, offset + n) with the whole block's `key_score_terms`
+  (the kernel's chunks) gives exactly those tokens' columns of the whole block's scores: each
+  range takes its own groups' scales and constants, not the block's first groups'."""
+  head_dim, bits, group_size, query_rows = 128, 2, 32, 4
+  queries, _, pairs, k_scale, k_min, _ = _key_case(7, bits, head_dim, query_rows, group_size)
+  filled = products.fill_query_rows(jnp.asarray(queries, jnp.bfloat16), ROWS)
+  pair_queries = products.pair_query_rows(filled, bits)
+  matrix = jnp.asarray(bfloat16_code_pairs.pair_matrix(head_dim, bits), jnp.bfloat16)
+  stats = [jnp.asarray(x, jnp.bfloat16) for x in (k_scale, k_min)]
+  if groups_axis == 1:
+    stats = [x.T for x in stats]
+  scales, per_group = products.key_score_terms(filled, pair_queries, *stats, matrix, groups_axis)
+  tokens = pairs.shape[1]
+  assert tokens >= 512 and per_group.shape[1] == tokens // group_size
+  # jitted: `pltpu.roll` has no eager rule
+  whole = jax.jit(products.key_scores, static_argnames=("group_size", "query_rows", "groups_axis"))(
+    filled,
+    pair_queries,
+    pairs,
+    *stats,
+    matrix,
+    group_size=group_size,
+    query_rows=query_rows,
+    groups_axis=groups_axis,
+  )
+  for offset, width in [(0, 128), (256, 256), (tokens - 128, 128)]:
+    part = jax.jit(products.pair_key_scores, static_argnums=(4, 5), static_argnames="token_offset")(
+      pair_queries[:ROWS],
+      pairs[:, offset : offset + width],
+      scales,
+      per_group,
+      group_size,
+      query_rows,
+      token_offset=offset,
+    )
+    np.testing.assert_array_equal(np.asarray(part), np.asarray(whole[:, offset : offset + width]))
+
+
 def test_zero_codes_and_minimums_make_zero_scores():
   """The 1s cancel: with every code 0 and every minimum 0, any scales give scores of 0 (to the
   float32 sums), not sum(q x scale x 2^7)."""
