@@ -224,43 +224,66 @@ def pair_key_scores(
   two bfloat16 numbers is exact in float32 and exactly the sum of two bfloat16 numbers, its
   rounding and the rest, stacked as rows: one product, exact, so that the 1s cancel exactly.
   Each token takes its own group's rows."""
-  rows, channels = queries.shape
+  return key_scores_sharing_pairs(
+    [(queries, scales, per_group)], pairs, group_size, query_rows, sublane_gathers, token_offset
+  )[0]
+
+
+def key_scores_sharing_pairs(
+  query_sets,
+  pairs: jax.Array,
+  group_size: int,
+  query_rows: int,
+  sublane_gathers: bool = True,
+  token_offset: int = 0,
+) -> list[jax.Array]:
+  """`pair_key_scores` of several sets of (queries, scales, per_group) against the same pairs,
+  each set's scores: one product a lane tile for every set's rows, so that each tile of pairs
+  is pushed into the MXU once (the token halves' virtual heads share their pairs:
+  `code_pair_halves_tpu`)."""
+  rows, channels = query_sets[0][0].shape
   block = pairs.shape[1]
-  queries = queries.astype(jnp.float32)
   tile = math.lcm(LANES, group_size)
-  parts = []
+  parts = [[] for _ in query_sets]
   for start in range(0, block, tile):
     width = min(tile, block - start)
     first, groups = (token_offset + start) // group_size, width // group_size
     k = groups_per_block(rows, query_rows, groups)
     arrays = [range(first + v * k, first + (v + 1) * k) for v in range(groups // k)]
-    scaled = jnp.concatenate(
-      [
-        queries * _sublane_rows(scales, array[0], k, (rows, channels), sublane_gathers)
-        for array in arrays
-      ]
-    )  # [groups / k x rows, D], exact
-    high = rounded_to_bfloat16(scaled)
+    operands = []
+    for queries, scales, _ in query_sets:
+      scaled = jnp.concatenate(
+        [
+          queries.astype(jnp.float32)
+          * _sublane_rows(scales, array[0], k, (rows, channels), sublane_gathers)
+          for array in arrays
+        ]
+      )  # [groups / k x rows, D], exact
+      high = rounded_to_bfloat16(scaled)
+      operands += [high, scaled - high]
     both = jax.lax.dot_general(
-      jnp.concatenate([high, scaled - high]).astype(jnp.bfloat16),
+      jnp.concatenate(operands).astype(jnp.bfloat16),
       pairs[:, start : start + width],
       (((1,), (0,)), ((), ())),
       preferred_element_type=jnp.float32,
     )
-    products = both[: scaled.shape[0]] + both[scaled.shape[0] :]
+    size = len(arrays) * rows
     token_group = jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) // group_size
-    scores = _own_group_rows(products, token_group, k, rows)
     # Each token's group's constant, by one lane gather from the lane tile of per_group that
     # holds the tile's groups (a broadcast of each group's column took one XLU permute a group).
     base = first // LANES * LANES
-    source = per_group[:, base : base + LANES]
-    if source.shape[1] < LANES:
-      source = jnp.concatenate(
-        [source, jnp.zeros((rows, LANES - source.shape[1]), source.dtype)], axis=1
-      )
     lanes = jax.lax.broadcasted_iota(jnp.int32, (rows, width), 1) // group_size + (first - base)
-    parts.append(scores + jnp.take_along_axis(source, lanes, axis=1))
-  return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+    for index, (_, _, per_group) in enumerate(query_sets):
+      at = 2 * index * size
+      products = both[at : at + size] + both[at + size : at + 2 * size]
+      scores = _own_group_rows(products, token_group, k, rows)
+      source = per_group[:, base : base + LANES]
+      if source.shape[1] < LANES:
+        source = jnp.concatenate(
+          [source, jnp.zeros((rows, LANES - source.shape[1]), source.dtype)], axis=1
+        )
+      parts[index].append(scores + jnp.take_along_axis(source, lanes, axis=1))
+  return [jnp.concatenate(part, axis=1) if len(part) > 1 else part[0] for part in parts]
 
 
 def pair_value_partials(
@@ -276,29 +299,48 @@ def pair_value_partials(
   that at 4 value groups one slab of 8 rows holds both; zero past the length: they may hold NaN
   there), k value groups an array of rows (`groups_per_block`). Both are linear in p: partials
   of several token ranges, each weighted by row, add up (`pair_value_update`)."""
-  rows = probs.shape[0]
-  groups = v_stats.shape[0] // 2
+  return value_partials_sharing_pairs([(probs, v_stats)], pairs, query_rows, sublane_gathers)[0]
+
+
+def value_partials_sharing_pairs(
+  prob_sets,
+  pairs: jax.Array,
+  query_rows: int,
+  sublane_gathers: bool = True,
+) -> list[tuple[jax.Array, jax.Array]]:
+  """`pair_value_partials` of several sets of (probs, v_stats) against the same pairs, each
+  set's two parts: one product for every set's P' rows, so that the pairs are pushed into the
+  MXU once."""
+  rows, _ = prob_sets[0][0].shape
+  groups = prob_sets[0][1].shape[0] // 2
   k = groups_per_block(rows, query_rows, groups)
   arrays = [range(v * k, (v + 1) * k) for v in range(groups // k)]
-  per_array = lambda offset, array: _sublane_rows(
-    v_stats, offset + array[0], k, probs.shape, sublane_gathers
-  )
-  weighted = rounded_to_bfloat16(
-    jnp.concatenate([probs * per_array(0, array) for array in arrays])
-  )  # [groups / k x rows, n], float32 holding bfloat16 numbers
+  weighted, minimums = [], []
+  for probs, v_stats in prob_sets:
+    per_array = lambda offset, array, probs=probs, v_stats=v_stats: _sublane_rows(
+      v_stats, offset + array[0], k, probs.shape, sublane_gathers
+    )
+    weighted.append(
+      rounded_to_bfloat16(jnp.concatenate([probs * per_array(0, array) for array in arrays]))
+    )  # [groups / k x rows, n], float32 holding bfloat16 numbers
+    # sum_t p[t] v_min[g, t] on the vector unit: as a product its weights would be v_min's
+    # [tokens, groups] tiles, a push into the MXU per 128 tokens for a few columns.
+    minimums.append(
+      jnp.concatenate(
+        [(probs * per_array(groups, array)).sum(axis=1, keepdims=True) for array in arrays]
+      )
+    )
   products = jax.lax.dot_general(
-    weighted.astype(jnp.bfloat16),
+    jnp.concatenate(weighted).astype(jnp.bfloat16),
     pairs,
     (((1,), (1,)), ((), ())),
     preferred_element_type=jnp.float32,
-  )  # [groups / k x rows, D rows]
-  codes_part = products - weighted.sum(axis=1, keepdims=True)  # less the rows' 1s
-  # sum_t p[t] v_min[g, t] on the vector unit: as a product its weights would be v_min's
-  # [tokens, groups] tiles, a push into the MXU per 128 tokens for a few columns.
-  minimums = jnp.concatenate(
-    [(probs * per_array(groups, array)).sum(axis=1, keepdims=True) for array in arrays]
-  )
-  return codes_part, minimums
+  )  # [sets x groups / k x rows, D rows]
+  size = weighted[0].shape[0]
+  return [
+    (products[i * size : (i + 1) * size] - w.sum(axis=1, keepdims=True), m)  # less the rows' 1s
+    for i, (w, m) in enumerate(zip(weighted, minimums))
+  ]
 
 
 def pair_value_update(

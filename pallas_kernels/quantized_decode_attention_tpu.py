@@ -48,7 +48,9 @@ need not wait for the block's last key product. The query rows' padding holds co
 query rows, so that a register of 8 rows serves two key or value groups at 4 query heads a KV
 head. Since v58 KIVI's 2-bit codes at head_dim 64 take pairs too, of the block's token halves
 stacked on sublanes, as a virtual head of 128 channels whose halves' products are apart
-(`code_pair_halves_tpu`); GEAR's there keep the unpacked token halves.
+(`code_pair_halves_tpu`); GEAR's there keep the unpacked token halves. Since v63 (KIVI's pairs)
+each chunk's key scores come from that chunk's words, issued a few chunks ahead of its softmax
+(`_attend_pairs_by_chunks`), and the two token halves' rows share one product with their pairs.
 
 The key statistics stay [B, H, T / group, D] at head_dim 128 (head_dim on lanes); below 128
 channels XLA lays them out with the groups last too, and the kernel takes them as
@@ -538,70 +540,70 @@ def _attend_pairs_by_chunks(
       )
       + (pair_queries_ref[:rows, :],)
     ]
-  # (chunk lanes, half) of each token chunk, in token order.
-  items = [(local, half) for half in range(len(terms)) for local in range(0, span, chunk)]
-  items.sort()
 
-  @functools.cache  # a chunk of lanes' pairs serve both halves
-  def pairs(local, codes: str):
-    codes_ref = {"keys": k_codes_ref, "values": v_codes_ref}[codes]
-    pieces = [slice(h * span + local, h * span + local + chunk) for h in range(len(terms))]
-    words = jnp.concatenate([codes_ref[:, piece] for piece in pieces])
+  def pieces(local):  # each half's tokens in lanes local .. local + chunk
+    return [slice(h * span + local, h * span + local + chunk) for h in range(len(terms))]
+
+  def pairs(local, codes_ref):  # one chunk of lanes' pairs serve both halves
+    words = jnp.concatenate([codes_ref[:, piece] for piece in pieces(local)])
     return bfloat16_code_pairs.code_pairs(words, bits)
 
-  def chunk_scores(local, half):
-    scales, per_group, pair_queries = terms[half]
-    scores = code_pair_products_tpu.pair_key_scores(
-      pair_queries,
-      pairs(local, "keys"),
-      scales,
-      per_group,
+  def chunk_scores(local):  # each half's
+    scores = code_pair_products_tpu.key_scores_sharing_pairs(
+      [(pair_queries, scales, per_group) for scales, per_group, pair_queries in terms],
+      pairs(local, k_codes_ref),
       group_size,
       query_rows,
       sublane_gathers,
       token_offset=local,
     )
-    piece = slice(half * span + local, half * span + local + chunk)
-    return jnp.where(valid_tokens[:, piece], scores, -jnp.inf)
+    return [
+      jnp.where(valid_tokens[:, piece], half_scores, -jnp.inf)
+      for half_scores, piece in zip(scores, pieces(local))
+    ]
 
+  chunks = range(0, span, chunk)
   scores_of = {}
   parts = []
-  for index, (local, half) in enumerate(items):
+  for index, local in enumerate(chunks):
     # The next chunks' key products are issued before this chunk's softmax, for the scheduler
     # to overlap them with its exponentials and value product.
-    for ahead in items[index : index + 1 + KEY_CHUNKS_AHEAD]:
+    for ahead in chunks[index : index + 1 + KEY_CHUNKS_AHEAD]:
       if ahead not in scores_of:
-        scores_of[ahead] = chunk_scores(*ahead)
-    scores = scores_of.pop((local, half))
-    piece = slice(half * span + local, half * span + local + chunk)
-    v_stats = jnp.concatenate(
-      [
-        _value_statistics(ref.at[:, piece], head, value_stats_shared)
-        for ref in (v_scale_ref, v_min_ref)
-      ]
+        scores_of[ahead] = chunk_scores(ahead)
+    prob_sets, maxima = [], []
+    for scores, piece in zip(scores_of.pop(local), pieces(local)):
+      v_stats = jnp.concatenate(
+        [
+          _value_statistics(ref.at[:, piece], head, value_stats_shared)
+          for ref in (v_scale_ref, v_min_ref)
+        ]
+      )
+      # Past the length the statistics may hold NaN, which would reach P'.
+      v_stats = jnp.where(valid_tokens[:, piece], v_stats, 0.0)
+      chunk_max = scores.max(axis=1, keepdims=True)  # -inf: a chunk past the length
+      probs = jnp.exp(scores - jnp.where(chunk_max == -jnp.inf, 0.0, chunk_max))
+      prob_sets.append((probs, v_stats))
+      maxima.append(chunk_max)
+    partials = code_pair_products_tpu.value_partials_sharing_pairs(
+      prob_sets, pairs(local, v_codes_ref), query_rows, sublane_gathers
     )
-    # Past the length the statistics may hold NaN, which would reach P'.
-    v_stats = jnp.where(valid_tokens[:, piece], v_stats, 0.0)
-    chunk_max = scores.max(axis=1, keepdims=True)  # -inf: a chunk past the length
-    probs = jnp.exp(scores - jnp.where(chunk_max == -jnp.inf, 0.0, chunk_max))
-    codes_part, minimums = code_pair_products_tpu.pair_value_partials(
-      probs, pairs(local, "values"), v_stats, query_rows, sublane_gathers
-    )
-    if halves:
-      beside = jnp.zeros_like(codes_part)
-      codes_part = jnp.concatenate([beside, codes_part] if half else [codes_part, beside], axis=1)
-    parts.append((chunk_max, probs.sum(axis=1, keepdims=True), codes_part, minimums))
+    for half, ((probs, _), chunk_max, (codes_part, minimums)) in enumerate(
+      zip(prob_sets, maxima, partials)
+    ):
+      parts.append((half, chunk_max, probs.sum(axis=1, keepdims=True), codes_part, minimums))
   previous_max = max_ref[...]
-  new_max = functools.reduce(jnp.maximum, [part[0] for part in parts], previous_max)
-  total_sum, total_codes, total_minimums = sum_ref[...] * jnp.exp(previous_max - new_max), 0, 0
-  for chunk_max, chunk_sum, codes_part, minimums in parts:
+  new_max = functools.reduce(jnp.maximum, [part[1] for part in parts], previous_max)
+  total_sum, total_minimums = sum_ref[...] * jnp.exp(previous_max - new_max), 0
+  total_codes = [0] * len(terms)  # each half's: its pair rows of `value_matrix`
+  for half, chunk_max, chunk_sum, codes_part, minimums in parts:
     weight = jnp.exp(chunk_max - new_max)  # [rows, 1]; 0 for a chunk past the length
     total_sum = total_sum + weight * chunk_sum
     weight_per_array = jnp.concatenate([weight] * (codes_part.shape[0] // rows))
-    total_codes = total_codes + weight_per_array * codes_part
+    total_codes[half] = total_codes[half] + weight_per_array * codes_part
     total_minimums = total_minimums + weight_per_array * minimums
   update = code_pair_products_tpu.pair_value_update(
-    total_codes, total_minimums, value_matrix, group_size, query_rows, rows
+    jnp.concatenate(total_codes, axis=1), total_minimums, value_matrix, group_size, query_rows, rows
   )
   acc_ref[...] = acc_ref[...] * jnp.exp(previous_max - new_max) + update
   sum_ref[...] = total_sum

@@ -247,3 +247,53 @@ def test_the_value_update_is_exact_but_for_the_weights_rounding(
   if ROWS % query_rows == 0:
     for row in range(query_rows, ROWS):
       np.testing.assert_allclose(out[row], out[row % query_rows], rtol=1e-6, atol=1e-6)
+
+
+def test_sets_sharing_pairs_get_each_their_own_products():
+  """`key_scores_sharing_pairs` and `value_partials_sharing_pairs` (one product for several
+  sets' rows against the same pairs: the token halves') give each set what it would get alone;
+  sets swapped, their results swap."""
+  head_dim, bits, group_size, query_rows, tokens = 128, 2, 32, 4, 384
+  rng = np.random.default_rng(11)
+  _, pairs = _codes(rng, bits, head_dim, tokens)
+  matrix = jnp.asarray(bfloat16_code_pairs.pair_matrix(head_dim, bits), jnp.bfloat16)
+  key_sets, prob_sets = [], []
+  for _ in range(2):
+    queries = products.fill_query_rows(
+      jnp.asarray(rng.normal(size=(query_rows, head_dim)), jnp.bfloat16), ROWS
+    )
+    k_scale, k_min = (
+      jnp.asarray(x, jnp.bfloat16)
+      for x in (
+        rng.uniform(0.05, 2.0, (tokens // group_size, head_dim)),
+        rng.normal(size=(tokens // group_size, head_dim)),
+      )
+    )
+    scales, per_group = products.key_score_terms(
+      queries, products.pair_query_rows(queries, bits), k_scale, k_min, matrix
+    )
+    key_sets.append((products.pair_query_rows(queries, bits)[:ROWS], scales, per_group))
+    probs = jnp.asarray(rng.uniform(0.0, 1.0, (ROWS, tokens)), jnp.float32)
+    v_stats = jnp.asarray(rng.uniform(0.05, 2.0, (2 * head_dim // group_size, tokens)), jnp.float32)
+    prob_sets.append((probs, v_stats))
+  shared_keys = jax.jit(
+    lambda sets, pairs: products.key_scores_sharing_pairs(sets, pairs, group_size, query_rows)
+  )
+  shared_values = jax.jit(
+    lambda sets, pairs: products.value_partials_sharing_pairs(sets, pairs, query_rows)
+  )
+  both_scores, swapped_scores = shared_keys(key_sets, pairs), shared_keys(key_sets[::-1], pairs)
+  both_parts, swapped_parts = (
+    shared_values(prob_sets, pairs),
+    shared_values(prob_sets[::-1], pairs),
+  )
+  for index in range(2):
+    alone = shared_keys(key_sets[index : index + 1], pairs)[0]
+    np.testing.assert_allclose(both_scores[index], alone, rtol=1e-6, atol=1e-4)
+    np.testing.assert_allclose(swapped_scores[1 - index], alone, rtol=1e-6, atol=1e-4)
+    for part in range(2):
+      alone = shared_values(prob_sets[index : index + 1], pairs)[0][part]
+      np.testing.assert_allclose(both_parts[index][part], alone, rtol=1e-6, atol=1e-4)
+      np.testing.assert_allclose(swapped_parts[1 - index][part], alone, rtol=1e-6, atol=1e-4)
+  assert not np.allclose(both_scores[0], both_scores[1], rtol=1e-2)
+  assert not np.allclose(both_parts[0][0], both_parts[1][0], rtol=1e-2)
