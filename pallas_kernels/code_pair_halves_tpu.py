@@ -8,10 +8,14 @@ stacked row w', which is word w' % 4 of token half w' // 4, i.e. real channel f 
 (`bit_packing`'s planar layout) of the tokens in half w' // 4. Each half's products are then
 those of head_dim 2 D (`code_pair_products_tpu`) with the other half's virtual channels zero:
 
-  keys    each half's queries and key statistics embedded in the virtual channels of that
-          half, zero on the other's (`half_queries`, `virtual_key_statistics`): a product over
-          all 2 D rows picks up that half's tokens only; the scores of the two halves, [rows,
-          n / 2] each, side by side are the block's;
+  keys    each half's queries embedded in the virtual channels of that half, zero on the
+          other's (`half_pair_queries`): a product over all 2 D rows picks up that half's
+          tokens only; the scores of the two halves, [rows, n / 2] each, side by side are the
+          block's. The key scales, folded into those queries, go into the half's pair rows
+          by one product with the half's rows of `half_value_matrix` (real channels to the
+          virtual pair rows, times the factors); the groups' constants (q . k_min less the
+          1s) need no virtual channels (each real channel's factor is its virtual one's) and
+          come from the real queries (`code_pair_products_tpu.group_constants`);
   values  each half's P' times the pairs gives [rows, 2 D] over both halves' rows, of which
           the half's own are its tokens' (the other's are finite and multiplied by zeros): both
           halves' parts side by side, one product with `half_value_matrix` ([4 D, D]: the
@@ -20,10 +24,11 @@ those of head_dim 2 D (`code_pair_products_tpu`) with the other half's virtual c
 
 Both halves' rows go into one product with the pairs (`key_scores_sharing_pairs`,
 `value_partials_sharing_pairs`), so that the pairs are pushed into the MXU once for both (the
-step's static bundles on a v5e, 8192 tokens: 2252 -> 1917, KERNEL_NOTES v63). All embeddings
-are 0/1 products: exact. At v57 the pairs on half-full registers ([4, n]) were
-no faster than unpacking the token halves (KERNEL_NOTES v57); stacked, the masks and ORs work
-on whole registers (KERNEL_NOTES v58).
+step's static bundles on a v5e, 8192 tokens: 2252 -> 1917, KERNEL_NOTES v63). The key
+statistics embedded into virtual channels by products in the kernel (v58) cost 215 of those
+1917 bundles. All embeddings are 0/1 products: exact. At v57 the pairs on half-full registers
+([4, n]) were no faster than unpacking the token halves (KERNEL_NOTES v57); stacked, the masks
+and ORs work on whole registers (KERNEL_NOTES v58).
 """
 
 import jax
@@ -73,25 +78,17 @@ def half_queries(queries: jax.Array, bits: int) -> jax.Array:
 
 
 def half_pair_queries(queries: jax.Array, bits: int) -> jax.Array:
-  """[..., 2, 2 rows, 2 D]: `code_pair_products_tpu.pair_query_rows` of each half's virtual
-  queries (`half_queries`)."""
-  return code_pair_products_tpu.pair_query_rows(half_queries(queries, bits), bits)
+  """[..., 2, rows, 2 D]: each half's virtual queries (`half_queries`) in the virtual head's
+  pairs' row order (`code_pair_products_tpu.pair_query_rows`' first rows)."""
+  rows = queries.shape[-2]
+  return code_pair_products_tpu.pair_query_rows(half_queries(queries, bits), bits)[..., :rows, :]
 
 
 def half_value_matrix(head_dim: int, bits: int) -> np.ndarray:
   """float32 [4 D, D]: both halves' pair rows (half 0's 2 D, then half 1's) to real channels,
-  times the rows' factors; the other half's rows zero (exact in bfloat16)."""
+  times the rows' factors; the other half's rows zero (exact in bfloat16). Half h's [2 D, D]
+  serves its keys too: `code_pair_products_tpu.pair_ordered_scales` of the half's key scales
+  [D, G / 2] by it puts them in its virtual pair rows, zero on the other half's."""
   pairs_to_virtual = bfloat16_code_pairs.pair_matrix(2 * head_dim, bits)  # [2 D, 2 D]
   embeddings = half_embeddings(head_dim, bits)
   return np.concatenate([pairs_to_virtual @ embeddings[h] for h in range(2)])
-
-
-def virtual_key_statistics(stats: jax.Array, embedding: jax.Array, half: int) -> jax.Array:
-  """bfloat16 [2 D, G / 2]: the key statistics [D, G] of a block (groups on lanes, bfloat16)
-  of token half `half`, in its virtual channels (`embedding` = `half_embeddings`[half],
-  bfloat16 [2 D, D]), zero in the other half's."""
-  groups = stats.shape[1] // 2
-  own = stats[:, half * groups : (half + 1) * groups]
-  return jax.lax.dot_general(
-    embedding, own, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
-  ).astype(stats.dtype)

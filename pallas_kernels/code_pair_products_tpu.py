@@ -121,9 +121,10 @@ def _own_block_everywhere(x: jax.Array, own_block: jax.Array, k: int) -> jax.Arr
 
 
 def pair_ordered_scales(k_scale: jax.Array, matrix: jax.Array, groups_axis: int = 0) -> jax.Array:
-  """float32 [groups, D]: the key scales [groups, D] (or [D, groups] with `groups_axis` 1;
-  bfloat16, channel order) in the pairs' row order, times the rows' factors (exact: one nonzero
-  term, a power of two)."""
+  """float32 [groups, R]: the key scales [groups, D] (or [D, groups] with `groups_axis` 1;
+  bfloat16, channel order) in the pairs' row order, times the rows' factors, by `matrix`
+  [R, D] (`pair_matrix`, or a virtual head's rows of real channels: `code_pair_halves_tpu`;
+  exact: one nonzero term, a power of two)."""
   return jax.lax.dot_general(
     k_scale.astype(jnp.bfloat16),
     matrix,
@@ -172,9 +173,6 @@ def key_scores(
   [groups, D] (or [D, groups] with `groups_axis` 1, as stored below 128 channels; bfloat16,
   zero past the length) and `pair_matrix` bfloat16 [D, D]."""
   rows = queries.shape[0]
-  # q . k_min less the pairs' 1s (sum_c q[c] factor[c] k_scale[g, c]) per key group, in one
-  # product that does not wait for the scales' reordering (the step's first products: on its
-  # critical path, KERNEL_NOTES v57).
   scales, per_group = key_score_terms(queries, pair_queries, k_scale, k_min, matrix, groups_axis)
   return pair_key_scores(
     pair_queries[:rows], pairs, scales, per_group, group_size, query_rows, sublane_gathers
@@ -191,16 +189,33 @@ def key_score_terms(
 ) -> tuple[jax.Array, jax.Array]:
   """(scales float32 [groups, D] in the pairs' row order, per_group float32 [rows, groups]) of
   a block's key statistics, `key_scores`' arguments: what `pair_key_scores` takes for any of
-  the block's token ranges."""
+  the block's token ranges. The scales' product is issued first: the other way round (v57's
+  order, when every key score of a block came first) the chunked step is 1-2% longer (static
+  v5e bundles, KERNEL_NOTES v63)."""
+  return (
+    pair_ordered_scales(k_scale, matrix, groups_axis),
+    group_constants(queries, pair_queries, k_scale, k_min, groups_axis),
+  )
+
+
+def group_constants(
+  queries: jax.Array,
+  pair_queries: jax.Array,
+  k_scale: jax.Array,
+  k_min: jax.Array,
+  groups_axis: int = 0,
+) -> jax.Array:
+  """float32 [rows, groups]: each key group's q . k_min less the pairs' 1s (sum_c q[c]
+  factor[c] k_scale[g, c]), from the queries [rows, D] and `pair_query_rows` [2 rows, D] (its
+  factored rows), in channel order."""
   rows = queries.shape[0]
   channels_axis = 1 - groups_axis
-  per_group = jax.lax.dot_general(
+  return jax.lax.dot_general(
     jnp.concatenate([queries, -pair_queries[rows:]], axis=1),
     jnp.concatenate([k_min, k_scale], axis=channels_axis),
     (((1,), (channels_axis,)), ((), ())),
     preferred_element_type=jnp.float32,
-  )  # [rows, groups]
-  return pair_ordered_scales(k_scale, matrix, groups_axis), per_group
+  )
 
 
 def pair_key_scores(

@@ -503,36 +503,36 @@ def _attend_pairs_by_chunks(
   chunk at a time, 254, but each value product waited for its own key product and the step
   was 28% longer; KEY_CHUNKS_AHEAD chunks ahead is shorter than both (KERNEL_NOTES v63).
 
-  refs: (queries [rows, D], pair queries [2 rows, D], k_codes [W, block], v_codes [W, block],
-  v_scale, v_min, pair matrix, value matrix); with `halves` (`code_pair_halves_tpu`): each
-  half's virtual queries [2 rows, 2 D], each half's pair queries [4 rows, 2 D] and the half
-  embeddings [4 D, D] follow, and each chunk of lanes holds a chunk of both token halves. The
-  key statistics zero past the length; scores and P' are masked per chunk."""
+  refs: (queries [rows, D], `pair_query_rows` [2 rows, D], k_codes [W, block], v_codes [W,
+  block], v_scale, v_min, `pair_matrix` [D, D]); with `halves` (`code_pair_halves_tpu`), the
+  matrix is `half_value_matrix` [4 D, D], each half's pair queries [2 rows, 2 D] follow, and
+  each chunk of lanes holds a chunk of both token halves. The key statistics zero past the
+  length; scores and P' are masked per chunk."""
   queries_ref, pair_queries_ref, k_codes_ref, v_codes_ref, v_scale_ref, v_min_ref = refs[:6]
-  matrix, value_matrix = refs[6][...], refs[7][...]
+  matrix = refs[6][...]
   max_ref, sum_ref, acc_ref = state_refs
   rows = max_ref.shape[0]
   block = k_codes_ref.shape[1]
   span = block // 2 if halves else block  # the pairs' lanes
   chunk = CHUNK_TOKENS if span % CHUNK_TOKENS == 0 else span
   if halves:
-    embeddings_ref = refs[8]
-    channels = queries_ref.shape[1]
-    terms = []  # each half's scales and per-group constants, its pair queries
-    for half in range(2):
-      embedding = embeddings_ref[half * channels : (half + 1) * channels, :]
-      pair_queries = pair_queries_ref[half * 2 * rows : (half + 1) * 2 * rows, :]
-      terms.append(
-        code_pair_products_tpu.key_score_terms(
-          queries_ref[half * rows : (half + 1) * rows, :],
-          pair_queries,
-          code_pair_halves_tpu.virtual_key_statistics(k_scale, embedding, half),
-          code_pair_halves_tpu.virtual_key_statistics(k_min, embedding, half),
-          matrix,
+    half_pair_queries_ref = refs[7]
+    per_group = code_pair_products_tpu.group_constants(
+      queries_ref[...], pair_queries_ref[...], k_scale, k_min, groups_axis=1
+    )
+    groups, virtual = per_group.shape[1] // 2, 2 * matrix.shape[1]
+    terms = [  # each half's scales, group constants and pair queries
+      (
+        code_pair_products_tpu.pair_ordered_scales(
+          k_scale[:, half * groups : (half + 1) * groups],
+          matrix[half * virtual : (half + 1) * virtual],
           groups_axis=1,
-        )
-        + (pair_queries[:rows],)
+        ),
+        per_group[:, half * groups : (half + 1) * groups],
+        half_pair_queries_ref[half * rows : (half + 1) * rows, :],
       )
+      for half in range(2)
+    ]
   else:
     terms = [
       code_pair_products_tpu.key_score_terms(
@@ -595,7 +595,7 @@ def _attend_pairs_by_chunks(
   previous_max = max_ref[...]
   new_max = functools.reduce(jnp.maximum, [part[1] for part in parts], previous_max)
   total_sum, total_minimums = sum_ref[...] * jnp.exp(previous_max - new_max), 0
-  total_codes = [0] * len(terms)  # each half's: its pair rows of `value_matrix`
+  total_codes = [0] * len(terms)  # each half's: its pair rows of `half_value_matrix`
   for half, chunk_max, chunk_sum, codes_part, minimums in parts:
     weight = jnp.exp(chunk_max - new_max)  # [rows, 1]; 0 for a chunk past the length
     total_sum = total_sum + weight * chunk_sum
@@ -603,7 +603,7 @@ def _attend_pairs_by_chunks(
     total_codes[half] = total_codes[half] + weight_per_array * codes_part
     total_minimums = total_minimums + weight_per_array * minimums
   update = code_pair_products_tpu.pair_value_update(
-    jnp.concatenate(total_codes, axis=1), total_minimums, value_matrix, group_size, query_rows, rows
+    jnp.concatenate(total_codes, axis=1), total_minimums, matrix, group_size, query_rows, rows
   )
   acc_ref[...] = acc_ref[...] * jnp.exp(previous_max - new_max) + update
   sum_ref[...] = total_sum
@@ -667,11 +667,10 @@ def _quantized_kernel(
   rest = rest[1:] if gear_queries else rest
   pair_queries_ref, pair_matrix_ref = rest[:2] if code_pairs else (None, None)
   rest = rest[2:] if code_pairs else rest
-  # With `pair_halves` (`code_pair_halves_tpu`): pair_queries_ref holds each half's virtual
-  # queries, pair_matrix_ref the virtual head's pair matrix; then each half's pair queries,
-  # the value matrix and the half embeddings.
-  half_pair_queries_ref, value_matrix_ref, embeddings_ref = rest[:3] if pair_halves else [None] * 3
-  rest = rest[3:] if pair_halves else rest
+  # With `pair_halves` (`code_pair_halves_tpu`): pair_matrix_ref holds `half_value_matrix`,
+  # and each half's pair queries follow.
+  half_pair_queries_ref = rest[0] if pair_halves else None
+  rest = rest[1:] if pair_halves else rest
   lowrank_refs = rest[:4] if rank else None
   rest = rest[4:] if rank else rest
   outlier_refs = rest[:4] if outliers else None
@@ -706,13 +705,10 @@ def _quantized_kernel(
     k_scale = jnp.where(live_groups, k_scale_ref[...], 0)
     k_min = jnp.where(live_groups, k_min_ref[...], 0)
     if code_pairs and not (rank or outliers):
-      if pair_halves:
-        pair_refs = (pair_queries_ref, half_pair_queries_ref)
-        matrices = (pair_matrix_ref, value_matrix_ref, embeddings_ref)
-      else:
-        pair_refs, matrices = (queries_ref, pair_queries_ref), (pair_matrix_ref, pair_matrix_ref)
       _attend_pairs_by_chunks(
-        (*pair_refs, k_codes_ref, v_codes_ref, v_scale_ref, v_min_ref, *matrices),
+        (queries_ref, pair_queries_ref, k_codes_ref, v_codes_ref, v_scale_ref, v_min_ref)
+        + (pair_matrix_ref,)
+        + ((half_pair_queries_ref,) if pair_halves else ()),
         head,
         valid_tokens,
         k_scale,
@@ -999,25 +995,17 @@ def quantized_decode_attention_partials_tpu(
   per_row = lambda shape: pl.BlockSpec(
     (None, kv_heads, *shape), lambda b, s, i, h, lens: (b, 0) + (0,) * len(shape)
   )
-  if pair_halves:  # args[0]: the queries
-    virtual = 2 * head_dim
-    args.append(
-      code_pair_halves_tpu.half_queries(args[0], bits).reshape(batch, kv_heads, 2 * rows, virtual)
-    )
-    in_specs.append(per_row((2 * rows, virtual)))
-    args.append(jnp.asarray(bfloat16_code_pairs.pair_matrix(virtual, bits), jnp.bfloat16))
-    in_specs.append(whole_array((virtual, virtual)))
-    half_pair_queries = code_pair_halves_tpu.half_pair_queries(args[0], bits)
-    args.append(half_pair_queries.reshape(batch, kv_heads, 4 * rows, virtual))
-    in_specs.append(per_row((4 * rows, virtual)))
-    args.append(jnp.asarray(code_pair_halves_tpu.half_value_matrix(head_dim, bits), jnp.bfloat16))
-    in_specs.append(whole_array((2 * virtual, head_dim)))
-    embeddings = code_pair_halves_tpu.half_embeddings(head_dim, bits)
-    args.append(jnp.asarray(embeddings.reshape(2 * virtual, head_dim), jnp.bfloat16))
-    in_specs.append(whole_array((2 * virtual, head_dim)))
-  elif code_pairs:
+  if code_pairs:  # args[0]: the queries
     args.append(code_pair_products_tpu.pair_query_rows(args[0], bits))
     in_specs.append(per_row((2 * rows, head_dim)))
+  if pair_halves:
+    virtual = 2 * head_dim
+    args.append(jnp.asarray(code_pair_halves_tpu.half_value_matrix(head_dim, bits), jnp.bfloat16))
+    in_specs.append(whole_array((2 * virtual, head_dim)))
+    half_pair_queries = code_pair_halves_tpu.half_pair_queries(args[0], bits)
+    args.append(half_pair_queries.reshape(batch, kv_heads, 2 * rows, virtual))
+    in_specs.append(per_row((2 * rows, virtual)))
+  elif code_pairs:
     args.append(jnp.asarray(bfloat16_code_pairs.pair_matrix(head_dim, bits), jnp.bfloat16))
     in_specs.append(whole_array((head_dim, head_dim)))
   if lowrank is not None:

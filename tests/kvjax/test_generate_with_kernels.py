@@ -445,11 +445,11 @@ def test_the_tpu_token_halves_pair_kernel_generates_the_reference_tokens(monkeyp
   from pallas_kernels import code_pair_halves_tpu
 
   traced = []
-  embed = code_pair_halves_tpu.virtual_key_statistics
+  half_pair_queries = code_pair_halves_tpu.half_pair_queries
   monkeypatch.setattr(
     code_pair_halves_tpu,
-    "virtual_key_statistics",
-    lambda *args: traced.append(1) or embed(*args),
+    "half_pair_queries",
+    lambda *args: traced.append(1) or half_pair_queries(*args),
   )
   decoder, params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, head_dim=64))
   prompts = [list(np.random.default_rng(5).integers(1, 64, 509)), PROMPTS[1]]

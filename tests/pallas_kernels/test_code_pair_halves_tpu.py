@@ -42,8 +42,10 @@ def test_each_virtual_channel_holds_its_real_channel_of_its_half():
 
 @pytest.mark.parametrize("query_rows", [4, 1, 3])
 def test_each_half_scores_its_own_tokens(query_rows):
-  """Key scores through the virtual head: the two halves' [rows, T / 2] side by side are
-  q . k of every token (float32 sums aside)."""
+  """Key scores through the virtual head, as the kernel takes them: each half's pair queries,
+  its key scales put into its virtual pair rows by its rows of `half_value_matrix`, the groups'
+  constants from the real queries, both halves in one product with the pairs. The two halves'
+  [rows, T / 2] side by side are q . k of every token (float32 sums aside)."""
   rng = np.random.default_rng(query_rows)
   tokens = 512
   codes, pairs = _stacked_pairs(rng, tokens)
@@ -54,33 +56,36 @@ def test_each_half_scores_its_own_tokens(query_rows):
   keys = codes * np.repeat(k_scale, GROUP, axis=1) + np.repeat(k_min, GROUP, axis=1)
   reference = queries @ keys  # [q, T]
   filled = products.fill_query_rows(jnp.asarray(queries, jnp.bfloat16), ROWS)
-  virtual_queries = code_pair_halves_tpu.half_queries(filled, BITS)  # [2, rows, 2 D]
-  pair_queries = code_pair_halves_tpu.half_pair_queries(filled, BITS)  # [2, 2 rows, 2 D]
-  embeddings = jnp.asarray(code_pair_halves_tpu.half_embeddings(HEAD_DIM, BITS), jnp.bfloat16)
-  matrix = jnp.asarray(bfloat16_code_pairs.pair_matrix(2 * HEAD_DIM, BITS), jnp.bfloat16)
-  halves = []
-  for h in range(2):
-    stats = [
-      code_pair_halves_tpu.virtual_key_statistics(jnp.asarray(x, jnp.bfloat16), embeddings[h], h)
-      for x in (k_scale, k_min)
-    ]
-    halves.append(
-      jax.jit(products.key_scores, static_argnames=("group_size", "query_rows", "groups_axis"))(
-        virtual_queries[h],
-        pair_queries[h],
-        pairs,
-        *stats,
-        matrix,
-        group_size=GROUP,
-        query_rows=query_rows,
-        groups_axis=1,
-      )
+  half_pair_queries = code_pair_halves_tpu.half_pair_queries(filled, BITS)  # [2, rows, 2 D]
+  assert half_pair_queries.shape == (2, ROWS, 2 * HEAD_DIM)
+  matrix = jnp.asarray(code_pair_halves_tpu.half_value_matrix(HEAD_DIM, BITS), jnp.bfloat16)
+
+  @jax.jit
+  def scores(filled, half_pair_queries, pairs, k_scale, k_min):
+    per_group = products.group_constants(
+      filled, products.pair_query_rows(filled, BITS), k_scale, k_min, groups_axis=1
     )
-  scores = np.concatenate([np.asarray(x, np.float64) for x in halves], axis=1)
+    half = groups // 2
+    sets = [
+      (
+        half_pair_queries[h],
+        products.pair_ordered_scales(
+          k_scale[:, h * half : (h + 1) * half],
+          matrix[h * 2 * HEAD_DIM : (h + 1) * 2 * HEAD_DIM],
+          groups_axis=1,
+        ),
+        per_group[:, h * half : (h + 1) * half],
+      )
+      for h in range(2)
+    ]
+    return jnp.concatenate(products.key_scores_sharing_pairs(sets, pairs, GROUP, query_rows), 1)
+
+  stats = (jnp.asarray(x, jnp.bfloat16) for x in (k_scale, k_min))
+  out = np.asarray(scores(filled, half_pair_queries, pairs, *stats), np.float64)
   terms = np.abs(queries) @ (
     (codes + 2.0**7) * np.repeat(k_scale, GROUP, axis=1) + np.abs(np.repeat(k_min, GROUP, axis=1))
   )
-  assert np.all(np.abs(scores[:query_rows] - reference) <= 2.0**-20 * terms)
+  assert np.all(np.abs(out[:query_rows] - reference) <= 2.0**-20 * terms)
 
 
 @pytest.mark.parametrize("query_rows", [4, 2])
