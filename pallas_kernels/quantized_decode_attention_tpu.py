@@ -49,8 +49,9 @@ query rows, so that a register of 8 rows serves two key or value groups at 4 que
 head. Since v58 KIVI's 2-bit codes at head_dim 64 take pairs too, of the block's token halves
 stacked on sublanes, as a virtual head of 128 channels whose halves' products are apart
 (`code_pair_halves_tpu`); GEAR's there keep the unpacked token halves. Since v63 (KIVI's pairs)
-each chunk's key scores come from that chunk's words, issued a few chunks ahead of its softmax
-(`_attend_pairs_by_chunks`), and the two token halves' rows share one product with their pairs.
+each chunk's key scores come from that chunk's words read where they are needed
+(`_attend_pairs_by_chunks`), the two token halves' rows share one product with their pairs, and
+the halves' key statistics are not embedded into virtual channels.
 
 The key statistics stay [B, H, T / group, D] at head_dim 128 (head_dim on lanes); below 128
 channels XLA lays them out with the groups last too, and the kernel takes them as
@@ -469,13 +470,6 @@ def _value_statistics(ref, head, heads_shared: bool) -> jax.Array:
 
 
 CHUNK_TOKENS = 1024
-# How many chunks' key scores are issued ahead of a chunk's softmax (`_attend_pairs_by_chunks`).
-# Static bundles of an 8192-token step on a v5e (KERNEL_NOTES v63), KIVI-2 at head_dim 128 / 64,
-# KIVI-4 at 128 / 64: 2765 / 2962 / 2863 / 2219 issued one chunk at a time (0 ahead: fewest
-# spills, but each chunk's value product waits for its own key product), 2316 / 2419 / 2384 /
-# 1863 one ahead, 2104 / 2252 / 2221 / 1668 four ahead, 2122 / 2325 / 2187 / 1692 all; every
-# block's key scores first (v58) 2157 / 2471 / 2273 / 1760.
-KEY_CHUNKS_AHEAD = 4
 
 
 def _attend_pairs_by_chunks(
@@ -497,11 +491,10 @@ def _attend_pairs_by_chunks(
   """A block's attention with the codes as bfloat16 pairs (`code_pair_products_tpu`), chunk by
   chunk of CHUNK_TOKENS tokens: each chunk's key scores from its own words, its softmax against
   its own maximum and its value partials, each read from the refs where the chunk needs it;
-  the chunks merged at the end. The program order is the schedule's starting point: with every
-  key score of the block first (v58) the scheduler kept [rows, block] float32 scores and the
-  block's pairs live, 796 of a KIVI-2 step's 868 vector stores at head_dim 128 spills; one
-  chunk at a time, 254, but each value product waited for its own key product and the step
-  was 28% longer; KEY_CHUNKS_AHEAD chunks ahead is shorter than both (KERNEL_NOTES v63).
+  the chunks merged at the end. Static bundles of an 8192-token KIVI-2 step on a v5e, head_dim
+  128 / 64: 2157 / 2471 with the block's pairs and scores made whole first (v58), 2080 / 1638
+  chunk by chunk with the two token halves' rows in one product each and their key scales
+  put into virtual pair rows without embedding the statistics (KERNEL_NOTES v63).
 
   refs: (queries [rows, D], `pair_query_rows` [2 rows, D], k_codes [W, block], v_codes [W,
   block], v_scale, v_min, `pair_matrix` [D, D]); with `halves` (`code_pair_halves_tpu`), the
@@ -563,16 +556,15 @@ def _attend_pairs_by_chunks(
     ]
 
   chunks = range(0, span, chunk)
-  scores_of = {}
+  # Every chunk's key scores are issued before the first softmax (the scheduler's starting
+  # order; KERNEL_NOTES v63): each chunk's softmax and value product interleaved with its own
+  # key product, the step was 28-35% longer (v5e); with the key scores a few chunks ahead, as
+  # short on a v5e and a v4 but 1-10% longer on a v6e.
+  scores_of = [chunk_scores(local) for local in chunks]
   parts = []
-  for index, local in enumerate(chunks):
-    # The next chunks' key products are issued before this chunk's softmax, for the scheduler
-    # to overlap them with its exponentials and value product.
-    for ahead in chunks[index : index + 1 + KEY_CHUNKS_AHEAD]:
-      if ahead not in scores_of:
-        scores_of[ahead] = chunk_scores(ahead)
+  for local, chunk_scores_of_halves in zip(chunks, scores_of):
     prob_sets, maxima = [], []
-    for scores, piece in zip(scores_of.pop(local), pieces(local)):
+    for scores, piece in zip(chunk_scores_of_halves, pieces(local)):
       v_stats = jnp.concatenate(
         [
           _value_statistics(ref.at[:, piece], head, value_stats_shared)
