@@ -557,9 +557,9 @@ def _attend_pairs_by_chunks(
 
   chunks = range(0, span, chunk)
   # Every chunk's key scores are issued before the first softmax (the scheduler's starting
-  # order; KERNEL_NOTES v63): each chunk's softmax and value product interleaved with its own
-  # key product, the step was 28-35% longer (v5e); with the key scores a few chunks ahead, as
-  # short on a v5e and a v4 but 1-10% longer on a v6e.
+  # order; KERNEL_NOTES v63): each chunk's softmax and value product right after its own key
+  # product, the step was 20-28% longer than v58's (v5e); with the key scores four chunks
+  # ahead, as short on a v5e and a v4 but up to 10% longer on a v6e.
   scores_of = [chunk_scores(local) for local in chunks]
   parts = []
   for local, chunk_scores_of_halves in zip(chunks, scores_of):
