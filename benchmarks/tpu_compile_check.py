@@ -39,6 +39,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax.experimental.layout import Format, Layout  # noqa: E402
 
 TOPOLOGIES = ("v5e:2x2", "v6e:2x2", "v4:2x2x1")
 ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
@@ -75,14 +76,20 @@ def tpu_device(topology: str):
   return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
 
 
-def shape_on(device, shape, dtype) -> jax.ShapeDtypeStruct:
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+def shape_on(device, shape, dtype, major_to_minor=None) -> jax.ShapeDtypeStruct:
+  """An argument on `device`; with `major_to_minor`, in that layout (else the device's default
+  for the shape, which for a small last dimension may not be row-major)."""
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  if major_to_minor is not None:
+    sharding = Format(Layout(major_to_minor=tuple(major_to_minor)), sharding)
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
 def compile_for_tpu(function, shapes, topology: str = "v5e:2x2"):
   """`jax.jit(function)` compiled for `topology` on arguments of `shapes` ((shape, dtype)
-  pairs, or pytrees of them as a tuple). The TPU kernels read the chip's generation from the
-  default device while they lower, so it is set to the topology's for the compile."""
+  pairs, (shape, dtype, major_to_minor) triples, or pytrees of them as a tuple). The TPU
+  kernels read the chip's generation from the default device while they lower, so it is set to
+  the topology's for the compile."""
   device = tpu_device(topology)
   placed = jax.tree.map(
     lambda pair: shape_on(device, *pair),
@@ -108,7 +115,7 @@ def _without_compilation_cache():
 def _is_shape_pair(node) -> bool:
   return (
     isinstance(node, tuple)
-    and len(node) == 2
+    and len(node) in (2, 3)
     and isinstance(node[0], tuple)
     and all(isinstance(size, int) for size in node[0])
   )

@@ -133,9 +133,11 @@ def kernel_bundles(
 
 
 def gear_shapes(head_dim: int, tokens: int, bits: int):
-  """(shape, dtype) arguments of a GEAR decode call at the shapes of record with GEAR's
-  defaults (`kvjax.gear_cache.Gear`): quantization groups and blocks of 64 tokens, rank 2, 2%
-  outliers a block and side (82 at head_dim 64, 164 at 128), uint16 indices."""
+  """(shape, dtype[, major_to_minor]) arguments of a GEAR decode call at the shapes of record
+  with GEAR's defaults (`kvjax.gear_cache.Gear`): quantization groups and blocks of 64 tokens,
+  rank 2, 2% outliers a block and side (82 at head_dim 64, 164 at 128), uint16 indices."""
+  from pallas_kernels.gear_outlier_terms_tpu import OUTLIER_LAYOUT
+
   batch, kv_heads, group, block, rank = 8, 8, 4, 64, 2
   outliers = round(0.02 * block * head_dim)
   blocks = tokens // block
@@ -146,9 +148,13 @@ def gear_shapes(head_dim: int, tokens: int, bits: int):
     ((batch, kv_heads, tokens, rank), jnp.bfloat16),
     ((batch, kv_heads, blocks, head_dim, rank), jnp.bfloat16),
   ) * 2
+  # The outliers in the row-major layout the cache pins inside a decode loop
+  # (`gear_outlier_terms_tpu.OUTLIER_LAYOUT`). As arguments in a TPU's default layout for their
+  # shape (the GEAR blocks minor: 164 outliers fill 2 lane tiles badly) XLA copied all four into
+  # the kernel's layout at every call: 0.63 M of its estimated cycles a call at 32k (v58-v62).
   sparse = (
-    ((batch, kv_heads, blocks, outliers), jnp.uint16),
-    ((batch, kv_heads, blocks, outliers), jnp.bfloat16),
+    ((batch, kv_heads, blocks, outliers), jnp.uint16, OUTLIER_LAYOUT),
+    ((batch, kv_heads, blocks, outliers), jnp.bfloat16, OUTLIER_LAYOUT),
   ) * 2
   segment = (codes, key_stats, key_stats, codes, value_stats, value_stats)
   queries = ((batch, kv_heads, group, head_dim), jnp.bfloat16)
@@ -156,7 +162,7 @@ def gear_shapes(head_dim: int, tokens: int, bits: int):
 
 
 def _bytes_of(shapes) -> int:
-  return sum(math.prod(shape) * jnp.dtype(dtype).itemsize for shape, dtype in shapes)
+  return sum(math.prod(shape[0]) * jnp.dtype(shape[1]).itemsize for shape in shapes)
 
 
 def static_cost(
