@@ -259,6 +259,7 @@ def key_scores_sharing_pairs(
   rows, channels = query_sets[0][0].shape
   block = pairs.shape[1]
   tile = math.lcm(LANES, group_size)
+  query_sets = [(queries.astype(jnp.float32), *rest) for queries, *rest in query_sets]
   parts = [[] for _ in query_sets]
   for start in range(0, block, tile):
     width = min(tile, block - start)
@@ -269,8 +270,7 @@ def key_scores_sharing_pairs(
     for queries, scales, _ in query_sets:
       scaled = jnp.concatenate(
         [
-          queries.astype(jnp.float32)
-          * _sublane_rows(scales, array[0], k, (rows, channels), sublane_gathers)
+          queries * _sublane_rows(scales, array[0], k, (rows, channels), sublane_gathers)
           for array in arrays
         ]
       )  # [groups / k x rows, D], exact
@@ -332,18 +332,20 @@ def value_partials_sharing_pairs(
   arrays = [range(v * k, (v + 1) * k) for v in range(groups // k)]
   weighted, minimums = [], []
   for probs, v_stats in prob_sets:
-    per_array = lambda offset, array, probs=probs, v_stats=v_stats: _sublane_rows(
-      v_stats, offset + array[0], k, probs.shape, sublane_gathers
+    scale_rows, minimum_rows = (
+      [
+        _sublane_rows(v_stats, offset + array[0], k, probs.shape, sublane_gathers)
+        for array in arrays
+      ]
+      for offset in (0, groups)
     )
     weighted.append(
-      rounded_to_bfloat16(jnp.concatenate([probs * per_array(0, array) for array in arrays]))
+      rounded_to_bfloat16(jnp.concatenate([probs * rows_of for rows_of in scale_rows]))
     )  # [groups / k x rows, n], float32 holding bfloat16 numbers
     # sum_t p[t] v_min[g, t] on the vector unit: as a product its weights would be v_min's
     # [tokens, groups] tiles, a push into the MXU per 128 tokens for a few columns.
     minimums.append(
-      jnp.concatenate(
-        [(probs * per_array(groups, array)).sum(axis=1, keepdims=True) for array in arrays]
-      )
+      jnp.concatenate([(probs * rows_of).sum(axis=1, keepdims=True) for rows_of in minimum_rows])
     )
   products = jax.lax.dot_general(
     jnp.concatenate(weighted).astype(jnp.bfloat16),
@@ -353,8 +355,9 @@ def value_partials_sharing_pairs(
   )  # [sets x groups / k x rows, D rows]
   size = weighted[0].shape[0]
   return [
-    (products[i * size : (i + 1) * size] - w.sum(axis=1, keepdims=True), m)  # less the rows' 1s
-    for i, (w, m) in enumerate(zip(weighted, minimums))
+    # less the rows' 1s
+    (products[index * size : (index + 1) * size] - set_weighted.sum(axis=1, keepdims=True), mins)
+    for index, (set_weighted, mins) in enumerate(zip(weighted, minimums))
   ]
 
 

@@ -492,7 +492,7 @@ def _attend_pairs_by_chunks(
   chunk of CHUNK_TOKENS tokens: each chunk's key scores from its own words, its softmax against
   its own maximum and its value partials, each read from the refs where the chunk needs it;
   the chunks merged at the end. Static bundles of an 8192-token KIVI-2 step on a v5e, head_dim
-  128 / 64: 2157 / 2471 with the block's pairs and scores made whole first (v58), 2080 / 1638
+  128 / 64: 2157 / 2471 with the block's pairs and scores made whole first (v58), 2076 / 1638
   chunk by chunk with the two token halves' rows in one product each and their key scales
   put into virtual pair rows without embedding the statistics (KERNEL_NOTES v63).
 
