@@ -24,9 +24,9 @@ those of head_dim 2 D (`code_pair_products_tpu`) with the other half's virtual c
 
 Both halves' rows go into one product with the pairs (`key_scores_sharing_pairs`,
 `value_partials_sharing_pairs`), so that the pairs are pushed into the MXU once for both (the
-step's static bundles on a v5e, 8192 tokens: 2252 -> 1917, KERNEL_NOTES v63). The key
+step's static bundles on a v5e, 8192 tokens: 2252 -> 1916, KERNEL_NOTES v63). The key
 statistics embedded into virtual channels by products in the kernel (v58) cost 215 of those
-1917 bundles. All embeddings are 0/1 products: exact. At v57 the pairs on half-full registers
+1916 bundles. All embeddings are 0/1 products: exact. At v57 the pairs on half-full registers
 ([4, n]) were no faster than unpacking the token halves (KERNEL_NOTES v57); stacked, the masks
 and ORs work on whole registers (KERNEL_NOTES v58).
 """
