@@ -199,6 +199,22 @@ def segment_layouts(head_dim: int) -> dict[str, tuple[int, ...]]:
   )
 
 
+def segment_token_granule(head_dim: int, group_size: int, stats_dtype) -> int:
+  """Tokens a segment's capacity is best a multiple of for this kernel: at 128 channels or more,
+  whole tiles of key-statistic rows (8 groups of 32-bit statistics, 16 of 16-bit ones; 512
+  tokens at group 32 in bfloat16). Then a capacity that is not a multiple of the block still
+  ends in a short block the kernel copies itself (`token_block_fetches_tpu.last_block_extent`),
+  and a TPU's default layout of the stored [B, H, groups, D] statistics is the row-major one the
+  kernel reads: for a number of groups not a multiple of 8 XLA lays them out heads-second-minor,
+  and a jitted decode step taking the cache in that layout copied both statistics at every call
+  (2 x 16.7 MB at 32640 tokens, batch 8, 8 KV heads: KERNEL_NOTES v64). Below 128 channels the
+  groups lie on lanes (128 a tile, 4096 tokens at group 32: too coarse to round a capacity to)
+  and the default layout is the kernel's whatever their number: 1."""
+  if tokens_on_lanes(head_dim):
+    return 1
+  return group_size * 8 * 4 // jnp.dtype(stats_dtype).itemsize
+
+
 def block_tokens_for(
   tokens: int,
   group_size: int,
@@ -1020,17 +1036,18 @@ def quantized_decode_attention_partials_tpu(
   if outliers is not None:  # [B, H, J, s] as stored (`OUTLIER_LAYOUT`)
     for array in outliers:
       add_fetched(array, fetch((block_tokens // block, array.shape[-1]), 0))
-  own_fetches = all(
-    token_block_fetches_tpu.tiles_evenly(window, args[position].shape)
-    for position, window in windows
-  )
+  # Each array the kernel can copy itself (its last block whole tiles, if short) it fetches;
+  # the others come by BlockSpecs.
+  own = []
   for position, window in windows:
-    if own_fetches:
-      args[position] = _compat.tpu_kept_in_hbm(args[position])
+    array = args[position]
+    if token_block_fetches_tpu.last_block_extent(window, array.shape, array.dtype) is not None:
+      args[position] = _compat.tpu_kept_in_hbm(array)
       in_specs[position] = token_block_fetches_tpu.hbm_spec()
+      own.append((position, window))
     else:
       in_specs[position] = token_block_fetches_tpu.block_spec(window, plan=plan, kv_heads=kv_heads)
-  windows = windows if own_fetches else []
+  windows = own
   # Every head's partials of a split in one block, written back once, after its last step:
   # a head's own block would be left and revisited at every step, and Pallas writes an output
   # block back whenever its index changes.
@@ -1099,7 +1116,7 @@ def quantized_decode_attention_partials_tpu(
     # at or past a length clamped to the capacity, the last one copied short): Mosaic's checks
     # of them took 215 of a KIVI-2 8192-token step's 2595 bundles (head_dim 128, v5e).
     compiler_params=_compat.tpu_compiler_params(
-      ("parallel", "parallel", "arbitrary", "arbitrary"), own_copies_in_bounds=own_fetches
+      ("parallel", "parallel", "arbitrary", "arbitrary"), own_copies_in_bounds=bool(windows)
     ),
     interpret=_compat.tpu_interpret_params() if interpret else False,
     name=f"quantized_decode_attention_{bits}bit_tpu",

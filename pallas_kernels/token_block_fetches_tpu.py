@@ -19,10 +19,13 @@ waits for its own. A step whose block lies past the length fetches nothing (and 
 nothing: the kernel's own `pl.when`). Arrays whose block holds every KV head (`heads_whole`)
 are fetched once a block, at the block's first head, into a slot of their own parity.
 
-Where an array's blocks do not tile it (a capacity that is not a multiple of the block), the
-kernel takes BlockSpecs instead (`block_spec`: Mosaic's pipeline copies a last block short,
-which a kernel's own copy cannot: Mosaic refuses a slice of a VMEM buffer that is not whole
-tiles), with the clamped index maps of before (`clamped_head_and_block`).
+Where an array's blocks do not tile it (a capacity that is not a multiple of the block, as most
+are), the kernel copies its last block short, into the start of the slot, when that remainder
+is whole tiles of the buffer (`last_block_extent`: Mosaic refuses a slice of a VMEM buffer that
+is not); the slot's entries past it hold an older block or nothing, past every row's length.
+An array whose remainder is not whole tiles takes a BlockSpec instead (`block_spec`: Mosaic's
+pipeline copies a last block short into a whole buffer), with the clamped index maps of before
+(`clamped_head_and_block`); the others are still fetched here.
 """
 
 import dataclasses
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.decode_attention_tpu import clamped_block_index, last_valid_block
+from pallas_kernels.decode_attention_tpu import LANES, clamped_block_index, last_valid_block
 from pallas_kernels.splits import SplitPlan
 
 
@@ -99,24 +102,60 @@ class TokenBlockFetches:
     self.arrays, self.buffers, self.semaphores = list(arrays), list(buffers), semaphores
     self.windows = list(windows)
 
-  def _copy(self, index: int, slot, row, head, block):
+  def _source(self, index: int, row, head):
     window = self.windows[index]
-    extent = window.shape[window.token_axis]
-    source = self.arrays[index].at[row] if window.heads_whole else self.arrays[index].at[row, head]
+    return self.arrays[index].at[row] if window.heads_whole else self.arrays[index].at[row, head]
+
+  def _remainder(self, index: int) -> int:
+    """Entries of window `index`'s last block when it is short (0 where the blocks tile)."""
+    window = self.windows[index]
+    total = self.arrays[index].shape[_array_axis(window)]
+    return total % window.shape[window.token_axis]
+
+  def _copy(self, index: int, slot, row, head, block, *, short: bool = False):
+    """Block `block` of window `index` into `slot`; with `short`, the array's last block, as
+    many entries as it holds, into the start of the slot."""
+    window = self.windows[index]
+    axis = window.token_axis
+    extent = window.shape[axis]
+    source = self._source(index, row, head)
     source_index = [slice(None)] * len(window.shape)
-    total = source.shape[window.token_axis]
+    target_index = [slice(None)] * len(window.shape)
+    size = self._remainder(index) if short else extent
     # One block: the whole axis (an offset block * extent, 0 then, need not be a whole number
     # of tiles, and Mosaic refuses what it cannot prove is).
-    if total != extent:
-      source_index[window.token_axis] = pl.ds(pl.multiple_of(block * extent, extent), extent)
+    if source.shape[axis] != extent:
+      source_index[axis] = pl.ds(pl.multiple_of(block * extent, extent), size)
+    target = self.buffers[index].at[slot]
+    if short:
+      target_index[axis] = pl.ds(0, size)
+      target = target.at[tuple(target_index)]
     return _compat.tpu_async_copy(
-      source.at[tuple(source_index)], self.buffers[index].at[slot], self.semaphores.at[slot, index]
+      source.at[tuple(source_index)], target, self.semaphores.at[slot, index]
     )
 
   def _each(self, action: str, heads_whole: bool, slot, row, head, block) -> None:
-    """`action` ("start" or "wait") on the copies of the windows with `heads_whole`."""
-    for index, window in enumerate(self.windows):
-      if window.heads_whole == heads_whole:
+    """`action` ("start" or "wait") on the copies of the windows with `heads_whole`: a wait
+    names the copy it waits for, so a short last block is waited for as it was started."""
+    chosen = [i for i, w in enumerate(self.windows) if w.heads_whole == heads_whole]
+    short = [i for i in chosen if self._remainder(i)]
+    for index in chosen:
+      if index not in short:
+        getattr(self._copy(index, slot, row, head, block), action)()
+    if not short:
+      return
+    # Every window's blocks are the same token blocks: one last block for all of them.
+    window = self.windows[short[0]]
+    last_block = self.arrays[short[0]].shape[_array_axis(window)] // window.shape[window.token_axis]
+
+    @pl.when(block == last_block)
+    def _last():
+      for index in short:
+        getattr(self._copy(index, slot, row, head, block, short=True), action)()
+
+    @pl.when(block != last_block)
+    def _whole():
+      for index in short:
         getattr(self._copy(index, slot, row, head, block), action)()
 
   def step(self, *, row, split, step, head, length, plan: SplitPlan, kv_heads: int):
@@ -162,11 +201,24 @@ class TokenBlockFetches:
     return self.buffers[index].at[chosen]
 
 
-def tiles_evenly(window: TokenBlockWindow, array_shape) -> bool:
-  """Whether `window`'s blocks tile an array of `array_shape` along its token axis (the
-  kernel's own copies take only such arrays)."""
-  axis = window.token_axis + (1 if window.heads_whole else 2)
-  return array_shape[axis] % window.shape[window.token_axis] == 0
+def _array_axis(window: TokenBlockWindow) -> int:
+  """The axis of the [B, H, ...] (heads-whole: [B, ...]) array along which `window` runs."""
+  return window.token_axis + (1 if window.heads_whole else 2)
+
+
+def last_block_extent(window: TokenBlockWindow, array_shape, dtype) -> int | None:
+  """The entries the kernel copies itself of the last block of an array of `array_shape` and
+  `dtype` along `window`'s token axis: the whole window where its blocks tile the array; else
+  the remainder, where it is whole tiles of the VMEM buffer (128 lanes on the window's last
+  axis, 32 bytes of sublanes on the one before: 8 rows of 32-bit entries, 16 of 16-bit ones;
+  any number on a leading axis); None where it is not (a BlockSpec fetches that array)."""
+  extent = window.shape[window.token_axis]
+  remainder = array_shape[_array_axis(window)] % extent
+  if remainder == 0:
+    return extent
+  from_last = len(window.shape) - 1 - window.token_axis
+  tile = {0: LANES, 1: 8 * 4 // jnp.dtype(dtype).itemsize}.get(from_last, 1)
+  return remainder if remainder % tile == 0 else None
 
 
 def last_head_past(split, step, head, last, *, plan: SplitPlan, kv_heads: int):

@@ -15,9 +15,9 @@ from pallas_kernels.token_block_fetches_tpu import (
   block_spec,
   clamped_head_and_block,
   fetch_scratch,
+  last_block_extent,
   last_head_past,
   step_fetches,
-  tiles_evenly,
 )
 
 
@@ -160,9 +160,18 @@ def test_a_block_spec_puts_the_clamped_block_on_the_window_token_axis():
   assert index(groups_first, 2, 0, 1, 1) == (2, 1, 0, 0)  # an empty row: block 0
 
 
-def test_the_kernel_fetches_only_arrays_its_blocks_tile():
-  assert tiles_evenly(TokenBlockWindow((8, 512), 1), (3, 2, 8, 1536))
-  assert not tiles_evenly(TokenBlockWindow((8, 512), 1), (3, 2, 8, 1280))
-  assert tiles_evenly(TokenBlockWindow((16, 128), 0), (3, 2, 48, 128))
-  assert not tiles_evenly(TokenBlockWindow((16, 128), 0), (3, 2, 40, 128))
-  assert tiles_evenly(TokenBlockWindow((2, 512), 1, heads_whole=True), (3, 2, 1024))
+def test_the_kernel_copies_a_short_last_block_only_where_it_is_whole_tiles():
+  lanes = TokenBlockWindow((8, 512), 1)
+  assert last_block_extent(lanes, (3, 2, 8, 1536), jnp.uint32) == 512  # the blocks tile it
+  assert last_block_extent(lanes, (3, 2, 8, 1280), jnp.uint32) == 256
+  assert last_block_extent(lanes, (3, 2, 8, 1088), jnp.uint32) is None  # 64 of 128 lanes
+  rows = TokenBlockWindow((16, 128), 0)
+  assert last_block_extent(rows, (3, 2, 48, 128), jnp.bfloat16) == 16
+  assert last_block_extent(rows, (3, 2, 40, 128), jnp.float32) == 8
+  assert last_block_extent(rows, (3, 2, 40, 128), jnp.bfloat16) is None  # 8 of 16 rows
+  assert last_block_extent(rows, (3, 2, 36, 128), jnp.float32) is None
+  leading = TokenBlockWindow((4, 3, 128), 0)  # GEAR blocks of B factors: not a tiled axis
+  assert last_block_extent(leading, (3, 2, 9, 3, 128), jnp.bfloat16) == 1
+  whole = TokenBlockWindow((2, 512), 1, heads_whole=True)
+  assert last_block_extent(whole, (3, 2, 1024), jnp.bfloat16) == 512
+  assert last_block_extent(whole, (3, 2, 1152), jnp.bfloat16) == 128
