@@ -271,8 +271,18 @@ def decode_loop(spec: str, *, context: int, head_dim: int, topology: str = "v5e:
   random Llama with the benchmark's attention shapes (8 KV heads, 4 query heads each), batch 8,
   a cache of `method` holding `context` tokens, the TPU kernels (the dispatch is told the
   backend is a TPU: it picks kernels by the default backend, this machine's CPU)."""
+  return _compiled_decode("lowered_decode_loop", spec, context, head_dim, topology)
+
+
+def decode_step(spec: str, *, context: int, head_dim: int, topology: str = "v5e:2x2"):
+  """`decode_loop`'s model and caches, but one decode step jitted alone (a caller's own loop),
+  compiled for a TPU: its arguments, the caches among them, in the device's default layouts."""
+  return _compiled_decode("lowered_decode_step", spec, context, head_dim, topology)
+
+
+def _compiled_decode(lowering: str, spec: str, context: int, head_dim: int, topology: str):
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from decode_loop_lowering import lowered_decode_loop
+  import decode_loop_lowering
 
   from kvjax.method_spec import parse_method_spec
 
@@ -283,7 +293,7 @@ def decode_loop(spec: str, *, context: int, head_dim: int, topology: str = "v5e:
   )
   method = parse_method_spec(spec, implementation="pallas")
   with _without_compilation_cache():
-    return lowered_decode_loop(
+    return getattr(decode_loop_lowering, lowering)(
       method,
       placed=placed,
       backend="tpu",

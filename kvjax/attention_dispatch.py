@@ -292,6 +292,34 @@ def quantized_decode_attention(
   return quantized_decode_attention_reference(*arrays, **common)
 
 
+def full_precision_cache_granule(
+  implementation: Implementation, head_dim: int, kernel_backend: str | None = None
+) -> int:
+  """Tokens a full-precision cache's capacity is rounded up to a multiple of, so that this
+  call's kernel reads it in a TPU's default layout (`decode_attention_tpu.cache_token_granule`:
+  the compiled TPU kernel), or 1 (the GPU kernels, the reference, interpret mode)."""
+  family, interpret = choose_kernel_family(implementation, kernel_backend)
+  if family != "tpu" or interpret:
+    return 1
+  return decode_attention_tpu.cache_token_granule(head_dim)
+
+
+def quantized_segment_granule(
+  implementation: Implementation,
+  head_dim: int,
+  group_size: int,
+  stats_dtype,
+  kernel_backend: str | None = None,
+) -> int:
+  """Tokens a quantized segment's capacity is rounded up to a multiple of, so that this call's
+  kernel reads it in place and copies its last block itself
+  (`quantized_decode_attention_tpu.segment_token_granule`: the compiled TPU kernel), or 1 (the
+  GPU kernels, the reference, interpret mode)."""
+  if quantized_segment_layouts(implementation, head_dim, kernel_backend) is None:
+    return 1
+  return quantized_decode_attention_tpu.segment_token_granule(head_dim, group_size, stats_dtype)
+
+
 def quantized_segment_layouts(
   implementation: Implementation, head_dim: int, kernel_backend: str | None = None
 ) -> dict[str, tuple[int, ...]] | None:

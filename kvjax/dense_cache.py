@@ -120,6 +120,10 @@ class FullCache:
 
   For a model with a sliding window shorter than the capacity, the full cache is the window's
   ring buffer (`SlidingWindowLayerCache`): exactly what the model attends to, nothing more.
+  Where the compiled TPU kernel reads it, its capacity is rounded up to a multiple of 16 tokens
+  (128 below 128 channels: `attention_dispatch.full_precision_cache_granule`), so that a TPU's
+  default layout of K and V is the one the kernel reads, however the decode step is jitted.
+  (`allocate_storage`, what selection methods keep their budget in, is not rounded.)
   """
 
   implementation: str = "auto"
@@ -157,10 +161,13 @@ class FullCache:
         implementation=self.implementation,
         kernel_settings=self.kernel_settings,
       )
+    granule = attention_dispatch.full_precision_cache_granule(
+      self.implementation, shape.head_dim, self.kernel_settings.kernel_backend
+    )
     return self.allocate_storage(
       batch=batch,
       kv_heads=shape.num_kv_heads,
-      capacity=capacity,
+      capacity=-(-capacity // granule) * granule,
       head_dim=shape.head_dim,
       dtype=dtype,
     )

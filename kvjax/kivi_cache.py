@@ -13,7 +13,12 @@ Storage of one layer (`KiviLayerCache`):
     keeps its last 1..R tokens in the window. So a cache holds exactly what it was asked for
     when that is a multiple of R, and at most R - 1 tokens more otherwise (whole blocks). A
     prompt that fills its cache (no room, a multiple of R tokens) thus keeps its last block in
-    full precision, where a cache with room quantizes it as KIVI's prefill does.
+    full precision, where a cache with room quantizes it as KIVI's prefill does. Where the
+    compiled TPU kernel reads the segment (head_dim >= 128), its capacity is rounded up to whole
+    tiles of the key statistics' rows (512 tokens at group 32 in bfloat16:
+    `attention_dispatch.quantized_segment_granule`), so that a TPU's default layout of the
+    stored statistics is the one the kernel reads and its last block is whole tiles: a few
+    hundred tokens of room more, counted in the cache's bytes.
 
 Segment schedule. The K and V of a token always live in the same segment, and the segment
 holds whole blocks of `window` tokens:
@@ -48,6 +53,7 @@ factors per block.
 """
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import jax
@@ -251,10 +257,24 @@ class KiviLayerCache:
     quantized_capacity = max(int(capacity) - 1, 0) // codec.window * codec.window
     # A cache that never flushes a block needs no more window slots than tokens it holds.
     window_slots = codec.window if quantized_capacity else max(int(capacity), 1)
-    segment_shapes = jax.eval_shape(
+    encoded = lambda tokens: jax.eval_shape(
       lambda keys, values: codec.encode(keys, values, dtype),
-      *[jax.ShapeDtypeStruct((batch, kv_heads, quantized_capacity, head_dim), dtype)] * 2,
+      *[jax.ShapeDtypeStruct((batch, kv_heads, tokens, head_dim), dtype)] * 2,
     )
+    segment_shapes = encoded(quantized_capacity)
+    # On a TPU the segment holds whole tiles of key-statistic rows (at most a few hundred tokens
+    # more), so that its kernel reads it as stored (`quantized_segment_granule`).
+    granule = attention_dispatch.quantized_segment_granule(
+      implementation,
+      head_dim,
+      codec.group_size,
+      segment_shapes.k_scale.dtype,
+      kernel_settings.kernel_backend,
+    )
+    if quantized_capacity and granule > 1:
+      granule = math.lcm(granule, codec.window)
+      quantized_capacity = -(-quantized_capacity // granule) * granule
+      segment_shapes = encoded(quantized_capacity)
     window_shape = (batch, kv_heads, window_slots, head_dim)
     return cls(
       segment=jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), segment_shapes),

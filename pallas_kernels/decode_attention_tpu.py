@@ -90,6 +90,17 @@ def tokens_on_lanes(head_dim: int) -> bool:
   return head_dim < LANES
 
 
+def cache_token_granule(head_dim: int) -> int:
+  """Tokens a [B, H, T, D] cache's capacity is best a multiple of for this kernel to read it in
+  a TPU's default layout: 128 below 128 channels (the tokens on lanes), 16 from 128 (the
+  sublanes of a 16-bit tile). At other capacities the default layout of that shape is not the
+  one the kernel reads (the heads second-minor at 128 channels; at 64 the one-token write
+  went through a channels-minor layout too), and a decode step jitted alone, the cache passed
+  in that layout, copied all of K and V at every call: 665 MB at 20100 tokens, batch 8, 8 KV
+  heads, head_dim 128, 992 MB at 64 (compiled for a v5e, KERNEL_NOTES v64)."""
+  return LANES if tokens_on_lanes(head_dim) else 16
+
+
 def online_softmax_update(
   scores, values, valid_tokens, max_ref, sum_ref, acc_ref, *, values_transposed=False
 ):

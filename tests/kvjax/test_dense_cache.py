@@ -123,3 +123,31 @@ def test_keys_whose_heads_differ_from_the_queries_are_refused_not_broadcast():
   queries = jnp.ones((2, 2, 3, 8), jnp.float32)
   with pytest.raises(ValueError, match=r"keys must be \[2, 2, tokens, 8\] to match the queries"):
     cache.attend(queries, sm_scale=1.0)
+
+
+def test_on_a_tpu_the_full_cache_holds_whole_tiles_of_tokens(monkeypatch):
+  """Where the compiled TPU kernel reads the full cache (`full_precision_cache_granule`), its
+  capacity is rounded up so that a TPU's default layout of K and V is the kernel's: 16 tokens
+  from 128 channels, 128 below. The storage selection methods keep their budget in is not."""
+
+  def capacity(method, head_dim):
+    shape = ModelCacheShape(num_layers=1, num_kv_heads=1, num_query_heads=2, head_dim=head_dim)
+    cache = jax.eval_shape(
+      lambda: method.allocate(
+        shape, 0, batch=1, prompt_len=20000, max_new_tokens=100, dtype=jnp.bfloat16
+      )
+    )
+    return cache.capacity
+
+  full = FullCache()
+  assert capacity(full, 128) == capacity(full, 64) == 20100  # the CPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert capacity(full, 128) == 20112
+  assert capacity(full, 64) == 20224
+  assert capacity(FullCache(implementation="interpret"), 128) == 20100
+  storage = jax.eval_shape(
+    lambda: full.allocate_storage(
+      batch=1, kv_heads=1, capacity=20100, head_dim=128, dtype=jnp.bfloat16
+    )
+  )
+  assert storage.capacity == 20100

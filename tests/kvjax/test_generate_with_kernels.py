@@ -418,6 +418,29 @@ def test_the_tpu_kernels_generate_the_reference_tokens(spec, kernel_calls):
   assert_forced_logprobs_agree(decoder, params, spec, continuation=5, kernel_settings=TPU_SETTINGS)
 
 
+@pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
+def test_a_segment_rounded_up_for_the_tpu_kernel_generates_the_reference_tokens(monkeypatch):
+  """On a TPU a segment's capacity is rounded up to whole tiles of its key statistics
+  (`attention_dispatch.quantized_segment_granule`, compiled kernels only). Made to round here
+  too, to 128 tokens where 32 were asked (41 tokens a row, blocks of 16), the TPU kernel in
+  interpret mode reads a segment mostly past every row's length: the reference path's tokens,
+  which it takes unrounded."""
+  from kvjax import attention_dispatch
+
+  rounded = []
+
+  def granule(implementation, *args, **kwargs):
+    rounded.append(implementation == "interpret")
+    return 128 if implementation == "interpret" else 1
+
+  monkeypatch.setattr(attention_dispatch, "quantized_segment_granule", granule)
+  decoder, params = tiny_decoder(config=KERNEL_CONFIG)
+  spec = "kivi:bits=2,group_size=16,residual=16"
+  tokens = _generated_tokens(decoder, params, spec, jnp.float32, TPU_SETTINGS)
+  assert any(rounded) and not all(rounded)
+  np.testing.assert_array_equal(tokens["interpret"], tokens["reference"])
+
+
 @pytest.mark.parametrize(
   "spec,head_dim",
   [("kivi:bits=2,group_size=32,residual=32", 128), ("kivi:bits=4,group_size=16,residual=16", 64)],

@@ -546,6 +546,34 @@ def test_the_segment_layouts_are_the_tpu_kernels_only_where_it_runs_compiled(mon
   assert at_64["k_scale"] == (0, 1, 3, 2)
 
 
+def test_on_a_tpu_the_segment_holds_whole_tiles_of_key_statistic_rows(monkeypatch):
+  """20100 tokens asked: 20096 in whole 128-token blocks, 628 key groups of 32, whose TPU
+  default layout is not the kernel's (not a multiple of 8 rows). Where the compiled TPU kernel
+  reads the segment (`quantized_segment_granule`) it is rounded up to whole tiles of the key
+  statistics' rows at 128 channels: 640 groups of bfloat16 (16 rows a tile), 632 of float32
+  (8); at 64 channels their groups lie on lanes, and nothing is rounded."""
+
+  def quantized_capacity(method, head_dim, dtype=jnp.bfloat16):
+    cache = jax.eval_shape(
+      lambda: method.allocate_storage(
+        batch=1, kv_heads=1, capacity=20100, head_dim=head_dim, dtype=dtype
+      )
+    )
+    assert cache.segment.k_scale.shape[2] * 32 == cache.quantized_capacity
+    return cache.quantized_capacity
+
+  kivi, gear = Kivi(bits=2, group_size=32, residual=128), Gear(bits=2, group_size=32)
+  assert quantized_capacity(kivi, 128) == 20096  # the CPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert quantized_capacity(kivi, 128) == 20096
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert quantized_capacity(kivi, 128) == 20480
+  assert quantized_capacity(kivi, 128, jnp.float32) == 20224
+  assert quantized_capacity(gear, 128) == 20480
+  assert quantized_capacity(kivi, 64) == 20096
+  assert quantized_capacity(dataclasses.replace(kivi, implementation="interpret"), 128) == 20096
+
+
 @pytest.mark.parametrize("method", [Kivi(bits=2, group_size=16, residual=16), FullCache()])
 @pytest.mark.parametrize("capacity", [-5, 40.9, True])
 def test_a_capacity_that_is_not_a_count_is_refused(method, capacity):

@@ -359,6 +359,34 @@ def test_a_decode_step_copies_no_cache_array(spec, head_dim):
     assert every_step == copies
 
 
+@pytest.mark.parametrize(
+  "spec, head_dim, context",
+  [
+    (KIVI_2, 128, 32768),
+    ("full", 128, 20100),
+    pytest.param(KIVI_4, 128, 20100, marks=pytest.mark.slow),
+    pytest.param("full", 64, 20100, marks=pytest.mark.slow),
+  ],
+)
+def test_a_decode_step_jitted_alone_copies_no_cache_array(spec, head_dim, context):
+  """One decode step jitted alone (a caller's own loop), the caches passed in the TPU's default
+  layouts at every call. For [B, H, groups, 128] key statistics with a number of groups not a
+  multiple of 8 (1020 at 32k: the segment holds whole 128-token blocks of all but the last
+  token) that layout puts the heads second-minor, and the step copied both into the kernel's
+  row-major one at every call (2 x 16.7 MB at batch 8, KERNEL_NOTES v64). On a TPU the segment
+  now holds whole tiles of key-statistic rows (`quantized_segment_granule`: 32768 tokens there,
+  20480 for 20100), whose default layout is row-major. A full cache of 20100 tokens copied all
+  of K and V (665 MB a call at head_dim 128, 992 MB at 64); on a TPU its capacity is now a
+  multiple of 16 tokens, 128 below 128 channels (`full_precision_cache_granule`). What is left
+  are the weights' moves into VMEM ([4096, 512] and [1024, 512] bfloat16) and the flush's
+  block-sized copies."""
+  compiled = tpu_compile_check.decode_step(spec, context=context, head_dim=head_dim)
+  copies = tpu_compile_check.large_copies(compiled, 1 << 20)
+  cache_sized = [copy for copy in copies if "[8,8," in copy.shape]
+  assert all(copy.in_branch for copy in cache_sized), copies
+  _check_flush_copies([copy for copy in copies if copy.in_branch], total_mib=18)
+
+
 def _check_flush_copies(copies, *, total_mib: float) -> None:
   """The copies in a decode loop's branches (a compressed cache's flush): each at most 4 MiB
   (an f32 [B, H, 128, 128] block), where the smallest segment array at 32k tokens (KIVI's key
