@@ -4,7 +4,6 @@ Kernels run in Pallas interpret mode on CPU. With KVJAX_NATIVE_KERNELS=1 on a ma
 GPU (TPU), the GPU (TPU) kernels run compiled instead, so the same tests check the real thing.
 """
 
-import dataclasses
 import os
 
 import jax
@@ -12,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _compat
 
@@ -127,26 +125,6 @@ def poison_past_lengths(segment, lengths, *, group_size: int, block: int = 64):
     lowrank,
     outliers,
   )
-
-
-def detect_tpu_races(monkeypatch, *, cores: int = 2):
-  """Runs this test's TPU kernels in interpret mode on `cores` TensorCores (the grid's parallel
-  axes split between them, as on a v4 or v5p) under the interpreter's happens-before race
-  detector, each copy landing when it starts (`dma_execution_mode="eager"`): a read of a buffer
-  a copy writes, not ordered after its wait, is a race. Returns a function that says whether
-  the calls since found one (jax 0.11.2 prints races and cannot raise them; jax 0.12 is told to
-  warn, so both run to the end)."""
-  if not tpu_interpret():
-    pytest.skip("the race detector is the interpreter's")
-  from jax._src.pallas.mosaic.interpret import interpret_pallas_call
-
-  fields = {field.name for field in dataclasses.fields(pltpu.InterpretParams)}
-  params = dict(detect_races=True, num_cores_or_threads=cores, dma_execution_mode="eager")
-  if "on_race" in fields:
-    params["on_race"] = "warn"
-  pltpu.reset_tpu_interpret_mode_state()
-  monkeypatch.setattr(_compat, "tpu_interpret_params", lambda: pltpu.InterpretParams(**params))
-  return lambda: bool(interpret_pallas_call.races and interpret_pallas_call.races.races_found)
 
 
 def detect_mosaic_gpu_races(monkeypatch) -> None:

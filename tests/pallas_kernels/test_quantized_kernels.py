@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import (
   code_pair_halves_tpu,
@@ -31,7 +30,6 @@ from pallas_kernels.splits import merge_split_partials, next_power_of_two
 from tests.pallas_kernels.kernel_checks import (
   assert_all_written,
   assert_matches_reference,
-  detect_tpu_races,
   poison_past_lengths,
   relative_tolerance,
   tpu_interpret,
@@ -423,13 +421,14 @@ def test_tpu_kernel_with_code_pairs_in_chunks(
 # or GEAR's 16-bit outliers (4 GEAR blocks), which come by BlockSpecs beside them.
 # (`TPU_LANE_GROUP_TOKENS` above does the same below 128 channels: codes short, groups by
 # BlockSpecs.) Past the short block the slot holds an older block, or NaN in interpret mode.
+# The float32 cases run under -m slow; the race detector's test below runs the first of them.
 @pytest.mark.parametrize(
   "bits,head_dim,group,gear,dtype,garbage",
   [
-    (2, 128, 4, False, jnp.float32, False),
     (2, 128, 4, False, jnp.bfloat16, True),
     (4, 128, 2, True, jnp.bfloat16, False),
-    (2, 128, 1, True, jnp.float32, True),
+    pytest.param(2, 128, 4, False, jnp.float32, False, marks=pytest.mark.slow),
+    pytest.param(2, 128, 1, True, jnp.float32, True, marks=pytest.mark.slow),
   ],
 )
 def test_tpu_kernel_with_a_short_last_block(bits, head_dim, group, gear, dtype, garbage):
@@ -440,22 +439,23 @@ def test_tpu_kernel_with_a_short_last_block(bits, head_dim, group, gear, dtype, 
 
 @pytest.mark.parametrize(
   "bits,head_dim,group,gear,dtype,tokens",
-  [(2, 128, 4, False, jnp.bfloat16, 1792), (4, 64, 1, True, jnp.float32, None)],
+  [
+    (2, 128, 4, False, jnp.bfloat16, 1792),
+    pytest.param(4, 64, 1, True, jnp.float32, None, marks=pytest.mark.slow),
+  ],
 )
 def test_tpu_kernel_fetches_without_races_on_two_cores(
-  monkeypatch, bits, head_dim, group, gear, dtype, tokens
+  tpu_races, bits, head_dim, group, gear, dtype, tokens
 ):
   """The kernel's own double-buffered copies (short last blocks, BlockSpecs beside them) under
   the interpreter's race detector, the grid's (row, split) pairs split over two TensorCores."""
-  races_found = detect_tpu_races(monkeypatch)
   _check_tpu(bits, head_dim, group, gear, dtype, seed=5 + bits, tokens=tokens)
-  assert not races_found()
+  assert not tpu_races()
 
 
-def test_the_race_detector_sees_a_block_read_before_its_copy_is_waited_for(monkeypatch):
+def test_the_race_detector_sees_a_block_read_before_its_copy_is_waited_for(tpu_races, monkeypatch):
   """The check above can fail: with the per-head windows' waits left out, the copies still land
   (eagerly) but the reads are not ordered after them."""
-  races_found = detect_tpu_races(monkeypatch)
   each = token_block_fetches_tpu.TokenBlockFetches._each
 
   def without_waits(self, action, heads_whole, *args):
@@ -463,11 +463,8 @@ def test_the_race_detector_sees_a_block_read_before_its_copy_is_waited_for(monke
       each(self, action, heads_whole, *args)
 
   monkeypatch.setattr(token_block_fetches_tpu.TokenBlockFetches, "_each", without_waits)
-  try:
-    _check_tpu(2, 128, 4, False, jnp.float32, seed=1, tokens=1792)
-    assert races_found()
-  finally:
-    pltpu.reset_tpu_interpret_mode_state()
+  _check_tpu(2, 128, 4, False, jnp.float32, seed=1, tokens=1792)
+  assert tpu_races()
 
 
 @pytest.mark.parametrize("head_dim, dtype", [(128, jnp.bfloat16), (64, jnp.float32)])
