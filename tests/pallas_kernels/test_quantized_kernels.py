@@ -329,7 +329,9 @@ def test_tpu_kernel_with_key_groups_across_lane_tiles(bits, dtype):
   [
     (2, 128, 4, False, jnp.bfloat16),
     (4, 128, 2, True, jnp.float32),
-    (2, 64, 1, True, jnp.bfloat16),
+    # 25-35 s in the default run: GEAR-2 at 64 in bfloat16 takes garbage past the lengths there
+    # in `test_tpu_kernel_with_one_value_group_per_token`.
+    pytest.param(2, 64, 1, True, jnp.bfloat16, marks=pytest.mark.slow),
   ],
 )
 def test_tpu_kernel_ignores_garbage_past_lengths(bits, head_dim, group, gear, dtype):
