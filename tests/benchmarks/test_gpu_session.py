@@ -106,12 +106,17 @@ SWEEP = "benchmarks/decode_attention.py"
 @pytest.mark.parametrize(
   "step,expected",
   [
+    # (The steps run before v59, 10-14 s each, under -m slow; v60 and v61 are the next ones.)
     # 32k sweep (11 configs), KIVI-4 (3), 8 query heads per KV head (2)
-    ("warp_products", [(SWEEP, 2), (SWEEP, 3), (SWEEP, 11)]),
+    pytest.param("warp_products", [(SWEEP, 2), (SWEEP, 3), (SWEEP, 11)], marks=pytest.mark.slow),
     # head_dim 64, KIVI-2 and KIVI-4 (4 configs each)
-    ("warp_head_dim64", [(SWEEP, 4), (SWEEP, 4)]),
+    pytest.param("warp_head_dim64", [(SWEEP, 4), (SWEEP, 4)], marks=pytest.mark.slow),
     # the generate check with C + merge + matrix loads, the 32k sweep (9), its fastest picked
-    ("v43", [("benchmarks/generate_kernels_check.py", 1), (SWEEP, 9)]),
+    pytest.param(
+      "v43",
+      [("benchmarks/generate_kernels_check.py", 1), (SWEEP, 9)],
+      marks=pytest.mark.slow,
+    ),
     # every attention call through two kernels, teacher-forced logits through one, then the 8k
     # and 128k tables (the Triton config and the warp one each)
     (
