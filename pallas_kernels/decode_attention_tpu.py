@@ -58,6 +58,12 @@ def check_call(queries, keys, values, lengths, *, block_tokens, num_splits) -> N
     raise ValueError(f"the TPU decode-attention kernel does not take {reason}")
 
 
+def sublane_tile_rows(itemsize: int) -> int:
+  """Rows of a VMEM tile of `itemsize`-byte entries: 8 of 32-bit ones, 16 of 16-bit, 32 of 8-bit
+  (32 bytes of sublanes)."""
+  return SUBLANES * 4 // itemsize
+
+
 def tile_rows(group: int) -> int:
   return -(-group // SUBLANES) * SUBLANES
 

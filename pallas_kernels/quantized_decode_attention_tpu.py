@@ -98,6 +98,7 @@ from pallas_kernels.bit_packing import check_bits
 from pallas_kernels.decode_attention_tpu import (
   LANES,
   finalize,
+  sublane_tile_rows,
   tile_rows,
   tokens_on_lanes,
   valid_token_masks,
@@ -212,7 +213,7 @@ def segment_token_granule(head_dim: int, group_size: int, stats_dtype) -> int:
   and the default layout is the kernel's whatever their number: 1."""
   if tokens_on_lanes(head_dim):
     return 1
-  return group_size * 8 * 4 // jnp.dtype(stats_dtype).itemsize
+  return group_size * sublane_tile_rows(jnp.dtype(stats_dtype).itemsize)
 
 
 def block_tokens_for(
@@ -239,11 +240,11 @@ def block_tokens_for(
   if tokens_on_lanes(head_dim):
     unit = LANES * group_size
   else:
-    unit = math.lcm(LANES, group_size * 8 * 4 // jnp.dtype(stats_dtype).itemsize)
+    unit = math.lcm(LANES, group_size * sublane_tile_rows(jnp.dtype(stats_dtype).itemsize))
   if gear_block is not None:
     blocks_per_unit = LANES if lowrank and tokens_on_lanes(head_dim) else 1
     if outlier_itemsize is not None:
-      blocks_per_unit = math.lcm(blocks_per_unit, 8 * 4 // outlier_itemsize)
+      blocks_per_unit = math.lcm(blocks_per_unit, sublane_tile_rows(outlier_itemsize))
     unit = math.lcm(unit, gear_block * blocks_per_unit)
   if requested is None:
     requested = DEFAULT_BLOCK_TOKENS

@@ -36,7 +36,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import _compat
-from pallas_kernels.decode_attention_tpu import LANES, clamped_block_index, last_valid_block
+from pallas_kernels.decode_attention_tpu import (
+  LANES,
+  clamped_block_index,
+  last_valid_block,
+  sublane_tile_rows,
+)
 from pallas_kernels.splits import SplitPlan
 
 
@@ -217,7 +222,7 @@ def last_block_extent(window: TokenBlockWindow, array_shape, dtype) -> int | Non
   if remainder == 0:
     return extent
   from_last = len(window.shape) - 1 - window.token_axis
-  tile = {0: LANES, 1: 8 * 4 // jnp.dtype(dtype).itemsize}.get(from_last, 1)
+  tile = {0: LANES, 1: sublane_tile_rows(jnp.dtype(dtype).itemsize)}.get(from_last, 1)
   return remainder if remainder % tile == 0 else None
 
 
