@@ -9,10 +9,10 @@ import pytest
 from tests.benchmarks.benchmark_modules import load_benchmark
 
 
-# The GPU family's grid under -m slow (24 s): the same script, its kernels tested on their own.
-@pytest.mark.parametrize(
-  "family, rows", [("tpu", 10), pytest.param("gpu", 14, marks=pytest.mark.slow)]
-)
+# Both families' grids under -m slow (GPU 24 s, TPU 22-28 s): the script a device session runs,
+# its kernels tested on their own in the default run.
+@pytest.mark.slow
+@pytest.mark.parametrize("family, rows", [("tpu", 10), ("gpu", 14)])
 def test_the_check_poisons_the_planned_outputs_and_adds_gears_xla_terms(family, rows):
   """Before: 3 poisoned splits where the TPU planner makes 1 or 2 (every TPU case an error),
   no poisoned scores buffer, no value terms for GEAR's terms by XLA (the folded GPU kernel's

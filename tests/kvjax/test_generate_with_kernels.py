@@ -156,10 +156,10 @@ def assert_forced_logprobs_agree(
       jnp.bfloat16,
       marks=pytest.mark.slow,
     ),
-    (
+    pytest.param(
       # The folded Mosaic GPU kernel computing q . k_min itself before its loop (KERNEL_NOTES
       # v35), writing each channel's own value slot only (v38), and its splits merged by the
-      # Triton merge kernel (v36), through the decode loop.
+      # Triton merge kernel (v36), through the decode loop (experiments no default picks: slow).
       "kivi:bits=4,group_size=16,residual=16",
       KernelSettings(
         quantized={
@@ -171,6 +171,7 @@ def assert_forced_logprobs_agree(
         }
       ),
       jnp.bfloat16,
+      marks=pytest.mark.slow,
     ),
     pytest.param(
       # The folded Mosaic GPU kernel with ring slots of two 64-token blocks and the value
@@ -209,9 +210,10 @@ def assert_forced_logprobs_agree(
       jnp.bfloat16,
       marks=pytest.mark.slow,
     ),
-    (
+    pytest.param(
       # v36's candidate with the value codes by transposing matrix loads (KERNEL_NOTES v43: the
-      # value product's rows in their own order, taken back to channels by the Triton merge).
+      # value product's rows in their own order, taken back to channels by the Triton merge;
+      # an experiment no default picks: slow).
       "kivi:bits=4,group_size=16,residual=16",
       KernelSettings(
         quantized={
@@ -222,6 +224,7 @@ def assert_forced_logprobs_agree(
         }
       ),
       jnp.bfloat16,
+      marks=pytest.mark.slow,
     ),
     (
       # 2 query heads per KV head: the folded kernel's stacked operands in 2 copies instead of
