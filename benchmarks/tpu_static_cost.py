@@ -135,11 +135,13 @@ def kernel_bundles(
 def gear_shapes(head_dim: int, tokens: int, bits: int):
   """(shape, dtype[, major_to_minor]) arguments of a GEAR decode call at the shapes of record
   with GEAR's defaults (`kvjax.gear_cache.Gear`): quantization groups and blocks of 64 tokens,
-  rank 2, 2% outliers a block and side (82 at head_dim 64, 164 at 128), uint16 indices."""
-  from pallas_kernels.gear_outlier_terms_tpu import OUTLIER_LAYOUT
+  rank 2, 2% outliers a block and side (82 at head_dim 64, 164 at 128) stored as a TPU cache
+  stores them, in whole lane tiles (128 and 256 slots: `stored_outlier_slots`, since v65),
+  uint16 indices."""
+  from pallas_kernels.gear_outlier_terms_tpu import OUTLIER_LAYOUT, stored_outlier_slots
 
   batch, kv_heads, group, block, rank = 8, 8, 4, 64, 2
-  outliers = round(0.02 * block * head_dim)
+  outliers = stored_outlier_slots(round(0.02 * block * head_dim))
   blocks = tokens // block
   codes = ((batch, kv_heads, tokens, head_dim * bits // 32), jnp.uint32)
   key_stats = ((batch, kv_heads, tokens // block, head_dim), jnp.bfloat16)
@@ -199,7 +201,11 @@ def static_cost(
     cache_shapes = shapes[1:7]
   else:
     bits = int(kernel.removeprefix("gear"))
-    function = tpu_compile_check.gear_call(bits, group_size=64, **config)
+    # The real outliers, not the padding the kernel skips (`outlier_count`).
+    outlier_count = round(0.02 * 64 * head_dim)
+    function = tpu_compile_check.gear_call(
+      bits, group_size=64, outlier_count=outlier_count, **config
+    )
     name = f"quantized_decode_attention_{bits}bit_tpu"
     block = quantized_decode_attention_tpu.block_tokens_for(
       tokens,

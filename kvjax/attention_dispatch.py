@@ -13,6 +13,7 @@ Every result is (out f32 [B, H, G, D], lse f32 [B, H, G]); a row with length 0 g
 lse -inf, so segments merge with `merge_attention_partials`.
 """
 
+import functools
 import warnings
 from typing import Any, Literal
 
@@ -194,8 +195,13 @@ def quantized_decode_attention(
   implementation: Implementation = "auto",
   kernel_backend: str | None = None,
   kernel_config: dict[str, Any] | None = None,
+  outlier_count: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """(out, lse) of one query position over a KIVI/GEAR quantized segment (fused dequantize).
+
+  `outlier_count`: the outliers a GEAR block holds in the first slots of its [s] rows, the rest
+  padding (zeros: `GearCodec.outlier_slots`, `gear_outlier_slots`); the TPU kernel does not read
+  the padding, the other paths are given the outliers without it. None: every slot.
 
   Storage layout: see `pallas_kernels.quantized_decode_attention_reference`. Configuration
   errors raise ValueError before anything is traced. On GPU (and in interpret mode) an empty
@@ -251,12 +257,15 @@ def quantized_decode_attention(
     outliers=outliers,
     block=block,
   )
+  outlier_count = quantized_decode_attention_tpu.check_outlier_count(outlier_count, outliers)
+  padded = outliers is not None and outlier_count < outliers[0].shape[-1]
+  # Only the TPU kernel takes the padded slots (and skips them); the others get them cut off.
   common = dict(
     bits=bits,
     group_size=group_size,
     sm_scale=sm_scale,
     lowrank=lowrank,
-    outliers=outliers,
+    outliers=tuple(array[..., :outlier_count] for array in outliers) if padded else outliers,
     block=block,
   )
   arrays = (queries, k_codes, k_scale, k_min, v_codes, v_scale, v_min, lengths)
@@ -266,7 +275,7 @@ def quantized_decode_attention(
   if family != "reference":
     module = quantized_decode_attention_gpu if family == "gpu" else quantized_decode_attention_tpu
     segment = dict(
-      bits=bits, group_size=group_size, lowrank=lowrank, outliers=outliers, block=block
+      bits=bits, group_size=group_size, lowrank=lowrank, outliers=common["outliers"], block=block
     )
     reason = module.unsupported_reason(queries, k_codes, k_scale, v_scale, **segment)
     if reason is None:
@@ -280,11 +289,14 @@ def quantized_decode_attention(
             fallback,
             instead="the Triton kernel with its default settings",
           )
-      kernel = (
-        quantized_decode_attention_gpu.quantized_decode_attention_gpu
-        if family == "gpu"
-        else quantized_decode_attention_tpu.quantized_decode_attention_tpu
-      )
+      if family == "gpu":
+        kernel = quantized_decode_attention_gpu.quantized_decode_attention_gpu
+      else:
+        kernel = functools.partial(
+          quantized_decode_attention_tpu.quantized_decode_attention_tpu,
+          outlier_count=outlier_count if padded else None,
+        )
+        common = dict(common, outliers=outliers)
       return kernel(*arrays, interpret=interpret, **common, **(kernel_config or {}))
     _warn_fallback_once(
       f"the {_kernel_name(family, kernel_config)} quantized decode-attention kernel", reason
@@ -310,14 +322,32 @@ def quantized_segment_granule(
   group_size: int,
   stats_dtype,
   kernel_backend: str | None = None,
+  outlier_block: int | None = None,
 ) -> int:
   """Tokens a quantized segment's capacity is rounded up to a multiple of, so that this call's
   kernel reads it in place and copies its last block itself
   (`quantized_decode_attention_tpu.segment_token_granule`: the compiled TPU kernel), or 1 (the
-  GPU kernels, the reference, interpret mode)."""
+  GPU kernels, the reference, interpret mode). `outlier_block`: tokens a GEAR block, where the
+  segment holds GEAR's outliers."""
   if quantized_segment_layouts(implementation, head_dim, kernel_backend) is None:
     return 1
-  return quantized_decode_attention_tpu.segment_token_granule(head_dim, group_size, stats_dtype)
+  return quantized_decode_attention_tpu.segment_token_granule(
+    head_dim, group_size, stats_dtype, outlier_block
+  )
+
+
+def gear_outlier_slots(
+  implementation: Implementation,
+  head_dim: int,
+  count: int,
+  kernel_backend: str | None = None,
+) -> int:
+  """Entries a GEAR block stores for its `count` outliers (of K, and of V), so that this call's
+  kernel reads them in place: whole lane tiles where the compiled TPU kernel reads them
+  (`gear_outlier_terms_tpu.stored_outlier_slots`: the rest zeros), else `count`."""
+  if not count or quantized_segment_layouts(implementation, head_dim, kernel_backend) is None:
+    return count
+  return gear_outlier_terms_tpu.stored_outlier_slots(count)
 
 
 def quantized_segment_layouts(

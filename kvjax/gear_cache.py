@@ -21,7 +21,10 @@ head, for keys and for values separately, as a [block, head_dim] matrix X:
 K_hat = deq(codes) + S + A B^T. Storage is the pinned format of
 `pallas_kernels.quantized_decode_attention_reference` (factors `k_a [B,H,T,r]`,
 `k_b [B,H,T/block,D,r]`, COO outliers `[B,H,T/block,s]`, flat index t_local*D + d stored as
-uint16, 2 bytes per outlier, where a block has at most 2^16 entries, else int32).
+uint16, 2 bytes per outlier, where a block has at most 2^16 entries, else int32). Where the
+compiled TPU kernel reads them, s is the outlier count rounded up to whole 128-lane tiles, the
+slots past the outliers zeros (`GearCodec.outlier_slots`), so that a TPU's default layout of the
+arrays is the kernel's.
 Attention sums the quantized, low-rank and sparse terms separately (no dequantized K/V for the
 whole context) and merges with the full-precision window by log-sum-exp, exactly as KIVI.
 
@@ -88,11 +91,32 @@ class GearCodec(KiviCodec):
   rank: int = 2
   outliers_per_side: int = 0  # per block and KV head, for K and for V each
   iterations: int = 3
+  # Entries stored per block for K's outliers (and for V's): 0 for exactly 2 outliers_per_side,
+  # or more, the rest zeros (index 0, value 0), which every reader adds as nothing. On a TPU,
+  # whole lane tiles (`attention_dispatch.gear_outlier_slots`).
+  outlier_slots: int = 0
   method_name: ClassVar[str] = "gear"
+
+  def __post_init__(self):
+    count = 2 * self.outliers_per_side
+    slots = self.outlier_slots
+    if type(slots) is not int or (slots != 0 and slots < count):
+      raise ValueError(
+        f"outlier_slots={slots!r} must be 0 or an int >= 2 * outliers_per_side = {count}"
+      )
 
   @property
   def block(self) -> int:
     return self.window
+
+  @property
+  def outlier_count(self) -> int | None:
+    return 2 * self.outliers_per_side or None
+
+  @property
+  def stored_outliers(self) -> int:
+    """Entries each block stores for K's outliers (and for V's)."""
+    return max(self.outlier_slots, 2 * self.outliers_per_side)
 
   def check_fits(self, head_dim: int) -> None:
     super().check_fits(head_dim)
@@ -130,6 +154,8 @@ class GearCodec(KiviCodec):
       outlier_value = stored_correction.astype(dtype)
       sparse = scatter_outliers(outlier_index, stored_correction, block_elements)
       residual = residual - sparse.reshape(x.shape)
+      padding = [(0, 0)] * 3 + [(0, self.stored_outliers - outlier_index.shape[-1])]
+      outlier_index, outlier_value = (jnp.pad(a, padding) for a in (outlier_index, outlier_value))
     lowrank_a = lowrank_b = None
     if self.rank:
       factors = power_iteration_low_rank(
@@ -213,13 +239,17 @@ class Gear:
     check_kernel_settings(self.kernel_settings)
 
   def codec_for_head_dim(self, head_dim: int) -> GearCodec:
+    per_side = outlier_count_per_side(self.outliers, self.block * head_dim)
     return GearCodec(
       bits=self.bits,
       group_size=self.group_size,
       window=self.block,
       rank=self.rank,
-      outliers_per_side=outlier_count_per_side(self.outliers, self.block * head_dim),
+      outliers_per_side=per_side,
       iterations=self.iterations,
+      outlier_slots=attention_dispatch.gear_outlier_slots(
+        self.implementation, head_dim, 2 * per_side, self.kernel_settings.kernel_backend
+      ),
     )
 
   def allocate_storage(self, *, batch, kv_heads, capacity, head_dim, dtype) -> GearLayerCache:

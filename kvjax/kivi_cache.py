@@ -111,6 +111,11 @@ class KiviCodec:
   window: int  # tokens per flushed block: KIVI's residual R
   method_name: ClassVar[str] = "kivi"  # the cache method whose errors these are
 
+  @property
+  def outlier_count(self) -> int | None:
+    """The outliers a block holds in its first outlier slots (GEAR's); None: none."""
+    return None
+
   def check_head_dim(self, head_dim: int) -> None:
     """`check_fits`, its error naming the method (a composed spec such as `snapkv+kivi` says
     which part does not fit the model)."""
@@ -270,6 +275,7 @@ class KiviLayerCache:
       codec.group_size,
       segment_shapes.k_scale.dtype,
       kernel_settings.kernel_backend,
+      outlier_block=codec.window if segment_shapes.outliers is not None else None,
     )
     if quantized_capacity and granule > 1:
       granule = math.lcm(granule, codec.window)
@@ -494,6 +500,7 @@ class KiviLayerCache:
           sm_scale=sm_scale,
           lowrank=segment.lowrank,
           outliers=segment.outliers,
+          outlier_count=self.codec.outlier_count,
           block=self.window,
           implementation=implementation,
           kernel_config=self.kernel_settings.quantized_config(),

@@ -44,6 +44,31 @@ from pallas_kernels.decode_attention_tpu import LANES
 OUTLIER_LAYOUT = (0, 1, 2, 3)
 
 
+def stored_outlier_slots(count: int) -> int:
+  """Entries a GEAR block's outlier arrays are best stored with for this kernel: `count` rounded
+  up to whole 128-lane tiles, the rest zeros (index 0, value 0: a term of nothing in every
+  reader). A TPU's row-major layout pads a [B, H, J, s] array to whole lane tiles anyway; with s
+  not a multiple of 128 its default layout for the shape is not row-major (s = 164, GEAR's 2% at
+  head_dim 128, was laid out (0, 3, 1, 2)), and a decode step jitted alone took the outliers in
+  that layout and copied all four into the kernel's at every call (67 MB at 32k tokens, batch 8,
+  8 KV heads: KERNEL_NOTES v64)."""
+  return -(-count // LANES) * LANES
+
+
+def outlier_slots_read(count: int, slots: int, gear_block: int) -> int:
+  """Slots of each GEAR block's [slots] outlier rows the kernel reads for its `count` outliers:
+  whole lane tiles where the stored slots hold them and that puts no more lane tiles in a span's
+  row (`GearOutlierBlock._span_rows`: the span's GEAR blocks side by side), else `count`. Rows of
+  whole tiles join without lane shifts. Static bundles of an 8192-token step at 32k tokens, v5e
+  (v65): GEAR-2 at head_dim 64 (82 outliers) 7940 reading 128 slots, 8347 reading 82; at 128
+  (164) 11192 reading 164, 12799 reading 256 (2 x 164 fill 3 tiles, 2 x 256 fill 4)."""
+  per_span = outlier_span(gear_block) // gear_block
+  whole = -(-count // LANES) * LANES
+  if whole <= slots and -(-per_span * count // LANES) == per_span * whole // LANES:
+    return whole
+  return count
+
+
 def outlier_span(gear_block: int) -> int:
   """Tokens whose scores one GEAR block's products cover: whole lane tiles holding whole GEAR
   blocks (128 at GEAR blocks of 16 to 128 dividing it, the GEAR block at multiples of 128)."""
@@ -53,7 +78,8 @@ def outlier_span(gear_block: int) -> int:
 class GearOutlierBlock:
   """GEAR's outlier terms over one kernel block: `first` its first token, `length` the row's
   length, the four outlier arrays [J_blk, s] (indices of any integer dtype, values in the
-  cache's dtype) of its J_blk GEAR blocks. `operand_dtype` is what the products take (the
+  cache's dtype) of its J_blk GEAR blocks, of which the first `count` slots hold outliers (None:
+  all; the values of the others are taken as zeros). `operand_dtype` is what the products take (the
   kernel's compute dtype: bfloat16, or float32 at HIGHEST precision); values not exact in it
   (float32 ones with bfloat16 queries) make it float32."""
 
@@ -69,8 +95,10 @@ class GearOutlierBlock:
     gear_block: int,
     head_dim: int,
     operand_dtype,
+    count: int | None = None,
   ):
     self.gear_blocks, self.count = k_index.shape
+    self.outliers = self.count if count is None else count
     self.gear_block = gear_block
     self.head_dim = head_dim
     self.span = outlier_span(gear_block)
@@ -85,6 +113,8 @@ class GearOutlierBlock:
     token_in_block, channel = index // self.head_dim, index % self.head_dim
     block = jax.lax.broadcasted_iota(jnp.int32, index.shape, 0)
     live = first + block * self.gear_block + token_in_block < length
+    if self.outliers < self.count:  # slots past the outliers (`outlier_slots_read`)
+      live = live & (jax.lax.broadcasted_iota(jnp.int32, index.shape, 1) < self.outliers)
     value = jnp.where(live, value.astype(jnp.float32), 0.0)
     blocks_per_span = self.span // self.gear_block
     return token_in_block + (block % blocks_per_span) * self.gear_block, channel, value

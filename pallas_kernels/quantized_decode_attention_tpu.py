@@ -97,13 +97,14 @@ from pallas_kernels.bfloat16_halves import product_by_halves
 from pallas_kernels.bit_packing import check_bits
 from pallas_kernels.decode_attention_tpu import (
   LANES,
+  SUBLANES,
   finalize,
   sublane_tile_rows,
   tile_rows,
   tokens_on_lanes,
   valid_token_masks,
 )
-from pallas_kernels.gear_outlier_terms_tpu import GearOutlierBlock
+from pallas_kernels.gear_outlier_terms_tpu import GearOutlierBlock, outlier_slots_read
 from pallas_kernels.launch_settings import check_launch_settings
 from pallas_kernels.own_group_rows import own_group_rows
 from pallas_kernels.quantized_decode_attention_reference import check_quantized_inputs
@@ -200,7 +201,9 @@ def segment_layouts(head_dim: int) -> dict[str, tuple[int, ...]]:
   )
 
 
-def segment_token_granule(head_dim: int, group_size: int, stats_dtype) -> int:
+def segment_token_granule(
+  head_dim: int, group_size: int, stats_dtype, outlier_block: int | None = None
+) -> int:
   """Tokens a segment's capacity is best a multiple of for this kernel: at 128 channels or more,
   whole tiles of key-statistic rows (8 groups of 32-bit statistics, 16 of 16-bit ones; 512
   tokens at group 32 in bfloat16). Then a capacity that is not a multiple of the block still
@@ -210,10 +213,16 @@ def segment_token_granule(head_dim: int, group_size: int, stats_dtype) -> int:
   and a jitted decode step taking the cache in that layout copied both statistics at every call
   (2 x 16.7 MB at 32640 tokens, batch 8, 8 KV heads: KERNEL_NOTES v64). Below 128 channels the
   groups lie on lanes (128 a tile, 4096 tokens at group 32: too coarse to round a capacity to)
-  and the default layout is the kernel's whatever their number: 1."""
-  if tokens_on_lanes(head_dim):
-    return 1
-  return group_size * sublane_tile_rows(jnp.dtype(stats_dtype).itemsize)
+  and the default layout is the kernel's whatever their number: 1. With GEAR's outliers
+  (`outlier_block` tokens a GEAR block), also whole 8-row tiles of their [B, H, J, s] rows: at
+  head_dim 64 and 32k tokens (J = 511) a jitted decode step copied all four at every call (4 x
+  8.4 MB, v65); 520 and 328 rows (J a multiple of 8, not 16) were read in place."""
+  granule = 1
+  if not tokens_on_lanes(head_dim):
+    granule = group_size * sublane_tile_rows(jnp.dtype(stats_dtype).itemsize)
+  if outlier_block:
+    granule = math.lcm(granule, outlier_block * SUBLANES)
+  return granule
 
 
 def block_tokens_for(
@@ -628,6 +637,7 @@ def _quantized_kernel(
   groups_axis: int,
   rank: int,
   outliers: bool,
+  outlier_count: int,
   gear_block: int,
   value_stats_shared: bool,
   gear_queries: bool,
@@ -768,8 +778,10 @@ def _quantized_kernel(
       )
       scores = scores + lowrank.score_term(gear_queries_ref[...])
     if outliers:
+      read = outlier_slots_read(outlier_count, outlier_refs[0].shape[-1], gear_block)
       outlier_terms = GearOutlierBlock(
-        *(ref[...] for ref in outlier_refs),
+        *(ref[...][:, :read] for ref in outlier_refs),
+        count=outlier_count,
         first=first,
         length=length,
         gear_block=gear_block,
@@ -850,6 +862,7 @@ def _quantized_kernel(
     "num_splits",
     "interpret",
     "sublane_gathers",
+    "outlier_count",
   ),
 )
 def quantized_decode_attention_partials_tpu(
@@ -873,10 +886,13 @@ def quantized_decode_attention_partials_tpu(
   num_splits: int | None = 2,
   interpret: bool = False,
   sublane_gathers: bool | None = None,
+  outlier_count: int | None = None,
 ):
   """Per-split partials (out f32 [B,H,S,rows,D], lse f32 [B,H,S,rows]), GEAR's low-rank and
   outlier terms included. `initial_partials`: buffers for those outputs (aliased; tests poison
-  them). Interpreted, the outputs are waited
+  them). `outlier_count`: the outliers a GEAR block holds, in the first slots of its [s] rows;
+  the kernel does not read the slots past them (padding: `stored_outlier_slots`); None: every
+  slot. Interpreted, the outputs are waited
   for before this returns. A length past the capacity counts as the capacity, as in the
   reference. What the kernel does not take (`unsupported_reason`, settings outside
   `launch_settings`' values) is a ValueError: the dispatch runs the reference for it.
@@ -902,6 +918,7 @@ def quantized_decode_attention_partials_tpu(
     block=block,
   )
   batch, kv_heads, group, head_dim, tokens, width = sizes[:6]
+  outlier_count = check_outlier_count(outlier_count, outliers)
   reason = unsupported_reason(
     queries,
     k_codes,
@@ -1099,6 +1116,7 @@ def quantized_decode_attention_partials_tpu(
     groups_axis=groups_axis,
     rank=rank,
     outliers=outliers is not None,
+    outlier_count=outlier_count,
     gear_block=block,
     value_stats_shared=value_stats_shared,
     gear_queries=gear_queries,
@@ -1123,6 +1141,23 @@ def quantized_decode_attention_partials_tpu(
     name=f"quantized_decode_attention_{bits}bit_tpu",
   )(lengths, *args)
   return outputs[0], outputs[1][..., 0]
+
+
+def check_outlier_count(outlier_count, outliers) -> int:
+  """The outliers a GEAR block holds (`outlier_count`, or every slot where it is None), checked
+  against the outlier arrays' slots; 0 without outliers."""
+  if outliers is None:
+    if outlier_count is not None:
+      raise ValueError(f"outlier_count={outlier_count!r} is given without outliers; allowed: None")
+    return 0
+  slots = outliers[0].shape[-1]
+  if outlier_count is None:
+    return slots
+  if type(outlier_count) is not int or not 1 <= outlier_count <= slots:
+    raise ValueError(
+      f"outlier_count={outlier_count!r} must be an int in [1, {slots}] (the outliers' slots)"
+    )
+  return outlier_count
 
 
 def quantized_decode_attention_tpu(

@@ -84,7 +84,8 @@ def scatter_outliers(
   values: jax.Array,  # [..., s]
   elements: int,  # N
 ) -> jax.Array:  # float32 [..., N]
-  """The dense form of COO rows (zeros elsewhere; indices within a row are distinct)."""
+  """The dense form of COO rows (zeros elsewhere). Entries are added: a row's indices are
+  distinct but for zero-valued padding (`GearCodec.outlier_slots`), which adds nothing."""
   scatter = jnp.vectorize(
     lambda index, value: jnp.zeros((elements,), jnp.float32).at[index].add(value),
     signature="(s),(s)->(n)",

@@ -243,6 +243,68 @@ def test_quantized_config_errors_raise_before_tracing(bad, match):
     jax.eval_shape(traced, queries)  # raised while tracing starts: nothing compiled or run
 
 
+@pytest.mark.parametrize(
+  "implementation, kernel_backend", [("reference", None), ("interpret", "tpu")]
+)
+def test_outlier_slots_past_the_count_are_not_read(implementation, kernel_backend, kernel_calls):
+  """GEAR's outliers stored in whole lane tiles, 82 a block in 128 slots (as a TPU cache stores
+  head_dim 64's: `gear_outlier_slots`), the slots past them holding garbage (NaN values,
+  indices anywhere): with `outlier_count`, the result of the 82 alone. The TPU kernel reads the
+  whole tiles and masks the rest (`outlier_slots_read`); the other paths get them cut off."""
+  rng = np.random.default_rng(5)
+  queries = random_queries(rng, 2, 2, 4, 64)
+  segment = random_quantized_segment(
+    rng, 2, 2, 128, 64, bits=2, group_size=32, rank=2, outliers_per_block=82
+  )
+  lengths = jnp.asarray([128, 45], jnp.int32)
+  garbage = lambda x, fill: jnp.concatenate([x, jnp.full((*x.shape[:-1], 46), fill, x.dtype)], -1)
+  k_index, k_value, v_index, v_value = segment.outliers
+  padded = (garbage(k_index, 4000), garbage(k_value, jnp.nan))
+  padded += (garbage(v_index, 7), garbage(v_value, jnp.nan))
+  common = dict(bits=2, group_size=32, sm_scale=0.125, lowrank=segment.lowrank)
+  arrays = (queries, *segment[:6], lengths)
+  ref_out, ref_lse = quantized_decode_attention_reference(
+    *arrays, **common, outliers=segment.outliers
+  )
+  out, lse = attention_dispatch.quantized_decode_attention(
+    *arrays,
+    **common,
+    outliers=padded,
+    outlier_count=82,
+    implementation=implementation,
+    kernel_backend=kernel_backend,
+  )
+  _close(out, ref_out)
+  _close(lse, ref_lse)
+  if kernel_backend == "tpu":
+    (call,) = kernel_calls
+    assert call.name == "quantized_decode_attention_tpu" and call.kwargs["outlier_count"] == 82
+  else:
+    assert not kernel_calls
+
+
+@pytest.mark.parametrize("count", [0, 129, 8.0, True])
+def test_a_bad_outlier_count_is_named_before_tracing(count):
+  queries, segment, lengths = _quantized_inputs()
+  rng = np.random.default_rng(6)
+  gear = random_quantized_segment(rng, 2, 2, 128, 64, bits=4, group_size=32, outliers_per_block=128)
+  with pytest.raises(ValueError, match=re.escape(f"outlier_count={count!r} must be an int in")):
+    attention_dispatch.quantized_decode_attention(
+      queries,
+      *gear[:6],
+      lengths,
+      bits=4,
+      group_size=32,
+      sm_scale=0.1,
+      outliers=gear.outliers,
+      outlier_count=count,
+    )
+  with pytest.raises(ValueError, match="outlier_count=3 is given without outliers"):
+    attention_dispatch.quantized_decode_attention(
+      queries, *segment[:6], lengths, bits=4, group_size=32, sm_scale=0.1, outlier_count=3
+    )
+
+
 @pytest.mark.parametrize("kernel_backend", ["gpu", "tpu"])
 @pytest.mark.parametrize("gear", [False, True])
 def test_a_nan_key_minimum_in_a_held_group_makes_its_rows_nan_everywhere(kernel_backend, gear):

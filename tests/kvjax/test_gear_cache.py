@@ -185,6 +185,54 @@ def test_storage_and_nbytes_count_codes_stats_factors_outliers_and_window():
   assert cache.stored_elements == 2 * B * H * (64 + 32) * D
 
 
+def test_outlier_slots_past_the_outliers_are_zeros_that_change_nothing():
+  """Outliers stored in more slots than there are (`outlier_slots`, as on a TPU): the first
+  2 s entries of each block are the unpadded codec's, the rest index 0 and value 0; the same
+  dequantized K and V, to the last bit (the TPU kernel's tokens through `generate` on padded
+  outliers: `test_the_tpu_kernels_generate_the_reference_tokens`)."""
+  keys, values = _heavy_tailed(2, (1, 2, 64, D)), _heavy_tailed(3, (1, 2, 64, D))
+  common = dict(bits=2, group_size=16, window=32, rank=2, outliers_per_side=10)
+  exact, padded = GearCodec(**common), GearCodec(**common, outlier_slots=128)
+  assert exact.stored_outliers == 20 and padded.stored_outliers == 128
+  segments = [codec.encode(keys, values, jnp.bfloat16) for codec in (exact, padded)]
+  for few, many in zip(segments[0].outliers, segments[1].outliers, strict=True):
+    assert many.shape == (*few.shape[:-1], 128) and many.dtype == few.dtype
+    np.testing.assert_array_equal(np.asarray(many[..., :20]), np.asarray(few))
+    assert not np.asarray(many[..., 20:]).any()
+  for a, b in zip(exact.decode(segments[0]), padded.decode(segments[1]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("slots", [19, -1, 20.0, True])
+def test_too_few_outlier_slots_are_refused(slots):
+  with pytest.raises(ValueError, match=f"outlier_slots={slots!r} must be 0 or an int >= 2 \\* "):
+    GearCodec(bits=2, group_size=16, window=32, outliers_per_side=10, outlier_slots=slots)
+
+
+def test_on_a_tpu_the_outliers_are_stored_in_whole_lane_tiles(monkeypatch):
+  """Where the compiled TPU kernel reads them (`attention_dispatch.gear_outlier_slots`), each
+  block's 164 outliers (2% of 64 x 128) are stored in 256 slots, 82 (at head_dim 64) in 128;
+  on a CPU, a GPU and in interpret mode as many as there are; GEAR-L stores none."""
+  import jax
+
+  def stored(method, head_dim):
+    cache = jax.eval_shape(
+      lambda: method.allocate_storage(
+        batch=1, kv_heads=1, capacity=200, head_dim=head_dim, dtype=jnp.bfloat16
+      )
+    )
+    return cache.segment.outliers and cache.segment.outliers[0].shape[-1]
+
+  gear = Gear()
+  assert (stored(gear, 128), stored(gear, 64)) == (164, 82)  # the CPU
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert stored(gear, 128) == 164
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert (stored(gear, 128), stored(gear, 64)) == (256, 128)
+  assert stored(Gear(implementation="interpret"), 128) == 164
+  assert stored(Gear(outliers=0), 128) is None
+
+
 def test_streaming_tokens_one_by_one_equals_ingesting_them_at_once_across_blocks():
   # Codes and outlier indices are identical; the factors agree to float rounding (batched and
   # single-block QR/SVD may round differently).

@@ -396,11 +396,23 @@ def test_the_warp_kernel_generates_the_reference_tokens(
   ],
 )
 @pytest.mark.filterwarnings("error:.*kernel does not support:RuntimeWarning")
-def test_the_tpu_kernels_generate_the_reference_tokens(spec, kernel_calls):
+def test_the_tpu_kernels_generate_the_reference_tokens(spec, kernel_calls, monkeypatch):
   """The TPU kernels (interpret mode) through generate and a forced continuation, as the GPU
   ones above, chosen by the caches' `KernelSettings(kernel_backend="tpu")`. The
   tokens-on-lanes layout (v49) over real caches: ragged rows, KIVI's window, GEAR's low-rank
-  terms in the kernel and its outliers' by XLA around it (v51)."""
+  terms (v51) and outliers (v56) in the kernel. GEAR's outliers stored as on a TPU, in whole
+  lane tiles (`attention_dispatch.gear_outlier_slots`, compiled kernels only: made to pad in
+  interpret mode here, 20 outliers a block in 128 slots), the reference path's unpadded."""
+  from kvjax import attention_dispatch
+  from pallas_kernels.gear_outlier_terms_tpu import stored_outlier_slots
+
+  padded = []
+
+  def outlier_slots(implementation, head_dim, count, kernel_backend=None):
+    padded.append(implementation == "interpret")
+    return stored_outlier_slots(count) if implementation == "interpret" else count
+
+  monkeypatch.setattr(attention_dispatch, "gear_outlier_slots", outlier_slots)
   decoder, params = tiny_decoder(config=KERNEL_CONFIG)
   run = lambda implementation: (
     generate(
@@ -415,6 +427,7 @@ def test_the_tpu_kernels_generate_the_reference_tokens(spec, kernel_calls):
     ).tokens
   )
   np.testing.assert_array_equal(run("interpret"), run("reference"))
+  assert (any(padded) and not all(padded)) == spec.startswith("gear")
   tpu_kernel = "decode_attention_tpu" if spec == "full" else "quantized_decode_attention_tpu"
   assert tpu_kernel in kernel_calls.names
   assert not any(name.endswith("_gpu") for name in kernel_calls.names)

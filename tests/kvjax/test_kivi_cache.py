@@ -551,7 +551,7 @@ def test_on_a_tpu_the_segment_holds_whole_tiles_of_key_statistic_rows(monkeypatc
   default layout is not the kernel's (not a multiple of 8 rows). Where the compiled TPU kernel
   reads the segment (`quantized_segment_granule`) it is rounded up to whole tiles of the key
   statistics' rows at 128 channels: 640 groups of bfloat16 (16 rows a tile), 632 of float32
-  (8); at 64 channels their groups lie on lanes, and nothing is rounded."""
+  (8); at 64 channels their groups lie on lanes, and nothing is rounded but GEAR's outliers."""
 
   def quantized_capacity(method, head_dim, dtype=jnp.bfloat16):
     cache = jax.eval_shape(
@@ -571,6 +571,10 @@ def test_on_a_tpu_the_segment_holds_whole_tiles_of_key_statistic_rows(monkeypatc
   assert quantized_capacity(kivi, 128, jnp.float32) == 20224
   assert quantized_capacity(gear, 128) == 20480
   assert quantized_capacity(kivi, 64) == 20096
+  # GEAR's outliers [B, H, J, s] in whole 8-row tiles: J a multiple of 8 (512 tokens a GEAR
+  # block of 64), at 64 channels too (`segment_token_granule`).
+  assert quantized_capacity(gear, 64) == 20480
+  assert quantized_capacity(dataclasses.replace(gear, outliers=0), 64) == 20096
   assert quantized_capacity(dataclasses.replace(kivi, implementation="interpret"), 128) == 20096
 
 

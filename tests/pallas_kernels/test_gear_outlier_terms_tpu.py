@@ -10,7 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gear_outlier_terms_tpu import GearOutlierBlock, outlier_span
+from pallas_kernels.gear_outlier_terms_tpu import (
+  GearOutlierBlock,
+  outlier_slots_read,
+  outlier_span,
+  stored_outlier_slots,
+)
 from tests.pallas_kernels.kernel_checks import poison_past_lengths
 from tests.pallas_kernels.test_gear_terms_xla import BATCH, KV_HEADS, _gear_parts, _segment
 
@@ -134,3 +139,40 @@ def test_each_outlier_lands_on_its_own_token_and_channel(gear_block):
   assert scores.shape == (blocks * gear_block,) and span >= gear_block
   np.testing.assert_array_equal(scores[:length], expected_scores[:length])
   np.testing.assert_allclose(values, expected_values, rtol=1e-6)
+
+
+@pytest.mark.parametrize("gear_block, count", [(64, 82), (64, 20), (16, 5), (256, 1)])
+def test_slots_past_the_count_add_nothing(gear_block, count):
+  """Outlier rows stored in whole lane tiles (`stored_outlier_slots`), the slots past the first
+  `count` holding garbage (NaN values, indices anywhere): read in whole tiles with `count`
+  given, the terms of the first `count` slots alone, to the last bit."""
+  rng = np.random.default_rng(count)
+  head_dim, blocks = 64, 4
+  slots = stored_outlier_slots(count)
+  index = rng.integers(-9, gear_block * head_dim + 9, (blocks, slots)).astype(np.int32)
+  value = np.full((blocks, slots), np.nan, np.float32)
+  index[:, :count] = rng.integers(0, gear_block * head_dim, (blocks, count))
+  value[:, :count] = rng.normal(size=(blocks, count))
+  index, value = jnp.asarray(index), jnp.asarray(value, jnp.bfloat16)
+  queries = jnp.asarray(rng.normal(size=(3, head_dim)), jnp.float32)
+  probs = jnp.asarray(rng.random((3, blocks * gear_block)), jnp.float32)
+  common = dict(first=0, length=blocks * gear_block, gear_block=gear_block, head_dim=head_dim)
+  common.update(operand_dtype=jnp.bfloat16)
+  few = GearOutlierBlock(*[index[:, :count], value[:, :count]] * 2, **common)
+  read = outlier_slots_read(count, slots, gear_block)
+  padded = GearOutlierBlock(*[index[:, :read], value[:, :read]] * 2, count=count, **common)
+  for term, operand in (("score_term", queries), ("value_term", probs)):
+    expected = np.asarray(getattr(few, term)(operand))
+    np.testing.assert_array_equal(np.asarray(getattr(padded, term)(operand)), expected)
+    assert np.isfinite(expected).all()
+
+
+def test_whole_tiles_are_read_where_they_add_no_tile_to_a_spans_row():
+  """Two GEAR blocks of 64 a span: 82 outliers (head_dim 64) side by side fill 2 tiles, and so
+  do 128 slots; 164 (head_dim 128) fill 3, 256 slots 4. One GEAR block of 128 a span: whole
+  tiles always; none past the stored slots."""
+  assert outlier_slots_read(82, 128, 64) == 128
+  assert outlier_slots_read(164, 256, 64) == 164
+  assert outlier_slots_read(164, 256, 128) == 256
+  assert outlier_slots_read(82, 82, 64) == 82  # stored unpadded
+  assert outlier_slots_read(20, 128, 16) == 20  # 8 GEAR blocks a span: 160 lanes, 2 tiles, not 8
