@@ -60,8 +60,9 @@ def outlier_slots_read(count: int, slots: int, gear_block: int) -> int:
   whole lane tiles where the stored slots hold them and that puts no more lane tiles in a span's
   row (`GearOutlierBlock._span_rows`: the span's GEAR blocks side by side), else `count`. Rows of
   whole tiles join without lane shifts. Static bundles of an 8192-token step at 32k tokens, v5e
-  (v65): GEAR-2 at head_dim 64 (82 outliers) 7940 reading 128 slots, 8347 reading 82; at 128
-  (164) 11192 reading 164, 12799 reading 256 (2 x 164 fill 3 tiles, 2 x 256 fill 4)."""
+  (v65): GEAR-2 at head_dim 64 (82 outliers) 7940 reading 128 slots unmasked (7955 with the
+  mask past the count), 8347 reading 82; at 128 (164) 11192 reading 164, 12799 reading 256
+  (2 x 164 fill 3 tiles, 2 x 256 fill 4)."""
   per_span = outlier_span(gear_block) // gear_block
   whole = -(-count // LANES) * LANES
   if whole <= slots and -(-per_span * count // LANES) == per_span * whole // LANES:
