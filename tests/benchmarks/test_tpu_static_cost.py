@@ -87,14 +87,16 @@ def test_the_quantized_kernel_issues_at_least_its_unpacking(tmp_path):
 def test_gears_row_counts_its_whole_cache_and_its_outliers_in_the_kernel(tmp_path):
   """GEAR-2 (rank 2, 164 outliers a 64-token block and side, uint16 indices): the whole cache's
   bytes, codes 2 x 64 MiB, key and value statistics 2 x 8 MiB each, A factors 2 x 8 MiB, B
-  factors 2 x 16 MiB, outlier indices and values 4 x 10.25 MiB. Its outliers are the kernel's
-  (v56): per 128-token span it compares [128, 2 x 164] token and [128, 2 x 164] channel
+  factors 2 x 16 MiB, outlier indices and values 4 x 16 MiB (256 slots a block, as a TPU cache
+  stores them since v65: `stored_outlier_slots`; 10.25 MiB for 164 before). Its outliers are
+  the kernel's (v56; it reads the 164, `outlier_slots_read`): per 128-token span it compares
+  [128, 2 x 164] token and [128, 2 x 164] channel
   one-hots, 48 vregs each, so a 1024-token block issues at least 768 VALU ops; what XLA does
   around the kernel (by XLA's estimate) is a small part of it (with the outliers by XLA, v55:
   30.6 M estimated cycles a call against the kernel's 3.5 M)."""
   (gear,) = _static_cost_rows(tmp_path, "gear2")
   mib = 2**20
-  assert gear["cache_bytes"] == 2 * 64 * mib + 6 * 8 * mib + 2 * 16 * mib + 4 * 10.25 * mib
+  assert gear["cache_bytes"] == 2 * 64 * mib + 6 * 8 * mib + 2 * 16 * mib + 4 * 16 * mib
   assert gear["block_tokens"] == 1024  # 512 rounded up to 16 GEAR blocks (uint16 rows)
   assert gear["loop_unit_ops"]["VALU"] >= 768
   assert gear["xla_estimated_cycles"] < gear["static_cycles"] / 10
