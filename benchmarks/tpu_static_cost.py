@@ -132,6 +132,11 @@ def kernel_bundles(
   return counts, xla_estimated_cycles(compiled)
 
 
+def gear_outlier_count(head_dim: int) -> int:
+  """The outliers a 64-token GEAR block holds at GEAR's default 2% (both sides together)."""
+  return round(0.02 * 64 * head_dim)
+
+
 def gear_shapes(head_dim: int, tokens: int, bits: int):
   """(shape, dtype[, major_to_minor]) arguments of a GEAR decode call at the shapes of record
   with GEAR's defaults (`kvjax.gear_cache.Gear`): quantization groups and blocks of 64 tokens,
@@ -141,7 +146,7 @@ def gear_shapes(head_dim: int, tokens: int, bits: int):
   from pallas_kernels.gear_outlier_terms_tpu import OUTLIER_LAYOUT, stored_outlier_slots
 
   batch, kv_heads, group, block, rank = 8, 8, 4, 64, 2
-  outliers = stored_outlier_slots(round(0.02 * block * head_dim))
+  outliers = stored_outlier_slots(gear_outlier_count(head_dim))
   blocks = tokens // block
   codes = ((batch, kv_heads, tokens, head_dim * bits // 32), jnp.uint32)
   key_stats = ((batch, kv_heads, tokens // block, head_dim), jnp.bfloat16)
@@ -202,9 +207,8 @@ def static_cost(
   else:
     bits = int(kernel.removeprefix("gear"))
     # The real outliers, not the padding the kernel skips (`outlier_count`).
-    outlier_count = round(0.02 * 64 * head_dim)
     function = tpu_compile_check.gear_call(
-      bits, group_size=64, outlier_count=outlier_count, **config
+      bits, group_size=64, outlier_count=gear_outlier_count(head_dim), **config
     )
     name = f"quantized_decode_attention_{bits}bit_tpu"
     block = quantized_decode_attention_tpu.block_tokens_for(

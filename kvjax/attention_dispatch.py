@@ -13,7 +13,6 @@ Every result is (out f32 [B, H, G, D], lse f32 [B, H, G]); a row with length 0 g
 lse -inf, so segments merge with `merge_attention_partials`.
 """
 
-import functools
 import warnings
 from typing import Any, Literal
 
@@ -290,14 +289,11 @@ def quantized_decode_attention(
             instead="the Triton kernel with its default settings",
           )
       if family == "gpu":
-        kernel = quantized_decode_attention_gpu.quantized_decode_attention_gpu
-      else:
-        kernel = functools.partial(
-          quantized_decode_attention_tpu.quantized_decode_attention_tpu,
-          outlier_count=outlier_count if padded else None,
-        )
-        common = dict(common, outliers=outliers)
-      return kernel(*arrays, interpret=interpret, **common, **(kernel_config or {}))
+        kernel, taken = quantized_decode_attention_gpu.quantized_decode_attention_gpu, common
+      else:  # the padded slots, which it skips
+        kernel = quantized_decode_attention_tpu.quantized_decode_attention_tpu
+        taken = dict(common, outliers=outliers, outlier_count=outlier_count if padded else None)
+      return kernel(*arrays, interpret=interpret, **taken, **(kernel_config or {}))
     _warn_fallback_once(
       f"the {_kernel_name(family, kernel_config)} quantized decode-attention kernel", reason
     )

@@ -98,7 +98,7 @@ class GearCodec(KiviCodec):
   method_name: ClassVar[str] = "gear"
 
   def __post_init__(self):
-    count = 2 * self.outliers_per_side
+    count = self.outlier_count or 0
     slots = self.outlier_slots
     if type(slots) is not int or (slots != 0 and slots < count):
       raise ValueError(
@@ -116,7 +116,7 @@ class GearCodec(KiviCodec):
   @property
   def stored_outliers(self) -> int:
     """Entries each block stores for K's outliers (and for V's)."""
-    return max(self.outlier_slots, 2 * self.outliers_per_side)
+    return max(self.outlier_slots, self.outlier_count or 0)
 
   def check_fits(self, head_dim: int) -> None:
     super().check_fits(head_dim)

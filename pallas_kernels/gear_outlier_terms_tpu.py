@@ -64,7 +64,7 @@ def outlier_slots_read(count: int, slots: int, gear_block: int) -> int:
   mask past the count), 8347 reading 82; at 128 (164) 11192 reading 164, 12799 reading 256
   (2 x 164 fill 3 tiles, 2 x 256 fill 4)."""
   per_span = outlier_span(gear_block) // gear_block
-  whole = -(-count // LANES) * LANES
+  whole = stored_outlier_slots(count)
   if whole <= slots and -(-per_span * count // LANES) == per_span * whole // LANES:
     return whole
   return count
