@@ -13,7 +13,12 @@ shapes), and the saved structure is compared with the template's before any arra
 template of another method or configuration is a `ValueError` naming the first difference,
 never arrays read into a cache that would misread them. How a cache runs (`implementation`,
 `kernel_settings`) is not part of what it stores: the template's apply, so a context saved on
-one machine runs with the kernels of another.
+one machine runs with the kernels of another. Where that changes how a KIVI/GEAR segment is
+laid out (a TPU's segment holds whole tiles of rows, and its GEAR blocks whole lane tiles of
+outlier slots: `KiviLayerCache.zeros`), or an older kvjax laid it out otherwise (before v27, one
+block more for a capacity of whole blocks), the saved segment is read as it was saved and then
+re-laid into the template's (rows past every row's tokens and padding slots cut off, or zeros
+added), so a context compressed on a TPU restores on a GPU or a CPU, and back.
 """
 
 import dataclasses
@@ -246,39 +251,125 @@ def read_context_record(directory: str | pathlib.Path) -> dict:
   return record
 
 
-def kivi_layout_before_v27(template: CompressedContext) -> CompressedContext:
-  """`template` with every KIVI/GEAR cache shaped as before v27, whose segment had one more
-  block when its capacity was a multiple of the block (shapes only; a save of that layout
-  restores into it and holds what it held)."""
+def _is_kivi_cache(node) -> bool:
+  return isinstance(node, KiviLayerCache)
 
-  def widened(node):
-    stacked = node.window_keys.ndim == 5  # a run of layers, stacked on a leading axis
-    layer = StackedLayerCaches(node).layer_template() if stacked else node
-    if layer.window_slots != layer.window:  # at most one block: no segment, before v27 too
-      return node
-    batch, kv_heads, _, head_dim = layer.window_keys.shape
-    old = jax.eval_shape(
-      lambda: type(layer).zeros(
-        codec=layer.codec,
-        batch=batch,
-        kv_heads=kv_heads,
-        capacity=layer.capacity + 1,  # whole blocks for all of a multiple of the block
-        head_dim=head_dim,
-        dtype=layer.dtype,
-        implementation=layer.implementation,
-        kernel_settings=layer.kernel_settings,
-      )
-    )
-    if stacked:
-      layers = node.window_keys.shape[0]
-      old = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct((layers, *leaf.shape), leaf.dtype), old)
-    return old
 
-  is_kivi = lambda node: isinstance(node, KiviLayerCache)
-  caches = jax.tree.map(
-    lambda node: widened(node) if is_kivi(node) else node, template.caches, is_leaf=is_kivi
+def _kivi_caches(caches) -> list[KiviLayerCache]:
+  """The KIVI/GEAR caches in `caches` in flattening order (a scanned run's with a leading layer
+  axis on every array)."""
+  return [node for node in jax.tree.leaves(caches, is_leaf=_is_kivi_cache) if _is_kivi_cache(node)]
+
+
+def _with_kivi_caches(caches, replacements: list):
+  """`caches` with its KIVI/GEAR caches, in flattening order, replaced."""
+  replacing = iter(replacements)
+  return jax.tree.map(
+    lambda node: next(replacing) if _is_kivi_cache(node) else node,
+    caches,
+    is_leaf=_is_kivi_cache,
   )
-  return dataclasses.replace(template, caches=caches)
+
+
+def _one_layer(cache: KiviLayerCache) -> KiviLayerCache:
+  """A layer's cache (its shapes, for a stacked run's)."""
+  if cache.window_keys.ndim == 5:  # a run of layers, stacked on a leading axis
+    return StackedLayerCaches(cache).layer_template()
+  return cache
+
+
+def _in_segment_layout(cache: KiviLayerCache, tokens: int, codec) -> KiviLayerCache:
+  """`KiviLayerCache.with_segment_layout`, layer by layer for a stacked run, shapes only for a
+  cache of shapes."""
+  relay = lambda layer: layer.with_segment_layout(tokens, codec)
+  if cache.window_keys.ndim == 5:
+    relay = jax.vmap(relay)
+  if isinstance(cache.window_keys, jax.ShapeDtypeStruct):
+    return jax.eval_shape(relay, cache)
+  return relay(cache)
+
+
+def _described_nodes(structure, types: set[str]) -> list[dict]:
+  """The described nodes of `types` in `structure`, in the order `describe_structure` wrote
+  them (the flattening order)."""
+  if isinstance(structure, list):
+    return [found for child in structure for found in _described_nodes(child, types)]
+  if not isinstance(structure, dict):
+    return []
+  if structure.get("type") in types:
+    return [structure]
+  return [found for child in structure.values() for found in _described_nodes(child, types)]
+
+
+def _described_segment_layout(described: dict, layer_axes: int) -> tuple[int, int | None] | None:
+  """(token rows, GEAR outlier slots or None) of a described KIVI/GEAR segment."""
+  try:
+    segment = described["children"]["segment"]["children"]
+    outliers = segment["outliers"]
+    slots = None if outliers is None else outliers[0]["shape"][-1]
+    return segment["k_codes"]["shape"][2 + layer_axes], slots
+  except (KeyError, IndexError, TypeError):
+    return None
+
+
+def _made_for_the_same_capacity(layer: KiviLayerCache, saved_tokens: int) -> bool:
+  """Whether a saved segment of `saved_tokens` rows and the template `layer`'s segment were
+  made for the same capacity, either laid out for the compiled TPU kernel (rounded up to whole
+  tiles: `segment_tokens_on_tpu`), or the saved one before v27 (one block more for a capacity
+  of whole blocks). A TPU's segment could have been made for any capacity that rounds up to it:
+  the template's is taken."""
+  tokens, window, on_tpu = layer.quantized_capacity, layer.window, layer.segment_tokens_on_tpu
+  return (
+    saved_tokens in (tokens, on_tpu(tokens), tokens + window)
+    or tokens == on_tpu(saved_tokens)
+    or (saved_tokens >= window and tokens == on_tpu(saved_tokens - window))
+  )
+
+
+def _template_in_saved_layout(template: CompressedContext, saved) -> CompressedContext | None:
+  """`template` with every KIVI/GEAR segment laid out as the `saved` description's (its token
+  rows, GEAR's outlier slots), where each was made for the template's capacity and outliers on
+  another backend or by an older kvjax; None where one was not."""
+  caches = _kivi_caches(template.caches)
+  described = _described_nodes(saved, {type(cache).__qualname__ for cache in caches})
+  if not caches or len(described) != len(caches):
+    return None
+  laid = []
+  for cache, description in zip(caches, described):
+    layout = _described_segment_layout(description, cache.window_keys.ndim - 4)
+    if layout is None:
+      return None
+    tokens, slots = layout
+    codec = cache.codec
+    if (slots is None) != (cache.segment.outliers is None):
+      return None
+    if slots is not None:
+      if slots < codec.outlier_count:
+        return None
+      codec = dataclasses.replace(codec, outlier_slots=slots)
+    if not _made_for_the_same_capacity(_one_layer(cache), tokens):
+      return None
+    laid.append(_in_segment_layout(cache, tokens, codec))
+  return dataclasses.replace(template, caches=_with_kivi_caches(template.caches, laid))
+
+
+def _in_template_layout(
+  restored: CompressedContext, template: CompressedContext, directory
+) -> CompressedContext:
+  """`restored`'s KIVI/GEAR segments laid out as `template`'s: refused where a row holds more
+  quantized tokens than the template's segment has rows."""
+  laid = []
+  for held, wanted in zip(_kivi_caches(restored.caches), _kivi_caches(template.caches)):
+    rows = _one_layer(wanted).quantized_capacity
+    most = int(np.max(np.asarray(held.quantized_lengths)))
+    if most > rows:
+      raise ValueError(
+        f"the context in {str(directory)!r} holds {most} quantized tokens in a row of a layer "
+        f"cache whose segment has {rows} in the template: make the template with at least "
+        f"{most - rows} tokens more room"
+      )
+    laid.append(_in_segment_layout(held, rows, wanted.codec))
+  return dataclasses.replace(restored, caches=_with_kivi_caches(restored.caches, laid))
 
 
 def restore_context(
@@ -298,10 +389,12 @@ def restore_context(
   structure = describe_structure(template)
   saved = _with_settings_added_later(record["structure"], structure)
   difference = _first_difference(saved, structure)
+  read_into = template
   if difference:
-    before_v27 = kivi_layout_before_v27(template)
-    if _first_difference(saved, describe_structure(before_v27)) is None:
-      template, difference = before_v27, None
+    in_saved_layout = _template_in_saved_layout(template, saved)
+    if in_saved_layout is not None:
+      if _first_difference(saved, describe_structure(in_saved_layout)) is None:
+        read_into, difference = in_saved_layout, None
   if difference:
     where, saved, wanted = difference
     hint = "restore with a template of the method, model and shapes it was saved with"
@@ -321,14 +414,15 @@ def restore_context(
       f"{saved!r}, the template has {wanted!r} ({hint})"
     )
 
-  leaves, treedef = jax.tree_util.tree_flatten(template)
   default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shardings = [getattr(leaf, "sharding", None) or default for leaf in jax.tree.leaves(template)]
+  # A segment read in the saved layout lands where the template's would (its rows' sharding).
+  leaves, treedef = jax.tree_util.tree_flatten(read_into)
 
-  def target(leaf):
-    sharding = getattr(leaf, "sharding", None) or default
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+  def target(index):
+    return jax.ShapeDtypeStruct(leaves[index].shape, leaves[index].dtype, sharding=shardings[index])
 
-  targets = {_leaf_key(i): target(leaf) for i, leaf in enumerate(leaves) if leaf.size}
+  targets = {_leaf_key(i): target(i) for i, leaf in enumerate(leaves) if leaf.size}
   checkpointer = ocp.StandardCheckpointer()
   try:
     arrays = checkpointer.restore((pathlib.Path(directory) / ARRAYS_DIR).absolute(), targets)
@@ -339,7 +433,14 @@ def restore_context(
   restored = [
     arrays[_leaf_key(i)]
     if leaf.size
-    else jax.device_put(jnp.zeros(leaf.shape, leaf.dtype), target(leaf).sharding)
+    else jax.device_put(jnp.zeros(leaf.shape, leaf.dtype), shardings[i])
     for i, leaf in enumerate(leaves)
   ]
-  return jax.tree_util.tree_unflatten(treedef, restored)
+  restored = jax.tree_util.tree_unflatten(treedef, restored)
+  if read_into is template:
+    return restored
+  relaid = _in_template_layout(restored, template, directory)
+  return jax.tree.unflatten(
+    jax.tree.structure(template),
+    [jax.device_put(leaf, sharding) for leaf, sharding in zip(jax.tree.leaves(relaid), shardings)],
+  )

@@ -93,8 +93,11 @@ class GearCodec(KiviCodec):
   iterations: int = 3
   # Entries stored per block for K's outliers (and for V's): 0 for exactly 2 outliers_per_side,
   # or more, the rest zeros (index 0, value 0), which every reader adds as nothing. On a TPU,
-  # whole lane tiles (`attention_dispatch.gear_outlier_slots`).
-  outlier_slots: int = 0
+  # whole lane tiles (`attention_dispatch.gear_outlier_slots`). Out of the repr, which a saved
+  # context's description holds (`kvjax.context_checkpoint`): how many slots a backend stores is
+  # layout, told by the outliers' shapes, and a context saved before v65 (whose codec had no
+  # such field) or on another backend restores into a template made here.
+  outlier_slots: int = dataclasses.field(default=0, repr=False)
   method_name: ClassVar[str] = "gear"
 
   def __post_init__(self):

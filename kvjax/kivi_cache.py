@@ -73,6 +73,7 @@ from kvjax.quantization.group_quantization import (
   quantize_keys_per_channel,
   quantize_values_per_token,
 )
+from pallas_kernels import quantized_decode_attention_tpu
 from pallas_kernels.decode_attention_reference import merge_attention_partials
 
 
@@ -275,11 +276,11 @@ class KiviLayerCache:
       codec.group_size,
       segment_shapes.k_scale.dtype,
       kernel_settings.kernel_backend,
-      outlier_block=codec.window if segment_shapes.outliers is not None else None,
+      outlier_block=_outlier_block(codec),
     )
-    if quantized_capacity and granule > 1:
-      granule = math.lcm(granule, codec.window)
-      quantized_capacity = -(-quantized_capacity // granule) * granule
+    rounded = round_segment_tokens(quantized_capacity, granule, codec.window)
+    if rounded != quantized_capacity:
+      quantized_capacity = rounded
       segment_shapes = encoded(quantized_capacity)
     window_shape = (batch, kv_heads, window_slots, head_dim)
     return cls(
@@ -475,6 +476,32 @@ class KiviLayerCache:
       window_lengths=window_lengths,
     )
 
+  def segment_tokens_on_tpu(self, tokens: int) -> int:
+    """The segment capacity this cache would have, asked for a segment of `tokens` (whole
+    blocks), where the compiled TPU kernel reads it (`zeros`: whole tiles of its rows)."""
+    granule = quantized_decode_attention_tpu.segment_token_granule(
+      self.window_keys.shape[-1],
+      self.codec.group_size,
+      self.segment.k_scale.dtype,
+      _outlier_block(self.codec),
+    )
+    return round_segment_tokens(tokens, granule, self.window)
+
+  def with_segment_layout(self, tokens: int, codec: KiviCodec) -> "KiviLayerCache":
+    """This cache with a segment of `tokens` token rows (whole blocks), stored as `codec` stores
+    them: the same quantization, GEAR's outliers in `codec.stored_outliers` slots (where one
+    backend's kernel reads another layout than the next's: `zeros`). Rows past `tokens` and
+    slots past the outliers are cut off, or zeros added (what an empty row and a padding slot
+    hold). The caller checks that no row holds more than `tokens` quantized tokens."""
+    batch, kv_heads, _, head_dim = self.window_keys.shape
+    stored = jax.eval_shape(
+      lambda keys, values: codec.encode(keys, values, self.dtype),
+      *[jax.ShapeDtypeStruct((batch, kv_heads, tokens, head_dim), self.dtype)] * 2,
+    )
+    return dataclasses.replace(
+      self, segment=jax.tree.map(_cut_or_pad_to, self.segment, stored), codec=codec
+    )
+
   def _segment_layouts(self) -> dict[str, tuple[int, ...]] | None:
     return attention_dispatch.quantized_segment_layouts(
       self.implementation, self.segment.k_scale.shape[-1], self.kernel_settings.kernel_backend
@@ -566,6 +593,26 @@ class KiviLayerCache:
   @property
   def bits_per_element(self) -> float:
     return 8 * self.nbytes / self.stored_elements
+
+
+def _outlier_block(codec: KiviCodec) -> int | None:
+  """Tokens a block of GEAR's outliers covers, where the codec stores outliers."""
+  return codec.window if codec.outlier_count else None
+
+
+def round_segment_tokens(tokens: int, granule: int, window: int) -> int:
+  """A segment of `tokens` (whole blocks of `window`) rounded up to whole blocks that are whole
+  `granule`s of tokens (a kernel's tiles; 1: as it is)."""
+  if not tokens or granule <= 1:
+    return tokens
+  step = math.lcm(granule, window)
+  return -(-tokens // step) * step
+
+
+def _cut_or_pad_to(array: jax.Array, shape: jax.ShapeDtypeStruct) -> jax.Array:
+  """`array` cut to, or padded with zeros at the end of each axis to, `shape`'s shape."""
+  array = array[tuple(slice(0, size) for size in shape.shape)]
+  return jnp.pad(array, [(0, want - have) for have, want in zip(array.shape, shape.shape)])
 
 
 def check_window(name: str, window: int, group_size: int) -> None:

@@ -23,7 +23,7 @@ from kvjax.method_spec import parse_method_spec
 from tests.kvjax.layer_loop_params import each_in_one_layer_loop
 from tests.kvjax.test_compressed_context import QUESTIONS, assert_same_arrays
 from tests.kvjax.test_method_matrix import CASES, PROMPTS
-from tests.kvjax.tiny_decoder import tiny_decoder
+from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
 ROOM = 8
 KIVI = "kivi:bits=2,group_size=16,residual=16"
@@ -87,7 +87,7 @@ import numpy as np
 from kvjax.compressed_context import continue_context
 from kvjax.context_checkpoint import restore_context
 from tests.kvjax.test_context_checkpoint import QUESTIONS, _template
-from tests.kvjax.tiny_decoder import tiny_decoder
+from tests.kvjax.tiny_decoder import TINY_CONFIG, tiny_decoder
 
 decoder, params = tiny_decoder(layer_loop="scan")
 restored = restore_context(sys.argv[1], _template(sys.argv[2], "scan"))
@@ -314,9 +314,178 @@ def test_a_kivi_context_saved_before_v27_restores_into_a_template_made_now(
   assert describe_structure(saved) != describe_structure(template)
   save_context(tmp_path / "context", saved)
   restored = restore_context(tmp_path / "context", template)
-  assert_same_arrays(restored, saved)
+  # Restored in the template's layout: the saved arrays less the block past every row's tokens.
+  assert_held_in_template_layout(restored, saved, template)
   ask = lambda ctx: continue_context(decoder, params, ctx, QUESTIONS, max_new_tokens=4)
   np.testing.assert_array_equal(ask(restored)[0], ask(saved)[0])
   # Any other difference is still refused.
   with pytest.raises(ValueError, match="does not fit the template"):
     restore_context(tmp_path / "context", _template(spec, layer_loop, room=ROOM + 32))
+
+
+def assert_held_in_template_layout(restored, saved, template):
+  """`restored` has the template's structure and holds `saved`'s arrays, cut to the template's
+  shapes or padded with zeros."""
+  assert jax.tree.structure(restored) == jax.tree.structure(template)
+  for held, was, wanted in zip(
+    jax.tree.leaves(restored), jax.tree.leaves(saved), jax.tree.leaves(template), strict=True
+  ):
+    assert (held.shape, held.dtype) == (wanted.shape, wanted.dtype)
+    common = tuple(slice(0, min(a, b)) for a, b in zip(held.shape, was.shape))
+    np.testing.assert_array_equal(np.asarray(held)[common], np.asarray(was)[common])
+    padding = np.ones(held.shape, bool)
+    padding[common] = False
+    assert not np.asarray(held)[padding].any()
+
+
+@pytest.fixture
+def laid_out_for_a_tpu(monkeypatch):
+  """Calling it, caches made from then on are laid out as the compiled TPU kernel reads them
+  (`attention_dispatch.quantized_segment_granule` and `gear_outlier_slots`, made to answer here
+  what they answer on a TPU); its `undo` puts this machine's layout back. Programs jit traced
+  before either are dropped: they hold the other layout under the same static arguments."""
+  from kvjax import attention_dispatch
+  from pallas_kernels.gear_outlier_terms_tpu import stored_outlier_slots
+  from pallas_kernels.quantized_decode_attention_tpu import segment_token_granule
+
+  def lay_out():
+    monkeypatch.setattr(
+      attention_dispatch,
+      "quantized_segment_granule",
+      lambda implementation, head_dim, group_size, stats_dtype, kernel_backend=None, **kw: (
+        segment_token_granule(head_dim, group_size, stats_dtype, kw.get("outlier_block"))
+      ),
+    )
+    monkeypatch.setattr(
+      attention_dispatch,
+      "gear_outlier_slots",
+      lambda implementation, head_dim, count, kernel_backend=None: (
+        stored_outlier_slots(count) if count else count
+      ),
+    )
+    jax.clear_caches()  # the programs traced so far made this machine's layout
+
+  def undo():
+    monkeypatch.undo()
+    jax.clear_caches()
+
+  lay_out.undo = undo
+  return lay_out
+
+
+def _decoder_and_context_makers(spec, layer_loop, head_dim):
+  config = dataclasses.replace(TINY_CONFIG, head_dim=head_dim)
+  decoder, params = tiny_decoder(config=config, layer_loop=layer_loop)
+  method = lambda: parse_method_spec(spec)
+  context = lambda room=ROOM, prompts=PROMPTS: compress_context(
+    decoder, params, prompts, cache_method=method(), room=room
+  )
+  template = lambda room=ROOM: context_template(
+    decoder, params, batch=2, prompt_len=40, cache_method=method(), room=room
+  )
+  return decoder, params, context, template
+
+
+def _segment_rows_and_slots(context) -> list[tuple[int, int | None]]:
+  caches = [c for c in jax.tree.leaves(context.caches, is_leaf=_is_kivi) if _is_kivi(c)]
+  axis = lambda cache: cache.window_keys.ndim - 2  # the token axis, past a run's layer axis
+  slots = lambda cache: cache.segment.outliers and cache.segment.outliers[0].shape[-1]
+  return [(c.segment.k_codes.shape[axis(c)], slots(c)) for c in caches]
+
+
+def _is_kivi(node) -> bool:
+  from kvjax.kivi_cache import KiviLayerCache
+
+  return isinstance(node, KiviLayerCache)
+
+
+@pytest.mark.parametrize(
+  "spec, layer_loop, head_dim, cpu_layout, tpu_layout",
+  [
+    # GEAR: 3 outliers a side in whole 128-lane tiles, 8-row tiles of blocks of 16 (128 rows).
+    ("gear:bits=2,group_size=16,block=16,rank=2", "scan", 16, [(32, 6)], [(128, 128)]),
+    # The next two under -m slow (the refusal below re-lays KIVI's rows in the default run):
+    # KIVI at head_dim 128: whole tiles of 16 bfloat16 key-statistic rows of group 16 (256 rows).
+    pytest.param(KIVI, "unroll", 128, [(32, None)] * 2, [(256, None)] * 2, marks=pytest.mark.slow),
+    # A selection's survivors in GEAR storage (24 + 8 tokens: 16 rows, rounded to 128).
+    pytest.param(
+      "snapkv:budget=24,window=8+gear:bits=4,group_size=16,block=16,rank=2",
+      "unroll",
+      16,
+      [(16, 6)] * 2,
+      [(128, 128)] * 2,
+      marks=pytest.mark.slow,
+    ),
+  ],
+  ids=["scan-gear", "kivi-d128", "snapkv+gear"],
+)
+def test_a_context_laid_out_for_a_tpu_restores_elsewhere_and_back(
+  spec, layer_loop, head_dim, cpu_layout, tpu_layout, laid_out_for_a_tpu, tmp_path
+):
+  """A KIVI/GEAR segment where the compiled TPU kernel reads it holds whole tiles of rows and of
+  GEAR's outlier slots (`KiviLayerCache.zeros`). A context compressed there restores into a
+  template made on another backend, and one compressed elsewhere into a TPU's template: the
+  same arrays re-laid, answering the same tokens."""
+  decoder, params, context, template = _decoder_and_context_makers(spec, layer_loop, head_dim)
+  laid_out_for_a_tpu()
+  on_tpu, tpu_template = context(), template()
+  laid_out_for_a_tpu.undo()
+  elsewhere, cpu_template = context(), template()
+  assert _segment_rows_and_slots(on_tpu) == tpu_layout
+  assert _segment_rows_and_slots(elsewhere) == cpu_layout
+  ask = lambda ctx: continue_context(decoder, params, ctx, QUESTIONS, max_new_tokens=4)[0]
+  answers = ask(elsewhere)
+  np.testing.assert_array_equal(ask(on_tpu), answers)
+
+  save_context(tmp_path / "tpu", on_tpu)
+  restored = restore_context(tmp_path / "tpu", cpu_template)
+  assert_same_arrays(restored, elsewhere)
+  np.testing.assert_array_equal(ask(restored), answers)
+
+  save_context(tmp_path / "cpu", elsewhere)
+  restored = restore_context(tmp_path / "cpu", tpu_template)
+  assert_same_arrays(restored, on_tpu)
+  np.testing.assert_array_equal(ask(restored), answers)
+  # Another room is still refused, on either side (a TPU's segment, rounded up, could have been
+  # made for any room it rounds up from: one past it).
+  laid_out_for_a_tpu()
+  with pytest.raises(ValueError, match="does not fit the template"):
+    restore_context(tmp_path / "cpu", template(room=ROOM + 600))
+  laid_out_for_a_tpu.undo()
+  with pytest.raises(ValueError, match="does not fit the template"):
+    restore_context(tmp_path / "tpu", template(room=ROOM + 600))
+
+
+def test_a_context_holding_more_than_the_templates_segment_is_refused(laid_out_for_a_tpu, tmp_path):
+  """A TPU's rounded segment has room past what was asked (256 rows for 32): a context that
+  uses it (prompts of 70 and 61 tokens, 64 and 48 of them quantized) has every shape of a
+  template made elsewhere for prompts of 40 but its segment's, which is too short for them: it
+  is refused, saying how much more room the template needs."""
+  decoder, params, context, template = _decoder_and_context_makers(KIVI, "unroll", 128)
+  rng = np.random.default_rng(2)
+  laid_out_for_a_tpu()
+  longer = context(prompts=[list(rng.integers(1, 64, 70)), list(rng.integers(1, 64, 61))])
+  laid_out_for_a_tpu.undo()
+  save_context(tmp_path / "context", longer)
+  with pytest.raises(
+    ValueError,
+    match="holds 64 quantized tokens in a row of a layer cache whose segment has 32 in the "
+    "template: make the template with at least 32 tokens more room",
+  ):
+    restore_context(tmp_path / "context", template())
+  restored = restore_context(tmp_path / "context", template(room=ROOM + 32))
+  ask = lambda ctx: continue_context(decoder, params, ctx, QUESTIONS, max_new_tokens=4)[0]
+  np.testing.assert_array_equal(ask(restored), ask(longer))
+
+
+def test_a_gear_codec_is_described_as_before_its_outlier_slots(tmp_path):
+  """What kvjax v64 wrote for this codec, before GEAR's stored outlier slots (v65) existed: the
+  slots are layout, told by the arrays, so a context saved then restores into a template now."""
+  spec = "gear:bits=2,group_size=16,block=16,rank=2"
+  context = _context(spec)
+  save_context(tmp_path / "context", context)
+  cache = read_context_record(tmp_path / "context")["structure"]["children"]["caches"][0]
+  assert cache["settings"]["codec"] == (
+    "GearCodec(bits=2, group_size=16, window=16, rank=2, outliers_per_side=3, iterations=3)"
+  )
+  assert_same_arrays(restore_context(tmp_path / "context", _template(spec)), context)
