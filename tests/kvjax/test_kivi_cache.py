@@ -405,6 +405,59 @@ def test_attention_through_the_decomposition_equals_attention_over_dequantized_k
   np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
 
 
+@settings(max_examples=8, deadline=None)
+@given(
+  gear=st.booleans(),
+  lengths=st.tuples(st.integers(0, PROMPT), st.integers(1, PROMPT)),
+  more_blocks=st.integers(0, 3),
+  more_slots=st.sampled_from([0, 1, 128]),
+  seed=st.integers(0, 2**31 - 1),
+)
+def test_a_segment_relaid_with_more_rows_and_slots_attends_alike_and_relays_back(
+  gear, lengths, more_blocks, more_slots, seed
+):
+  """`with_segment_layout` (how a context saved on one backend is read into another's layout):
+  rows and GEAR outlier slots added as zeros change no attention output, and cutting them off
+  again gives the cache back, bit for bit."""
+  if gear:
+    method = Gear(bits=2, group_size=8, rank=2, outliers=0.05, block=16)
+  else:
+    method = Kivi(bits=2, group_size=8, residual=16)
+  cache = method.allocate_storage(
+    batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D, dtype=jnp.bfloat16
+  )
+  keys = _random(seed, B, H, PROMPT, D) * 2 + 1
+  values = _random(seed + 1, B, H, PROMPT, D)
+  cache = _ingest(cache, keys, values, jnp.asarray(lengths, jnp.int32))
+  codec = cache.codec
+  if gear:
+    assert codec.stored_outliers == codec.outlier_count == 2 * 13  # 5% of 16 x 32, each side
+    wider_codec = dataclasses.replace(codec, outlier_slots=codec.stored_outliers + more_slots)
+  else:
+    wider_codec = codec
+  rows = cache.quantized_capacity + more_blocks * cache.window
+  wider = cache.with_segment_layout(rows, wider_codec)
+  assert wider.quantized_capacity == rows and wider.codec == wider_codec
+  if gear:
+    assert wider.segment.outliers[0].shape[-1] == wider_codec.stored_outliers
+  for added, held in zip(jax.tree.leaves(wider), jax.tree.leaves(cache), strict=True):
+    added = np.asarray(added)
+    past = np.ones(added.shape, bool)
+    past[tuple(slice(0, size) for size in held.shape)] = False
+    assert not added[past].any()  # zeros: an empty row, a padding slot (index 0, value 0)
+  queries = _random(seed + 20, B, H, G, D)
+  np.testing.assert_allclose(
+    np.asarray(_attend(wider, queries, 0.3)),
+    np.asarray(_attend(cache, queries, 0.3)),
+    rtol=1e-6,
+    atol=1e-6,
+  )
+  back = wider.with_segment_layout(cache.quantized_capacity, codec)
+  assert jax.tree.structure(back) == jax.tree.structure(cache)
+  for relaid, held in zip(jax.tree.leaves(back), jax.tree.leaves(cache), strict=True):
+    np.testing.assert_array_equal(np.asarray(relaid), np.asarray(held))
+
+
 def _forced_logprobs(method, tokens, lengths, forced):
   decoder, params = tiny_decoder()
   logits, caches = prefill(
