@@ -1,8 +1,10 @@
 from typing import NamedTuple
 
+import jax
 import numpy as np
 import pytest
 
+from kvjax import attention_dispatch
 from kvjax.duo_gate_profile import DuoGateProfile
 from kvjax.retrieval_heads import HeadProfile
 from pallas_kernels import (
@@ -11,6 +13,7 @@ from pallas_kernels import (
   quantized_decode_attention_gpu,
   quantized_decode_attention_tpu,
 )
+from pallas_kernels.gear_outlier_terms_tpu import stored_outlier_slots
 from tests.kvjax.tiny_decoder import tiny_decoder
 
 
@@ -77,3 +80,40 @@ def kernel_calls(monkeypatch):
 
     monkeypatch.setattr(module, name, record)
   return calls
+
+
+@pytest.fixture
+def laid_out_for_a_tpu():
+  """Calling it, caches made from then on are laid out as the compiled TPU kernel reads them
+  (`attention_dispatch.quantized_segment_granule` and `gear_outlier_slots`, made to answer here
+  what they answer on a TPU); its `undo` (and the test's end) puts this machine's layout back.
+  Programs jit traced before either are dropped: they hold the other layout under the same
+  static arguments."""
+  patch = pytest.MonkeyPatch()  # its own: undoing it leaves other fixtures' patches in place
+
+  def lay_out():
+    patch.setattr(
+      attention_dispatch,
+      "quantized_segment_granule",
+      lambda implementation, head_dim, group_size, stats_dtype, kernel_backend=None, **kw: (
+        quantized_decode_attention_tpu.segment_token_granule(
+          head_dim, group_size, stats_dtype, kw.get("outlier_block")
+        )
+      ),
+    )
+    patch.setattr(
+      attention_dispatch,
+      "gear_outlier_slots",
+      lambda implementation, head_dim, count, kernel_backend=None: (
+        stored_outlier_slots(count) if count else count
+      ),
+    )
+    jax.clear_caches()  # the programs traced so far made this machine's layout
+
+  def undo():
+    patch.undo()
+    jax.clear_caches()
+
+  lay_out.undo = undo
+  yield lay_out
+  undo()

@@ -338,41 +338,6 @@ def assert_held_in_template_layout(restored, saved, template):
     assert not np.asarray(held)[padding].any()
 
 
-@pytest.fixture
-def laid_out_for_a_tpu(monkeypatch):
-  """Calling it, caches made from then on are laid out as the compiled TPU kernel reads them
-  (`attention_dispatch.quantized_segment_granule` and `gear_outlier_slots`, made to answer here
-  what they answer on a TPU); its `undo` puts this machine's layout back. Programs jit traced
-  before either are dropped: they hold the other layout under the same static arguments."""
-  from kvjax import attention_dispatch
-  from pallas_kernels.gear_outlier_terms_tpu import stored_outlier_slots
-  from pallas_kernels.quantized_decode_attention_tpu import segment_token_granule
-
-  def lay_out():
-    monkeypatch.setattr(
-      attention_dispatch,
-      "quantized_segment_granule",
-      lambda implementation, head_dim, group_size, stats_dtype, kernel_backend=None, **kw: (
-        segment_token_granule(head_dim, group_size, stats_dtype, kw.get("outlier_block"))
-      ),
-    )
-    monkeypatch.setattr(
-      attention_dispatch,
-      "gear_outlier_slots",
-      lambda implementation, head_dim, count, kernel_backend=None: (
-        stored_outlier_slots(count) if count else count
-      ),
-    )
-    jax.clear_caches()  # the programs traced so far made this machine's layout
-
-  def undo():
-    monkeypatch.undo()
-    jax.clear_caches()
-
-  lay_out.undo = undo
-  return lay_out
-
-
 def _decoder_and_context_makers(spec, layer_loop, head_dim):
   config = dataclasses.replace(TINY_CONFIG, head_dim=head_dim)
   decoder, params = tiny_decoder(config=config, layer_loop=layer_loop)

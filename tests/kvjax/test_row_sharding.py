@@ -124,6 +124,34 @@ def test_a_context_saved_by_rows_is_restored_by_rows_or_onto_one_device(
 
 
 @two_devices
+def test_a_context_spread_by_rows_on_a_tpu_is_restored_by_rows_elsewhere(
+  laid_out_for_a_tpu, tmp_path
+):
+  """A GEAR context compressed by rows where the compiled TPU kernel reads it (its segment in
+  whole tiles of rows, its outliers in whole lane tiles: made so here), restored by rows into a
+  template made elsewhere: re-laid, each row on its device, answering as compressed here."""
+  decoder, params = tiny_decoder(layer_loop="scan")
+  method = parse_method_spec("gear:bits=2,group_size=16,block=16,rank=2")
+  compress = lambda: compress_context(
+    decoder, params, PROMPTS, cache_method=method, room=ROOM, row_sharding=_rows()
+  )
+  laid_out_for_a_tpu()
+  on_tpu = compress()
+  laid_out_for_a_tpu.undo()
+  here = compress()
+  save_context(tmp_path / "context", on_tpu)
+  shape = dict(batch=2, prompt_len=max(map(len, PROMPTS)), cache_method=method, room=ROOM)
+  template = context_template(decoder, params, **shape, row_sharding=_rows())
+  assert jax.tree.structure(on_tpu) != jax.tree.structure(template)  # the codec's slots differ
+  restored = restore_context(tmp_path / "context", template)
+  assert_same_arrays(restored, here)
+  for leaf, like in zip(jax.tree.leaves(restored), jax.tree.leaves(here)):
+    assert leaf.sharding == like.sharding
+  ask = lambda ctx: continue_context(decoder, params, ctx, RAGGED_QUESTIONS, max_new_tokens=3)
+  np.testing.assert_array_equal(ask(restored)[0], ask(here)[0])
+
+
+@two_devices
 @pytest.mark.parametrize("layer_loop", ["scan"])
 def test_generate_by_rows_is_generate_on_one_device(layer_loop):
   decoder, params = tiny_decoder(layer_loop=layer_loop)
@@ -321,4 +349,4 @@ def test_the_two_device_tests_pass_on_two_host_devices():
   )
   assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
   # Every test of this file but this one ran (none skipped) in the two-device process.
-  assert "15 passed, 1 skipped" in run.stdout, run.stdout[-1000:]
+  assert "16 passed, 1 skipped" in run.stdout, run.stdout[-1000:]
