@@ -278,15 +278,15 @@ def _one_layer(cache: KiviLayerCache) -> KiviLayerCache:
   return cache
 
 
-def _in_segment_layout(cache: KiviLayerCache, tokens: int, codec) -> KiviLayerCache:
-  """`KiviLayerCache.with_segment_layout`, layer by layer for a stacked run, shapes only for a
-  cache of shapes."""
+def _in_segment_layout(
+  cache: KiviLayerCache, tokens: int, codec, shapes_only: bool = False
+) -> KiviLayerCache:
+  """`KiviLayerCache.with_segment_layout`, layer by layer for a stacked run; its shapes only
+  with `shapes_only` (a template, of arrays or of shapes)."""
   relay = lambda layer: layer.with_segment_layout(tokens, codec)
   if cache.window_keys.ndim == 5:
     relay = jax.vmap(relay)
-  if isinstance(cache.window_keys, jax.ShapeDtypeStruct):
-    return jax.eval_shape(relay, cache)
-  return relay(cache)
+  return jax.eval_shape(relay, cache) if shapes_only else relay(cache)
 
 
 def _described_nodes(structure, types: set[str]) -> list[dict]:
@@ -349,7 +349,7 @@ def _template_in_saved_layout(template: CompressedContext, saved) -> CompressedC
       codec = dataclasses.replace(codec, outlier_slots=slots)
     if not _made_for_the_same_capacity(_one_layer(cache), tokens):
       return None
-    laid.append(_in_segment_layout(cache, tokens, codec))
+    laid.append(_in_segment_layout(cache, tokens, codec, shapes_only=True))
   return dataclasses.replace(template, caches=_with_kivi_caches(template.caches, laid))
 
 

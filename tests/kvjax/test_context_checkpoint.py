@@ -405,6 +405,7 @@ def test_a_context_laid_out_for_a_tpu_restores_elsewhere_and_back(
   save_context(tmp_path / "tpu", on_tpu)
   restored = restore_context(tmp_path / "tpu", cpu_template)
   assert_same_arrays(restored, elsewhere)
+  assert_same_arrays(restore_context(tmp_path / "tpu", elsewhere), elsewhere)  # arrays as template
   np.testing.assert_array_equal(ask(restored), answers)
 
   save_context(tmp_path / "cpu", elsewhere)
