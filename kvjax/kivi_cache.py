@@ -493,6 +493,16 @@ class KiviLayerCache:
     backend's kernel reads another layout than the next's: `zeros`). Rows past `tokens` and
     slots past the outliers are cut off, or zeros added (what an empty row and a padding slot
     hold). The caller checks that no row holds more than `tokens` quantized tokens."""
+    check_count("tokens", tokens, 0)
+    if tokens % self.window:
+      raise ValueError(
+        f"tokens={tokens!r} must be a multiple of the cache's block of {self.window} tokens"
+      )
+    if _without_layout(codec) != _without_layout(self.codec):
+      raise ValueError(
+        f"codec={codec!r} must quantize as the cache's codec {self.codec!r} does (only its "
+        "outlier_slots may differ)"
+      )
     batch, kv_heads, _, head_dim = self.window_keys.shape
     stored = jax.eval_shape(
       lambda keys, values: codec.encode(keys, values, self.dtype),
@@ -598,6 +608,13 @@ class KiviLayerCache:
 def _outlier_block(codec: KiviCodec) -> int | None:
   """Tokens a block of GEAR's outliers covers, where the codec stores outliers."""
   return codec.window if codec.outlier_count else None
+
+
+def _without_layout(codec: KiviCodec) -> KiviCodec:
+  """`codec` less how many outlier slots it stores (layout, not what it computes)."""
+  if hasattr(codec, "outlier_slots"):
+    return dataclasses.replace(codec, outlier_slots=0)
+  return codec
 
 
 def round_segment_tokens(tokens: int, granule: int, window: int) -> int:

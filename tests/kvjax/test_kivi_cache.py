@@ -458,6 +458,19 @@ def test_a_segment_relaid_with_more_rows_and_slots_attends_alike_and_relays_back
     np.testing.assert_array_equal(np.asarray(relaid), np.asarray(held))
 
 
+def test_a_bad_segment_layout_is_refused_by_name():
+  cache = Kivi(bits=2, group_size=8, residual=16).allocate_storage(
+    batch=B, kv_heads=H, capacity=CAPACITY, head_dim=D, dtype=jnp.bfloat16
+  )
+  with pytest.raises(ValueError, match="tokens=40 must be a multiple of the cache's block of 16"):
+    cache.with_segment_layout(40, cache.codec)
+  with pytest.raises(ValueError, match="tokens=-16 must be"):
+    cache.with_segment_layout(-16, cache.codec)
+  other = dataclasses.replace(cache.codec, bits=4)
+  with pytest.raises(ValueError, match="codec=KiviCodec\\(bits=4.* must quantize as the cache's"):
+    cache.with_segment_layout(32, other)
+
+
 def _forced_logprobs(method, tokens, lengths, forced):
   decoder, params = tiny_decoder()
   logits, caches = prefill(
