@@ -39,9 +39,11 @@ from kvjax.layer_runs import StackedLayerCaches
 FORMAT = "kvjax-context/1"
 METADATA_FILE = "kvjax_context.json"
 ARRAYS_DIR = "arrays"
-# Static fields that choose how a cache computes, not what its arrays mean; and the prompt width
-# a cache was allocated for, which only `ingest` reads (a saved context is past its prompt).
-RUN_SETTINGS = ("implementation", "kernel_settings", "allocated_prompt_len")
+# Static fields that choose how a cache computes, not what its arrays mean; the prompt width a
+# cache was allocated for, which only `ingest` reads (a saved context is past its prompt); and a
+# selection's scratch layout for chunked prefill, which its codec storage's arrays tell (saves
+# from 2026-11-24 until v66 describe it, earlier ones lack it: either way the template's applies).
+RUN_SETTINGS = ("implementation", "kernel_settings", "allocated_prompt_len", "scratch_layout")
 # Static fields added to caches after FORMAT was fixed, with the value (its repr) that gives the
 # behaviour contexts saved before them had: a saved description without one reads as this.
 SETTINGS_ADDED_LATER = {"evicts_when_full": "True", "rope_scaling": "None"}
@@ -79,16 +81,17 @@ def describe_structure(node) -> Any:
   )
 
 
-def _with_settings_added_later(structure, template):
-  """`structure` (as saved) with the SETTINGS_ADDED_LATER its nodes lack and the template's
-  nodes have, at their old-behaviour values."""
+def _as_described_now(structure, template):
+  """`structure` (as saved) as kvjax describes it now: with the SETTINGS_ADDED_LATER its nodes
+  lack and the template's nodes have, at their old-behaviour values, without the RUN_SETTINGS
+  an older kvjax described, and with the children its nodes lack where the template's hold
+  None (a field added later that holds no array, such as a selection's chunked-prefill scratch
+  of 2026-11-24: the save predates it, and held nothing there)."""
   if isinstance(structure, list) and isinstance(template, list) and len(structure) == len(template):
-    return [_with_settings_added_later(a, b) for a, b in zip(structure, template)]
+    return [_as_described_now(a, b) for a, b in zip(structure, template)]
   if not (isinstance(structure, dict) and isinstance(template, dict)):
     return structure
-  completed = {
-    key: _with_settings_added_later(value, template.get(key)) for key, value in structure.items()
-  }
+  completed = {key: _as_described_now(value, template.get(key)) for key, value in structure.items()}
   settings, wanted = structure.get("settings"), template.get("settings")
   if isinstance(settings, dict) and isinstance(wanted, dict):
     added = {
@@ -96,7 +99,12 @@ def _with_settings_added_later(structure, template):
       for name, value in SETTINGS_ADDED_LATER.items()
       if name in wanted and name not in settings
     }
-    completed["settings"] = {**settings, **added}
+    kept = {name: value for name, value in settings.items() if name not in RUN_SETTINGS}
+    completed["settings"] = {**kept, **added}
+  children, wanted = structure.get("children"), template.get("children")
+  if isinstance(children, dict) and isinstance(wanted, dict):
+    empty = {name: None for name, child in wanted.items() if child is None and name not in children}
+    completed["children"] = {**completed["children"], **empty}
   return completed
 
 
@@ -387,7 +395,7 @@ def restore_context(
     )
   record = read_context_record(directory)
   structure = describe_structure(template)
-  saved = _with_settings_added_later(record["structure"], structure)
+  saved = _as_described_now(record["structure"], structure)
   difference = _first_difference(saved, structure)
   read_into = template
   if difference:

@@ -192,6 +192,35 @@ def test_a_context_saved_before_the_room_and_rope_settings_still_restores(spec, 
     restore_context(tmp_path / "context", _template(small))
 
 
+def test_a_selection_context_restores_as_every_kvjax_since_the_first_described_it(tmp_path):
+  """A selection over a codec storage got a chunked-prefill scratch on 2026-11-24: a child that
+  is None outside chunked prefill, and a static scratch layout that its storage's arrays tell.
+  Saves of 2026-11-23 lack both (their restore was refused until v66), saves from 2026-11-24 to
+  v65 describe the layout, and now it is left out like the other run settings."""
+  spec = f"snapkv:budget=16,window=4+{KIVI}"
+  context = _context(spec)
+  save_context(tmp_path / "context", context)
+  path = tmp_path / "context" / METADATA_FILE
+  record = json.loads(path.read_text())
+  cache = record["structure"]["children"]["caches"][0]
+  assert cache["type"] == "SelectedLayerCache" and "scratch_layout" not in cache["settings"]
+  assert cache["children"]["scratch"] is None
+  assert_same_arrays(restore_context(tmp_path / "context", _template(spec)), context)
+  del cache["children"]["scratch"]  # as 2026-11-23 wrote it
+  path.write_text(json.dumps(record))
+  assert_same_arrays(restore_context(tmp_path / "context", _template(spec)), context)
+  cache["children"]["scratch"] = None  # as 2026-11-24 to v65 wrote it
+  cache["settings"]["scratch_layout"] = repr(context.caches[0].scratch_layout)
+  assert context.caches[0].scratch_layout == (2, 16, "bfloat16")
+  path.write_text(json.dumps(record))
+  assert_same_arrays(restore_context(tmp_path / "context", _template(spec)), context)
+  # A child that holds arrays in the template is never taken as added later.
+  del cache["children"]["storage"]
+  path.write_text(json.dumps(record))
+  with pytest.raises(ValueError, match=r"at context.caches\[0\] \(keys\)"):
+    restore_context(tmp_path / "context", _template(spec))
+
+
 def test_how_a_cache_runs_comes_from_the_template(tmp_path):
   save_context(tmp_path / "context", _context(KIVI, implementation="reference"))
   template = _template(KIVI, implementation="interpret")
