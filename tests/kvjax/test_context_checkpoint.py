@@ -221,6 +221,43 @@ def test_a_selection_context_restores_as_every_kvjax_since_the_first_described_i
     restore_context(tmp_path / "context", _template(spec))
 
 
+SAVED_BY_OLDER_KVJAX = pathlib.Path(__file__).parents[1] / "fixtures" / "saved_contexts"
+
+
+@pytest.mark.parametrize(
+  "saved, spec",
+  [
+    (
+      "e7a6b80-pyramidkv-kivi-scan",
+      "pyramidkv:budget=16,window=4+kivi:bits=4,group_size=16,residual=16",
+    ),
+    ("59c9acd-gear-scan", "gear:bits=4,group_size=16,block=16,rank=2,outliers=0.02"),
+  ],
+)
+@pytest.mark.filterwarnings("ignore:compress_context. pyramidkv's budgets follow:UserWarning")
+def test_a_context_saved_by_an_older_kvjax_restores_as_compressed_now(saved, spec):
+  """Saved by `scripts/saved_context_compat.py save` at e7a6b80 (2026-11-23, the first day of
+  save_context: no chunked-prefill scratch in a selection) and at 59c9acd (v64: GEAR's codec
+  described without stored outlier slots), scanned layers, room 8, with XLA's default flags. Both
+  were refused before v66. Restored into templates made now, they hold what a context
+  compressed now holds, up to the last bits a forward pass compiled otherwise rounds (these
+  tests' fast-compile flags moved 1-4 of 512-2048 bfloat16 entries of some arrays by one unit
+  in the last place; every code and index stayed): the orbax and format of today read them."""
+  template = _template(spec, "scan")
+  restored = restore_context(SAVED_BY_OLDER_KVJAX / saved, template)
+  assert jax.tree.structure(restored) == jax.tree.structure(template)
+  now = jax.tree_util.tree_leaves_with_path(_context(spec, "scan"))
+  for held, (path, want) in zip(jax.tree.leaves(restored), now, strict=True):
+    held, want = np.asarray(held), np.asarray(want)
+    assert (held.shape, held.dtype) == (want.shape, want.dtype), jax.tree_util.keystr(path)
+    if np.issubdtype(held.dtype, np.integer):  # codes, indices, lengths: a rare flip at most
+      assert np.sum(held != want) <= 0.01 * held.size, jax.tree_util.keystr(path)
+    else:  # two units in the last place of bfloat16
+      np.testing.assert_allclose(
+        held.astype(np.float32), want.astype(np.float32), rtol=2**-7, atol=1e-5
+      )
+
+
 def test_how_a_cache_runs_comes_from_the_template(tmp_path):
   save_context(tmp_path / "context", _context(KIVI, implementation="reference"))
   template = _template(KIVI, implementation="interpret")
