@@ -19,6 +19,9 @@ Setup: `pip install -e ".[dev]"` (the dev extra brings libtpu, on Linux x86-64).
 needed. Example (the shapes of record, a TPU v5e):
 
   PYTHONPATH=. .venv/bin/python benchmarks/tpu_compile_check.py [--topology v6e:2x2]
+
+and, with `--decode`, kvjax's own decode over KIVI-2 and GEAR-2 caches: the cache-sized arrays
+it copies at every step and in the flush branch.
 """
 
 import argparse
@@ -365,12 +368,62 @@ def check_record_shapes(topology: str, tokens: int) -> list[dict]:
   return rows
 
 
+DECODE_SPECS = {"kivi2": "kivi:bits=2,residual=128,group_size=32", "gear2": "gear"}
+
+
+def decode_copies(topology: str, tokens: int) -> list[dict]:
+  """Per KIVI-2 / GEAR-2 cache, head_dim 128 and 64, the decode step jitted alone and the decode
+  loop (`decode_step`, `decode_loop`): the cache-sized arrays ([8, 8, ...]: batch 8, 8 KV heads)
+  copied at every step, and the copies in the flush branch (every `residual` or GEAR `block`
+  steps), of >= 1 MiB as laid out."""
+  rows = []
+  for name, spec in DECODE_SPECS.items():
+    for head_dim in (128, 64):
+      for kind, compile_decode in (("step", decode_step), ("loop", decode_loop)):
+        compiled = compile_decode(spec, context=tokens, head_dim=head_dim, topology=topology)
+        body = while_body(compiled) if kind == "loop" else None
+        copies = [copy for copy in large_copies(compiled, 1 << 20, body) if "[8,8," in copy.shape]
+        every_step = [copy for copy in copies if not copy.in_branch]
+        branch = [copy for copy in copies if copy.in_branch]
+        rows.append(
+          dict(
+            cache=name,
+            head_dim=head_dim,
+            decode=kind,
+            topology=topology,
+            tokens=tokens,
+            every_step_copies=len(every_step),
+            every_step_mib=sum(copy.bytes for copy in every_step) / 2**20,
+            flush_copies=len(branch),
+            flush_mib=sum(copy.bytes for copy in branch) / 2**20,
+          )
+        )
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--topology", default="v5e:2x2", choices=TOPOLOGIES)
   parser.add_argument("--tokens", type=int, default=32768)
   parser.add_argument("--out", help="write the rows as JSON here")
+  parser.add_argument(
+    "--decode",
+    action="store_true",
+    help="kvjax's decode step and loop over KIVI-2 and GEAR-2 caches instead of the kernels",
+  )
   args = parser.parse_args(argv)
+  if args.decode:
+    rows = decode_copies(args.topology, args.tokens)
+    for row in rows:
+      print(
+        f"{row['topology']} {row['cache']} head_dim {row['head_dim']:3} {row['decode']}: "
+        f"every step {row['every_step_copies']} copies, {row['every_step_mib']:.1f} MiB; "
+        f"flush branch {row['flush_copies']} copies, {row['flush_mib']:.1f} MiB"
+      )
+    if args.out:
+      with open(args.out, "w") as handle:
+        json.dump(rows, handle, indent=1)
+    return
   rows = check_record_shapes(args.topology, args.tokens)
   for row in rows:
     status = row.get("error") or f"compiles; copies of >= 1 MB: {row['copied_mb']} MB"

@@ -382,17 +382,29 @@ class KiviLayerCache:
     flush = (self.window_lengths == window) & (self.quantized_capacity > 0)  # bool [B]
 
     segment = self.segment
+    held = (self.window_keys, self.window_values)
     if self.quantized_capacity:
-
-      def encode_window():
-        return self.codec.encode(self.window_keys, self.window_values, self.dtype)
-
-      block_shapes = jax.eval_shape(encode_window)
-      block = jax.lax.cond(
-        jnp.any(flush),
-        encode_window,
-        lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), block_shapes),
-      )
+      emptied = flush[:, None, None, None]
+      empty = lambda held: tuple(jnp.where(emptied, jnp.zeros((), self.dtype), x) for x in held)
+      encode = lambda held: self.codec.encode(*held, self.dtype)
+      block_shapes = jax.eval_shape(encode, held)
+      no_block = lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), block_shapes)
+      if self._segment_layouts() is not None:
+        # Where the compiled TPU kernel reads the cache, the windows of the rows that flush are
+        # emptied in the flush branch: emptied at every step, the select over each whole window
+        # made XLA lay it out anew and back for the kernel below 128 channels (a KIVI step
+        # jitted alone copied 8 MiB a layer at batch 8, 8 KV heads, head_dim 64, now 2 MiB:
+        # KERNEL_NOTES v66). Elsewhere the windows stay out of the branch: XLA on the CPU copied
+        # both through the branch that does not flush, at every step.
+        block, held = jax.lax.cond(
+          jnp.any(flush),
+          lambda held: (encode(held), empty(held)),
+          lambda held: (no_block(), held),
+          held,
+        )
+      else:
+        block = jax.lax.cond(jnp.any(flush), lambda: encode(held), no_block)
+        held = empty(held)
       segment = _write_blocks(
         segment,
         block,
@@ -402,18 +414,12 @@ class KiviLayerCache:
         layouts=self._segment_layouts(),
       )
 
-    emptied = flush[:, None, None, None]
     window_lengths = jnp.where(flush, 0, self.window_lengths)
-    empty_where_flushed = lambda held: jnp.where(emptied, jnp.zeros((), self.dtype), held)
     return dataclasses.replace(
       self,
       segment=segment,
-      window_keys=write_token_at_lengths(
-        empty_where_flushed(self.window_keys), keys, window_lengths
-      ),
-      window_values=write_token_at_lengths(
-        empty_where_flushed(self.window_values), values, window_lengths
-      ),
+      window_keys=write_token_at_lengths(held[0], keys, window_lengths),
+      window_values=write_token_at_lengths(held[1], values, window_lengths),
       quantized_lengths=self.quantized_lengths + jnp.where(flush, window, 0),
       window_lengths=window_lengths + 1,
     )

@@ -544,9 +544,10 @@ def test_composes_with_a_token_selection_policy():
 )
 def test_the_tpu_segment_writes_store_what_the_scatter_stores(method, monkeypatch):
   # On a TPU the segment's blocks are written by per-row update slices with the kernel's
-  # layouts pinned (`compact_rows.write_blocks_by_row_slices`); elsewhere by one scatter. Both
-  # are run here, on the CPU, over appends that flush at different steps per row and a chunk
-  # that writes two blocks to one row and none to the other.
+  # layouts pinned (`compact_rows.write_blocks_by_row_slices`), and the windows of the rows that
+  # flush are emptied inside the flush branch (v66); elsewhere by one scatter, the windows
+  # emptied outside it. Both are run here, on the CPU, over appends that flush at different
+  # steps per row and a chunk that writes two blocks to one row and none to the other.
   from kvjax import attention_dispatch
   from pallas_kernels import quantized_decode_attention_tpu
 
