@@ -420,16 +420,13 @@ def main(argv=None):
         f"every step {row['every_step_copies']} copies, {row['every_step_mib']:.1f} MiB; "
         f"flush branch {row['flush_copies']} copies, {row['flush_mib']:.1f} MiB"
       )
-    if args.out:
-      with open(args.out, "w") as handle:
-        json.dump(rows, handle, indent=1)
-    return
-  rows = check_record_shapes(args.topology, args.tokens)
-  for row in rows:
-    status = row.get("error") or f"compiles; copies of >= 1 MB: {row['copied_mb']} MB"
-    print(f"{row['topology']} {row['kernel']:5} head_dim {row['head_dim']:3}: {status}")
-    for copy in row.get("copies", []):
-      print(f"    {copy['opcode']} {copy['shape']} ({copy['bytes'] / 1e6:.1f} MB laid out)")
+  else:
+    rows = check_record_shapes(args.topology, args.tokens)
+    for row in rows:
+      status = row.get("error") or f"compiles; copies of >= 1 MB: {row['copied_mb']} MB"
+      print(f"{row['topology']} {row['kernel']:5} head_dim {row['head_dim']:3}: {status}")
+      for copy in row.get("copies", []):
+        print(f"    {copy['opcode']} {copy['shape']} ({copy['bytes'] / 1e6:.1f} MB laid out)")
   if args.out:
     with open(args.out, "w") as handle:
       json.dump(rows, handle, indent=1)

@@ -279,11 +279,14 @@ def _with_kivi_caches(caches, replacements: list):
   )
 
 
+def _is_stacked(cache: KiviLayerCache) -> bool:
+  """Whether `cache` is a run of layers, stacked on a leading axis of every array."""
+  return cache.window_keys.ndim == 5
+
+
 def _one_layer(cache: KiviLayerCache) -> KiviLayerCache:
   """A layer's cache (its shapes, for a stacked run's)."""
-  if cache.window_keys.ndim == 5:  # a run of layers, stacked on a leading axis
-    return StackedLayerCaches(cache).layer_template()
-  return cache
+  return StackedLayerCaches(cache).layer_template() if _is_stacked(cache) else cache
 
 
 def _in_segment_layout(
@@ -292,7 +295,7 @@ def _in_segment_layout(
   """`KiviLayerCache.with_segment_layout`, layer by layer for a stacked run; its shapes only
   with `shapes_only` (a template, of arrays or of shapes)."""
   relay = lambda layer: layer.with_segment_layout(tokens, codec)
-  if cache.window_keys.ndim == 5:
+  if _is_stacked(cache):
     relay = jax.vmap(relay)
   return jax.eval_shape(relay, cache) if shapes_only else relay(cache)
 
@@ -344,7 +347,7 @@ def _template_in_saved_layout(template: CompressedContext, saved) -> CompressedC
     return None
   laid = []
   for cache, description in zip(caches, described):
-    layout = _described_segment_layout(description, cache.window_keys.ndim - 4)
+    layout = _described_segment_layout(description, int(_is_stacked(cache)))
     if layout is None:
       return None
     tokens, slots = layout

@@ -383,13 +383,14 @@ class KiviLayerCache:
 
     segment = self.segment
     held = (self.window_keys, self.window_values)
+    layouts = self._segment_layouts()
     if self.quantized_capacity:
       emptied = flush[:, None, None, None]
       empty = lambda held: tuple(jnp.where(emptied, jnp.zeros((), self.dtype), x) for x in held)
       encode = lambda held: self.codec.encode(*held, self.dtype)
       block_shapes = jax.eval_shape(encode, held)
       no_block = lambda: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), block_shapes)
-      if self._segment_layouts() is not None:
+      if layouts is not None:
         # Where the compiled TPU kernel reads the cache, the windows of the rows that flush are
         # emptied in the flush branch: emptied at every step, the select over each whole window
         # made XLA lay it out anew and back for the kernel below 128 channels (a KIVI step
@@ -411,7 +412,7 @@ class KiviLayerCache:
         start_tokens=self.quantized_lengths,
         num_blocks=flush.astype(jnp.int32),
         window=window,
-        layouts=self._segment_layouts(),
+        layouts=layouts,
       )
 
     window_lengths = jnp.where(flush, 0, self.window_lengths)

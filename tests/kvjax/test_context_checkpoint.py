@@ -19,6 +19,7 @@ from kvjax.context_checkpoint import (
   save_context,
 )
 from kvjax.generate import _decode_in_jit
+from kvjax.kivi_cache import KiviLayerCache
 from kvjax.method_spec import parse_method_spec
 from tests.kvjax.test_compressed_context import QUESTIONS, assert_same_arrays
 from tests.kvjax.test_method_matrix import CASES, PROMPTS
@@ -423,16 +424,11 @@ def _decoder_and_context_makers(spec, layer_loop, head_dim):
 
 
 def _segment_rows_and_slots(context) -> list[tuple[int, int | None]]:
-  caches = [c for c in jax.tree.leaves(context.caches, is_leaf=_is_kivi) if _is_kivi(c)]
+  is_kivi = lambda node: isinstance(node, KiviLayerCache)
+  caches = [c for c in jax.tree.leaves(context.caches, is_leaf=is_kivi) if is_kivi(c)]
   axis = lambda cache: cache.window_keys.ndim - 2  # the token axis, past a run's layer axis
   slots = lambda cache: cache.segment.outliers and cache.segment.outliers[0].shape[-1]
   return [(c.segment.k_codes.shape[axis(c)], slots(c)) for c in caches]
-
-
-def _is_kivi(node) -> bool:
-  from kvjax.kivi_cache import KiviLayerCache
-
-  return isinstance(node, KiviLayerCache)
 
 
 @pytest.mark.parametrize(
