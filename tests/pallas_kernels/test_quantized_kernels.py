@@ -374,14 +374,17 @@ def test_triton_kernel_ignores_garbage_past_lengths(
 @pytest.mark.parametrize(
   "bits,head_dim,group,gear,block_tokens,sublane_gathers",
   [
-    (2, 128, 4, False, 2048, True),  # two key and two value groups a register of rows
+    # two key and two value groups a register of rows (slow: the other sublane-gather cases and
+    # the broadcasts' case below run it by default; 9-16 s a case in interpret mode)
+    pytest.param(2, 128, 4, False, 2048, True, marks=pytest.mark.slow),
     (2, 128, 4, False, 2048, False),  # the same, the statistics rows by broadcasts (a v4's)
     (4, 128, 1, False, 2048, True),  # MQA: four groups a register, the query row copied 8 times
     (2, 256, 3, False, 2048, True),  # 3 query rows: zero padding, one group a register
     (4, 128, 2, True, 2048, True),  # GEAR's terms beside the pairs (one chunk a block)
     (4, 64, 4, False, 4096, True),  # the key statistics [D, groups] (groups on lanes)
     (2, 64, 4, False, 4096, True),  # the token halves' pairs (`code_pair_halves_tpu`)
-    (2, 64, 1, False, 8192, False),  # the same, MQA, the statistics rows by broadcasts
+    # the same, MQA, the statistics rows by broadcasts (slow: both run above)
+    pytest.param(2, 64, 1, False, 8192, False, marks=pytest.mark.slow),
   ],
 )
 def test_tpu_kernel_with_code_pairs_in_chunks(
