@@ -13,12 +13,14 @@ shapes), and the saved structure is compared with the template's before any arra
 template of another method or configuration is a `ValueError` naming the first difference,
 never arrays read into a cache that would misread them. How a cache runs (`implementation`,
 `kernel_settings`) is not part of what it stores: the template's apply, so a context saved on
-one machine runs with the kernels of another. Where that changes how a KIVI/GEAR segment is
-laid out (a TPU's segment holds whole tiles of rows, and its GEAR blocks whole lane tiles of
-outlier slots: `KiviLayerCache.zeros`), or an older kvjax laid it out otherwise (before v27, one
-block more for a capacity of whole blocks), the saved segment is read as it was saved and then
-re-laid into the template's (rows past every row's tokens and padding slots cut off, or zeros
-added), so a context compressed on a TPU restores on a GPU or a CPU, and back.
+one machine runs with the kernels of another. Where that changes how a cache is laid out (a
+TPU's KIVI/GEAR segment holds whole tiles of rows, its GEAR blocks whole lane tiles of outlier
+slots: `KiviLayerCache.zeros`; a TPU's `full` cache whole tiles of tokens: `FullCache.allocate`),
+or an older kvjax laid it out otherwise (before v27, one block more for a capacity of whole
+blocks), the saved cache is read as it was saved and then re-laid into the template's (rows past
+every row's tokens and padding slots cut off, or zeros added), so a context compressed on a TPU
+restores on a GPU or a CPU, and back. (Selections keep their tokens in storage laid out alike
+everywhere.)
 """
 
 import dataclasses
@@ -33,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.compressed_context import CompressedContext, is_shared
+from kvjax.dense_cache import DenseLayerCache
 from kvjax.kivi_cache import KiviLayerCache
 from kvjax.layer_runs import StackedLayerCaches
 
@@ -108,28 +111,42 @@ def _as_described_now(structure, template):
   return completed
 
 
-def _first_difference(saved, template, path: str = "context") -> tuple[str, Any, Any] | None:
+def _differences(saved, template, path: str = "context"):
+  """(where, saved, template's) for each place the described structures differ, in order."""
   if type(saved) is not type(template):
-    return path, saved, template
-  if isinstance(saved, list):
+    yield path, saved, template
+  elif isinstance(saved, list):
     if len(saved) != len(template):
-      return f"{path} (length)", len(saved), len(template)
-    for index, (a, b) in enumerate(zip(saved, template)):
-      found = _first_difference(a, b, f"{path}[{index}]")
-      if found:
-        return found
-    return None
-  if isinstance(saved, dict):
+      yield f"{path} (length)", len(saved), len(template)
+    else:
+      for index, (a, b) in enumerate(zip(saved, template)):
+        yield from _differences(a, b, f"{path}[{index}]")
+  elif isinstance(saved, dict):
     if sorted(saved) != sorted(template):
-      return f"{path} (keys)", sorted(saved), sorted(template)
-    for key in saved:
-      # A node's arrays are named by field alone: caches[0].storage, not .children.storage.
-      child_path = path if key == "children" else f"{path}.{key}"
-      found = _first_difference(saved[key], template[key], child_path)
-      if found:
-        return found
-    return None
-  return None if saved == template else (path, saved, template)
+      yield f"{path} (keys)", sorted(saved), sorted(template)
+    else:
+      for key in saved:
+        # A node's arrays are named by field alone: caches[0].storage, not .children.storage.
+        child_path = path if key == "children" else f"{path}.{key}"
+        yield from _differences(saved[key], template[key], child_path)
+  elif saved != template:
+    yield path, saved, template
+
+
+def _first_difference(saved, template) -> tuple[str, Any, Any] | None:
+  return next(_differences(saved, template), None)
+
+
+def _difference_to_name(saved, template) -> tuple[str, Any, Any] | None:
+  """The first difference, or where a cache's shape differs first (a layout that restoring may
+  accept: a KIVI/GEAR segment's, a dense cache's K/V), the first that is not such a shape: a
+  dtype or a codec that differs too is what makes the context not fit."""
+  differences = list(_differences(saved, template))
+  layout_like = lambda where: (
+    ".shape[" in where
+    and (".segment." in where or ".keys.shape[" in where or ".values.shape[" in where)
+  )
+  return next((d for d in differences if not layout_like(d[0])), differences[0])
 
 
 def _holds_stacked_layers(structure) -> bool:
@@ -259,42 +276,48 @@ def read_context_record(directory: str | pathlib.Path) -> dict:
   return record
 
 
-def _is_kivi_cache(node) -> bool:
-  return isinstance(node, KiviLayerCache)
+def _is_laid_out_cache(node) -> bool:
+  """Whether `node` is a cache whose layout a backend decides: a KIVI/GEAR cache (its segment's
+  rows, GEAR's outlier slots) or a dense one (its capacity: `FullCache.allocate`)."""
+  return isinstance(node, KiviLayerCache) or type(node) is DenseLayerCache
 
 
-def _kivi_caches(caches) -> list[KiviLayerCache]:
-  """The KIVI/GEAR caches in `caches` in flattening order (a scanned run's with a leading layer
-  axis on every array)."""
-  return [node for node in jax.tree.leaves(caches, is_leaf=_is_kivi_cache) if _is_kivi_cache(node)]
+def _laid_out_caches(caches) -> list[KiviLayerCache | DenseLayerCache]:
+  """The caches in `caches` whose layout a backend decides, in flattening order (a scanned run's
+  with a leading layer axis on every array)."""
+  leaves = jax.tree.leaves(caches, is_leaf=_is_laid_out_cache)
+  return [node for node in leaves if _is_laid_out_cache(node)]
 
 
-def _with_kivi_caches(caches, replacements: list):
-  """`caches` with its KIVI/GEAR caches, in flattening order, replaced."""
+def _with_laid_out_caches(caches, replacements: list):
+  """`caches` with its `_laid_out_caches`, in flattening order, replaced."""
   replacing = iter(replacements)
   return jax.tree.map(
-    lambda node: next(replacing) if _is_kivi_cache(node) else node,
+    lambda node: next(replacing) if _is_laid_out_cache(node) else node,
     caches,
-    is_leaf=_is_kivi_cache,
+    is_leaf=_is_laid_out_cache,
   )
 
 
-def _is_stacked(cache: KiviLayerCache) -> bool:
+def _is_stacked(cache: KiviLayerCache | DenseLayerCache) -> bool:
   """Whether `cache` is a run of layers, stacked on a leading axis of every array."""
-  return cache.window_keys.ndim == 5
+  keys = cache.window_keys if isinstance(cache, KiviLayerCache) else cache.keys
+  return keys.ndim == 5
 
 
-def _one_layer(cache: KiviLayerCache) -> KiviLayerCache:
+def _one_layer(cache):
   """A layer's cache (its shapes, for a stacked run's)."""
   return StackedLayerCaches(cache).layer_template() if _is_stacked(cache) else cache
 
 
-def _in_segment_layout(
-  cache: KiviLayerCache, tokens: int, codec, shapes_only: bool = False
-) -> KiviLayerCache:
-  """`KiviLayerCache.with_segment_layout`, layer by layer for a stacked run; its shapes only
-  with `shapes_only` (a template, of arrays or of shapes)."""
-  relay = lambda layer: layer.with_segment_layout(tokens, codec)
+def _relaid(cache, tokens: int, codec=None, shapes_only: bool = False):
+  """`KiviLayerCache.with_segment_layout(tokens, codec)` or `DenseLayerCache.with_capacity(tokens)`,
+  layer by layer for a stacked run; its shapes only with `shapes_only` (a template, of arrays or
+  of shapes)."""
+  if isinstance(cache, KiviLayerCache):
+    relay = lambda layer: layer.with_segment_layout(tokens, codec)
+  else:
+    relay = lambda layer: layer.with_capacity(tokens)
   if _is_stacked(cache):
     relay = jax.vmap(relay)
   return jax.eval_shape(relay, cache) if shapes_only else relay(cache)
@@ -312,10 +335,14 @@ def _described_nodes(structure, types: set[str]) -> list[dict]:
   return [found for child in structure.values() for found in _described_nodes(child, types)]
 
 
-def _described_segment_layout(described: dict, layer_axes: int) -> tuple[int, int | None] | None:
-  """(token rows, GEAR outlier slots or None) of a described KIVI/GEAR segment."""
+def _described_layout(described: dict, layer_axes: int) -> tuple[int, int | None] | None:
+  """(token rows, GEAR outlier slots or None) of a described KIVI/GEAR segment, or (capacity,
+  None) of a described dense cache."""
   try:
-    segment = described["children"]["segment"]["children"]
+    children = described["children"]
+    if "keys" in children:
+      return children["keys"]["shape"][2 + layer_axes], None
+    segment = children["segment"]["children"]
     outliers = segment["outliers"]
     slots = None if outliers is None else outliers[0]["shape"][-1]
     return segment["k_codes"]["shape"][2 + layer_axes], slots
@@ -326,31 +353,47 @@ def _described_segment_layout(described: dict, layer_axes: int) -> tuple[int, in
 def _made_for_the_same_capacity(layer: KiviLayerCache, saved_tokens: int) -> bool:
   """Whether a saved segment of `saved_tokens` rows and the template `layer`'s segment were
   made for the same capacity, either laid out for the compiled TPU kernel (rounded up to whole
-  tiles: `segment_tokens_on_tpu`), or the saved one before v27 (one block more for a capacity
-  of whole blocks). A TPU's segment could have been made for any capacity that rounds up to it:
-  the template's is taken."""
-  tokens, window, on_tpu = layer.quantized_capacity, layer.window, layer.segment_tokens_on_tpu
-  return (
+  tiles: `segment_tokens_on_tpu`, or as v64 rounded GEAR's, before its whole outlier blocks), or
+  the saved one before v27 (one block more for a capacity of whole blocks). A TPU's segment
+  could have been made for any capacity that rounds up to it: the template's is taken."""
+  tokens, window = layer.quantized_capacity, layer.window
+  as_v64 = lambda held: layer.segment_tokens_on_tpu(held, whole_outlier_blocks=False)
+  return any(
     saved_tokens in (tokens, on_tpu(tokens), tokens + window)
     or tokens == on_tpu(saved_tokens)
     or (saved_tokens >= window and tokens == on_tpu(saved_tokens - window))
+    for on_tpu in (layer.segment_tokens_on_tpu, as_v64)
   )
 
 
+def _made_for_the_same_room(layer: DenseLayerCache, saved_tokens: int) -> bool:
+  """Whether a saved dense cache of `saved_tokens` slots and the template `layer` were made for
+  the same capacity, one of them rounded up for the compiled TPU kernel (`capacity_on_tpu`)."""
+  tokens, on_tpu = layer.capacity, layer.capacity_on_tpu
+  return saved_tokens in (tokens, on_tpu(tokens)) or tokens == on_tpu(saved_tokens)
+
+
 def _template_in_saved_layout(template: CompressedContext, saved) -> CompressedContext | None:
-  """`template` with every KIVI/GEAR segment laid out as the `saved` description's (its token
-  rows, GEAR's outlier slots), where each was made for the template's capacity and outliers on
-  another backend or by an older kvjax; None where one was not."""
-  caches = _kivi_caches(template.caches)
+  """`template` with every KIVI/GEAR segment (its token rows, GEAR's outlier slots) and dense
+  cache (its capacity) laid out as the `saved` description's, where each was made for the
+  template's room and outliers on another backend or by an older kvjax; None where one was
+  not."""
+  caches = _laid_out_caches(template.caches)
   described = _described_nodes(saved, {type(cache).__qualname__ for cache in caches})
   if not caches or len(described) != len(caches):
     return None
   laid = []
   for cache, description in zip(caches, described):
-    layout = _described_segment_layout(description, int(_is_stacked(cache)))
+    layout = _described_layout(description, int(_is_stacked(cache)))
     if layout is None:
       return None
     tokens, slots = layout
+    layer = _one_layer(cache)
+    if isinstance(cache, DenseLayerCache):
+      if not _made_for_the_same_room(layer, tokens):
+        return None
+      laid.append(_relaid(cache, tokens, shapes_only=True))
+      continue
     codec = cache.codec
     if (slots is None) != (cache.segment.outliers is None):
       return None
@@ -358,29 +401,34 @@ def _template_in_saved_layout(template: CompressedContext, saved) -> CompressedC
       if slots < codec.outlier_count:
         return None
       codec = dataclasses.replace(codec, outlier_slots=slots)
-    if not _made_for_the_same_capacity(_one_layer(cache), tokens):
+    if tokens % layer.window or not _made_for_the_same_capacity(layer, tokens):
       return None
-    laid.append(_in_segment_layout(cache, tokens, codec, shapes_only=True))
-  return dataclasses.replace(template, caches=_with_kivi_caches(template.caches, laid))
+    laid.append(_relaid(cache, tokens, codec, shapes_only=True))
+  return dataclasses.replace(template, caches=_with_laid_out_caches(template.caches, laid))
 
 
 def _in_template_layout(
   restored: CompressedContext, template: CompressedContext, directory
 ) -> CompressedContext:
-  """`restored`'s KIVI/GEAR segments laid out as `template`'s: refused where a row holds more
-  quantized tokens than the template's segment has rows."""
+  """`restored`'s KIVI/GEAR segments and dense caches laid out as `template`'s: refused where a
+  row holds more (quantized) tokens than the template's segment (dense cache) has rows."""
   laid = []
-  for held, wanted in zip(_kivi_caches(restored.caches), _kivi_caches(template.caches)):
-    rows = _one_layer(wanted).quantized_capacity
-    most = int(np.max(np.asarray(held.quantized_lengths)))
+  for held, wanted in zip(_laid_out_caches(restored.caches), _laid_out_caches(template.caches)):
+    if isinstance(wanted, DenseLayerCache):
+      rows, lengths = _one_layer(wanted).capacity, held.lengths
+      what, where = "tokens", "a layer cache of"
+    else:
+      rows, lengths = _one_layer(wanted).quantized_capacity, held.quantized_lengths
+      what, where = "quantized tokens", "a layer cache whose segment has"
+    most = int(np.max(np.asarray(lengths)))
     if most > rows:
       raise ValueError(
-        f"the context in {str(directory)!r} holds {most} quantized tokens in a row of a layer "
-        f"cache whose segment has {rows} in the template: make the template with at least "
-        f"{most - rows} tokens more room"
+        f"the context in {str(directory)!r} holds {most} {what} in a row of {where} {rows} in "
+        f"the template: make the template with at least {most - rows} tokens more room"
       )
-    laid.append(_in_segment_layout(held, rows, wanted.codec))
-  return dataclasses.replace(restored, caches=_with_kivi_caches(restored.caches, laid))
+    codec = getattr(wanted, "codec", None)
+    laid.append(_relaid(held, rows, codec))
+  return dataclasses.replace(restored, caches=_with_laid_out_caches(restored.caches, laid))
 
 
 def restore_context(
@@ -404,10 +452,12 @@ def restore_context(
   if difference:
     in_saved_layout = _template_in_saved_layout(template, saved)
     if in_saved_layout is not None:
-      if _first_difference(saved, describe_structure(in_saved_layout)) is None:
-        read_into, difference = in_saved_layout, None
+      # The segments' layouts differ as restoring allows: what else differs is what to name.
+      difference = _first_difference(saved, describe_structure(in_saved_layout))
+      if difference is None:
+        read_into = in_saved_layout
   if difference:
-    where, saved, wanted = difference
+    where, saved, wanted = _difference_to_name(saved, structure)
     hint = "restore with a template of the method, model and shapes it was saved with"
     saved_scanned, template_scanned = (
       _holds_stacked_layers(record["structure"]),

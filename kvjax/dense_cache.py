@@ -15,6 +15,7 @@ from kvjax.compact_rows import (
 )
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings, check_kernel_settings
 from kvjax.method_registry import register_method
+from pallas_kernels import decode_attention_tpu
 
 
 @jax.tree_util.register_dataclass
@@ -56,6 +57,24 @@ class DenseLayerCache(KeyValueArrays):
   @property
   def room(self) -> jax.Array:  # int32 [batch]: tokens each row can still take
     return self.capacity - self.lengths
+
+  def capacity_on_tpu(self, tokens: int) -> int:
+    """The capacity `FullCache.allocate` gives a cache asked for `tokens`, where the compiled TPU
+    kernel reads it (whole tiles of tokens: `decode_attention_tpu.cache_token_granule`)."""
+    granule = decode_attention_tpu.cache_token_granule(self.keys.shape[-1])
+    return -(-tokens // granule) * granule
+
+  def with_capacity(self, tokens: int) -> "DenseLayerCache":
+    """This cache with `tokens` slots a row (another backend's layout: `FullCache.allocate`
+    rounds a TPU's capacity up): slots past `tokens` cut off, or zeros added (what a slot past a
+    row's length holds). The caller checks that no row holds more than `tokens` tokens."""
+    check_count("tokens", tokens, 0)
+
+    def resized(array):  # [B, H, T, D] -> [B, H, tokens, D]
+      array = array[:, :, :tokens]
+      return jnp.pad(array, [(0, 0), (0, 0), (0, tokens - array.shape[2]), (0, 0)])
+
+    return dataclasses.replace(self, keys=resized(self.keys), values=resized(self.values))
 
   @property
   def tokens_seen(self) -> jax.Array:  # int32 [batch]: the position of each row's next token

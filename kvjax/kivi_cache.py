@@ -483,14 +483,16 @@ class KiviLayerCache:
       window_lengths=window_lengths,
     )
 
-  def segment_tokens_on_tpu(self, tokens: int) -> int:
+  def segment_tokens_on_tpu(self, tokens: int, whole_outlier_blocks: bool = True) -> int:
     """The segment capacity this cache would have, asked for a segment of `tokens` (whole
-    blocks), where the compiled TPU kernel reads it (`zeros`: whole tiles of its rows)."""
+    blocks), where the compiled TPU kernel reads it (`zeros`: whole tiles of its rows). Without
+    `whole_outlier_blocks`, as v64 rounded it (GEAR's outliers were not yet in whole tiles of
+    GEAR blocks: contexts saved then restore)."""
     granule = quantized_decode_attention_tpu.segment_token_granule(
       self.window_keys.shape[-1],
       self.codec.group_size,
       self.segment.k_scale.dtype,
-      _outlier_block(self.codec),
+      _outlier_block(self.codec) if whole_outlier_blocks else None,
     )
     return round_segment_tokens(tokens, granule, self.window)
 

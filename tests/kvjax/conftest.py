@@ -85,7 +85,8 @@ def kernel_calls(monkeypatch):
 @pytest.fixture
 def laid_out_for_a_tpu():
   """Calling it, caches made from then on are laid out as the compiled TPU kernel reads them
-  (`attention_dispatch.quantized_segment_granule` and `gear_outlier_slots`, made to answer here
+  (`attention_dispatch.quantized_segment_granule`, `full_precision_cache_granule` and
+  `gear_outlier_slots`, made to answer here
   what they answer on a TPU); its `undo` (and the test's end) puts this machine's layout back.
   Programs jit traced before either are dropped: they hold the other layout under the same
   static arguments."""
@@ -99,6 +100,13 @@ def laid_out_for_a_tpu():
         quantized_decode_attention_tpu.segment_token_granule(
           head_dim, group_size, stats_dtype, kw.get("outlier_block")
         )
+      ),
+    )
+    patch.setattr(
+      attention_dispatch,
+      "full_precision_cache_granule",
+      lambda implementation, head_dim, kernel_backend=None: (
+        decode_attention_tpu.cache_token_granule(head_dim)
       ),
     )
     patch.setattr(

@@ -18,6 +18,7 @@ from kvjax.context_checkpoint import (
   restore_context,
   save_context,
 )
+from kvjax.dense_cache import DenseLayerCache
 from kvjax.generate import _decode_in_jit
 from kvjax.kivi_cache import KiviLayerCache
 from kvjax.method_spec import parse_method_spec
@@ -424,11 +425,19 @@ def _decoder_and_context_makers(spec, layer_loop, head_dim):
 
 
 def _segment_rows_and_slots(context) -> list[tuple[int, int | None]]:
-  is_kivi = lambda node: isinstance(node, KiviLayerCache)
-  caches = [c for c in jax.tree.leaves(context.caches, is_leaf=is_kivi) if is_kivi(c)]
-  axis = lambda cache: cache.window_keys.ndim - 2  # the token axis, past a run's layer axis
-  slots = lambda cache: cache.segment.outliers and cache.segment.outliers[0].shape[-1]
-  return [(c.segment.k_codes.shape[axis(c)], slots(c)) for c in caches]
+  """(token rows, GEAR outlier slots or None) of each KIVI/GEAR segment, and (capacity, None)
+  of each dense cache, in flattening order."""
+  is_laid_out = lambda node: isinstance(node, (KiviLayerCache, DenseLayerCache))
+  leaves = jax.tree.leaves(context.caches, is_leaf=is_laid_out)
+  axis = lambda keys: keys.ndim - 2  # the token axis, past a run's layer axis
+
+  def layout(cache):
+    if isinstance(cache, DenseLayerCache):
+      return cache.keys.shape[axis(cache.keys)], None
+    slots = cache.segment.outliers and cache.segment.outliers[0].shape[-1]
+    return cache.segment.k_codes.shape[axis(cache.window_keys)], slots
+
+  return [layout(cache) for cache in leaves if is_laid_out(cache)]
 
 
 @pytest.mark.parametrize(
@@ -436,6 +445,8 @@ def _segment_rows_and_slots(context) -> list[tuple[int, int | None]]:
   [
     # GEAR: 3 outliers a side in whole 128-lane tiles, 8-row tiles of blocks of 16 (128 rows).
     ("gear:bits=2,group_size=16,block=16,rank=2", "scan", 16, [(32, 6)], [(128, 128)]),
+    # The full cache: its capacity (40 + 8 tokens) in whole 128-token tiles below 128 channels.
+    ("full", "unroll", 16, [(48, None)] * 2, [(128, None)] * 2),
     # The next two under -m slow (the refusal below re-lays KIVI's rows in the default run):
     # KIVI at head_dim 128: whole tiles of 16 bfloat16 key-statistic rows of group 16 (256 rows).
     pytest.param(KIVI, "unroll", 128, [(32, None)] * 2, [(256, None)] * 2, marks=pytest.mark.slow),
@@ -449,15 +460,16 @@ def _segment_rows_and_slots(context) -> list[tuple[int, int | None]]:
       marks=pytest.mark.slow,
     ),
   ],
-  ids=["scan-gear", "kivi-d128", "snapkv+gear"],
+  ids=["scan-gear", "full", "kivi-d128", "snapkv+gear"],
 )
 def test_a_context_laid_out_for_a_tpu_restores_elsewhere_and_back(
   spec, layer_loop, head_dim, cpu_layout, tpu_layout, laid_out_for_a_tpu, tmp_path
 ):
   """A KIVI/GEAR segment where the compiled TPU kernel reads it holds whole tiles of rows and of
-  GEAR's outlier slots (`KiviLayerCache.zeros`). A context compressed there restores into a
-  template made on another backend, and one compressed elsewhere into a TPU's template: the
-  same arrays re-laid, answering the same tokens."""
+  GEAR's outlier slots (`KiviLayerCache.zeros`), a full cache whole tiles of tokens
+  (`FullCache.allocate`). A context compressed there restores into a template made on another
+  backend, and one compressed elsewhere into a TPU's template: the same arrays re-laid,
+  answering the same tokens."""
   decoder, params, context, template = _decoder_and_context_makers(spec, layer_loop, head_dim)
   laid_out_for_a_tpu()
   on_tpu, tpu_template = context(), template()
@@ -489,26 +501,105 @@ def test_a_context_laid_out_for_a_tpu_restores_elsewhere_and_back(
     restore_context(tmp_path / "tpu", template(room=ROOM + 600))
 
 
-def test_a_context_holding_more_than_the_templates_segment_is_refused(laid_out_for_a_tpu, tmp_path):
-  """A TPU's rounded segment has room past what was asked (256 rows for 32): a context that
-  uses it (prompts of 70 and 61 tokens, 64 and 48 of them quantized) has every shape of a
-  template made elsewhere for prompts of 40 but its segment's, which is too short for them: it
-  is refused, saying how much more room the template needs."""
-  decoder, params, context, template = _decoder_and_context_makers(KIVI, "unroll", 128)
+@pytest.mark.parametrize(
+  "spec, head_dim, held",
+  [
+    (KIVI, 128, "64 quantized tokens in a row of a layer cache whose segment has 32 in the "),
+    # Below 128 channels a TPU's full cache holds whole 128-token tiles (70 of them used).
+    ("full", 16, "70 tokens in a row of a layer cache of 48 in the "),
+  ],
+)
+def test_a_context_holding_more_than_the_templates_segment_is_refused(
+  spec, head_dim, held, laid_out_for_a_tpu, tmp_path
+):
+  """A TPU's rounded segment (full cache) has room past what was asked (256 rows for 32; 128
+  slots for 48): a context that uses it (prompts of 70 and 61 tokens; 64 and 48 of them
+  quantized) has every shape of a template made elsewhere for prompts of 40 but its segment's
+  (capacity), which is too short for them: it is refused, saying how much more room the
+  template needs."""
+  decoder, params, context, template = _decoder_and_context_makers(spec, "unroll", head_dim)
   rng = np.random.default_rng(2)
   laid_out_for_a_tpu()
   longer = context(prompts=[list(rng.integers(1, 64, 70)), list(rng.integers(1, 64, 61))])
   laid_out_for_a_tpu.undo()
   save_context(tmp_path / "context", longer)
-  with pytest.raises(
-    ValueError,
-    match="holds 64 quantized tokens in a row of a layer cache whose segment has 32 in the "
-    "template: make the template with at least 32 tokens more room",
-  ):
+  more = int(held.split()[0]) - int(held.split()[-3])
+  match = f"holds {held}template: make the template with at least {more} tokens more room"
+  with pytest.raises(ValueError, match=match):
     restore_context(tmp_path / "context", template())
-  restored = restore_context(tmp_path / "context", template(room=ROOM + 32))
+  # (8 more for the questions' tokens, which a full cache holds from its own room)
+  restored = restore_context(tmp_path / "context", template(room=ROOM + more + 8))
   ask = lambda ctx: continue_context(decoder, params, ctx, QUESTIONS, max_new_tokens=4)[0]
   np.testing.assert_array_equal(ask(restored), ask(longer))
+
+
+def test_a_context_laid_out_elsewhere_is_refused_naming_what_really_differs(
+  laid_out_for_a_tpu, tmp_path
+):
+  """Where a saved segment's layout differs from the template's and something else differs too,
+  the refusal names that (a layout alone restores): the statistics' dtype, not the TPU's 256
+  rows against 32; KIVI's window, not an error about rows that are not whole blocks of it."""
+  decoder, params, context, _ = _decoder_and_context_makers(KIVI, "unroll", 128)
+  template = lambda spec=KIVI, **dtype: context_template(
+    decoder, params, batch=2, prompt_len=40, cache_method=parse_method_spec(spec), room=ROOM,
+    **dtype,
+  )  # fmt: skip
+  laid_out_for_a_tpu()
+  save_context(tmp_path / "tpu", context())
+  laid_out_for_a_tpu.undo()
+  assert _segment_rows_and_slots(template()) == [(32, None)] * 2
+  dtype = r"at context\.caches\[0\]\.segment\.k_scale\.dtype it holds 'bfloat16', the template"
+  with pytest.raises(ValueError, match=dtype):
+    restore_context(tmp_path / "tpu", template(cache_dtype=jnp.float32))
+  save_context(tmp_path / "cpu", context())
+  laid_out_for_a_tpu()
+  wider_window = template(KIVI.replace("residual=16", "residual=32"))
+  assert _segment_rows_and_slots(wider_window) == [(256, None)] * 2
+  codec = r"at context\.caches\[0\]\.settings\.codec it holds 'KiviCodec\(bits=2, group_size=16, "
+  with pytest.raises(ValueError, match=codec + r"window=16\)'"):
+    restore_context(tmp_path / "cpu", wider_window)
+  # A full cache: 128 slots on the TPU against 48, and its dtype.
+  decoder, params, context, _ = _decoder_and_context_makers("full", "unroll", 16)
+  save_context(tmp_path / "full", context())
+  laid_out_for_a_tpu.undo()
+  float32_template = context_template(
+    decoder, params, batch=2, prompt_len=40, cache_method=parse_method_spec("full"), room=ROOM,
+    cache_dtype=jnp.float32,
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=r"at context\.caches\[0\]\.keys\.dtype it holds 'bfloat16'"):
+    restore_context(tmp_path / "full", float32_template)
+
+
+def test_a_gear_context_laid_out_on_a_tpu_by_v64_restores_elsewhere(monkeypatch, tmp_path):
+  """v64 rounded a TPU's GEAR segment to whole tiles of key statistics alone and stored its
+  outliers unpadded (v65 added whole tiles of GEAR blocks and of outlier slots): at group 16,
+  blocks of 64 and head_dim 128, 256 rows where a TPU's now hold 512 and a CPU's 128. Such a
+  save restores into a CPU template as the context compressed there."""
+  from kvjax import attention_dispatch
+  from pallas_kernels import quantized_decode_attention_tpu
+
+  spec = "gear:bits=2,group_size=16,block=64,rank=2"
+  decoder, params = tiny_decoder(config=dataclasses.replace(TINY_CONFIG, head_dim=128))
+  rng = np.random.default_rng(3)
+  prompts = [list(rng.integers(1, 64, 140)), list(rng.integers(1, 64, 131))]
+  context = lambda: compress_context(
+    decoder, params, prompts, cache_method=parse_method_spec(spec), room=ROOM
+  )
+  v64_granule = lambda implementation, head_dim, group_size, stats_dtype, *_, **__: (
+    quantized_decode_attention_tpu.segment_token_granule(head_dim, group_size, stats_dtype)
+  )
+  with monkeypatch.context() as patch:
+    patch.setattr(attention_dispatch, "quantized_segment_granule", v64_granule)
+    jax.clear_caches()
+    save_context(tmp_path / "v64", context())
+  jax.clear_caches()
+  elsewhere = context()
+  assert _segment_rows_and_slots(elsewhere) == [(128, 164)] * 2
+  template = context_template(
+    decoder, params, batch=2, prompt_len=140, cache_method=parse_method_spec(spec), room=ROOM
+  )
+  restored = restore_context(tmp_path / "v64", template)
+  assert_same_arrays(restored, elsewhere)
 
 
 def test_a_gear_codec_is_described_as_before_its_outlier_slots(tmp_path):

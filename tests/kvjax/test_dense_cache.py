@@ -151,3 +151,34 @@ def test_on_a_tpu_the_full_cache_holds_whole_tiles_of_tokens(monkeypatch):
     )
   )
   assert storage.capacity == 20100
+
+
+def test_a_cache_relaid_to_another_capacity_keeps_every_held_token():
+  """`with_capacity` (restoring a context laid out on another backend): the slots past the new
+  capacity cut off, or zeros added, the held tokens and lengths as they were; there and back is
+  the cache again. `capacity_on_tpu` is `FullCache.allocate`'s rounding on a TPU."""
+  lengths = np.array([5, 2], np.int32)
+  keys, values = _random(0, B, H, 5, D), _random(1, B, H, 5, D)
+  cache = DenseLayerCache.zeros(batch=B, kv_heads=H, capacity=8, head_dim=D, dtype=jnp.float32)
+  cache = cache.ingest(keys, values, None, lengths)
+  wider, narrower = cache.with_capacity(128), cache.with_capacity(5)
+  assert wider.capacity == 128 and narrower.capacity == 5
+  for relaid in (wider, narrower, wider.with_capacity(8)):
+    np.testing.assert_array_equal(relaid.lengths, cache.lengths)
+    np.testing.assert_array_equal(relaid.keys[:, :, :5], cache.keys[:, :, :5])
+    np.testing.assert_array_equal(relaid.values[:, :, :5], cache.values[:, :, :5])
+    assert (
+      not np.asarray(relaid.keys[:, :, 5:]).any() and not np.asarray(relaid.values[:, :, 5:]).any()
+    )
+  query = _random(2, B, H, G, D)
+  np.testing.assert_array_equal(
+    wider.attend(query, sm_scale=0.3), cache.attend(query, sm_scale=0.3)
+  )
+  assert [cache.capacity_on_tpu(tokens) for tokens in (1, 128, 129)] == [128, 128, 256]  # D < 128
+  wide_heads = DenseLayerCache.zeros(
+    batch=1, kv_heads=1, capacity=8, head_dim=128, dtype=jnp.bfloat16
+  )
+  assert [wide_heads.capacity_on_tpu(tokens) for tokens in (8, 16, 17)] == [16, 16, 32]
+  for tokens in (-1, 2.0, True):
+    with pytest.raises(ValueError, match=rf"tokens={tokens!r} must be an int >= 0"):
+      cache.with_capacity(tokens)
