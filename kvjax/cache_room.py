@@ -49,6 +49,11 @@ def check_room(caches, new_tokens: int, *, caller: str, setting: str = "max_new_
   """Raises ValueError when some row has room for fewer than `new_tokens` more tokens, naming
   the `setting` that allocated the room; `new_tokens` must be an int >= 0."""
   check_count(f"{caller}: new_tokens", new_tokens, 0)
+  if not isinstance(caches, (tuple, list)):
+    raise ValueError(
+      f"{caller}: caches must be the model's caches (the tuple prefill returns, one item a "
+      f"layer or run of layers), got {type(caches).__qualname__}"
+    )
   room = rows_room(caches)
   if room is None or new_tokens <= 0 or np.all(room >= new_tokens):
     return

@@ -45,6 +45,7 @@ from kvjax.layer_runs import StackedLayerCaches, layer_cache_kinds
 from kvjax.prompt_batch import (
   check_ids_fit_int32,
   check_padded_token_ids,
+  check_token_lists,
   pack_prompts,
   pack_token_lists,
 )
@@ -535,6 +536,7 @@ def _pack_fed_tokens(tokens, batch: int, pad_token_id: int) -> tuple[np.ndarray,
     return array.astype(np.int32), np.full((batch,), array.shape[1], np.int32)
   # A row may be a 1-D array, as compress_context takes its prompts (pack_token_lists checks
   # its ids like a list's: a float array is refused, not truncated).
+  check_token_lists(tokens, name="tokens")
   rows = list(tokens)
   is_row = lambda row: isinstance(row, (Sequence, np.ndarray, jax.Array))
   if len(rows) != batch or not all(is_row(row) for row in rows):

@@ -25,6 +25,7 @@ everywhere.)
 
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
 import uuid
@@ -182,6 +183,8 @@ def save_context(
   """
   import orbax.checkpoint as ocp  # imported here: orbax and tensorstore take a while to load
 
+  check_directory(directory)
+
   if not isinstance(context, CompressedContext):
     raise ValueError(
       f"context must be a kvjax.compressed_context.CompressedContext, got "
@@ -262,8 +265,17 @@ def save_context(
   return _disk_bytes(directory)
 
 
+def check_directory(directory) -> None:
+  """ValueError unless `directory` is a path (a str or an os.PathLike)."""
+  if not isinstance(directory, (str, os.PathLike)):
+    raise ValueError(
+      f"directory must be a path (a str or a pathlib.Path), got {type(directory).__qualname__}"
+    )
+
+
 def read_context_record(directory: str | pathlib.Path) -> dict:
   """The saved record: format, structure, cache_bytes and the caller's metadata."""
+  check_directory(directory)
   path = pathlib.Path(directory) / METADATA_FILE
   if not path.is_file():
     raise FileNotFoundError(

@@ -13,6 +13,7 @@ the tuple reports `nbytes`.
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from kvjax.cache_protocol import ModelCacheShape
 
@@ -88,6 +89,30 @@ def decoder_vocab_size(decoder) -> int | None:
   """The decoder's `vocab_size` when it has one."""
   size = getattr(decoder, "vocab_size", None)
   return int(size) if size is not None else None
+
+
+def check_next_token_logits(logits, decoder, *, name: str) -> tuple[int, int]:
+  """(batch, vocab) of `logits`, which must be a float array [batch, vocab] as the decoder's
+  prefill returns (as wide as the decoder's vocabulary where it has a `vocab_size`: a wider one
+  would let ids past the vocabulary be sampled or fed, which the embedding reads as garbage)."""
+  shape, dtype = getattr(logits, "shape", None), getattr(logits, "dtype", None)
+  if shape is None or dtype is None or len(shape) != 2 or not jnp.issubdtype(dtype, jnp.floating):
+    got = (
+      f"dtype {dtype} and shape {tuple(shape)}"
+      if shape is not None
+      else f"a {type(logits).__qualname__}"
+    )
+    raise ValueError(
+      f"{name} must be a float array [batch, vocab] (next-token logits, as prefill returns "
+      f"them); got {got}"
+    )
+  vocab_size = decoder_vocab_size(decoder)
+  if vocab_size is not None and shape[1] != vocab_size:
+    raise ValueError(
+      f"{name} has {shape[1]} columns, but the decoder's vocabulary has {vocab_size} tokens: "
+      f"{name} must be [batch, {vocab_size}], as its prefill returns them"
+    )
+  return int(shape[0]), int(shape[1])
 
 
 def check_prompt_attention(decoder, caches, *, method_name: str) -> None:

@@ -30,6 +30,7 @@ from kvjax.chunked_prefill import check_chunked_prefill, check_prefill_chunk, pr
 from kvjax.decoder_protocol import (
   CachedDecoder,
   check_decoder,
+  check_next_token_logits,
   check_prompt_attention,
   decoder_vocab_size,
 )
@@ -306,7 +307,8 @@ def decode(
   those chosen at the loop's last step (the last token of a row that ran to the end); a row
   that stopped sooner also holds its stop token and a pad token for each step the others went
   on. Chain further decoding from a row's own count, not from the caches' lengths."""
-  batch, vocab_size = logits.shape
+  check_decoder(decoder)
+  batch, vocab_size = check_next_token_logits(logits, decoder, name="logits")
   key = check_decode_arguments(max_new_tokens, sampling, key)
   check_positions(lengths, batch=batch, name="lengths")
   lengths = as_array(lengths, name="lengths")
@@ -369,9 +371,14 @@ def check_emitted_token_ids(
   """Stop ids and the pad id are token ids of the vocabulary: a stop id outside it would never
   stop a row, and a pad id outside it would be fed back to the embedding. Returns the stop ids
   as a tuple of ints (a list, a tuple, an integer array or a single id)."""
-  ids = np.asarray(stop_token_ids)
-  if ids.ndim > 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-    raise ValueError(f"stop_token_ids={stop_token_ids!r} must be int token ids")
+  try:
+    ids = np.asarray(stop_token_ids)
+  except ValueError:  # ragged nesting, which numpy cannot make an array of
+    ids = np.asarray([], object)
+  if ids.ndim > 1 or ids.dtype == object or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+    raise ValueError(
+      f"stop_token_ids={stop_token_ids!r} must be int token ids (one id, or a flat list of ids)"
+    )
   ids = ids.reshape(-1).astype(np.int64)
   check_token_ids(ids, vocab_size=vocab_size, name="stop_token_ids")
   check_pad_token_id(pad_token_id)

@@ -113,6 +113,11 @@ def parse_method_spec(
 def describe_method(method) -> str:
   """The spec string of a method object (round-trips through `parse_method_spec`, except for a
   razor profile given as a `HeadProfile` object, not a path: that part is its repr)."""
+  if not dataclasses.is_dataclass(method) or isinstance(method, type):
+    raise ValueError(
+      f"method must be a cache method object (as parse_method_spec returns), got "
+      f"{type(method).__qualname__}"
+    )
   parts = []
   storage = getattr(method, "storage", None)
   for m in (method, storage) if storage is not None else (method,):

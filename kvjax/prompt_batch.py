@@ -9,10 +9,21 @@ import numpy as np
 INT32_IDS = 2**31
 
 
+def check_token_lists(token_lists, *, name: str) -> None:
+  """ValueError unless `token_lists` is a sequence (a list, a tuple, an array) of token lists:
+  None, a number or a generator has no rows to count."""
+  if isinstance(token_lists, (str, bytes)) or not hasattr(token_lists, "__len__"):
+    raise ValueError(
+      f"{name} must be a list of token lists (one list of int ids a row), got "
+      f"{type(token_lists).__qualname__}"
+    )
+
+
 def pack_prompts(
   prompts: Sequence[Sequence[int]], *, pad_token_id: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
   """Ragged token lists -> (tokens int32 [batch, longest] right-padded, lengths int32 [batch])."""
+  check_token_lists(prompts, name="prompts")
   if len(prompts) == 0:
     raise ValueError("prompts must hold at least one prompt")
   tokens, lengths = pack_token_lists(prompts, pad_token_id=pad_token_id, name="prompts")
@@ -37,6 +48,7 @@ def pack_token_lists(
   `pad_token_id`, lengths int32 [count]). A list holding anything but int ids is refused by
   `name[row]` (int32 would truncate 1.5 to 1 without a word)."""
   check_pad_token_id(pad_token_id)
+  check_token_lists(token_lists, name=name)
   arrays = [np.asarray(ids) for ids in token_lists]
   for row, array in enumerate(arrays):
     if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):

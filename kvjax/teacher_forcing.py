@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache_room import check_room
-from kvjax.decoder_protocol import CachedDecoder, check_decoder
+from kvjax.decoder_protocol import CachedDecoder, check_decoder, check_next_token_logits
 from kvjax.prompt_batch import as_array, check_positions, check_token_array
 
 
@@ -32,7 +32,7 @@ def teacher_force(
   `check_room` before it). `teacher_force.lower` lowers the loop ahead of time, without the
   checks."""
   check_decoder(decoder)
-  batch, vocab_size = np.shape(first_logits)
+  batch, vocab_size = check_next_token_logits(first_logits, decoder, name="first_logits")
   shape = np.shape(forced)
   if len(shape) != 2 or shape[0] != batch:
     raise ValueError(f"forced must be [batch={batch}, steps] (rows of first_logits); got {shape}")

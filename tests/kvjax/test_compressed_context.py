@@ -264,7 +264,12 @@ def test_bad_arguments_are_refused_before_anything_runs():
       compress_context(decoder, params, PROMPTS, cache_method=method, room=room)
   with pytest.raises(ValueError, match="prompt_len=0"):
     context_template(decoder, params, batch=1, prompt_len=0, cache_method=method, room=1)
+  with pytest.raises(ValueError, match="prompts must be a list of token lists .* got NoneType"):
+    compress_context(decoder, params, None, cache_method=method, room=4)
   context = compress_context(decoder, params, PROMPTS, cache_method=method, room=4)
+  for tokens in (None, 5):
+    with pytest.raises(ValueError, match="tokens must be a list of token lists .* got "):
+      continue_context(decoder, params, context, tokens, max_new_tokens=2)
   with pytest.raises(ValueError, match="got 1 items of types"):
     continue_context(decoder, params, context, [[1, 2]], max_new_tokens=2)
   with pytest.raises(ValueError, match=r"got 2 items of types \['int'\]"):

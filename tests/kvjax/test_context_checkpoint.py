@@ -347,6 +347,9 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
     restore_context(tmp_path / "a", _template(KIVI))
   with pytest.raises(ValueError, match="template must be a kvjax.compressed_context"):
     restore_context(tmp_path / "a", context.caches)
+  for call in (lambda: save_context(None, context), lambda: restore_context(None, template)):
+    with pytest.raises(ValueError, match="directory must be a path .* got NoneType"):
+      call()
   with pytest.raises(TypeError, match="cannot save a object"):
     describe_structure({"x": object()})
 

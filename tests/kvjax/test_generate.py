@@ -143,12 +143,20 @@ def test_generate_reports_timings_and_cache_bytes():
     ),
     (dict(max_new_tokens=4, stop_token_ids=[-5]), "stop_token_ids holds token id -5"),
     (dict(max_new_tokens=4, stop_token_ids=[2.0]), r"stop_token_ids=\[2.0\] must be int token ids"),
+    # (numpy's own error named neither the argument nor what it takes)
+    (
+      dict(max_new_tokens=4, stop_token_ids=[[1, 2], [3]]),
+      r"stop_token_ids=\[\[1, 2\], \[3\]\] must be int token ids \(one id, or a flat list of ids\)",
+    ),
+    (dict(max_new_tokens=4, prompts=None), "prompts must be a list of token lists .* got NoneType"),
+    (dict(max_new_tokens=4, prompts=5), "prompts must be a list of token lists .* got int"),
   ],
 )
 def test_bad_generate_arguments_error_before_tracing(kwargs, message):
   decoder, params = tiny_decoder()
+  prompts = kwargs.pop("prompts", [[1, 2, 3]])
   with pytest.raises(ValueError, match=message):
-    generate(decoder, params, [[1, 2, 3]], **kwargs)
+    generate(decoder, params, prompts, **kwargs)
 
 
 @pytest.mark.parametrize("bad_id, allowed", [(64, r"\[0, 63\]"), (-1, r"\[0, 63\]")])
@@ -261,6 +269,36 @@ def test_decode_refuses_bad_arguments_before_tracing(kwargs, message):
   lengths, key = arguments.pop("lengths"), arguments.pop("key")
   with pytest.raises(ValueError, match=message):
     decode(decoder, params, logits, caches, lengths, key, **arguments)
+
+
+def test_decode_and_teacher_force_refuse_logits_unlike_the_decoders():
+  """Logits wider than the decoder's vocabulary let ids past it through to the embedding (fed
+  ids 100 and 120 with 128 columns for 64 tokens gave NaN caches and tokens of 0, without a
+  word); a 1-D array, a list, integer logits, no decoder and no caches failed inside the trace
+  or in numpy, without naming the argument."""
+  decoder, params = tiny_decoder()
+  logits, caches, lengths = _prefilled_full_cache(decoder, params, [[3, 14], [9, 2, 6]], room=6)
+  wide = jnp.pad(logits, ((0, 0), (0, 64)))
+  forced = np.ones((2, 2), np.int32)
+  for bad, message in [
+    (wide, r"logits has 128 columns, but the decoder's vocabulary has 64 tokens"),
+    (
+      logits[0],
+      r"logits must be a float array \[batch, vocab\] .* got dtype float32 and shape \(64,\)",
+    ),
+    (np.asarray(logits).tolist(), r"logits must be a float array .* got a list"),
+    (jnp.zeros(logits.shape, jnp.int32), r"got dtype int32 and shape \(2, 64\)"),
+  ]:
+    with pytest.raises(ValueError, match=message):
+      decode(decoder, params, bad, caches, lengths, None, **GREEDY_FIVE_TOKENS)
+    with pytest.raises(ValueError, match=message):  # as first_logits
+      teacher_force(decoder, params, bad, caches, lengths, forced)
+  with pytest.raises(ValueError, match="decoder: NoneType lacks cache_shape"):
+    decode(None, params, logits, caches, lengths, None, **GREEDY_FIVE_TOKENS)
+  with pytest.raises(
+    ValueError, match="teacher_force: caches must be the model's caches .* got NoneType"
+  ):
+    teacher_force(decoder, params, logits, None, lengths, forced)
 
 
 def test_decode_and_teacher_force_take_lists():

@@ -53,3 +53,9 @@ def test_every_registered_default_spec_round_trips(name, profile_path, gates_pat
   )
   method = parse_method_spec(spec)
   assert parse_method_spec(describe_method(method)) == method
+
+
+@pytest.mark.parametrize("method", ["kivi", None, FullCache])
+def test_describe_method_refuses_what_is_not_a_method_object(method):
+  with pytest.raises(ValueError, match="method must be a cache method object .* got "):
+    describe_method(method)
