@@ -297,10 +297,12 @@ def decode(
   feed_lengths: jax.Array | np.ndarray | None = None,
 ) -> tuple[jax.Array, jax.Array, tuple, jax.Array]:
   """The jitted decode loop (`_decode_in_jit`, same arguments and results), after checking on
-  the host the fed tokens (`feed_tokens` int32 [batch, width] with `feed_lengths` int32
-  [batch], both or neither) and that the caches have room for what the loop appends: the
-  longest row's fed tokens plus the `max_new_tokens - 1` tokens fed back (concrete caches only:
-  inside a caller's jit they cannot be read, so call `kvjax.check_room` before it).
+  the host `logits` (float [batch, vocab], as wide as the decoder's `vocab_size` where it has
+  one: `check_next_token_logits`), the fed tokens (`feed_tokens` int32 [batch, width] with
+  `feed_lengths` int32 [batch], both or neither) and that the caches have room for what the
+  loop appends: the longest row's fed tokens plus the `max_new_tokens - 1` tokens fed back
+  (concrete caches only: inside a caller's jit they cannot be read, so call `kvjax.check_room`
+  before it).
   `decode.lower` lowers the loop ahead of time, without the checks.
 
   The caches returned hold what each step appended: every row's fed and emitted tokens except
