@@ -31,7 +31,12 @@ from kvjax.attention_dispatch import choose_kernel_family
 from kvjax.cache_protocol import CacheMethod, check_cache_dtype, check_count, model_cache_nbytes
 from kvjax.cache_room import check_room
 from kvjax.chunked_prefill import chunked_prefill_refusal, prefill_in_chunks
-from kvjax.decoder_protocol import CachedDecoder, check_decoder, decoder_vocab_size
+from kvjax.decoder_protocol import (
+  CachedDecoder,
+  check_decoder,
+  check_decoder_params,
+  decoder_vocab_size,
+)
 from kvjax.dense_cache import FullCache
 from kvjax.generate import (
   _decode_in_jit,
@@ -151,6 +156,7 @@ def compress_context(
     tokens, pad_token_id=pad_token_id, vocab_size=decoder_vocab_size(decoder), name="prompts"
   )
   settings = dict(cache_method=cache_method, room=int(room), cache_dtype=cache_dtype)
+  check_decoder_params(decoder, params)
   check_prefill_arguments(
     decoder,
     batch=tokens.shape[0],
@@ -211,6 +217,7 @@ def context_template(
   carry the shardings `compress_context` gives with it, so a context is restored spread over
   the devices."""
   check_decoder(decoder)
+  check_decoder_params(decoder, params)
   _check_room_argument(room)
   check_count("batch", batch, 1)
   check_count("prompt_len", prompt_len, 1)
@@ -265,6 +272,7 @@ def continue_context(
   if not isinstance(context, CompressedContext):
     raise ValueError(f"context must be a CompressedContext, got {type(context).__qualname__}")
   _check_context_fits_decoder(decoder, context, "continue_context")
+  check_decoder_params(decoder, params)
   vocab_size = context.next_logits.shape[-1]
   stop_token_ids = check_emitted_token_ids(stop_token_ids, pad_token_id, vocab_size=vocab_size)
   feed_tokens, feed_lengths = _pack_fed_tokens(tokens, context.lengths.shape[0], pad_token_id)

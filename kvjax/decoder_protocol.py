@@ -21,7 +21,9 @@ from kvjax.cache_protocol import ModelCacheShape
 class CachedDecoder(Protocol):
   """Must be hashable (it is a static argument of jitted functions). A decoder may also have
   `vocab_size` (int): kvjax then refuses prompt ids past it before anything runs
-  (`decoder_vocab_size`); without it, only negative ids are refused up front.
+  (`decoder_vocab_size`); without it, only negative ids are refused up front. It may have
+  `check_params(params)`: kvjax's entry points call it before tracing (`check_decoder_params`;
+  the bundled NNX decoder compares the params' shapes with its own).
 
   A layer cache may say how its layer's prompt attends (`prompt_attention`: DuoAttention's
   streaming heads see only their sinks and recent tokens in the prompt too). A decoder whose
@@ -89,6 +91,15 @@ def decoder_vocab_size(decoder) -> int | None:
   """The decoder's `vocab_size` when it has one."""
   size = getattr(decoder, "vocab_size", None)
   return int(size) if size is not None else None
+
+
+def check_decoder_params(decoder, params) -> None:
+  """The decoder's own check of `params` (its `check_params`, where it has one), before tracing:
+  kvjax passes params through unread, and a decoder given another model's (or None) fails deep
+  inside the trace with an error that names no argument."""
+  check = getattr(decoder, "check_params", None)
+  if callable(check):
+    check(params)
 
 
 def check_next_token_logits(logits, decoder, *, name: str) -> tuple[int, int]:

@@ -30,6 +30,7 @@ from kvjax.chunked_prefill import check_chunked_prefill, check_prefill_chunk, pr
 from kvjax.decoder_protocol import (
   CachedDecoder,
   check_decoder,
+  check_decoder_params,
   check_next_token_logits,
   check_prompt_attention,
   decoder_vocab_size,
@@ -96,6 +97,7 @@ def prefill(
   check_row_lengths(tokens, lengths, vocab_size=decoder_vocab_size(decoder), name="tokens")
   # Nested lists pass the checks as the arrays they make; jit takes arrays.
   tokens, lengths = as_array(tokens, name="tokens"), as_array(lengths, name="lengths")
+  check_decoder_params(decoder, params)
   check_prefill_arguments(
     decoder,
     batch=np.shape(tokens)[0],
@@ -310,6 +312,7 @@ def decode(
   that stopped sooner also holds its stop token and a pad token for each step the others went
   on. Chain further decoding from a row's own count, not from the caches' lengths."""
   check_decoder(decoder)
+  check_decoder_params(decoder, params)
   batch, vocab_size = check_next_token_logits(logits, decoder, name="logits")
   key = check_decode_arguments(max_new_tokens, sampling, key)
   check_positions(lengths, batch=batch, name="lengths")
@@ -572,6 +575,7 @@ def generate(
     cache_dtype=cache_dtype,
     prefill_chunk=prefill_chunk,
   )
+  check_decoder_params(decoder, params)
   check_prefill_arguments(
     decoder, batch=tokens.shape[0], prompt_len=tokens.shape[1], **prefill_static
   )

@@ -13,7 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache_room import check_room
-from kvjax.decoder_protocol import CachedDecoder, check_decoder, check_next_token_logits
+from kvjax.decoder_protocol import (
+  CachedDecoder,
+  check_decoder,
+  check_decoder_params,
+  check_next_token_logits,
+)
 from kvjax.prompt_batch import as_array, check_positions, check_token_array
 
 
@@ -32,6 +37,7 @@ def teacher_force(
   `check_room` before it). `teacher_force.lower` lowers the loop ahead of time, without the
   checks."""
   check_decoder(decoder)
+  check_decoder_params(decoder, params)
   batch, vocab_size = check_next_token_logits(first_logits, decoder, name="first_logits")
   shape = np.shape(forced)
   if len(shape) != 2 or shape[0] != batch:

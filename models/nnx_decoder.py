@@ -6,6 +6,7 @@ The graphdef is static (hashable), the state is the `params` pytree.
 import dataclasses
 from typing import ClassVar
 
+import jax
 from flax import nnx
 
 from kvjax.cache_protocol import ModelCacheShape
@@ -17,8 +18,32 @@ class NNXCachedDecoder:
   graphdef: nnx.GraphDef
   cache_shape: ModelCacheShape
   vocab_size: int
+  # The shapes of the parameter arrays `split_decoder` split off, in flattening order (None: not
+  # recorded, nothing checked): `check_params` refuses others before kvjax traces anything.
+  param_shapes: tuple[tuple[int, ...], ...] | None = None
   # Each layer's prompt attention goes through kvjax's cache_prompt_attention (models/attention.py).
   honours_prompt_attention: ClassVar[bool] = True
+
+  def check_params(self, params) -> None:
+    """ValueError unless `params` holds arrays of this decoder's parameter shapes (another
+    model's, or None, failed inside the trace: Flax's leaf count or XLA's dot shapes). Dtypes
+    are not checked: parameters cast to another float type run."""
+    if self.param_shapes is None:
+      return
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    if len(leaves) != len(self.param_shapes):
+      raise ValueError(
+        f"params holds {len(leaves)} arrays ({type(params).__qualname__}); this decoder's "
+        f"parameters are {len(self.param_shapes)} arrays (the nnx.State split_decoder returned "
+        "with it)"
+      )
+    for (path, leaf), wanted in zip(leaves, self.param_shapes):
+      shape = tuple(getattr(leaf, "shape", ()))
+      if shape != wanted:
+        raise ValueError(
+          f"params{jax.tree_util.keystr(path)} has shape {shape}; this decoder's has {wanted} "
+          "(params of another model or configuration)"
+        )
 
   def prefill(self, params, tokens, lengths, caches):
     return nnx.merge(self.graphdef, params).prefill(tokens, lengths, caches)
@@ -43,4 +68,5 @@ class NNXCachedDecoder:
 def split_decoder(model: Decoder) -> tuple[NNXCachedDecoder, nnx.State]:
   """(the pure decoder for kvjax.generate, its parameters)."""
   graphdef, params = nnx.split(model)
-  return NNXCachedDecoder(graphdef, model.cache_shape, model.config.vocab_size), params
+  shapes = tuple(tuple(leaf.shape) for leaf in jax.tree.leaves(params))
+  return NNXCachedDecoder(graphdef, model.cache_shape, model.config.vocab_size, shapes), params
