@@ -60,6 +60,15 @@ def held_then_chunk(
   return write_tokens_at_lengths(padded, new, slots)
 
 
+def cut_or_pad_to(array: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """`array` cut to, or padded with zeros at the end of each axis to, `shape` (a cache re-laid for
+  another capacity: what is cut or added lies past every row's length); `array` itself where it
+  has that shape already (restoring re-lays every cache, most of them as they are)."""
+  array = array[tuple(slice(0, size) for size in shape)]
+  padding = [(0, want - have) for have, want in zip(array.shape, shape)]
+  return jnp.pad(array, padding) if any(after for _, after in padding) else array
+
+
 def zero_past_lengths(
   x: jax.Array,  # [batch, heads, tokens, ...]
   lengths: jax.Array,  # int32 [batch]

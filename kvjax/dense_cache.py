@@ -9,6 +9,7 @@ from kvjax import attention_dispatch
 from kvjax.cache_protocol import KeyValueArrays, ModelCacheShape, check_count
 from kvjax.chunk_attention import attend_chunk_over_slots
 from kvjax.compact_rows import (
+  cut_or_pad_to,
   slots_after_lengths,
   write_token_at_lengths,
   zero_past_lengths,
@@ -69,12 +70,11 @@ class DenseLayerCache(KeyValueArrays):
     rounds a TPU's capacity up): slots past `tokens` cut off, or zeros added (what a slot past a
     row's length holds). The caller checks that no row holds more than `tokens` tokens."""
     check_count("tokens", tokens, 0)
-
-    def resized(array):  # [B, H, T, D] -> [B, H, tokens, D]
-      array = array[:, :, :tokens]
-      return jnp.pad(array, [(0, 0), (0, 0), (0, tokens - array.shape[2]), (0, 0)])
-
-    return dataclasses.replace(self, keys=resized(self.keys), values=resized(self.values))
+    batch, kv_heads, _, head_dim = self.keys.shape
+    shape = (batch, kv_heads, tokens, head_dim)
+    return dataclasses.replace(
+      self, keys=cut_or_pad_to(self.keys, shape), values=cut_or_pad_to(self.values, shape)
+    )
 
   @property
   def tokens_seen(self) -> jax.Array:  # int32 [batch]: the position of each row's next token

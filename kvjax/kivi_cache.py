@@ -63,7 +63,7 @@ from jax.experimental.layout import Layout, with_layout_constraint
 from kvjax import attention_dispatch
 from kvjax.cache_protocol import ModelCacheShape, check_count, tree_nbytes
 from kvjax.chunk_attention import attend_folded_chunk
-from kvjax.compact_rows import write_blocks_by_row_slices, write_token_at_lengths
+from kvjax.compact_rows import cut_or_pad_to, write_blocks_by_row_slices, write_token_at_lengths
 from kvjax.kernel_settings import DEFAULT_KERNEL_SETTINGS, KernelSettings, check_kernel_settings
 from kvjax.method_registry import register_method
 from kvjax.quantization.group_quantization import (
@@ -518,7 +518,11 @@ class KiviLayerCache:
       *[jax.ShapeDtypeStruct((batch, kv_heads, tokens, head_dim), self.dtype)] * 2,
     )
     return dataclasses.replace(
-      self, segment=jax.tree.map(_cut_or_pad_to, self.segment, stored), codec=codec
+      self,
+      segment=jax.tree.map(
+        lambda held, want: cut_or_pad_to(held, want.shape), self.segment, stored
+      ),
+      codec=codec,
     )
 
   def _segment_layouts(self) -> dict[str, tuple[int, ...]] | None:
@@ -633,12 +637,6 @@ def round_segment_tokens(tokens: int, granule: int, window: int) -> int:
     return tokens
   step = math.lcm(granule, window)
   return -(-tokens // step) * step
-
-
-def _cut_or_pad_to(array: jax.Array, shape: jax.ShapeDtypeStruct) -> jax.Array:
-  """`array` cut to, or padded with zeros at the end of each axis to, `shape`'s shape."""
-  array = array[tuple(slice(0, size) for size in shape.shape)]
-  return jnp.pad(array, [(0, want - have) for have, want in zip(array.shape, shape.shape)])
 
 
 def check_window(name: str, window: int, group_size: int) -> None:

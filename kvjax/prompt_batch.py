@@ -48,7 +48,6 @@ def pack_token_lists(
   `pad_token_id`, lengths int32 [count]). A list holding anything but int ids is refused by
   `name[row]` (int32 would truncate 1.5 to 1 without a word)."""
   check_pad_token_id(pad_token_id)
-  check_token_lists(token_lists, name=name)
   arrays = [np.asarray(ids) for ids in token_lists]
   for row, array in enumerate(arrays):
     if array.ndim != 1 or (array.size and not np.issubdtype(array.dtype, np.integer)):

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvjax.compact_rows import write_blocks_by_row_slices, write_token_at_lengths
+from kvjax.compact_rows import cut_or_pad_to, write_blocks_by_row_slices, write_token_at_lengths
 
 
 def _scattered(stored, new, first_rows, num_blocks, rows_per_block):
@@ -79,3 +79,14 @@ def test_write_token_at_lengths_writes_each_rows_slot_and_drops_past_the_end():
   np.testing.assert_array_equal(np.asarray(written[1, :, 3]), np.asarray(token[1]))
   np.testing.assert_array_equal(np.asarray(written[2]), 0)  # slot 4 of 4: dropped
   assert float(jnp.abs(written).sum()) == float(token[:2].sum())
+
+
+def test_cut_or_pad_to_cuts_pads_with_zeros_and_keeps_an_array_of_that_shape():
+  array = jnp.arange(24.0).reshape(2, 3, 4)
+  cut = cut_or_pad_to(array, (2, 2, 4))
+  np.testing.assert_array_equal(cut, array[:, :2])
+  padded = cut_or_pad_to(array, (2, 5, 4))
+  np.testing.assert_array_equal(padded[:, :3], array)
+  assert not np.asarray(padded[:, 3:]).any()
+  np.testing.assert_array_equal(cut_or_pad_to(array, (2, 2, 6))[..., :4], array[:, :2])
+  assert cut_or_pad_to(array, (2, 3, 4)) is array  # nothing to cut or add: no copy
