@@ -653,6 +653,14 @@ def _add_compare(subparsers):
   )
   p.add_argument("--context-len", type=int, default=1024)
   p.add_argument("--continuation-len", type=int, default=256)
+  p.add_argument(
+    "--needle-lengths",
+    type=int,
+    nargs="+",
+    default=None,
+    help="prompt lengths to ask the needle at, e.g. 1024 2048 4096 (default: --context-len); "
+    "the byte columns stay those of --context-len",
+  )
   p.add_argument("--text", default=None, help="UTF-8 text file (default: CPython pydoc topics)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument(
@@ -686,9 +694,16 @@ def compare_header(config, *, model: str, layer_loop: str, machine: str, records
     f"continuation {config.continuation_len}, " if tasks & {"ppl", "kl", "speed"} else ""
   )
   sampled = tasks & {"ppl", "kl", "passkey", "passkey_agnostic"}
-  samples = f"{config.num_samples} samples, " if sampled else ""
+  samples = (
+    f"{config.num_samples} sample{'s' if config.num_samples > 1 else ''}, " if sampled else ""
+  )
+  needle_lengths = (
+    "needle at " + "/".join(str(n) for n in config.needle_lengths) + " tokens, "
+    if config.needle_lengths
+    else ""
+  )
   return (
-    f"model {model}, context {config.context_len} tokens, {continuation}{samples}"
+    f"model {model}, context {config.context_len} tokens, {continuation}{samples}{needle_lengths}"
     f"cache dtype {config.cache_dtype}, seed {config.seed}, layer loop {layer_loop}"
     + (f", prefill in chunks of {config.prefill_chunk}" if config.prefill_chunk else "")
     + (f", speed on a batch of {batches.pop()}" if len(batches) == 1 else "")
@@ -719,6 +734,7 @@ def run_compare(args) -> int:
     implementation=args.implementation,
     kernel_settings=kernel_settings_from_json(args.kernel_settings),
     prefill_chunk=args.prefill_chunk,
+    needle_lengths=tuple(args.needle_lengths or ()),
   )
   if args.methods is None:
     specs = [

@@ -32,6 +32,8 @@ class CompareConfig:
   implementation: str = "auto"
   kernel_settings: KernelSettings = DEFAULT_KERNEL_SETTINGS
   prefill_chunk: int | None = None  # contexts fed this many tokens at a time (None: one piece)
+  # The needle prompts' lengths, each a run of its own (empty: context_len alone).
+  needle_lengths: tuple[int, ...] = ()
 
   def __post_init__(self):
     check_prefill_chunk(self.prefill_chunk)
@@ -46,6 +48,28 @@ class CompareConfig:
       check_count(name, getattr(self, name), 1)
     check_count("seed", self.seed, 0)  # numpy's generators take no negative seed
     check_cache_dtype(self.cache_dtype)
+    self._check_needle_lengths()
+
+  def _check_needle_lengths(self):
+    lengths = self.needle_lengths
+    if not isinstance(lengths, tuple):
+      raise ValueError(
+        f"needle_lengths={lengths!r} must be a tuple of token counts (empty: context_len)"
+      )
+    for i, length in enumerate(lengths):
+      check_count(f"needle_lengths[{i}]", length, 1)
+    if len(set(lengths)) != len(lengths):
+      raise ValueError(f"needle_lengths={lengths} lists a length twice; list each once")
+    if lengths and not set(self.tasks) & {"passkey", "passkey_agnostic"}:
+      raise ValueError(
+        f"needle_lengths={lengths} is given, but tasks={','.join(self.tasks)} runs no needle; "
+        "add passkey or passkey_agnostic to tasks, or leave needle_lengths empty"
+      )
+
+  @property
+  def needle_prompt_lengths(self) -> tuple[int, ...]:
+    """The lengths the needle is asked at: `needle_lengths`, or `context_len` alone."""
+    return self.needle_lengths or (self.context_len,)
 
 
 def compare_methods(
@@ -102,28 +126,40 @@ def compare_methods(
   # Only the continuation tasks feed continuation_len tokens; the needle answers ANSWER_TOKENS.
   continuing = bool(tasks & {"ppl", "kl", "speed"})
   needle = bool(tasks & {"passkey", "passkey_agnostic"})
-  new_tokens = max(config.continuation_len if continuing else 0, ANSWER_TOKENS if needle else 0)
-  if max_context is not None and config.context_len + new_tokens > max_context:
-    what = (
-      f"continuation_len {config.continuation_len}"
-      if new_tokens == config.continuation_len and continuing
-      else f"the needle's {ANSWER_TOKENS} answer tokens"
+  # (length, what a refusal calls it) of each needle run
+  needle_lengths = [
+    (length, f"needle_lengths[{i}]" if config.needle_lengths else "context_len")
+    for i, length in enumerate(config.needle_prompt_lengths if needle else ())
+  ]
+  # (prompt tokens, tokens fed after them, what they are called) of every run to come
+  runs = []
+  if continuing:
+    runs.append(
+      (
+        config.context_len,
+        config.continuation_len,
+        f"context_len {config.context_len} + continuation_len {config.continuation_len}",
+      )
     )
-    raise ValueError(
-      f"context_len {config.context_len} + {what} exceeds the model's context of "
-      f"{max_context} tokens"
+  for length, name in needle_lengths:
+    runs.append(
+      (length, ANSWER_TOKENS, f"{name} {length} + the needle's {ANSWER_TOKENS} answer tokens")
     )
+  for prompt_len, new_tokens, what in runs:
+    if max_context is not None and prompt_len + new_tokens > max_context:
+      raise ValueError(f"{what} exceeds the model's context of {max_context} tokens")
   dtype = jnp.dtype(config.cache_dtype)
   for method in methods:  # a method that cannot prefill in chunks is refused before any run
-    check_prefill_arguments(
-      decoder,
-      batch=1,
-      prompt_len=config.context_len,
-      cache_method=method,
-      max_new_tokens=new_tokens,
-      cache_dtype=dtype,
-      prefill_chunk=config.prefill_chunk,
-    )
+    for prompt_len, new_tokens, _ in runs:
+      check_prefill_arguments(
+        decoder,
+        batch=1,
+        prompt_len=prompt_len,
+        cache_method=method,
+        max_new_tokens=new_tokens,
+        cache_dtype=dtype,
+        prefill_chunk=config.prefill_chunk,
+      )
   text_ids = np.asarray(tokenizer.encode(text))
   windows = None
   if continuing:
@@ -144,11 +180,17 @@ def compare_methods(
       windows = np.concatenate(
         [np.tile(np.asarray(prefix, np.int32), (windows.shape[0], 1)), windows], axis=1
       )
-  needles = None
-  if tasks & {"passkey", "passkey_agnostic"}:
-    needles = build_needle_prompts(
-      tokenizer, context_len=config.context_len, num_samples=config.num_samples, seed=config.seed
+  # Every length's prompts are built first: a length too short for them is refused before any run.
+  needles = {
+    length: build_needle_prompts(
+      tokenizer,
+      context_len=length,
+      num_samples=config.num_samples,
+      seed=config.seed,
+      length_name=name,
     )
+    for length, name in needle_lengths
+  }
   full_bytes = cache_bytes_after_context(
     decoder, params, methods[0], context_len=config.context_len, cache_dtype=dtype
   )
@@ -188,24 +230,49 @@ def compare_methods(
         if "kl" in tasks:
           record["kl"] = scores.kl_from(full_scores) if name != "full" else 0.0
       else:
-        result = run_needle(
-          decoder,
-          params,
-          tokenizer,
-          method,
-          needles,
-          query_aware=task == "passkey",
-          cache_dtype=dtype,
-          pad_token_id=pad_token_id,
-          prefill_chunk=config.prefill_chunk,
+        record.update(
+          _needle_columns(
+            task,
+            {
+              length: run_needle(
+                decoder,
+                params,
+                tokenizer,
+                method,
+                prompts,
+                query_aware=task == "passkey",
+                cache_dtype=dtype,
+                pad_token_id=pad_token_id,
+                prefill_chunk=config.prefill_chunk,
+              )
+              for length, prompts in needles.items()
+            },
+          )
         )
-        record[f"{task}_acc"] = result["accuracy"]
-        record[f"{task}_acc_by_depth"] = result["by_depth"]
-        record[f"{task}_answers"] = result["answers"]
     records.append(record)
     if on_record is not None:
       on_record(records)
   return records
+
+
+def _needle_columns(task: str, results: dict[int, dict]) -> dict:
+  """A needle task's columns from its runs at each length (`run_needle`'s results): accuracy
+  over all of them, per depth over all lengths, per length (with its depths), and the answers
+  in the order of the lengths."""
+  hits_by_depth = {}
+  for result in results.values():
+    for depth, accuracy in result["by_depth"].items():
+      hits_by_depth.setdefault(depth, []).append(accuracy)
+  return {
+    # every length asks as many needles at every depth, so the means are over all needles
+    f"{task}_acc": sum(r["accuracy"] for r in results.values()) / len(results),
+    f"{task}_acc_by_depth": {d: sum(a) / len(a) for d, a in hits_by_depth.items()},
+    f"{task}_acc_by_length": {
+      str(length): dict(accuracy=r["accuracy"], by_depth=r["by_depth"])
+      for length, r in results.items()
+    },
+    f"{task}_answers": [answer for r in results.values() for answer in r["answers"]],
+  }
 
 
 def _continuation_and_speed(decoder, params, method, windows, config, tasks, dtype) -> dict:

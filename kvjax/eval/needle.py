@@ -38,23 +38,30 @@ class NeedlePrompt:
   depth: float
 
 
-def _filler_units_for(tokenizer, context_len: int, overhead: int) -> int:
+def _filler_units_for(tokenizer, context_len: int, overhead: int, length_name: str) -> int:
   per_unit = len(tokenizer.encode(FILLER * 16)) / 16
   units = int((context_len - overhead) / per_unit)
   if units < 1:
     # A longer prompt than asked would be scored, and bytes and checks made, for context_len.
     raise ValueError(
-      f"context_len={context_len} is too short for the needle task: its instruction, needle and "
-      f"question take {overhead} tokens and one filler sentence {per_unit:.0f} more; use "
-      f"context_len >= {math.ceil(overhead + per_unit)} or leave out the passkey tasks"
+      f"{length_name}={context_len} is too short for the needle task: its instruction, needle "
+      f"and question take {overhead} tokens and one filler sentence {per_unit:.0f} more; use "
+      f"{length_name} >= {math.ceil(overhead + per_unit)} or leave out the passkey tasks"
     )
   return units
 
 
 def build_needle_prompts(
-  tokenizer, *, context_len: int, num_samples: int, seed: int, depths=DEPTHS
+  tokenizer,
+  *,
+  context_len: int,
+  num_samples: int,
+  seed: int,
+  depths=DEPTHS,
+  length_name: str = "context_len",
 ) -> list[NeedlePrompt]:
-  """`num_samples` prompts per depth of about `context_len` tokens, keys drawn from `seed`."""
+  """`num_samples` prompts per depth of about `context_len` tokens, keys drawn from `seed`;
+  `length_name`: what a refusal calls `context_len` (the caller's name for it)."""
   rng = np.random.default_rng(seed)
   chat = tokenizer.apply_chat_template(
     [{"role": "user", "content": "\x00"}], add_generation_prompt=True
@@ -63,7 +70,7 @@ def build_needle_prompts(
   question_text = QUESTION + chat_suffix + ANSWER_PREFIX
   overhead = len(tokenizer.encode(chat_prefix + INSTRUCTION + NEEDLE.format(key="12345")))
   overhead += len(tokenizer.encode(question_text))
-  units = _filler_units_for(tokenizer, context_len, overhead)
+  units = _filler_units_for(tokenizer, context_len, overhead, length_name)
   prompts = []
   for depth in depths:
     for _ in range(num_samples):

@@ -27,7 +27,14 @@ def _cell(record, key, fmt):
   if key in ("cache_bytes", "cache_bytes_at_end"):
     value = value / 2**20
   text = fmt.format(value)
-  by_depth = record.get(key.replace("_acc", "_acc_by_depth")) if key.endswith("_acc") else None
+  if not key.endswith("_acc"):
+    return text
+  # A needle asked at several lengths shows each length's accuracy (results.json has each
+  # one's depths); at one length, each depth's.
+  by_length = record.get(key + "_by_length") or {}
+  if len(by_length) > 1:
+    return text + " (" + ", ".join(f"{n}: {r['accuracy']:.2f}" for n, r in by_length.items()) + ")"
+  by_depth = record.get(key + "_by_depth")
   if by_depth:
     text += " (" + "/".join(f"{v:.2f}" for v in by_depth.values()) + ")"
   return text

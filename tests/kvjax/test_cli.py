@@ -118,6 +118,8 @@ def test_bad_run_arguments_are_refused_before_the_model_loads(argv, message, cap
     (["--methods", "magic"], "unknown cache method 'magic'"),
     (["--tasks", "ppl,bleu"], "allowed: ppl,kl"),
     (["--num-samples", "0"], "num_samples"),
+    (["--needle-lengths", "1024", "0"], "needle_lengths[1]=0 must be an int >= 1"),
+    (["--tasks", "ppl", "--needle-lengths", "2048"], "tasks=ppl runs no needle; add passkey"),
   ],
 )
 def test_compare_flags_are_refused_before_its_out_folder_is_made(flags, message, tmp_path, capsys):
@@ -480,6 +482,21 @@ def test_the_compare_header_names_only_the_settings_the_tasks_used(tasks, says, 
   assert header.startswith("model m, context 64 tokens, ") and header.endswith("; cpu")
   assert all(text in header for text in says), header
   assert not any(text in header for text in does_not_say), header
+
+
+def test_the_compare_header_names_the_needle_lengths_where_they_were_given():
+  from kvjax.cli import compare_header
+  from kvjax.eval.compare import CompareConfig
+
+  def header(num_samples=3, **kwargs):
+    config = CompareConfig(tasks=("passkey",), context_len=64, num_samples=num_samples, **kwargs)
+    return compare_header(config, model="m", layer_loop="scan", machine="cpu", records=[{}])
+
+  assert "needle at" not in header()
+  assert "context 64 tokens, 3 samples, needle at 1024/2048 tokens, cache dtype" in header(
+    needle_lengths=(1024, 2048)
+  )
+  assert "context 64 tokens, 1 sample, cache dtype" in header(num_samples=1)
 
 
 def test_python_dash_m_kvjax_is_the_command_line():

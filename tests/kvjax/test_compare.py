@@ -210,6 +210,10 @@ def test_answer_parsing():
     (dict(context_len=0), "context_len"),
     (dict(seed=-1), "seed=-1 must be an int >= 0"),
     (dict(cache_dtype="int8"), "cache_dtype"),
+    (dict(needle_lengths=[1024]), r"needle_lengths=\[1024\] must be a tuple of token counts"),
+    (dict(needle_lengths=(1024, 0)), r"needle_lengths\[1\]=0 must be an int >= 1"),
+    (dict(needle_lengths=(1024, 2048, 1024)), "lists a length twice; list each once"),
+    (dict(tasks=("ppl", "kl"), needle_lengths=(1024,)), "tasks=ppl,kl runs no needle; add passkey"),
   ],
 )
 def test_bad_config_errors(kwargs, message):
@@ -236,6 +240,82 @@ def test_a_context_too_short_for_the_needle_prompt_errors():
       text=TEXT,
       config=CompareConfig(tasks=("passkey",), context_len=48, continuation_len=4),
     )
+
+
+def test_a_needle_length_too_short_or_too_long_is_refused_by_its_place_before_any_run(
+  monkeypatch,
+):
+  decoder, params = tiny_decoder()
+  monkeypatch.setattr(compare_module, "run_needle", lambda *a, **k: pytest.fail("a needle ran"))
+
+  def run(lengths, max_context=None):
+    config = CompareConfig(tasks=("passkey",), context_len=448, needle_lengths=lengths)
+    compare_methods(
+      decoder, params, CharTokenizer(), ["full"], text=TEXT, config=config, max_context=max_context
+    )
+
+  with pytest.raises(ValueError, match=r"needle_lengths\[1\]=48 is too short for the needle"):
+    run((448, 48))
+  with pytest.raises(ValueError, match=r"needle_lengths\[1\] 480 \+ the needle's 8 answer tokens"):
+    run((448, 480), max_context=470)
+
+
+def test_a_needle_asked_at_several_lengths_scores_each_as_a_run_of_its_own(records, monkeypatch):
+  """Each length's prompts are about that long, its answers are those a run at that length alone
+  gives (the records fixture: context_len 448), and the columns hold all lengths together."""
+  prompt_lengths = {}
+  run_needle = compare_module.run_needle
+
+  def spy(decoder, params, tokenizer, method, prompts, **kwargs):
+    widths = {len(p.context_ids) + len(p.question_ids) for p in prompts}
+    prompt_lengths.setdefault(kwargs["query_aware"], []).append(widths)
+    return run_needle(decoder, params, tokenizer, method, prompts, **kwargs)
+
+  monkeypatch.setattr(compare_module, "run_needle", spy)
+  decoder, params = tiny_decoder()
+  config = CompareConfig(
+    tasks=("passkey", "passkey_agnostic"),
+    context_len=448,
+    num_samples=2,
+    needle_lengths=(448, 540),
+  )
+  full, last_only = compare_methods(
+    decoder, params, CharTokenizer(), ["full", LastTokenOnly()], text=TEXT, config=config
+  )
+  for widths_by_run in prompt_lengths.values():
+    # two methods, each at 448 then 540; the filler comes in units of 91 characters (tokens)
+    assert len(widths_by_run) == 4
+    for widths, length in zip(widths_by_run, [448, 540, 448, 540]):
+      assert all(length - 91 < w <= length for w in widths), (widths, length)
+  for record, alone in ((full, records[0]), (last_only, records[1])):
+    assert record["cache_bytes"] == alone["cache_bytes"]  # the bytes stay context_len's
+    for task in ("passkey", "passkey_agnostic"):
+      by_length = record[f"{task}_acc_by_length"]
+      assert list(by_length) == ["448", "540"]
+      assert by_length["448"]["accuracy"] == alone[f"{task}_acc"]
+      assert by_length["448"]["by_depth"] == alone[f"{task}_acc_by_depth"]
+      assert record[f"{task}_answers"][:6] == alone[f"{task}_answers"]
+      assert len(record[f"{task}_answers"]) == 12
+      accuracies = [r["accuracy"] for r in by_length.values()]
+      assert record[f"{task}_acc"] == pytest.approx(sum(accuracies) / 2)
+      for depth, accuracy in record[f"{task}_acc_by_depth"].items():
+        assert accuracy == pytest.approx(sum(r["by_depth"][depth] for r in by_length.values()) / 2)
+
+
+def test_the_table_shows_each_needle_length_where_there_are_several():
+  from kvjax.eval.report import format_table
+
+  depths = {"0.1": 1.0, "0.5": 0.5, "0.9": 0.0}
+  one = dict(method="a", passkey_acc=0.5, passkey_acc_by_depth=depths)
+  one["passkey_acc_by_length"] = {"1024": dict(accuracy=0.5, by_depth=depths)}
+  several = dict(one, method="b", passkey_acc=0.25)
+  several["passkey_acc_by_length"] = {
+    "1024": dict(accuracy=0.5, by_depth=depths),
+    "2048": dict(accuracy=0.0, by_depth=dict.fromkeys(depths, 0.0)),
+  }
+  table = format_table([one, several], markdown=True)
+  assert "| a | 0.50 (1.00/0.50/0.00) |" in table
+  assert "| b | 0.25 (1024: 0.50, 2048: 0.00) |" in table
 
 
 def test_a_method_listed_twice_is_refused():
