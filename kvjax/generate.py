@@ -444,6 +444,11 @@ def _as_compact_batch(prompts, attention_mask, pad_token_id):
     tokens = np.asarray(prompts, np.int32)
     if tokens.ndim != 2:
       raise ValueError(f"prompts array must be [batch, tokens]; got shape {tokens.shape}")
+    if 0 in tokens.shape:
+      raise ValueError(
+        f"prompts array must hold at least one prompt of at least one token; got shape "
+        f"{tokens.shape}"
+      )
     return tokens, np.full((tokens.shape[0],), tokens.shape[1], np.int32)
   return pack_prompts(prompts, pad_token_id=pad_token_id)
 

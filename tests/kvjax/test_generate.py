@@ -187,6 +187,14 @@ def test_a_prompt_array_of_floats_is_refused_not_truncated():
     generate(decoder, params, np.array([[1.6, 2.0, 3.0]], np.float32), max_new_tokens=2)
 
 
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0)])
+def test_an_empty_prompt_array_is_refused_by_its_name(shape):
+  """Found by a review: it passed to the allocation, whose error named batch or prompt_len."""
+  decoder, params = tiny_decoder()
+  with pytest.raises(ValueError, match="prompts array must hold at least one prompt of at least"):
+    generate(decoder, params, np.zeros(shape, np.int32), max_new_tokens=2)
+
+
 PREFILL_STATIC = dict(cache_method=FullCache(), max_new_tokens=2, cache_dtype=jnp.float32)
 
 
