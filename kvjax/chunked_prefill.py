@@ -163,25 +163,11 @@ def _check_offsets_continue_caches(caches, offsets: np.ndarray) -> None:
       )
 
 
-def prefill_in_chunks(
-  decoder,
-  params,
-  tokens: jax.Array,  # int32 [batch, prompt], right-padded
-  lengths: jax.Array,  # int32 [batch]
-  caches: tuple,  # freshly allocated, or holding `offsets[b]` tokens of row b
-  *,
-  chunk: int,
-  offsets: jax.Array | None = None,  # int32 [batch]: position of each row's first token
-) -> tuple[jax.Array, tuple]:  # (logits at each row's last prompt token [batch, vocab], caches)
-  """The prompt fed `chunk` tokens at a time (traceable; see the module docstring). With
-  `offsets`, the tokens continue caches that hold that many tokens per row (a row fed no token
-  gets zero logits); caches that rebuild their storage when a chunked prompt ends (razor's
-  compressed local heads, a selection over a codec storage) refuse them. The caches must have
-  room for the prompt (allocate them for `prompt_len=tokens.shape[1]`): a chunk written past a
-  cache's capacity inside the trace would be dropped, so concrete caches are checked first
-  (those that keep what they are fed up to a capacity against each row's tokens, those sized
-  from the prompt against its width, and with `offsets` those that count the tokens seen
-  against them); token ids outside the decoder's vocabulary are refused where concrete."""
+def check_chunked_prefill_inputs(
+  decoder, tokens, lengths, caches: tuple, *, chunk: int, offsets=None
+) -> None:
+  """`prefill_in_chunks`' checks, for a caller that runs it inside its own jit (where the checks
+  on concrete values cannot run) to make first, on the concrete arguments."""
   check_count("chunk", chunk, 1)
   tokens = jnp.asarray(tokens)
   batch, prompt_len = tokens.shape
@@ -190,7 +176,6 @@ def prefill_in_chunks(
   check_positions(lengths, batch=batch, name="lengths")
   if offsets is not None:
     check_positions(offsets, batch=batch, name="offsets")
-    offsets = jnp.asarray(offsets, jnp.int32)
     for index, cache in layer_cache_kinds(caches):
       refusal = getattr(cache, "chunked_continuation_refusal", None)
       if refusal:
@@ -215,6 +200,32 @@ def prefill_in_chunks(
     _check_caches_have_room(caches, np.asarray(lengths))
     if offsets is not None and not isinstance(offsets, jax.core.Tracer):
       _check_offsets_continue_caches(caches, np.asarray(offsets))
+
+
+def prefill_in_chunks(
+  decoder,
+  params,
+  tokens: jax.Array,  # int32 [batch, prompt], right-padded
+  lengths: jax.Array,  # int32 [batch]
+  caches: tuple,  # freshly allocated, or holding `offsets[b]` tokens of row b
+  *,
+  chunk: int,
+  offsets: jax.Array | None = None,  # int32 [batch]: position of each row's first token
+) -> tuple[jax.Array, tuple]:  # (logits at each row's last prompt token [batch, vocab], caches)
+  """The prompt fed `chunk` tokens at a time (traceable; see the module docstring). With
+  `offsets`, the tokens continue caches that hold that many tokens per row (a row fed no token
+  gets zero logits); caches that rebuild their storage when a chunked prompt ends (razor's
+  compressed local heads, a selection over a codec storage) refuse them. The caches must have
+  room for the prompt (allocate them for `prompt_len=tokens.shape[1]`): a chunk written past a
+  cache's capacity inside the trace would be dropped, so concrete caches are checked first
+  (those that keep what they are fed up to a capacity against each row's tokens, those sized
+  from the prompt against its width, and with `offsets` those that count the tokens seen
+  against them); token ids outside the decoder's vocabulary are refused where concrete."""
+  check_chunked_prefill_inputs(decoder, tokens, lengths, caches, chunk=chunk, offsets=offsets)
+  tokens = jnp.asarray(tokens)
+  prompt_len = tokens.shape[1]
+  if offsets is not None:
+    offsets = jnp.asarray(offsets, jnp.int32)
   chunk = min(chunk, prompt_len)
   num_chunks = -(-prompt_len // chunk)
   padded = jnp.pad(tokens, ((0, 0), (0, num_chunks * chunk - prompt_len)))

@@ -30,7 +30,11 @@ from jax.sharding import NamedSharding
 from kvjax.attention_dispatch import choose_kernel_family
 from kvjax.cache_protocol import CacheMethod, check_cache_dtype, check_count, model_cache_nbytes
 from kvjax.cache_room import check_room
-from kvjax.chunked_prefill import chunked_prefill_refusal, prefill_in_chunks
+from kvjax.chunked_prefill import (
+  check_chunked_prefill_inputs,
+  chunked_prefill_refusal,
+  prefill_in_chunks,
+)
 from kvjax.decoder_protocol import (
   CachedDecoder,
   check_decoder,
@@ -39,7 +43,8 @@ from kvjax.decoder_protocol import (
 )
 from kvjax.dense_cache import FullCache
 from kvjax.generate import (
-  _decode_in_jit,
+  _DECODE_STATIC,
+  _decode_loop,
   _prefill_in_jit,
   check_decode_arguments,
   check_emitted_token_ids,
@@ -287,21 +292,27 @@ def continue_context(
     caller="continue_context",
     setting="room (of compress_context, or of share_context for a shared context)",
   )
-  next_logits, caches, lengths = context.next_logits, context.caches, context.lengths
   if feed_chunk is not None and feed_tokens.shape[1]:
-    next_logits, caches, lengths = _feed_in_chunks(
-      decoder, params, next_logits, caches, lengths, feed_tokens, feed_lengths, chunk=feed_chunk
+    check_chunked_prefill_inputs(
+      decoder,
+      feed_tokens,
+      feed_lengths,
+      context.caches,
+      chunk=feed_chunk,
+      offsets=context.lengths,
     )
-    feed_tokens, feed_lengths = None, None
-  out_tokens, count, _, _ = _decode_in_jit(
+  else:
+    feed_chunk = None
+  out_tokens, count = _continue_in_jit(
     decoder,
     params,
-    next_logits,
-    caches,
-    lengths,
+    context.next_logits,
+    context.caches,
+    context.lengths,
     key,
     feed_tokens,
     feed_lengths,
+    feed_chunk=feed_chunk,
     max_new_tokens=max_new_tokens,
     sampling=sampling,
     stop_token_ids=stop_token_ids,
@@ -335,7 +346,29 @@ def _check_feed_chunk(decoder, context: CompressedContext, feed_chunk) -> None:
     raise ValueError(f"feed_chunk={feed_chunk}: {refusal}")
 
 
-@functools.partial(jax.jit, static_argnames=("decoder", "chunk"))
+def _continue(
+  decoder, params, next_logits, caches, lengths, key, feed_tokens, feed_lengths, **static
+) -> tuple[jax.Array, jax.Array]:
+  """`continue_context`'s program: the fed tokens (in chunks of `static["feed_chunk"]`, or by
+  the decode loop), then the generated ones; (tokens, num_generated). One program returning no
+  caches: a shared context's frozen arrays only pass through it (the layer loops write back only
+  what a step changed), so they are not copied, and the context is held once while it runs."""
+  feed_chunk = static.pop("feed_chunk")
+  if feed_chunk is not None:
+    next_logits, caches, lengths = _feed_in_chunks(
+      decoder, params, next_logits, caches, lengths, feed_tokens, feed_lengths, chunk=feed_chunk
+    )
+    feed_tokens, feed_lengths = None, None
+  fed = (feed_tokens, feed_lengths)
+  tokens, count, _, _ = _decode_loop(
+    decoder, params, next_logits, caches, lengths, key, *fed, **static
+  )
+  return tokens, count
+
+
+_continue_in_jit = jax.jit(_continue, static_argnames=(*_DECODE_STATIC, "feed_chunk"))
+
+
 def _feed_in_chunks(
   decoder, params, next_logits, caches, lengths, feed_tokens, feed_lengths, *, chunk
 ):

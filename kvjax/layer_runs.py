@@ -151,6 +151,20 @@ def _segments(caches: Sequence[Any], layer_loop: str) -> list[tuple[int, int, An
   return segments
 
 
+def _written_back(stacked, read, new, write):
+  """`stacked` with `write(leaf, new_leaf)` for each leaf the cache step changed: a leaf it
+  returned as it was read (a shared context's frozen arrays) is left alone. Written back, it
+  made the loop carrying the stack hold its own copy of that leaf, since the caller keeps the
+  caches passed in: a shared context was held twice while `continue_context` ran."""
+  read_leaves = jax.tree_util.tree_leaves(read)
+  new_leaves, treedef = jax.tree_util.tree_flatten(new)
+  stacked_leaves = treedef.flatten_up_to(stacked)
+  return treedef.unflatten(
+    leaf if fresh is old else write(leaf, fresh)
+    for leaf, old, fresh in zip(stacked_leaves, read_leaves, new_leaves, strict=True)
+  )
+
+
 def run_layers(
   x: Any,
   caches: Sequence[Any],
@@ -194,7 +208,9 @@ def run_layers(
         layer_cache = jax.lax.optimization_barrier(StackedLayerCaches(stacked).layer(index))
         attended, cache = cache_step(before_cache[start + index](x), layer_cache)
         x = after_cache[start + index](x, attended)
-        stacked = jax.tree.map(lambda leaf, new, i=index: leaf.at[i].set(new), stacked, cache)
+        stacked = _written_back(
+          stacked, layer_cache, cache, lambda leaf, new, i=index: leaf.at[i].set(new)
+        )
       new_caches.append(StackedLayerCaches(stacked))
       continue
     stacked = segment.stacked if isinstance(segment, StackedLayerCaches) else _stack(segment)
@@ -208,11 +224,14 @@ def run_layers(
       # The layer's slice is read out before the stack is written back; without the barrier
       # XLA may read it late, and then copies the whole stack per layer to keep the update
       # in place (seen with float32 caches: 3x slower decode steps).
-      cache = jax.lax.optimization_barrier(cache)
-      attended, cache = cache_step(jax.lax.switch(index, befores, x), cache)
+      read = jax.lax.optimization_barrier(cache)
+      attended, cache = cache_step(jax.lax.switch(index, befores, x), read)
       # Written back into the carried stack: an in-place update of this layer's slice.
-      stacked = jax.tree.map(
-        lambda leaf, new: jax.lax.dynamic_update_index_in_dim(leaf, new, index, 0), stacked, cache
+      stacked = _written_back(
+        stacked,
+        read,
+        cache,
+        lambda leaf, new: jax.lax.dynamic_update_index_in_dim(leaf, new, index, 0),
       )
       return (jax.lax.switch(index, afters, x, attended), stacked), None
 

@@ -7,6 +7,8 @@ import pytest
 
 from kvjax.cache_room import rows_room
 from kvjax.compressed_context import (
+  _continue_in_jit,
+  _pack_fed_tokens,
   compress_context,
   context_template,
   continue_context,
@@ -445,6 +447,49 @@ def test_a_shared_context_holds_the_context_once_and_a_full_cache_per_row():
   # The context is not changed by continuing it: asked again, it answers the same.
   again, _ = continue_context(decoder, params, shared, [[1, 2]] * rows, max_new_tokens=6)
   np.testing.assert_array_equal(again, tokens)
+
+
+@pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
+def test_continuing_a_shared_context_holds_no_second_copy_of_it(layer_loop):
+  """Found by a review: the decode loop returned every cache, and the layer scan wrote each
+  layer's frozen context arrays back into its carry, so a continue_context call held the
+  context twice (its program grew by 1.75x the context's growth). It now returns no caches and
+  writes back only what a step changed: what grows with the context is attention's working
+  memory, under one layer's keys and values plus its scores."""
+  decoder, params = tiny_decoder(layer_loop=layer_loop)
+  fed, fed_lengths = _pack_fed_tokens([[1, 2, 3]] * 4, 4, 0)
+
+  def compiled_bytes(context_len):
+    prompt = [int(i % 60) + 1 for i in range(context_len)]
+    context = compress_context(
+      decoder, params, [prompt], cache_method=FullCache(), room=0, cache_dtype=jnp.float32
+    )
+    shared = share_context(decoder, context, 4, room=8, cache_dtype=jnp.float32)
+    memory = (
+      _continue_in_jit.lower(
+        decoder,
+        params,
+        shared.next_logits,
+        shared.caches,
+        shared.lengths,
+        jax.random.key(0),
+        fed,
+        fed_lengths,
+        feed_chunk=None,
+        max_new_tokens=4,
+        sampling=SamplingConfig(),
+        stop_token_ids=(),
+        pad_token_id=0,
+      )
+      .compile()
+      .memory_analysis()
+    )
+    return context.cache_bytes, memory.output_size_in_bytes + memory.temp_size_in_bytes
+
+  short_context, short_program = compiled_bytes(400)
+  long_context, long_program = compiled_bytes(1200)
+  # Measured 2026-12-05: 0.75 of the context's growth in both layer loops (1.75 before).
+  assert long_program - short_program < long_context - short_context
 
 
 def test_share_context_refuses_bad_arguments_and_what_cannot_be_shared(tmp_path):

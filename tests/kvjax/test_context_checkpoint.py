@@ -10,7 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.compressed_context import compress_context, context_template, continue_context
+from kvjax.compressed_context import (
+  _continue_in_jit,
+  compress_context,
+  context_template,
+  continue_context,
+)
 from kvjax.context_checkpoint import (
   METADATA_FILE,
   describe_structure,
@@ -19,7 +24,6 @@ from kvjax.context_checkpoint import (
   save_context,
 )
 from kvjax.dense_cache import DenseLayerCache
-from kvjax.generate import _decode_in_jit
 from kvjax.kivi_cache import KiviLayerCache
 from kvjax.method_spec import parse_method_spec
 from tests.kvjax.test_compressed_context import QUESTIONS, assert_same_arrays
@@ -77,9 +81,9 @@ def test_a_restored_context_answers_with_the_program_compiled_for_the_saved_one(
   restored = restore_context(tmp_path / "context", _template(KIVI))
   ask = lambda ctx: continue_context(decoder, params, ctx, QUESTIONS, max_new_tokens=4)
   expected = ask(context)
-  compiled = _decode_in_jit._cache_size()
+  compiled = _continue_in_jit._cache_size()
   np.testing.assert_array_equal(ask(restored)[0], expected[0])
-  assert _decode_in_jit._cache_size() == compiled
+  assert _continue_in_jit._cache_size() == compiled
 
 
 RESTORE_IN_ANOTHER_PROCESS = """
