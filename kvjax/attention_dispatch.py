@@ -1,14 +1,17 @@
 """Chooses how decode attention over a cache segment is computed: Pallas kernel or jnp reference.
 
 implementation:
-  "auto"       the Pallas kernel of the current backend (on GPU the Triton lowering, or Mosaic
-               GPU with kernel_config={"lowering": "mosaic_gpu"}; Mosaic on TPU),
-               the jnp reference on CPU;
+  "auto"       the Pallas kernel of the current backend (on GPU what an empty kernel_config
+               stands for, `quantized_decode_attention_gpu.measured_default_config` for
+               quantized segments: on Hopper mostly Mosaic GPU kernels, else Triton; or what
+               kernel_config names; Mosaic on TPU), the jnp reference on CPU;
   "pallas"     the current backend's kernel (ValueError on CPU: use "interpret");
   "reference"  the jnp reference;
   "interpret"  a kernel in Pallas interpret mode (runs on CPU; tests): the GPU kernel, or the
                TPU kernel with kernel_backend="tpu" (caches: `KernelSettings.kernel_backend`).
-Where a kernel does not support a shape, the reference runs instead, with a one-time warning.
+Where a kernel does not support a shape, the reference runs instead, with a one-time warning
+(a Mosaic GPU kernel gives way to the Triton one, a Triton variant asked for by name to the one
+that takes the shape, with such a warning too).
 Every result is (out f32 [B, H, G, D], lse f32 [B, H, G]); a row with length 0 gives out 0 and
 lse -inf, so segments merge with `merge_attention_partials`.
 """
@@ -287,6 +290,16 @@ def quantized_decode_attention(
             "the Mosaic GPU quantized decode-attention kernel",
             fallback,
             instead="the Triton kernel with its default settings",
+          )
+        variant = quantized_decode_attention_gpu.triton_variant_fallback(
+          queries, config=kernel_config or {}, **segment
+        )
+        if variant is not None:
+          asked, runs, why = variant
+          _warn_fallback_once(
+            f"the Triton quantized decode-attention kernel's {asked} variant",
+            why,
+            instead=f"its {runs} variant",
           )
       if family == "gpu":
         kernel, taken = quantized_decode_attention_gpu.quantized_decode_attention_gpu, common

@@ -151,6 +151,31 @@ def unsupported_reason(queries, k_codes, k_scale, v_scale, **segment) -> str | N
   )
 
 
+def triton_variant_fallback(queries, *, config: dict, **segment) -> tuple[str, str, str] | None:
+  """(the Triton variant a config asks for, the one that runs, why) where they differ; None where
+  the config asks for none (no "variant" and no folded-only setting: the choice is the kernel's,
+  as documented) or for the Mosaic GPU lowering."""
+  triton = quantized_decode_attention_triton
+  if check_config(config) != "triton":
+    return None
+  asked = config.get("variant")
+  if asked is None:
+    if not any(name in config for name in triton.FOLDED_SETTINGS):
+      return None
+    asked = "folded"
+  gear = segment.get("lowrank") is not None or segment.get("outliers") is not None
+  runs, reason = triton.variant_that_runs(
+    asked,
+    group=queries.shape[2],
+    head_dim=queries.shape[3],
+    bits=segment["bits"],
+    group_size=segment["group_size"],
+    gear_block=segment.get("block") if gear else None,
+    config=config,
+  )
+  return None if reason is None else (asked, runs, reason)
+
+
 def mosaic_gpu_fallback_reason(queries, k_codes, k_scale, v_scale, *, config: dict, **segment):
   """Why a config asking for the Mosaic GPU kernel runs the Triton kernel instead (None when it
   does not ask for it, or the Mosaic GPU kernel takes the segment)."""
@@ -223,7 +248,8 @@ def measured_default_config(
   head_dim 64 (which no folded kernel takes) 76.2 against 184.2 for folded Triton, but not the
   default there (below). 8k and 128k were not timed with it.
   Two to eight heads were timed at 4 and 8, not 2; more than 8 (shared contexts fold rows into
-  the query group) not at all, so those keep folded Triton's path.
+  the query group) not at all, so those keep the Triton kernel's own choice (past
+  `FOLDED_MAX_GROUP`, its joined variant).
 
   On Hopper (compute capability 9.x: the Mosaic kernels are built for it) and in interpret mode
   (which checks what such a GPU runs), for 1 to 8 query heads per KV head: `WARP_MOSAIC_GPU_V59`

@@ -803,6 +803,47 @@ def joined_supported(head_dim: int, bits: int, group_size: int) -> bool:
   return group_size % (head_dim * bits // 32) == 0
 
 
+def variant_that_runs(
+  variant: str,
+  *,
+  group: int,
+  head_dim: int,
+  bits: int,
+  group_size: int,
+  gear_block: int | None,
+  config: dict,
+) -> tuple[str, str | None]:
+  """(the variant `quantized_decode_attention_triton` runs when asked for `variant`, why it is
+  another one or None): "folded" gives way to "joined" past FOLDED_MAX_GROUP query heads or
+  where `folded_supported` is False, "planar" and "joined" to "reshape" where their fields are
+  not whole. `gear_block`: a GEAR segment's block (None: KIVI)."""
+  reason = None
+  if variant == "folded":
+    # Only the folded loop steps by block_tokens here; the other variants step as they do.
+    in_kernel_gear = (
+      gear_block is not None and config.get("gear_terms", DEFAULT_GEAR_TERMS) != "xla"
+    )
+    step = tokens_per_step(
+      "folded",
+      group_size,
+      block_tokens=config.get("block_tokens"),
+      gear_block=gear_block if in_kernel_gear else None,
+    )
+    if group > FOLDED_MAX_GROUP:
+      variant, reason = "joined", f"{group} query heads per KV head (at most {FOLDED_MAX_GROUP})"
+    elif not folded_supported(head_dim, bits, group_size, step):
+      variant = "joined"
+      reason = (
+        f"{bits}-bit codes at head_dim {head_dim}, group_size {group_size}, {step}-token steps"
+      )
+  if (variant == "planar" and not planar_supported(head_dim, bits, group_size)) or (
+    variant == "joined" and not joined_supported(head_dim, bits, group_size)
+  ):
+    reason = reason or f"{bits}-bit codes at head_dim {head_dim}, group_size {group_size}"
+    variant = "reshape"
+  return variant, reason
+
+
 def quantized_decode_attention_triton(
   queries,
   k_codes,
@@ -834,24 +875,18 @@ def quantized_decode_attention_triton(
   GEAR's value terms are added here, after the split merge, from the scores the kernel wrote
   (`gear_terms_xla`).
   """
-  head_dim = queries.shape[3]
   gear = lowrank is not None or outliers is not None
   if gear and variant == "folded" and config.get("gear_terms") is None:
     config["gear_terms"] = DEFAULT_GEAR_TERMS
-  gear_block = block if gear and config.get("gear_terms") != "xla" else None
-  if variant == "folded":
-    # Only the folded loop steps by block_tokens here; the other variants step as they do.
-    step = tokens_per_step(
-      "folded", group_size, block_tokens=config.get("block_tokens"), gear_block=gear_block
-    )
-    if queries.shape[2] > FOLDED_MAX_GROUP or not folded_supported(
-      head_dim, bits, group_size, step
-    ):
-      variant = "joined"
-  if (variant == "planar" and not planar_supported(head_dim, bits, group_size)) or (
-    variant == "joined" and not joined_supported(head_dim, bits, group_size)
-  ):
-    variant = "reshape"
+  variant, _ = variant_that_runs(
+    variant,
+    group=queries.shape[2],
+    head_dim=queries.shape[3],
+    bits=bits,
+    group_size=group_size,
+    gear_block=block if gear else None,
+    config=config,
+  )
   if variant != "folded":
     for name in FOLDED_SETTINGS:  # the fallback variants have no such loop or operands
       config.pop(name, None)
@@ -886,7 +921,7 @@ def quantized_decode_attention_triton(
     out = out[..., _inverse_permutation(order)]
   if len(partials) == 3:  # gear_terms="xla": GEAR's value terms from the kernel's scores
     out = out + gear_value_terms_from_scores(
-      lowrank, outliers, partials[2], lse, lengths, block=block, head_dim=head_dim
+      lowrank, outliers, partials[2], lse, lengths, block=block, head_dim=queries.shape[3]
     )
   return out, lse
 

@@ -223,6 +223,47 @@ def test_quantized_interpret_takes_a_gpu_kernel_variant(variant, kernel_calls):
   _close(lse, ref_lse)
 
 
+def test_a_triton_variant_asked_for_by_name_that_gives_way_is_warned_about(monkeypatch):
+  """Found by a review: past 8 query heads per KV head (a shared context folds its rows into
+  the query group) the folded variant ran the joined one, with an explicit "folded" too, and
+  nothing said so. Asked for by name it now warns; left to the kernel, the choice is its own
+  (README, "Attention kernels"), and no warning is given."""
+  from pallas_kernels import quantized_decode_attention_triton as triton
+
+  ran = []
+  partials = triton.quantized_decode_attention_partials_triton
+
+  def spy(*args, variant, **kwargs):
+    ran.append(variant)
+    return partials(*args, variant=variant, **kwargs)
+
+  monkeypatch.setattr(triton, "quantized_decode_attention_partials_triton", spy)
+  rng = np.random.default_rng(4)
+  queries = random_queries(rng, 1, 1, 16, 64)
+  segment = random_quantized_segment(rng, 1, 1, 128, 64, bits=4, group_size=32)
+  lengths = jnp.asarray([100], jnp.int32)
+  kwargs = dict(bits=4, group_size=32, sm_scale=0.125, implementation="interpret")
+  attention_dispatch._warned.clear()
+  with pytest.warns(
+    RuntimeWarning,
+    match=r"folded variant does not support 16 query heads per KV head \(at most 8\); using "
+    r"its joined variant instead",
+  ):
+    out, lse = attention_dispatch.quantized_decode_attention(
+      queries, *segment[:6], lengths, kernel_config={"variant": "folded"}, **kwargs
+    )
+  ref_out, ref_lse = quantized_decode_attention_reference(
+    queries, *segment[:6], lengths, bits=4, group_size=32, sm_scale=0.125
+  )
+  _close(out, ref_out)
+  _close(lse, ref_lse)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    attention_dispatch.quantized_decode_attention(queries, *segment[:6], lengths, **kwargs)
+  assert ran == ["joined", "joined"]
+  assert not [w for w in caught if "variant" in str(w.message)]
+
+
 @pytest.mark.parametrize(
   "bad,match",
   [
