@@ -16,12 +16,19 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # sparse config describes the same model here as there. `sliding_window` is read only for
 # Mistral: Llama's config class has no such field and transformers ignores one written there.
 _HF_DEFAULTS = {
-  "llama": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+  "llama": {
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 2048,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+  },
   "mistral": {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 4096 * 32,
     "sliding_window": 4096,
     "num_key_value_heads": 8,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
   },
 }
 
@@ -117,10 +124,12 @@ class DecoderConfig:
     head_dim = config.get("head_dim")
     if head_dim is None:
       head_dim = config["hidden_size"] // num_heads
-    eos = config.get("eos_token_id")
+    defaults = _HF_DEFAULTS[model_type]
+    # An absent id takes the config class's default; an explicit null means none.
+    eos = config.get("eos_token_id", defaults["eos_token_id"])
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
     vocab_size = config.get("vocab_size")
-    bos = config.get("bos_token_id")
+    bos = config.get("bos_token_id", defaults["bos_token_id"])
     for key, ids in (("eos_token_id", eos_ids), ("bos_token_id", () if bos is None else (bos,))):
       for token in ids:
         integral = isinstance(token, numbers.Integral) and not isinstance(token, bool)
@@ -129,13 +138,14 @@ class DecoderConfig:
           raise ValueError(
             f"{key}={token!r} must be an int token id in [0, vocab_size={vocab_size!r})"
           )
-    defaults = _HF_DEFAULTS[model_type]
     sliding_window = None
     if model_type == "mistral":
       sliding_window = config.get("sliding_window", defaults["sliding_window"])
-    num_kv_heads = config.get("num_key_value_heads")
+    # As the config classes read it: absent, Mistral's default of 8 (Llama's: every head);
+    # null, one KV head per query head.
+    num_kv_heads = config.get("num_key_value_heads", defaults.get("num_key_value_heads", num_heads))
     if num_kv_heads is None:
-      num_kv_heads = defaults.get("num_key_value_heads", num_heads)
+      num_kv_heads = num_heads
     # transformers >= 5 writes `rope_parameters` (theta and scaling together); 4.x wrote
     # `rope_theta` and `rope_scaling` separately.
     rope_parameters = config.get("rope_parameters") or {}
@@ -157,7 +167,7 @@ class DecoderConfig:
       max_position_embeddings=config.get(
         "max_position_embeddings", defaults["max_position_embeddings"]
       ),
-      bos_token_id=config.get("bos_token_id"),
+      bos_token_id=bos,
       eos_token_ids=eos_ids,
       model_type=model_type,
     )

@@ -113,7 +113,17 @@ def hf_config(raw: dict) -> dict:
 
 
 def safetensors_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
-  """The safetensors file holding each stored tensor, from the shard index or the single file."""
+  """The safetensors file holding each stored tensor, from the single file or the shard index."""
+  # The single file first, as transformers reads a directory holding both (a stale index beside
+  # it would otherwise load other weights than transformers loads).
+  single_path = directory / SINGLE_FILE
+  if single_path.is_file():
+    try:
+      with safe_open(single_path, framework="numpy") as file:
+        return {name: single_path for name in file.keys()}
+    except (SafetensorError, OSError) as error:
+      raise CheckpointError(f"{single_path}: not a readable safetensors file: {error}") from error
+
   index_path = directory / INDEX_FILE
   if index_path.is_file():
     weight_map = read_json_file(index_path).get("weight_map")
@@ -129,14 +139,6 @@ def safetensors_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     if absent:
       raise CheckpointError(f"{index_path}: lists shards that do not exist: {', '.join(absent)}")
     return files
-
-  single_path = directory / SINGLE_FILE
-  if single_path.is_file():
-    try:
-      with safe_open(single_path, framework="numpy") as file:
-        return {name: single_path for name in file.keys()}
-    except (SafetensorError, OSError) as error:
-      raise CheckpointError(f"{single_path}: not a readable safetensors file: {error}") from error
 
   raise CheckpointError(
     f"{directory}: found neither {SINGLE_FILE} nor {INDEX_FILE}; kvjax reads weights only from "

@@ -26,10 +26,25 @@ from models.hf_checkpoint import read_json_file
 END_TOKENS = (
   "<|im_end|>",
   "<|eot_id|>",
+  "<|eom_id|>",
   "<|end_of_text|>",
   "<|endoftext|>",
   "<end_of_turn>",
   "<|end|>",
+)
+
+# What transformers' `clean_up_tokenization` replaces, in its order.
+_SPACES_CLEANED_UP = (
+  (" .", "."),
+  (" ?", "?"),
+  (" !", "!"),
+  (" ,", ","),
+  (" ' ", "'"),
+  (" n't", "n't"),
+  (" 'm", "'m"),
+  (" 's", "'s"),
+  (" 've", "'ve"),
+  (" 're", "'re"),
 )
 
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -78,14 +93,20 @@ class GGUFPreTokenizer:
   add_bos_by_default: bool = False
 
 
-# `tokenizer.ggml.pre` value -> what llama.cpp does for it.
+_LLAMA3 = GGUFPreTokenizer(_llama3_split, ignore_merges=True, add_bos_by_default=True)
+
+# `tokenizer.ggml.pre` value -> what llama.cpp does for it (its names: GPT-2's is "gpt-2", which
+# convert_hf_to_gguf.py writes; "llama3" and "llama-v3" are "llama-bpe"'s other names there).
 GGUF_PRE_TOKENIZERS: dict[str, GGUFPreTokenizer] = {
-  "gpt2": GGUFPreTokenizer(_gpt2_split),
+  "gpt-2": GGUFPreTokenizer(_gpt2_split),
+  "phi-2": GGUFPreTokenizer(_gpt2_split),
   "smollm": GGUFPreTokenizer(_digits_then_gpt2_split),
   "starcoder": GGUFPreTokenizer(_digits_then_gpt2_split),
   "refact": GGUFPreTokenizer(_digits_then_gpt2_split),
   "codeshell": GGUFPreTokenizer(_digits_then_gpt2_split),
-  "llama-bpe": GGUFPreTokenizer(_llama3_split, ignore_merges=True, add_bos_by_default=True),
+  "llama-bpe": _LLAMA3,
+  "llama3": _LLAMA3,
+  "llama-v3": _LLAMA3,
 }
 
 # tokenizer_config.json classes whose transformers implementation rebuilds the post-processor
@@ -104,8 +125,10 @@ class Tokenizer:
     special_tokens: dict[str, str | None],
     chat_template: str | None = None,
     extra_stop_ids: tuple[int, ...] = (),
+    clean_up_spaces: bool = False,
   ):
     self._backend = backend
+    self.clean_up_spaces = clean_up_spaces
     self.source = source
     self.special_tokens = {role: special_tokens.get(role) for role in SPECIAL_TOKEN_ROLES}
     self.chat_template = chat_template
@@ -165,6 +188,8 @@ class Tokenizer:
       special_tokens=special_tokens,
       chat_template=chat_template,
       extra_stop_ids=_id_tuple(generation.get("eos_token_id")),
+      # transformers' default since 4.45 (its decode reads this setting)
+      clean_up_spaces=config.get("clean_up_tokenization_spaces", False) is True,
     )
 
   @classmethod
@@ -244,11 +269,14 @@ class Tokenizer:
       backend.post_processor = _bos_eos_processor(
         special_tokens, token_ids, add_bos=add_bos, add_eos=add_eos, path=path
       )
+    # End-of-turn and end-of-message ids end a generation in llama.cpp too (Llama 3.1's eom).
+    turn_ends = (gguf_file.value(f"tokenizer.ggml.{key}_token_id", None) for key in ("eot", "eom"))
     return cls(
       backend,
       source=path,
       special_tokens=special_tokens,
       chat_template=gguf_file.value("tokenizer.chat_template", None),
+      extra_stop_ids=tuple(i for i in turn_ends if i is not None and 0 <= i < len(tokens)),
     )
 
   @property
@@ -273,7 +301,16 @@ class Tokenizer:
     return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
   def decode(self, ids, skip_special_tokens: bool = True) -> str:
-    return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    """The text of `ids`; where the directory's tokenizer_config.json sets
+    `clean_up_tokenization_spaces`, with the spaces before punctuation and contractions removed,
+    as transformers' decode removes them (llama.cpp's own clean-up for GGUF files is not
+    reproduced: for SmolLM2's `smollm` it has none)."""
+    text = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    if not self.clean_up_spaces:
+      return text
+    for spaced, joined in _SPACES_CLEANED_UP:
+      text = text.replace(spaced, joined)
+    return text
 
   def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
     """The prompt text for `messages` ([{"role": ..., "content": ...}]), rendered as transformers
@@ -282,10 +319,15 @@ class Tokenizer:
       raise CheckpointError(f"{self.source}: this tokenizer has no chat template")
     try:
       # Roles without a token stay undefined, as transformers leaves them: `{{ bos_token }}`
-      # renders empty instead of the text "None".
+      # renders empty instead of the text "None". `tools` and `documents` are None, as
+      # transformers passes them when none are given (a template may test `tools is not none`).
       defined = {role: token for role, token in self.special_tokens.items() if token is not None}
       return self._template.render(
-        messages=messages, add_generation_prompt=add_generation_prompt, **defined
+        messages=messages,
+        tools=None,
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **defined,
       )
     except jinja2.TemplateError as error:
       raise ValueError(

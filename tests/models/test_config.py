@@ -23,10 +23,26 @@ VALID = DecoderConfig.from_hf_dict(HF_LLAMA)
 @pytest.mark.parametrize(
   ("model_type", "expected"),
   [
-    ("llama", dict(rms_norm_eps=1e-6, max_position_embeddings=2048, num_kv_heads=16)),
+    (
+      "llama",
+      dict(
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        num_kv_heads=16,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+      ),
+    ),
     (
       "mistral",
-      dict(rms_norm_eps=1e-6, max_position_embeddings=131072, num_kv_heads=8, sliding_window=4096),
+      dict(
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+        num_kv_heads=8,
+        sliding_window=4096,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+      ),
     ),
   ],
 )
@@ -36,6 +52,17 @@ def test_missing_keys_take_transformers_defaults(model_type, expected):
   )
   for name, value in expected.items():
     assert getattr(config, name) == value, name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_explicit_nulls_are_read_as_the_config_classes_read_them(model_type):
+  """Found by a review: a null num_key_value_heads took Mistral's default of 8, where
+  MistralConfig gives every query head its own; absent token ids took none, where the config
+  classes give 1 and 2 (a null still means none)."""
+  nulls = {"num_key_value_heads": None, "bos_token_id": None, "eos_token_id": None}
+  config = DecoderConfig.from_hf_dict({**HF_LLAMA, "model_type": model_type, **nulls})
+  assert config.num_kv_heads == HF_LLAMA["num_attention_heads"]
+  assert config.bos_token_id is None and config.eos_token_ids == ()
 
 
 def test_explicit_null_window_means_full_attention():

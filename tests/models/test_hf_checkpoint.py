@@ -118,6 +118,23 @@ def test_sharded_equals_single_file(tmp_path):
     np.testing.assert_array_equal(sharded.tensors[name], array)
 
 
+def test_a_single_file_beside_a_shard_index_is_read_as_transformers_reads_it(tmp_path):
+  """Found by a review: the index came first, so a stale one loaded other weights."""
+  import shutil
+
+  tensors = tiny_tensors(TINY_CONFIG)
+  directory = write_hf_dir(tmp_path / "both", TINY_CONFIG, tensors)
+  stale = {name: array + 1.0 for name, array in tensors.items()}
+  sharded = write_hf_dir(tmp_path / "stale", TINY_CONFIG, stale, shards=2)
+  for path in sharded.glob("model*"):  # the stale shards and their index beside the file
+    shutil.copy(path, directory / path.name)
+  checkpoint = read_hf_checkpoint(directory)
+  read = [name for name in tensors if name in checkpoint.tensors]
+  assert len(read) > 5
+  for name in read:
+    np.testing.assert_array_equal(checkpoint.tensors[name], tensors[name])
+
+
 def test_bf16_and_f16_become_float32(tmp_path):
   tensors = tiny_tensors(TINY_CONFIG)
   stored = {

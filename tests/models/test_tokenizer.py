@@ -74,6 +74,24 @@ def write_tokenizer_dir(directory: pathlib.Path, tokenizer_config: dict) -> path
   return directory
 
 
+def test_decode_cleans_up_spaces_where_the_directory_says_so_as_transformers_does(tmp_path):
+  """Found by a review: `clean_up_tokenization_spaces` was not read (Llama 3 directories set it)."""
+  ids = {"a": 0, "Ġ": 1, ".": 2, "'": 3, "s": 4, "n": 5, "t": 6}
+  backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=ids, merges=[]))
+  backend.decoder = tokenizers.decoders.ByteLevel()
+  text = [ids[t] for t in ["a", "Ġ", ".", "Ġ", "a", "Ġ", "'", "s", "Ġ", "n", "'", "t"]]
+  decoded = {}
+  for setting in (None, False, True):
+    directory = tmp_path / str(setting)
+    directory.mkdir()
+    backend.save(str(directory / "tokenizer.json"))
+    config = {} if setting is None else {"clean_up_tokenization_spaces": setting}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    decoded[setting] = Tokenizer.from_hf_directory(directory).decode(text)
+  assert decoded[None] == decoded[False] == "a . a 's n't"
+  assert decoded[True] == "a. a'sn't"  # as transformers joins "do n't"
+
+
 # --- the embedded SmolLM2 ----------------------------------------------------------------------
 
 
@@ -168,9 +186,10 @@ def test_smollm2_special_ids(smollm2):
 @pytest.mark.parametrize(
   ("pre", "pieces"),
   [
-    ("gpt2", ["x", "Ġ123456"]),
+    ("gpt-2", ["x", "Ġ123456"]),
     ("smollm", ["x", "Ġ", "1", "2", "3", "4", "5", "6"]),
     ("llama-bpe", ["x", "Ġ", "123", "456"]),
+    ("llama3", ["x", "Ġ", "123", "456"]),
   ],
 )
 def test_pre_tokenizers_split_numbers_like_llama_cpp(pre, pieces):
@@ -221,6 +240,15 @@ def test_gguf_without_add_bos_key_adds_no_bos_outside_llama_bpe(tmp_path):
   assert Tokenizer.from_gguf(path).encode("ab", add_special_tokens=True) == [TINY_IDS["ab"]]
 
 
+def test_gguf_end_of_turn_and_message_ids_stop_generation_as_in_llama_cpp(tmp_path):
+  """Found by a review: tokenizer.ggml.eot_token_id / eom_token_id were not read."""
+  plain = Tokenizer.from_gguf(write_tokenizer_gguf(tmp_path / "plain.gguf"))
+  ends = {"tokenizer.ggml.eot_token_id": 3, "tokenizer.ggml.eom_token_id": 4}
+  tokenizer = Tokenizer.from_gguf(write_tokenizer_gguf(tmp_path / "ends.gguf", **ends))
+  assert 3 not in plain.stop_ids and 4 not in plain.stop_ids
+  assert set(tokenizer.stop_ids) == set(plain.stop_ids) | {3, 4}
+
+
 def test_gguf_without_chat_template(tmp_path):
   path = write_tokenizer_gguf(tmp_path / "tiny.gguf")
   with pytest.raises(CheckpointError, match="no chat template"):
@@ -232,6 +260,17 @@ def test_gguf_chat_template_and_special_token_variables(tmp_path):
   path = write_tokenizer_gguf(tmp_path / "tiny.gguf", **{"tokenizer.chat_template": template})
   rendered = Tokenizer.from_gguf(path).apply_chat_template([{"role": "user", "content": "ab"}])
   assert rendered == "<s>ab</s>"
+
+
+def test_a_chat_template_sees_tools_and_documents_as_none_as_in_transformers(tmp_path):
+  """Found by a review: left undefined, `tools is not none` held and a tool block rendered."""
+  template = (
+    "{% if tools is not none or documents is not none %}[TOOLS]{% endif %}"
+    "{{ messages[0]['content'] }}"
+  )
+  path = write_tokenizer_gguf(tmp_path / "tiny.gguf", **{"tokenizer.chat_template": template})
+  rendered = Tokenizer.from_gguf(path).apply_chat_template([{"role": "user", "content": "ab"}])
+  assert rendered == "ab"
 
 
 def test_gguf_unsupported_tokenizer_model(tmp_path):
@@ -248,6 +287,13 @@ def test_gguf_unsupported_pre_tokenizer(tmp_path):
     Tokenizer.from_gguf(path)
   assert str(path) in str(error.value) and "'qwen2'" in str(error.value)
   assert "smollm" in str(error.value)
+
+
+def test_gguf_pre_tokenizer_names_are_llama_cpps():
+  """Found by a review: GPT-2's was keyed "gpt2", a name llama.cpp refuses, and the "gpt-2"
+  that convert_hf_to_gguf.py writes was refused here."""
+  assert "gpt-2" in GGUF_PRE_TOKENIZERS and "gpt2" not in GGUF_PRE_TOKENIZERS
+  assert GGUF_PRE_TOKENIZERS["llama-v3"] == GGUF_PRE_TOKENIZERS["llama-bpe"]
 
 
 def test_gguf_merge_of_an_unknown_token_is_a_checkpoint_error(tmp_path):
