@@ -195,23 +195,39 @@ def kernel_settings_from_json(text: str | None):
     raise ValueError(f"--kernel-settings: {e}") from e
 
 
+def _method_of_flag(spec: str, args, whose: str = "--method"):
+  """The cache method `spec` names; a refusal names `whose` it is (the flag, or a saved
+  context's record)."""
+  from kvjax.method_spec import parse_method_spec
+
+  try:
+    return parse_method_spec(
+      spec,
+      implementation=args.implementation,
+      kernel_settings=kernel_settings_from_json(args.kernel_settings),
+    )
+  except ValueError as error:
+    raise ValueError(f"{whose} {spec}: {error}") from None
+
+
 def run_generate(args) -> int:
   import jax
 
   from kvjax.generate import generate
-  from kvjax.method_spec import parse_method_spec
   from kvjax.sampling import SamplingConfig
   from models.loading import load_model
 
-  cache_method = parse_method_spec(
-    args.method,
-    implementation=args.implementation,
-    kernel_settings=kernel_settings_from_json(args.kernel_settings),
-  )
-  if args.temperature is None and (args.top_k is not None or args.top_p is not None):
-    raise ValueError("--top-k/--top-p need --temperature (greedy decoding otherwise)")
   _check_run_arguments(args)
-  sampling = SamplingConfig(temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p)
+  cache_method = _method_of_flag(args.method, args)
+  if not args.temperature and (args.top_k is not None or args.top_p is not None):
+    raise ValueError("--top-k/--top-p need --temperature > 0 (greedy decoding otherwise)")
+  try:
+    sampling = SamplingConfig(
+      temperature=args.temperature or 0.0, top_k=args.top_k, top_p=args.top_p
+    )
+  except ValueError as error:  # name the flag, not the field ("top_k=0 ..." -> "--top-k=0 ...")
+    field, rest = str(error).split("=", 1)
+    raise ValueError(f"--{field.replace('_', '-')}={rest}") from None
   _check_profile_model(cache_method, args.model)
   loaded = load_model(args.model, layer_loop=args.layer_loop)
   text = args.prompt
@@ -220,6 +236,12 @@ def run_generate(args) -> int:
   # A chat template writes its own BOS; raw text gets what the tokenizer adds (Llama's BOS), as
   # transformers' tokenizer(text) and llama.cpp give it to the model.
   prompt_ids = loaded.tokenizer.encode(text, add_special_tokens=args.raw)
+  context = loaded.config.max_position_embeddings
+  if len(prompt_ids) + args.max_new_tokens > context:
+    raise ValueError(
+      f"--prompt: its {len(prompt_ids)} tokens + --max-new-tokens={args.max_new_tokens} exceed "
+      f"the model's context of {context} tokens"
+    )
   result = generate(
     loaded.decoder,
     loaded.params,
@@ -343,6 +365,15 @@ def _check_ask_arguments(args) -> None:
     raise ValueError(
       f"--feed-chunk={args.feed_chunk} needs --rows shared (--rows repeated feeds token by token)"
     )
+  if args.context is not None:
+    for flag, value in (("--save", args.save), ("--prefill-chunk", args.prefill_chunk)):
+      if value is not None:
+        raise ValueError(
+          f"{flag} compresses or saves a document; --context {args.context} is one "
+          "already compressed and saved"
+        )
+  if args.overwrite and args.save is None:
+    raise ValueError("--overwrite replaces a context saved by --save DIR; give --save too")
   if args.save is not None:
     from kvjax.context_checkpoint import METADATA_FILE
 
@@ -360,14 +391,9 @@ def _check_ask_arguments(args) -> None:
         "--overwrite does not replace it; choose a new directory"
       )
     if not save.exists():
-      _writable_directory("--save", str(save.parent))
-  if args.context is not None:
-    for flag, value in (("--save", args.save), ("--prefill-chunk", args.prefill_chunk)):
-      if value is not None:
-        raise ValueError(
-          f"{flag} compresses or saves a document; --context {args.context} is one "
-          "already compressed and saved"
-        )
+      # Only checked: save_context makes the folders, so a run refused later (by checks that
+      # need the model) leaves none behind.
+      _writable_directory("--save", str(save), create=False)
 
 
 def _saved_ask_record(args) -> dict:
@@ -470,7 +496,6 @@ def run_ask(args) -> int:
   )
   from kvjax.context_checkpoint import restore_context, save_context
   from kvjax.eval.text_corpus import load_text
-  from kvjax.method_spec import parse_method_spec
   from models.loading import load_model
 
   _check_ask_arguments(args)
@@ -481,10 +506,8 @@ def run_ask(args) -> int:
     layer_loop = args.layer_loop or "scan"
   else:
     model_name, method_spec, layer_loop = saved["model"], saved["method"], saved["layer_loop"]
-  cache_method = parse_method_spec(
-    method_spec,
-    implementation=args.implementation,
-    kernel_settings=kernel_settings_from_json(args.kernel_settings),
+  cache_method = _method_of_flag(
+    method_spec, args, "--method" if saved is None else f"--context {args.context}: its method"
   )
   feed_chunk = 64 if args.feed_chunk is None else args.feed_chunk
   _check_profile_model(cache_method, model_name)

@@ -100,6 +100,14 @@ def test_bad_input_exits_with_a_clear_message(argv, message, capsys):
     (["duo-train", "--output", "g.json", "--batch", "20"], "--batch=20 must be <= --samples=16"),
     (["duo-train", "--output", "g.json", "--seed", "-1"], "--seed=-1 must be in [0,"),
     (["compare", "--implementation", "fast"], "--implementation: implementation='fast'"),
+    # found by a review: these named the setting (temperature=, top_k=) or no flag at all
+    (["generate", "--prompt", "x", "--temperature", "-1"], "--temperature=-1.0 must be 0"),
+    (["generate", "--prompt", "x", "--temperature", "0", "--top-k", "5"], "need --temperature > 0"),
+    (["generate", "--prompt", "x", "--temperature", "1", "--top-k", "0"], "--top-k=0 must be"),
+    (["generate", "--prompt", "x", "--temperature", "1", "--top-p", "1.5"], "--top-p=1.5 must"),
+    (["generate", "--prompt", "x", "--implementation", "foo"], "--implementation: "),
+    (["generate", "--prompt", "x", "--method", "kivi:bits=7"], "--method kivi:bits=7: kivi:"),
+    (["ask", "--document", "x", "--question", "q", "--method", "kivi:bits=7"], "--method kivi:"),
     (["ask", "--document", "x", "--question", "q", "--implementation", "gpu"], "allowed: auto"),
   ],
 )
@@ -205,8 +213,10 @@ def test_output_paths_are_checked_before_the_model_loads(tmp_path, capsys, monke
     ),
     (
       ["ask", "--document", "d", "--question", "q", "--save", str(a_file / "ctx")],
-      "--save " + str(a_file) + ": exists and is not a directory",
+      f"--save {a_file / 'ctx'}: {a_file} exists and is not a directory",
     ),
+    (["ask", "--document", "d", "--question", "q", "--overwrite"], "give --save too"),
+    (["ask", "--save", "/proc/ctx", "--document", "d", "--question", "q"], "cannot write"),
     # A directory that exists but takes no files: refused before the work, not after it.
     (["razor-profile", "--output", "/proc/p.json"], "--output /proc: cannot write files there"),
     (["duo-train", "--output", "/proc/g.json"], "--output /proc: cannot write files there"),
@@ -214,6 +224,30 @@ def test_output_paths_are_checked_before_the_model_loads(tmp_path, capsys, monke
     with pytest.raises(SystemExit):
       main(argv)
     assert message in capsys.readouterr().err, argv
+
+
+def test_ask_refused_before_the_model_loads_makes_no_folder(tmp_path, capsys, monkeypatch):
+  """Found by a review: --save made its parent folders in the early checks, so a run refused
+  there or after the model loaded left them behind; and --context with --save asked for
+  --overwrite before saying the two do not go together."""
+  import models.loading
+
+  def refused_after_loading(*args, **kwargs):
+    raise ValueError("a check that needs the model refused the run")
+
+  monkeypatch.setattr(models.loading, "load_model", refused_after_loading)
+  saved = tmp_path / "saved"
+  saved.mkdir()
+  document = tmp_path / "document.txt"
+  document.write_text("A short document.")
+  for argv, message in (
+    (["--context", str(saved), "--save", str(saved)], "--save compresses or saves a document"),
+    (["--document", str(document), "--save", str(tmp_path / "new" / "ctx")], "needs the model"),
+  ):
+    with pytest.raises(SystemExit):
+      main(["ask", "--question", "q", *argv])
+    assert message in capsys.readouterr().err, argv
+  assert not (tmp_path / "new").exists()
 
 
 def test_repeated_methods_flags_add_up():
